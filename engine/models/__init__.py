@@ -1,0 +1,1 @@
+"""Layer-wise model implementations (OPT, Llama family) built for placement and offloading."""

@@ -1,0 +1,74 @@
+"""The records that cross the scheduler/engine boundary: `StepPlan` and `StepResult` (torch-free).
+
+One engine step runs every scheduled chunk through all layers (zig-zag over the
+block's GPU batches) and samples one token for each chunk that asks for one.
+Plans carry what changed: new tokens, new KV blocks, sampling settings the
+first time a sequence is seen, and the ids of sequences to forget.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class SeqChunk:
+    """The tokens one sequence feeds into one step."""
+
+    seq_id: int
+    token_ids: list[int]
+    """Tokens to run: a prompt chunk (prefill) or the last sampled token (decode)."""
+    start_pos: int
+    """Position of token_ids[0]; equals the number of tokens already in this sequence's KV."""
+    batch_index: int
+    """Which GPU batch of the block this sequence computes in."""
+    new_block_ids: list[int]
+    """KV blocks appended to this sequence's block table for these tokens (may be empty)."""
+    kv_tier: str
+    """Tier that homes this sequence's KV blocks: 'gpu', 'cpu' or 'disk'."""
+    act_tier: str
+    """Tier that homes this sequence's activations between layers."""
+    do_sample: bool
+    """Sample a token after this chunk (decode, or the last chunk of a prompt)."""
+    sampling: SamplingParams | None = None
+    """Sent with the first chunk of a sequence; the engine keeps it until the sequence is freed."""
+    num_sampled: int = 0
+    """Tokens this sequence has already generated (keys the per-request seeded RNG)."""
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """Everything the engine needs for one step."""
+
+    step_id: int
+    chunks: list[SeqChunk]
+    freed_seq_ids: list[int] = field(default_factory=list)
+    """Sequences finished, aborted or preempted since the last plan: drop their engine state."""
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.chunks)
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    """Log-probability of the chosen token and of the top alternatives."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass(slots=True)
+class StepResult:
+    """What one step produced: a token per sampled chunk, in plan order."""
+
+    step_id: int
+    seq_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+    prompt_logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)
+    """For sequences whose sampling asked for echo + logprobs: logprobs of the prompt tokens."""
+    step_seconds: float = 0.0

@@ -1,0 +1,1 @@
+"""The nanoflex daemon and command line. The daemon process never imports torch."""
