@@ -1,4 +1,4 @@
-"""`BlockManager`: paged KV bookkeeping, block tables per sequence on per-tier pools (torch-free)."""
+"""`BlockManager`: paged KV bookkeeping, block tables per sequence on tier pools (torch-free)."""
 
 from __future__ import annotations
 

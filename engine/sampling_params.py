@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from policy.errors import UserError
 
-class SamplingError(ValueError):
+
+class SamplingError(UserError, ValueError):
     """Sampling parameters that cannot be honoured (out of range, wrong type)."""
 
 

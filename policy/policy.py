@@ -7,11 +7,13 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from policy.errors import UserError
+
 Triple = tuple[float, float, float]
 TIERS: tuple[str, str, str] = ("gpu", "cpu", "disk")
 
 
-class PolicyError(ValueError):
+class PolicyError(UserError, ValueError):
     """A policy that cannot be used as written (bad fraction, bad size, bad file)."""
 
 

@@ -7,6 +7,8 @@ import importlib
 import sys
 from collections.abc import Callable, Sequence
 
+from policy.errors import UserError
+
 # subcommand -> "module:function"; modules load only when their command runs,
 # so `nanoflex serve` never pulls torch into the daemon process.
 COMMANDS: dict[str, str] = {
@@ -17,10 +19,6 @@ COMMANDS: dict[str, str] = {
     "plan": "policy.cli:plan_main",
     "profile": "engine.profiler:profile_main",
 }
-
-
-class CLIError(Exception):
-    """A user error: printed as one line, exit status 2."""
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -89,14 +87,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def resolve(command: str) -> Callable[[argparse.Namespace], int]:
     module_name, func_name = COMMANDS[command].split(":")
-    return getattr(importlib.import_module(module_name), func_name)  # type: ignore[no-any-return]
+    return getattr(importlib.import_module(module_name), func_name)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return resolve(args.command)(args)
-    except CLIError as e:
+    except UserError as e:
         print(f"nanoflex {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
