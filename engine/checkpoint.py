@@ -1,0 +1,109 @@
+"""Finding a checkpoint (local directory, hub id or the demo model) and streaming its tensors."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from policy.errors import UserError
+
+_HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]
+
+
+class ModelLoadError(UserError):
+    """The model could not be found or read."""
+
+
+def resolve_model_dir(model: str | None) -> Path:
+    """A local directory holding config.json and weights: the demo model when `model` is None,
+    `model` itself when it is a directory, otherwise a hub id downloaded to the hub cache."""
+    if model is None:
+        from engine.demo import demo_model_dir
+
+        return demo_model_dir()
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"{path} has no config.json; is it a model directory?")
+        return path
+    if path.exists() or model.startswith((".", "/", "~")) or model.count("/") > 1:
+        raise ModelLoadError(f"model path {model!r} is not a directory")
+    return _download(model)
+
+
+def _download(repo_id: str) -> Path:
+    """Fetch config, tokenizer and weights of a hub model (safetensors preferred over .bin)."""
+    try:
+        from huggingface_hub import list_repo_files, snapshot_download
+
+        files = list_repo_files(repo_id)
+        patterns = list(_HUB_PATTERNS)
+        if not any(f.endswith(".safetensors") for f in files):
+            patterns.append("*.bin")
+        return Path(snapshot_download(repo_id, allow_patterns=patterns))
+    except Exception as e:  # the hub client raises many types: network, auth, not found
+        raise ModelLoadError(
+            f"cannot fetch {repo_id!r} from the Hugging Face hub ({type(e).__name__}: {e}); "
+            "pass a local directory with --model instead"
+        ) from e
+
+
+def read_hf_config(model_dir: Path) -> object:
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(model_dir)
+    except (OSError, ValueError, KeyError) as e:
+        raise ModelLoadError(f"cannot read the config in {model_dir}: {e}") from e
+
+
+class CheckpointReader:
+    """Random access to a checkpoint's tensors by name, without loading the whole file set:
+    safetensors are opened lazily per tensor, .bin shards are memory-mapped."""
+
+    def __init__(self, model_dir: Path) -> None:
+        self._getters: dict[str, Callable[[], torch.Tensor]] = {}
+        self._numels: dict[str, int] = {}
+        safetensors = sorted(model_dir.glob("*.safetensors"))
+        if safetensors:
+            from safetensors import safe_open
+
+            for path in safetensors:
+                handle = safe_open(str(path), framework="pt")
+                for name in handle.keys():  # noqa: SIM118 (safe_open is not a Mapping)
+                    self._getters[name] = partial(handle.get_tensor, name)
+                    self._numels[name] = math.prod(handle.get_slice(name).get_shape())
+            return
+        bins = sorted(model_dir.glob("pytorch_model*.bin")) or sorted(model_dir.glob("*.bin"))
+        if not bins:
+            raise ModelLoadError(f"no *.safetensors or *.bin weights in {model_dir}")
+        for path in bins:
+            state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+            for name, tensor in state.items():
+                self._getters[name] = partial(lambda t: t, tensor)
+                self._numels[name] = tensor.numel()
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._getters)
+
+    def numel(self, name: str) -> int:
+        return self._numels[name]
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._getters[name]()
+
+
+def checkpoint_bytes(model_dir: Path) -> int:
+    """Size of the weight files on disk (for progress reporting)."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        return int(json.loads(index.read_text()).get("metadata", {}).get("total_size", 0))
+    return sum(p.stat().st_size for p in model_dir.glob("*.safetensors")) or sum(
+        p.stat().st_size for p in model_dir.glob("*.bin")
+    )

@@ -1,0 +1,86 @@
+"""`Device`: the compute device and how bytes move onto and off it (CUDA streams and events)."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+import torch
+
+T = TypeVar("T")
+
+
+@dataclass(slots=True)
+class Ready(Generic[T]):
+    """A value produced on a copy stream plus the event the compute stream must wait for."""
+
+    value: T
+    event: torch.cuda.Event | None = None
+
+
+class Device:
+    """Where compute runs. On CUDA, copies issued from copy threads run on per-thread side
+    streams and are fenced with events, so the compute stream never synchronizes globally.
+    On the CPU every method degrades to plain tensor operations."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.is_cuda = device.type == "cuda"
+        self._local = threading.local()
+
+    @classmethod
+    def resolve(cls, name: str) -> Device:
+        from policy.errors import UserError
+
+        if name == "auto":
+            name = "cuda" if torch.cuda.is_available() else "cpu"
+        if name == "cuda" and not torch.cuda.is_available():
+            raise UserError("--device cuda was asked for but no CUDA device is available")
+        if name not in ("cuda", "cpu"):
+            raise UserError(f"device must be auto, cuda or cpu, got {name!r}")
+        return cls(torch.device(name))
+
+    def default_dtype(self, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
+        """float32 on the CPU (exact reference); the checkpoint's half type on CUDA."""
+        if not self.is_cuda:
+            return torch.float32
+        return (
+            checkpoint_dtype
+            if checkpoint_dtype in (torch.float16, torch.bfloat16)
+            else (torch.float16)
+        )
+
+    def host_empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Host memory for the cpu tier and staging: pinned when a GPU will read it."""
+        return torch.empty(shape, dtype=dtype, pin_memory=self.is_cuda)
+
+    def copy_stream(self) -> torch.cuda.Stream | None:
+        """This thread's side stream for copies (created on first use)."""
+        if not self.is_cuda:
+            return None
+        stream = getattr(self._local, "stream", None)
+        if stream is None:
+            stream = self._local.stream = torch.cuda.Stream(self.device)
+        return stream
+
+    def to_device(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to(self.device, non_blocking=self.is_cuda and t.is_pinned())
+
+    def record(self) -> torch.cuda.Event | None:
+        """An event on the current stream of this thread (None on the CPU)."""
+        if not self.is_cuda:
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
+
+    def wait(self, ready: Ready[T]) -> T:
+        """Make the current (compute) stream wait for `ready`'s copies, then hand its value over."""
+        if ready.event is not None:
+            torch.cuda.current_stream(self.device).wait_event(ready.event)
+        return ready.value
+
+    def synchronize(self) -> None:
+        if self.is_cuda:
+            torch.cuda.synchronize(self.device)

@@ -1,0 +1,96 @@
+"""The disk tier: real files in the offload directory, read and written by a pool of copy threads.
+
+Page cache: after a file is written, and after each read, we ask the kernel to drop
+its cached pages (posix_fadvise DONTNEED), so that the next read comes from the
+device rather than from memory the cpu tier would otherwise be charged for. This
+is best effort (the kernel may keep pages it is writing back); O_DIRECT is not
+used because it needs aligned buffers and would rule out tmpfs offload dirs.
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+_CHUNK_BYTES = 8 << 20  # split large reads and writes so several copy threads share them
+_FADVISE = hasattr(os, "posix_fadvise")
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of a contiguous CPU tensor."""
+    return t.contiguous().view(-1).view(torch.uint8)
+
+
+class DiskFile:
+    """One file read and written at byte offsets (pread/pwrite: safe from many threads)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+
+    def write(self, offset: int, data: torch.Tensor) -> None:
+        view = as_bytes(data).numpy().data
+        while view:
+            written = os.pwrite(self.fd, view, offset)
+            view, offset = view[written:], offset + written
+
+    def read_into(self, offset: int, out: torch.Tensor) -> None:
+        view = as_bytes(out).numpy().data
+        while view:
+            got = os.preadv(self.fd, [view], offset)
+            if got == 0:
+                raise OSError(f"short read from {self.path} at offset {offset}")
+            view, offset = view[got:], offset + got
+
+    def drop_cache(self) -> None:
+        if _FADVISE:
+            os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+class DiskIO:
+    """The copy-thread pool for disk transfers. Leaf tasks only: they never wait on other tasks,
+    so callers on any thread may block on them without deadlock."""
+
+    def __init__(self, root: Path, num_threads: int) -> None:
+        self.root = root
+        root.mkdir(parents=True, exist_ok=True)
+        self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="nanoflex-disk")
+        self._files: list[DiskFile] = []
+
+    def open(self, name: str) -> DiskFile:
+        f = DiskFile(self.root / name)
+        self._files.append(f)
+        return f
+
+    def read(self, f: DiskFile, offset: int, out: torch.Tensor) -> None:
+        """Fill `out` from f[offset:], in parallel chunks; returns when all bytes arrived."""
+        self._run_chunked(f.read_into, offset, as_bytes(out))
+        f.drop_cache()
+
+    def write(self, f: DiskFile, offset: int, data: torch.Tensor) -> None:
+        self._run_chunked(f.write, offset, as_bytes(data))
+
+    def _run_chunked(self, op: object, offset: int, buf: torch.Tensor) -> None:
+        n = buf.numel()
+        if n <= _CHUNK_BYTES:
+            op(offset, buf)  # type: ignore[operator]
+            return
+        futures: list[Future[None]] = [
+            self._pool.submit(op, offset + start, buf[start : start + _CHUNK_BYTES])  # type: ignore[arg-type]
+            for start in range(0, n, _CHUNK_BYTES)
+        ]
+        for fut in futures:
+            fut.result()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        for f in self._files:
+            f.close()
+            f.path.unlink(missing_ok=True)
+        self._files.clear()

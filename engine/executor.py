@@ -1,0 +1,245 @@
+"""`Executor`: owns the device, placed weights and KV pools; runs one `StepPlan` per call."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.batch import Batch, SeqSlice
+from engine.checkpoint import CheckpointReader, read_hf_config, resolve_model_dir
+from engine.config import ModelConfig
+from engine.device import Device
+from engine.disk import DiskIO
+from engine.kv_store import KVStore, slots_for
+from engine.models import build_model
+from engine.pipeline import BlockPipeline
+from engine.protocol import SeqChunk, StepPlan, StepResult
+from engine.quant import KVRowCodec
+from engine.sampler import Sampler
+from engine.sampling_params import SamplingParams
+from engine.weight_store import WeightStore
+from policy import TIERS, Policy
+from policy.errors import UserError
+
+KV_BLOCK_TOKENS = 16
+
+
+class MemoryBudgetError(UserError):
+    """The policy places more on a tier than its budget allows."""
+
+
+@dataclass(slots=True)
+class _SeqState:
+    kv_tier: str
+    act_tier: str
+    sampling: SamplingParams
+    block_ids: list[int] = field(default_factory=list)
+
+
+class Executor:
+    """The engine side of the step protocol. Construct, call `execute(plan)` per step, `close()`."""
+
+    def __init__(
+        self,
+        model: str | Path | None,
+        policy: Policy,
+        *,
+        device: str = "auto",
+        offload_dir: str | Path | None = None,
+        gpu_mem: int | None = None,
+        cpu_mem: int | None = None,
+        dtype: torch.dtype | None = None,
+        show_progress: bool = False,
+    ) -> None:
+        self.policy = policy
+        self.device = Device.resolve(device)
+        self.model_dir = resolve_model_dir(None if model is None else str(model))
+        hf_config = read_hf_config(self.model_dir)
+        self.config = ModelConfig.from_hf(hf_config)
+        self.model = build_model(self.config)
+        checkpoint_dtype = getattr(hf_config, "torch_dtype", None) or getattr(
+            hf_config, "dtype", None
+        )
+        self.dtype = dtype or self.device.default_dtype(
+            checkpoint_dtype if isinstance(checkpoint_dtype, torch.dtype) else None
+        )
+        if policy.num_cpu_threads > 0:
+            torch.set_num_threads(policy.num_cpu_threads)
+        self.gpu_mem, self.cpu_mem = gpu_mem, cpu_mem
+        if self.device.is_cuda and gpu_mem is not None:
+            total = torch.cuda.get_device_properties(self.device.device).total_memory
+            torch.cuda.set_per_process_memory_fraction(
+                min(1.0, gpu_mem / total), self.device.device
+            )
+        self._own_offload_dir = offload_dir is None
+        self.offload_dir = Path(offload_dir or tempfile.mkdtemp(prefix="nanoflex-offload-"))
+        self.disk = DiskIO(self.offload_dir, policy.num_copy_threads)
+
+        def progress(done: int, total: int) -> None:
+            print(f"\rloading {self.model_dir.name}: layer {done}/{total}", end="", file=sys.stderr)
+            if done == total:
+                print(file=sys.stderr)
+
+        self.weights = WeightStore(
+            self.model,
+            CheckpointReader(self.model_dir),
+            weights_frac=policy.weights_frac,
+            compress=policy.compress_weights,
+            dtype=self.dtype,
+            device=self.device,
+            disk=self.disk,
+            progress=progress if show_progress else None,
+        )
+        codec = KVRowCodec(2 * self.config.kv_dim, compress=policy.compress_kv, dtype=self.dtype)
+        self.kv = KVStore(self.config.num_layers, KV_BLOCK_TOKENS, codec, self.device, self.disk)
+        self._check_budgets()
+        self.pipeline = BlockPipeline(
+            self.model,
+            self.weights,
+            self.kv,
+            self.device,
+            self.disk,
+            overlap=policy.overlap,
+            dtype=self.dtype,
+        )
+        self.sampler = Sampler()
+        self._seqs: dict[int, _SeqState] = {}
+
+    # -- capacity ----------------------------------------------------------------------
+
+    @property
+    def block_tokens(self) -> int:
+        return KV_BLOCK_TOKENS
+
+    def _check_budgets(self) -> None:
+        placed = self.weights.bytes_per_tier()
+        for tier, budget in (("gpu", self.gpu_mem), ("cpu", self.cpu_mem)):
+            if budget is not None and placed[tier] > budget:
+                raise MemoryBudgetError(
+                    f"weights placed on {tier} take {placed[tier] / 2**30:.2f} GiB, over the "
+                    f"{budget / 2**30:.2f} GiB budget; lower weights_frac[{TIERS.index(tier)}]"
+                )
+
+    def kv_capacity_blocks(self) -> dict[str, int | None]:
+        """KV blocks each tier may hold: its budget less its weights (10% of the gpu budget is
+        kept for activations and workspace). None means bounded only by the machine."""
+        placed = self.weights.bytes_per_tier()
+        out: dict[str, int | None] = {"gpu": None, "cpu": None, "disk": None}
+        for tier, budget, reserve in (("gpu", self.gpu_mem, 0.1), ("cpu", self.cpu_mem, 0.0)):
+            if budget is not None:
+                free = budget * (1 - reserve) - placed[tier]
+                out[tier] = max(0, int(free // self.kv.block_bytes))
+        return out
+
+    def placement(self) -> dict[str, Any]:
+        """What was realized: bytes per tier for weights, KV and activations, and layer homes."""
+        return {
+            "weights_bytes": self.weights.bytes_per_tier(),
+            "kv_bytes": self.kv.bytes_per_tier(),
+            "act_bytes": dict(self.pipeline.act_bytes),
+            "weight_tiers": list(self.weights.tiers),
+            "device": str(self.device.device),
+            "dtype": str(self.dtype).removeprefix("torch."),
+        }
+
+    # -- one step ----------------------------------------------------------------------
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        start = time.perf_counter()
+        for seq_id in plan.freed_seq_ids:
+            self._seqs.pop(seq_id, None)
+        by_batch: dict[int, list[SeqChunk]] = {}
+        for chunk in plan.chunks:
+            self._admit(chunk)
+            by_batch.setdefault(chunk.batch_index, []).append(chunk)
+        batches = [self._build_batch(k, chunks) for k, chunks in sorted(by_batch.items())]
+        logits = self.pipeline.run(batches)
+        # logits rows follow batch order; results follow plan order
+        sampled = [c for _, chunks in sorted(by_batch.items()) for c in chunks if c.do_sample]
+        token_ids, logprobs = self.sampler.sample(
+            torch.cat(logits) if sampled else torch.empty(0),
+            [self._seqs[c.seq_id].sampling for c in sampled],
+            [c.num_sampled for c in sampled],
+        )
+        by_seq = {c.seq_id: i for i, c in enumerate(sampled)}
+        order = [by_seq[c.seq_id] for c in plan.chunks if c.do_sample]
+        self.device.synchronize()
+        return StepResult(
+            plan.step_id,
+            [sampled[i].seq_id for i in order],
+            [token_ids[i] for i in order],
+            [logprobs[i] for i in order],
+            step_seconds=time.perf_counter() - start,
+        )
+
+    def _admit(self, chunk: SeqChunk) -> None:
+        state = self._seqs.get(chunk.seq_id)
+        if state is None:
+            if chunk.sampling is None:
+                raise ValueError(f"first chunk of sequence {chunk.seq_id} carries no sampling")
+            state = self._seqs[chunk.seq_id] = _SeqState(
+                chunk.kv_tier, chunk.act_tier, chunk.sampling
+            )
+        state.block_ids.extend(chunk.new_block_ids)
+        if chunk.new_block_ids:
+            self.kv.reserve(state.kv_tier, max(chunk.new_block_ids) + 1)
+
+    def _build_batch(self, index: int, chunks: list[SeqChunk]) -> Batch:
+        seqs: list[SeqSlice] = []
+        token_ids: list[int] = []
+        positions: list[int] = []
+        logit_rows: list[int] = []
+        act_rows: dict[str, list[int]] = {}
+        row = 0
+        for c in chunks:
+            state = self._seqs[c.seq_id]
+            q_len, ctx = len(c.token_ids), c.start_pos
+            seqs.append(
+                SeqSlice(
+                    seq_id=c.seq_id,
+                    row_start=row,
+                    q_len=q_len,
+                    ctx_len=ctx,
+                    kv_tier=state.kv_tier,
+                    act_tier=state.act_tier,
+                    cpu_attention=self.policy.cpu_attention
+                    and state.kv_tier == "cpu"
+                    and q_len == 1,
+                    past_slots=slots_for(state.block_ids, 0, ctx, KV_BLOCK_TOKENS),
+                    new_slots=slots_for(state.block_ids, ctx, ctx + q_len, KV_BLOCK_TOKENS),
+                )
+            )
+            token_ids.extend(c.token_ids)
+            positions.extend(range(ctx, ctx + q_len))
+            act_rows.setdefault(state.act_tier, []).extend(range(row, row + q_len))
+            if c.do_sample:
+                logit_rows.append(row + q_len - 1)
+            row += q_len
+        dev = self.device.device
+
+        def on_device(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long, device=dev)
+
+        return Batch(
+            index=index,
+            seqs=seqs,
+            token_ids=on_device(token_ids),
+            positions=on_device(positions),
+            logit_rows=on_device(logit_rows),
+            act_rows={}
+            if set(act_rows) == {"gpu"}
+            else {tier: on_device(rows) for tier, rows in act_rows.items()},
+        )
+
+    def close(self) -> None:
+        self.pipeline.close()
+        self.disk.close()
+        if self._own_offload_dir:
+            shutil.rmtree(self.offload_dir, ignore_errors=True)

@@ -1,0 +1,114 @@
+"""`KVStore`: the physical paged KV cache, one pool per tier, holding encoded token rows.
+
+A row is one token's keys then values for one layer, (2 * num_kv_heads * head_dim,)
+values, encoded by a `KVRowCodec` into `row_bytes` bytes (a plain view, or 4-bit
+groups). Token t of a sequence lives at slot block_ids[t // block_tokens] *
+block_tokens + t % block_tokens of its home tier's pool, for every layer. Memory
+pools grow by doubling; the disk pool is one file per layer, a slot at
+slot * row_bytes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.device import Device
+from engine.disk import DiskFile, DiskIO
+from engine.quant import KVRowCodec
+from policy import TIERS
+
+
+def slots_for(block_ids: list[int], start: int, stop: int, block_tokens: int) -> list[int]:
+    """Pool slots of tokens [start, stop) of a sequence with this block table."""
+    return [
+        block_ids[t // block_tokens] * block_tokens + t % block_tokens for t in range(start, stop)
+    ]
+
+
+def runs(slots: list[int]) -> list[tuple[int, int]]:
+    """Coalesce slots into (first slot, count) runs of consecutive slots."""
+    out: list[tuple[int, int]] = []
+    for s in slots:
+        if out and out[-1][0] + out[-1][1] == s:
+            out[-1] = (out[-1][0], out[-1][1] + 1)
+        else:
+            out.append((s, 1))
+    return out
+
+
+class KVStore:
+    def __init__(
+        self,
+        num_layers: int,
+        block_tokens: int,
+        codec: KVRowCodec,
+        device: Device,
+        disk: DiskIO,
+    ) -> None:
+        self.num_layers, self.block_tokens, self.codec = num_layers, block_tokens, codec
+        self.device, self.disk = device, disk
+        self.row_bytes = codec.row_bytes
+        self._pools: dict[str, list[torch.Tensor]] = {"gpu": [], "cpu": []}  # (slots, row_bytes)
+        self._files: list[DiskFile] = []
+        self.num_blocks = dict.fromkeys(TIERS, 0)
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block across all layers (what one block id costs a tier)."""
+        return self.block_tokens * self.row_bytes * self.num_layers
+
+    def bytes_per_tier(self) -> dict[str, int]:
+        return {tier: n * self.block_bytes for tier, n in self.num_blocks.items()}
+
+    def reserve(self, tier: str, num_blocks: int) -> None:
+        """Make block ids [0, num_blocks) addressable on `tier`."""
+        if num_blocks <= self.num_blocks[tier]:
+            return
+        if tier == "disk":
+            if not self._files:
+                self._files = [self.disk.open(f"kv-{j:04d}.bin") for j in range(self.num_layers)]
+            self.num_blocks[tier] = num_blocks
+            return
+        new_blocks = max(num_blocks, 2 * self.num_blocks[tier], 4)
+        shape = (new_blocks * self.block_tokens, self.row_bytes)
+        grown = []
+        for j in range(self.num_layers):
+            pool = (
+                torch.empty(shape, dtype=torch.uint8, device=self.device.device)
+                if tier == "gpu"
+                else self.device.host_empty(shape, torch.uint8)
+            )
+            if self._pools[tier]:
+                old = self._pools[tier][j]
+                pool[: old.shape[0]].copy_(old)
+            grown.append(pool)
+        self._pools[tier] = grown
+        self.num_blocks[tier] = new_blocks
+
+    def read(self, tier: str, layer: int, slots: list[int]) -> torch.Tensor:
+        """Encoded rows at `slots`: on the compute device for gpu, on the host otherwise."""
+        if tier == "disk":
+            out = self.device.host_empty((len(slots), self.row_bytes), torch.uint8)
+            i = 0
+            for first, count in runs(slots):
+                self.disk.read(self._files[layer], first * self.row_bytes, out[i : i + count])
+                i += count
+            return out
+        pool = self._pools[tier][layer]
+        index = torch.tensor(slots, dtype=torch.long, device=pool.device)
+        if tier == "cpu" and self.device.is_cuda:  # gather straight into pinned memory
+            out = self.device.host_empty((len(slots), self.row_bytes), torch.uint8)
+            return torch.index_select(pool, 0, index, out=out)
+        return pool.index_select(0, index)
+
+    def write(self, tier: str, layer: int, slots: list[int], rows: torch.Tensor) -> None:
+        """Store encoded rows (on the compute device for gpu, on the host otherwise)."""
+        if tier == "disk":
+            i = 0
+            for first, count in runs(slots):
+                self.disk.write(self._files[layer], first * self.row_bytes, rows[i : i + count])
+                i += count
+            return
+        pool = self._pools[tier][layer]
+        index = torch.tensor(slots, dtype=torch.long, device=pool.device)
+        pool.index_copy_(0, index, rows.to(pool.device, non_blocking=True))

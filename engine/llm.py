@@ -1,0 +1,156 @@
+"""`LLM`: the offline Python API: scheduler, executor and tokenizer in one process."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from engine.checkpoint import ModelLoadError
+from engine.core import EngineCore
+from engine.executor import Executor
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.sampling_params import SamplingError, SamplingParams
+from engine.scheduler import Scheduler, SchedulerConfig
+from engine.sequence import BATCH_PRIORITY, Request
+from policy import Policy
+
+__all__ = ["LLM", "CompletionOutput", "RequestOutput"]
+
+Prompt = str | list[int]
+
+
+class LLM:
+    """Generate with one model under one policy, like vLLM's `LLM`.
+
+    model: a local directory, a hub id, or None for the built-in demo model.
+    policy: a `Policy`; None uses `default_policy()`.
+    gpu_mem / cpu_mem: byte budgets for the gpu and cpu tiers (gpu_mem is enforced on CUDA).
+    """
+
+    def __init__(
+        self,
+        model: str | Path | None = None,
+        policy: Policy | None = None,
+        offload_dir: str | Path | None = None,
+        device: str = "auto",
+        gpu_mem: int | None = None,
+        *,
+        cpu_mem: int | None = None,
+        async_scheduling: bool = False,
+        show_progress: bool = False,
+    ) -> None:
+        self.policy = policy or default_policy()
+        self.executor = Executor(
+            model,
+            self.policy,
+            device=device,
+            offload_dir=offload_dir,
+            gpu_mem=gpu_mem,
+            cpu_mem=cpu_mem,
+            show_progress=show_progress,
+        )
+        self.tokenizer = load_tokenizer(self.executor.model_dir)
+        config = self.executor.config
+        eos = config.eos_token_ids or (
+            (self.tokenizer.eos_token_id,) if self.tokenizer is not None else ()
+        )
+        self.scheduler = Scheduler(
+            SchedulerConfig.from_policy(
+                self.policy,
+                block_tokens=self.executor.block_tokens,
+                kv_capacity_blocks=self.executor.kv_capacity_blocks(),
+                eos_token_id=eos[0] if eos else None,
+                max_model_len=config.max_position_embeddings,
+            ),
+            detokenizer=None if self.tokenizer is None else _Detokenizer(self.tokenizer),
+        )
+        self.core = EngineCore(self.scheduler, self.executor, async_scheduling=async_scheduling)
+        self._ids = itertools.count()
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        priority: int = BATCH_PRIORITY,
+    ) -> list[RequestOutput]:
+        """One `RequestOutput` per prompt, in prompt order. Prompts are strings or token-id lists;
+        `sampling_params` is one for all or a list with one per prompt."""
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]
+        prompt_list = list(prompts)
+        if sampling_params is None:
+            params = [SamplingParams()] * len(prompt_list)
+        elif isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompt_list)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompt_list):
+                raise SamplingError(
+                    f"got {len(params)} sampling params for {len(prompt_list)} prompts"
+                )
+        requests = [
+            Request(
+                request_id=str(next(self._ids)),
+                prompt_token_ids=self.encode(prompt),
+                sampling=p,
+                priority=priority,
+            )
+            for prompt, p in zip(prompt_list, params, strict=True)
+        ]
+        return self.core.generate(requests)
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ModelLoadError(
+                    f"{self.executor.model_dir} has no tokenizer: pass prompts as token ids"
+                )
+            return list(self.tokenizer.encode(prompt))
+        vocab = self.executor.config.vocab_size
+        bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise SamplingError(f"token ids must be integers in [0, {vocab}), got {bad[:5]}")
+        return list(prompt)
+
+    def placement(self) -> dict[str, Any]:
+        return self.executor.placement()
+
+    def close(self) -> None:
+        self.core.close()
+        self.executor.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def load_tokenizer(model_dir: Path) -> Any | None:
+    """The checkpoint's tokenizer, or None when it ships none (then prompts are token ids)."""
+    if not any((model_dir / name).exists() for name in ("tokenizer.json", "tokenizer_config.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model_dir)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"cannot load the tokenizer in {model_dir}: {e}") from e
+
+
+def default_policy() -> Policy:
+    """Everything on the compute device, one GPU batch of 8 (until the searched policy lands)."""
+    return Policy()
+
+
+class _Detokenizer:
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+
+    def decode(self, token_ids: list[int]) -> str:
+        return str(self._tokenizer.decode(token_ids, skip_special_tokens=True))

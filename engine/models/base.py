@@ -1,0 +1,81 @@
+"""`Model`: the layer-wise contract every architecture implements (embed, decoder layers, head).
+
+The engine sees a model as a flat list of layers, FlexGen-style: layer 0 is the
+input embedding, layers 1..L are decoder layers, layer L+1 is the output head.
+Each layer's weights are a flat dict of named tensors so they can be placed,
+moved and compressed independently of the math.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+
+import torch
+
+from engine.config import ModelConfig
+
+Weights = dict[str, torch.Tensor]
+# attend(q, k, v) -> o with q: (T, num_heads, head_dim), k and v: (T, num_kv_heads, head_dim)
+# for the T new tokens of a batch; returns o: (T, num_heads, head_dim). The callback owns
+# the past KV (it reads it and stores k, v) so the math below never sees a tier.
+AttendFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class Model(ABC):
+    """Stateless math over one layer at a time; weights and KV come from the caller."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        self.config = config
+
+    @property
+    def num_layers(self) -> int:
+        """Embedding + decoder layers + head."""
+        return self.config.num_layers + 2
+
+    def layer_kind(self, j: int) -> str:
+        if j == 0:
+            return "embed"
+        return "head" if j == self.num_layers - 1 else "decoder"
+
+    @abstractmethod
+    def map_name(self, hf_name: str) -> tuple[int, str] | None:
+        """Checkpoint tensor name -> (layer index j, local name), or None to skip it."""
+
+    @abstractmethod
+    def tied_head_source(self) -> tuple[int, str, str]:
+        """(layer, local name) of the embedding and the head's local name when tied."""
+
+    @abstractmethod
+    def embed(self, w: Weights, token_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """(T,) token ids at (T,) positions -> (T, hidden) states."""
+
+    @abstractmethod
+    def decoder(
+        self, w: Weights, h: torch.Tensor, positions: torch.Tensor, attend: AttendFn
+    ) -> torch.Tensor:
+        """One decoder layer over (T, hidden) states of a batch's new tokens."""
+
+    @abstractmethod
+    def head(self, w: Weights, h: torch.Tensor) -> torch.Tensor:
+        """(S, hidden) states -> (S, vocab) float32 logits."""
+
+    def is_compressible(self, j: int, name: str, tensor: torch.Tensor) -> bool:
+        """Group-wise 4-bit applies to the dense matrices of decoder layers and the LM head."""
+        return tensor.dim() == 2 and self.layer_kind(j) != "embed"
+
+    def split_qkv(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(T, heads*head_dim) projections -> per-head views (T, heads, head_dim)."""
+        c = self.config
+        return (
+            q.view(-1, c.num_heads, c.head_dim),
+            k.view(-1, c.num_kv_heads, c.head_dim),
+            v.view(-1, c.num_kv_heads, c.head_dim),
+        )
+
+
+def linear(x: torch.Tensor, w: Weights, name: str) -> torch.Tensor:
+    """x @ W.T (+ b) with W = w[name + '.weight'] and optional w[name + '.bias']."""
+    return torch.nn.functional.linear(x, w[f"{name}.weight"], w.get(f"{name}.bias"))

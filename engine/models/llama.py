@@ -1,0 +1,116 @@
+"""The Llama family (Llama 2/3, Mistral, Qwen2): RMSNorm, RoPE with scaling, SwiGLU, GQA."""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from engine.config import ModelConfig
+from engine.models.base import AttendFn, Model, Weights, linear
+
+_LAYER = re.compile(r"^(?:model\.)?layers\.(\d+)\.(.+)$")
+_LOCAL = {
+    "self_attn.q_proj": "q",
+    "self_attn.k_proj": "k",
+    "self_attn.v_proj": "v",
+    "self_attn.o_proj": "o",
+    "mlp.gate_proj": "gate",
+    "mlp.up_proj": "up",
+    "mlp.down_proj": "down",
+    "input_layernorm": "ln1",
+    "post_attention_layernorm": "ln2",
+}
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """(head_dim/2,) float32 inverse frequencies with the config's scaling, in transformers' order
+    of float operations so the angles agree to the last bit."""
+    dim, theta = config.head_dim, config.rope_theta
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = config.rope_scaling
+    rope_type = scaling.get("rope_type", "default")
+    if rope_type == "linear":
+        return inv_freq / float(scaling["factor"])
+    if rope_type == "llama3":
+        # Llama 3.1: long wavelengths slowed by `factor`, short ones kept, the band between blended.
+        factor = float(scaling["factor"])
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old_len = float(scaling["original_max_position_embeddings"])
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * torch.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        is_mid = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        return torch.where(is_mid, blended, scaled)
+    return inv_freq
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Normalize in float32, cast back, then scale (transformers' LlamaRMSNorm order)."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class LlamaModel(Model):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__(config)
+        self._inv_freq = rope_inv_freq(config)
+        self._inv_freq_by_device: dict[torch.device, torch.Tensor] = {}
+
+    def map_name(self, hf_name: str) -> tuple[int, str] | None:
+        name = hf_name.removeprefix("model.")
+        if name == "embed_tokens.weight":
+            return 0, "tok.weight"
+        if name == "norm.weight":
+            return self.num_layers - 1, "norm.weight"
+        if hf_name == "lm_head.weight":
+            return self.num_layers - 1, "lm_head.weight"
+        match = _LAYER.match(name)
+        if match is None:
+            return None  # e.g. rotary_emb.inv_freq in old checkpoints: recomputed here
+        module, _, param = match.group(2).rpartition(".")
+        local = _LOCAL.get(module)
+        return None if local is None else (int(match.group(1)) + 1, f"{local}.{param}")
+
+    def tied_head_source(self) -> tuple[int, str, str]:
+        return 0, "tok.weight", "lm_head.weight"
+
+    def embed(self, w: Weights, token_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.embedding(token_ids, w["tok.weight"])
+
+    def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        inv_freq = self._inv_freq_by_device.get(positions.device)
+        if inv_freq is None:
+            inv_freq = self._inv_freq_by_device[positions.device] = self._inv_freq.to(
+                positions.device
+            )
+        freqs = positions.float()[:, None] * inv_freq[None, :]  # (T, head_dim/2)
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # (T, 1, head_dim)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def decoder(
+        self, w: Weights, h: torch.Tensor, positions: torch.Tensor, attend: AttendFn
+    ) -> torch.Tensor:
+        c = self.config
+        x = rms_norm(h, w["ln1.weight"], c.norm_eps)
+        q, k, v = self.split_qkv(linear(x, w, "q"), linear(x, w, "k"), linear(x, w, "v"))
+        cos, sin = self._cos_sin(positions, q.dtype)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        o = attend(q, k, v)  # (T, num_heads, head_dim)
+        h = h + linear(o.reshape(o.shape[0], -1), w, "o")
+        x = rms_norm(h, w["ln2.weight"], c.norm_eps)
+        mlp = torch.nn.functional.silu(linear(x, w, "gate")) * linear(x, w, "up")
+        return h + linear(mlp, w, "down")
+
+    def head(self, w: Weights, h: torch.Tensor) -> torch.Tensor:
+        x = rms_norm(h, w["norm.weight"], self.config.norm_eps)
+        return linear(x, w, "lm_head").float()

@@ -1,0 +1,325 @@
+"""`BlockPipeline`: one engine step over a block of GPU batches, layer by layer (FlexGen Fig. 4).
+
+For each layer j the weights are loaded once and used by every GPU batch k of
+the block. Two loops share every load, compute and store function:
+- `overlap=False`: the plain sequential loop, the reference;
+- `overlap=True`: while batch k computes, layer j+1's weights and the next
+  batch's activations and past KV are prefetched and batch k's results are
+  stored, on copy threads (and CUDA side streams, fenced by events).
+Both produce bit-identical tokens; tests hold them to it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from engine.attention import ragged_attention
+from engine.batch import Batch, SeqSlice
+from engine.device import Device, Ready
+from engine.disk import DiskFile, DiskIO
+from engine.kv_store import KVStore
+from engine.models.base import Model, Weights
+from engine.weight_store import WeightStore
+
+Past = dict[int, tuple[torch.Tensor, torch.Tensor]]  # seq index -> (ctx, kvh, hd) k and v
+Inputs = tuple[torch.Tensor | None, Past]
+
+
+class BlockPipeline:
+    def __init__(
+        self,
+        model: Model,
+        weights: WeightStore,
+        kv: KVStore,
+        device: Device,
+        disk: DiskIO,
+        *,
+        overlap: bool,
+        dtype: torch.dtype,
+    ) -> None:
+        self.model, self.weights, self.kv, self.device, self.disk = model, weights, kv, device, disk
+        self.overlap, self.dtype = overlap, dtype
+        c = model.config
+        self._kv_dim = c.kv_dim
+        self._kv_shape = (c.num_kv_heads, c.head_dim)
+        self._acts: dict[int, dict[str, torch.Tensor]] = {}  # batch -> tier -> rows
+        self._act_files: dict[int, DiskFile] = {}
+        self._prefetch = ThreadPoolExecutor(2, thread_name_prefix="nanoflex-prefetch")
+        self.act_bytes = {"gpu": 0, "cpu": 0, "disk": 0}
+        """Peak bytes of between-layer activations homed on each tier."""
+
+    def close(self) -> None:
+        self._prefetch.shutdown(wait=True)
+
+    # -- the two loops -------------------------------------------------------------------
+
+    def run(self, batches: list[Batch]) -> list[torch.Tensor]:
+        """One step: returns (S_k, vocab) float32 logits for each batch's logit rows."""
+        if self.overlap:
+            return self._run_overlapped(batches)
+        return self._run_sequential(batches)
+
+    def _run_sequential(self, batches: list[Batch]) -> list[torch.Tensor]:
+        logits: list[torch.Tensor] = []
+        for j in range(self.model.num_layers):
+            w = self.device.wait(self.weights.load(j))
+            for batch in batches:
+                h, past = self.device.wait(self._load_inputs(j, batch, None))
+                out, new_kv = self._compute(j, w, h, past, batch)
+                if self.model.layer_kind(j) == "head":
+                    logits.append(out)
+                else:
+                    self._store(j, batch, out, new_kv, self.device.record(), None)
+        return logits
+
+    def _run_overlapped(self, batches: list[Batch]) -> list[torch.Tensor]:
+        num_layers, num_batches = self.model.num_layers, len(batches)
+        submit = self._prefetch.submit
+        weight_futures = {0: submit(self.weights.load, 0)}
+        stored: dict[int, Future[None]] = {}  # batch -> its latest store
+        stores: list[Future[None]] = []
+        inputs: dict[tuple[int, int], Future[Ready[Inputs]]] = {}
+
+        def prefetch_inputs(j: int, k: int) -> None:
+            if j < num_layers and (j, k) not in inputs:
+                inputs[(j, k)] = submit(self._load_inputs, j, batches[k], stored.get(k))
+
+        prefetch_inputs(0, 0)
+        logits: list[torch.Tensor] = []
+        for j in range(num_layers):
+            if j + 1 < num_layers:
+                weight_futures[j + 1] = submit(self.weights.load, j + 1)
+            w = self.device.wait(weight_futures.pop(j).result())
+            for k, batch in enumerate(batches):
+                nxt = (j, k + 1) if k + 1 < num_batches else (j + 1, 0)
+                if nxt[1] != k:  # its inputs do not depend on this batch's store
+                    prefetch_inputs(*nxt)
+                h, past = self.device.wait(inputs.pop((j, k)).result())
+                out, new_kv = self._compute(j, w, h, past, batch)
+                if self.model.layer_kind(j) == "head":
+                    logits.append(out)
+                else:
+                    done = self.device.record()
+                    stored[k] = submit(self._store, j, batch, out, new_kv, done, stored.get(k))
+                    stores.append(stored[k])
+                prefetch_inputs(*nxt)
+        for fut in stores:
+            fut.result()
+        return logits
+
+    # -- loads, compute, stores ------------------------------------------------------------
+
+    def _load_inputs(self, j: int, batch: Batch, after: Future[None] | None) -> Ready[Inputs]:
+        """Batch's activations entering layer j and, for decoder layers, the past KV of its
+        sequences that attend on the compute device."""
+        if after is not None:
+            after.result()  # the previous layer's store of this batch must have landed
+        stream = self.device.copy_stream()
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            h = None if j == 0 else self._load_act(batch)
+            past: Past = {}
+            if self.model.layer_kind(j) == "decoder":
+                past = self._load_past(j - 1, batch)
+            return Ready((h, past), self.device.record())
+
+    def _load_act(self, batch: Batch) -> torch.Tensor:
+        parts = self._acts[batch.index]
+        if "all" in parts:
+            return parts["all"]
+        out = torch.empty(
+            (batch.num_tokens, self.model.config.hidden_size),
+            dtype=self.dtype,
+            device=self.device.device,
+        )
+        for tier, rows in batch.act_rows.items():
+            if tier == "disk":
+                host = self.device.host_empty((rows.shape[0], out.shape[1]), self.dtype)
+                self.disk.read(self._act_files[batch.index], 0, host)
+                part = host
+            else:
+                part = parts[tier]
+            out.index_copy_(0, rows, self.device.to_device(part))
+        return out
+
+    def _load_past(self, layer: int, batch: Batch) -> Past:
+        """Past KV of device-attention sequences, read per tier, decoded on the compute device."""
+        past: Past = {}
+        for tier in ("gpu", "cpu", "disk"):
+            members = [
+                (i, s)
+                for i, s in enumerate(batch.seqs)
+                if s.kv_tier == tier and s.ctx_len > 0 and not s.cpu_attention
+            ]
+            if not members:
+                continue
+            slots = [slot for _, s in members for slot in s.past_slots]
+            rows = self.device.to_device(self.kv.read(tier, layer, slots))
+            kv = self.kv.codec.decode(rows)  # (N, 2 * kv_dim)
+            start = 0
+            for i, s in members:
+                seq_kv = kv[start : start + s.ctx_len]
+                past[i] = self._split_kv(seq_kv)
+                start += s.ctx_len
+        return past
+
+    def _split_kv(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        n = rows.shape[0]
+        return (
+            rows[:, : self._kv_dim].reshape(n, *self._kv_shape),
+            rows[:, self._kv_dim :].reshape(n, *self._kv_shape),
+        )
+
+    def _compute(
+        self, j: int, w: Weights, h: torch.Tensor | None, past: Past, batch: Batch
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Layer j over one batch: (output states or logits, the new (T, 2 * kv_dim) KV rows)."""
+        kind = self.model.layer_kind(j)
+        if kind == "embed":
+            return self.model.embed(w, batch.token_ids, batch.positions), None
+        assert h is not None
+        if kind == "head":
+            return self.model.head(w, h.index_select(0, batch.logit_rows)), None
+        new_kv: list[torch.Tensor] = []
+
+        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            new_kv.append(torch.cat([k.flatten(1), v.flatten(1)], dim=1))  # (T, 2 * kv_dim)
+            return self._attend(j - 1, batch, past, q, k, v)
+
+        out = self.model.decoder(w, h, batch.positions, attend)
+        return out, new_kv[0]
+
+    def _attend(
+        self,
+        layer: int,
+        batch: Batch,
+        past: Past,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+    ) -> torch.Tensor:
+        window = self.model.config.sliding_window
+        on_device = [(i, s) for i, s in enumerate(batch.seqs) if not s.cpu_attention]
+        on_cpu = [s for s in batch.seqs if s.cpu_attention]
+        if not on_cpu:
+            return ragged_attention(*self._gather(on_device, past, q, k, v), window)
+        o = torch.empty_like(q)
+        if on_device:
+            rows = torch.cat(
+                [torch.arange(s.row_start, s.row_start + s.q_len) for _, s in on_device]
+            )
+            o[rows.to(q.device)] = ragged_attention(*self._gather(on_device, past, q, k, v), window)
+        o_cpu = self._cpu_attention(layer, on_cpu, q, k, v, window)
+        for s, part in zip(on_cpu, o_cpu, strict=True):
+            o[s.rows] = part.to(q.device, non_blocking=True)
+        return o
+
+    def _gather(
+        self,
+        members: list[tuple[int, SeqSlice]],
+        past: Past,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+        qs, ks, vs = [], [], []
+        for i, s in members:
+            qs.append(q[s.rows])
+            if i in past:
+                ks.append(torch.cat([past[i][0], k[s.rows]]))
+                vs.append(torch.cat([past[i][1], v[s.rows]]))
+            else:
+                ks.append(k[s.rows])
+                vs.append(v[s.rows])
+        return qs, ks, vs
+
+    def _cpu_attention(
+        self,
+        layer: int,
+        seqs: list[SeqSlice],
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        window: int | None,
+    ) -> list[torch.Tensor]:
+        """Decode attention on the CPU over CPU-homed KV: only q and the new k, v cross PCIe.
+        Computes in float32 (CPU half-precision matmuls are slow and less exact)."""
+        slots = [slot for s in seqs for slot in s.past_slots]
+        kv = self.kv.codec.decode(self.kv.read("cpu", layer, slots)).float()
+        qs, ks, vs, start = [], [], [], 0
+        for s in seqs:
+            pk, pv = self._split_kv(kv[start : start + s.ctx_len])
+            start += s.ctx_len
+            qs.append(q[s.rows].to("cpu", torch.float32))
+            ks.append(torch.cat([pk, k[s.rows].to("cpu", torch.float32)]))
+            vs.append(torch.cat([pv, v[s.rows].to("cpu", torch.float32)]))
+        out = ragged_attention(qs, ks, vs, window).to(q.dtype)
+        return list(out.split([s.q_len for s in seqs]))
+
+    def _store(
+        self,
+        j: int,
+        batch: Batch,
+        out: torch.Tensor,
+        new_kv: torch.Tensor | None,
+        done: torch.cuda.Event | None,
+        after: Future[None] | None,
+    ) -> None:
+        """Write layer j's new KV rows to each sequence's home tier and its output activations
+        to theirs. On CUDA, waits for `done` (compute finished) on this thread's copy stream."""
+        if after is not None:
+            after.result()
+        stream = self.device.copy_stream()
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            if stream is not None and done is not None:
+                stream.wait_event(done)
+                out.record_stream(stream)
+            if new_kv is not None:
+                self._store_kv(j - 1, batch, new_kv, stream)
+            self._store_act(batch, out)
+            if stream is not None:
+                stream.synchronize()
+
+    def _store_kv(
+        self, layer: int, batch: Batch, new_kv: torch.Tensor, stream: torch.cuda.Stream | None
+    ) -> None:
+        if stream is not None:
+            new_kv.record_stream(stream)
+        encoded = self.kv.codec.encode(new_kv)  # (T, row_bytes) on the compute device
+        for tier in ("gpu", "cpu", "disk"):
+            members = [s for s in batch.seqs if s.kv_tier == tier]
+            if not members:
+                continue
+            rows = torch.cat([encoded[s.rows] for s in members])
+            if tier != "gpu":
+                host = self.device.host_empty(tuple(rows.shape), torch.uint8)
+                host.copy_(rows, non_blocking=stream is not None)
+                if stream is not None:
+                    stream.synchronize()
+                rows = host
+            self.kv.write(tier, layer, [slot for s in members for slot in s.new_slots], rows)
+
+    def _store_act(self, batch: Batch, out: torch.Tensor) -> None:
+        if not batch.act_rows:
+            self._acts[batch.index] = {"all": out}
+            self.act_bytes["gpu"] = max(self.act_bytes["gpu"], out.numel() * out.element_size())
+            return
+        parts: dict[str, torch.Tensor] = {}
+        for tier, rows in batch.act_rows.items():
+            part = out.index_select(0, rows)
+            nbytes = part.numel() * part.element_size()
+            self.act_bytes[tier] = max(self.act_bytes[tier], nbytes)
+            if tier == "gpu":
+                parts[tier] = part
+                continue
+            host = self.device.host_empty(tuple(part.shape), part.dtype)
+            host.copy_(part)
+            if tier == "cpu":
+                parts[tier] = host
+            else:
+                if batch.index not in self._act_files:
+                    self._act_files[batch.index] = self.disk.open(f"act-{batch.index:04d}.bin")
+                self.disk.write(self._act_files[batch.index], 0, host)
+        self._acts[batch.index] = parts
