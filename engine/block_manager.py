@@ -46,6 +46,23 @@ class BlockManager:
     def num_used_blocks(self, tier: str) -> int:
         return self._next_id[tier] - len(self._free[tier])
 
+    def projected_peak_blocks(self, lengths: list[tuple[int, int]]) -> int:
+        """Upper bound on the most blocks a set of sequences will hold at once.
+
+        `lengths` holds (num_tokens now, num_tokens still to come) per sequence.
+        Each sequence grows one token per step and frees everything when it ends,
+        so the peak lies at the step just before one of them ends (NanoFlow 4.4).
+        At step t the live ones hold sum(ceil((now + t) / B)) blocks, bounded
+        by (tokens + live * (B - 1)) // B. O(n log n).
+        """
+        peak = 0
+        tokens_now = 0
+        for num_live, (now, to_come) in enumerate(sorted(lengths, key=lambda x: -x[1]), 1):
+            tokens_now += now
+            tokens = tokens_now + num_live * to_come
+            peak = max(peak, (tokens + num_live * (self.block_tokens - 1)) // self.block_tokens)
+        return peak
+
     def can_append(self, seq_id: int, num_new_tokens: int, tier: str | None = None) -> bool:
         """Would `append` succeed for this sequence (or a new one on `tier`)?"""
         seq = self._seqs.get(seq_id)

@@ -238,6 +238,43 @@ class Executor:
             else {tier: on_device(rows) for tier, rows in act_rows.items()},
         )
 
+    def score(self, prompts: list[list[int]], prefill_len: int | None = None) -> list[torch.Tensor]:
+        """(len, vocab) float32 logits at every position of each prompt: for offline
+        log-likelihood evaluation and for measuring compressed paths. The first `prefill_len`
+        tokens (all by default) run as one prefill; the rest one per step, as decodes that read
+        the KV cache back. Uses its own KV blocks: not while scheduled requests are in flight."""
+        from engine.block_manager import BlockManager
+
+        blocks = BlockManager(KV_BLOCK_TOKENS, {})
+        greedy = SamplingParams(max_tokens=1, temperature=0.0)
+        out = []
+        for i, prompt in enumerate(prompts):
+            seq_id = -1 - i  # negative ids never collide with the scheduler's
+            first = len(prompt) if prefill_len is None else max(1, min(prefill_len, len(prompt)))
+            pieces = [(0, first)] + [(t, t + 1) for t in range(first, len(prompt))]
+            logits = []
+            for start, stop in pieces:
+                new_blocks = blocks.append(seq_id, stop - start, "gpu")
+                chunk = SeqChunk(
+                    seq_id,
+                    list(prompt[start:stop]),
+                    start,
+                    0,
+                    new_blocks,
+                    "gpu",
+                    "gpu",
+                    do_sample=False,
+                    sampling=greedy,
+                )
+                self._admit(chunk)
+                batch = self._build_batch(0, [chunk])
+                batch.logit_rows = torch.arange(stop - start, device=self.device.device)
+                logits.append(self.pipeline.run([batch])[0].cpu())
+            out.append(torch.cat(logits))
+            self._seqs.pop(seq_id)
+            blocks.free(seq_id)
+        return out
+
     def close(self) -> None:
         self.pipeline.close()
         self.disk.close()

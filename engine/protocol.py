@@ -12,6 +12,11 @@ from dataclasses import dataclass, field
 
 from engine.sampling_params import SamplingParams
 
+PENDING_TOKEN_ID = -1
+"""Stands in a decode chunk for the token this sequence sampled in the previous step,
+not yet known when the plan was built (asynchronous scheduling). The driver
+replaces it with `StepPlan.fill_pending_tokens` before the plan runs."""
+
 
 @dataclass(slots=True)
 class SeqChunk:
@@ -45,11 +50,25 @@ class StepPlan:
     step_id: int
     chunks: list[SeqChunk]
     freed_seq_ids: list[int] = field(default_factory=list)
-    """Sequences finished, aborted or preempted since the last plan: drop their engine state."""
+    """Sequences finished, aborted or preempted since the last plan: drop their engine state.
+    Apply before running the chunks: their blocks may already be reused in this plan."""
+    dense_size: int = 0
+    """Discrete dense batch size chosen for this step (>= num_tokens; the engine may pad to it)."""
 
     @property
     def num_tokens(self) -> int:
         return sum(len(c.token_ids) for c in self.chunks)
+
+    def fill_pending_tokens(self, previous: StepResult) -> None:
+        """Replace each PENDING_TOKEN_ID with the token `previous` sampled for that sequence."""
+        sampled = dict(zip(previous.seq_ids, previous.token_ids, strict=True))
+        for chunk in self.chunks:
+            if chunk.token_ids and chunk.token_ids[-1] == PENDING_TOKEN_ID:
+                chunk.token_ids[-1] = sampled[chunk.seq_id]
+
+    @property
+    def has_pending_tokens(self) -> bool:
+        return any(c.token_ids and c.token_ids[-1] == PENDING_TOKEN_ID for c in self.chunks)
 
 
 @dataclass(slots=True)
