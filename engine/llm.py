@@ -39,6 +39,7 @@ class LLM:
         *,
         cpu_mem: int | None = None,
         async_scheduling: bool = False,
+        max_step_tokens: int | None = 2048,
         show_progress: bool = False,
     ) -> None:
         self.policy = policy or default_policy()
@@ -63,6 +64,9 @@ class LLM:
                 kv_capacity_blocks=self.executor.kv_capacity_blocks(),
                 eos_token_id=eos[0] if eos else None,
                 max_model_len=config.max_position_embeddings,
+                # None: a whole block's prompts prefill in one step, as FlexGen does
+                max_step_tokens=max_step_tokens
+                or self.policy.block_size * config.max_position_embeddings,
             ),
             detokenizer=None if self.tokenizer is None else _Detokenizer(self.tokenizer),
         )

@@ -1,0 +1,126 @@
+"""`nanoflex generate` and `nanoflex bench`: the engine's command-line entry points."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+import torch
+
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
+from engine.sequence import Request
+from policy import Policy
+from policy.units import format_bytes, parse_bytes
+
+
+def load_policy(spec: str | None) -> Policy | None:
+    """--policy: None keeps the engine's default, 'auto' asks the planner, else a JSON file."""
+    if spec is None or spec == "auto":
+        return None
+    return Policy.load(spec)
+
+
+def llm_from_args(args: argparse.Namespace, **kwargs: Any) -> LLM:
+    return LLM(
+        args.model,
+        policy=load_policy(args.policy),
+        offload_dir=args.offload_dir,
+        device=args.device,
+        gpu_mem=None if args.gpu_mem is None else parse_bytes(args.gpu_mem),
+        cpu_mem=None if args.cpu_mem is None else parse_bytes(args.cpu_mem),
+        show_progress=True,
+        **kwargs,
+    )
+
+
+def generate_main(args: argparse.Namespace) -> int:
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+    )
+    with llm_from_args(args) as llm:
+        output = llm.generate([args.prompt], params)[0]
+    print(args.prompt + output.outputs[0].text)
+    return 0
+
+
+def bench_main(args: argparse.Namespace) -> int:
+    if min(args.prompt_len, args.gen_len, args.num_prompts) < 1:
+        from policy.errors import UserError
+
+        raise UserError("--prompt-len, --gen-len and --num-prompts must be at least 1")
+    with llm_from_args(args, max_step_tokens=None) as llm:
+        result = run_bench(llm, args.prompt_len, args.gen_len, args.num_prompts)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print_bench(result)
+    return 0
+
+
+def run_bench(llm: LLM, prompt_len: int, gen_len: int, num_prompts: int) -> dict[str, Any]:
+    """FlexGen's metrics (DESIGN 8) over prompts of exactly prompt_len random tokens, gen_len
+    tokens each, EOS ignored. Prefill time runs until every prompt has its first token."""
+    vocab = llm.executor.config.vocab_size
+    generator = torch.Generator().manual_seed(0)
+    params = SamplingParams(max_tokens=gen_len, temperature=0.0, ignore_eos=True)
+    for i in range(num_prompts):
+        prompt = torch.randint(3, vocab, (prompt_len,), generator=generator).tolist()
+        llm.core.add_request(Request(f"bench-{i}", prompt, params))
+    started: set[str] = set()
+    start = time.perf_counter()
+    prefill_done = None
+    steps = 0
+    while llm.core.has_unfinished():
+        for out in llm.core.step():
+            if out.outputs[0].token_ids:
+                started.add(out.request_id)
+        steps += 1
+        if prefill_done is None and len(started) == num_prompts:
+            prefill_done = time.perf_counter()
+        print(
+            f"\rbench: step {steps}, {len(started)}/{num_prompts} prefilled",
+            end="",
+            file=sys.stderr,
+        )
+    print(file=sys.stderr)
+    end = time.perf_counter()
+    prefill_s = (prefill_done or end) - start
+    decode_s = end - (prefill_done or end)
+    placement = llm.placement()
+    return {
+        "model": str(llm.executor.model_dir),
+        "device": placement["device"],
+        "dtype": placement["dtype"],
+        "prompt_len": prompt_len,
+        "gen_len": gen_len,
+        "num_prompts": num_prompts,
+        "policy": llm.policy.to_dict(),
+        "prefill_seconds": prefill_s,
+        "decode_seconds": decode_s,
+        "prefill_throughput": num_prompts * prompt_len / prefill_s,
+        "decode_throughput": num_prompts * (gen_len - 1) / decode_s if decode_s > 0 else 0.0,
+        "generation_throughput": num_prompts * gen_len / (prefill_s + decode_s),
+        "num_steps": steps,
+        "placement": placement,
+    }
+
+
+def print_bench(r: dict[str, Any]) -> None:
+    p = r["placement"]
+    print(f"model        {r['model']} on {r['device']} ({r['dtype']})")
+    print(f"workload     {r['num_prompts']} prompts x {r['prompt_len']} tokens, gen {r['gen_len']}")
+    print(f"policy       {json.dumps(r['policy'])}")
+    for kind in ("weights", "kv", "act"):
+        tiers = ", ".join(f"{t} {format_bytes(n)}" for t, n in p[f"{kind}_bytes"].items())
+        print(f"{kind + ' bytes':12s} {tiers}")
+    print(f"prefill      {r['prefill_throughput']:10.1f} tokens/s  ({r['prefill_seconds']:.3f} s)")
+    print(f"decode       {r['decode_throughput']:10.1f} tokens/s  ({r['decode_seconds']:.3f} s)")
+    print(f"generation   {r['generation_throughput']:10.1f} tokens/s  ({r['num_steps']} steps)")
