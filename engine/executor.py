@@ -58,6 +58,11 @@ class Executor:
         dtype: torch.dtype | None = None,
         show_progress: bool = False,
     ) -> None:
+        if policy.num_nano_batches != 1:
+            raise UserError(
+                f"num_nano_batches={policy.num_nano_batches}: nano-batching is not implemented "
+                "yet; use 1"
+            )
         self.policy = policy
         self.device = Device.resolve(device)
         self.model_dir = resolve_model_dir(None if model is None else str(model))
