@@ -1,0 +1,191 @@
+"""`create_app`: the OpenAI-compatible FastAPI app over one `EngineClient` (no torch here).
+
+Online completions and chat run at priority 0, Batch API work at priority 1.
+A client that disconnects has its engine requests aborted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import asynccontextmanager
+from typing import Any, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive
+
+from server.batch_routes import read_json
+from server.batch_routes import router as batch_router
+from server.batches import BatchRunner
+from server.engine_client import ONLINE_PRIORITY, EngineClient
+from server.errors import engine_unavailable, install_error_handlers, not_found
+from server.files import FileStorage, now
+from server.metrics import CONTENT_TYPE, Metrics
+from server.middleware import Guard
+from server.serving import CHAT, COMPLETIONS, Serving
+from server.settings import ServerSettings
+from server.state import AppState, get_state
+from server.store import Store
+from server.streaming import stream_chunks
+
+logger = logging.getLogger("nanoflex.server")
+T = TypeVar("T")
+CLIENT_CLOSED_REQUEST = 499
+
+
+class ClientDisconnected(Exception):
+    """The client went away before its response was ready."""
+
+
+async def _wait_for_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`; if the client disconnects first, cancel it (aborting its engine requests)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request.receive))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            raise ClientDisconnected
+    return task.result()
+
+
+def create_app(
+    settings: ServerSettings, engine: EngineClient, *, start_engine: bool = True
+) -> FastAPI:
+    """The daemon's app. Its lifespan starts the engine (unless `start_engine` is False:
+    the caller started it), resumes unfinished batches, and shuts both down at exit."""
+    store = Store(settings.db_path)
+    storage = FileStorage(settings.files_dir)
+    metrics = Metrics(engine)
+    serving = Serving(engine, settings.served_model_name or engine.model_name, metrics)
+    state = AppState(
+        settings=settings,
+        engine=engine,
+        store=store,
+        storage=storage,
+        metrics=metrics,
+        serving=serving,
+        runner=BatchRunner(store, storage, serving, settings),
+    )
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if start_engine:
+            try:
+                await engine.start()
+            except Exception as e:
+                state.engine_error = f"{type(e).__name__}: {e}"
+                logger.exception("engine failed to start")
+        await state.runner.start()
+        try:
+            yield
+        finally:
+            await state.runner.stop()
+            if start_engine:
+                await engine.shutdown()
+            store.close()
+            logger.info("nanoflex stopped: batch work paused, engine shut down, store closed")
+
+    app = FastAPI(title="nanoflex", lifespan=lifespan)
+    app.state.nanoflex = state
+    install_error_handlers(app)
+    app.add_middleware(
+        Guard,
+        api_key=settings.api_key,
+        max_body_bytes=settings.max_body_bytes,
+        max_file_bytes=settings.max_file_bytes,
+    )
+    app.include_router(batch_router)
+    _add_online_routes(app)
+    return app
+
+
+async def _generate(request: Request, endpoint: str) -> Response:
+    state = get_state(request)
+    prep = state.serving.prepare(endpoint, await read_json(request))
+    if not state.engine.is_ready():
+        raise engine_unavailable()
+    state.admit()
+    if not prep.stream:
+        try:
+            result = await _unless_disconnected(request, state.serving.run(prep, ONLINE_PRIORITY))
+        except ClientDisconnected:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        finally:
+            state.release()
+        return JSONResponse(result)
+    chunks = stream_chunks(state.serving, prep, ONLINE_PRIORITY)
+    try:
+        first = await _unless_disconnected(request, anext(chunks))
+    except BaseException:
+        state.release()
+        await chunks.aclose()
+        raise
+
+    async def sse_body() -> AsyncIterator[bytes]:
+        try:
+            yield first
+            async for chunk in chunks:
+                yield chunk
+        finally:
+            await chunks.aclose()
+            state.release()
+
+    return StreamingResponse(sse_body(), media_type="text/event-stream")
+
+
+def _add_online_routes(app: FastAPI) -> None:
+    @app.post(COMPLETIONS)
+    async def completions(request: Request) -> Response:
+        return await _generate(request, COMPLETIONS)
+
+    @app.post(CHAT)
+    async def chat_completions(request: Request) -> Response:
+        return await _generate(request, CHAT)
+
+    @app.get("/v1/models")
+    async def list_models(request: Request) -> dict[str, Any]:
+        return {"object": "list", "data": [_model(get_state(request))]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(request: Request, model_id: str) -> dict[str, Any]:
+        state = get_state(request)
+        if model_id != state.serving.model_name:
+            raise not_found("model", model_id)
+        return _model(state)
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready(request: Request) -> JSONResponse:
+        state = get_state(request)
+        if state.engine.is_ready():
+            return JSONResponse({"status": "ready", "model": state.serving.model_name})
+        detail = state.engine_error or "engine starting or restarting"
+        return JSONResponse({"status": "not_ready", "detail": detail}, status_code=503)
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        return Response(get_state(request).metrics.render(), media_type=CONTENT_TYPE)
+
+
+def _model(state: AppState) -> dict[str, Any]:
+    return {
+        "id": state.serving.model_name,
+        "object": "model",
+        "created": now(),
+        "owned_by": "nanoflex",
+        "max_model_len": state.engine.max_model_len,
+    }

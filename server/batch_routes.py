@@ -1,0 +1,181 @@
+"""Routes of the Files and Batch APIs: /v1/files and /v1/batches, in OpenAI's shapes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import FileResponse
+from starlette.datastructures import UploadFile
+
+from server.errors import invalid_request, not_found
+from server.files import file_object, new_id, now
+from server.schemas import BatchCreateRequest, parse_body
+from server.state import AppState, get_state
+
+router = APIRouter()
+UPLOAD_PURPOSES = ("batch",)
+COMPLETION_WINDOW_S = {"24h": 24 * 3600}
+
+
+def _page(data: list[dict[str, Any]], limit: int) -> dict[str, Any]:
+    """OpenAI's list object from `limit + 1` rows."""
+    page = data[:limit]
+    return {
+        "object": "list",
+        "data": page,
+        "first_id": page[0]["id"] if page else None,
+        "last_id": page[-1]["id"] if page else None,
+        "has_more": len(data) > limit,
+    }
+
+
+async def read_json(request: Request) -> Any:
+    """The decoded JSON body, or a 400 that says it is not JSON."""
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise invalid_request(
+            f"The request body is not valid JSON ({e}); send a JSON object.", code="invalid_json"
+        ) from e
+
+
+def _file(state: AppState, file_id: str) -> dict[str, Any]:
+    record = state.store.get_file(file_id)
+    if record is None:
+        raise not_found("file", file_id)
+    return record
+
+
+# -- files -------------------------------------------------------------------------------
+@router.post("/v1/files")
+async def upload_file(request: Request) -> dict[str, Any]:
+    state = get_state(request)
+    form = await request.form(max_files=1, max_fields=8)
+    try:
+        upload, purpose = form.get("file"), form.get("purpose")
+        if not isinstance(upload, UploadFile):
+            raise invalid_request("Send the file as the multipart field 'file'.", param="file")
+        if purpose not in UPLOAD_PURPOSES:
+            raise invalid_request(
+                f"purpose must be one of {list(UPLOAD_PURPOSES)}, got {purpose!r}.",
+                param="purpose",
+            )
+        file_id = new_id("file-")
+        num_bytes = await asyncio.to_thread(state.storage.write_stream, file_id, upload.file)
+        if num_bytes == 0:
+            state.storage.remove(file_id)
+            raise invalid_request("The uploaded file is empty.", param="file", code="empty_file")
+        record = {
+            "id": file_id,
+            "bytes": num_bytes,
+            "filename": upload.filename or "upload.jsonl",
+            "purpose": purpose,
+            "created_at": now(),
+            "status": "processed",
+            "path": file_id,
+        }
+        state.store.insert_file(record)
+        return file_object(record)
+    finally:
+        await form.close()
+
+
+@router.get("/v1/files")
+async def list_files(
+    request: Request,
+    purpose: str | None = None,
+    limit: Annotated[int, Query(ge=1, le=10_000)] = 10_000,
+    after: str | None = None,
+    order: Annotated[str, Query(pattern="^(asc|desc)$")] = "desc",
+) -> dict[str, Any]:
+    rows = get_state(request).store.list_files(purpose, after, limit + 1, order == "asc")
+    return _page([file_object(r) for r in rows], limit)
+
+
+@router.get("/v1/files/{file_id}")
+async def get_file(request: Request, file_id: str) -> dict[str, Any]:
+    return file_object(_file(get_state(request), file_id))
+
+
+@router.get("/v1/files/{file_id}/content")
+async def file_content(request: Request, file_id: str) -> FileResponse:
+    state = get_state(request)
+    record = _file(state, file_id)
+    return FileResponse(
+        state.storage.path_for(record["id"]),
+        media_type="application/octet-stream",
+        filename=record["filename"],
+    )
+
+
+@router.delete("/v1/files/{file_id}")
+async def delete_file(request: Request, file_id: str) -> dict[str, Any]:
+    state = get_state(request)
+    _file(state, file_id)
+    state.store.delete_file(file_id)
+    state.storage.remove(file_id)
+    return {"id": file_id, "object": "file", "deleted": True}
+
+
+# -- batches -----------------------------------------------------------------------------
+@router.post("/v1/batches")
+async def create_batch(request: Request) -> dict[str, Any]:
+    state = get_state(request)
+    req = parse_body(BatchCreateRequest, await read_json(request))
+    record = state.store.get_file(req.input_file_id)
+    if record is None:
+        raise not_found("file", req.input_file_id, param="input_file_id")
+    if record["purpose"] != "batch":
+        raise invalid_request(
+            f"File {req.input_file_id} has purpose {record['purpose']!r}; upload the input "
+            "with purpose 'batch'.",
+            param="input_file_id",
+        )
+    created = now()
+    batch_id = new_id("batch_")
+    state.store.insert_batch(
+        {
+            "id": batch_id,
+            "endpoint": req.endpoint,
+            "input_file_id": req.input_file_id,
+            "completion_window": req.completion_window,
+            "status": "validating",
+            "created_at": created,
+            "expires_at": created + COMPLETION_WINDOW_S[req.completion_window],
+            "metadata": req.metadata,
+        }
+    )
+    state.runner.submit(batch_id)
+    return _batch(state, batch_id)
+
+
+def _batch(state: AppState, batch_id: str) -> dict[str, Any]:
+    batch = state.store.get_batch(batch_id)
+    if batch is None:
+        raise not_found("batch", batch_id)
+    return batch
+
+
+@router.get("/v1/batches")
+async def list_batches(
+    request: Request,
+    after: str | None = None,
+    limit: Annotated[int, Query(ge=1, le=100)] = 20,
+) -> dict[str, Any]:
+    return _page(get_state(request).store.list_batches(after, limit + 1), limit)
+
+
+@router.get("/v1/batches/{batch_id}")
+async def get_batch(request: Request, batch_id: str) -> dict[str, Any]:
+    return _batch(get_state(request), batch_id)
+
+
+@router.post("/v1/batches/{batch_id}/cancel")
+async def cancel_batch(request: Request, batch_id: str) -> dict[str, Any]:
+    state = get_state(request)
+    _batch(state, batch_id)
+    return state.runner.cancel(batch_id)

@@ -1,0 +1,169 @@
+"""`EngineClient`: the one seam between the HTTP daemon and whatever generates tokens.
+
+The daemon talks only to this interface. A concrete client drives the torch-free
+scheduler (`engine.core.EngineCore`) in the daemon and an executor in a child
+process (`server.engine_process.ExecutorProcess`); tests use a tiny in-process
+engine behind the same interface.
+
+Contract of `generate`: it yields RequestOutput-like objects (vLLM's shape) for
+one request with exactly one completion (`outputs[0]`, n == 1: the daemon fans
+out n > 1 itself). Each yield is *cumulative*: `outputs[0].text` and
+`.token_ids` hold everything generated so far, already detokenized with stop
+strings removed; the last yield has `finished == True` and a `finish_reason`
+of "stop" or "length". If the engine dies mid-request, `generate` raises
+`EngineDeadError`; the daemon answers 503 (online) or re-queues (batch work).
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from engine.sampling_params import SamplingParams
+
+ONLINE_PRIORITY = 0
+"""Priority of online requests (/v1/completions, /v1/chat/completions): served first."""
+BATCH_PRIORITY = 1
+"""Priority of Batch API work: runs when no online request waits."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine process died or is restarting; the request did not finish. Retry later."""
+
+
+class PromptTooLongError(ValueError):
+    """The prompt plus max_tokens does not fit the model's context window."""
+
+
+class CompletionOutputLike(Protocol):
+    """What the daemon reads from one completion (vLLM's `CompletionOutput`)."""
+
+    @property
+    def index(self) -> int: ...
+    @property
+    def text(self) -> str: ...
+    @property
+    def token_ids(self) -> Sequence[int]: ...
+    @property
+    def finish_reason(self) -> str | None: ...
+    @property
+    def logprobs(self) -> Any:
+        """None, or one entry per generated token: an `engine.protocol.TokenLogprobs`
+        (token_id, logprob, top) or vLLM's `dict[token_id, Logprob-with-.logprob]`."""
+
+
+class RequestOutputLike(Protocol):
+    """What the daemon reads from one yield of `generate` (vLLM's `RequestOutput`)."""
+
+    @property
+    def request_id(self) -> str: ...
+    @property
+    def prompt_token_ids(self) -> Sequence[int]: ...
+    @property
+    def outputs(self) -> Sequence[CompletionOutputLike]: ...
+    @property
+    def finished(self) -> bool: ...
+
+
+@dataclass(slots=True)
+class StepStats:
+    """Per-step figures the engine reports to listeners (feeds /metrics)."""
+
+    step_seconds: float
+    batch_size: int
+    """Sequences that ran in this step."""
+    num_waiting: int
+    num_running: int
+    bytes_per_tier: dict[str, int] = field(default_factory=dict)
+    """Bytes resident per tier ('gpu', 'cpu', 'disk'): weights + KV + activations."""
+
+
+StepListener = Callable[[StepStats], None]
+
+
+class EngineClient(abc.ABC):
+    """The daemon's view of the engine: lifecycle, tokenizer, generation, abort.
+
+    Lifecycle: `await start()` once (loads the model, may take minutes), then
+    `is_ready()` is True while the engine steps; `await shutdown()` finishes
+    the running step, frees the device and stops the child process.
+    """
+
+    def __init__(self) -> None:
+        self._step_listeners: list[StepListener] = []
+
+    # -- lifecycle -------------------------------------------------------------------
+    @abc.abstractmethod
+    async def start(self) -> None:
+        """Load the model and start stepping. Raises a `UserError` for bad configuration."""
+
+    @abc.abstractmethod
+    async def shutdown(self) -> None:
+        """Stop accepting work, let the running step finish, release the engine."""
+
+    @abc.abstractmethod
+    def is_ready(self) -> bool:
+        """True when the model is loaded and the engine is stepping (GET /ready)."""
+
+    # -- model and tokenizer ---------------------------------------------------------
+    @property
+    @abc.abstractmethod
+    def model_name(self) -> str:
+        """The id clients put in `model` and see in GET /v1/models."""
+
+    @property
+    @abc.abstractmethod
+    def max_model_len(self) -> int:
+        """Context window in tokens: prompt + generated tokens must fit."""
+
+    @property
+    @abc.abstractmethod
+    def vocab_size(self) -> int:
+        """Valid token ids are 0 <= id < vocab_size."""
+
+    @property
+    @abc.abstractmethod
+    def eos_token_id(self) -> int | None:
+        """End-of-sequence id (None if the model has none)."""
+
+    @abc.abstractmethod
+    def encode(self, text: str) -> list[int]:
+        """Token ids for a completion prompt, with the model's usual special tokens (BOS)."""
+
+    @abc.abstractmethod
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """Text for token ids, skipping special tokens."""
+
+    @abc.abstractmethod
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of a chat rendered with the tokenizer's template plus the generation prompt."""
+
+    # -- generation ------------------------------------------------------------------
+    @abc.abstractmethod
+    def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = ONLINE_PRIORITY,
+    ) -> AsyncIterator[RequestOutputLike]:
+        """Queue one request (params.n == 1) and yield cumulative outputs until finished.
+
+        Lower `priority` runs first. Implement as an `async def ... yield`.
+        """
+
+    @abc.abstractmethod
+    async def abort(self, request_id: str) -> None:
+        """Drop a request wherever it is (waiting or running) and free its KV. Idempotent."""
+
+    # -- stats -----------------------------------------------------------------------
+    def add_step_listener(self, listener: StepListener) -> None:
+        """Call `listener` after every engine step (used by /metrics)."""
+        self._step_listeners.append(listener)
+
+    def emit_step(self, stats: StepStats) -> None:
+        """Concrete clients call this once per finished step."""
+        for listener in self._step_listeners:
+            listener(stats)

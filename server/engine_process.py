@@ -1,0 +1,221 @@
+"""`ExecutorProcess`: the step executor in a child process: `execute(StepPlan) -> StepResult`.
+
+The parent never imports the executor's module (so never torch): the child is
+started with multiprocessing's 'spawn' method and builds the executor from a
+factory path such as "engine.executor:build_executor" and keyword arguments.
+Messages over one Pipe are pickled tuples:
+
+    parent -> child: ("execute", StepPlan) | ("health",) | ("shutdown",)
+    child -> parent: ("ready", info) | ("result", StepResult) | ("ok",) | ("error", traceback)
+
+A dead child is detected on every call (`ExecutorDiedError`); `restart()`
+starts a fresh one. `InProcessExecutor` is the same surface without a process.
+"""
+
+from __future__ import annotations
+
+import importlib
+import multiprocessing as mp
+import traceback
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from typing import Any, Protocol
+
+from engine.protocol import StepPlan, StepResult
+
+POLL_S = 0.1
+"""How often a waiting call checks that the child is still alive."""
+
+
+class ExecutorDiedError(RuntimeError):
+    """The executor process exited or stopped answering; restart it and re-queue the work."""
+
+
+class ExecutorStartError(RuntimeError):
+    """The executor could not be built (bad model, out of memory); see the child's traceback."""
+
+
+class StepExecutor(Protocol):
+    """What the engine core calls once per step."""
+
+    def execute(self, plan: StepPlan) -> StepResult: ...
+
+
+def build_from_path(factory: str, kwargs: dict[str, Any]) -> Any:
+    """Call the function named 'package.module:function' with `kwargs`."""
+    module_name, _, attr = factory.partition(":")
+    return getattr(importlib.import_module(module_name), attr)(**kwargs)
+
+
+def _child_main(conn: Connection, factory: str, kwargs: dict[str, Any], method: str) -> None:
+    """The child's loop: build the executor, then answer messages until shutdown."""
+    try:
+        executor = build_from_path(factory, kwargs)
+        execute = getattr(executor, method)
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+        return
+    conn.send(("ready", {"executor": type(executor).__name__}))
+    while True:
+        try:
+            message = conn.recv()
+        except EOFError:  # the parent is gone
+            return
+        kind = message[0]
+        if kind == "shutdown":
+            close = getattr(executor, "shutdown", None)
+            if callable(close):
+                close()
+            conn.send(("ok",))
+            return
+        if kind == "health":
+            conn.send(("ok",))
+            continue
+        try:
+            conn.send(("result", execute(message[1])))
+        except Exception:
+            conn.send(("error", traceback.format_exc()))
+
+
+class ExecutorProcess:
+    """The executor in a 'spawn'ed child; calls block the calling thread (run them in a
+    worker thread from asyncio). Not thread-safe: one caller at a time."""
+
+    def __init__(
+        self,
+        factory: str,
+        kwargs: dict[str, Any] | None = None,
+        *,
+        method: str = "execute",
+        start_timeout_s: float = 600.0,
+    ) -> None:
+        self.factory = factory
+        self.kwargs = dict(kwargs or {})
+        self.method = method
+        self.start_timeout_s = start_timeout_s
+        self.info: dict[str, Any] = {}
+        self._process: BaseProcess | None = None
+        self._conn: Connection | None = None
+
+    @property
+    def is_alive(self) -> bool:
+        return self._process is not None and self._process.is_alive()
+
+    def start(self) -> None:
+        """Spawn the child and wait until its executor is built (model loaded)."""
+        ctx = mp.get_context("spawn")
+        parent_conn, child_conn = ctx.Pipe()
+        process = ctx.Process(
+            target=_child_main,
+            args=(child_conn, self.factory, self.kwargs, self.method),
+            name="nanoflex-engine",
+            daemon=True,
+        )
+        process.start()
+        child_conn.close()
+        self._process, self._conn = process, parent_conn
+        kind, payload = self._receive(self.start_timeout_s)
+        if kind != "ready":
+            self.kill()
+            raise ExecutorStartError(f"the engine process failed to start:\n{payload}")
+        self.info = payload
+
+    def _receive(self, timeout_s: float | None = None) -> tuple[str, Any]:
+        assert self._conn is not None and self._process is not None, "call start() first"
+        waited = 0.0
+        while not self._conn.poll(POLL_S):
+            waited += POLL_S
+            if not self._process.is_alive():
+                raise ExecutorDiedError(
+                    f"the engine process exited with code {self._process.exitcode}"
+                )
+            if timeout_s is not None and waited >= timeout_s:
+                raise ExecutorDiedError(f"the engine process did not answer in {timeout_s} s")
+        try:
+            message: tuple[str, Any] = self._conn.recv()
+        except (EOFError, OSError) as e:
+            raise ExecutorDiedError(f"the engine process closed its pipe: {e}") from e
+        if message[0] == "error" and self._process.is_alive() and self.info:
+            raise RuntimeError(f"the engine step failed:\n{message[1]}")
+        return message[0], message[1] if len(message) > 1 else None
+
+    def _send(self, message: tuple[Any, ...]) -> None:
+        assert self._conn is not None, "call start() first"
+        try:
+            self._conn.send(message)
+        except (BrokenPipeError, OSError) as e:
+            raise ExecutorDiedError(f"the engine process is gone: {e}") from e
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        """Run one step in the child. Raises `ExecutorDiedError` if it died."""
+        self._send(("execute", plan))
+        _, result = self._receive()
+        return result
+
+    def health(self, timeout_s: float = 5.0) -> bool:
+        """True if the child answers within `timeout_s`."""
+        try:
+            self._send(("health",))
+            return self._receive(timeout_s)[0] == "ok"
+        except ExecutorDiedError:
+            return False
+
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Ask the child to finish and exit; kill it if it does not within `timeout_s`."""
+        if self._process is None:
+            return
+        if self._process.is_alive():
+            try:
+                self._send(("shutdown",))
+                self._receive(timeout_s)
+            except (ExecutorDiedError, RuntimeError):
+                pass
+            self._process.join(timeout_s)
+        self.kill()
+
+    def kill(self) -> None:
+        """Stop the child at once (used after a failure)."""
+        if self._process is not None:
+            if self._process.is_alive():
+                self._process.kill()
+            self._process.join()
+        if self._conn is not None:
+            self._conn.close()
+        self._process, self._conn = None, None
+
+    def restart(self) -> None:
+        self.kill()
+        self.start()
+
+
+class InProcessExecutor:
+    """The same surface as `ExecutorProcess`, with the executor in this process (tests,
+    `--in-process`). Importing the factory here may import torch."""
+
+    def __init__(self, factory: str, kwargs: dict[str, Any] | None = None) -> None:
+        self.factory = factory
+        self.kwargs = dict(kwargs or {})
+        self._executor: Any = None
+
+    @property
+    def is_alive(self) -> bool:
+        return self._executor is not None
+
+    def start(self) -> None:
+        self._executor = build_from_path(self.factory, self.kwargs)
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        return self._executor.execute(plan)
+
+    def health(self, timeout_s: float = 5.0) -> bool:
+        return self.is_alive
+
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        close = getattr(self._executor, "shutdown", None)
+        if callable(close):
+            close()
+        self._executor = None
+
+    def restart(self) -> None:
+        self.shutdown()
+        self.start()

@@ -1,0 +1,85 @@
+"""`FileStorage`: file contents under data-dir/files/, written atomically (temp, fsync, rename)."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any, BinaryIO
+
+COPY_CHUNK_BYTES = 1 << 20
+
+
+def new_id(prefix: str) -> str:
+    """A fresh OpenAI-style id: 'file-…', 'batch_…', 'cmpl-…', 'chatcmpl-…'."""
+    return f"{prefix}{secrets.token_hex(12)}"
+
+
+def file_object(record: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI's File object for a `files` row."""
+    return {
+        "id": record["id"],
+        "object": "file",
+        "bytes": record["bytes"],
+        "created_at": record["created_at"],
+        "filename": record["filename"],
+        "purpose": record["purpose"],
+        "status": record["status"],
+        "status_details": None,
+        "expires_at": None,
+    }
+
+
+class FileStorage:
+    """Contents of uploaded and produced files, one regular file per File id."""
+
+    def __init__(self, files_dir: Path) -> None:
+        self.files_dir = files_dir
+        files_dir.mkdir(parents=True, exist_ok=True)
+        for leftover in files_dir.glob(".tmp-*"):  # a crash mid-write leaves these
+            leftover.unlink(missing_ok=True)
+
+    def path_for(self, file_id: str) -> Path:
+        return self.files_dir / file_id
+
+    def write_stream(self, file_id: str, src: BinaryIO) -> int:
+        """Copy `src` to the file's path atomically; return the byte count."""
+        return self._write(file_id, iter(lambda: src.read(COPY_CHUNK_BYTES), b""))
+
+    def write_lines(self, file_id: str, lines: Iterable[str]) -> int:
+        """Write JSONL `lines` (without newlines) atomically; return the byte count."""
+        return self._write(file_id, ((line + "\n").encode() for line in lines))
+
+    def _write(self, file_id: str, chunks: Iterable[bytes]) -> int:
+        final = self.path_for(file_id)
+        tmp = self.files_dir / f".tmp-{file_id}"
+        num_bytes = 0
+        try:
+            with open(tmp, "wb") as f:
+                for chunk in chunks:
+                    f.write(chunk)
+                    num_bytes += len(chunk)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, final)
+        finally:
+            tmp.unlink(missing_ok=True)
+        self._fsync_dir()
+        return num_bytes
+
+    def _fsync_dir(self) -> None:
+        fd = os.open(self.files_dir, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def remove(self, file_id: str) -> None:
+        self.path_for(file_id).unlink(missing_ok=True)
+
+
+def now() -> int:
+    """Unix seconds, as OpenAI's *_at fields use."""
+    return int(time.time())

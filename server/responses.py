@@ -1,0 +1,125 @@
+"""OpenAI response bodies and stream chunks for completions and chat, built from engine outputs."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+Decode = Callable[[Sequence[int]], str]
+
+
+@dataclass(slots=True)
+class ChoiceState:
+    """What the daemon has seen of one choice so far (cumulative)."""
+
+    index: int
+    prompt_index: int
+    text: str = ""
+    token_ids: tuple[int, ...] = ()
+    logprobs: list[Any] | None = None
+    finish_reason: str | None = None
+    sent_text: int = 0
+    """Characters of `text` already streamed."""
+    sent_tokens: int = 0
+    """Logprob entries already streamed."""
+    started: bool = False
+    """The first chunk (role / echo) was streamed."""
+
+
+def _entry(token_id: int, entry: Any) -> tuple[float, list[tuple[int, float]]]:
+    """(chosen logprob, top alternatives) from a TokenLogprobs or a vLLM dict[id, Logprob]."""
+    if hasattr(entry, "top"):
+        return float(entry.logprob), [(int(t), float(lp)) for t, lp in entry.top]
+    items = [(int(t), float(getattr(lp, "logprob", lp))) for t, lp in entry.items()]
+    chosen = dict(items).get(token_id, float("-inf"))
+    top = sorted(((t, lp) for t, lp in items), key=lambda x: -x[1])
+    return chosen, top
+
+
+def completion_logprobs(
+    decode: Decode,
+    token_ids: Sequence[int],
+    entries: Sequence[Any],
+    num_top: int,
+    text_offset: int,
+    prompt_ids: Sequence[int] = (),
+) -> dict[str, Any]:
+    """The legacy completions `logprobs` object; echoed prompt tokens carry null logprobs."""
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top_logprobs: list[dict[str, float] | None] = []
+    offsets: list[int] = []
+    offset = text_offset
+    for token_id in prompt_ids:
+        piece = decode([token_id])
+        tokens.append(piece)
+        token_logprobs.append(None)
+        top_logprobs.append(None)
+        offsets.append(offset)
+        offset += len(piece)
+    for token_id, entry in zip(token_ids, entries):
+        piece = decode([token_id])
+        chosen, top = _entry(token_id, entry)
+        tokens.append(piece)
+        token_logprobs.append(chosen)
+        top_logprobs.append({decode([t]): lp for t, lp in top[:num_top]})
+        offsets.append(offset)
+        offset += len(piece)
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_logprobs,
+        "top_logprobs": top_logprobs,
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(
+    decode: Decode, token_ids: Sequence[int], entries: Sequence[Any], num_top: int
+) -> dict[str, Any]:
+    """The chat `logprobs` object: {"content": [{token, logprob, bytes, top_logprobs}]}."""
+    content = []
+    for token_id, entry in zip(token_ids, entries):
+        chosen, top = _entry(token_id, entry)
+        piece = decode([token_id])
+        content.append(
+            {
+                "token": piece,
+                "logprob": chosen,
+                "bytes": list(piece.encode()),
+                "top_logprobs": [
+                    {"token": decode([t]), "logprob": lp, "bytes": list(decode([t]).encode())}
+                    for t, lp in top[:num_top]
+                ],
+            }
+        )
+    return {"content": content}
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def envelope(
+    kind: str, request_id: str, created: int, model: str, choices: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """Top-level fields shared by bodies and chunks; `kind` is the OpenAI `object`."""
+    return {
+        "id": request_id,
+        "object": kind,
+        "created": created,
+        "model": model,
+        "system_fingerprint": None,
+        "choices": choices,
+    }
+
+
+def sse(payload: dict[str, Any] | str) -> bytes:
+    """One server-sent event: `data: <json>` and a blank line."""
+    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+    return f"data: {data}\n\n".encode()

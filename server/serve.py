@@ -1,0 +1,67 @@
+"""`nanoflex serve`: build the engine client and the app, run uvicorn, shut down gracefully.
+
+The engine client comes from a factory `module:function(args) -> EngineClient`,
+by default `server.core_client:build_engine_client`; the environment variable
+NANOFLEX_ENGINE_CLIENT names another (tests use it to run the daemon on a
+torch-free test engine). uvicorn turns SIGTERM/SIGINT into a graceful shutdown:
+stop accepting, finish in-flight responses, stop batch work (pending requests
+stay in the store), shut the engine down, close the store.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import os
+from collections.abc import Callable
+
+import uvicorn
+
+from policy.errors import UserError
+from server.app import create_app
+from server.engine_client import EngineClient
+from server.settings import ServerSettings
+
+DEFAULT_ENGINE_CLIENT = "server.core_client:build_engine_client"
+ENGINE_CLIENT_ENV = "NANOFLEX_ENGINE_CLIENT"
+GRACEFUL_SHUTDOWN_S = 30
+
+
+def load_factory(spec: str) -> Callable[..., object]:
+    """The callable named by 'package.module:function'."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise UserError(f"engine client factory {spec!r} must look like 'package.module:function'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise UserError(f"cannot import {module_name!r} for the engine client: {e}") from e
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise UserError(f"{spec!r} does not name a function in {module_name!r}")
+    return factory
+
+
+def build_engine_client(args: argparse.Namespace) -> EngineClient:
+    spec = os.environ.get(ENGINE_CLIENT_ENV, DEFAULT_ENGINE_CLIENT)
+    client = load_factory(spec)(args)
+    if not isinstance(client, EngineClient):
+        raise UserError(f"{spec!r} returned {type(client).__name__}, not an EngineClient")
+    return client
+
+
+def main(args: argparse.Namespace) -> int:
+    """Entry point of `nanoflex serve` (see server/cli.py for the flags)."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    settings = ServerSettings.from_args(args)
+    app = create_app(settings, build_engine_client(args))
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level="info",
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+    )
+    uvicorn.Server(config).run()
+    return 0

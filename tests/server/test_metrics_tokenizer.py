@@ -1,0 +1,70 @@
+"""GET /metrics (per-app registry) and the torch-free `Tokenizer`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+from conftest import LiveServer, ServerFactory
+from tokenizers import Tokenizer as RawTokenizer
+from tokenizers import models, pre_tokenizers
+
+from server.tokenizer import Tokenizer
+
+
+def test_metrics_endpoint(
+    live: LiveServer, client: httpx.Client, make_server: ServerFactory
+) -> None:
+    body = {"model": "toy-model", "prompt": "abc", "max_tokens": 3}
+    assert client.post("/v1/completions", json=body).status_code == 200
+    response = client.get("/metrics")
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
+    text = response.text
+    for series in (
+        "nanoflex_requests_waiting",
+        "nanoflex_requests_running",
+        "nanoflex_prompt_tokens_total 4.0",
+        "nanoflex_generation_tokens_total 3.0",
+        "nanoflex_step_seconds_bucket",
+        "nanoflex_batch_size_bucket",
+        'nanoflex_tier_bytes{tier="gpu"}',
+        "nanoflex_time_to_first_token_seconds_count 1.0",
+        "nanoflex_e2e_request_latency_seconds_count 1.0",
+        'nanoflex_requests_finished_total{finish_reason="length"} 1.0',
+    ):
+        assert series in text, series
+    other = make_server()  # a second app in the same process has its own registry
+    with other.http() as c:
+        assert "nanoflex_prompt_tokens_total 0.0" in c.get("/metrics").text
+
+
+def _write_tokenizer(directory: Path) -> None:
+    vocab = {"<s>": 0, "</s>": 1, "<unk>": 2, "hello": 3, "world": 4, "<|user|>": 5, "!": 6}
+    raw = RawTokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    raw.add_special_tokens(["<s>", "</s>", "<|user|>", "<|assistant|>"])
+    raw.save(str(directory / "tokenizer.json"))
+    template = (
+        "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} "
+        "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
+    config = {
+        "bos_token": "<s>",
+        "eos_token": {"content": "</s>"},
+        "add_bos_token": True,
+        "chat_template": template,
+    }
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+def test_tokenizer_without_transformers(tmp_path: Path) -> None:
+    _write_tokenizer(tmp_path)
+    tokenizer = Tokenizer(tmp_path)
+    assert tokenizer.encode("hello world") == [0, 3, 4]
+    assert tokenizer.decode([0, 3, 4, 1]) == "hello world"
+    assert tokenizer.eos_token_id == 1 and tokenizer.vocab_size == 8
+    text = tokenizer.render_chat([{"role": "user", "content": "hello"}])
+    assert text == "<s><|user|> hello <|assistant|>"
+    # the template writes BOS itself: encoded without adding a second one
+    assert tokenizer.apply_chat_template([{"role": "user", "content": "hello"}]) == [0, 5, 3, 7]
