@@ -143,6 +143,18 @@ class Executor:
                 out[tier] = max(0, int(free // self.kv.block_bytes))
         return out
 
+    def describe(self) -> dict[str, Any]:
+        """What a scheduler in another process needs to plan for this engine."""
+        return {
+            "model_dir": str(self.model_dir),
+            "block_tokens": self.block_tokens,
+            "kv_capacity_blocks": self.kv_capacity_blocks(),
+            "max_model_len": self.config.max_position_embeddings,
+            "eos_token_ids": list(self.config.eos_token_ids),
+            "vocab_size": self.config.vocab_size,
+            "placement": self.placement(),
+        }
+
     def placement(self) -> dict[str, Any]:
         """What was realized: bytes per tier for weights, KV and activations, and layer homes."""
         return {
@@ -280,8 +292,18 @@ class Executor:
             blocks.free(seq_id)
         return out
 
+    def shutdown(self) -> None:
+        self.close()
+
     def close(self) -> None:
         self.pipeline.close()
         self.disk.close()
         if self._own_offload_dir:
             shutil.rmtree(self.offload_dir, ignore_errors=True)
+
+
+def build_executor(
+    model: str | None = None, policy: dict[str, Any] | None = None, **kwargs: Any
+) -> Executor:
+    """Factory for the engine process: plain arguments in (they cross a process boundary)."""
+    return Executor(model, Policy.from_dict(policy or {}), **kwargs)

@@ -55,7 +55,9 @@ def _child_main(conn: Connection, factory: str, kwargs: dict[str, Any], method: 
     except BaseException:
         conn.send(("error", traceback.format_exc()))
         return
-    conn.send(("ready", {"executor": type(executor).__name__}))
+    describe = getattr(executor, "describe", None)
+    info = describe() if callable(describe) else {}
+    conn.send(("ready", {"executor": type(executor).__name__, **info}))
     while True:
         try:
             message = conn.recv()
@@ -195,6 +197,7 @@ class InProcessExecutor:
     def __init__(self, factory: str, kwargs: dict[str, Any] | None = None) -> None:
         self.factory = factory
         self.kwargs = dict(kwargs or {})
+        self.info: dict[str, Any] = {}
         self._executor: Any = None
 
     @property
@@ -203,6 +206,10 @@ class InProcessExecutor:
 
     def start(self) -> None:
         self._executor = build_from_path(self.factory, self.kwargs)
+        describe = getattr(self._executor, "describe", None)
+        self.info = {"executor": type(self._executor).__name__}
+        if callable(describe):
+            self.info.update(describe())
 
     def execute(self, plan: StepPlan) -> StepResult:
         return self._executor.execute(plan)

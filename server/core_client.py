@@ -1,0 +1,291 @@
+"""`CoreEngineClient`: the daemon's engine: the scheduler here, the executor in its own process.
+
+One worker thread owns the `Scheduler` and `EngineCore` (neither is thread-safe)
+and steps them; the asyncio side talks to it only through a command queue and
+gets outputs back with `call_soon_threadsafe`. If the engine process dies, the
+client reports not-ready, restarts it with a fresh scheduler and fails the
+requests that were in flight with `EngineDeadError` (batch work is retried by
+the batch runner, so batch jobs lose nothing; online callers see a 503).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from engine.core import EngineCore
+from engine.model_files import resolve_model_dir
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, SchedulerConfig
+from engine.sequence import ONLINE_PRIORITY, Request
+from policy import Policy
+from policy.units import parse_bytes
+from server.engine_client import EngineClient, EngineDeadError, StepStats
+from server.engine_process import ExecutorDiedError, ExecutorProcess, InProcessExecutor
+from server.tokenizer import Tokenizer
+
+log = logging.getLogger("nanoflex.engine")
+
+EXECUTOR_FACTORY = "engine.executor:build_executor"
+_IDLE_WAIT_S = 0.05
+
+
+class _Detokenizer:
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tokenizer = tokenizer
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self._tokenizer.decode(token_ids)
+
+
+class CoreEngineClient(EngineClient):
+    def __init__(
+        self,
+        model_dir: Path,
+        policy: Policy,
+        executor_kwargs: dict[str, Any],
+        *,
+        model_name: str,
+        in_process: bool = False,
+        max_step_tokens: int = 2048,
+    ) -> None:
+        super().__init__()
+        self.model_dir, self.policy = model_dir, policy
+        self._model_name = model_name
+        self._tokenizer = Tokenizer(model_dir)
+        kwargs = {"model": str(model_dir), "policy": policy.to_dict(), **executor_kwargs}
+        self._executor: ExecutorProcess | InProcessExecutor = (
+            InProcessExecutor(EXECUTOR_FACTORY, kwargs)
+            if in_process
+            else ExecutorProcess(EXECUTOR_FACTORY, kwargs)
+        )
+        self._max_step_tokens = max_step_tokens
+        self._max_model_len = _config_max_len(model_dir)
+        self._commands: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self._streams: dict[str, asyncio.Queue[RequestOutput | Exception]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
+        self._stopping = threading.Event()
+        self._core: EngineCore | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        await asyncio.to_thread(self._executor.start)
+        self._core = self._new_core()
+        self._thread = threading.Thread(target=self._run, name="nanoflex-core", daemon=True)
+        self._thread.start()
+        self._ready.set()
+
+    async def shutdown(self) -> None:
+        self._stopping.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
+        await asyncio.to_thread(self._executor.shutdown)
+        self._ready.clear()
+
+    def is_ready(self) -> bool:
+        return self._ready.is_set() and self._executor.is_alive
+
+    def _new_core(self) -> EngineCore:
+        info = self._executor.info
+        eos = info.get("eos_token_ids") or [self._tokenizer.eos_token_id]
+        config = SchedulerConfig.from_policy(
+            self.policy,
+            block_tokens=info["block_tokens"],
+            kv_capacity_blocks=info["kv_capacity_blocks"],
+            eos_token_id=eos[0],
+            max_model_len=info["max_model_len"],
+            max_step_tokens=self._max_step_tokens,
+        )
+        scheduler = Scheduler(config, detokenizer=_Detokenizer(self._tokenizer))
+        return EngineCore(scheduler, self._executor)
+
+    # -- model and tokenizer ---------------------------------------------------------------
+
+    @property
+    def model_name(self) -> str:
+        return self._model_name
+
+    @property
+    def max_model_len(self) -> int:
+        return self._max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tokenizer.vocab_size
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self._tokenizer.eos_token_id
+
+    def encode(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text)
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return self._tokenizer.decode(token_ids)
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+        return self._tokenizer.apply_chat_template(messages)
+
+    # -- generation ------------------------------------------------------------------------
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = ONLINE_PRIORITY,
+    ) -> AsyncIterator[RequestOutput]:
+        if not self.is_ready():
+            raise EngineDeadError("the engine is not ready")
+        stream: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
+        self._streams[request_id] = stream
+        reply: asyncio.Future[Exception | None] = asyncio.get_running_loop().create_future()
+        request = Request(request_id, list(prompt_token_ids), params, priority)
+        self._commands.put(("add", (request, reply)))
+        finished = False
+        try:
+            error = await reply  # the scheduler's verdict on the request (e.g. too long)
+            if error is not None:
+                raise error
+            while True:
+                item = await stream.get()
+                if isinstance(item, Exception):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self._commands.put(("abort", request_id))
+
+    async def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+
+    # -- the worker thread -----------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            core = self._core
+            assert core is not None
+            self._drain_commands(core, block=not core.has_unfinished())
+            if not core.has_unfinished():
+                continue
+            start = time.perf_counter()
+            try:
+                outputs = core.step()
+            except ExecutorDiedError as e:
+                self._recover(e)
+                continue
+            self._emit(core, time.perf_counter() - start)
+            for out in outputs:
+                self._deliver(out.request_id, out)
+        if self._core is not None:
+            self._core.close()
+
+    def _drain_commands(self, core: EngineCore, block: bool) -> None:
+        try:
+            command = (
+                self._commands.get(timeout=_IDLE_WAIT_S) if block else self._commands.get_nowait()
+            )
+        except queue.Empty:
+            return
+        while True:
+            kind, payload = command
+            if kind == "add":
+                request, reply = payload
+                error: Exception | None = None
+                try:
+                    core.add_request(request)
+                except ValueError as e:  # PromptTooLongError, RequestError: the caller's 400
+                    error = e
+                self._call_soon(_resolve, reply, error)
+            elif kind == "abort":
+                core.abort(payload)
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _recover(self, error: Exception) -> None:
+        """The engine process died: fail what was in flight, restart it, start over clean."""
+        log.error("engine process died (%s); restarting it", error)
+        self._ready.clear()
+        for request_id in list(self._streams):
+            self._deliver(request_id, EngineDeadError("the engine process died; retry"))
+        while not self._stopping.is_set():
+            try:
+                self._executor.restart()
+                break
+            except Exception:
+                log.exception("engine restart failed; retrying in 5 s")
+                time.sleep(5.0)
+        self._core = self._new_core()
+        self._ready.set()
+
+    def _emit(self, core: EngineCore, step_seconds: float) -> None:
+        scheduler = core.scheduler
+        placement = self._executor.info.get("placement", {})
+        bytes_per_tier: dict[str, int] = {}
+        for kind in ("weights_bytes", "kv_bytes", "act_bytes"):
+            for tier, nbytes in placement.get(kind, {}).items():
+                bytes_per_tier[tier] = bytes_per_tier.get(tier, 0) + int(nbytes)
+        self.emit_step(
+            StepStats(
+                step_seconds=step_seconds,
+                batch_size=len(scheduler.running),
+                num_waiting=scheduler.num_waiting,
+                num_running=len(scheduler.running),
+                bytes_per_tier=bytes_per_tier,
+            )
+        )
+
+    def _deliver(self, request_id: str, item: RequestOutput | Exception) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            self._call_soon(stream.put_nowait, item)
+
+    def _call_soon(self, fn: Any, *args: Any) -> None:
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(fn, *args)
+
+
+def _resolve(future: asyncio.Future[Exception | None], error: Exception | None) -> None:
+    if not future.done():
+        future.set_result(error)
+
+
+def _config_max_len(model_dir: Path) -> int:
+    import json
+
+    config = json.loads((model_dir / "config.json").read_text())
+    return int(config.get("max_position_embeddings") or 2048)
+
+
+def build_engine_client(args: argparse.Namespace) -> CoreEngineClient:
+    """`nanoflex serve`'s engine: the model resolved here, loaded in the engine process."""
+    model_dir = resolve_model_dir(args.model, torch_free=True)
+    policy = Policy() if args.policy in (None, "auto") else Policy.load(args.policy)
+    kwargs = {
+        "device": args.device,
+        "offload_dir": args.offload_dir,
+        "gpu_mem": None if args.gpu_mem is None else parse_bytes(args.gpu_mem),
+        "cpu_mem": None if args.cpu_mem is None else parse_bytes(args.cpu_mem),
+    }
+    name = "nanoflex-demo" if args.model is None else str(args.model).rstrip("/")
+    return CoreEngineClient(
+        model_dir, policy, kwargs, model_name=name, in_process=getattr(args, "in_process", False)
+    )
