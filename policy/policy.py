@@ -64,6 +64,8 @@ class Policy:
     """Threads in the copy pool that moves data to and from the disk tier."""
     num_cpu_threads: int = 0
     """torch intra-op threads for CPU compute; 0 keeps torch's default."""
+    num_interop_threads: int = 0
+    """torch inter-op threads (LM-Offload Algorithm 3); 0 keeps torch's default."""
 
     def __post_init__(self) -> None:
         for name in ("weights_frac", "kv_frac", "act_frac"):
@@ -72,8 +74,10 @@ class Policy:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise PolicyError(f"{name} must be a positive integer, got {value!r}")
-        if not isinstance(self.num_cpu_threads, int) or self.num_cpu_threads < 0:
-            raise PolicyError(f"num_cpu_threads must be >= 0, got {self.num_cpu_threads!r}")
+        for name in ("num_cpu_threads", "num_interop_threads"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise PolicyError(f"{name} must be an integer >= 0, got {value!r}")
         if self.num_nano_batches > self.gpu_batch_size:
             raise PolicyError(
                 f"num_nano_batches ({self.num_nano_batches}) cannot exceed "

@@ -1,0 +1,396 @@
+"""Analytic cost model: per-layer prefill/decode time and peak memory per tier for a policy.
+
+FlexGen A.3 (overlapped tasks, max over them), LM-Offload 3.2 ((de)quantization and
+CPU attention terms) and our differences (activations on any tier, overlap off = sum,
+GQA, 4-bit bytes). Every term is affine in the nine placement fractions, so the same
+terms are evaluated here and handed to the LP in `policy.search`.
+Legend: s prompt_len, n gen_len, L num_layers, bls block size, gbs GPU batch size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from policy.hardware import HardwareSpec
+from policy.policy import Policy
+from policy.specs import ModelSpec, WorkloadSpec
+
+VARS: tuple[str, ...] = ("wg", "wc", "wd", "cg", "cc", "cd", "hg", "hc", "hd")
+"""The LP variables: weights, KV cache and activations on (gpu, cpu, disk)."""
+TASKS: tuple[str, ...] = ("ctog", "gtoc", "dtoc", "ctod", "compute")
+"""Overlapped tasks per layer: the four copy directions and compute (gpu + cpu)."""
+GROUP_SIZE = 64
+"""Group-wise 4-bit quantization: one (scale, min) pair per 64 elements."""
+USABLE_FRAC: dict[str, float] = {"gpu": 0.9, "cpu": 0.95, "disk": 0.95}
+"""Share of each budget the plan may fill (CUDA context, fragmentation, page cache)."""
+
+
+def compressed_bytes_per_element(dtype_bytes: int) -> float:
+    """4 bits per element plus a (scale, min) pair in the model dtype per group."""
+    return 0.5 + 2 * dtype_bytes / GROUP_SIZE  # fp16: 0.5625 B = 0.28x of 2 B
+
+
+@dataclass(frozen=True, eq=False)
+class Affine:
+    """const + coeffs . x over VARS; values are seconds or bytes."""
+
+    coeffs: np.ndarray  # (9,)
+    const: float = 0.0
+
+    @staticmethod
+    def of(const: float = 0.0, **coeffs: float) -> Affine:
+        vector = np.zeros(len(VARS))
+        for name, value in coeffs.items():
+            vector[VARS.index(name)] += value
+        return Affine(vector, const)
+
+    def __add__(self, other: Affine) -> Affine:
+        return Affine(self.coeffs + other.coeffs, self.const + other.const)
+
+    def __mul__(self, scale: float) -> Affine:
+        return Affine(self.coeffs * scale, self.const * scale)
+
+    __rmul__ = __mul__
+
+    def __call__(self, x: np.ndarray) -> float:
+        return float(self.coeffs @ x + self.const)
+
+    def minimum(self) -> float:
+        """Smallest value over the placement simplex (each triple sums to 1, x >= 0)."""
+        return self.const + float(self.coeffs.reshape(3, 3).min(axis=1).sum())
+
+
+ZERO = Affine.of()
+
+
+def policy_vector(policy: Policy) -> np.ndarray:
+    """The policy's fractions in VARS order."""
+    return np.array([*policy.weights_frac, *policy.kv_frac, *policy.act_frac])
+
+
+@dataclass(frozen=True)
+class CostTerms:
+    """Affine terms for one set of discrete choices; the fractions stay free."""
+
+    prefill: dict[str, Affine]
+    """Seconds per layer for the block during prefill, by task in TASKS."""
+    decode: dict[str, Affine]
+    """Seconds per layer for the block per decode step (KV at its mean length s + n/2)."""
+    compute_parts: dict[str, Affine]
+    """Decode compute split: 'gpu_compute', 'cpu_compute' (they run one after the other)."""
+    memory: dict[str, Affine]
+    """Peak bytes per tier and stage: gpu_prefill, gpu_decode, cpu_prefill, cpu_decode, disk."""
+    capacity: dict[str, float]
+    """Usable bytes per memory row (the tier's budget x USABLE_FRAC)."""
+    num_layers: int
+    block_size: int
+    prompt_len: float
+    gen_len: float
+    overlap: bool
+
+    def stage_time(self, terms: dict[str, Affine], x: np.ndarray) -> float:
+        values = [terms[t](x) for t in TASKS]
+        return max(values) if self.overlap else sum(values)
+
+    def seconds_per_token(self, x: np.ndarray) -> float:
+        """The LP objective T / bls with T = L*T_pre + L*(n-1)*T_gen (FlexGen Eq. 1)."""
+        total = self.num_layers * (
+            self.stage_time(self.prefill, x) + (self.gen_len - 1) * self.stage_time(self.decode, x)
+        )
+        return total / (self.block_size * self.gen_len)
+
+
+def build_terms(
+    model: ModelSpec,
+    workload: WorkloadSpec,
+    hardware: HardwareSpec,
+    choice: Policy,
+    budgets: dict[str, float],
+) -> CostTerms:
+    """Terms for `choice`'s discrete fields (its fractions are ignored).
+
+    `budgets` holds the gpu/cpu/disk byte budgets (before USABLE_FRAC).
+    """
+    s, n, num_layers = workload.prompt_len, workload.gen_len, model.num_layers
+    gbs, num_batches = choice.gpu_batch_size, choice.num_gpu_batches
+    bls = gbs * num_batches
+    dtype = model.dtype_bytes
+    q_dim, kv_dim, h = model.num_heads * model.head_dim, model.kv_dim, model.hidden_size
+    packed = compressed_bytes_per_element(dtype) / dtype
+    weight_ratio = packed if choice.compress_weights else 1.0
+    kv_ratio = packed if choice.compress_kv else 1.0
+
+    # Weights: the embeddings and LM head are spread evenly over the L layers.
+    layer_elems = model.total_params / num_layers
+    layer_full = layer_elems * dtype  # bytes once dequantized
+    layer_bytes = layer_full * weight_ratio  # bytes as stored and moved
+    total_weight_bytes = model.total_weight_bytes * weight_ratio
+    kv_tok_full = model.kv_bytes_per_token_per_layer  # 2 * kv_dim * dtype
+    kv_tok = kv_tok_full * kv_ratio
+    kv_elems_tok = 2 * kv_dim
+    act_tok = model.hidden_bytes_per_token
+    kv_mean, kv_end = s + n / 2, s + n
+
+    gpu_mem_bw = hardware.gpu_mem_bw_estimate
+    dequant_rate = hardware.dequant_throughput_estimate(dtype)  # elements/s on the GPU
+    cpu_dequant_rate = 1.0 / (3.0 / hardware.cpu_flops + dtype / hardware.cpu_mem_bw_estimate)
+    # Decode attention per KV byte: q.k and p.v, 2 FLOPs each per element of a q head.
+    flops_per_kv_byte = 4 * q_dim / kv_tok_full
+    cpu_attention_bw = hardware.cpu_attention_bw(choice.num_cpu_threads, flops_per_kv_byte)
+
+    # ---- prefill: one layer, the whole block ------------------------------------------
+    act_pre = bls * s * act_tok
+    kv_pre = bls * s * kv_tok
+    weight_flops = 2 * model.layer_params  # per token
+    head_flops = 2 * model.vocab_size * (model.word_embed_dim or h) / num_layers
+    linear_pre = num_batches * max(
+        gbs * (s * weight_flops + head_flops) / hardware.gpu_flops, layer_full / gpu_mem_bw
+    )
+    attention_pre = bls * 4 * s * s * q_dim / hardware.gpu_bmm_flops
+    dequant_weights = layer_elems / dequant_rate if choice.compress_weights else 0.0
+    quant_kv_pre = 2 * bls * s * kv_elems_tok / dequant_rate if choice.compress_kv else 0.0
+    prefill = {
+        "ctog": Affine.of(wc=layer_bytes, wd=layer_bytes, hc=act_pre, hd=act_pre)
+        * (1 / hardware.ctog_bw),
+        "gtoc": Affine.of(cc=kv_pre, cd=kv_pre, hc=act_pre, hd=act_pre) * (1 / hardware.gtoc_bw),
+        "dtoc": Affine.of(wd=layer_bytes, hd=act_pre) * (1 / hardware.dtoc_bw),
+        "ctod": Affine.of(cd=kv_pre, hd=act_pre) * (1 / hardware.ctod_bw),
+        "compute": Affine.of(linear_pre + attention_pre + dequant_weights + quant_kv_pre),
+    }
+
+    # ---- decode: one layer, one new token for each of the bls sequences ---------------
+    act_gen = bls * act_tok
+    kv_read = bls * kv_mean * kv_tok  # bytes of old KV attended per step
+    kv_new = bls * kv_tok
+    linear_gen = num_batches * max(
+        gbs * (weight_flops + head_flops) / hardware.gpu_flops, layer_full / gpu_mem_bw
+    )
+    # GPU attention over one unit of KV fraction: FLOP- or memory-bound, whichever is slower.
+    gpu_attention = bls * max(
+        4 * kv_mean * q_dim / hardware.gpu_bmm_flops, kv_mean * kv_tok_full / gpu_mem_bw
+    )
+    if choice.compress_kv:  # dequantize old KV, quantize the new token (LM-Offload Eqs. 6-7)
+        gpu_attention += bls * (kv_mean + 2) * kv_elems_tok / dequant_rate
+    ctog = Affine.of(wc=layer_bytes, wd=layer_bytes, hc=act_gen, hd=act_gen)
+    gtoc = Affine.of(hc=act_gen, hd=act_gen)
+    if choice.cpu_attention:
+        # Only q and the new k, v go to the CPU; the attention output comes back.
+        qkv_bytes = bls * (q_dim + 2 * kv_dim) * dtype
+        ctog += Affine.of(cc=bls * q_dim * dtype, cd=bls * q_dim * dtype)
+        gtoc += Affine.of(cc=qkv_bytes, cd=qkv_bytes)
+        cpu_attention = bls * kv_mean * kv_tok_full / cpu_attention_bw
+        if choice.compress_kv:
+            cpu_attention += bls * (kv_mean + 2) * kv_elems_tok / cpu_dequant_rate
+        gpu_part = Affine.of(linear_gen + dequant_weights, cg=gpu_attention)
+        cpu_part = Affine.of(cc=cpu_attention, cd=cpu_attention)
+    else:
+        ctog += Affine.of(cc=kv_read, cd=kv_read)
+        gtoc += Affine.of(cc=kv_new, cd=kv_new)
+        gpu_part = Affine.of(
+            linear_gen + dequant_weights, cg=gpu_attention, cc=gpu_attention, cd=gpu_attention
+        )
+        cpu_part = ZERO
+    decode = {
+        "ctog": ctog * (1 / hardware.ctog_bw),
+        "gtoc": gtoc * (1 / hardware.gtoc_bw),
+        "dtoc": Affine.of(wd=layer_bytes, cd=kv_read, hd=act_gen) * (1 / hardware.dtoc_bw),
+        "ctod": Affine.of(cd=kv_new, hd=act_gen) * (1 / hardware.ctod_bw),
+        "compute": gpu_part + cpu_part,
+    }
+
+    memory = _peak_memory(
+        model,
+        choice,
+        s,
+        kv_end,
+        total_weight_bytes,
+        layer_bytes,
+        layer_full,
+        kv_tok,
+        kv_tok_full,
+        act_tok,
+    )
+    usable = {tier: budgets[tier] * USABLE_FRAC[tier] for tier in ("gpu", "cpu", "disk")}
+    capacity = {row: usable[row.split("_")[0]] for row in memory}
+    return CostTerms(
+        prefill=prefill,
+        decode=decode,
+        compute_parts={"gpu_compute": gpu_part, "cpu_compute": cpu_part},
+        memory=memory,
+        capacity=capacity,
+        num_layers=num_layers,
+        block_size=bls,
+        prompt_len=s,
+        gen_len=n,
+        overlap=choice.overlap,
+    )
+
+
+def _peak_memory(
+    model: ModelSpec,
+    choice: Policy,
+    s: float,
+    kv_end: float,
+    total_weight_bytes: float,
+    layer_bytes: float,
+    layer_full: float,
+    kv_tok: float,
+    kv_tok_full: float,
+    act_tok: float,
+) -> dict[str, Affine]:
+    """Peak bytes per tier: homed tensors (KV at its final length s + n) plus working buffers.
+
+    Working buffers are double-buffered (the next layer / batch loads while this one
+    computes), hence the factors of 2. Prefill and decode peaks are separate rows.
+    """
+    gbs, bls, layers = choice.gpu_batch_size, choice.block_size, model.num_layers
+    dtype, h, f = model.dtype_bytes, model.hidden_size, model.intermediate_size
+    q_dim, kv_dim, nh = model.num_heads * model.head_dim, model.kv_dim, model.num_heads
+    kv_home = bls * kv_end * kv_tok * layers
+    act_home = bls * s * act_tok
+
+    def home(w: str, c: str, a: str) -> Affine:
+        return Affine.of(**{w: total_weight_bytes, c: kv_home, a: act_home})
+
+    # Double-buffered weights of layers not on the GPU; a full-width copy when compressed.
+    weight_staging = Affine.of(2 * layer_bytes, wg=-2 * layer_bytes)
+    dequantized_layer = layer_full if choice.compress_weights else 0.0
+    logits = gbs * model.vocab_size * 4  # fp32 logits for sampling
+    # (gbs, s, *) activations: residual + input, then the larger of attention and MLP.
+    attention_pre = s * (q_dim + 2 * kv_dim) * dtype + nh * s * s * dtype
+    mlp_width = f if model.arch == "opt" else 2 * f  # fc1 output, or SwiGLU's gate and up
+    workspace_pre = gbs * (2 * s * h * dtype + max(attention_pre, s * mlp_width * dtype)) + logits
+    workspace_gen = gbs * (2 * h * dtype + max(2 * nh * kv_end * dtype, mlp_width * dtype)) + logits
+    gpu_common = home("wg", "cg", "hg") + weight_staging + Affine.of(dequantized_layer)
+    gpu_prefill = gpu_common + Affine.of(
+        workspace_pre + gbs * s * kv_tok_full,  # this batch's new KV before it is stored
+        hc=2 * gbs * s * act_tok,
+        hd=2 * gbs * s * act_tok,
+    )
+    gpu_decode = gpu_common + Affine.of(workspace_gen, hc=2 * gbs * act_tok, hd=2 * gbs * act_tok)
+    batch_kv = gbs * kv_end * kv_tok  # one GPU batch's KV for one layer
+    kv_full_copy = gbs * kv_end * kv_tok_full if choice.compress_kv else 0.0
+    cpu_decode = home("wc", "cc", "hc") + Affine.of(
+        wd=2 * layer_bytes, cd=2 * batch_kv, hd=2 * gbs * act_tok
+    )
+    if choice.cpu_attention:
+        gpu_decode += Affine.of(cg=kv_full_copy)
+        cpu_workspace = 2 * gbs * nh * kv_end * 4 + kv_full_copy  # fp32 scores and probs
+        cpu_decode += Affine.of(cc=cpu_workspace, cd=cpu_workspace)
+    else:
+        gpu_decode += Affine.of(kv_full_copy, cc=2 * batch_kv, cd=2 * batch_kv)
+    cpu_prefill = home("wc", "cc", "hc") + Affine.of(
+        wd=2 * layer_bytes, cd=2 * gbs * s * kv_tok, hd=2 * gbs * s * act_tok
+    )
+    return {
+        "gpu_prefill": gpu_prefill,
+        "gpu_decode": gpu_decode,
+        "cpu_prefill": cpu_prefill,
+        "cpu_decode": cpu_decode,
+        "disk": home("wd", "cd", "hd"),
+    }
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """The cost model's prediction for one complete policy."""
+
+    prefill_terms: dict[str, float]
+    """Seconds per layer per block, by task."""
+    decode_terms: dict[str, float]
+    compute_parts: dict[str, float]
+    prefill_time: float
+    """Seconds per layer for the block's prefill (max, or sum without overlap)."""
+    decode_time: float
+    """Seconds per layer per decode step for the block."""
+    peak_bytes: dict[str, float]
+    """Peak use per tier (gpu, cpu, disk)."""
+    capacity_bytes: dict[str, float]
+    """Usable bytes per tier."""
+    prefill_throughput: float
+    decode_throughput: float
+    generation_throughput: float
+    bottleneck: str
+
+    @property
+    def fits(self) -> bool:
+        return all(
+            self.peak_bytes[t] <= self.capacity_bytes[t] * (1 + 1e-6) for t in self.peak_bytes
+        )
+
+    def predicted(self) -> dict[str, float]:
+        return {
+            "prefill_throughput": self.prefill_throughput,
+            "decode_throughput": self.decode_throughput,
+            "generation_throughput": self.generation_throughput,
+        }
+
+
+def evaluate(terms: CostTerms, x: np.ndarray) -> Estimate:
+    """Numbers for placement `x` (VARS order), with DESIGN section 8's throughputs."""
+    prefill_terms = {t: terms.prefill[t](x) for t in TASKS}
+    decode_terms = {t: terms.decode[t](x) for t in TASKS}
+    compute_parts = {k: v(x) for k, v in terms.compute_parts.items()}
+    prefill_time = terms.stage_time(terms.prefill, x)
+    decode_time = terms.stage_time(terms.decode, x)
+    num_layers, bls, n = terms.num_layers, terms.block_size, terms.gen_len
+    prefill_total = num_layers * prefill_time
+    decode_total = num_layers * (n - 1) * decode_time
+    peak = {tier: 0.0 for tier in ("gpu", "cpu", "disk")}
+    capacity = {tier: 0.0 for tier in peak}
+    for row, affine in terms.memory.items():
+        tier = row.split("_")[0]
+        peak[tier] = max(peak[tier], affine(x))
+        capacity[tier] = terms.capacity[row]
+    if decode_total >= prefill_total:
+        stage, stage_terms = "decode", decode_terms
+    else:
+        stage, stage_terms = "prefill", prefill_terms
+    task = max(stage_terms, key=lambda t: stage_terms[t])
+    if task == "compute":
+        task = (
+            "cpu_compute"
+            if stage == "decode" and (compute_parts["cpu_compute"] > compute_parts["gpu_compute"])
+            else "gpu_compute"
+        )
+    return Estimate(
+        prefill_terms=prefill_terms,
+        decode_terms=decode_terms,
+        compute_parts=compute_parts,
+        prefill_time=prefill_time,
+        decode_time=decode_time,
+        peak_bytes=peak,
+        capacity_bytes=capacity,
+        prefill_throughput=bls * terms.prompt_len / prefill_total,
+        decode_throughput=bls / (num_layers * decode_time),
+        generation_throughput=bls * n / (prefill_total + decode_total),
+        bottleneck=f"{stage}:{task}",
+    )
+
+
+def estimate(
+    policy: Policy,
+    model: ModelSpec,
+    workload: WorkloadSpec,
+    hardware: HardwareSpec,
+    budgets: dict[str, float] | None = None,
+) -> Estimate:
+    """Predict `policy` on `hardware` (budgets default to the hardware's memory sizes)."""
+    budgets = budgets or hardware_budgets(hardware)
+    return evaluate(build_terms(model, workload, hardware, policy, budgets), policy_vector(policy))
+
+
+def hardware_budgets(
+    hardware: HardwareSpec,
+    gpu_mem: float | None = None,
+    cpu_mem: float | None = None,
+    disk_mem: float | None = None,
+) -> dict[str, float]:
+    """Byte budgets per tier: the overrides where given, else the machine's sizes."""
+    return {
+        "gpu": float(hardware.gpu_mem_bytes if gpu_mem is None else gpu_mem),
+        "cpu": float(hardware.cpu_mem_bytes if cpu_mem is None else cpu_mem),
+        "disk": float(hardware.disk_mem_bytes if disk_mem is None else disk_mem),
+    }

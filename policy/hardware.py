@@ -1,0 +1,237 @@
+"""`HardwareSpec`: the measured constants of one machine, cached as JSON by `nanoflex profile`."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from policy.errors import UserError
+
+# The keys every hardware file must have (FlexGen A.3's constants plus memory sizes).
+REQUIRED_KEYS: tuple[str, ...] = (
+    "gpu_mem_bytes",
+    "cpu_mem_bytes",
+    "disk_mem_bytes",
+    "ctog_bw",
+    "gtoc_bw",
+    "dtoc_bw",
+    "ctod_bw",
+    "gpu_flops",
+    "gpu_bmm_flops",
+    "cpu_flops",
+)
+
+# Used only when a profile lacks a measurement (documented in docs/policy.md):
+HBM_PER_LINK_BW = 20.0
+"""GPU memory bandwidth assumed as this multiple of host->device bandwidth (T4: 320/16)."""
+DRAM_PER_LINK_BW = 4.0
+"""CPU memory bandwidth assumed as this multiple of host->device bandwidth."""
+UNFUSED_DEQUANT_PASSES = 16
+"""Full-width memory passes of an unfused (unpack, scale, shift, reshape) dequantization."""
+CPU_ATTENTION_SATURATION_THREADS = 8
+"""CPU attention stops scaling past ~8 intra-op threads (LM-Offload Fig. 5)."""
+
+
+class HardwareError(UserError, ValueError):
+    """A hardware profile that is missing, unreadable or malformed."""
+
+
+@dataclass(frozen=True)
+class HardwareSpec:
+    """One machine's capacities (bytes), bandwidths (bytes/s) and throughputs (FLOP/s).
+
+    Optional fields default to 0 / empty, meaning "not measured": the cost model then
+    derives them from the required ones (see the *_estimate methods).
+    """
+
+    gpu_mem_bytes: int
+    cpu_mem_bytes: int
+    disk_mem_bytes: int
+    ctog_bw: float
+    """Host (pinned) to device copy bandwidth."""
+    gtoc_bw: float
+    """Device to host (pinned) copy bandwidth."""
+    dtoc_bw: float
+    """Disk read bandwidth into host memory."""
+    ctod_bw: float
+    """Host memory to disk write bandwidth."""
+    gpu_flops: float
+    """Dense matmul throughput on the compute device (the model's dtype)."""
+    gpu_bmm_flops: float
+    """Batched matmul throughput on the compute device (attention shapes)."""
+    cpu_flops: float
+    """CPU matmul throughput with all cores."""
+    num_cpu_cores: int = 0
+    """Hardware threads usable by the engine; 0 = unknown (os.cpu_count() is used)."""
+    gpu_mem_bw: float = 0.0
+    """Device memory bandwidth (bytes/s); bounds decode matmuls and dequantization."""
+    cpu_mem_bw: float = 0.0
+    """Host memory bandwidth (bytes/s); bounds CPU-side dequantization."""
+    cpu_attention_throughput: tuple[tuple[int, float], ...] = ()
+    """Measured decode attention on the CPU: (intra-op threads, KV bytes/s) pairs."""
+    dequant_throughput: float = 0.0
+    """Group-wise 4-bit dequantization on the compute device, elements/s."""
+    compute_device: str = "cuda"
+    """'cuda', or 'cpu' when the compute device is the CPU (then "gpu" = compute memory)."""
+    notes: str = ""
+    """Free text: device names, how and when it was measured."""
+
+    def __post_init__(self) -> None:
+        for name in REQUIRED_KEYS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+                raise HardwareError(f"hardware {name} must be a number >= 0, got {value!r}")
+        for name in ("ctog_bw", "gtoc_bw", "gpu_flops", "gpu_bmm_flops", "cpu_flops"):
+            if getattr(self, name) <= 0:
+                raise HardwareError(f"hardware {name} must be > 0")
+        if self.compute_device not in ("cuda", "cpu"):
+            raise HardwareError(
+                f"compute_device must be 'cuda' or 'cpu', not {self.compute_device!r}"
+            )
+        try:
+            table = tuple((int(t), float(bw)) for t, bw in self.cpu_attention_throughput)
+        except (TypeError, ValueError) as e:
+            raise HardwareError("cpu_attention_throughput must be [threads, bytes/s] pairs") from e
+        if any(t < 1 or bw <= 0 for t, bw in table):
+            raise HardwareError("cpu_attention_throughput needs threads >= 1 and bytes/s > 0")
+        object.__setattr__(self, "cpu_attention_throughput", tuple(sorted(table)))
+
+    # ---- derived constants -------------------------------------------------------------
+
+    @property
+    def cpu_cores(self) -> int:
+        return self.num_cpu_cores or os.cpu_count() or 1
+
+    @property
+    def gpu_mem_bw_estimate(self) -> float:
+        return self.gpu_mem_bw or HBM_PER_LINK_BW * self.ctog_bw
+
+    @property
+    def cpu_mem_bw_estimate(self) -> float:
+        return self.cpu_mem_bw or DRAM_PER_LINK_BW * self.ctog_bw
+
+    def dequant_throughput_estimate(self, dtype_bytes: int) -> float:
+        """Elements/s dequantized on the compute device: measured, else LM-Offload Eq. 16
+        (3 FLOPs per element plus memory traffic) with unfused full-width passes."""
+        if self.dequant_throughput:
+            return self.dequant_throughput
+        seconds_per_element = (
+            3.0 / self.gpu_bmm_flops
+            + UNFUSED_DEQUANT_PASSES * dtype_bytes / self.gpu_mem_bw_estimate
+        )
+        return 1.0 / seconds_per_element
+
+    def cpu_attention_bw(self, num_threads: int, flops_per_kv_byte: float) -> float:
+        """KV bytes/s that decode attention on the CPU consumes with `num_threads` (0 = all).
+
+        From the measured table (linear between points, flat past the ends); else from
+        cpu_flops and host memory bandwidth, scaling with threads up to saturation.
+        """
+        threads = num_threads or self.cpu_cores
+        table = self.cpu_attention_throughput
+        if table:
+            if threads <= table[0][0]:
+                return table[0][1] * threads / table[0][0]
+            for (t0, bw0), (t1, bw1) in itertools.pairwise(table):
+                if threads <= t1:
+                    return bw0 + (bw1 - bw0) * (threads - t0) / (t1 - t0)
+            return table[-1][1]
+        full = min(self.cpu_flops / flops_per_kv_byte, self.cpu_mem_bw_estimate)
+        saturation = min(self.cpu_cores, CPU_ATTENTION_SATURATION_THREADS)
+        return full * min(threads, saturation) / saturation
+
+    # ---- JSON --------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["cpu_attention_throughput"] = [list(p) for p in self.cpu_attention_throughput]
+        return data
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> HardwareSpec:
+        missing = [k for k in REQUIRED_KEYS if k not in data]
+        if missing:
+            raise HardwareError(f"hardware profile lacks {', '.join(missing)}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise HardwareError(
+                f"unknown hardware field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+            )
+        return cls(**data)
+
+    @classmethod
+    def from_json(cls, text: str) -> HardwareSpec:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise HardwareError(f"hardware profile is not valid JSON: {e}") from e
+        if not isinstance(data, dict):
+            raise HardwareError("hardware profile must be a JSON object")
+        return cls.from_dict(data)
+
+    def save(self, path: str | Path) -> None:
+        """Write atomically (temp file + rename), creating the directory."""
+        target = Path(path).expanduser()
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            tmp = target.with_name(target.name + ".tmp")
+            tmp.write_text(self.to_json() + "\n")
+            tmp.replace(target)
+        except OSError as e:
+            raise HardwareError(f"cannot write hardware profile {target}: {e.strerror}") from e
+
+    @classmethod
+    def load(cls, path: str | Path) -> HardwareSpec:
+        try:
+            text = Path(path).expanduser().read_text()
+        except OSError as e:
+            raise HardwareError(f"cannot read hardware profile {path}: {e.strerror}") from e
+        return cls.from_json(text)
+
+
+def default_cache_path() -> Path:
+    """$NANOFLEX_CACHE/hardware.json if set, else ~/.cache/nanoflex/hardware.json."""
+    root = os.environ.get("NANOFLEX_CACHE")
+    base = Path(root).expanduser() if root else Path.home() / ".cache" / "nanoflex"
+    return base / "hardware.json"
+
+
+def load_cached() -> HardwareSpec:
+    """The profile `nanoflex profile` cached on this machine."""
+    path = default_cache_path()
+    if not path.is_file():
+        raise HardwareError(
+            f"no hardware profile at {path}; run `nanoflex profile` first (or pass --hardware FILE)"
+        )
+    return HardwareSpec.load(path)
+
+
+GiB = 1024**3
+# FlexGen's evaluation machine (GCP n1-highmem-32 + T4); derivation in docs/policy.md.
+FLEXGEN_T4 = HardwareSpec(
+    gpu_mem_bytes=16 * GiB,
+    cpu_mem_bytes=208 * GiB,
+    disk_mem_bytes=1500 * GiB,
+    ctog_bw=12e9,
+    gtoc_bw=12e9,
+    dtoc_bw=1.6e9,
+    ctod_bw=1.3e9,
+    gpu_flops=40e12,
+    gpu_bmm_flops=20e12,
+    cpu_flops=1.0e12,
+    num_cpu_cores=32,
+    gpu_mem_bw=250e9,
+    cpu_mem_bw=60e9,
+    cpu_attention_throughput=((8, 6.5e9), (32, 6.5e9)),
+    dequant_throughput=5e9,
+    compute_device="cuda",
+    notes="FlexGen paper machine: T4 16 GB, 208 GB DRAM, 1.5 TB SSD (see docs/policy.md)",
+)

@@ -1,0 +1,322 @@
+"""Policy search: enumerate the discrete choices, solve the placement LP for each (cvxpy).
+
+For each (gpu_batch_size, num_gpu_batches, compress_weights, compress_kv, cpu_attention)
+the nine fractions (wg, wc, wd, cg, cc, cd, hg, hc, hd) are the LP's variables; the
+max over overlapped tasks is linearized with epigraph variables t_pre and t_gen.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from dataclasses import dataclass
+from typing import Any
+
+import cvxpy as cp
+import numpy as np
+
+from policy.cost_model import (
+    TASKS,
+    VARS,
+    CostTerms,
+    Estimate,
+    build_terms,
+    estimate,
+    evaluate,
+    hardware_budgets,
+)
+from policy.errors import UserError
+from policy.hardware import HardwareSpec
+from policy.policy import Policy
+from policy.specs import ModelSpec, WorkloadSpec
+from policy.threads import max_compute_threads, plan_threads
+from policy.units import format_bytes
+
+GPU_BATCH_SIZES: tuple[int, ...] = (
+    1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 512, 768, 1024,
+)  # fmt: skip
+NUM_GPU_BATCHES: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 32)
+COMPRESSION_MIN_GAIN = 0.02
+"""4-bit compression costs some accuracy: it must win by 2% per compressed tensor kind."""
+MIN_GAIN = 1e-3
+"""A candidate must beat the best so far by this much: ties go to simpler, smaller blocks."""
+TIE_BREAK_WEIGHT = 1e-3
+"""Weight of the sum-of-tasks tie-breaker relative to the objective T / bls."""
+MEMORY_ROWS: tuple[str, ...] = ("gpu_prefill", "gpu_decode", "cpu_prefill", "cpu_decode", "disk")
+
+
+class PolicyInfeasible(UserError):
+    """No policy fits the memory budgets; the message says what does not fit, by how much."""
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    """The chosen policy, its predicted throughputs (tokens/s) and what limits it."""
+
+    policy: Policy
+    predicted: dict[str, float]
+    """prefill_throughput, decode_throughput, generation_throughput (DESIGN section 8)."""
+    bottleneck: str
+    """'<stage>:<task>' of the binding term (e.g. 'decode:ctog'), plus full memory tiers."""
+    estimate: Estimate
+    alternatives: dict[str, float]
+    """Best generation throughput per (compress_weights, compress_kv, cpu_attention) combo."""
+    num_solved: int
+    """LPs solved during the search."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "policy": self.policy.to_dict(),
+            "predicted": dict(self.predicted),
+            "bottleneck": self.bottleneck,
+        }
+
+
+class PlacementLP:
+    """One parametrized LP (DPP: compiled once, re-solved with new coefficients)."""
+
+    def __init__(self) -> None:
+        num_vars, num_tasks, num_rows = len(VARS), len(TASKS), len(MEMORY_ROWS)
+        self.x = cp.Variable(num_vars, nonneg=True)
+        t_pre, t_gen = cp.Variable(), cp.Variable()
+        self.a_pre = cp.Parameter((num_tasks, num_vars))
+        self.b_pre = cp.Parameter(num_tasks)
+        self.a_gen = cp.Parameter((num_tasks, num_vars))
+        self.b_gen = cp.Parameter(num_tasks)
+        self.a_mem = cp.Parameter((num_rows, num_vars))
+        self.b_mem = cp.Parameter(num_rows)
+        constraints = [
+            t_pre >= self.a_pre @ self.x + self.b_pre,
+            t_gen >= self.a_gen @ self.x + self.b_gen,
+            self.a_mem @ self.x <= self.b_mem,
+            cp.sum(self.x[0:3]) == 1,  # wg + wc + wd
+            cp.sum(self.x[3:6]) == 1,  # cg + cc + cd
+            cp.sum(self.x[6:9]) == 1,  # hg + hc + hd
+        ]
+        # Tie-break among equally fast placements (FlexGen A.3's regularization): a tiny
+        # weight on the *sum* of all tasks prefers placements that move fewer bytes.
+        self.c_sum = cp.Parameter(num_vars)
+        objective = t_pre + t_gen + TIE_BREAK_WEIGHT * (self.c_sum @ self.x)
+        self.problem = cp.Problem(cp.Minimize(objective), constraints)
+
+    def solve(self, terms: CostTerms) -> np.ndarray | None:
+        """Fractions minimizing T / bls, or None when no placement fits."""
+        scale = terms.num_layers / (terms.block_size * terms.gen_len)
+        c_sum = np.zeros(len(VARS))
+        for a, b, stage, weight in (
+            (self.a_pre, self.b_pre, terms.prefill, scale),
+            (self.a_gen, self.b_gen, terms.decode, scale * (terms.gen_len - 1)),
+        ):
+            coeffs = np.array([stage[t].coeffs for t in TASKS]) * weight
+            consts = np.array([stage[t].const for t in TASKS]) * weight
+            c_sum += coeffs.sum(axis=0)
+            if not terms.overlap:  # sequential: one row holding the sum of the tasks
+                coeffs = np.vstack([coeffs.sum(axis=0), np.zeros((len(TASKS) - 1, len(VARS)))])
+                consts = np.concatenate([[consts.sum()], np.zeros(len(TASKS) - 1)])
+            a.value, b.value = coeffs, consts
+        self.c_sum.value = c_sum
+        rows = [terms.memory[r] for r in MEMORY_ROWS]
+        # Normalize each memory row so its numbers are O(1) whatever the byte sizes.
+        norms = np.array(
+            [max(terms.capacity[r], np.abs(m.coeffs).max(), abs(m.const), 1.0)
+             for r, m in zip(MEMORY_ROWS, rows)]
+        )  # fmt: skip
+        self.a_mem.value = np.array([m.coeffs for m in rows]) / norms[:, None]
+        self.b_mem.value = (
+            np.array([terms.capacity[r] - m.const for r, m in zip(MEMORY_ROWS, rows)]) / norms
+        )
+        for solver in (cp.CLARABEL, cp.HIGHS):
+            try:
+                self.problem.solve(solver=solver)
+            except cp.error.SolverError:
+                continue
+            if self.problem.status in (cp.INFEASIBLE, cp.INFEASIBLE_INACCURATE):
+                return None
+            if self.problem.status in (cp.OPTIMAL, cp.OPTIMAL_INACCURATE):
+                assert self.x.value is not None
+                return np.asarray(self.x.value, dtype=float)
+        return None
+
+
+def _normalized(x: np.ndarray) -> np.ndarray:
+    """Clip solver noise below 0 and make each triple sum to 1."""
+    triples = np.clip(x, 0.0, None).reshape(3, 3)
+    return (triples / triples.sum(axis=1, keepdims=True)).reshape(-1)
+
+
+def _tidy(x: np.ndarray, snap: bool) -> np.ndarray:
+    """Fractions with 4 decimals: gpu and cpu rounded down, the rest on disk, so the two
+    faster tiers never gain bytes. With `snap`, slivers under 0.1% first move to the
+    triple's largest entry."""
+    triples = _normalized(x).reshape(3, 3)
+    tidy = np.zeros_like(triples)
+    for row, triple in enumerate(triples):
+        if snap:
+            largest = int(np.argmax(triple))
+            triple = np.where(triple < 1e-3, 0.0, triple)
+            triple[largest] += 1.0 - triple.sum()
+        gpu, cpu = np.floor(triple[:2] * 1e4 + 1e-6) / 1e4
+        tidy[row] = (gpu, cpu, max(0.0, round(1.0 - gpu - cpu, 4)))
+    return tidy.reshape(-1)
+
+
+def _with_fractions(choice: Policy, x: np.ndarray) -> Policy:
+    return dataclasses.replace(
+        choice,
+        weights_frac=(float(x[0]), float(x[1]), float(x[2])),
+        kv_frac=(float(x[3]), float(x[4]), float(x[5])),
+        act_frac=(float(x[6]), float(x[7]), float(x[8])),
+    )
+
+
+def search(
+    model: ModelSpec,
+    workload: WorkloadSpec,
+    hardware: HardwareSpec,
+    *,
+    gpu_mem: int | None = None,
+    cpu_mem: int | None = None,
+    disk_mem: int | None = None,
+    allow_compression: bool = True,
+    allow_cpu_attention: bool = True,
+) -> PlanResult:
+    """The policy with the highest predicted generation throughput that fits the budgets.
+
+    Budgets default to the hardware's memory sizes. Raises `PolicyInfeasible`.
+    """
+    budgets = hardware_budgets(hardware, gpu_mem, cpu_mem, disk_mem)
+    lp = PlacementLP()
+    best: tuple[float, Policy, Estimate] | None = None  # (score, policy, estimate)
+    alternatives: dict[str, float] = {}
+    num_solved = 0
+    flag_values = (False, True) if allow_compression else (False,)
+    attention_values = (False, True) if allow_cpu_attention else (False,)
+    for compress_weights, compress_kv, cpu_attention in itertools.product(
+        flag_values, flag_values, attention_values
+    ):
+        penalty = 1 + COMPRESSION_MIN_GAIN * (compress_weights + compress_kv)
+        combo = f"compress_weights={compress_weights} compress_kv={compress_kv} " + (
+            f"cpu_attention={cpu_attention}"
+        )
+        for num_gpu_batches in NUM_GPU_BATCHES:
+            fitted_any = False
+            for gpu_batch_size in GPU_BATCH_SIZES:
+                choice = Policy(
+                    gpu_batch_size=gpu_batch_size,
+                    num_gpu_batches=num_gpu_batches,
+                    cpu_attention=cpu_attention,
+                    compress_weights=compress_weights,
+                    compress_kv=compress_kv,
+                    num_cpu_threads=max_compute_threads(hardware, compress_kv),
+                )
+                terms = build_terms(model, workload, hardware, choice, budgets)
+                if best is not None and _upper_bound(terms) / penalty <= best[0]:
+                    fitted_any = True  # cannot win, but larger batches still might
+                    continue
+                x = lp.solve(terms)
+                num_solved += 1
+                if x is None:
+                    break  # more sequences only need more memory
+                fitted_any = True
+                policy, result = _finish(choice, x, terms)
+                throughput = result.generation_throughput
+                alternatives[combo] = max(alternatives.get(combo, 0.0), throughput)
+                if best is None or throughput / penalty > best[0] * (1 + MIN_GAIN):
+                    best = (throughput / penalty, policy, result)
+            if not fitted_any:
+                break  # even the smallest batch does not fit with more GPU batches
+    if best is None:
+        raise PolicyInfeasible(_diagnose(model, workload, hardware, budgets, allow_compression))
+    _, policy, _ = best
+    policy = plan_threads(model, workload, hardware, policy)
+    final = estimate(policy, model, workload, hardware, budgets)
+    return PlanResult(
+        policy=policy,
+        predicted=final.predicted(),
+        bottleneck=_bottleneck(final),
+        estimate=final,
+        alternatives=alternatives,
+        num_solved=num_solved,
+    )
+
+
+def _upper_bound(terms: CostTerms) -> float:
+    """Generation throughput no placement can beat: each task at its simplex minimum."""
+    pre = [terms.prefill[t].minimum() for t in TASKS]
+    gen = [terms.decode[t].minimum() for t in TASKS]
+    combine = max if terms.overlap else sum
+    seconds = terms.num_layers * (combine(pre) + (terms.gen_len - 1) * combine(gen))
+    return terms.block_size * terms.gen_len / seconds
+
+
+def _finish(choice: Policy, x: np.ndarray, terms: CostTerms) -> tuple[Policy, Estimate]:
+    """Tidy the LP's fractions where that still fits and costs under 0.1% throughput;
+    otherwise keep them as solved."""
+    exact = _normalized(x)
+    reference = evaluate(terms, exact).generation_throughput
+    for candidate in (_tidy(x, snap=True), _tidy(x, snap=False)):
+        result = evaluate(terms, candidate)
+        if result.fits and result.generation_throughput >= reference * 0.999:
+            return _with_fractions(choice, candidate), result
+    return _with_fractions(choice, exact), evaluate(terms, exact)
+
+
+def _bottleneck(result: Estimate) -> str:
+    full = [
+        tier
+        for tier in ("gpu", "cpu", "disk")
+        if result.capacity_bytes[tier] > 0
+        and result.peak_bytes[tier] >= 0.995 * result.capacity_bytes[tier]
+    ]
+    if not full:
+        return result.bottleneck
+    return f"{result.bottleneck} ({', '.join(full)} memory full)"
+
+
+def _diagnose(
+    model: ModelSpec,
+    workload: WorkloadSpec,
+    hardware: HardwareSpec,
+    budgets: dict[str, float],
+    allow_compression: bool,
+) -> str:
+    """Explain why even one sequence (gbs=1, nb=1, smallest formats) does not fit."""
+    choice = Policy(
+        gpu_batch_size=1,
+        num_gpu_batches=1,
+        cpu_attention=True,
+        compress_weights=allow_compression,
+        compress_kv=allow_compression,
+    )
+    terms = build_terms(model, workload, hardware, choice, budgets)
+    name = model.name
+    for tier, flag in (("gpu", "--gpu-mem"), ("cpu", "--cpu-mem")):
+        for row in (f"{tier}_prefill", f"{tier}_decode"):
+            floor, usable = terms.memory[row].minimum(), terms.capacity[row]
+            if floor > usable:
+                return (
+                    f"{name} needs at least {format_bytes(floor)} of {tier} working memory "
+                    f"for one sequence ({row.split('_')[1]}: a layer's weights, buffers, "
+                    f"activations) but {flag} leaves {format_bytes(usable)} usable; short by "
+                    f"{format_bytes(floor - usable)}"
+                )
+    # Everything homed somewhere: the three tiers together must hold weights + KV + activations.
+    tiers = ("gpu_decode", "cpu_decode", "disk")
+    homed = (terms.memory[tiers[0]] + terms.memory[tiers[1]] + terms.memory[tiers[2]]).minimum()
+    usable_total = sum(terms.capacity[r] for r in tiers)
+    if homed > usable_total:
+        return (
+            f"{name} needs at least {format_bytes(homed)} across gpu+cpu+disk "
+            f"(weights {format_bytes(model.total_weight_bytes)} before compression) but the "
+            f"budgets leave {format_bytes(usable_total)} usable; short by "
+            f"{format_bytes(homed - usable_total)} (raise --cpu-mem or --disk-mem)"
+        )
+    usable_text = ", ".join(
+        f"{tier} {format_bytes(terms.capacity[row])}"
+        for tier, row in (("gpu", "gpu_decode"), ("cpu", "cpu_decode"), ("disk", "disk"))
+    )
+    return (
+        f"no placement of {name} fits the budgets (usable {usable_text}): the home tiers and "
+        "the staging buffers that tensors on slower tiers need do not fit together; "
+        "raise --cpu-mem or --gpu-mem"
+    )

@@ -1,0 +1,69 @@
+"""`nanoflex plan` through the real argument parser."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from policy.hardware import FLEXGEN_T4
+from policy.policy import Policy
+from server.cli import main
+
+
+@pytest.fixture
+def hardware_file(tmp_path: Path) -> str:
+    path = tmp_path / "hardware.json"
+    FLEXGEN_T4.save(path)
+    return str(path)
+
+
+def test_plan_json(hardware_file: str, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["plan", "--prompt-len", "64", "--gen-len", "8", "--hardware", hardware_file]
+    assert main([*argv, "--gpu-mem", "2GiB", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out) == {"policy", "predicted", "bottleneck"}
+    assert set(out["predicted"]) == {
+        "prefill_throughput",
+        "decode_throughput",
+        "generation_throughput",
+    }
+    assert all(v > 0 for v in out["predicted"].values())
+    policy = Policy.from_dict(out["policy"])
+    assert out["policy"] == policy.to_dict()
+    assert Policy.from_json(json.dumps(out)) == policy  # `--policy FILE` accepts this output
+
+
+def test_plan_report(hardware_file: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--model", "facebook/opt-13b", "--hardware", hardware_file]) == 0
+    report = capsys.readouterr().out
+    for needle in ("policy (gpu / cpu / disk):", "predicted throughput", "why:", "bottleneck"):
+        assert needle in report
+
+
+def test_plan_errors_are_one_line(hardware_file: str, capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["plan", "--model", "opt-175b", "--hardware", hardware_file]
+    assert main([*base, "--gpu-mem", "1GiB"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("nanoflex plan: error:") and "short by" in err and "\n" not in err
+    assert main([*base, "--gpu-mem", "lots"]) == 2
+    assert "not a byte size" in capsys.readouterr().err
+
+
+def test_plan_without_profile_says_to_profile(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("NANOFLEX_CACHE", str(tmp_path))
+    assert main(["plan"]) == 2
+    assert "nanoflex profile" in capsys.readouterr().err
+
+
+def test_policy_package_never_imports_torch() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, policy, policy.search, policy.cli, policy.threads\n"
+        "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers')]\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,0 +1,98 @@
+"""Cost model terms: sizes, overlap, compression, CPU attention, peak memory."""
+
+import dataclasses
+
+import pytest
+
+from policy.cost_model import compressed_bytes_per_element, estimate
+from policy.hardware import FLEXGEN_T4
+from policy.policy import Policy
+from policy.specs import BUILTIN_MODELS, WorkloadSpec
+
+OPT_30B = BUILTIN_MODELS["opt-30b"]
+WORKLOAD = WorkloadSpec(prompt_len=512, gen_len=32)
+# FlexGen's OPT-30B policy from Table 15: 48x3, weights 20/80, KV and activations on CPU.
+PAPER_30B = Policy(
+    gpu_batch_size=48,
+    num_gpu_batches=3,
+    weights_frac=(0.2, 0.8, 0.0),
+    kv_frac=(0.0, 1.0, 0.0),
+    act_frac=(0.0, 1.0, 0.0),
+    cpu_attention=True,
+)
+
+
+def test_compressed_bytes_are_about_028_of_fp16() -> None:
+    assert compressed_bytes_per_element(2) / 2 == pytest.approx(0.28, abs=0.005)
+
+
+def test_throughput_definitions_follow_design_section_8() -> None:
+    est = estimate(PAPER_30B, OPT_30B, WORKLOAD, FLEXGEN_T4)
+    layers, bls = OPT_30B.num_layers, PAPER_30B.block_size
+    prefill_s, decode_s = layers * est.prefill_time, layers * 31 * est.decode_time
+    assert est.prefill_throughput == pytest.approx(bls * 512 / prefill_s)
+    assert est.decode_throughput == pytest.approx(bls * 31 / decode_s)
+    assert est.generation_throughput == pytest.approx(bls * 32 / (prefill_s + decode_s))
+
+
+def test_paper_policy_lands_near_the_paper_number() -> None:
+    est = estimate(PAPER_30B, OPT_30B, WORKLOAD, FLEXGEN_T4)
+    assert est.generation_throughput == pytest.approx(7.32, rel=0.15)  # Table 15
+    assert est.bottleneck == "decode:cpu_compute"
+
+
+def test_overlap_off_sums_the_tasks() -> None:
+    on = estimate(PAPER_30B, OPT_30B, WORKLOAD, FLEXGEN_T4)
+    off = estimate(dataclasses.replace(PAPER_30B, overlap=False), OPT_30B, WORKLOAD, FLEXGEN_T4)
+    assert off.decode_time == pytest.approx(sum(on.decode_terms.values()))
+    assert off.generation_throughput < on.generation_throughput
+
+
+def test_cpu_attention_moves_only_q_and_new_kv() -> None:
+    gpu_attention = dataclasses.replace(PAPER_30B, cpu_attention=False)
+    with_cpu = estimate(PAPER_30B, OPT_30B, WORKLOAD, FLEXGEN_T4)
+    without = estimate(gpu_attention, OPT_30B, WORKLOAD, FLEXGEN_T4)
+    assert with_cpu.decode_terms["ctog"] < 0.5 * without.decode_terms["ctog"]
+    assert with_cpu.compute_parts["cpu_compute"] > 0 == without.compute_parts["cpu_compute"]
+
+
+def test_compression_shrinks_moved_and_homed_bytes() -> None:
+    gpu_attention = dataclasses.replace(PAPER_30B, cpu_attention=False)
+    compressed = dataclasses.replace(gpu_attention, compress_weights=True, compress_kv=True)
+    plain = estimate(gpu_attention, OPT_30B, WORKLOAD, FLEXGEN_T4)
+    small = estimate(compressed, OPT_30B, WORKLOAD, FLEXGEN_T4)
+    assert small.decode_terms["ctog"] == pytest.approx(0.28 * plain.decode_terms["ctog"], rel=0.05)
+    assert small.peak_bytes["cpu"] < 0.35 * plain.peak_bytes["cpu"]
+    assert small.compute_parts["gpu_compute"] > plain.compute_parts["gpu_compute"]  # dequant
+
+
+def test_peak_memory_grows_with_the_block() -> None:
+    small = estimate(PAPER_30B, OPT_30B, WORKLOAD, FLEXGEN_T4)
+    big = estimate(dataclasses.replace(PAPER_30B, num_gpu_batches=6), OPT_30B, WORKLOAD, FLEXGEN_T4)
+    assert big.peak_bytes["cpu"] > small.peak_bytes["cpu"]
+    assert big.peak_bytes["gpu"] >= small.peak_bytes["gpu"]
+
+
+def test_lm_offload_cpu_attention_decides_whether_kv_compression_pays() -> None:
+    """LM-Offload Obs. 1: with GPU attention 4-bit KV cuts PCIe traffic and pays; with
+    CPU attention the KV never crosses PCIe, so 4-bit KV only adds dequantization."""
+    placement = dict(weights_frac=(0.0, 1.0, 0.0), kv_frac=(0.0, 1.0, 0.0), act_frac=(1, 0, 0))
+    results = {}
+    for cpu_attention in (False, True):
+        for compress_kv in (False, True):
+            policy = Policy(
+                gpu_batch_size=32,
+                num_gpu_batches=4,
+                cpu_attention=cpu_attention,
+                compress_kv=compress_kv,
+                **placement,  # type: ignore[arg-type]
+            )
+            est = estimate(policy, OPT_30B, WORKLOAD, FLEXGEN_T4)
+            results[cpu_attention, compress_kv] = est.generation_throughput
+    assert results[False, True] > results[False, False]  # GPU attention: compression pays
+    assert results[True, True] < results[True, False]  # CPU attention: it does not
+
+
+def test_policy_json_round_trip_with_thread_fields() -> None:
+    policy = dataclasses.replace(PAPER_30B, num_cpu_threads=8, num_interop_threads=8)
+    assert Policy.from_json(policy.to_json()) == policy

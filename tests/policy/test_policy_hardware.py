@@ -1,0 +1,85 @@
+"""HardwareSpec JSON, cache location and derived constants."""
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from policy.errors import UserError
+from policy.hardware import (
+    FLEXGEN_T4,
+    REQUIRED_KEYS,
+    HardwareSpec,
+    default_cache_path,
+    load_cached,
+)
+
+MINIMAL: dict[str, Any] = {
+    "gpu_mem_bytes": 16 * 2**30,
+    "cpu_mem_bytes": 64 * 2**30,
+    "disk_mem_bytes": 2**40,
+    "ctog_bw": 12e9,
+    "gtoc_bw": 12e9,
+    "dtoc_bw": 2e9,
+    "ctod_bw": 1e9,
+    "gpu_flops": 50e12,
+    "gpu_bmm_flops": 20e12,
+    "cpu_flops": 1e12,
+}
+
+
+def test_required_keys_are_exactly_the_documented_ones() -> None:
+    assert set(REQUIRED_KEYS) == set(MINIMAL)
+
+
+def test_file_with_only_required_keys_loads(tmp_path: Path) -> None:
+    path = tmp_path / "hw.json"
+    path.write_text(json.dumps(MINIMAL))
+    spec = HardwareSpec.load(path)
+    assert spec.ctog_bw == 12e9 and spec.num_cpu_cores == 0 and spec.compute_device == "cuda"
+    assert spec.gpu_mem_bw_estimate > 0 and spec.dequant_throughput_estimate(2) > 0
+
+
+def test_round_trip(tmp_path: Path) -> None:
+    path = tmp_path / "sub" / "hardware.json"
+    FLEXGEN_T4.save(path)
+    assert HardwareSpec.load(path) == FLEXGEN_T4
+    assert HardwareSpec.from_json(FLEXGEN_T4.to_json()) == FLEXGEN_T4
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"ctog_bw": None}, "lacks ctog_bw"),
+        ({"typo_bw": 1.0}, "unknown hardware field"),
+        ({"gpu_flops": -1.0}, "gpu_flops"),
+        ({"compute_device": "tpu"}, "compute_device"),
+    ],
+)
+def test_bad_profiles_are_user_errors(change: dict[str, object], message: str) -> None:
+    data: dict[str, object] = {**MINIMAL, **change}
+    data = {k: v for k, v in data.items() if v is not None}
+    with pytest.raises(UserError, match=message):
+        HardwareSpec.from_dict(data)
+
+
+def test_cache_path_and_missing_cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("NANOFLEX_CACHE", str(tmp_path))
+    assert default_cache_path() == tmp_path / "hardware.json"
+    with pytest.raises(UserError, match="nanoflex profile"):
+        load_cached()
+    FLEXGEN_T4.save(default_cache_path())
+    assert load_cached() == FLEXGEN_T4
+    monkeypatch.delenv("NANOFLEX_CACHE")
+    assert default_cache_path() == Path.home() / ".cache" / "nanoflex" / "hardware.json"
+
+
+def test_cpu_attention_throughput_table_interpolates_and_saturates() -> None:
+    spec = HardwareSpec(**MINIMAL, cpu_attention_throughput=((8, 8e9), (1, 1e9)))
+    assert spec.cpu_attention_throughput == ((1, 1e9), (8, 8e9))  # sorted
+    assert spec.cpu_attention_bw(4, 1.0) == pytest.approx(4e9)
+    assert spec.cpu_attention_bw(32, 1.0) == pytest.approx(8e9)
+    derived = HardwareSpec(**MINIMAL, num_cpu_cores=32)
+    assert derived.cpu_attention_bw(16, 1.0) == derived.cpu_attention_bw(8, 1.0)
+    assert derived.cpu_attention_bw(4, 1.0) < derived.cpu_attention_bw(8, 1.0)

@@ -1,0 +1,58 @@
+"""LM-Offload Algorithm 3: thread-level parallelism control."""
+
+import dataclasses
+
+from policy.hardware import FLEXGEN_T4
+from policy.policy import Policy
+from policy.specs import BUILTIN_MODELS, WorkloadSpec
+from policy.threads import (
+    IO_TASKS,
+    attention_graph,
+    choose_threads,
+    max_concurrency,
+    plan_threads,
+    split_threads,
+)
+
+OPT_30B = BUILTIN_MODELS["opt-30b"]
+WORKLOAD = WorkloadSpec(prompt_len=512, gen_len=32)
+POLICY = Policy(
+    gpu_batch_size=48,
+    num_gpu_batches=3,
+    weights_frac=(0.2, 0.8, 0.0),
+    kv_frac=(0.0, 1.0, 0.0),
+    act_frac=(0.0, 1.0, 0.0),
+    cpu_attention=True,
+)
+
+
+def test_max_concurrency_is_the_widest_level() -> None:
+    assert max_concurrency({"a": (), "b": ("a",), "c": ("b",)}) == 1
+    assert max_concurrency({"a": (), "b": (), "c": ("a", "b"), "d": ("c",)}) == 2
+    assert max_concurrency(attention_graph(compress_kv=False)) == 3
+    assert max_concurrency(attention_graph(compress_kv=True)) == 5
+
+
+def test_split_threads_is_proportional_and_complete() -> None:
+    shares = split_threads(12, {"a": 3.0, "b": 1.0, "c": 0.0})
+    assert sum(shares.values()) == 12 and min(shares.values()) >= 1
+    assert shares["a"] > shares["b"] >= shares["c"]
+
+
+def test_algorithm_3_respects_the_core_budget() -> None:
+    plan = choose_threads(OPT_30B, WORKLOAD, FLEXGEN_T4, POLICY)
+    inter_compute = plan.num_interop_threads - len(IO_TASKS)
+    assert inter_compute * plan.num_cpu_threads + sum(plan.io_threads.values()) <= 32
+    assert all(n >= 1 for n in plan.io_threads.values())
+    # CPU attention saturates at 8 threads on this profile: the knee, not all cores.
+    assert 1 < plan.num_cpu_threads <= 8
+
+
+def test_few_cores_fall_back_to_compute_everything() -> None:
+    small = dataclasses.replace(FLEXGEN_T4, num_cpu_cores=2)
+    policy = plan_threads(OPT_30B, WORKLOAD, small, POLICY)
+    assert (policy.num_cpu_threads, policy.num_interop_threads, policy.num_copy_threads) == (
+        2,
+        1,
+        1,
+    )
