@@ -11,28 +11,22 @@ from typing import Any
 import torch
 
 from engine.llm import LLM
+from engine.planning import Workload, predict
 from engine.sampling_params import SamplingParams
 from engine.sequence import Request
-from policy import Policy
 from policy.units import format_bytes, parse_bytes
-
-
-def load_policy(spec: str | None) -> Policy | None:
-    """--policy: None keeps the engine's default, 'auto' asks the planner, else a JSON file."""
-    if spec is None or spec == "auto":
-        return None
-    return Policy.load(spec)
 
 
 def llm_from_args(args: argparse.Namespace, **kwargs: Any) -> LLM:
     return LLM(
         args.model,
-        policy=load_policy(args.policy),
+        policy=args.policy,
         offload_dir=args.offload_dir,
         device=args.device,
         gpu_mem=None if args.gpu_mem is None else parse_bytes(args.gpu_mem),
         cpu_mem=None if args.cpu_mem is None else parse_bytes(args.cpu_mem),
         show_progress=True,
+        workload=Workload(args.prompt_len, args.gen_len) if hasattr(args, "gen_len") else None,
         **kwargs,
     )
 
@@ -110,6 +104,9 @@ def run_bench(llm: LLM, prompt_len: int, gen_len: int, num_prompts: int) -> dict
         "generation_throughput": num_prompts * gen_len / (prefill_s + decode_s),
         "num_steps": steps,
         "placement": placement,
+        "predicted": llm.plan["predicted"]
+        if llm.plan
+        else predict(llm.policy, llm.executor.model_dir, Workload(prompt_len, gen_len)),
     }
 
 
@@ -124,3 +121,10 @@ def print_bench(r: dict[str, Any]) -> None:
     print(f"prefill      {r['prefill_throughput']:10.1f} tokens/s  ({r['prefill_seconds']:.3f} s)")
     print(f"decode       {r['decode_throughput']:10.1f} tokens/s  ({r['decode_seconds']:.3f} s)")
     print(f"generation   {r['generation_throughput']:10.1f} tokens/s  ({r['num_steps']} steps)")
+    if r["predicted"]:
+        predicted = r["predicted"]
+        print(
+            f"predicted    prefill {predicted['prefill_throughput']:.1f}, decode "
+            f"{predicted['decode_throughput']:.1f}, generation "
+            f"{predicted['generation_throughput']:.1f} tokens/s (cost model)"
+        )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import sys
 import tempfile
@@ -77,6 +78,10 @@ class Executor:
         )
         if policy.num_cpu_threads > 0:
             torch.set_num_threads(policy.num_cpu_threads)
+        if policy.num_interop_threads > 0:
+            # settable once per process, before any inter-op work: later calls keep the first
+            with contextlib.suppress(RuntimeError):
+                torch.set_num_interop_threads(policy.num_interop_threads)
         self.gpu_mem, self.cpu_mem = gpu_mem, cpu_mem
         if self.device.is_cuda and gpu_mem is not None:
             total = torch.cuda.get_device_properties(self.device.device).total_memory

@@ -10,7 +10,9 @@ from typing import Any
 from engine.checkpoint import ModelLoadError
 from engine.core import EngineCore
 from engine.executor import Executor
+from engine.model_files import resolve_model_dir
 from engine.outputs import CompletionOutput, RequestOutput
+from engine.planning import DEFAULT_WORKLOAD, Workload, resolve_policy
 from engine.sampling_params import SamplingError, SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.sequence import BATCH_PRIORITY, Request
@@ -25,14 +27,18 @@ class LLM:
     """Generate with one model under one policy, like vLLM's `LLM`.
 
     model: a local directory, a hub id, or None for the built-in demo model.
-    policy: a `Policy`; None uses `default_policy()`.
+    policy: a `Policy`, a policy JSON file, or "auto" (or None): planned by the cost model for
+        `workload` on this machine's cached hardware profile (`nanoflex profile`).
     gpu_mem / cpu_mem: byte budgets for the gpu and cpu tiers (gpu_mem is enforced on CUDA).
+    kv_capacity_blocks: KV blocks per tier the scheduler may use, overriding what the memory
+        budgets leave (tests use a tiny pool to force preemption); missing tiers keep theirs.
+    static_blocks: FlexGen-style baseline without refill (SchedulerConfig.static_blocks).
     """
 
     def __init__(
         self,
         model: str | Path | None = None,
-        policy: Policy | None = None,
+        policy: Policy | str | None = "auto",
         offload_dir: str | Path | None = None,
         device: str = "auto",
         gpu_mem: int | None = None,
@@ -41,10 +47,21 @@ class LLM:
         async_scheduling: bool = False,
         max_step_tokens: int | None = 2048,
         show_progress: bool = False,
+        kv_capacity_blocks: dict[str, int | None] | None = None,
+        static_blocks: bool = False,
+        workload: Workload | None = None,
     ) -> None:
-        self.policy = policy or default_policy()
+        model_dir = resolve_model_dir(None if model is None else str(model))
+        self.policy, self.plan = resolve_policy(
+            policy,
+            model_dir,
+            device=device,
+            workload=workload or DEFAULT_WORKLOAD,
+            gpu_mem=gpu_mem,
+            cpu_mem=cpu_mem,
+        )
         self.executor = Executor(
-            model,
+            model_dir,
             self.policy,
             device=device,
             offload_dir=offload_dir,
@@ -61,7 +78,8 @@ class LLM:
             SchedulerConfig.from_policy(
                 self.policy,
                 block_tokens=self.executor.block_tokens,
-                kv_capacity_blocks=self.executor.kv_capacity_blocks(),
+                kv_capacity_blocks=self.executor.kv_capacity_blocks() | (kv_capacity_blocks or {}),
+                static_blocks=static_blocks,
                 eos_token_id=eos[0] if eos else None,
                 max_model_len=config.max_position_embeddings,
                 # None: a whole block's prompts prefill in one step, as FlexGen does
@@ -145,11 +163,6 @@ def load_tokenizer(model_dir: Path) -> Any | None:
         return AutoTokenizer.from_pretrained(model_dir)
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"cannot load the tokenizer in {model_dir}: {e}") from e
-
-
-def default_policy() -> Policy:
-    """Everything on the compute device, one GPU batch of 8 (until the searched policy lands)."""
-    return Policy()
 
 
 class _Detokenizer:

@@ -23,6 +23,7 @@ from typing import Any
 from engine.core import EngineCore
 from engine.model_files import resolve_model_dir
 from engine.outputs import RequestOutput
+from engine.planning import resolve_policy
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.sequence import ONLINE_PRIORITY, Request
@@ -278,13 +279,21 @@ def _config_max_len(model_dir: Path) -> int:
 def build_engine_client(args: argparse.Namespace) -> CoreEngineClient:
     """`nanoflex serve`'s engine: the model resolved here, loaded in the engine process."""
     model_dir = resolve_model_dir(args.model, torch_free=True)
-    policy = Policy() if args.policy in (None, "auto") else Policy.load(args.policy)
     kwargs = {
         "device": args.device,
         "offload_dir": args.offload_dir,
         "gpu_mem": None if args.gpu_mem is None else parse_bytes(args.gpu_mem),
         "cpu_mem": None if args.cpu_mem is None else parse_bytes(args.cpu_mem),
     }
+    policy, plan = resolve_policy(
+        args.policy,
+        model_dir,
+        device=args.device,
+        gpu_mem=kwargs["gpu_mem"],
+        cpu_mem=kwargs["cpu_mem"],
+        torch_free=True,
+    )
+    log.info("policy %s%s", policy.to_json(), f" planned: {plan}" if plan else "")
     name = "nanoflex-demo" if args.model is None else str(args.model).rstrip("/")
     return CoreEngineClient(
         model_dir, policy, kwargs, model_name=name, in_process=getattr(args, "in_process", False)
