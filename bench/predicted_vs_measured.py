@@ -1,6 +1,6 @@
 """Cost-model prediction against `nanoflex bench` measurement, for several policies, one sitting.
 
-    python bench/predicted_vs_measured.py [--model M] [--prompt-len 128] [--gen-len 16]
+    python -m bench.predicted_vs_measured [--model M] [--prompt-len 128] [--gen-len 16]
         [--num-prompts 12] [--device cpu] [--json OUT.json]
 
 Prints a Markdown table (the one in docs/policy.md). Uses the cached hardware
@@ -9,14 +9,10 @@ profile (`nanoflex profile`) for the predictions.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
-import tempfile
 
-from engine import LLM
-from engine.cli import run_bench
-from engine.planning import Workload, predict
+from bench.common import parse_args, run_policies
 from policy import Policy
 
 POLICIES: dict[str, Policy | str] = {
@@ -39,32 +35,8 @@ POLICIES: dict[str, Policy | str] = {
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None)
-    parser.add_argument("--prompt-len", type=int, default=128)
-    parser.add_argument("--gen-len", type=int, default=16)
-    parser.add_argument("--num-prompts", type=int, default=12)
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--json", default=None, help="also write the raw results here")
-    args = parser.parse_args()
-    workload = Workload(args.prompt_len, args.gen_len)
-    rows = []
-    for name, policy in POLICIES.items():
-        with (
-            tempfile.TemporaryDirectory(prefix="nanoflex-bench-") as offload,
-            LLM(
-                args.model,
-                policy=policy,
-                offload_dir=offload,
-                device=args.device,
-                workload=workload,
-                max_step_tokens=None,
-            ) as llm,
-        ):
-            measured = run_bench(llm, args.prompt_len, args.gen_len, args.num_prompts)
-            predicted = predict(llm.policy, llm.executor.model_dir, workload)
-        rows.append({"name": name, "measured": measured, "predicted": predicted})
-        print(f"{name}: done", file=sys.stderr)
+    args = parse_args(__doc__ or "")
+    rows = run_policies(POLICIES, args)
     print(
         "| policy | measured gen tok/s | predicted gen tok/s | ratio | measured decode | "
         "predicted decode | predicted bottleneck |"

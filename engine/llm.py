@@ -30,6 +30,8 @@ class LLM:
     policy: a `Policy`, a policy JSON file, or "auto" (or None): planned by the cost model for
         `workload` on this machine's cached hardware profile (`nanoflex profile`).
     gpu_mem / cpu_mem: byte budgets for the gpu and cpu tiers (gpu_mem is enforced on CUDA).
+    dtype: "float16", "bfloat16" or "float32"; default float32 on the CPU, the checkpoint's
+        half type (or float16) on CUDA.
     kv_capacity_blocks: KV blocks per tier the scheduler may use, overriding what the memory
         budgets leave (tests use a tiny pool to force preemption); missing tiers keep theirs.
     static_blocks: FlexGen-style baseline without refill (SchedulerConfig.static_blocks).
@@ -50,6 +52,7 @@ class LLM:
         kv_capacity_blocks: dict[str, int | None] | None = None,
         static_blocks: bool = False,
         workload: Workload | None = None,
+        dtype: str | None = None,
     ) -> None:
         model_dir = resolve_model_dir(None if model is None else str(model))
         self.policy, self.plan = resolve_policy(
@@ -67,6 +70,7 @@ class LLM:
             offload_dir=offload_dir,
             gpu_mem=gpu_mem,
             cpu_mem=cpu_mem,
+            dtype=None if dtype is None else parse_dtype(dtype),
             show_progress=show_progress,
         )
         self.tokenizer = load_tokenizer(self.executor.model_dir)
@@ -151,6 +155,15 @@ class LLM:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def parse_dtype(name: str) -> Any:
+    import torch
+
+    dtypes = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+    if name not in dtypes:
+        raise SamplingError(f"dtype must be one of {', '.join(dtypes)}, got {name!r}")
+    return dtypes[name]
 
 
 def load_tokenizer(model_dir: Path) -> Any | None:

@@ -89,7 +89,7 @@ def build_tiny(kind: str, path: Path, seed: int = 0) -> Path:
         model_type, bos_token_id=1, eos_token_id=2, pad_token_id=0, **spec
     )
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # HF initializes biases and norms to constants; make them matter
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
@@ -114,7 +114,7 @@ def hf_greedy(model_dir: Path, prompt: list[int], max_new_tokens: int) -> list[i
     """transformers' own generate(), greedy, EOS ignored: the reference tokens."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.generation_config.eos_token_id = None
     out = model.generate(
         torch.tensor([prompt]),

@@ -1,0 +1,49 @@
+"""Shared by the bench scripts: run `nanoflex bench`'s measurement under several policies."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from typing import Any
+
+from engine import LLM
+from engine.cli import run_bench
+from engine.planning import Workload, predict
+from policy import Policy
+
+
+def parse_args(doc: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--model", default=None, help="default: the demo model")
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--gen-len", type=int, default=16)
+    parser.add_argument("--num-prompts", type=int, default=12)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--json", default=None, help="also write the raw results here")
+    return parser.parse_args()
+
+
+def run_policies(
+    policies: dict[str, Policy | str], args: argparse.Namespace
+) -> list[dict[str, Any]]:
+    """One row per policy: the bench measurement and the cost model's prediction."""
+    workload = Workload(args.prompt_len, args.gen_len)
+    rows = []
+    for name, policy in policies.items():
+        with (
+            tempfile.TemporaryDirectory(prefix="nanoflex-bench-") as offload,
+            LLM(
+                args.model,
+                policy=policy,
+                offload_dir=offload,
+                device=args.device,
+                workload=workload,
+                max_step_tokens=None,
+            ) as llm,
+        ):
+            measured = run_bench(llm, args.prompt_len, args.gen_len, args.num_prompts)
+            predicted = predict(llm.policy, llm.executor.model_dir, workload)
+        rows.append({"name": name, "measured": measured, "predicted": predicted})
+        print(f"{name}: done", file=sys.stderr)
+    return rows
