@@ -9,10 +9,9 @@ attention; overlap on. Nano-batching is not built yet, so it has no row.
 from __future__ import annotations
 
 import dataclasses
-import json
 import sys
 
-from bench.common import parse_args, run_policies
+from bench.common import parse_args, run_policies, write_json
 from policy import Policy
 
 BASE = Policy(
@@ -44,9 +43,7 @@ def main() -> int:
             f"| {row['name']} | {m['generation_throughput']:.1f} | {m['decode_throughput']:.1f} "
             f"| {m['prefill_throughput']:.1f} | {m['generation_throughput'] / base:.2f} |"
         )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=2, default=str)
+    write_json(args.json, rows)
     return 0
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import tempfile
 from typing import Any
@@ -47,3 +48,10 @@ def run_policies(
         rows.append({"name": name, "measured": measured, "predicted": predicted})
         print(f"{name}: done", file=sys.stderr)
     return rows
+
+
+def write_json(path: str | None, rows: list[dict[str, Any]]) -> None:
+    """--json: the raw rows, for bench/results/ and plots."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(rows, f, indent=2, default=str)

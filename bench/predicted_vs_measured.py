@@ -9,10 +9,9 @@ profile (`nanoflex profile`) for the predictions.
 
 from __future__ import annotations
 
-import json
 import sys
 
-from bench.common import parse_args, run_policies
+from bench.common import parse_args, run_policies, write_json
 from policy import Policy
 
 POLICIES: dict[str, Policy | str] = {
@@ -50,9 +49,7 @@ def main() -> int:
             f"{m['generation_throughput'] / gen_p:.2f} | {m['decode_throughput']:.1f} | "
             f"{p.get('decode_throughput', float('nan')):.1f} | {p.get('bottleneck', '-')} |"
         )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=2, default=str)
+    write_json(args.json, rows)
     return 0
 
 

@@ -8,6 +8,7 @@ moved and compressed independently of the math.
 
 from __future__ import annotations
 
+import re
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 
@@ -42,9 +43,21 @@ class Model(ABC):
     def map_name(self, hf_name: str) -> tuple[int, str] | None:
         """Checkpoint tensor name -> (layer index j, local name), or None to skip it."""
 
-    @abstractmethod
     def tied_head_source(self) -> tuple[int, str, str]:
-        """(layer, local name) of the embedding and the head's local name when tied."""
+        """(layer, local name) of the token embedding and the head's local name when tied."""
+        return 0, "tok.weight", "lm_head.weight"
+
+    def map_decoder_name(
+        self, name: str, pattern: re.Pattern[str], local_names: dict[str, str]
+    ) -> tuple[int, str] | None:
+        """'<prefix>.<i>.<module>.<param>' matched by `pattern` (groups: i, module.param)
+        -> (decoder layer i + 1, '<local>.<param>'), or None for a module we do not use."""
+        match = pattern.match(name)
+        if match is None:
+            return None
+        module, _, param = match.group(2).rpartition(".")
+        local = local_names.get(module)
+        return None if local is None else (int(match.group(1)) + 1, f"{local}.{param}")
 
     @abstractmethod
     def embed(self, w: Weights, token_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -73,15 +73,7 @@ class LlamaModel(Model):
             return self.num_layers - 1, "norm.weight"
         if hf_name == "lm_head.weight":
             return self.num_layers - 1, "lm_head.weight"
-        match = _LAYER.match(name)
-        if match is None:
-            return None  # e.g. rotary_emb.inv_freq in old checkpoints: recomputed here
-        module, _, param = match.group(2).rpartition(".")
-        local = _LOCAL.get(module)
-        return None if local is None else (int(match.group(1)) + 1, f"{local}.{param}")
-
-    def tied_head_source(self) -> tuple[int, str, str]:
-        return 0, "tok.weight", "lm_head.weight"
+        return self.map_decoder_name(name, _LAYER, _LOCAL)
 
     def embed(self, w: Weights, token_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.embedding(token_ids, w["tok.weight"])

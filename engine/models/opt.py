@@ -38,15 +38,7 @@ class OPTModel(Model):
             return self.num_layers - 1, "norm." + name.rpartition(".")[2]
         if name == "project_out.weight":
             return self.num_layers - 1, "project_out.weight"
-        match = _LAYER.match(name)
-        if match is None:
-            return None
-        module, _, param = match.group(2).rpartition(".")
-        local = _LOCAL.get(module)
-        return None if local is None else (int(match.group(1)) + 1, f"{local}.{param}")
-
-    def tied_head_source(self) -> tuple[int, str, str]:
-        return 0, "tok.weight", "lm_head.weight"
+        return self.map_decoder_name(name, _LAYER, _LOCAL)
 
     def embed(self, w: Weights, token_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = torch.nn.functional.embedding(token_ids, w["tok.weight"])
