@@ -162,8 +162,12 @@ class Executor:
 
     def placement(self) -> dict[str, Any]:
         """What was realized: bytes per tier for weights, KV and activations, and layer homes."""
+        weights = self.weights.bytes_per_tier()
+        total = sum(weights.values()) or 1
         return {
-            "weights_bytes": self.weights.bytes_per_tier(),
+            "planned_weights_frac": list(self.policy.weights_frac),
+            "realized_weights_frac": [round(weights[t] / total, 4) for t in TIERS],
+            "weights_bytes": weights,
             "kv_bytes": self.kv.bytes_per_tier(),
             "act_bytes": dict(self.pipeline.act_bytes),
             "weight_tiers": list(self.weights.tiers),
