@@ -6,7 +6,7 @@ into an empty block, so a block runs until its longest member finishes, as
 FlexGen does; refill replaces every finished sequence at the next step.
 Generation throughput = generated tokens / wall time (DESIGN 8 with ragged lengths).
 
-    .venv/bin/python -m bench.refill --device cpu [--json-out FILE]
+    .venv/bin/python -m bench.refill --device cpu [--json FILE]
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import sys
 import time
 from typing import Any
 
+from bench.common import write_json
 from engine import LLM, SamplingParams
 from engine.sequence import Request
 from policy import Policy
@@ -70,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpu-batch-size", type=int, default=4)
     parser.add_argument("--num-gpu-batches", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json-out", default=None, help="also write the JSON result here")
+    parser.add_argument("--json", default=None, help="also write the result here")
     args = parser.parse_args(argv)
     policy = Policy(gpu_batch_size=args.gpu_batch_size, num_gpu_batches=args.num_gpu_batches)
     result: dict[str, Any] = {
@@ -105,9 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     text = json.dumps(result, indent=2)
     print(text)
-    if args.json_out:
-        with open(args.json_out, "w") as f:
-            f.write(text + "\n")
+    write_json(args.json, [result])
     return 0
 
 

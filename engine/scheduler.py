@@ -66,6 +66,9 @@ class SchedulerConfig:
     """Context window: prompt plus generated tokens."""
     expected_gen_tokens: int | None = None
     """Generated length assumed by KV admission; None assumes max_tokens (never preempts)."""
+    static_blocks: bool = False
+    """FlexGen-style baseline: admit only into an empty block, so a block runs to completion
+    before the next starts (no refill). False: continuous refill after every step."""
 
     def __post_init__(self) -> None:
         for name in ("gpu_batch_size", "num_gpu_batches", "block_tokens", "max_step_tokens"):
@@ -183,7 +186,9 @@ class Scheduler:
         live = [s for s in self.running if not s.will_finish(self.max_len)]
         num_decodes = sum(1 for s in live if s.num_tokens - s.num_computed_tokens == 1)
         demand = sum(s.num_tokens - s.num_computed_tokens for s in live)
-        queued = itertools.islice(itertools.chain(*self._queues()), len(self._free_slots))
+        can_admit = not self.config.static_blocks or not self.running
+        num_joining = len(self._free_slots) if can_admit else 0
+        queued = itertools.islice(itertools.chain(*self._queues()), num_joining)
         demand += sum(s.num_tokens for s in queued)
         budget = self._pick_size(demand) - num_decodes  # prefill tokens allowed this step
 
@@ -204,7 +209,8 @@ class Scheduler:
             planned.append((seq.slot, self._chunk(seq, num_new, block_ids)))
         if not planned:  # the budget reserved for preempted decodes is free again
             budget = self.config.batch_sizes[-1]
-        while (not preempted or not planned) and budget > 0 and self._free_slots:
+        can_admit = can_admit or not self.running  # preemption may have emptied the block
+        while can_admit and (not preempted or not planned) and budget > 0 and self._free_slots:
             admitted = self._admit(budget)
             if admitted is None:
                 break

@@ -14,7 +14,7 @@ from policy.errors import UserError
 COMMANDS: dict[str, str] = {
     "serve": "server.serve:main",
     "generate": "engine.cli:generate_main",
-    "run-batch": "engine.cli:run_batch_main",
+    "run-batch": "server.run_batch:main",
     "bench": "engine.cli:bench_main",
     "plan": "policy.cli:plan_main",
     "profile": "engine.profiler:profile_main",

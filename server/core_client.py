@@ -191,6 +191,11 @@ class CoreEngineClient(EngineClient):
             except ExecutorDiedError as e:
                 self._recover(e)
                 continue
+            except Exception as e:  # an engine bug: its state may no longer match the plan
+                log.exception("engine step failed")
+                self._executor.kill()
+                self._recover(e)
+                continue
             self._emit(core, time.perf_counter() - start)
             for out in outputs:
                 self._deliver(out.request_id, out)

@@ -223,6 +223,9 @@ class InProcessExecutor:
             close()
         self._executor = None
 
+    def kill(self) -> None:
+        self._executor = None
+
     def restart(self) -> None:
         self.shutdown()
         self.start()
