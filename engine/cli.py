@@ -25,6 +25,7 @@ def llm_from_args(args: argparse.Namespace, **kwargs: Any) -> LLM:
         device=args.device,
         gpu_mem=None if args.gpu_mem is None else parse_bytes(args.gpu_mem),
         cpu_mem=None if args.cpu_mem is None else parse_bytes(args.cpu_mem),
+        disk_mem=None if args.disk_mem is None else parse_bytes(args.disk_mem),
         show_progress=True,
         workload=Workload(args.prompt_len, args.gen_len) if hasattr(args, "gen_len") else None,
         **kwargs,

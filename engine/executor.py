@@ -56,6 +56,7 @@ class Executor:
         offload_dir: str | Path | None = None,
         gpu_mem: int | None = None,
         cpu_mem: int | None = None,
+        disk_mem: int | None = None,
         dtype: torch.dtype | None = None,
         show_progress: bool = False,
     ) -> None:
@@ -82,7 +83,7 @@ class Executor:
             # settable once per process, before any inter-op work: later calls keep the first
             with contextlib.suppress(RuntimeError):
                 torch.set_num_interop_threads(policy.num_interop_threads)
-        self.gpu_mem, self.cpu_mem = gpu_mem, cpu_mem
+        self.gpu_mem, self.cpu_mem, self.disk_mem = gpu_mem, cpu_mem, disk_mem
         if self.device.is_cuda and gpu_mem is not None:
             total = torch.cuda.get_device_properties(self.device.device).total_memory
             torch.cuda.set_per_process_memory_fraction(
@@ -130,7 +131,7 @@ class Executor:
 
     def _check_budgets(self) -> None:
         placed = self.weights.bytes_per_tier()
-        for tier, budget in (("gpu", self.gpu_mem), ("cpu", self.cpu_mem)):
+        for tier, budget in (("gpu", self.gpu_mem), ("cpu", self.cpu_mem), ("disk", self.disk_mem)):
             if budget is not None and placed[tier] > budget:
                 raise MemoryBudgetError(
                     f"weights placed on {tier} take {placed[tier] / 2**30:.2f} GiB, over the "
@@ -142,7 +143,12 @@ class Executor:
         kept for activations and workspace). None means bounded only by the machine."""
         placed = self.weights.bytes_per_tier()
         out: dict[str, int | None] = {"gpu": None, "cpu": None, "disk": None}
-        for tier, budget, reserve in (("gpu", self.gpu_mem, 0.1), ("cpu", self.cpu_mem, 0.0)):
+        budgets = (
+            ("gpu", self.gpu_mem, 0.1),
+            ("cpu", self.cpu_mem, 0.0),
+            ("disk", self.disk_mem, 0.0),
+        )
+        for tier, budget, reserve in budgets:
             if budget is not None:
                 free = budget * (1 - reserve) - placed[tier]
                 out[tier] = max(0, int(free // self.kv.block_bytes))

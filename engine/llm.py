@@ -29,7 +29,7 @@ class LLM:
     model: a local directory, a hub id, or None for the built-in demo model.
     policy: a `Policy`, a policy JSON file, or "auto" (or None): planned by the cost model for
         `workload` on this machine's cached hardware profile (`nanoflex profile`).
-    gpu_mem / cpu_mem: byte budgets for the gpu and cpu tiers (gpu_mem is enforced on CUDA).
+    gpu_mem / cpu_mem / disk_mem: byte budgets per tier (gpu_mem is also enforced on CUDA).
     dtype: "float16", "bfloat16" or "float32"; default float32 on the CPU, the checkpoint's
         half type (or float16) on CUDA.
     kv_capacity_blocks: KV blocks per tier the scheduler may use, overriding what the memory
@@ -46,6 +46,7 @@ class LLM:
         gpu_mem: int | None = None,
         *,
         cpu_mem: int | None = None,
+        disk_mem: int | None = None,
         async_scheduling: bool = False,
         max_step_tokens: int | None = 2048,
         show_progress: bool = False,
@@ -62,6 +63,7 @@ class LLM:
             workload=workload or DEFAULT_WORKLOAD,
             gpu_mem=gpu_mem,
             cpu_mem=cpu_mem,
+            disk_mem=disk_mem,
         )
         self.executor = Executor(
             model_dir,
@@ -70,6 +72,7 @@ class LLM:
             offload_dir=offload_dir,
             gpu_mem=gpu_mem,
             cpu_mem=cpu_mem,
+            disk_mem=disk_mem,
             dtype=None if dtype is None else parse_dtype(dtype),
             show_progress=show_progress,
         )

@@ -53,6 +53,7 @@ def resolve_policy(
     workload: Workload = DEFAULT_WORKLOAD,
     gpu_mem: int | None = None,
     cpu_mem: int | None = None,
+    disk_mem: int | None = None,
     torch_free: bool = False,
 ) -> tuple[Policy, dict[str, Any] | None]:
     """(policy, plan report). `spec` is a Policy, a JSON file path, or None / 'auto' to plan
@@ -69,6 +70,7 @@ def resolve_policy(
         hardware_profile(device, torch_free=torch_free),
         gpu_mem=gpu_mem,
         cpu_mem=cpu_mem,
+        disk_mem=disk_mem,
     )
     return result.policy, {"predicted": result.predicted, "bottleneck": result.bottleneck}
 

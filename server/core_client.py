@@ -289,6 +289,7 @@ def build_engine_client(args: argparse.Namespace) -> CoreEngineClient:
         "offload_dir": args.offload_dir,
         "gpu_mem": None if args.gpu_mem is None else parse_bytes(args.gpu_mem),
         "cpu_mem": None if args.cpu_mem is None else parse_bytes(args.cpu_mem),
+        "disk_mem": None if args.disk_mem is None else parse_bytes(args.disk_mem),
     }
     policy, plan = resolve_policy(
         args.policy,
@@ -296,6 +297,7 @@ def build_engine_client(args: argparse.Namespace) -> CoreEngineClient:
         device=args.device,
         gpu_mem=kwargs["gpu_mem"],
         cpu_mem=kwargs["cpu_mem"],
+        disk_mem=kwargs["disk_mem"],
         torch_free=True,
     )
     log.info("policy %s%s", policy.to_json(), f" planned: {plan}" if plan else "")
