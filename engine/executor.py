@@ -71,8 +71,10 @@ class Executor:
         hf_config = read_hf_config(self.model_dir)
         self.config = ModelConfig.from_hf(hf_config)
         self.model = build_model(self.config)
-        checkpoint_dtype = getattr(hf_config, "torch_dtype", None) or getattr(
-            hf_config, "dtype", None
+        # transformers 5 names it `dtype` (reading `torch_dtype` there warns); 4.x `torch_dtype`
+        raw_dtype = vars(hf_config).get("dtype") or vars(hf_config).get("torch_dtype")
+        checkpoint_dtype = (
+            getattr(torch, raw_dtype, None) if isinstance(raw_dtype, str) else raw_dtype
         )
         self.dtype = dtype or self.device.default_dtype(
             checkpoint_dtype if isinstance(checkpoint_dtype, torch.dtype) else None

@@ -24,6 +24,7 @@ from engine.core import EngineCore
 from engine.model_files import resolve_model_dir
 from engine.outputs import RequestOutput
 from engine.planning import resolve_policy
+from engine.protocol import StepPlan, StepResult
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.sequence import ONLINE_PRIORITY, Request
@@ -77,6 +78,8 @@ class CoreEngineClient(EngineClient):
         self._ready = threading.Event()
         self._stopping = threading.Event()
         self._core: EngineCore | None = None
+        self._counter = _StepCounter(self._executor)
+        self._reported_busy = False
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -110,7 +113,8 @@ class CoreEngineClient(EngineClient):
             max_step_tokens=self._max_step_tokens,
         )
         scheduler = Scheduler(config, detokenizer=_Detokenizer(self._tokenizer))
-        return EngineCore(scheduler, self._executor)
+        self._counter = _StepCounter(self._executor)
+        return EngineCore(scheduler, self._counter)
 
     # -- model and tokenizer ---------------------------------------------------------------
 
@@ -184,6 +188,8 @@ class CoreEngineClient(EngineClient):
             assert core is not None
             self._drain_commands(core, block=not core.has_unfinished())
             if not core.has_unfinished():
+                if self._reported_busy:  # drained by aborts, not by a step: zero the gauges
+                    self._emit(core, 0.0, batch_size=0)
                 continue
             start = time.perf_counter()
             try:
@@ -196,7 +202,7 @@ class CoreEngineClient(EngineClient):
                 self._executor.kill()
                 self._recover(e)
                 continue
-            self._emit(core, time.perf_counter() - start)
+            self._emit(core, time.perf_counter() - start, self._counter.num_seqs)
             for out in outputs:
                 self._deliver(out.request_id, out)
         if self._core is not None:
@@ -240,10 +246,12 @@ class CoreEngineClient(EngineClient):
                 log.exception("engine restart failed; retrying in 5 s")
                 time.sleep(5.0)
         self._core = self._new_core()
+        self._emit(self._core, 0.0, batch_size=0)
         self._ready.set()
 
-    def _emit(self, core: EngineCore, step_seconds: float) -> None:
+    def _emit(self, core: EngineCore, step_seconds: float, batch_size: int) -> None:
         scheduler = core.scheduler
+        self._reported_busy = scheduler.has_unfinished()
         placement = self._executor.info.get("placement", {})
         bytes_per_tier: dict[str, int] = {}
         for kind in ("weights_bytes", "kv_bytes", "act_bytes"):
@@ -252,7 +260,7 @@ class CoreEngineClient(EngineClient):
         self.emit_step(
             StepStats(
                 step_seconds=step_seconds,
-                batch_size=len(scheduler.running),
+                batch_size=batch_size,
                 num_waiting=scheduler.num_waiting,
                 num_running=len(scheduler.running),
                 bytes_per_tier=bytes_per_tier,
@@ -267,6 +275,19 @@ class CoreEngineClient(EngineClient):
     def _call_soon(self, fn: Any, *args: Any) -> None:
         assert self._loop is not None
         self._loop.call_soon_threadsafe(fn, *args)
+
+
+class _StepCounter:
+    """The executor, remembering how many sequences the last step ran (the batch size:
+    the scheduler's running list no longer holds the ones that finished in the step)."""
+
+    def __init__(self, executor: ExecutorProcess | InProcessExecutor) -> None:
+        self.executor = executor
+        self.num_seqs = 0
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        self.num_seqs = len({chunk.seq_id for chunk in plan.chunks})
+        return self.executor.execute(plan)
 
 
 def _resolve(future: asyncio.Future[Exception | None], error: Exception | None) -> None:

@@ -2,8 +2,8 @@
 
 The daemon talks only to this interface. A concrete client drives the torch-free
 scheduler (`engine.core.EngineCore`) in the daemon and an executor in a child
-process (`server.engine_process.ExecutorProcess`); tests use a tiny in-process
-engine behind the same interface.
+process (`server.engine_process.ExecutorProcess`), or in-process
+(`InProcessExecutor`) behind the same interface for tests.
 
 Contract of `generate`: it yields RequestOutput-like objects (vLLM's shape) for
 one request with exactly one completion (`outputs[0]`, n == 1: the daemon fans
@@ -73,7 +73,8 @@ class StepStats:
 
     step_seconds: float
     batch_size: int
-    """Sequences that ran in this step."""
+    """Sequences that ran in this step; 0 when no step ran and only the queues changed
+    (requests aborted, engine restarted): then only the gauges are updated."""
     num_waiting: int
     num_running: int
     bytes_per_tier: dict[str, int] = field(default_factory=dict)

@@ -75,8 +75,9 @@ class Metrics:
         engine.add_step_listener(self.on_step)
 
     def on_step(self, stats: StepStats) -> None:
-        self.step_seconds.observe(stats.step_seconds)
-        self.batch_size.observe(stats.batch_size)
+        if stats.batch_size > 0:  # 0: no step ran, only the queues changed (aborts, restart)
+            self.step_seconds.observe(stats.step_seconds)
+            self.batch_size.observe(stats.batch_size)
         self.requests_waiting.set(stats.num_waiting)
         self.requests_running.set(stats.num_running)
         for tier, num_bytes in stats.bytes_per_tier.items():

@@ -2,8 +2,8 @@
 
 The engine client comes from a factory `module:function(args) -> EngineClient`,
 by default `server.core_client:build_engine_client`; the environment variable
-NANOFLEX_ENGINE_CLIENT names another (tests use it to run the daemon on a
-torch-free test engine). uvicorn turns SIGTERM/SIGINT into a graceful shutdown:
+NANOFLEX_ENGINE_CLIENT names another (a different backend or a test double).
+uvicorn turns SIGTERM/SIGINT into a graceful shutdown:
 stop accepting, finish in-flight responses, stop batch work (pending requests
 stay in the store), shut the engine down, close the store.
 """

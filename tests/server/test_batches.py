@@ -1,7 +1,5 @@
-"""Files and Batch APIs through the official `openai` client against a live server (toy engine).
-
-LEAD: switch the generation-dependent ones to the real demo model once it is wired.
-"""
+"""Files and Batch APIs through the official `openai` client against a live server on the real
+engine (demo model); greedy batch outputs equal the offline `engine.LLM`."""
 
 from __future__ import annotations
 
@@ -13,14 +11,13 @@ from typing import Any, Literal
 import httpx
 import openai
 import pytest
-from conftest import LiveServer, ServerFactory, wait_for
-from toy_engine import ToyEngineClient
+from conftest import MODEL, LiveServer, Reference, ServerFactory, engine_is_idle, wait_for
 
 URL: Literal["/v1/completions"] = "/v1/completions"
 
 
 def request_line(custom_id: str, prompt: str, max_tokens: int = 3, **extra: Any) -> str:
-    body = {"model": "toy-model", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
     body.update(extra)
     return json.dumps({"custom_id": custom_id, "method": "POST", "url": URL, "body": body})
 
@@ -71,7 +68,7 @@ def test_upload_validation(client: httpx.Client) -> None:
     assert response.status_code == 400 and response.json()["error"]["param"] == "file"
 
 
-def test_batch_flow_with_bad_lines(live: LiveServer) -> None:
+def test_batch_flow_with_bad_lines(live: LiveServer, reference: Reference) -> None:
     client = live.openai()
     lines = [
         request_line("r1", "one"),
@@ -102,8 +99,18 @@ def test_batch_flow_with_bad_lines(live: LiveServer) -> None:
     for line in output:
         assert line["error"] is None and line["response"]["status_code"] == 200
         assert line["id"].startswith("batch_req_")
-    assert output[1]["response"]["body"]["choices"][0]["text"] == "ef"
-    assert output[1]["response"]["body"]["usage"]["completion_tokens"] == 2
+    expected = {
+        "r1": reference.greedy("one", 3),
+        "r2": reference.greedy("two", 2),
+        "r4": reference.greedy("four", 3),
+    }
+    for line in output:
+        body = line["response"]["body"]
+        want = expected[line["custom_id"]]
+        assert body["object"] == "text_completion" and body["model"] == MODEL
+        assert body["choices"][0]["text"] == want.text
+        assert body["choices"][0]["finish_reason"] == want.finish_reason
+        assert body["usage"]["completion_tokens"] == len(want.token_ids)
     errors = read_lines(client, batch.error_file_id)
     codes = [(e["custom_id"], (e["error"] or {}).get("code")) for e in errors]
     assert codes == [
@@ -156,10 +163,16 @@ def test_list_batches_paginates(live: LiveServer) -> None:
         wait_batch(client, batch_id)
 
 
+def slow_line(custom_id: str, max_tokens: int) -> str:
+    """A greedy request that runs exactly `max_tokens` steps (EOS ignored)."""
+    return request_line(custom_id, "slow", max_tokens=max_tokens, ignore_eos=True)
+
+
 def test_cancel_keeps_partial_output(make_server: ServerFactory) -> None:
-    live = make_server(ToyEngineClient(step_s=0.02, max_running=2), batch_concurrency=2)
+    live = make_server(batch_concurrency=2)
     client = live.openai()
-    lines = [request_line(f"c{i}", f"p{i}", max_tokens=10) for i in range(10)]
+    n = 12
+    lines = [slow_line(f"c{i}", 100) for i in range(n)]
     batch = client.batches.create(
         input_file_id=upload(client, lines), endpoint=URL, completion_window="24h"
     )
@@ -170,10 +183,16 @@ def test_cancel_keeps_partial_output(make_server: ServerFactory) -> None:
     assert batch.status == "cancelled" and batch.cancelled_at
     output = read_lines(client, batch.output_file_id)
     errors = read_lines(client, batch.error_file_id)
-    assert 2 <= len(output) < 10
+    assert 2 <= len(output) < n
+    for line in output:
+        assert line["response"]["body"]["usage"]["completion_tokens"] == 100
     assert {e["error"]["code"] for e in errors} == {"batch_cancelled"}
     seen = sorted(line["custom_id"] for line in output + errors)
-    assert seen == sorted(f"c{i}" for i in range(10))
+    assert seen == sorted(f"c{i}" for i in range(n))
+    assert batch.request_counts is not None
+    counts = batch.request_counts
+    assert (counts.completed, counts.failed) == (len(output), len(errors))
+    wait_for(lambda: engine_is_idle(live.engine))  # the cancelled requests left the engine
     with pytest.raises(openai.BadRequestError):
         client.batches.cancel(wait_batch(client, _finished_batch(client)).id)
 
@@ -185,37 +204,19 @@ def _finished_batch(client: openai.OpenAI) -> str:
 
 
 def test_online_requests_run_before_batch_work(make_server: ServerFactory) -> None:
-    engine = ToyEngineClient(step_s=0.02, max_running=1)
-    live = make_server(engine, batch_concurrency=4)
+    """The engine runs 8 sequences at once (Policy() block size); 24 batch requests of equal
+    length run in three waves. An online request sent during the first wave jumps the 16
+    waiting batch requests: it is answered before the second wave is done."""
+    live = make_server(batch_concurrency=64)
     client = live.openai()
-    lines = [request_line(f"b{i}", "x", max_tokens=3) for i in range(8)]
-    client.batches.create(
-        input_file_id=upload(client, lines), endpoint=URL, completion_window="24h"
-    )
-    wait_for(lambda: len(engine.started) >= 1 and len(engine._waiting) >= 2)
-    client.completions.create(model="toy-model", prompt="now", max_tokens=1)
-    online = next(s for s in engine.started if s[1] == 0)
-
-    def overtaken() -> bool:
-        later = engine.started[engine.started.index(online) + 1 :]
-        return any(s[2] < online[2] for s in later)
-
-    wait_for(overtaken)  # batch requests queued before it started after it
-
-
-def test_batch_survives_engine_restart(make_server: ServerFactory) -> None:
-    engine = ToyEngineClient(step_s=0.01, max_running=2)
-    live = make_server(engine, batch_concurrency=2)
-    client = live.openai()
-    lines = [request_line(f"k{i}", f"q{i}", max_tokens=5) for i in range(8)]
+    lines = [slow_line(f"b{i}", 40) for i in range(24)]
     batch = client.batches.create(
         input_file_id=upload(client, lines), endpoint=URL, completion_window="24h"
     )
-    wait_for(lambda: client.batches.retrieve(batch.id).request_counts.completed >= 1)
-    engine.kill()
-    time.sleep(0.3)
-    engine.revive()
-    batch = wait_batch(client, batch.id)
-    assert batch.status == "completed"
-    output = read_lines(client, batch.output_file_id)
-    assert [line["custom_id"] for line in output] == [f"k{i}" for i in range(8)]
+    with live.http() as http:
+        wait_for(lambda: "nanoflex_requests_waiting 16.0" in http.get("/metrics").text)
+    result = client.completions.create(model=MODEL, prompt="now", max_tokens=1)
+    assert result.choices[0].finish_reason in ("length", "stop")
+    counts = client.batches.retrieve(batch.id).request_counts
+    assert counts is not None and counts.completed < 16, counts
+    assert wait_batch(client, batch.id).status == "completed"

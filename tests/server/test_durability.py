@@ -1,29 +1,30 @@
-"""Durability: atomic result commits, resume after restart, and kill -9 of the daemon mid-batch.
-
-LEAD: the crash test runs `nanoflex serve` on the toy engine via NANOFLEX_ENGINE_CLIENT;
-switch it to the real demo model (greedy) once the engine client is wired.
-"""
+"""Durability on the real engine: atomic result commits, resume after a graceful restart,
+kill -9 of a `nanoflex serve` daemon mid-batch, kill -9 of its engine process, SIGTERM."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
-from conftest import ServerFactory, wait_for
+import psutil
+import pytest
+from conftest import MODEL, Reference, ServerFactory, free_port, wait_for
 from test_batches import URL, read_lines, request_line, upload, wait_batch
-from toy_engine import ToyEngineClient
 
+from policy import Policy
 from server.store import Store
 
 REPO = Path(__file__).resolve().parents[2]
+NANOFLEX = Path(sys.executable).parent / "nanoflex"
 
 
 def _batch_record(batch_id: str) -> dict[str, Any]:
@@ -62,99 +63,156 @@ def test_result_commit_is_atomic_and_once(tmp_path: Path) -> None:
     assert reopened.unfinished_batch_ids() == ["batch_1"]
 
 
-def _expected_texts(n: int) -> dict[str, str]:
-    """Greedy toy output for prompt f'p{i}' (BOS + 2 or 3 bytes), 6 tokens."""
-    return {
-        f"c{i}": "".join(chr(ord("a") + (len(f"p{i}") + 1 + k) % 26) for k in range(6))
-        for i in range(n)
-    }
+def _prompt(i: int) -> str:
+    return f"Item {i} of the list:"
 
 
-def _check_output(client: openai.OpenAI, batch_id: str, n: int) -> None:
-    batch = wait_batch(client, batch_id, timeout_s=60)
+def _lines(n: int, max_tokens: int) -> list[str]:
+    """Greedy requests of exactly `max_tokens` tokens (EOS ignored, so timing is predictable)."""
+    return [
+        request_line(f"c{i}", _prompt(i), max_tokens=max_tokens, ignore_eos=True) for i in range(n)
+    ]
+
+
+def _check_output(
+    client: openai.OpenAI, batch_id: str, reference: Reference, n: int, max_tokens: int
+) -> None:
+    """Completed, one line per custom_id in input order, each equal to the uninterrupted
+    offline greedy run (`engine.LLM`) of the same prompts."""
+    batch = wait_batch(client, batch_id, timeout_s=120)
     assert batch.status == "completed", batch
+    assert batch.error_file_id is None
     output = read_lines(client, batch.output_file_id)
     assert [line["custom_id"] for line in output] == [f"c{i}" for i in range(n)]
-    texts = {line["custom_id"]: line["response"]["body"]["choices"][0]["text"] for line in output}
-    assert texts == _expected_texts(n)
-    assert batch.error_file_id is None
+    expected = reference.greedy_many([_prompt(i) for i in range(n)], max_tokens, ignore_eos=True)
+    for line, want in zip(output, expected, strict=True):
+        body = line["response"]["body"]
+        assert line["response"]["status_code"] == 200 and body["model"] == MODEL
+        assert body["choices"][0]["text"] == want.text, line["custom_id"]
+        assert body["choices"][0]["finish_reason"] == want.finish_reason == "length"
+        assert body["usage"]["completion_tokens"] == max_tokens
 
 
-def test_graceful_restart_resumes(make_server: ServerFactory) -> None:
-    n = 12
-    first = make_server(ToyEngineClient(step_s=0.02, max_running=2), batch_concurrency=2)
+def test_graceful_restart_resumes(make_server: ServerFactory, reference: Reference) -> None:
+    n, max_tokens = 12, 40
+    first = make_server(batch_concurrency=2)
     client = first.openai()
-    lines = [request_line(f"c{i}", f"p{i}", max_tokens=6) for i in range(n)]
     batch = client.batches.create(
-        input_file_id=upload(client, lines), endpoint=URL, completion_window="24h"
+        input_file_id=upload(client, _lines(n, max_tokens)), endpoint=URL, completion_window="24h"
     )
     wait_for(lambda: client.batches.retrieve(batch.id).request_counts.completed >= 3)
     first.stop()
-    second = make_server(ToyEngineClient(step_s=0.005))
-    _check_output(second.openai(), batch.id, n)
+    store = Store(first.state.settings.db_path)
+    assert store.pending_requests(batch.id), "the stop should land mid-batch"
+    store.close()
+    second = make_server()
+    _check_output(second.openai(), batch.id, reference, n, max_tokens)
 
 
-def _spawn_daemon(data_dir: Path, port: int, log: Path | None = None) -> subprocess.Popen[bytes]:
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(REPO), str(Path(__file__).parent)]),
-        "NANOFLEX_ENGINE_CLIENT": "toy_engine:build_toy_engine",
-        "NANOFLEX_TOY_STEP_S": "0.02",
-    }
-    argv = ["serve", "--port", str(port), "--data-dir", str(data_dir)]
-    code = f"import sys; from server.cli import main; sys.exit(main({argv!r}))"
-    stderr = open(log, "wb") if log else subprocess.DEVNULL  # noqa: SIM115
-    process = subprocess.Popen([sys.executable, "-c", code], env=env, cwd=REPO, stderr=stderr)
-    deadline = time.monotonic() + 60
-    while True:
+# -- a real `nanoflex serve` process ---------------------------------------------------------
+
+
+class Daemon:
+    """`nanoflex serve` on the demo model (CPU, engine in its child process) on loopback."""
+
+    def __init__(self, data_dir: Path, port: int, log: Path) -> None:
+        self.data_dir, self.port, self.log = data_dir, port, log
+        self.url = f"http://127.0.0.1:{port}"
+        policy = data_dir.parent / "policy.json"
+        policy.write_text(Policy().to_json())  # fixed: the reference runs the same policy
+        env = {k: v for k, v in os.environ.items() if k != "NANOFLEX_ENGINE_CLIENT"}
+        argv = [str(NANOFLEX), "serve", "--port", str(port), "--data-dir", str(data_dir)]
+        argv += ["--device", "cpu", "--policy", str(policy)]
+        with open(log, "ab") as out:
+            self.process = subprocess.Popen(argv, env=env, cwd=REPO, stdout=out, stderr=out)
+        self.wait_ready()
+
+    def wait_ready(self, timeout_s: float = 120) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not self.is_ready():
+            assert self.process.poll() is None, f"daemon exited:\n{self.log.read_text()}"
+            assert time.monotonic() < deadline, "daemon did not become ready"
+            time.sleep(0.05)
+
+    def is_ready(self) -> bool:
         try:
-            if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=1).status_code == 200:
-                return process
+            return httpx.get(f"{self.url}/ready", timeout=2).status_code == 200
         except httpx.TransportError:
-            pass
-        assert process.poll() is None, "daemon exited"
-        assert time.monotonic() < deadline, "daemon did not become ready"
-        time.sleep(0.1)
+            return False
+
+    def openai(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="x", max_retries=0)
+
+    def engine_process(self) -> psutil.Process:
+        """The executor child (multiprocessing 'spawn'), not its resource tracker."""
+        children = psutil.Process(self.process.pid).children(recursive=True)
+        engines = [c for c in children if "spawn_main" in " ".join(c.cmdline())]
+        assert len(engines) == 1, [c.cmdline() for c in children]
+        return engines[0]
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait(timeout=30)
 
 
-def _port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def test_kill_9_mid_batch_then_resume(tmp_path: Path) -> None:
-    n, port = 16, _port()
-    data_dir = tmp_path / "data"
-    daemon = _spawn_daemon(data_dir, port)
-    try:
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
-        lines = [request_line(f"c{i}", f"p{i}", max_tokens=6) for i in range(n)]
-        batch = client.batches.create(
-            input_file_id=upload(client, lines), endpoint=URL, completion_window="24h"
-        )
-        wait_for(lambda: client.batches.retrieve(batch.id).request_counts.completed >= 2)  # type: ignore[union-attr]
-        daemon.send_signal(signal.SIGKILL)
-        daemon.wait(timeout=30)
-        store = Store(data_dir / "nanoflex.db")
-        assert store.pending_requests(batch.id), "the kill should land mid-batch"
-        store.close()
-        daemon = _spawn_daemon(data_dir, port)
-        _check_output(client, batch.id, n)
-        lines_by_id = read_lines(client, client.batches.retrieve(batch.id).output_file_id)
-        assert len({json.dumps(line["custom_id"]) for line in lines_by_id}) == n
-    finally:
+@pytest.fixture
+def daemons(tmp_path: Path) -> Iterator[list[Daemon]]:
+    started: list[Daemon] = []
+    yield started
+    for daemon in started:
         daemon.kill()
-        daemon.wait(timeout=30)
 
 
-def test_sigterm_shuts_down_gracefully(tmp_path: Path) -> None:
-    log = tmp_path / "daemon.log"
-    daemon = _spawn_daemon(tmp_path / "data", _port(), log)
-    daemon.send_signal(signal.SIGTERM)
-    # uvicorn re-raises SIGTERM after its graceful shutdown, so the exit reads as -15
-    assert daemon.wait(timeout=30) in (0, -signal.SIGTERM)
+def test_kill_9_mid_batch_then_resume_then_sigterm(
+    tmp_path: Path, daemons: list[Daemon], reference: Reference
+) -> None:
+    n, max_tokens, port = 24, 64, free_port()
+    data_dir, log = tmp_path / "data", tmp_path / "daemon.log"
+    daemons.append(Daemon(data_dir, port, log))
+    client = daemons[0].openai()
+    batch = client.batches.create(
+        input_file_id=upload(client, _lines(n, max_tokens)), endpoint=URL, completion_window="24h"
+    )
+    wait_for(lambda: client.batches.retrieve(batch.id).request_counts.completed >= 1, 60)  # type: ignore[union-attr]
+    daemons[0].process.send_signal(signal.SIGKILL)
+    daemons[0].process.wait(timeout=30)
+    store = Store(data_dir / "nanoflex.db")
+    assert store.pending_requests(batch.id), "the kill should land mid-batch"
+    store.close()
+    daemons.append(Daemon(data_dir, port, log))
+    _check_output(client, batch.id, reference, n, max_tokens)
+    # SIGTERM: graceful shutdown (uvicorn re-raises it afterwards, so the exit reads as -15)
+    daemons[1].process.send_signal(signal.SIGTERM)
+    assert daemons[1].process.wait(timeout=60) in (0, -signal.SIGTERM)
     text = log.read_text()
     assert "Application shutdown complete" in text and "nanoflex stopped" in text
+
+
+def test_engine_process_death_restarts_and_batch_completes(
+    tmp_path: Path, daemons: list[Daemon], reference: Reference
+) -> None:
+    n, max_tokens = 24, 64
+    daemon = Daemon(tmp_path / "data", free_port(), tmp_path / "daemon.log")
+    daemons.append(daemon)
+    client = daemon.openai()
+    batch = client.batches.create(
+        input_file_id=upload(client, _lines(n, max_tokens)), endpoint=URL, completion_window="24h"
+    )
+    wait_for(lambda: client.batches.retrieve(batch.id).request_counts.completed >= 1, 60)  # type: ignore[union-attr]
+    online: list[httpx.Response] = []
+    body = {"model": MODEL, "prompt": "long", "max_tokens": 1500, "ignore_eos": True}
+    url = f"{daemon.url}/v1/completions"
+    sender = threading.Thread(target=lambda: online.append(httpx.post(url, json=body, timeout=120)))
+    sender.start()
+    engine = daemon.engine_process()
+    time.sleep(0.3)  # the online request is in the engine by now (1500 steps take seconds)
+    engine.send_signal(signal.SIGKILL)
+    wait_for(lambda: not daemon.is_ready(), 10)  # not ready while the engine restarts
+    sender.join(timeout=60)
+    assert online[0].status_code == 503, online[0].text  # in flight when it died: retry later
+    assert online[0].json()["error"]["code"] == "engine_unavailable"
+    daemon.wait_ready(120)
+    assert daemon.engine_process().pid != engine.pid
+    _check_output(client, batch.id, reference, n, max_tokens)
+    assert client.completions.create(model=MODEL, prompt="again", max_tokens=2).usage

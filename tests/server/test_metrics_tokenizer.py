@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import httpx
-from conftest import LiveServer, ServerFactory
+from conftest import MODEL, LiveServer, Reference, ServerFactory
 from tokenizers import Tokenizer as RawTokenizer
 from tokenizers import models, pre_tokenizers
 
@@ -16,7 +16,8 @@ from server.tokenizer import Tokenizer
 def test_metrics_endpoint(
     live: LiveServer, client: httpx.Client, make_server: ServerFactory
 ) -> None:
-    body = {"model": "toy-model", "prompt": "abc", "max_tokens": 3}
+    body = {"model": MODEL, "prompt": "abc", "max_tokens": 3, "ignore_eos": True}
+    num_prompt = len(live.engine.encode("abc"))
     assert client.post("/v1/completions", json=body).status_code == 200
     response = client.get("/metrics")
     assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
@@ -24,14 +25,16 @@ def test_metrics_endpoint(
     for series in (
         "nanoflex_requests_waiting",
         "nanoflex_requests_running",
-        "nanoflex_prompt_tokens_total 4.0",
+        f"nanoflex_prompt_tokens_total {float(num_prompt)}",
         "nanoflex_generation_tokens_total 3.0",
         "nanoflex_step_seconds_bucket",
         "nanoflex_batch_size_bucket",
-        'nanoflex_tier_bytes{tier="gpu"}',
+        'nanoflex_tier_bytes{tier="gpu"}',  # weights resident on the compute device (CPU here)
         "nanoflex_time_to_first_token_seconds_count 1.0",
         "nanoflex_e2e_request_latency_seconds_count 1.0",
         'nanoflex_requests_finished_total{finish_reason="length"} 1.0',
+        "nanoflex_batch_size_count 3.0",  # prefill + 2 decode steps, one sequence each
+        "nanoflex_batch_size_sum 3.0",
     ):
         assert series in text, series
     other = make_server()  # a second app in the same process has its own registry
@@ -68,3 +71,17 @@ def test_tokenizer_without_transformers(tmp_path: Path) -> None:
     assert text == "<s><|user|> hello <|assistant|>"
     # the template writes BOS itself: encoded without adding a second one
     assert tokenizer.apply_chat_template([{"role": "user", "content": "hello"}]) == [0, 5, 3, 7]
+
+
+def test_daemon_tokenizer_equals_transformers(reference: Reference) -> None:
+    """The daemon's torch-free tokenizer agrees with transformers' on the demo model."""
+    hf = reference.llm.tokenizer
+    for text in ("hello world", "The quick brown fox", " spaces  and\nnewlines", "ünïcödé"):
+        assert reference.tokenizer.encode(text) == hf.encode(text)
+        ids = reference.tokenizer.encode(text)
+        assert reference.tokenizer.decode(ids) == hf.decode(ids, skip_special_tokens=True)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    text = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert reference.tokenizer.render_chat(messages) == text
+    expected = hf.encode(text, add_special_tokens=False)
+    assert reference.tokenizer.apply_chat_template(messages) == expected

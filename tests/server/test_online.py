@@ -1,80 +1,112 @@
-"""Online endpoints over a real uvicorn server with the official `openai` client (toy engine).
-
-LEAD: switch these to the real demo model once the engine client is wired.
-"""
+"""Online endpoints over a real uvicorn server with the official `openai` client, on the real
+engine (demo model): greedy output equals the offline `engine.LLM` for the same token ids."""
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 from pathlib import Path
 
 import httpx
-from conftest import LiveServer
+from conftest import MODEL, LiveServer, Reference
+
+from engine.demo import demo_model_dir
 
 REPO = Path(__file__).resolve().parents[2]
+PROMPT = "The quick brown fox"
 
 
-def test_completion_greedy_and_usage(live: LiveServer) -> None:
+def test_completion_greedy_equals_offline_engine(live: LiveServer, reference: Reference) -> None:
     result = live.openai().completions.create(
-        model="toy-model", prompt="abc", max_tokens=5, temperature=0
+        model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0
     )
-    # toy rule: letter k = 'a' + (len(prompt)=4 incl. BOS + k) % 26
-    assert result.choices[0].text == "efghi"
-    assert result.choices[0].finish_reason == "length"
+    expected = reference.greedy(PROMPT, 12)
+    choice = result.choices[0]
+    assert choice.text == expected.text and choice.text
+    assert choice.finish_reason == expected.finish_reason
     assert result.usage is not None
-    assert (result.usage.prompt_tokens, result.usage.completion_tokens) == (4, 5)
+    assert result.usage.prompt_tokens == len(reference.tokenizer.encode(PROMPT))
+    assert result.usage.completion_tokens == len(expected.token_ids)
+    assert result.usage.total_tokens == result.usage.prompt_tokens + len(expected.token_ids)
     assert result.object == "text_completion" and result.id.startswith("cmpl-")
+    assert result.model == MODEL
 
 
-def test_completion_prompt_forms_n_and_echo(live: LiveServer) -> None:
+def test_completion_prompt_forms_n_and_echo(live: LiveServer, reference: Reference) -> None:
     client = live.openai()
+    prompts = ["Once upon", "a time there"]
     result = client.completions.create(
-        model="toy-model", prompt=["a", "ab"], max_tokens=2, n=2, temperature=0
+        model=MODEL, prompt=prompts, max_tokens=6, n=2, temperature=0
     )
     texts = [c.text for c in sorted(result.choices, key=lambda c: c.index)]
-    assert texts == ["cd", "cd", "de", "de"]
+    expected = [out.text for out in reference.greedy_many(prompts, 6)]
+    assert texts == [expected[0], expected[0], expected[1], expected[1]]
+    assert result.usage is not None
+    assert result.usage.prompt_tokens == sum(len(reference.tokenizer.encode(p)) for p in prompts)
+    token_ids = [1, 100, 101, 102]
     result = client.completions.create(
-        model="toy-model", prompt=[[1, 100, 101]], max_tokens=1, echo=True, temperature=0
+        model=MODEL, prompt=[token_ids], max_tokens=4, echo=True, temperature=0
     )
-    assert result.choices[0].text == "ab" + "d"
+    generated = reference.greedy(token_ids, 4).text
+    assert result.choices[0].text == reference.tokenizer.decode(token_ids) + generated
 
 
-def test_completion_stop_seed_and_logprobs(live: LiveServer) -> None:
+def test_completion_stop_string(live: LiveServer, reference: Reference) -> None:
+    full = reference.greedy(PROMPT, 16).text
+    stop = full[len(full) // 2 : len(full) // 2 + 3]
+    assert stop.strip(), f"pick another prompt: {full!r}"
+    result = live.openai().completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=16, stop=[stop], temperature=0
+    )
+    choice = result.choices[0]
+    assert choice.text == full[: full.index(stop)]
+    assert choice.finish_reason == "stop"
+
+
+def test_seeded_sampling_repeats(live: LiveServer) -> None:
     client = live.openai()
-    result = client.completions.create(
-        model="toy-model", prompt="a", max_tokens=8, stop=["e"], temperature=0
-    )
-    assert result.choices[0].text == "cd" and result.choices[0].finish_reason == "stop"
-    first = client.completions.create(model="toy-model", prompt="a", max_tokens=6, seed=7)
-    again = client.completions.create(model="toy-model", prompt="a", max_tokens=6, seed=7)
-    assert first.choices[0].text == again.choices[0].text
-    result = client.completions.create(
-        model="toy-model", prompt="a", max_tokens=2, logprobs=1, temperature=0
+    runs = [
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, seed=7)
+        for _ in range(2)
+    ]
+    assert runs[0].choices[0].text == runs[1].choices[0].text
+
+
+def test_completion_logprobs(live: LiveServer, reference: Reference) -> None:
+    result = live.openai().completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=5, logprobs=3, temperature=0
     )
     logprobs = result.choices[0].logprobs
-    assert logprobs is not None and logprobs.tokens == ["c", "d"]
-    assert logprobs.token_logprobs == [-0.5, -0.5]
+    expected = reference.greedy(PROMPT, 5)
+    assert logprobs is not None and logprobs.tokens is not None
+    assert logprobs.token_logprobs is not None and logprobs.top_logprobs is not None
+    assert "".join(logprobs.tokens) == expected.text
+    assert len(logprobs.token_logprobs) == len(expected.token_ids) == 5
+    for chosen, top in zip(logprobs.token_logprobs, logprobs.top_logprobs, strict=True):
+        assert chosen <= 0 and 1 <= len(top) <= 3
+        assert math.isclose(chosen, max(top.values()), abs_tol=1e-4)  # greedy took the best
 
 
-def test_completion_stream_with_usage(live: LiveServer) -> None:
-    stream = live.openai().completions.create(
-        model="toy-model",
-        prompt="abc",
-        max_tokens=4,
+def test_completion_stream_equals_non_stream(live: LiveServer) -> None:
+    client = live.openai()
+    whole = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=10, temperature=0)
+    stream = client.completions.create(
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=10,
         temperature=0,
         stream=True,
         stream_options={"include_usage": True},
     )
     chunks = list(stream)
-    text = "".join(c.choices[0].text for c in chunks if c.choices)
-    assert text == "efgh"
-    assert chunks[-1].choices == [] and chunks[-1].usage is not None
-    assert chunks[-1].usage.completion_tokens == 4
+    deltas = [c.choices[0].text for c in chunks if c.choices]
+    assert len(deltas) > 1 and "".join(deltas) == whole.choices[0].text
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
 
 
 def test_stream_ends_with_done(client: httpx.Client) -> None:
-    body = {"model": "toy-model", "prompt": "a", "max_tokens": 2, "stream": True}
+    body = {"model": MODEL, "prompt": "a", "max_tokens": 2, "stream": True}
     with client.stream("POST", "/v1/completions", json=body) as response:
         assert response.status_code == 200
         assert response.headers["content-type"].startswith("text/event-stream")
@@ -83,73 +115,64 @@ def test_stream_ends_with_done(client: httpx.Client) -> None:
     assert all(e.startswith("data: ") for e in events)
 
 
-def test_chat_and_chat_stream(live: LiveServer) -> None:
+def test_chat_and_chat_stream(live: LiveServer, reference: Reference) -> None:
     client = live.openai()
-    messages = [{"role": "user", "content": "hi"}]
+    messages = [{"role": "user", "content": "Say hello"}]
     result = client.chat.completions.create(
-        model="toy-model",
-        messages=messages,
-        max_tokens=3,
-        temperature=0,
+        model=MODEL, messages=messages, max_tokens=8, temperature=0
     )
+    prompt_ids = reference.chat_ids([{"role": "user", "content": "Say hello"}])
+    expected = reference.greedy(prompt_ids, 8)
     message = result.choices[0].message
-    assert message.role == "assistant" and len(message.content or "") == 3
+    assert message.role == "assistant" and message.content == expected.text
     assert result.object == "chat.completion"
+    assert result.usage is not None and result.usage.prompt_tokens == len(prompt_ids)
     stream = client.chat.completions.create(
-        model="toy-model",
-        messages=messages,
-        max_tokens=3,
-        temperature=0,
-        stream=True,
+        model=MODEL, messages=messages, max_tokens=8, temperature=0, stream=True
     )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert streamed == message.content
-    assert chunks[-1].choices[0].finish_reason == "length"
+    assert chunks[-1].choices[0].finish_reason == expected.finish_reason
 
 
 def test_chat_logprobs(live: LiveServer) -> None:
     result = live.openai().chat.completions.create(
-        model="toy-model",
+        model=MODEL,
         messages=[{"role": "user", "content": "x"}],
-        max_tokens=2,
+        max_tokens=3,
         logprobs=True,
         top_logprobs=2,
+        extra_body={"ignore_eos": True},
     )
-    content = result.choices[0].logprobs.content
-    assert content is not None and len(content) == 2 and len(content[0].top_logprobs) == 2
+    logprobs = result.choices[0].logprobs
+    assert logprobs is not None and logprobs.content is not None
+    assert len(logprobs.content) == 3
+    assert all(len(entry.top_logprobs) == 2 for entry in logprobs.content)
+    assert "".join(entry.token for entry in logprobs.content) == result.choices[0].message.content
 
 
 def test_models_health_ready(client: httpx.Client) -> None:
     models = client.get("/v1/models").json()
-    assert models["data"][0]["id"] == "toy-model"
-    assert client.get("/v1/models/toy-model").status_code == 200
+    assert models["data"][0]["id"] == MODEL
+    assert models["data"][0]["max_model_len"] == 2048
+    assert client.get(f"/v1/models/{MODEL}").status_code == 200
     assert client.get("/health").json() == {"status": "ok"}
-    assert client.get("/ready").status_code == 200
-
-
-def test_engine_down_is_503_and_not_ready(live: LiveServer, client: httpx.Client) -> None:
-    live.engine.kill()
-    assert client.get("/ready").status_code == 503
-    response = client.post(
-        "/v1/completions", json={"model": "toy-model", "prompt": "a", "max_tokens": 2}
-    )
-    assert response.status_code == 503
-    assert response.json()["error"]["code"] == "engine_unavailable"
-    live.engine.revive()
-    assert client.get("/ready").status_code == 200
+    assert client.get("/ready").json() == {"status": "ready", "model": MODEL}
 
 
 def test_daemon_never_imports_torch(tmp_path: Path) -> None:
-    """The daemon's modules, an app and a tokenizer load without torch (fresh interpreter)."""
+    """The daemon's modules, an app and its real engine client load without torch."""
     code = f"""
 import sys
-sys.path.insert(0, {str(Path(__file__).parent)!r})
+from pathlib import Path
 from server import app, batches, engine_process, serve, tokenizer
+from server.core_client import CoreEngineClient
 from server.settings import ServerSettings
-from toy_engine import ToyEngineClient
-app.create_app(ServerSettings(data_dir={str(tmp_path)!r}), ToyEngineClient())
+from policy import Policy
+engine = CoreEngineClient(Path({str(demo_model_dir())!r}), Policy(), {{}}, model_name="demo")
+app.create_app(ServerSettings(data_dir={str(tmp_path)!r}), engine)
 bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers'))
 assert not bad, bad
 """

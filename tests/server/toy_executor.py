@@ -1,4 +1,10 @@
-"""`ToyExecutor`: a torch-free step executor for ExecutorProcess tests (TESTS ONLY)."""
+"""`ToyExecutor`: a torch-free step executor for ExecutorProcess tests (TESTS ONLY).
+
+Kept because test_engine_process.py checks the RPC surface itself (spawn, a step's exact
+result, a start failure's traceback, restart) in well under a second per child; the real
+executor's child imports torch and loads weights (seconds), and its death and restart are
+covered end to end by test_durability.py on a real `nanoflex serve`.
+"""
 
 from __future__ import annotations
 
