@@ -76,11 +76,28 @@ class Device:
         return event
 
     def wait(self, ready: Ready[T]) -> T:
-        """Make the current (compute) stream wait for `ready`'s copies, then hand its value over."""
+        """Make the current (compute) stream wait for `ready`'s copies, then hand its value over.
+        Its tensors are marked as used by the compute stream, so the caching allocator does
+        not hand their memory to the copy stream again while compute kernels still read it."""
         if ready.event is not None:
-            torch.cuda.current_stream(self.device).wait_event(ready.event)
+            stream = torch.cuda.current_stream(self.device)
+            stream.wait_event(ready.event)
+            for t in _tensors(ready.value):
+                if t.is_cuda:
+                    t.record_stream(stream)
         return ready.value
 
     def synchronize(self) -> None:
         if self.is_cuda:
             torch.cuda.synchronize(self.device)
+
+
+def _tensors(value: object) -> list[torch.Tensor]:
+    """Every tensor inside nested dicts, lists and tuples (and quantized tensors' parts)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors(v)]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    return []

@@ -84,6 +84,8 @@ class KVStore:
             grown.append(pool)
         self._pools[tier] = grown
         self.num_blocks[tier] = new_blocks
+        # the copy above runs on the compute stream; copy streams read the pool next
+        self.device.synchronize()
 
     def read(self, tier: str, layer: int, slots: list[int]) -> torch.Tensor:
         """Encoded rows at `slots`: on the compute device for gpu, on the host otherwise."""
