@@ -1,4 +1,8 @@
-"""`Batch`: one GPU batch of a step as flat token rows, with where each sequence lives."""
+"""`Batch`: one GPU batch of a step as flat token rows, with every index its layers need.
+
+Built once per step by the executor; every layer of the step reuses it, so no
+layer loops over sequences in Python.
+"""
 
 from __future__ import annotations
 
@@ -6,43 +10,51 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.attention import RaggedLayout
+
 
 @dataclass(slots=True)
-class SeqSlice:
-    """One sequence's share of a batch."""
+class KVRows:
+    """Token rows of one tier's KV pool that a batch reads or writes, and where they go."""
 
-    seq_id: int
-    row_start: int
-    """First of this sequence's q_len rows in the batch's (T, hidden) states."""
-    q_len: int
-    ctx_len: int
-    """Tokens already in the KV cache before this step."""
-    kv_tier: str
-    act_tier: str
-    cpu_attention: bool
-    """Decode attention runs on the CPU over CPU-homed KV (FlexGen Sec. 4.2)."""
-    past_slots: list[int]
-    """KV pool slots of tokens [0, ctx_len)."""
-    new_slots: list[int]
-    """KV pool slots for the q_len new tokens."""
+    slots: list[int]
+    """Pool slots (the disk tier reads and writes coalesced runs of them)."""
+    slot_index: torch.Tensor | None
+    """The same slots on the pool's device, for the memory tiers (None for disk)."""
+    rows: torch.Tensor
+    """On the compute device: each slot's row in the packed order it is gathered into
+    (past KV packed in sequence order) or taken from (the batch's new-token rows)."""
 
-    @property
-    def rows(self) -> slice:
-        return slice(self.row_start, self.row_start + self.q_len)
+
+@dataclass(slots=True)
+class AttentionGroup:
+    """The sequences of a batch whose attention runs on one device."""
+
+    rows: torch.Tensor | None
+    """(T_g,) batch rows of the group's new tokens on the compute device; None: every row."""
+    layout: RaggedLayout
+    """Padding indices and mask, on the device the group's attention runs on."""
+    past: dict[str, KVRows]
+    """Per tier: the slots of the group's past tokens and their rows in its packed past."""
 
 
 @dataclass(slots=True)
 class Batch:
-    """Everything a layer needs to run one GPU batch (T = total new tokens, S = sampled rows)."""
+    """Everything a layer needs to run one GPU batch (T = new tokens, S = sampled rows)."""
 
     index: int
-    seqs: list[SeqSlice]
     token_ids: torch.Tensor
     """(T,) on the compute device."""
     positions: torch.Tensor
     """(T,) absolute positions on the compute device."""
     logit_rows: torch.Tensor
     """(S,) rows whose next-token logits the head computes."""
+    device_group: AttentionGroup | None
+    """Sequences attending on the compute device."""
+    cpu_group: AttentionGroup | None
+    """Decodes over cpu-homed KV attending on the CPU (FlexGen Sec. 4.2)."""
+    new_kv: dict[str, KVRows]
+    """Per tier: the slots for the new tokens' KV and their rows in the batch."""
     act_rows: dict[str, torch.Tensor] = field(default_factory=dict)
     """tier -> (rows,) indices of rows homed there; empty when every row stays on the gpu tier."""
 

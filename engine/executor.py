@@ -13,7 +13,8 @@ from typing import Any
 
 import torch
 
-from engine.batch import Batch, SeqSlice
+from engine.attention import RaggedLayout
+from engine.batch import AttentionGroup, Batch, KVRows
 from engine.checkpoint import CheckpointReader, read_hf_config, resolve_model_dir
 from engine.config import ModelConfig
 from engine.device import Device
@@ -226,51 +227,81 @@ class Executor:
             self.kv.reserve(state.kv_tier, max(chunk.new_block_ids) + 1)
 
     def _build_batch(self, index: int, chunks: list[SeqChunk]) -> Batch:
-        seqs: list[SeqSlice] = []
+        """Flatten the chunks of one GPU batch into token rows and precompute, once for every
+        layer of the step, where each row's KV and activations live and where its attention
+        runs."""
         token_ids: list[int] = []
         positions: list[int] = []
         logit_rows: list[int] = []
         act_rows: dict[str, list[int]] = {}
+        new_kv: dict[str, tuple[list[int], list[int]]] = {}  # tier -> (slots, batch rows)
+        members: dict[bool, list[tuple[SeqChunk, _SeqState, int]]] = {False: [], True: []}
         row = 0
         for c in chunks:
             state = self._seqs[c.seq_id]
             q_len, ctx = len(c.token_ids), c.start_pos
-            seqs.append(
-                SeqSlice(
-                    seq_id=c.seq_id,
-                    row_start=row,
-                    q_len=q_len,
-                    ctx_len=ctx,
-                    kv_tier=state.kv_tier,
-                    act_tier=state.act_tier,
-                    cpu_attention=self.policy.cpu_attention
-                    and state.kv_tier == "cpu"
-                    and q_len == 1,
-                    past_slots=slots_for(state.block_ids, 0, ctx, KV_BLOCK_TOKENS),
-                    new_slots=slots_for(state.block_ids, ctx, ctx + q_len, KV_BLOCK_TOKENS),
-                )
-            )
             token_ids.extend(c.token_ids)
             positions.extend(range(ctx, ctx + q_len))
             act_rows.setdefault(state.act_tier, []).extend(range(row, row + q_len))
+            slots, rows = new_kv.setdefault(state.kv_tier, ([], []))
+            slots.extend(slots_for(state.block_ids, ctx, ctx + q_len, KV_BLOCK_TOKENS))
+            rows.extend(range(row, row + q_len))
+            on_cpu = self.policy.cpu_attention and state.kv_tier == "cpu" and q_len == 1
+            members[on_cpu].append((c, state, row))
             if c.do_sample:
                 logit_rows.append(row + q_len - 1)
             row += q_len
-        dev = self.device.device
-
-        def on_device(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.long, device=dev)
-
         return Batch(
             index=index,
-            seqs=seqs,
-            token_ids=on_device(token_ids),
-            positions=on_device(positions),
-            logit_rows=on_device(logit_rows),
+            token_ids=self._index(token_ids),
+            positions=self._index(positions),
+            logit_rows=self._index(logit_rows),
+            device_group=self._group(members[False], row, self.device.device),
+            cpu_group=self._group(members[True], row, torch.device("cpu")),
+            new_kv={tier: self._kv_rows(tier, *slots_rows) for tier, slots_rows in new_kv.items()},
             act_rows={}
             if set(act_rows) == {"gpu"}
-            else {tier: on_device(rows) for tier, rows in act_rows.items()},
+            else {tier: self._index(rows) for tier, rows in act_rows.items()},
         )
+
+    def _group(
+        self, members: list[tuple[SeqChunk, _SeqState, int]], num_rows: int, where: torch.device
+    ) -> AttentionGroup | None:
+        """The attention inputs of sequences attending on `where`: their rows, the padding
+        layout, and per tier the slots of their past tokens packed in sequence order."""
+        if not members:
+            return None
+        q_lens = [len(c.token_ids) for c, _, _ in members]
+        past_lens = [c.start_pos for c, _, _ in members]
+        past: dict[str, tuple[list[int], list[int]]] = {}
+        packed = 0
+        for c, state, _ in members:
+            if c.start_pos:
+                slots, dest = past.setdefault(state.kv_tier, ([], []))
+                slots.extend(slots_for(state.block_ids, 0, c.start_pos, KV_BLOCK_TOKENS))
+                dest.extend(range(packed, packed + c.start_pos))
+                packed += c.start_pos
+        rows = None
+        if sum(q_lens) != num_rows:
+            rows = self._index(
+                [r for c, _, start in members for r in range(start, start + len(c.token_ids))]
+            )
+        return AttentionGroup(
+            rows=rows,
+            layout=RaggedLayout.build(q_lens, past_lens, where, self.config.sliding_window),
+            past={tier: self._kv_rows(tier, *slots_dest) for tier, slots_dest in past.items()},
+        )
+
+    def _kv_rows(self, tier: str, slots: list[int], rows: list[int]) -> KVRows:
+        slot_index = (
+            None
+            if tier == "disk"
+            else torch.tensor(slots, dtype=torch.long, device=self.kv.pool_device(tier))
+        )
+        return KVRows(slots, slot_index, self._index(rows))
+
+    def _index(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device.device)
 
     def score(self, prompts: list[list[int]], prefill_len: int | None = None) -> list[torch.Tensor]:
         """(len, vocab) float32 logits at every position of each prompt: for offline

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.batch import KVRows
 from engine.device import Device
 from engine.disk import DiskFile, DiskIO
 from engine.quant import KVRowCodec
@@ -87,30 +88,35 @@ class KVStore:
         # the copy above runs on the compute stream; copy streams read the pool next
         self.device.synchronize()
 
-    def read(self, tier: str, layer: int, slots: list[int]) -> torch.Tensor:
-        """Encoded rows at `slots`: on the compute device for gpu, on the host otherwise."""
+    def read(self, tier: str, layer: int, kv_rows: KVRows) -> torch.Tensor:
+        """Encoded rows at `kv_rows.slots`: on the compute device for gpu, on the host else."""
+        n = len(kv_rows.slots)
         if tier == "disk":
-            out = self.device.host_empty((len(slots), self.row_bytes), torch.uint8)
+            out = self.device.host_empty((n, self.row_bytes), torch.uint8)
             i = 0
-            for first, count in runs(slots):
+            for first, count in runs(kv_rows.slots):
                 self.disk.read(self._files[layer], first * self.row_bytes, out[i : i + count])
                 i += count
             return out
+        assert kv_rows.slot_index is not None
         pool = self._pools[tier][layer]
-        index = torch.tensor(slots, dtype=torch.long, device=pool.device)
         if tier == "cpu" and self.device.is_cuda:  # gather straight into pinned memory
-            out = self.device.host_empty((len(slots), self.row_bytes), torch.uint8)
-            return torch.index_select(pool, 0, index, out=out)
-        return pool.index_select(0, index)
+            out = self.device.host_empty((n, self.row_bytes), torch.uint8)
+            return torch.index_select(pool, 0, kv_rows.slot_index, out=out)
+        return pool.index_select(0, kv_rows.slot_index)
 
-    def write(self, tier: str, layer: int, slots: list[int], rows: torch.Tensor) -> None:
+    def write(self, tier: str, layer: int, kv_rows: KVRows, data: torch.Tensor) -> None:
         """Store encoded rows (on the compute device for gpu, on the host otherwise)."""
         if tier == "disk":
             i = 0
-            for first, count in runs(slots):
-                self.disk.write(self._files[layer], first * self.row_bytes, rows[i : i + count])
+            for first, count in runs(kv_rows.slots):
+                self.disk.write(self._files[layer], first * self.row_bytes, data[i : i + count])
                 i += count
             return
+        assert kv_rows.slot_index is not None
         pool = self._pools[tier][layer]
-        index = torch.tensor(slots, dtype=torch.long, device=pool.device)
-        pool.index_copy_(0, index, rows.to(pool.device, non_blocking=True))
+        pool.index_copy_(0, kv_rows.slot_index, data.to(pool.device, non_blocking=True))
+
+    def pool_device(self, tier: str) -> torch.device:
+        """Where a tier's slot indices must live."""
+        return self.device.device if tier == "gpu" else torch.device("cpu")

@@ -17,14 +17,14 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from engine.attention import ragged_attention
-from engine.batch import Batch, SeqSlice
+from engine.batch import AttentionGroup, Batch
 from engine.device import Device, Ready
 from engine.disk import DiskFile, DiskIO
 from engine.kv_store import KVStore
 from engine.models.base import Model, Weights
 from engine.weight_store import WeightStore
 
-Past = dict[int, tuple[torch.Tensor, torch.Tensor]]  # seq index -> (ctx, kvh, hd) k and v
+Past = torch.Tensor | None  # (P, 2 * kv_dim) past KV of the device group, packed by sequence
 Inputs = tuple[torch.Tensor | None, Past]
 
 
@@ -120,9 +120,9 @@ class BlockPipeline:
         stream = self.device.copy_stream()
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             h = None if j == 0 else self._load_act(batch)
-            past: Past = {}
-            if self.model.layer_kind(j) == "decoder":
-                past = self._load_past(j - 1, batch)
+            past: Past = None
+            if self.model.layer_kind(j) == "decoder" and batch.device_group is not None:
+                past = self._load_past(j - 1, batch.device_group)
             return Ready((h, past), self.device.record())
 
     def _load_act(self, batch: Batch) -> torch.Tensor:
@@ -144,28 +144,27 @@ class BlockPipeline:
             out.index_copy_(0, rows, self.device.to_device(part))
         return out
 
-    def _load_past(self, layer: int, batch: Batch) -> Past:
-        """Past KV of device-attention sequences, read per tier, decoded on the compute device."""
-        past: Past = {}
-        for tier in ("gpu", "cpu", "disk"):
-            members = [
-                (i, s)
-                for i, s in enumerate(batch.seqs)
-                if s.kv_tier == tier and s.ctx_len > 0 and not s.cpu_attention
-            ]
-            if not members:
-                continue
-            slots = [slot for _, s in members for slot in s.past_slots]
-            rows = self.device.to_device(self.kv.read(tier, layer, slots))
-            kv = self.kv.codec.decode(rows)  # (N, 2 * kv_dim)
-            start = 0
-            for i, s in members:
-                seq_kv = kv[start : start + s.ctx_len]
-                past[i] = self._split_kv(seq_kv)
-                start += s.ctx_len
-        return past
+    def _load_past(self, layer: int, group: AttentionGroup) -> Past:
+        """The group's past KV, read per tier and decoded on the compute device, packed in
+        sequence order: (P, 2 * kv_dim), or None when no sequence has a past."""
+        if not group.layout.num_past:
+            return None
+        packed: torch.Tensor | None = None
+        for tier, kv_rows in group.past.items():
+            rows = self.kv.codec.decode(self.device.to_device(self.kv.read(tier, layer, kv_rows)))
+            if len(group.past) == 1:
+                return rows  # one tier: its rows are already in packed order
+            if packed is None:
+                packed = rows.new_empty(group.layout.num_past, rows.shape[1])
+            packed.index_copy_(0, kv_rows.rows, rows)
+        return packed
 
-    def _split_kv(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _split_kv(
+        self, rows: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(N, 2 * kv_dim) rows -> k and v, each (N, num_kv_heads, head_dim)."""
+        if rows is None:
+            return None, None
         n = rows.shape[0]
         return (
             rows[:, : self._kv_dim].reshape(n, *self._kv_shape),
@@ -200,63 +199,43 @@ class BlockPipeline:
         k: torch.Tensor,
         v: torch.Tensor,
     ) -> torch.Tensor:
-        window = self.model.config.sliding_window
-        on_device = [(i, s) for i, s in enumerate(batch.seqs) if not s.cpu_attention]
-        on_cpu = [s for s in batch.seqs if s.cpu_attention]
-        if not on_cpu:
-            return ragged_attention(*self._gather(on_device, past, q, k, v), window)
+        dev, cpu = batch.device_group, batch.cpu_group
+        if cpu is None:
+            assert dev is not None
+            return ragged_attention(q, k, v, *self._split_kv(past), dev.layout)
         o = torch.empty_like(q)
-        if on_device:
-            rows = torch.cat(
-                [torch.arange(s.row_start, s.row_start + s.q_len) for _, s in on_device]
+        if dev is not None:
+            assert dev.rows is not None
+            o[dev.rows] = ragged_attention(
+                q[dev.rows], k[dev.rows], v[dev.rows], *self._split_kv(past), dev.layout
             )
-            o[rows.to(q.device)] = ragged_attention(*self._gather(on_device, past, q, k, v), window)
-        o_cpu = self._cpu_attention(layer, on_cpu, q, k, v, window)
-        for s, part in zip(on_cpu, o_cpu, strict=True):
-            o[s.rows] = part.to(q.device, non_blocking=True)
+        rows = cpu.rows if cpu.rows is not None else slice(None)
+        o[rows] = self._cpu_attention(layer, cpu, q[rows], k[rows], v[rows]).to(
+            q.device, non_blocking=True
+        )
         return o
-
-    def _gather(
-        self,
-        members: list[tuple[int, SeqSlice]],
-        past: Past,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-    ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
-        qs, ks, vs = [], [], []
-        for i, s in members:
-            qs.append(q[s.rows])
-            if i in past:
-                ks.append(torch.cat([past[i][0], k[s.rows]]))
-                vs.append(torch.cat([past[i][1], v[s.rows]]))
-            else:
-                ks.append(k[s.rows])
-                vs.append(v[s.rows])
-        return qs, ks, vs
 
     def _cpu_attention(
         self,
         layer: int,
-        seqs: list[SeqSlice],
+        group: AttentionGroup,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        window: int | None,
-    ) -> list[torch.Tensor]:
+    ) -> torch.Tensor:
         """Decode attention on the CPU over CPU-homed KV: only q and the new k, v cross PCIe.
         Computes in float32 (CPU half-precision matmuls are slow and less exact)."""
-        slots = [slot for s in seqs for slot in s.past_slots]
-        kv = self.kv.codec.decode(self.kv.read("cpu", layer, slots)).float()
-        qs, ks, vs, start = [], [], [], 0
-        for s in seqs:
-            pk, pv = self._split_kv(kv[start : start + s.ctx_len])
-            start += s.ctx_len
-            qs.append(q[s.rows].to("cpu", torch.float32))
-            ks.append(torch.cat([pk, k[s.rows].to("cpu", torch.float32)]))
-            vs.append(torch.cat([pv, v[s.rows].to("cpu", torch.float32)]))
-        out = ragged_attention(qs, ks, vs, window).to(q.dtype)
-        return list(out.split([s.q_len for s in seqs]))
+        past = None
+        if group.layout.num_past:
+            past = self.kv.codec.decode(self.kv.read("cpu", layer, group.past["cpu"])).float()
+        out = ragged_attention(
+            q.to("cpu", torch.float32),
+            k.to("cpu", torch.float32),
+            v.to("cpu", torch.float32),
+            *self._split_kv(past),
+            group.layout,
+        )
+        return out.to(q.dtype)
 
     def _store(
         self,
@@ -288,18 +267,15 @@ class BlockPipeline:
         if stream is not None:
             new_kv.record_stream(stream)
         encoded = self.kv.codec.encode(new_kv)  # (T, row_bytes) on the compute device
-        for tier in ("gpu", "cpu", "disk"):
-            members = [s for s in batch.seqs if s.kv_tier == tier]
-            if not members:
-                continue
-            rows = torch.cat([encoded[s.rows] for s in members])
+        for tier, kv_rows in batch.new_kv.items():
+            rows = encoded if len(batch.new_kv) == 1 else encoded.index_select(0, kv_rows.rows)
             if tier != "gpu":
                 host = self.device.host_empty(tuple(rows.shape), torch.uint8)
                 host.copy_(rows, non_blocking=stream is not None)
                 if stream is not None:
                     stream.synchronize()
                 rows = host
-            self.kv.write(tier, layer, [slot for s in members for slot in s.new_slots], rows)
+            self.kv.write(tier, layer, kv_rows, rows)
 
     def _store_act(self, batch: Batch, out: torch.Tensor) -> None:
         if not batch.act_rows:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import sys
@@ -14,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from engine.attention import ragged_attention
+from engine.attention import RaggedLayout, ragged_attention
 from engine.device import Device
 from engine.disk import DiskIO
 from engine.quant import dequantize, quantize
@@ -78,13 +77,32 @@ def _cpu_attention(threads: int, kv_tokens: int) -> float:
     torch.set_num_threads(threads)
     try:
         batch, heads, kv_heads, d = 8, 32, 8, 128
-        q = [torch.randn(1, heads, d) for _ in range(batch)]
-        k = [torch.randn(kv_tokens, kv_heads, d) for _ in range(batch)]
-        v = [torch.randn(kv_tokens, kv_heads, d) for _ in range(batch)]
-        seconds = _best_seconds(lambda: ragged_attention(q, k, v), Device(torch.device("cpu")))
+        layout = RaggedLayout.build([1] * batch, [kv_tokens - 1] * batch, torch.device("cpu"))
+        q = torch.randn(batch, heads, d)
+        k, v = torch.randn(batch, kv_heads, d), torch.randn(batch, kv_heads, d)
+        past_k = torch.randn(batch * (kv_tokens - 1), kv_heads, d)
+        past_v = torch.randn_like(past_k)
+        seconds = _best_seconds(
+            lambda: ragged_attention(q, k, v, past_k, past_v, layout), Device(torch.device("cpu"))
+        )
         return 2 * batch * kv_tokens * kv_heads * d * 4 / seconds
     finally:
         torch.set_num_threads(previous)
+
+
+def _layer_overhead(device_name: str) -> float:
+    """Seconds per decoder layer of a one-token step of the demo model through the engine:
+    almost all fixed cost (its matmuls at batch 1 are a few percent of it)."""
+    from engine.executor import Executor
+    from policy import Policy
+
+    executor = Executor(None, Policy(gpu_batch_size=1), device=device_name)
+    try:
+        # two one-token steps: a prefill of one token, then one decode reading it back
+        seconds = _best_seconds(lambda: executor.score([[5, 6]], prefill_len=1), executor.device)
+        return seconds / 2 / executor.config.num_layers
+    finally:
+        executor.close()
 
 
 def profile_hardware(
@@ -152,6 +170,7 @@ def profile_hardware(
         cpu_mem_bw=cpu_mem_bw,
         cpu_attention_throughput=attention,
         dequant_throughput=dequant,
+        layer_overhead_s=_layer_overhead(device_name),
         compute_device="cuda" if device.is_cuda else "cpu",
         notes=f"{name}; torch {torch.__version__}; measured {time.strftime('%Y-%m-%d %H:%M')}"
         + (" (quick)" if quick else ""),
@@ -194,5 +213,8 @@ def profile_main(args: argparse.Namespace) -> int:
         f"{t} threads {bw / gb:.1f} GB/s" for t, bw in spec.cpu_attention_throughput
     )
     print(f"cpu attention  {attention}")
-    print(json.dumps({"dequant_elements_per_s": spec.dequant_throughput}))
+    print(
+        f"fixed   {spec.layer_overhead_s * 1e3:.3f} ms per layer per GPU batch; dequantize "
+        f"{spec.dequant_throughput / 1e9:.2f} G elements/s"
+    )
     return 0
