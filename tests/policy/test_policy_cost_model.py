@@ -6,20 +6,13 @@ import pytest
 
 from policy.cost_model import compressed_bytes_per_element, estimate
 from policy.hardware import FLEXGEN_T4
+from policy.paper import FLEXGEN_TABLE15
 from policy.policy import Policy
 from policy.specs import BUILTIN_MODELS, WorkloadSpec
 
 OPT_30B = BUILTIN_MODELS["opt-30b"]
 WORKLOAD = WorkloadSpec(prompt_len=512, gen_len=32)
-# FlexGen's OPT-30B policy from Table 15: 48x3, weights 20/80, KV and activations on CPU.
-PAPER_30B = Policy(
-    gpu_batch_size=48,
-    num_gpu_batches=3,
-    weights_frac=(0.2, 0.8, 0.0),
-    kv_frac=(0.0, 1.0, 0.0),
-    act_frac=(0.0, 1.0, 0.0),
-    cpu_attention=True,
-)
+PAPER_30B = FLEXGEN_TABLE15["opt-30b"]  # FlexGen's own OPT-30B policy
 
 
 def test_compressed_bytes_are_about_028_of_fp16() -> None:
@@ -96,3 +89,19 @@ def test_lm_offload_cpu_attention_decides_whether_kv_compression_pays() -> None:
 def test_policy_json_round_trip_with_thread_fields() -> None:
     policy = dataclasses.replace(PAPER_30B, num_cpu_threads=8, num_interop_threads=8)
     assert Policy.from_json(policy.to_json()) == policy
+
+
+@pytest.mark.parametrize(
+    ("case", "documented"),
+    [
+        ("opt-30b", 7.28),
+        ("opt-30b-compressed", 7.39),
+        ("opt-175b", 0.48),
+        ("opt-175b-compressed", 1.47),
+    ],
+)
+def test_paper_policies_match_docs_policy_md(case: str, documented: float) -> None:
+    """The "model on paper policy" column of docs/policy.md section 6, reproduced."""
+    model = BUILTIN_MODELS[case.removesuffix("-compressed")]
+    est = estimate(FLEXGEN_TABLE15[case], model, WORKLOAD, FLEXGEN_T4)
+    assert est.generation_throughput == pytest.approx(documented, abs=0.005)

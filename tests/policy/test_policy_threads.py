@@ -3,7 +3,7 @@
 import dataclasses
 
 from policy.hardware import FLEXGEN_T4
-from policy.policy import Policy
+from policy.paper import FLEXGEN_TABLE15
 from policy.specs import BUILTIN_MODELS, WorkloadSpec
 from policy.threads import (
     IO_TASKS,
@@ -16,14 +16,7 @@ from policy.threads import (
 
 OPT_30B = BUILTIN_MODELS["opt-30b"]
 WORKLOAD = WorkloadSpec(prompt_len=512, gen_len=32)
-POLICY = Policy(
-    gpu_batch_size=48,
-    num_gpu_batches=3,
-    weights_frac=(0.2, 0.8, 0.0),
-    kv_frac=(0.0, 1.0, 0.0),
-    act_frac=(0.0, 1.0, 0.0),
-    cpu_attention=True,
-)
+POLICY = FLEXGEN_TABLE15["opt-30b"]  # FlexGen's own OPT-30B policy
 
 
 def test_max_concurrency_is_the_widest_level() -> None:
