@@ -6,11 +6,14 @@ layer loops over sequences in Python.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from engine.attention import RaggedLayout
+from engine.protocol import SeqChunk
+from engine.sampling_params import SamplingParams
 
 
 @dataclass(slots=True)
@@ -61,3 +64,115 @@ class Batch:
     @property
     def num_tokens(self) -> int:
         return int(self.token_ids.shape[0])
+
+
+@dataclass(slots=True)
+class SeqState:
+    """What the engine keeps per sequence between steps."""
+
+    kv_tier: str
+    act_tier: str
+    sampling: SamplingParams
+    block_ids: list[int] = field(default_factory=list)
+    """The block table, extended by each plan's new_block_ids."""
+
+
+def slots_for(block_ids: list[int], start: int, stop: int, block_tokens: int) -> list[int]:
+    """KV pool slots of tokens [start, stop) of a sequence with this block table."""
+    return [
+        block_ids[t // block_tokens] * block_tokens + t % block_tokens for t in range(start, stop)
+    ]
+
+
+class BatchBuilder:
+    """Turns one GPU batch's chunks into a `Batch`: flat token rows plus, once for every
+    layer of the step, where each row's KV and activations live and where it attends."""
+
+    def __init__(
+        self,
+        device: torch.device,
+        block_tokens: int,
+        *,
+        cpu_attention: bool,
+        sliding_window: int | None,
+        pool_device: Callable[[str], torch.device],
+    ) -> None:
+        self.device, self.block_tokens = device, block_tokens
+        self.cpu_attention, self.sliding_window = cpu_attention, sliding_window
+        self.pool_device = pool_device
+
+    def build(self, index: int, chunks: list[tuple[SeqChunk, SeqState]]) -> Batch:
+        """Flatten the chunks of one GPU batch into token rows and precompute, once for every
+        layer of the step, where each row's KV and activations live and where its attention
+        runs."""
+        token_ids: list[int] = []
+        positions: list[int] = []
+        logit_rows: list[int] = []
+        act_rows: dict[str, list[int]] = {}
+        new_kv: dict[str, tuple[list[int], list[int]]] = {}  # tier -> (slots, batch rows)
+        members: dict[bool, list[tuple[SeqChunk, SeqState, int]]] = {False: [], True: []}
+        row = 0
+        for c, state in chunks:
+            q_len, ctx = len(c.token_ids), c.start_pos
+            token_ids.extend(c.token_ids)
+            positions.extend(range(ctx, ctx + q_len))
+            act_rows.setdefault(state.act_tier, []).extend(range(row, row + q_len))
+            slots, rows = new_kv.setdefault(state.kv_tier, ([], []))
+            slots.extend(slots_for(state.block_ids, ctx, ctx + q_len, self.block_tokens))
+            rows.extend(range(row, row + q_len))
+            on_cpu = self.cpu_attention and state.kv_tier == "cpu" and q_len == 1
+            members[on_cpu].append((c, state, row))
+            if c.do_sample:
+                logit_rows.append(row + q_len - 1)
+            row += q_len
+        return Batch(
+            index=index,
+            token_ids=self._index(token_ids),
+            positions=self._index(positions),
+            logit_rows=self._index(logit_rows),
+            device_group=self._group(members[False], row, self.device),
+            cpu_group=self._group(members[True], row, torch.device("cpu")),
+            new_kv={tier: self._kv_rows(tier, *slots_rows) for tier, slots_rows in new_kv.items()},
+            act_rows={}
+            if set(act_rows) == {"gpu"}
+            else {tier: self._index(rows) for tier, rows in act_rows.items()},
+        )
+
+    def _group(
+        self, members: list[tuple[SeqChunk, SeqState, int]], num_rows: int, where: torch.device
+    ) -> AttentionGroup | None:
+        """The attention inputs of sequences attending on `where`: their rows, the padding
+        layout, and per tier the slots of their past tokens packed in sequence order."""
+        if not members:
+            return None
+        q_lens = [len(c.token_ids) for c, _, _ in members]
+        past_lens = [c.start_pos for c, _, _ in members]
+        past: dict[str, tuple[list[int], list[int]]] = {}
+        packed = 0
+        for c, state, _ in members:
+            if c.start_pos:
+                slots, dest = past.setdefault(state.kv_tier, ([], []))
+                slots.extend(slots_for(state.block_ids, 0, c.start_pos, self.block_tokens))
+                dest.extend(range(packed, packed + c.start_pos))
+                packed += c.start_pos
+        rows = None
+        if sum(q_lens) != num_rows:
+            rows = self._index(
+                [r for c, _, start in members for r in range(start, start + len(c.token_ids))]
+            )
+        return AttentionGroup(
+            rows=rows,
+            layout=RaggedLayout.build(q_lens, past_lens, where, self.sliding_window),
+            past={tier: self._kv_rows(tier, *slots_dest) for tier, slots_dest in past.items()},
+        )
+
+    def _kv_rows(self, tier: str, slots: list[int], rows: list[int]) -> KVRows:
+        slot_index = (
+            None
+            if tier == "disk"
+            else torch.tensor(slots, dtype=torch.long, device=self.pool_device(tier))
+        )
+        return KVRows(slots, slot_index, self._index(rows))
+
+    def _index(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)

@@ -7,19 +7,17 @@ import shutil
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from engine.attention import RaggedLayout
-from engine.batch import AttentionGroup, Batch, KVRows
+from engine.batch import BatchBuilder, SeqState
 from engine.checkpoint import CheckpointReader, read_hf_config, resolve_model_dir
 from engine.config import ModelConfig
 from engine.device import Device
 from engine.disk import DiskIO
-from engine.kv_store import KVStore, slots_for
+from engine.kv_store import KVStore
 from engine.models import build_model
 from engine.pipeline import BlockPipeline
 from engine.protocol import SeqChunk, StepPlan, StepResult
@@ -35,14 +33,6 @@ KV_BLOCK_TOKENS = 16
 
 class MemoryBudgetError(UserError):
     """The policy places more on a tier than its budget allows."""
-
-
-@dataclass(slots=True)
-class _SeqState:
-    kv_tier: str
-    act_tier: str
-    sampling: SamplingParams
-    block_ids: list[int] = field(default_factory=list)
 
 
 class Executor:
@@ -124,7 +114,14 @@ class Executor:
             dtype=self.dtype,
         )
         self.sampler = Sampler()
-        self._seqs: dict[int, _SeqState] = {}
+        self._seqs: dict[int, SeqState] = {}
+        self._builder = BatchBuilder(
+            self.device.device,
+            KV_BLOCK_TOKENS,
+            cpu_attention=policy.cpu_attention,
+            sliding_window=self.config.sliding_window,
+            pool_device=self.kv.pool_device,
+        )
 
     # -- capacity ----------------------------------------------------------------------
 
@@ -194,7 +191,10 @@ class Executor:
         for chunk in plan.chunks:
             self._admit(chunk)
             by_batch.setdefault(chunk.batch_index, []).append(chunk)
-        batches = [self._build_batch(k, chunks) for k, chunks in sorted(by_batch.items())]
+        batches = [
+            self._builder.build(k, [(c, self._seqs[c.seq_id]) for c in chunks])
+            for k, chunks in sorted(by_batch.items())
+        ]
         logits = self.pipeline.run(batches)
         # logits rows follow batch order; results follow plan order
         sampled = [c for _, chunks in sorted(by_batch.items()) for c in chunks if c.do_sample]
@@ -219,89 +219,12 @@ class Executor:
         if state is None:
             if chunk.sampling is None:
                 raise ValueError(f"first chunk of sequence {chunk.seq_id} carries no sampling")
-            state = self._seqs[chunk.seq_id] = _SeqState(
+            state = self._seqs[chunk.seq_id] = SeqState(
                 chunk.kv_tier, chunk.act_tier, chunk.sampling
             )
         state.block_ids.extend(chunk.new_block_ids)
         if chunk.new_block_ids:
             self.kv.reserve(state.kv_tier, max(chunk.new_block_ids) + 1)
-
-    def _build_batch(self, index: int, chunks: list[SeqChunk]) -> Batch:
-        """Flatten the chunks of one GPU batch into token rows and precompute, once for every
-        layer of the step, where each row's KV and activations live and where its attention
-        runs."""
-        token_ids: list[int] = []
-        positions: list[int] = []
-        logit_rows: list[int] = []
-        act_rows: dict[str, list[int]] = {}
-        new_kv: dict[str, tuple[list[int], list[int]]] = {}  # tier -> (slots, batch rows)
-        members: dict[bool, list[tuple[SeqChunk, _SeqState, int]]] = {False: [], True: []}
-        row = 0
-        for c in chunks:
-            state = self._seqs[c.seq_id]
-            q_len, ctx = len(c.token_ids), c.start_pos
-            token_ids.extend(c.token_ids)
-            positions.extend(range(ctx, ctx + q_len))
-            act_rows.setdefault(state.act_tier, []).extend(range(row, row + q_len))
-            slots, rows = new_kv.setdefault(state.kv_tier, ([], []))
-            slots.extend(slots_for(state.block_ids, ctx, ctx + q_len, KV_BLOCK_TOKENS))
-            rows.extend(range(row, row + q_len))
-            on_cpu = self.policy.cpu_attention and state.kv_tier == "cpu" and q_len == 1
-            members[on_cpu].append((c, state, row))
-            if c.do_sample:
-                logit_rows.append(row + q_len - 1)
-            row += q_len
-        return Batch(
-            index=index,
-            token_ids=self._index(token_ids),
-            positions=self._index(positions),
-            logit_rows=self._index(logit_rows),
-            device_group=self._group(members[False], row, self.device.device),
-            cpu_group=self._group(members[True], row, torch.device("cpu")),
-            new_kv={tier: self._kv_rows(tier, *slots_rows) for tier, slots_rows in new_kv.items()},
-            act_rows={}
-            if set(act_rows) == {"gpu"}
-            else {tier: self._index(rows) for tier, rows in act_rows.items()},
-        )
-
-    def _group(
-        self, members: list[tuple[SeqChunk, _SeqState, int]], num_rows: int, where: torch.device
-    ) -> AttentionGroup | None:
-        """The attention inputs of sequences attending on `where`: their rows, the padding
-        layout, and per tier the slots of their past tokens packed in sequence order."""
-        if not members:
-            return None
-        q_lens = [len(c.token_ids) for c, _, _ in members]
-        past_lens = [c.start_pos for c, _, _ in members]
-        past: dict[str, tuple[list[int], list[int]]] = {}
-        packed = 0
-        for c, state, _ in members:
-            if c.start_pos:
-                slots, dest = past.setdefault(state.kv_tier, ([], []))
-                slots.extend(slots_for(state.block_ids, 0, c.start_pos, KV_BLOCK_TOKENS))
-                dest.extend(range(packed, packed + c.start_pos))
-                packed += c.start_pos
-        rows = None
-        if sum(q_lens) != num_rows:
-            rows = self._index(
-                [r for c, _, start in members for r in range(start, start + len(c.token_ids))]
-            )
-        return AttentionGroup(
-            rows=rows,
-            layout=RaggedLayout.build(q_lens, past_lens, where, self.config.sliding_window),
-            past={tier: self._kv_rows(tier, *slots_dest) for tier, slots_dest in past.items()},
-        )
-
-    def _kv_rows(self, tier: str, slots: list[int], rows: list[int]) -> KVRows:
-        slot_index = (
-            None
-            if tier == "disk"
-            else torch.tensor(slots, dtype=torch.long, device=self.kv.pool_device(tier))
-        )
-        return KVRows(slots, slot_index, self._index(rows))
-
-    def _index(self, values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long, device=self.device.device)
 
     def score(self, prompts: list[list[int]], prefill_len: int | None = None) -> list[torch.Tensor]:
         """(len, vocab) float32 logits at every position of each prompt: for offline
@@ -332,7 +255,7 @@ class Executor:
                     sampling=greedy,
                 )
                 self._admit(chunk)
-                batch = self._build_batch(0, [chunk])
+                batch = self._builder.build(0, [(chunk, self._seqs[seq_id])])
                 batch.logit_rows = torch.arange(stop - start, device=self.device.device)
                 logits.append(self.pipeline.run([batch])[0].cpu())
             out.append(torch.cat(logits))

@@ -19,13 +19,6 @@ from engine.quant import KVRowCodec
 from policy import TIERS
 
 
-def slots_for(block_ids: list[int], start: int, stop: int, block_tokens: int) -> list[int]:
-    """Pool slots of tokens [start, stop) of a sequence with this block table."""
-    return [
-        block_ids[t // block_tokens] * block_tokens + t % block_tokens for t in range(start, stop)
-    ]
-
-
 def runs(slots: list[int]) -> list[tuple[int, int]]:
     """Coalesce slots into (first slot, count) runs of consecutive slots."""
     out: list[tuple[int, int]] = []
