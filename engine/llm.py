@@ -10,7 +10,7 @@ from typing import Any
 from engine.checkpoint import ModelLoadError
 from engine.core import EngineCore
 from engine.executor import Executor
-from engine.model_files import resolve_model_dir
+from engine.model_files import eos_token_ids, resolve_model_dir
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.planning import DEFAULT_WORKLOAD, Workload, resolve_policy
 from engine.sampling_params import SamplingError, SamplingParams
@@ -47,7 +47,7 @@ class LLM:
         *,
         cpu_mem: int | None = None,
         disk_mem: int | None = None,
-        async_scheduling: bool = False,
+        async_scheduling: bool = True,
         max_step_tokens: int | None = 2048,
         show_progress: bool = False,
         kv_capacity_blocks: dict[str, int | None] | None = None,
@@ -78,16 +78,13 @@ class LLM:
         )
         self.tokenizer = load_tokenizer(self.executor.model_dir)
         config = self.executor.config
-        eos = config.eos_token_ids or (
-            (self.tokenizer.eos_token_id,) if self.tokenizer is not None else ()
-        )
         self.scheduler = Scheduler(
             SchedulerConfig.from_policy(
                 self.policy,
                 block_tokens=self.executor.block_tokens,
                 kv_capacity_blocks=self.executor.kv_capacity_blocks() | (kv_capacity_blocks or {}),
                 static_blocks=static_blocks,
-                eos_token_id=eos[0] if eos else None,
+                eos_token_ids=eos_token_ids(model_dir),
                 max_model_len=config.max_position_embeddings,
                 # None: a whole block's prompts prefill in one step, as FlexGen does
                 max_step_tokens=max_step_tokens

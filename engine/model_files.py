@@ -52,3 +52,19 @@ def _download(repo_id: str) -> Path:
             f"cannot fetch {repo_id!r} from the Hugging Face hub ({type(e).__name__}: {e}); "
             "pass a local directory with --model instead"
         ) from e
+
+
+def eos_token_ids(model_dir: Path) -> tuple[int, ...]:
+    """Every end-of-sequence id the checkpoint declares, in config.json and in
+    generation_config.json (where Llama 3 and chat models list their turn terminators)."""
+    import json
+
+    ids: list[int] = []
+    for name in ("config.json", "generation_config.json"):
+        path = model_dir / name
+        if path.is_file():
+            value = json.loads(path.read_text()).get("eos_token_id")
+            for token_id in value if isinstance(value, list) else [value]:
+                if isinstance(token_id, int) and token_id not in ids:
+                    ids.append(token_id)
+    return tuple(ids)

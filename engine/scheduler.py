@@ -61,7 +61,7 @@ class SchedulerConfig:
     """Most tokens (decodes plus prefill chunks) in one step."""
     batch_sizes: tuple[int, ...] = ()
     """Efficient dense batch sizes, ascending; empty: powers of two and max_step_tokens."""
-    eos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
     max_model_len: int = 2048
     """Context window: prompt plus generated tokens."""
     expected_gen_tokens: int | None = None
@@ -359,7 +359,7 @@ class Scheduler:
             seq.append_token(
                 token_id,
                 logprobs,
-                self.config.eos_token_id,
+                self.config.eos_token_ids,
                 self.max_len,
                 self.detokenizer,
             )

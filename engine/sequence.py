@@ -130,7 +130,7 @@ class Sequence:
         self,
         token_id: int,
         logprobs: TokenLogprobs | None,
-        eos_token_id: int | None,
+        eos_token_ids: tuple[int, ...],
         max_model_len: int,
         detokenizer: Detokenizer | None,
     ) -> None:
@@ -143,7 +143,7 @@ class Sequence:
         self.token_ids.append(token_id)
         if self.sampling.logprobs is not None and logprobs is not None:
             self.logprobs.append(logprobs)
-        is_eos = token_id == eos_token_id and not self.sampling.ignore_eos
+        is_eos = token_id in eos_token_ids and not self.sampling.ignore_eos
         if is_eos or token_id in self.sampling.stop_token_ids:
             if detokenizer is not None:
                 self.text = detokenizer.decode(self.output_token_ids[:-1])

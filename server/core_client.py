@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.core import EngineCore
-from engine.model_files import resolve_model_dir
+from engine.model_files import eos_token_ids, resolve_model_dir
 from engine.outputs import RequestOutput
 from engine.planning import resolve_policy
 from engine.protocol import StepPlan, StepResult
@@ -103,18 +103,17 @@ class CoreEngineClient(EngineClient):
 
     def _new_core(self) -> EngineCore:
         info = self._executor.info
-        eos = info.get("eos_token_ids") or [self._tokenizer.eos_token_id]
         config = SchedulerConfig.from_policy(
             self.policy,
             block_tokens=info["block_tokens"],
             kv_capacity_blocks=info["kv_capacity_blocks"],
-            eos_token_id=eos[0],
+            eos_token_ids=eos_token_ids(self.model_dir),
             max_model_len=info["max_model_len"],
             max_step_tokens=self._max_step_tokens,
         )
         scheduler = Scheduler(config, detokenizer=_Detokenizer(self._tokenizer))
         self._counter = _StepCounter(self._executor)
-        return EngineCore(scheduler, self._counter)
+        return EngineCore(scheduler, self._counter, async_scheduling=True)
 
     # -- model and tokenizer ---------------------------------------------------------------
 

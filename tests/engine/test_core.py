@@ -42,7 +42,7 @@ def workload() -> list[Request]:
 
 def make_core(async_scheduling: bool, **config: object) -> tuple[EngineCore, FakeExecutor]:
     config = {"gpu_batch_size": 3, "num_gpu_batches": 2, "max_step_tokens": 32, **config}
-    scheduler = Scheduler(SchedulerConfig(eos_token_id=EOS, **config), FakeDetokenizer())  # type: ignore[arg-type]
+    scheduler = Scheduler(SchedulerConfig(eos_token_ids=(EOS,), **config), FakeDetokenizer())  # type: ignore[arg-type]
     fake = FakeExecutor(scheduler.config.block_tokens)
     return EngineCore(scheduler, fake, async_scheduling=async_scheduling), fake
 
@@ -201,7 +201,7 @@ def random_run(seed: int, async_scheduling: bool) -> list[tuple]:
         block_tokens=block_tokens,
         kv_capacity_blocks={t: rng.choice([None, rng.randint(2, 30)]) for t in TIERS},
         max_step_tokens=rng.choice([16, 64]),
-        eos_token_id=rng.randrange(VOCAB),
+        eos_token_ids=(rng.randrange(VOCAB),),
         max_model_len=rng.choice([24, 2048]),
         expected_gen_tokens=rng.choice([None, 1, 3]),
     )

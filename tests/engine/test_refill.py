@@ -63,6 +63,7 @@ def test_tiny_kv_pool_preempts_and_recomputes_to_the_same_tokens(workload, tmp_p
         offload_dir=tmp_path,
         device="cpu",
         kv_capacity_blocks={"gpu": 12},
+        async_scheduling=False,  # deterministic step order, so the preemption surely happens
     ) as llm:
         # admit optimistically (expect 1 more token each) so the projection proves wrong
         scheduler = llm.scheduler

@@ -211,7 +211,7 @@ def test_eos_and_stop_token_ids() -> None:
     tokens = reference(prompt(0), 8)
     eos = tokens[3]
     cut = tokens.index(eos) + 1
-    sched = make(eos_token_id=eos)
+    sched = make(eos_token_ids=(eos,))
     sched.add_request(request(0))
     sched.add_request(Request("ignore", prompt(0), SamplingParams(max_tokens=8, ignore_eos=True)))
     sched.add_request(
