@@ -145,8 +145,10 @@ def build_terms(
     kv_pre = bls * s * kv_tok
     weight_flops = 2 * model.layer_params  # per token
     head_flops = 2 * model.vocab_size * (model.word_embed_dim or h) / num_layers
-    linear_pre = num_batches * max(
-        gbs * (s * weight_flops + head_flops) / hardware.gpu_flops, layer_full / gpu_mem_bw
+    overhead = hardware.layer_overhead_s  # per layer per GPU batch, size-independent
+    linear_pre = num_batches * (
+        max(gbs * (s * weight_flops + head_flops) / hardware.gpu_flops, layer_full / gpu_mem_bw)
+        + overhead
     )
     attention_pre = bls * 4 * s * s * q_dim / hardware.gpu_bmm_flops
     dequant_weights = layer_elems / dequant_rate if choice.compress_weights else 0.0
@@ -164,8 +166,9 @@ def build_terms(
     act_gen = bls * act_tok
     kv_read = bls * kv_mean * kv_tok  # bytes of old KV attended per step
     kv_new = bls * kv_tok
-    linear_gen = num_batches * max(
-        gbs * (weight_flops + head_flops) / hardware.gpu_flops, layer_full / gpu_mem_bw
+    linear_gen = num_batches * (
+        max(gbs * (weight_flops + head_flops) / hardware.gpu_flops, layer_full / gpu_mem_bw)
+        + overhead
     )
     # GPU attention over one unit of KV fraction: FLOP- or memory-bound, whichever is slower.
     gpu_attention = bls * max(

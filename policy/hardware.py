@@ -75,6 +75,9 @@ class HardwareSpec:
     """Measured decode attention on the CPU: (intra-op threads, KV bytes/s) pairs."""
     dequant_throughput: float = 0.0
     """Group-wise 4-bit dequantization on the compute device, elements/s."""
+    layer_overhead_s: float = 0.0
+    """Fixed seconds per layer per GPU batch, whatever its size (kernel launches, the
+    engine's per-layer bookkeeping); measured by running one-token steps through the engine."""
     compute_device: str = "cuda"
     """'cuda', or 'cpu' when the compute device is the CPU (then "gpu" = compute memory)."""
     notes: str = ""
