@@ -7,12 +7,40 @@ import math
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
 from engine.model_files import ModelLoadError, resolve_model_dir
 
-__all__ = ["CheckpointReader", "ModelLoadError", "read_hf_config", "resolve_model_dir"]
+__all__ = [
+    "CheckpointReader",
+    "ModelLoadError",
+    "TensorReader",
+    "open_reader",
+    "read_hf_config",
+    "resolve_model_dir",
+]
+
+
+class TensorReader(Protocol):
+    """What the weight store reads: tensors by checkpoint name (CheckpointReader, DummyReader)."""
+
+    @property
+    def names(self) -> list[str]: ...
+
+    def numel(self, name: str) -> int: ...
+
+    def get(self, name: str) -> torch.Tensor: ...
+
+
+def open_reader(model_dir: Path) -> TensorReader:
+    """The checkpoint's tensors, or generated ones for a `dummy:` model directory."""
+    from engine.dummy import DummyReader, is_dummy
+
+    if is_dummy(model_dir):
+        return DummyReader.from_model_dir(model_dir)
+    return CheckpointReader(model_dir)
 
 
 def read_hf_config(model_dir: Path) -> object:

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from engine.batch import BatchBuilder, SeqState
-from engine.checkpoint import CheckpointReader, read_hf_config, resolve_model_dir
+from engine.checkpoint import open_reader, read_hf_config, resolve_model_dir
 from engine.config import ModelConfig
 from engine.device import Device
 from engine.disk import DiskIO
@@ -93,7 +93,7 @@ class Executor:
 
         self.weights = WeightStore(
             self.model,
-            CheckpointReader(self.model_dir),
+            open_reader(self.model_dir),
             weights_frac=policy.weights_frac,
             compress=policy.compress_weights,
             dtype=self.dtype,

@@ -17,9 +17,12 @@ class ModelLoadError(UserError):
 
 def resolve_model_dir(model: str | None, *, torch_free: bool = False) -> Path:
     """A local directory holding config.json and weights: the demo model when `model` is None,
-    `model` itself when it is a directory, otherwise a hub id downloaded to the hub cache.
+    `model` itself when it is a directory, a config-only directory with generated weights for
+    `dummy:<built-in name or config dir>`, otherwise a hub id downloaded to the hub cache.
     With `torch_free`, a demo model not yet built is built in a child process, so that the
     calling process (the daemon) never imports torch."""
+    if model is not None and model.startswith("dummy:"):  # generated weights (engine/dummy.py)
+        return _dummy_dir(model.removeprefix("dummy:"), torch_free=torch_free)
     if model is None:
         from engine import demo
 
@@ -35,6 +38,20 @@ def resolve_model_dir(model: str | None, *, torch_free: bool = False) -> Path:
     if path.exists() or model.startswith((".", "/", "~")) or model.count("/") > 1:
         raise ModelLoadError(f"model path {model!r} is not a directory")
     return _download(model)
+
+
+def _dummy_dir(name: str, *, torch_free: bool) -> Path:
+    if torch_free:  # building the config imports transformers (and torch): do it in a child
+        code = "import sys; from engine.dummy import dummy_model_dir as d; print(d(sys.argv[1]))"
+        result = subprocess.run(
+            [sys.executable, "-c", code, name], check=False, capture_output=True, text=True
+        )
+        if result.returncode != 0:
+            raise ModelLoadError(f"cannot make dummy model {name!r}: {result.stderr.strip()}")
+        return Path(result.stdout.strip().splitlines()[-1])
+    from engine.dummy import dummy_model_dir
+
+    return dummy_model_dir(name)
 
 
 def _download(repo_id: str) -> Path:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.checkpoint import CheckpointReader, ModelLoadError
+from engine.checkpoint import ModelLoadError, TensorReader
 from engine.device import Device, Ready
 from engine.disk import DiskFile, DiskIO
 from engine.models.base import Model, Weights
@@ -69,7 +69,7 @@ class WeightStore:
     def __init__(
         self,
         model: Model,
-        reader: CheckpointReader,
+        reader: TensorReader,
         *,
         weights_frac: tuple[float, float, float],
         compress: bool,
