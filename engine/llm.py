@@ -17,6 +17,7 @@ from engine.sampling_params import SamplingError, SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.sequence import BATCH_PRIORITY, Request
 from policy import Policy
+from policy.errors import UserError
 
 __all__ = ["LLM", "CompletionOutput", "RequestOutput"]
 
@@ -158,11 +159,12 @@ class LLM:
 
 
 def parse_dtype(name: str) -> Any:
+    """'float16' | 'bfloat16' | 'float32' -> the torch dtype."""
     import torch
 
     dtypes = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
     if name not in dtypes:
-        raise SamplingError(f"dtype must be one of {', '.join(dtypes)}, got {name!r}")
+        raise UserError(f"dtype must be one of {', '.join(dtypes)}, got {name!r}")
     return dtypes[name]
 
 

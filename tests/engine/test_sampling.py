@@ -89,5 +89,7 @@ def test_bad_input_is_a_clear_error(llm):
         llm.generate([[1, 2, 10**9]])
     with pytest.raises(SamplingError, match="2 sampling params for 1 prompts"):
         llm.generate(["a"], [SamplingParams(), SamplingParams()])
+    with pytest.raises(UserError, match="dtype must be one of"):
+        LLM(None, policy=Policy(), device="cpu", dtype="fp8")
     with pytest.raises(UserError, match="nano-batching"):
         LLM(None, policy=Policy(num_nano_batches=2), device="cpu")
