@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.attention import RaggedLayout
-from engine.protocol import SeqChunk
+from engine.protocol import SeqChunk, TokenLogprobs
 from engine.sampling_params import SamplingParams
 
 
@@ -52,6 +52,9 @@ class Batch:
     """(T,) absolute positions on the compute device."""
     logit_rows: torch.Tensor
     """(S,) rows whose next-token logits the head computes."""
+    logit_counts: list[int]
+    """Per chunk, in order: how many of the logit rows are its (its last row when it samples,
+    every row when its prompt logprobs are wanted, none otherwise)."""
     device_group: AttentionGroup | None
     """Sequences attending on the compute device."""
     cpu_group: AttentionGroup | None
@@ -75,6 +78,16 @@ class SeqState:
     sampling: SamplingParams
     block_ids: list[int] = field(default_factory=list)
     """The block table, extended by each plan's new_block_ids."""
+    has_sampled: bool = False
+    """A token was sampled: every chunk from here on is a decode."""
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    """echo + logprobs: the prompt positions scored so far (position 0 has none)."""
+    pending_logprobs: torch.Tensor | None = None
+    """(vocab,) log-probabilities predicting the next prompt chunk's first token."""
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.sampling.echo and self.sampling.logprobs is not None and not self.has_sampled
 
 
 def slots_for(block_ids: list[int], start: int, stop: int, block_tokens: int) -> list[int]:
@@ -108,6 +121,7 @@ class BatchBuilder:
         token_ids: list[int] = []
         positions: list[int] = []
         logit_rows: list[int] = []
+        logit_counts: list[int] = []
         act_rows: dict[str, list[int]] = {}
         new_kv: dict[str, tuple[list[int], list[int]]] = {}  # tier -> (slots, batch rows)
         members: dict[bool, list[tuple[SeqChunk, SeqState, int]]] = {False: [], True: []}
@@ -122,14 +136,21 @@ class BatchBuilder:
             rows.extend(range(row, row + q_len))
             on_cpu = self.cpu_attention and state.kv_tier == "cpu" and q_len == 1
             members[on_cpu].append((c, state, row))
-            if c.do_sample:
+            if state.wants_prompt_logprobs:
+                logit_rows.extend(range(row, row + q_len))
+                logit_counts.append(q_len)
+            elif c.do_sample:
                 logit_rows.append(row + q_len - 1)
+                logit_counts.append(1)
+            else:
+                logit_counts.append(0)
             row += q_len
         return Batch(
             index=index,
             token_ids=self._index(token_ids),
             positions=self._index(positions),
             logit_rows=self._index(logit_rows),
+            logit_counts=logit_counts,
             device_group=self._group(members[False], row, self.device),
             cpu_group=self._group(members[True], row, torch.device("cpu")),
             new_kv={tier: self._kv_rows(tier, *slots_rows) for tier, slots_rows in new_kv.items()},

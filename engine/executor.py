@@ -20,9 +20,9 @@ from engine.disk import DiskIO
 from engine.kv_store import KVStore
 from engine.models import build_model
 from engine.pipeline import BlockPipeline
-from engine.protocol import SeqChunk, StepPlan, StepResult
+from engine.protocol import SeqChunk, StepPlan, StepResult, TokenLogprobs
 from engine.quant import KVRowCodec
-from engine.sampler import Sampler
+from engine.sampler import Sampler, top_logprobs
 from engine.sampling_params import SamplingParams
 from engine.weight_store import WeightStore
 from policy import TIERS, Policy
@@ -196,10 +196,28 @@ class Executor:
             for k, chunks in sorted(by_batch.items())
         ]
         logits = self.pipeline.run(batches)
-        # logits rows follow batch order; results follow plan order
-        sampled = [c for _, chunks in sorted(by_batch.items()) for c in chunks if c.do_sample]
+        # Split each batch's logit rows by chunk: the row to sample from, and for echo +
+        # logprobs requests the prompt positions. Rows follow batch order; results plan order.
+        sample_rows: list[torch.Tensor] = []
+        sampled: list[SeqChunk] = []
+        prompt_logprobs: dict[int, list[TokenLogprobs]] = {}
+        for batch, batch_logits, (_, chunks) in zip(
+            batches, logits, sorted(by_batch.items()), strict=True
+        ):
+            start = 0
+            for c, count in zip(chunks, batch.logit_counts, strict=True):
+                rows, start = batch_logits[start : start + count], start + count
+                state = self._seqs[c.seq_id]
+                if state.wants_prompt_logprobs:
+                    score_prompt(c, state, rows)
+                    if c.do_sample:
+                        prompt_logprobs[c.seq_id] = state.prompt_logprobs
+                if c.do_sample:
+                    sample_rows.append(rows[-1:])
+                    sampled.append(c)
+                    state.has_sampled = True
         token_ids, logprobs = self.sampler.sample(
-            torch.cat(logits) if sampled else torch.empty(0),
+            torch.cat(sample_rows) if sampled else torch.empty(0),
             [self._seqs[c.seq_id].sampling for c in sampled],
             [c.num_sampled for c in sampled],
         )
@@ -211,6 +229,7 @@ class Executor:
             [sampled[i].seq_id for i in order],
             [token_ids[i] for i in order],
             [logprobs[i] for i in order],
+            prompt_logprobs=prompt_logprobs,
             step_seconds=time.perf_counter() - start,
         )
 
@@ -278,3 +297,15 @@ def build_executor(
 ) -> Executor:
     """Factory for the engine process: plain arguments in (they cross a process boundary)."""
     return Executor(model, Policy.from_dict(policy or {}), **kwargs)
+
+
+def score_prompt(chunk: SeqChunk, state: SeqState, logits: torch.Tensor) -> None:
+    """Logprobs of a prompt chunk's tokens (echo + logprobs). logits: (q_len, vocab), row r
+    predicting position start_pos + r + 1; the prediction for the chunk's first token was
+    left by the previous chunk. Position 0 has no logprob, as in OpenAI's API."""
+    log_probs = torch.log_softmax(logits.float(), dim=-1).cpu()
+    for i, token_id in enumerate(chunk.token_ids):
+        row = state.pending_logprobs if i == 0 else log_probs[i - 1]
+        if row is not None:
+            state.prompt_logprobs.append(top_logprobs(row, token_id, state.sampling.logprobs))
+    state.pending_logprobs = log_probs[-1]

@@ -19,6 +19,8 @@ class ChoiceState:
     text: str = ""
     token_ids: tuple[int, ...] = ()
     logprobs: list[Any] | None = None
+    prompt_logprobs: list[Any] | None = None
+    """echo + logprobs: the engine's logprobs of prompt positions 1..n-1."""
     finish_reason: str | None = None
     sent_text: int = 0
     """Characters of `text` already streamed."""
@@ -45,28 +47,35 @@ def completion_logprobs(
     num_top: int,
     text_offset: int,
     prompt_ids: Sequence[int] = (),
+    prompt_entries: Sequence[Any] | None = None,
 ) -> dict[str, Any]:
-    """The legacy completions `logprobs` object; echoed prompt tokens carry null logprobs."""
+    """The legacy completions `logprobs` object. Echoed prompt tokens carry the engine's
+    prompt logprobs (`prompt_entries[i - 1]` for position i); position 0 has none (null)."""
     tokens: list[str] = []
     token_logprobs: list[float | None] = []
     top_logprobs: list[dict[str, float] | None] = []
     offsets: list[int] = []
     offset = text_offset
-    for token_id in prompt_ids:
+
+    def append(token_id: int, entry: Any) -> None:
+        nonlocal offset
         piece = decode([token_id])
         tokens.append(piece)
-        token_logprobs.append(None)
-        top_logprobs.append(None)
         offsets.append(offset)
         offset += len(piece)
-    for token_id, entry in zip(token_ids, entries):
-        piece = decode([token_id])
+        if entry is None:
+            token_logprobs.append(None)
+            top_logprobs.append(None)
+            return
         chosen, top = _entry(token_id, entry)
-        tokens.append(piece)
         token_logprobs.append(chosen)
         top_logprobs.append({decode([t]): lp for t, lp in top[:num_top]})
-        offsets.append(offset)
-        offset += len(piece)
+
+    known = list(prompt_entries or [])
+    for position, token_id in enumerate(prompt_ids):
+        append(token_id, known[position - 1] if 0 < position <= len(known) else None)
+    for token_id, entry in zip(token_ids, entries):
+        append(token_id, entry)
     return {
         "tokens": tokens,
         "token_logprobs": token_logprobs,

@@ -59,7 +59,9 @@ class _Sampling(_Strict):
             )
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def sampling_params(
+        self, max_tokens: int, logprobs: int | None, echo: bool = False
+    ) -> SamplingParams:
         """One engine request's settings (n == 1: the daemon fans out n choices)."""
         return SamplingParams(
             max_tokens=max_tokens,
@@ -71,6 +73,7 @@ class _Sampling(_Strict):
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
+            echo=echo,  # with logprobs, the engine scores the prompt too
         )
 
 

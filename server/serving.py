@@ -81,7 +81,8 @@ class Serving:
         if req.model != self.model_name:
             raise not_found("model", req.model, param="model")
         params = [
-            req.sampling_params(self._max_tokens(p, max_tokens), num_logprobs) for p in prompts
+            req.sampling_params(self._max_tokens(p, max_tokens), num_logprobs, echo)
+            for p in prompts
         ]
         return Prepared(
             is_chat=endpoint == CHAT,
@@ -194,6 +195,7 @@ class Serving:
                 state = states[index]
                 state.text, state.token_ids = completion.text, tuple(completion.token_ids)
                 state.logprobs = list(completion.logprobs) if completion.logprobs else None
+                state.prompt_logprobs = item.prompt_logprobs
                 if item.finished:
                     state.finish_reason = completion.finish_reason or "stop"
                     remaining -= 1
@@ -234,7 +236,13 @@ class Serving:
         completion_lp = None
         if prep.num_logprobs is not None:
             completion_lp = completion_logprobs(
-                decode, state.token_ids, entries, prep.num_logprobs, 0, prompt_ids
+                decode,
+                state.token_ids,
+                entries,
+                prep.num_logprobs,
+                0,
+                prompt_ids,
+                state.prompt_logprobs,
             )
         return {
             "index": state.index,

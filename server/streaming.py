@@ -43,7 +43,7 @@ def _delta_choice(
     completion_lp = None
     if prep.num_logprobs is not None:
         completion_lp = completion_logprobs(
-            decode, new_ids, entries, prep.num_logprobs, 0, prefix_ids
+            decode, new_ids, entries, prep.num_logprobs, 0, prefix_ids, state.prompt_logprobs
         )
     return {
         "index": state.index,

@@ -12,6 +12,7 @@ import httpx
 from conftest import MODEL, LiveServer, Reference
 
 from engine.demo import demo_model_dir
+from engine.sampling_params import SamplingParams
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPT = "The quick brown fox"
@@ -50,6 +51,31 @@ def test_completion_prompt_forms_n_and_echo(live: LiveServer, reference: Referen
     )
     generated = reference.greedy(token_ids, 4).text
     assert result.choices[0].text == reference.tokenizer.decode(token_ids) + generated
+
+
+def test_echo_with_logprobs_scores_the_prompt(live: LiveServer, reference: Reference) -> None:
+    """OpenAI's legacy echo + logprobs: the prompt's tokens carry logprobs (the first none)."""
+    token_ids = [1, 100, 101, 102, 103]
+    result = live.openai().completions.create(
+        model=MODEL, prompt=[token_ids], max_tokens=3, echo=True, logprobs=2, temperature=0
+    )
+    lp = result.choices[0].logprobs
+    assert lp is not None and lp.token_logprobs is not None and lp.top_logprobs is not None
+    assert len(lp.token_logprobs) == len(token_ids) + 3
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    expected = reference.llm.generate(
+        [token_ids], SamplingParams(max_tokens=3, temperature=0, logprobs=2, echo=True)
+    )[0]
+    assert expected.prompt_logprobs is not None
+    for position in range(1, len(token_ids)):
+        got = lp.token_logprobs[position]
+        assert got is not None
+        assert abs(got - expected.prompt_logprobs[position - 1].logprob) < 1e-5
+        assert len(lp.top_logprobs[position] or {}) == 2
+    generated = lp.token_logprobs[len(token_ids) :]
+    assert [round(x or 0, 5) for x in generated] == [
+        round(e.logprob, 5) for e in expected.outputs[0].logprobs or []
+    ]
 
 
 def test_completion_stop_string(live: LiveServer, reference: Reference) -> None:
