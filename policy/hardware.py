@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from policy.errors import UserError
+from policy.jsonfile import parse_object, read_text
 
 # The keys every hardware file must have (FlexGen A.3's constants plus memory sizes).
 REQUIRED_KEYS: tuple[str, ...] = (
@@ -172,13 +173,7 @@ class HardwareSpec:
 
     @classmethod
     def from_json(cls, text: str) -> HardwareSpec:
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise HardwareError(f"hardware profile is not valid JSON: {e}") from e
-        if not isinstance(data, dict):
-            raise HardwareError("hardware profile must be a JSON object")
-        return cls.from_dict(data)
+        return cls.from_dict(parse_object(text, "hardware profile", HardwareError))
 
     def save(self, path: str | Path) -> None:
         """Write atomically (temp file + rename), creating the directory."""
@@ -193,11 +188,7 @@ class HardwareSpec:
 
     @classmethod
     def load(cls, path: str | Path) -> HardwareSpec:
-        try:
-            text = Path(path).expanduser().read_text()
-        except OSError as e:
-            raise HardwareError(f"cannot read hardware profile {path}: {e.strerror}") from e
-        return cls.from_json(text)
+        return cls.from_json(read_text(path, "hardware profile", HardwareError))
 
 
 def default_cache_path() -> Path:

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from policy.errors import UserError
+from policy.jsonfile import parse_object, read_text
 
 Triple = tuple[float, float, float]
 TIERS: tuple[str, str, str] = ("gpu", "cpu", "disk")
@@ -105,20 +106,11 @@ class Policy:
 
     @classmethod
     def from_json(cls, text: str) -> Policy:
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise PolicyError(f"policy is not valid JSON: {e}") from e
-        if not isinstance(data, dict):
-            raise PolicyError("policy JSON must be an object")
+        data = parse_object(text, "policy", PolicyError)
         if isinstance(data.get("policy"), dict):  # accept `nanoflex plan --json` output
             data = data["policy"]
         return cls.from_dict(data)
 
     @classmethod
     def load(cls, path: str | Path) -> Policy:
-        try:
-            text = Path(path).read_text()
-        except OSError as e:
-            raise PolicyError(f"cannot read policy file {path}: {e.strerror}") from e
-        return cls.from_json(text)
+        return cls.from_json(read_text(path, "policy file", PolicyError))

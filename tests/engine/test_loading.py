@@ -12,7 +12,7 @@ from engine import LLM, SamplingParams
 from engine.config import UnsupportedModelError
 from engine.executor import MemoryBudgetError
 from engine.model_files import ModelLoadError
-from policy import Policy
+from policy import Policy, PolicyError
 from tests.engine.conftest import build_tiny, hf_greedy
 
 
@@ -77,3 +77,11 @@ def test_policy_json_round_trip(tmp_path):
     path.write_text(policy.to_json())
     assert Policy.load(path) == policy
     assert json.loads(path.read_text())["kv_frac"] == [0.2, 0.3, 0.5]
+    with pytest.raises(PolicyError, match="policy must be a JSON object"):
+        Policy.from_json("[1, 2]")
+    with pytest.raises(PolicyError, match="policy is not valid JSON"):
+        Policy.from_json("{gpu_batch_size: 3}")
+    with pytest.raises(PolicyError, match="cannot read policy file"):
+        Policy.load(tmp_path / "missing.json")
+    with pytest.raises(PolicyError, match="unknown policy field"):
+        Policy.from_json('{"gpu_batchsize": 3}')
