@@ -31,7 +31,6 @@ class ModelConfig:
     norm_eps: float
     tie_word_embeddings: bool
     bos_token_id: int | None
-    eos_token_ids: tuple[int, ...]
     # Llama family
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] = field(default_factory=dict)
@@ -63,8 +62,6 @@ class ModelConfig:
                 f"model type {model_type!r} is not supported; nanoflex runs "
                 f"{', '.join(SUPPORTED_MODEL_TYPES)} checkpoints"
             )
-        eos = hf.eos_token_id
-        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
         common: dict[str, Any] = dict(
             model_type=model_type,
             vocab_size=hf.vocab_size,
@@ -74,7 +71,6 @@ class ModelConfig:
             max_position_embeddings=hf.max_position_embeddings,
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", True)),
             bos_token_id=hf.bos_token_id,
-            eos_token_ids=eos_ids,
         )
         if model_type == "opt":
             return cls(

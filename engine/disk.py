@@ -10,6 +10,7 @@ used because it needs aligned buffers and would rule out tmpfs offload dirs.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -76,13 +77,15 @@ class DiskIO:
     def write(self, f: DiskFile, offset: int, data: torch.Tensor) -> None:
         self._run_chunked(f.write, offset, as_bytes(data))
 
-    def _run_chunked(self, op: object, offset: int, buf: torch.Tensor) -> None:
+    def _run_chunked(
+        self, op: Callable[[int, torch.Tensor], None], offset: int, buf: torch.Tensor
+    ) -> None:
         n = buf.numel()
         if n <= _CHUNK_BYTES:
-            op(offset, buf)  # type: ignore[operator]
+            op(offset, buf)
             return
         futures: list[Future[None]] = [
-            self._pool.submit(op, offset + start, buf[start : start + _CHUNK_BYTES])  # type: ignore[arg-type]
+            self._pool.submit(op, offset + start, buf[start : start + _CHUNK_BYTES])
             for start in range(0, n, _CHUNK_BYTES)
         ]
         for fut in futures:

@@ -160,9 +160,6 @@ class Executor:
             "model_dir": str(self.model_dir),
             "block_tokens": self.block_tokens,
             "kv_capacity_blocks": self.kv_capacity_blocks(),
-            "max_model_len": self.config.max_position_embeddings,
-            "eos_token_ids": list(self.config.eos_token_ids),
-            "vocab_size": self.config.vocab_size,
             "placement": self.placement(),
         }
 

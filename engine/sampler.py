@@ -43,9 +43,9 @@ class Sampler:
             scores = scores.masked_fill(scores < kth, float("-inf"))
         if p.top_p < 1.0:
             sorted_scores, order = torch.sort(scores, descending=True)
-            cumulative = torch.softmax(sorted_scores, dim=-1).cumsum(dim=-1)
+            sorted_probs = torch.softmax(sorted_scores, dim=-1)
             # keep the smallest prefix whose mass reaches top_p (always at least one token)
-            drop = cumulative - torch.softmax(sorted_scores, dim=-1) >= p.top_p
+            drop = sorted_probs.cumsum(dim=-1) - sorted_probs >= p.top_p
             scores = scores.scatter(0, order, sorted_scores.masked_fill(drop, float("-inf")))
         probs = torch.softmax(scores, dim=-1).cpu()
         rng = self._rng

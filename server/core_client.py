@@ -108,7 +108,7 @@ class CoreEngineClient(EngineClient):
             block_tokens=info["block_tokens"],
             kv_capacity_blocks=info["kv_capacity_blocks"],
             eos_token_ids=eos_token_ids(self.model_dir),
-            max_model_len=info["max_model_len"],
+            max_model_len=self._max_model_len,
             max_step_tokens=self._max_step_tokens,
         )
         scheduler = Scheduler(config, detokenizer=_Detokenizer(self._tokenizer))
