@@ -43,10 +43,10 @@ def build_model(model: str, dtype: torch.dtype) -> tuple[Any, Any]:
     from accelerate.utils import set_module_tensor_to_device
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from engine.dummy import DummyReader
-    from engine.model_files import resolve_model_dir
+    from engine.loading.dummy import DummyReader
+    from engine.loading.generated import local_model_dir
 
-    model_dir = resolve_model_dir(f"dummy:{model}")
+    model_dir = local_model_dir(f"dummy:{model}")
     config = AutoConfig.from_pretrained(model_dir)
     reader = DummyReader.from_model_dir(model_dir, dtype=dtype)
     with init_empty_weights():

@@ -9,9 +9,10 @@ import tempfile
 from typing import Any
 
 from engine import LLM
-from engine.cli import run_bench
-from engine.planning import Workload, predict
+from engine.bench import run_bench
+from engine.core.planning import predict
 from policy import Policy
+from policy.specs import WorkloadSpec
 
 
 def parse_args(doc: str) -> argparse.Namespace:
@@ -34,7 +35,7 @@ def run_policies(
     """One row per policy: the median (by generation throughput) of `args.repeat` bench runs,
     interleaved across policies so slow drift of a shared machine hits them alike, and the
     cost model's prediction."""
-    workload = Workload(args.prompt_len, args.gen_len)
+    workload = WorkloadSpec(args.prompt_len, args.gen_len)
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in policies}
     predicted: dict[str, dict[str, Any] | None] = {}
     for _ in range(args.repeat):

@@ -33,7 +33,7 @@ def plan(variant: str, model_dir: Path, args: argparse.Namespace) -> Policy:
         if not args.flexgen_policy:
             raise ValueError("the flexgen-policy variant needs --flexgen-policy")
         return Policy.from_json(args.flexgen_policy)
-    from engine.planning import hardware_profile
+    from engine.core.planning import hardware_profile
     from policy.search import search
     from policy.specs import ModelSpec, WorkloadSpec
 
@@ -53,11 +53,11 @@ def plan(variant: str, model_dir: Path, args: argparse.Namespace) -> Policy:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from engine import LLM, SamplingParams
-    from engine.cli import run_bench
-    from engine.model_files import resolve_model_dir
-    from engine.planning import Workload
+    from engine.bench import run_bench
+    from engine.loading.generated import local_model_dir
+    from policy.specs import WorkloadSpec
 
-    model_dir = resolve_model_dir(f"dummy:{args.model}")
+    model_dir = local_model_dir(f"dummy:{args.model}")
     policy = plan(args.variant, model_dir, args)
     setup = time.perf_counter()
     with (
@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             device=args.device,
             gpu_mem=args.gpu_mem,
             cpu_mem=args.cpu_mem,
-            workload=Workload(args.prompt_len, args.gen_len),
+            workload=WorkloadSpec(args.prompt_len, args.gen_len),
             max_step_tokens=None,
         ) as llm,
     ):

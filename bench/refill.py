@@ -22,7 +22,7 @@ from typing import Any
 
 from bench.common import write_json
 from engine import LLM, SamplingParams
-from engine.sequence import Request
+from engine.core.sequence import Request
 from policy import Policy
 
 
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
             run(llm, items[:2])  # warm-up
             result[name] = run(llm, items)
             placement = llm.placement()
-            result["device"] = f"{_device_name(placement['device'])}, {placement['dtype']}"
+            result["device"] = f"{_device_name(placement.device)}, {placement.dtype}"
             result["model"] = str(llm.executor.model_dir.name)
     for name in ("static", "refill"):  # print the runs last, after what they ran on
         result[name] = result.pop(name)

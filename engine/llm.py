@@ -2,24 +2,22 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
-from engine.checkpoint import ModelLoadError
-from engine.core import EngineCore
-from engine.executor import Executor
-from engine.model_files import eos_token_ids, resolve_model_dir
-from engine.outputs import CompletionOutput, RequestOutput
-from engine.planning import DEFAULT_WORKLOAD, Workload, resolve_policy
-from engine.sampling_params import SamplingError, SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig
-from engine.sequence import BATCH_PRIORITY, Request
-from policy import Policy
-from policy.errors import UserError
-
-__all__ = ["LLM", "CompletionOutput", "RequestOutput"]
+from engine.core.engine_args import EngineArgs
+from engine.core.engine_core import EngineCore
+from engine.core.model_files import ModelLoadError
+from engine.core.outputs import RequestOutput
+from engine.core.protocol import Placement
+from engine.core.sampling_params import SamplingError, SamplingParams
+from engine.core.sequence import BATCH_PRIORITY, Request
+from engine.core.tokenizer import Tokenizer, has_tokenizer
+from engine.executor.executor import build_executor
+from engine.loading.generated import local_model_dir
+from policy import Policy, UserError
 
 Prompt = str | list[int]
 
@@ -27,74 +25,35 @@ Prompt = str | list[int]
 class LLM:
     """Generate with one model under one policy, like vLLM's `LLM`.
 
-    model: a local directory, a hub id, or None for the built-in demo model.
+    model: a local directory, a hub id, `dummy:<shape>`, or None for the built-in demo model.
     policy: a `Policy`, a policy JSON file, or "auto" (or None): planned by the cost model for
         `workload` on this machine's cached hardware profile (`nanoflex profile`).
-    gpu_mem / cpu_mem / disk_mem: byte budgets per tier (gpu_mem is also enforced on CUDA).
-    dtype: "float16", "bfloat16" or "float32"; default float32 on the CPU, the checkpoint's
-        half type (or float16) on CUDA.
-    kv_capacity_blocks: KV blocks per tier the scheduler may use, overriding what the memory
-        budgets leave (tests use a tiny pool to force preemption); missing tiers keep theirs.
-    static_blocks: FlexGen-style baseline without refill (SchedulerConfig.static_blocks).
+    Every other keyword is a field of `EngineArgs` (device, offload_dir, gpu_mem, cpu_mem,
+    disk_mem, dtype, max_step_tokens, async_scheduling, static_blocks, kv_capacity_pages,
+    workload, show_progress).
     """
 
     def __init__(
-        self,
-        model: str | Path | None = None,
-        policy: Policy | str | None = "auto",
-        offload_dir: str | Path | None = None,
-        device: str = "auto",
-        gpu_mem: int | None = None,
-        *,
-        cpu_mem: int | None = None,
-        disk_mem: int | None = None,
-        async_scheduling: bool = True,
-        max_step_tokens: int | None = 2048,
-        show_progress: bool = False,
-        kv_capacity_blocks: dict[str, int | None] | None = None,
-        static_blocks: bool = False,
-        workload: Workload | None = None,
-        dtype: str | None = None,
+        self, model: str | None = None, policy: Policy | str | None = "auto", **kwargs: Any
     ) -> None:
-        model_dir = resolve_model_dir(None if model is None else str(model))
-        self.policy, self.plan = resolve_policy(
-            policy,
-            model_dir,
-            device=device,
-            workload=workload or DEFAULT_WORKLOAD,
-            gpu_mem=gpu_mem,
-            cpu_mem=cpu_mem,
-            disk_mem=disk_mem,
+        try:
+            args = EngineArgs(model=None if model is None else str(model), policy=policy, **kwargs)
+        except TypeError as e:  # an unknown keyword
+            raise UserError(f"LLM(): {e}") from e
+        self.args = args
+        model_dir = local_model_dir(args.model)
+        self.policy, self.plan = args.resolve_policy(model_dir)
+        self.executor = build_executor(**args.executor_kwargs(model_dir, self.policy))
+        self.tokenizer = Tokenizer(model_dir) if has_tokenizer(model_dir) else None
+        self.scheduler = args.create_scheduler(
+            self.policy, model_dir, self.executor.describe(), self.tokenizer
         )
-        self.executor = Executor(
-            model_dir,
-            self.policy,
-            device=device,
-            offload_dir=offload_dir,
-            gpu_mem=gpu_mem,
-            cpu_mem=cpu_mem,
-            disk_mem=disk_mem,
-            dtype=None if dtype is None else parse_dtype(dtype),
-            show_progress=show_progress,
-        )
-        self.tokenizer = load_tokenizer(self.executor.model_dir)
-        config = self.executor.config
-        self.scheduler = Scheduler(
-            SchedulerConfig.from_policy(
-                self.policy,
-                block_tokens=self.executor.block_tokens,
-                kv_capacity_blocks=self.executor.kv_capacity_blocks() | (kv_capacity_blocks or {}),
-                static_blocks=static_blocks,
-                eos_token_ids=eos_token_ids(model_dir),
-                max_model_len=config.max_position_embeddings,
-                # None: a whole block's prompts prefill in one step, as FlexGen does
-                max_step_tokens=max_step_tokens
-                or self.policy.block_size * config.max_position_embeddings,
-            ),
-            detokenizer=None if self.tokenizer is None else _Detokenizer(self.tokenizer),
-        )
-        self.core = EngineCore(self.scheduler, self.executor, async_scheduling=async_scheduling)
+        self.core = EngineCore(self.scheduler, self.executor, args.async_scheduling)
         self._ids = itertools.count()
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> LLM:
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(args)})
 
     def generate(
         self,
@@ -137,14 +96,14 @@ class LLM:
                 raise ModelLoadError(
                     f"{self.executor.model_dir} has no tokenizer: pass prompts as token ids"
                 )
-            return list(self.tokenizer.encode(prompt))
+            return self.tokenizer.encode(prompt)
         vocab = self.executor.config.vocab_size
         bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
             raise SamplingError(f"token ids must be integers in [0, {vocab}), got {bad[:5]}")
         return list(prompt)
 
-    def placement(self) -> dict[str, Any]:
+    def placement(self) -> Placement:
         return self.executor.placement()
 
     def close(self) -> None:
@@ -156,33 +115,3 @@ class LLM:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def parse_dtype(name: str) -> Any:
-    """'float16' | 'bfloat16' | 'float32' -> the torch dtype."""
-    import torch
-
-    dtypes = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
-    if name not in dtypes:
-        raise UserError(f"dtype must be one of {', '.join(dtypes)}, got {name!r}")
-    return dtypes[name]
-
-
-def load_tokenizer(model_dir: Path) -> Any | None:
-    """The checkpoint's tokenizer, or None when it ships none (then prompts are token ids)."""
-    if not any((model_dir / name).exists() for name in ("tokenizer.json", "tokenizer_config.json")):
-        return None
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(model_dir)
-    except (OSError, ValueError) as e:
-        raise ModelLoadError(f"cannot load the tokenizer in {model_dir}: {e}") from e
-
-
-class _Detokenizer:
-    def __init__(self, tokenizer: Any) -> None:
-        self._tokenizer = tokenizer
-
-    def decode(self, token_ids: list[int]) -> str:
-        return str(self._tokenizer.decode(token_ids, skip_special_tokens=True))

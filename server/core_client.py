@@ -20,57 +20,45 @@ from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from engine.core import EngineCore
-from engine.model_files import eos_token_ids, resolve_model_dir
-from engine.outputs import RequestOutput
-from engine.planning import resolve_policy
-from engine.protocol import StepPlan, StepResult
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig
-from engine.sequence import ONLINE_PRIORITY, Request
+from engine.core.engine_args import EngineArgs
+from engine.core.engine_core import EngineCore
+from engine.core.model_files import context_length, resolve_model_dir
+from engine.core.outputs import RequestOutput
+from engine.core.protocol import StepPlan, StepResult
+from engine.core.sampling_params import SamplingParams
+from engine.core.sequence import ONLINE_PRIORITY, Request
+from engine.core.tokenizer import Tokenizer
 from policy import Policy
-from policy.units import parse_bytes
 from server.engine_client import EngineClient, EngineDeadError, StepStats
 from server.engine_process import ExecutorDiedError, ExecutorProcess, InProcessExecutor
-from server.tokenizer import Tokenizer
 
 log = logging.getLogger("nanoflex.engine")
 
-EXECUTOR_FACTORY = "engine.executor:build_executor"
+EXECUTOR_FACTORY = "engine.executor.executor:build_executor"
 _IDLE_WAIT_S = 0.05
-
-
-class _Detokenizer:
-    def __init__(self, tokenizer: Tokenizer) -> None:
-        self._tokenizer = tokenizer
-
-    def decode(self, token_ids: list[int]) -> str:
-        return self._tokenizer.decode(token_ids)
 
 
 class CoreEngineClient(EngineClient):
     def __init__(
         self,
+        engine_args: EngineArgs,
         model_dir: Path,
         policy: Policy,
-        executor_kwargs: dict[str, Any],
         *,
         model_name: str,
         in_process: bool = False,
-        max_step_tokens: int = 2048,
     ) -> None:
         super().__init__()
-        self.model_dir, self.policy = model_dir, policy
+        self.engine_args, self.model_dir, self.policy = engine_args, model_dir, policy
         self._model_name = model_name
         self._tokenizer = Tokenizer(model_dir)
-        kwargs = {"model": str(model_dir), "policy": policy.to_dict(), **executor_kwargs}
+        kwargs = engine_args.executor_kwargs(model_dir, policy)
         self._executor: ExecutorProcess | InProcessExecutor = (
             InProcessExecutor(EXECUTOR_FACTORY, kwargs)
             if in_process
             else ExecutorProcess(EXECUTOR_FACTORY, kwargs)
         )
-        self._max_step_tokens = max_step_tokens
-        self._max_model_len = _config_max_len(model_dir)
+        self._max_model_len = context_length(model_dir)
         self._commands: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._streams: dict[str, asyncio.Queue[RequestOutput | Exception]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -102,18 +90,11 @@ class CoreEngineClient(EngineClient):
         return self._ready.is_set() and self._executor.is_alive
 
     def _new_core(self) -> EngineCore:
-        info = self._executor.info
-        config = SchedulerConfig.from_policy(
-            self.policy,
-            block_tokens=info["block_tokens"],
-            kv_capacity_blocks=info["kv_capacity_blocks"],
-            eos_token_ids=eos_token_ids(self.model_dir),
-            max_model_len=self._max_model_len,
-            max_step_tokens=self._max_step_tokens,
+        scheduler = self.engine_args.create_scheduler(
+            self.policy, self.model_dir, self._executor.describe(), self._tokenizer
         )
-        scheduler = Scheduler(config, detokenizer=_Detokenizer(self._tokenizer))
         self._counter = _StepCounter(self._executor)
-        return EngineCore(scheduler, self._counter, async_scheduling=True)
+        return EngineCore(scheduler, self._counter, self.engine_args.async_scheduling)
 
     # -- model and tokenizer ---------------------------------------------------------------
 
@@ -251,18 +232,13 @@ class CoreEngineClient(EngineClient):
     def _emit(self, core: EngineCore, step_seconds: float, batch_size: int) -> None:
         scheduler = core.scheduler
         self._reported_busy = scheduler.has_unfinished()
-        placement = self._executor.info.get("placement", {})
-        bytes_per_tier: dict[str, int] = {}
-        for kind in ("weights_bytes", "kv_bytes", "act_bytes"):
-            for tier, nbytes in placement.get(kind, {}).items():
-                bytes_per_tier[tier] = bytes_per_tier.get(tier, 0) + int(nbytes)
         self.emit_step(
             StepStats(
                 step_seconds=step_seconds,
                 batch_size=batch_size,
                 num_waiting=scheduler.num_waiting,
                 num_running=len(scheduler.running),
-                bytes_per_tier=bytes_per_tier,
+                bytes_per_tier=self._executor.describe().placement.bytes_per_tier(),
             )
         )
 
@@ -294,34 +270,17 @@ def _resolve(future: asyncio.Future[Exception | None], error: Exception | None) 
         future.set_result(error)
 
 
-def _config_max_len(model_dir: Path) -> int:
-    import json
-
-    config = json.loads((model_dir / "config.json").read_text())
-    return int(config.get("max_position_embeddings") or 2048)
-
-
 def build_engine_client(args: argparse.Namespace) -> CoreEngineClient:
     """`nanoflex serve`'s engine: the model resolved here, loaded in the engine process."""
-    model_dir = resolve_model_dir(args.model, torch_free=True)
-    kwargs = {
-        "device": args.device,
-        "offload_dir": args.offload_dir,
-        "gpu_mem": None if args.gpu_mem is None else parse_bytes(args.gpu_mem),
-        "cpu_mem": None if args.cpu_mem is None else parse_bytes(args.cpu_mem),
-        "disk_mem": None if args.disk_mem is None else parse_bytes(args.disk_mem),
-    }
-    policy, plan = resolve_policy(
-        args.policy,
-        model_dir,
-        device=args.device,
-        gpu_mem=kwargs["gpu_mem"],
-        cpu_mem=kwargs["cpu_mem"],
-        disk_mem=kwargs["disk_mem"],
-        torch_free=True,
-    )
+    engine_args = EngineArgs.from_cli_args(args)
+    model_dir = resolve_model_dir(engine_args.model)
+    policy, plan = engine_args.resolve_policy(model_dir)
     log.info("policy %s%s", policy.to_json(), f" planned: {plan}" if plan else "")
     name = "nanoflex-demo" if args.model is None else str(args.model).rstrip("/")
     return CoreEngineClient(
-        model_dir, policy, kwargs, model_name=name, in_process=getattr(args, "in_process", False)
+        engine_args,
+        model_dir,
+        policy,
+        model_name=name,
+        in_process=getattr(args, "in_process", False),
     )

@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from engine.sampling_params import SamplingParams
+from engine.core.sampling_params import SamplingParams
 
 ONLINE_PRIORITY = 0
 """Priority of online requests (/v1/completions, /v1/chat/completions): served first."""
@@ -50,7 +50,7 @@ class CompletionOutputLike(Protocol):
     def finish_reason(self) -> str | None: ...
     @property
     def logprobs(self) -> Any:
-        """None, or one entry per generated token: an `engine.protocol.TokenLogprobs`
+        """None, or one entry per generated token: an `engine.core.protocol.TokenLogprobs`
         (token_id, logprob, top) or vLLM's `dict[token_id, Logprob-with-.logprob]`."""
 
 

@@ -2,11 +2,14 @@
 
 The parent never imports the executor's module (so never torch): the child is
 started with multiprocessing's 'spawn' method and builds the executor from a
-factory path such as "engine.executor:build_executor" and keyword arguments.
+factory path such as "engine.executor.executor:build_executor" and keyword arguments.
 Messages over one Pipe are pickled tuples:
 
     parent -> child: ("execute", StepPlan) | ("health",) | ("shutdown",)
-    child -> parent: ("ready", info) | ("result", StepResult) | ("ok",) | ("error", traceback)
+    child -> parent: ("ready", EngineInfo) | ("result", StepResult) | ("ok",) | ("error", traceback)
+
+The factory returns an executor with the surface of `engine.executor.executor.Executor`:
+`describe() -> EngineInfo` once built, `execute(plan)` per step, `close()` at shutdown.
 
 A dead child is detected on every call (`ExecutorDiedError`); `restart()`
 starts a fresh one. `InProcessExecutor` is the same surface without a process.
@@ -19,9 +22,9 @@ import multiprocessing as mp
 import traceback
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
-from typing import Any, Protocol
+from typing import Any
 
-from engine.protocol import StepPlan, StepResult
+from engine.core.protocol import EngineInfo, StepPlan, StepResult
 
 POLL_S = 0.1
 """How often a waiting call checks that the child is still alive."""
@@ -35,29 +38,21 @@ class ExecutorStartError(RuntimeError):
     """The executor could not be built (bad model, out of memory); see the child's traceback."""
 
 
-class StepExecutor(Protocol):
-    """What the engine core calls once per step."""
-
-    def execute(self, plan: StepPlan) -> StepResult: ...
-
-
 def build_from_path(factory: str, kwargs: dict[str, Any]) -> Any:
     """Call the function named 'package.module:function' with `kwargs`."""
     module_name, _, attr = factory.partition(":")
     return getattr(importlib.import_module(module_name), attr)(**kwargs)
 
 
-def _child_main(conn: Connection, factory: str, kwargs: dict[str, Any], method: str) -> None:
+def _child_main(conn: Connection, factory: str, kwargs: dict[str, Any]) -> None:
     """The child's loop: build the executor, then answer messages until shutdown."""
     try:
         executor = build_from_path(factory, kwargs)
-        execute = getattr(executor, method)
+        info = executor.describe()
     except BaseException:
         conn.send(("error", traceback.format_exc()))
         return
-    describe = getattr(executor, "describe", None)
-    info = describe() if callable(describe) else {}
-    conn.send(("ready", {"executor": type(executor).__name__, **info}))
+    conn.send(("ready", info))
     while True:
         try:
             message = conn.recv()
@@ -65,16 +60,14 @@ def _child_main(conn: Connection, factory: str, kwargs: dict[str, Any], method: 
             return
         kind = message[0]
         if kind == "shutdown":
-            close = getattr(executor, "shutdown", None)
-            if callable(close):
-                close()
+            executor.close()
             conn.send(("ok",))
             return
         if kind == "health":
             conn.send(("ok",))
             continue
         try:
-            conn.send(("result", execute(message[1])))
+            conn.send(("result", executor.execute(message[1])))
         except Exception:
             conn.send(("error", traceback.format_exc()))
 
@@ -88,14 +81,13 @@ class ExecutorProcess:
         factory: str,
         kwargs: dict[str, Any] | None = None,
         *,
-        method: str = "execute",
         start_timeout_s: float = 600.0,
     ) -> None:
         self.factory = factory
         self.kwargs = dict(kwargs or {})
-        self.method = method
         self.start_timeout_s = start_timeout_s
-        self.info: dict[str, Any] = {}
+        self.info: EngineInfo | None = None
+        """What the executor reported when it was built (set by `start`)."""
         self._process: BaseProcess | None = None
         self._conn: Connection | None = None
 
@@ -109,7 +101,7 @@ class ExecutorProcess:
         parent_conn, child_conn = ctx.Pipe()
         process = ctx.Process(
             target=_child_main,
-            args=(child_conn, self.factory, self.kwargs, self.method),
+            args=(child_conn, self.factory, self.kwargs),
             name="nanoflex-engine",
             daemon=True,
         )
@@ -137,7 +129,7 @@ class ExecutorProcess:
             message: tuple[str, Any] = self._conn.recv()
         except (EOFError, OSError) as e:
             raise ExecutorDiedError(f"the engine process closed its pipe: {e}") from e
-        if message[0] == "error" and self._process.is_alive() and self.info:
+        if message[0] == "error" and self._process.is_alive() and self.info is not None:
             raise RuntimeError(f"the engine step failed:\n{message[1]}")
         return message[0], message[1] if len(message) > 1 else None
 
@@ -147,6 +139,11 @@ class ExecutorProcess:
             self._conn.send(message)
         except (BrokenPipeError, OSError) as e:
             raise ExecutorDiedError(f"the engine process is gone: {e}") from e
+
+    def describe(self) -> EngineInfo:
+        """What the executor reported when it was built."""
+        assert self.info is not None, "call start() first"
+        return self.info
 
     def execute(self, plan: StepPlan) -> StepResult:
         """Run one step in the child. Raises `ExecutorDiedError` if it died."""
@@ -197,7 +194,7 @@ class InProcessExecutor:
     def __init__(self, factory: str, kwargs: dict[str, Any] | None = None) -> None:
         self.factory = factory
         self.kwargs = dict(kwargs or {})
-        self.info: dict[str, Any] = {}
+        self.info: EngineInfo | None = None
         self._executor: Any = None
 
     @property
@@ -206,10 +203,11 @@ class InProcessExecutor:
 
     def start(self) -> None:
         self._executor = build_from_path(self.factory, self.kwargs)
-        describe = getattr(self._executor, "describe", None)
-        self.info = {"executor": type(self._executor).__name__}
-        if callable(describe):
-            self.info.update(describe())
+        self.info = self._executor.describe()
+
+    def describe(self) -> EngineInfo:
+        assert self.info is not None, "call start() first"
+        return self.info
 
     def execute(self, plan: StepPlan) -> StepResult:
         return self._executor.execute(plan)
@@ -218,9 +216,8 @@ class InProcessExecutor:
         return self.is_alive
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
-        close = getattr(self._executor, "shutdown", None)
-        if callable(close):
-            close()
+        if self._executor is not None:
+            self._executor.close()
         self._executor = None
 
     def kill(self) -> None:

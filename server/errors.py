@@ -14,7 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.sampling_params import SamplingError
+from engine.core.sampling_params import SamplingError
 
 logger = logging.getLogger("nanoflex.server")
 

@@ -31,7 +31,8 @@ from typing import Any
 
 from tqdm import tqdm
 
-from engine.sampling_params import SamplingError
+from engine.core.engine_args import EngineArgs
+from engine.core.sampling_params import SamplingError
 from policy.errors import UserError
 from server.batch_input import parse_input_lines
 from server.batches import error_line, response_line
@@ -63,8 +64,15 @@ class Summary:
     """Lines that earlier runs had already answered."""
 
 
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    EngineArgs.add_cli_args(parser)
+    parser.add_argument("-i", "--input", required=True, help="requests JSONL")
+    parser.add_argument("-o", "--output", required=True, help="results JSONL")
+    parser.add_argument("--error-file", default=None, help="errors JSONL (default: OUTPUT.errors)")
+
+
 def main(args: argparse.Namespace) -> int:
-    """Entry point of `nanoflex run-batch` (flags in server/cli.py)."""
+    """Entry point of `nanoflex run-batch`."""
     output = Path(args.output)
     errors = Path(args.error_file) if args.error_file else Path(f"{args.output}.errors")
     summary = asyncio.run(run_batch(Path(args.input), output, errors, lambda: _client(args)))

@@ -10,7 +10,7 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from engine.sampling_params import SamplingParams
+from engine.core.sampling_params import SamplingParams
 from server.errors import APIError, invalid_request
 
 MAX_N = 16

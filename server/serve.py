@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 import uvicorn
 
+from engine.core.engine_args import EngineArgs
 from policy.errors import UserError
 from server.app import create_app
 from server.engine_client import EngineClient
@@ -51,8 +52,18 @@ def build_engine_client(args: argparse.Namespace) -> EngineClient:
     return client
 
 
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    EngineArgs.add_cli_args(parser)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--data-dir", default="nanoflex-data", help="SQLite store, files, results")
+    parser.add_argument("--api-key", default=None, help="require this bearer token")
+    parser.add_argument("--max-queue", type=int, default=1024, help="waiting requests before 429")
+    parser.add_argument("--in-process", action="store_true", help="run the engine in this process")
+
+
 def main(args: argparse.Namespace) -> int:
-    """Entry point of `nanoflex serve` (see server/cli.py for the flags)."""
+    """Entry point of `nanoflex serve`."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     settings = ServerSettings.from_args(args)
     app = create_app(settings, build_engine_client(args))

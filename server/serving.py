@@ -15,7 +15,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, replace
 from typing import Any
 
-from engine.sampling_params import SamplingParams
+from engine.core.sampling_params import SamplingParams
 from policy.errors import UserError
 from server.engine_client import EngineClient, EngineDeadError, PromptTooLongError
 from server.errors import APIError, engine_unavailable, invalid_request, not_found

@@ -1,7 +1,7 @@
 """Layer-wise model implementations (OPT, Llama family) built for placement and offloading."""
 
-from engine.config import ModelConfig
 from engine.models.base import Model
+from engine.models.config import ModelConfig
 
 
 def build_model(config: ModelConfig) -> Model:

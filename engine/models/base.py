@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from engine.config import ModelConfig
+from engine.models.config import ModelConfig
 
 Weights = dict[str, torch.Tensor]
 # attend(q, k, v) -> o with q: (T, num_heads, head_dim), k and v: (T, num_kv_heads, head_dim)

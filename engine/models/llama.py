@@ -6,8 +6,8 @@ import re
 
 import torch
 
-from engine.config import ModelConfig
 from engine.models.base import AttendFn, Model, Weights, linear
+from engine.models.config import ModelConfig
 
 _LAYER = re.compile(r"^(?:model\.)?layers\.(\d+)\.(.+)$")
 _LOCAL = {

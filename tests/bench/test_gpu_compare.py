@@ -14,7 +14,7 @@ from bench.subproc import run_child
 from engine import LLM, SamplingParams
 from policy import Policy
 from policy.hardware import FLEXGEN_T4
-from tests.engine.conftest import TINY_CONFIGS
+from tests.engine.tiny_models import TINY_CONFIGS
 
 
 @pytest.fixture

@@ -109,8 +109,8 @@ def test_copies_everything_pip_install_needs(dockerfile: list[Instruction]) -> N
     readme = project["project"].get("readme")
     if isinstance(readme, str):
         assert readme in copied
-    packages = project["tool"]["setuptools"]["packages"]
-    top_level = {p.split(".")[0] for p in packages}
+    patterns = project["tool"]["setuptools"]["packages"]["find"]["include"]
+    top_level = {p.rstrip("*") for p in patterns}
     assert top_level <= copied, f"packages {top_level - copied} are not copied"
 
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.protocol import PENDING_TOKEN_ID, StepPlan, StepResult, TokenLogprobs
-from engine.sampling_params import SamplingParams
+from engine.core.protocol import PENDING_TOKEN_ID, StepPlan, StepResult, TokenLogprobs
+from engine.core.sampling_params import SamplingParams
 
 VOCAB = 50
 
@@ -34,7 +34,7 @@ def reference(prompt: list[int], max_tokens: int, seed: int | None = None) -> li
 
 @dataclass
 class FakeExecutor:
-    block_tokens: int = 16
+    page_tokens: int = 16
     history: dict[int, list[int]] = field(default_factory=dict)
     sampling: dict[int, SamplingParams] = field(default_factory=dict)
     blocks: dict[int, tuple[str, list[int]]] = field(default_factory=dict)
@@ -63,8 +63,8 @@ class FakeExecutor:
             history.extend(chunk.token_ids)
             tier, table = self.blocks[chunk.seq_id]
             assert tier == chunk.kv_tier
-            table.extend(chunk.new_block_ids)
-            assert len(table) == -(-len(history) // self.block_tokens), "block table size"
+            table.extend(chunk.new_page_ids)
+            assert len(table) == -(-len(history) // self.page_tokens), "block table size"
             if chunk.do_sample:
                 seed = self.sampling[chunk.seq_id].seed
                 token = next_token(history, seed)
@@ -77,9 +77,9 @@ class FakeExecutor:
     def _check_blocks_disjoint(self) -> None:
         seen: set[tuple[str, int]] = set()
         for tier, table in self.blocks.values():
-            for block_id in table:
-                assert (tier, block_id) not in seen, f"block {tier}:{block_id} shared"
-                seen.add((tier, block_id))
+            for page_id in table:
+                assert (tier, page_id) not in seen, f"block {tier}:{page_id} shared"
+                seen.add((tier, page_id))
 
 
 class FakeDetokenizer:

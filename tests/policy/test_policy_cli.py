@@ -62,7 +62,7 @@ def test_policy_package_never_imports_torch() -> None:
     import sys
 
     code = (
-        "import sys, policy, policy.search, policy.cli, policy.threads\n"
+        "import sys, policy, policy.search, policy.plan, policy.threads\n"
         "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers')]\n"
         "assert not bad, bad\n"
     )

@@ -1,107 +1,18 @@
-"""Fixtures: a real uvicorn server on loopback over the real engine (demo model), and clients.
-
-The engine is `CoreEngineClient` on the built-in demo model on CPU, with the
-executor in this process (`in_process=True`) unless a test needs the child
-process. `reference` is the offline `engine.LLM` on the same model: greedy
-output from the daemon must equal its greedy output for the same token ids.
-"""
+"""Fixtures of the server tests (helpers live in tests/server/live.py)."""
 
 from __future__ import annotations
 
-import argparse
-import socket
-import threading
-import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import httpx
-import openai
 import pytest
-import uvicorn
 
-from engine.demo import demo_model_dir
-from engine.outputs import CompletionOutput
-from engine.sampling_params import SamplingParams
-from policy import Policy
-from server.app import create_app
-from server.cli import build_parser
-from server.core_client import CoreEngineClient, build_engine_client
 from server.engine_client import EngineClient
 from server.settings import ServerSettings
-from server.state import AppState
-from server.tokenizer import Tokenizer
-
-API_KEY = "test-key"
-MODEL = "nanoflex-demo"
-
-
-def engine_args(**overrides: Any) -> argparse.Namespace:
-    """`nanoflex serve --device cpu` arguments (the demo model), with the default `Policy()`
-    fixed so that nothing is planned and the reference runs the same policy."""
-    args = build_parser().parse_args(["serve", "--device", "cpu", "--in-process"])
-    args.policy = Policy()
-    for name, value in overrides.items():
-        setattr(args, name, value)
-    return args
-
-
-def demo_engine(in_process: bool = True) -> CoreEngineClient:
-    """The daemon's real engine client on the demo model (not started)."""
-    return build_engine_client(engine_args(in_process=in_process))
-
-
-@dataclass
-class LiveServer:
-    """A daemon running in a thread; `state` is the app's shared state."""
-
-    base_url: str
-    engine: EngineClient
-    state: AppState
-    server: uvicorn.Server
-    thread: threading.Thread
-    api_key: str | None
-
-    def http(self) -> httpx.Client:
-        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-        return httpx.Client(base_url=self.base_url, headers=headers, timeout=60)
-
-    def openai(self) -> openai.OpenAI:
-        return openai.OpenAI(
-            base_url=f"{self.base_url}/v1", api_key=self.api_key or "unused", max_retries=0
-        )
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=60)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def start_server(settings: ServerSettings, engine: EngineClient) -> LiveServer:
-    app = create_app(settings, engine)
-    port = free_port()
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 120
-    while not server.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            raise RuntimeError("uvicorn did not start")
-        time.sleep(0.01)
-    return LiveServer(
-        f"http://127.0.0.1:{port}", engine, app.state.nanoflex, server, thread, settings.api_key
-    )
-
-
-ServerFactory = Callable[..., LiveServer]
+from tests.server.live import LiveServer, Reference, ServerFactory, demo_engine, start_server
 
 
 @pytest.fixture
@@ -132,58 +43,8 @@ def client(live: LiveServer) -> Iterator[httpx.Client]:
         yield c
 
 
-class Reference:
-    """The offline engine (`engine.LLM`) on the demo model: what the daemon must reproduce."""
-
-    def __init__(self) -> None:
-        from engine.llm import LLM  # imports torch: only tests that compare outputs pay for it
-
-        self.llm = LLM(None, policy=Policy(), device="cpu")
-        self.tokenizer = Tokenizer(demo_model_dir())
-        self._cache: dict[tuple[Any, ...], list[CompletionOutput]] = {}
-
-    def greedy_many(
-        self, prompts: Sequence[Sequence[int] | str], max_tokens: int, **params: Any
-    ) -> list[CompletionOutput]:
-        """Greedy outputs for token-id prompts (strings are encoded as the daemon does)."""
-        ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
-        key = (tuple(map(tuple, ids)), max_tokens, tuple(sorted(params.items())))
-        if key not in self._cache:
-            sampling = SamplingParams(max_tokens=max_tokens, temperature=0, **params)
-            outputs = self.llm.generate(ids, sampling)
-            self._cache[key] = [out.outputs[0] for out in outputs]
-        return self._cache[key]
-
-    def greedy(
-        self, prompt: Sequence[int] | str, max_tokens: int, **params: Any
-    ) -> CompletionOutput:
-        return self.greedy_many([prompt], max_tokens, **params)[0]
-
-    def chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
-        return self.tokenizer.apply_chat_template(messages)
-
-
 @pytest.fixture(scope="session")
 def reference() -> Iterator[Reference]:
     ref = Reference()
     yield ref
     ref.llm.close()
-
-
-def engine_is_idle(engine: EngineClient) -> bool:
-    """No request left in the real engine's scheduler and every KV block free (read from the
-    test thread: a snapshot, good enough to wait on)."""
-    assert isinstance(engine, CoreEngineClient)
-    core = engine._core
-    if core is None or core.has_unfinished():
-        return False
-    manager = core.scheduler.block_manager
-    return all(manager.num_used_blocks(tier) == 0 for tier in ("gpu", "cpu", "disk"))
-
-
-def wait_for(predicate: Callable[[], bool], timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        time.sleep(0.02)

@@ -17,11 +17,11 @@ import httpx
 import openai
 import psutil
 import pytest
-from conftest import MODEL, Reference, ServerFactory, free_port, wait_for
-from test_batches import URL, read_lines, request_line, upload, wait_batch
 
 from policy import Policy
 from server.store import Store
+from tests.server.batch_files import URL, read_lines, request_line, upload, wait_batch
+from tests.server.live import MODEL, Reference, ServerFactory, free_port, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 NANOFLEX = Path(sys.executable).parent / "nanoflex"

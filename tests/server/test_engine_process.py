@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from engine.protocol import SeqChunk, StepPlan
+from engine.core.protocol import SeqChunk, StepPlan
 from server.engine_process import (
     ExecutorDiedError,
     ExecutorProcess,
@@ -16,7 +16,7 @@ from server.engine_process import (
     InProcessExecutor,
 )
 
-FACTORY = "toy_executor:build_executor"
+FACTORY = "tests.server.toy_executor:build_executor"
 
 
 def plan(step_id: int) -> StepPlan:
@@ -24,8 +24,8 @@ def plan(step_id: int) -> StepPlan:
         seq_id=7,
         token_ids=[5, 9],
         start_pos=0,
-        batch_index=0,
-        new_block_ids=[0],
+        gpu_batch=0,
+        new_page_ids=[0],
         kv_tier="gpu",
         act_tier="gpu",
         do_sample=True,
@@ -37,8 +37,10 @@ def test_child_process_lifecycle() -> None:
     executor = ExecutorProcess(FACTORY, start_timeout_s=60)
     executor.start()
     try:
-        assert executor.info == {"executor": "ToyExecutor"}
-        assert "toy_executor" not in sys.modules, "the parent must not import the factory"
+        assert executor.describe().placement.device == "toy"  # the child's own report
+        assert "tests.server.toy_executor" not in sys.modules, (
+            "the parent must not import the factory"
+        )
         result = executor.execute(plan(3))
         assert (result.step_id, result.seq_ids, result.token_ids) == (3, [7], [10])
         assert executor.health()

@@ -10,7 +10,8 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import API_KEY, MODEL, LiveServer, ServerFactory, engine_is_idle, wait_for
+
+from tests.server.live import API_KEY, MODEL, LiveServer, ServerFactory, engine_is_idle, wait_for
 
 GOOD = {"model": MODEL, "prompt": "hello", "max_tokens": 2}
 SLOW = {**GOOD, "max_tokens": 1500, "ignore_eos": True}

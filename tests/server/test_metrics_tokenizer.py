@@ -6,11 +6,12 @@ import json
 from pathlib import Path
 
 import httpx
-from conftest import MODEL, LiveServer, Reference, ServerFactory
 from tokenizers import Tokenizer as RawTokenizer
 from tokenizers import models, pre_tokenizers
 
-from server.tokenizer import Tokenizer
+from engine.core.tokenizer import Tokenizer
+from engine.loading.demo import demo_model_dir
+from tests.server.live import MODEL, LiveServer, Reference, ServerFactory
 
 
 def test_metrics_endpoint(
@@ -77,7 +78,9 @@ def test_tokenizer_without_transformers(tmp_path: Path) -> None:
 
 def test_daemon_tokenizer_equals_transformers(reference: Reference) -> None:
     """The daemon's torch-free tokenizer agrees with transformers' on the demo model."""
-    hf = reference.llm.tokenizer
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(demo_model_dir())
     for text in ("hello world", "The quick brown fox", " spaces  and\nnewlines", "ünïcödé"):
         assert reference.tokenizer.encode(text) == hf.encode(text)
         ids = reference.tokenizer.encode(text)

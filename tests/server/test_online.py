@@ -9,10 +9,10 @@ import sys
 from pathlib import Path
 
 import httpx
-from conftest import MODEL, LiveServer, Reference
 
-from engine.demo import demo_model_dir
-from engine.sampling_params import SamplingParams
+from engine.core.sampling_params import SamplingParams
+from policy import Policy
+from tests.server.live import MODEL, LiveServer, Reference
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPT = "The quick brown fox"
@@ -189,16 +189,21 @@ def test_models_health_ready(client: httpx.Client) -> None:
 
 
 def test_daemon_never_imports_torch(tmp_path: Path) -> None:
-    """The daemon's modules, an app and its real engine client load without torch."""
+    """Every daemon module, the `serve` command's engine client (demo model, built in a child)
+    and the app load without torch or transformers."""
+    policy = tmp_path / "policy.json"
+    policy.write_text(Policy().to_json())
     code = f"""
-import sys
-from pathlib import Path
-from server import app, batches, engine_process, serve, tokenizer
-from server.core_client import CoreEngineClient
+import importlib, pkgutil, sys
+import server
+from server.app import create_app
+from server.cli import build_parser
+from server.core_client import build_engine_client
 from server.settings import ServerSettings
-from policy import Policy
-engine = CoreEngineClient(Path({str(demo_model_dir())!r}), Policy(), {{}}, model_name="demo")
-app.create_app(ServerSettings(data_dir={str(tmp_path)!r}), engine)
+for module in pkgutil.walk_packages(server.__path__, "server."):
+    importlib.import_module(module.name)
+args = build_parser("serve").parse_args(["serve", "--device", "cpu", "--policy", {str(policy)!r}])
+create_app(ServerSettings(data_dir={str(tmp_path)!r}), build_engine_client(args))
 bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers'))
 assert not bad, bad
 """

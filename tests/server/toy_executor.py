@@ -10,11 +10,26 @@ from __future__ import annotations
 
 import os
 
-from engine.protocol import StepPlan, StepResult
+from engine.core.protocol import EngineInfo, Placement, StepPlan, StepResult
+
+NO_BYTES = {"gpu": 0, "cpu": 0, "disk": 0}
+INFO = EngineInfo(
+    page_tokens=16,
+    kv_capacity_pages={"gpu": 64, "cpu": None, "disk": None},
+    placement=Placement(
+        (1.0, 0.0, 0.0), (1.0, 0.0, 0.0), NO_BYTES, NO_BYTES, NO_BYTES, (), "toy", "none"
+    ),
+)
 
 
 class ToyExecutor:
     """Samples last input token + 1 for every chunk that asks for a token."""
+
+    def describe(self) -> EngineInfo:
+        return INFO
+
+    def close(self) -> None:
+        pass
 
     def execute(self, plan: StepPlan) -> StepResult:
         sampled = [c for c in plan.chunks if c.do_sample]

@@ -1,0 +1,118 @@
+"""`nanoflex bench`: FlexGen's throughput metrics for one model, policy and workload."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from typing import Any
+
+import torch
+
+from engine.core.engine_args import EngineArgs
+from engine.core.planning import predict
+from engine.core.sampling_params import SamplingParams
+from engine.core.sequence import Request
+from engine.llm import LLM
+from policy.errors import UserError
+from policy.specs import WorkloadSpec
+from policy.units import format_bytes
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    EngineArgs.add_cli_args(parser)
+    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--gen-len", type=int, default=32)
+    parser.add_argument("--num-prompts", type=int, default=8)
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def main(args: argparse.Namespace) -> int:
+    if min(args.prompt_len, args.gen_len, args.num_prompts) < 1:
+        raise UserError("--prompt-len, --gen-len and --num-prompts must be at least 1")
+    engine_args = EngineArgs.from_cli_args(
+        args,
+        show_progress=True,
+        max_step_tokens=None,
+        workload=WorkloadSpec(args.prompt_len, args.gen_len),
+    )
+    with LLM.from_engine_args(engine_args) as llm:
+        result = run_bench(llm, args.prompt_len, args.gen_len, args.num_prompts)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print_bench(result)
+    return 0
+
+
+def run_bench(llm: LLM, prompt_len: int, gen_len: int, num_prompts: int) -> dict[str, Any]:
+    """FlexGen's metrics (docs/benchmarks.md) over prompts of exactly prompt_len random tokens,
+    gen_len tokens each, EOS ignored. Prefill time runs until every prompt has its first token."""
+    vocab = llm.executor.config.vocab_size
+    generator = torch.Generator().manual_seed(0)
+    params = SamplingParams(max_tokens=gen_len, temperature=0.0, ignore_eos=True)
+    for i in range(num_prompts):
+        prompt = torch.randint(3, vocab, (prompt_len,), generator=generator).tolist()
+        llm.core.add_request(Request(f"bench-{i}", prompt, params))
+    started: set[str] = set()
+    start = time.perf_counter()
+    prefill_done = None
+    steps = 0
+    while llm.core.has_unfinished():
+        for out in llm.core.step():
+            if out.outputs[0].token_ids:
+                started.add(out.request_id)
+        steps += 1
+        if prefill_done is None and len(started) == num_prompts:
+            prefill_done = time.perf_counter()
+        print(
+            f"\rbench: step {steps}, {len(started)}/{num_prompts} prefilled",
+            end="",
+            file=sys.stderr,
+        )
+    print(file=sys.stderr)
+    end = time.perf_counter()
+    prefill_s = (prefill_done or end) - start
+    decode_s = end - (prefill_done or end)
+    placement = llm.placement()
+    return {
+        "model": str(llm.executor.model_dir),
+        "device": placement.device,
+        "dtype": placement.dtype,
+        "prompt_len": prompt_len,
+        "gen_len": gen_len,
+        "num_prompts": num_prompts,
+        "policy": llm.policy.to_dict(),
+        "prefill_seconds": prefill_s,
+        "decode_seconds": decode_s,
+        "prefill_throughput": num_prompts * prompt_len / prefill_s,
+        "decode_throughput": num_prompts * (gen_len - 1) / decode_s if decode_s > 0 else 0.0,
+        "generation_throughput": num_prompts * gen_len / (prefill_s + decode_s),
+        "num_steps": steps,
+        "placement": dataclasses.asdict(placement),
+        "predicted": llm.plan["predicted"]
+        if llm.plan
+        else predict(llm.policy, llm.executor.model_dir, WorkloadSpec(prompt_len, gen_len)),
+    }
+
+
+def print_bench(r: dict[str, Any]) -> None:
+    p = r["placement"]
+    print(f"model        {r['model']} on {r['device']} ({r['dtype']})")
+    print(f"workload     {r['num_prompts']} prompts x {r['prompt_len']} tokens, gen {r['gen_len']}")
+    print(f"policy       {json.dumps(r['policy'])}")
+    for kind in ("weights", "kv", "act"):
+        tiers = ", ".join(f"{t} {format_bytes(n)}" for t, n in p[f"{kind}_bytes"].items())
+        print(f"{kind + ' bytes':12s} {tiers}")
+    print(f"prefill      {r['prefill_throughput']:10.1f} tokens/s  ({r['prefill_seconds']:.3f} s)")
+    print(f"decode       {r['decode_throughput']:10.1f} tokens/s  ({r['decode_seconds']:.3f} s)")
+    print(f"generation   {r['generation_throughput']:10.1f} tokens/s  ({r['num_steps']} steps)")
+    if r["predicted"]:
+        predicted = r["predicted"]
+        print(
+            f"predicted    prefill {predicted['prefill_throughput']:.1f}, decode "
+            f"{predicted['decode_throughput']:.1f}, generation "
+            f"{predicted['generation_throughput']:.1f} tokens/s (cost model)"
+        )

@@ -1,0 +1,40 @@
+"""The nanoflex cache directory, and publishing a built directory into it atomically."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+CACHE_ENV = "NANOFLEX_CACHE"
+
+
+def cache_root() -> Path:
+    """The nanoflex cache directory: $NANOFLEX_CACHE, else ~/.cache/nanoflex."""
+    env = os.environ.get(CACHE_ENV)
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "nanoflex"
+
+
+def publish_dir(final: Path, build: Callable[[Path], None], complete_file: str) -> Path:
+    """`final`, built once: `build(tmp)` fills a temporary sibling that is renamed into place,
+    so a reader never sees a half-built directory and two racing processes both end up with
+    the same complete one. `final / complete_file` existing means the build is done."""
+    if (final / complete_file).is_file():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    try:
+        build(tmp)
+        tmp.chmod(0o755)  # mkdtemp makes it private; a cache entry is readable like any cache
+        for path in tmp.iterdir():
+            path.chmod(0o644)
+        try:
+            os.rename(tmp, final)  # atomic; fails if another process got there first
+        except OSError:
+            if not (final / complete_file).is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final

@@ -1,0 +1,122 @@
+"""`EngineCore`: drives a `Scheduler` and an executor step by step (torch-free).
+
+Synchronous mode is the reference: schedule, execute, postprocess. Asynchronous
+mode (NanoFlow 5.3) builds plan i+1 while step i runs: the plan's decodes whose
+input is step i's token carry PENDING_TOKEN_ID until step i's result fills
+them in, and a sequence that stopped in step i but was already planned in step
+i+1 has that extra token dropped by the scheduler, never returned.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Protocol
+
+from engine.core.outputs import RequestOutput
+from engine.core.protocol import StepPlan, StepResult
+from engine.core.scheduler import Scheduler
+from engine.core.sequence import Request
+
+
+class StepExecutor(Protocol):
+    """Runs one plan on the model: `engine.executor.executor.Executor`, or the daemon's
+    engine-process client. May also offer `submit(plan) -> Future[StepResult]`."""
+
+    def execute(self, plan: StepPlan) -> StepResult: ...
+
+
+class EngineStalledError(RuntimeError):
+    """Requests remain but the scheduler plans nothing and no step is running (a bug)."""
+
+
+class EngineCore:
+    """One scheduler, one executor, and the step loop between them. Not thread-safe.
+
+    `async_scheduling` overlaps planning with execution; it uses the executor's
+    `submit` if it has one, else runs `execute` on one worker thread.
+    """
+
+    def __init__(
+        self, scheduler: Scheduler, executor: StepExecutor, async_scheduling: bool = False
+    ) -> None:
+        self.scheduler = scheduler
+        self.executor = executor
+        self.async_scheduling = async_scheduling
+        self._in_flight: tuple[StepPlan, Future[StepResult]] | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._stalled = False
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request. Raises a `UserError` subclass for one that can never run."""
+        self.scheduler.add_request(request)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Drop a request wherever it is; its final output ('abort'), or None if unknown."""
+        return self.scheduler.abort_request(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or self._in_flight is not None
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run, postprocess. Asynchronous: returns the previous step's outputs."""
+        plan = self.scheduler.schedule()
+        done = self._run(plan)
+        self._stalled = plan is None and done is None and self.scheduler.has_unfinished()
+        return self.scheduler.postprocess(*done) if done is not None else []
+
+    def _run(self, plan: StepPlan | None) -> tuple[StepPlan, StepResult] | None:
+        """Run `plan`; the (plan, result) pair that is now complete, if any."""
+        if not self.async_scheduling:
+            return None if plan is None else (plan, self.executor.execute(plan))
+        done = None
+        if self._in_flight is not None:
+            previous, future = self._in_flight
+            done = (previous, future.result())
+            self._in_flight = None
+        if plan is not None:
+            if plan.has_pending_tokens:
+                assert done is not None, "pending tokens without a step in flight"
+                plan.fill_pending_tokens(done[1])
+            self._in_flight = (plan, self._submit(plan))
+        return done
+
+    def _submit(self, plan: StepPlan) -> Future[StepResult]:
+        submit = getattr(self.executor, "submit", None)
+        if submit is not None:
+            future: Future[StepResult] = submit(plan)
+            return future
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="nanoflex-step")
+        return self._pool.submit(self.executor.execute, plan)
+
+    def iter_outputs(self) -> Iterator[RequestOutput]:
+        """Step until every request finished, yielding each step's outputs."""
+        while self.has_unfinished():
+            yield from self.step()
+            if self._stalled and self._in_flight is None:
+                raise EngineStalledError(
+                    f"{self.scheduler.num_waiting} sequence(s) wait but nothing can be scheduled"
+                )
+
+    def run_until_done(self) -> list[RequestOutput]:
+        """Final outputs of every request, in the order they finished."""
+        return [out for out in self.iter_outputs() if out.finished]
+
+    def generate(self, requests: Iterable[Request]) -> list[RequestOutput]:
+        """Add `requests`, run them all, and return their final outputs in the same order."""
+        order = []
+        for request in requests:
+            self.add_request(request)
+            order.append(request.request_id)
+        final = {out.request_id: out for out in self.run_until_done()}
+        return [final[request_id] for request_id in order]
+
+    def close(self) -> None:
+        """Wait for the step in flight (its outputs are dropped) and stop the worker thread."""
+        if self._in_flight is not None:
+            self._in_flight[1].result()
+            self._in_flight = None
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None

@@ -1,0 +1,136 @@
+"""The records that cross the scheduler/executor boundary (torch-free).
+
+`StepPlan` and `StepResult` per step; `EngineInfo` (with its `Placement`) once, when the
+executor is built. All are plain picklable dataclasses: they cross a process pipe.
+
+One engine step runs every scheduled chunk through all layers (zig-zag over the
+block's GPU batches) and samples one token for each chunk that asks for one.
+Plans carry what changed: new tokens, new KV pages, sampling settings the
+first time a sequence is seen, and the ids of sequences to forget.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.core.sampling_params import SamplingParams
+
+PENDING_TOKEN_ID = -1
+"""Stands in a decode chunk for the token this sequence sampled in the previous step,
+not yet known when the plan was built (asynchronous scheduling). The driver
+replaces it with `StepPlan.fill_pending_tokens` before the plan runs."""
+
+
+@dataclass(slots=True)
+class SeqChunk:
+    """The tokens one sequence feeds into one step."""
+
+    seq_id: int
+    token_ids: list[int]
+    """Tokens to run: a prompt chunk (prefill) or the last sampled token (decode)."""
+    start_pos: int
+    """Position of token_ids[0]; equals the number of tokens already in this sequence's KV."""
+    gpu_batch: int
+    """Which GPU batch of the block this sequence computes in."""
+    new_page_ids: list[int]
+    """KV pages appended to this sequence's page table for these tokens (may be empty)."""
+    kv_tier: str
+    """Tier that homes this sequence's KV pages: 'gpu', 'cpu' or 'disk'."""
+    act_tier: str
+    """Tier that homes this sequence's activations between layers."""
+    do_sample: bool
+    """Sample a token after this chunk (decode, or the last chunk of a prompt)."""
+    sampling: SamplingParams | None = None
+    """Sent with the first chunk of a sequence; the engine keeps it until the sequence is freed."""
+    num_sampled: int = 0
+    """Tokens this sequence has already generated (keys the per-request seeded RNG)."""
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """Everything the engine needs for one step."""
+
+    step_id: int
+    chunks: list[SeqChunk]
+    freed_seq_ids: list[int] = field(default_factory=list)
+    """Sequences finished, aborted or preempted since the last plan: drop their engine state.
+    Apply before running the chunks: their pages may already be reused in this plan."""
+    dense_size: int = 0
+    """Discrete dense batch size chosen for this step (>= num_tokens; the engine may pad to it)."""
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.chunks)
+
+    def fill_pending_tokens(self, previous: StepResult) -> None:
+        """Replace each PENDING_TOKEN_ID with the token `previous` sampled for that sequence."""
+        sampled = dict(zip(previous.seq_ids, previous.token_ids, strict=True))
+        for chunk in self.chunks:
+            if chunk.token_ids and chunk.token_ids[-1] == PENDING_TOKEN_ID:
+                chunk.token_ids[-1] = sampled[chunk.seq_id]
+
+    @property
+    def has_pending_tokens(self) -> bool:
+        return any(c.token_ids and c.token_ids[-1] == PENDING_TOKEN_ID for c in self.chunks)
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    """Log-probability of the chosen token and of the top alternatives."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass(slots=True)
+class StepResult:
+    """What one step produced: a token per sampled chunk, in plan order."""
+
+    step_id: int
+    seq_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+    prompt_logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)
+    """For sequences whose sampling asked for echo + logprobs: logprobs of the prompt tokens."""
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where the executor put things: realized bytes per tier next to what the policy planned."""
+
+    planned_weights_frac: tuple[float, float, float]
+    """The policy's weights_frac (gpu, cpu, disk)."""
+    realized_weights_frac: tuple[float, float, float]
+    """Share of weight bytes actually homed per tier (layers are placed whole)."""
+    weights_bytes: dict[str, int]
+    kv_bytes: dict[str, int]
+    """KV pool bytes reserved per tier so far."""
+    act_bytes: dict[str, int]
+    """Peak bytes of between-layer activations homed per tier so far."""
+    weight_tiers: tuple[str, ...]
+    """Home tier of each layer (embedding, decoder layers, head)."""
+    device: str
+    """The compute device, e.g. 'cpu' or 'cuda:0'."""
+    dtype: str
+    """The compute dtype, e.g. 'float32'."""
+
+    def bytes_per_tier(self) -> dict[str, int]:
+        """Weights, KV and activations together, per tier."""
+        out: dict[str, int] = {}
+        for part in (self.weights_bytes, self.kv_bytes, self.act_bytes):
+            for tier, nbytes in part.items():
+                out[tier] = out.get(tier, 0) + nbytes
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class EngineInfo:
+    """What a scheduler (in this process or the daemon) needs from a freshly built executor."""
+
+    page_tokens: int
+    """Tokens per KV page."""
+    kv_capacity_pages: dict[str, int | None]
+    """KV pages each tier may hold (None: bounded only by the machine)."""
+    placement: Placement
+    """The realized placement when the executor was built."""

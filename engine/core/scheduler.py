@@ -1,0 +1,376 @@
+"""`Scheduler`: the global batch scheduler (NanoFlow 4.2, 4.4), torch-free.
+
+Each `schedule()` refills the running block from priority queues, gives every
+running sequence its decode token and fills the rest of a discrete dense batch
+size with prefill chunks; KV admission uses projected peak pages per tier and,
+when a projection proves wrong, the newest sequence is preempted and later
+recomputed. `postprocess()` applies sampled tokens and reports request outputs.
+Plans may be built one step ahead (asynchronous): a decode whose input token is
+still in flight carries PENDING_TOKEN_ID, and a token sampled for a sequence
+that has meanwhile finished is dropped.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.core.kv_pages import PageManager, pick_tier
+from engine.core.outputs import RequestOutput, request_output
+from engine.core.protocol import PENDING_TOKEN_ID, SeqChunk, StepPlan, StepResult
+from engine.core.sequence import Detokenizer, Request, Sequence, SequenceStatus
+from policy import TIERS, Policy, UserError
+from policy.policy import Triple
+
+
+class SchedulerConfigError(UserError, ValueError):
+    """Scheduler settings that cannot work together (say which flag to change)."""
+
+
+class RequestError(UserError, ValueError):
+    """A request the scheduler refuses: duplicate id, empty prompt, or one that can never fit."""
+
+
+class PromptTooLongError(RequestError):
+    """The prompt is longer than max_model_len."""
+
+
+class EngineProtocolError(RuntimeError):
+    """A StepResult that does not answer its StepPlan (a bug in the executor)."""
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """How the scheduler forms steps; build with `from_policy` or by keyword."""
+
+    gpu_batch_size: int = 8
+    """Sequences per GPU batch; gpu_batch = slot // gpu_batch_size."""
+    num_gpu_batches: int = 1
+    """GPU batches per block; block_size = gpu_batch_size * num_gpu_batches."""
+    kv_frac: Triple = (1.0, 0.0, 0.0)
+    """Target share of sequences whose KV is homed on gpu / cpu / disk."""
+    act_frac: Triple = (1.0, 0.0, 0.0)
+    """Target share of sequences whose activations are homed on gpu / cpu / disk."""
+    page_tokens: int = 16
+    """Tokens per KV page."""
+    kv_capacity_pages: dict[str, int | None] = field(default_factory=dict)
+    """KV pages available per tier; a missing tier or None is unbounded."""
+    max_step_tokens: int = 2048
+    """Most tokens (decodes plus prefill chunks) in one step."""
+    batch_sizes: tuple[int, ...] = ()
+    """Efficient dense batch sizes, ascending; empty: powers of two and max_step_tokens."""
+    eos_token_ids: tuple[int, ...] = ()
+    max_model_len: int = 2048
+    """Context window: prompt plus generated tokens."""
+    expected_gen_tokens: int | None = None
+    """Generated length assumed by KV admission; None assumes max_tokens (never preempts)."""
+    static_blocks: bool = False
+    """FlexGen-style baseline: admit only into an empty block, so a block runs to completion
+    before the next starts (no refill). False: continuous refill after every step."""
+
+    def __post_init__(self) -> None:
+        for name in ("gpu_batch_size", "num_gpu_batches", "page_tokens", "max_step_tokens"):
+            if getattr(self, name) < 1:
+                raise SchedulerConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_model_len < 1:
+            raise SchedulerConfigError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        sizes = self.batch_sizes or _powers_of_two(self.max_step_tokens)
+        sizes = tuple(sorted(set(sizes)))
+        if sizes[0] < 1 or sizes[-1] > self.max_step_tokens:
+            raise SchedulerConfigError(f"batch_sizes must lie in [1, max_step_tokens], got {sizes}")
+        if sizes[-1] < self.block_size:
+            raise SchedulerConfigError(
+                f"the largest batch size ({sizes[-1]}) must hold one decode per sequence of the "
+                f"block ({self.block_size}): raise max_step_tokens or lower the block size"
+            )
+        object.__setattr__(self, "batch_sizes", sizes)
+        unknown = set(self.kv_capacity_pages) - set(TIERS)
+        if unknown:
+            raise SchedulerConfigError(f"kv_capacity_pages has unknown tiers {sorted(unknown)}")
+
+    @property
+    def block_size(self) -> int:
+        """Most sequences running at once (Policy.block_size)."""
+        return self.gpu_batch_size * self.num_gpu_batches
+
+    @classmethod
+    def from_policy(cls, policy: Policy, **kwargs: object) -> SchedulerConfig:
+        """Block shape and tier fractions from `policy`; everything else by keyword."""
+        shape = {"gpu_batch_size": policy.gpu_batch_size, "num_gpu_batches": policy.num_gpu_batches}
+        fracs = {"kv_frac": policy.kv_frac, "act_frac": policy.act_frac}
+        return cls(**shape, **fracs, **kwargs)  # type: ignore[arg-type]
+
+
+def _powers_of_two(limit: int) -> tuple[int, ...]:
+    return (*(1 << i for i in range(limit.bit_length()) if 1 << i < limit), limit)
+
+
+class Scheduler:
+    """Decides what every step runs; owns the queues, the KV page tables and the slots.
+
+    Not thread-safe: one driver (EngineCore) calls it. Contract per step:
+    `plan = schedule()`, run it, `postprocess(plan, result)`. Asynchronous
+    drivers may call `schedule()` once more before the previous postprocess.
+    """
+
+    def __init__(self, config: SchedulerConfig, detokenizer: Detokenizer | None = None) -> None:
+        self.config = config
+        self.detokenizer = detokenizer
+        self.page_manager = PageManager(config.page_tokens, config.kv_capacity_pages)
+        self.waiting: dict[int, deque[Sequence]] = {}
+        """Queues per priority (lower first), FIFO; preempted sequences go back to the front."""
+        self.running: list[Sequence] = []
+        """Admission order: the last one is the newest (the first to preempt)."""
+        self.requests: dict[str, list[Sequence]] = {}
+        self._seqs: dict[int, Sequence] = {}
+        self._free_slots = list(range(config.block_size))
+        self._freed_seq_ids: list[int] = []
+        self._next_seq_id = 0
+        self._next_step_id = 0
+        caps = [
+            self.page_manager.capacity_pages[t]
+            for t, f in zip(TIERS, config.kv_frac, strict=True)
+            if f > 0
+        ]
+        self.kv_tokens = max(c * config.page_tokens if c is not None else 1 << 62 for c in caps)
+        """Tokens the largest allowed KV pool holds: the most one sequence can ever have in KV."""
+        self.max_len = min(config.max_model_len, self.kv_tokens + 1)
+        """Sequences end ('length') at this many tokens, so a lone one always fits a pool."""
+
+    # -- requests ----------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        """Queue a request's choices. Raises RequestError for one that can never run."""
+        num_prompt = len(request.prompt_token_ids)
+        if request.request_id in self.requests:
+            raise RequestError(f"request id {request.request_id!r} is already in use")
+        if num_prompt == 0:
+            raise RequestError("the prompt is empty: send at least one token")
+        if num_prompt > self.config.max_model_len:
+            raise PromptTooLongError(
+                f"the prompt has {num_prompt} tokens but max_model_len is "
+                f"{self.config.max_model_len}: shorten the prompt"
+            )
+        if num_prompt > self.kv_tokens:
+            raise RequestError(
+                f"the prompt ({num_prompt} tokens) does not fit the largest KV pool "
+                f"({self.kv_tokens} tokens): give the KV cache more memory"
+            )
+        seqs = Sequence.expand(request, self._next_seq_id)
+        self._next_seq_id += len(seqs)
+        self.requests[request.request_id] = seqs
+        self._seqs.update((s.seq_id, s) for s in seqs)
+        self.waiting.setdefault(request.priority, deque()).extend(seqs)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Drop a request wherever it is and free its KV; its final output, or None if unknown."""
+        if request_id not in self.requests:
+            return None
+        for seq in self.requests[request_id]:
+            if not seq.is_finished:
+                self._retire(seq)
+                seq.finish("abort")
+        return self._output(request_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(len(q) for q in self.waiting.values())
+
+    # -- schedule ----------------------------------------------------------------------
+    def schedule(self) -> StepPlan | None:
+        """The next step's plan, or None when nothing can run now."""
+        live = [s for s in self.running if not s.will_finish(self.max_len)]
+        num_decodes = sum(1 for s in live if s.num_tokens - s.num_computed_tokens == 1)
+        demand = sum(s.num_tokens - s.num_computed_tokens for s in live)
+        can_admit = not self.config.static_blocks or not self.running
+        num_joining = len(self._free_slots) if can_admit else 0
+        queued = itertools.islice(itertools.chain(*self._queues()), num_joining)
+        demand += sum(s.num_tokens for s in queued)
+        budget = self._pick_size(demand) - num_decodes  # prefill tokens allowed this step
+
+        planned: list[tuple[int, SeqChunk]] = []
+        preempted = False
+        for seq in live:  # oldest first; victims are always newer or seq itself
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            to_run = seq.num_tokens - seq.num_computed_tokens
+            num_new = 1 if to_run == 1 else min(to_run, budget)
+            if num_new == 0:
+                continue
+            page_ids = self._allocate(seq, num_new)
+            if page_ids is None:
+                preempted = True
+                continue
+            budget -= num_new if to_run > 1 else 0
+            planned.append((seq.slot, self._chunk(seq, num_new, page_ids)))
+        if not planned:  # the budget reserved for preempted decodes is free again
+            budget = self.config.batch_sizes[-1]
+        can_admit = can_admit or not self.running  # preemption may have emptied the block
+        while can_admit and (not preempted or not planned) and budget > 0 and self._free_slots:
+            admitted = self._admit(budget)
+            if admitted is None:
+                break
+            seq, num_new, page_ids = admitted
+            budget -= num_new
+            planned.append((seq.slot, self._chunk(seq, num_new, page_ids)))
+        if not planned:
+            return None
+        chunks = [chunk for _, chunk in sorted(planned, key=lambda p: p[0])]
+        plan = StepPlan(self._next_step_id, chunks, self._freed_seq_ids)
+        plan.dense_size = self._pick_size(plan.num_tokens)
+        self._next_step_id += 1
+        self._freed_seq_ids = []
+        return plan
+
+    def _pick_size(self, num_tokens: int) -> int:
+        """Smallest efficient dense size holding num_tokens, else the largest."""
+        return next(
+            (s for s in self.config.batch_sizes if s >= num_tokens), self.config.batch_sizes[-1]
+        )
+
+    def _chunk(self, seq: Sequence, num_new: int, page_ids: list[int]) -> SeqChunk:
+        start = seq.num_computed_tokens
+        known = seq.token_ids[start : start + num_new]
+        token_ids = known + [PENDING_TOKEN_ID] * (num_new - len(known))
+        seq.num_computed_tokens += num_new
+        do_sample = seq.num_computed_tokens == seq.num_tokens
+        chunk = SeqChunk(
+            seq_id=seq.seq_id,
+            token_ids=token_ids,
+            start_pos=start,
+            gpu_batch=seq.slot // self.config.gpu_batch_size,
+            new_page_ids=page_ids,
+            kv_tier=seq.kv_tier,
+            act_tier=seq.act_tier,
+            do_sample=do_sample,
+            sampling=None if seq.is_sent else seq.sampling,
+            num_sampled=seq.num_generated + seq.num_pending,
+        )
+        seq.is_sent = True
+        seq.num_pending += int(do_sample)
+        return chunk
+
+    # -- KV: allocation, admission, preemption ----------------------------------------------
+    def _allocate(self, seq: Sequence, num_new: int) -> list[int] | None:
+        """Pages for seq's next tokens, preempting newer ones on its tier; None if seq went."""
+        while not self.page_manager.can_append(seq.seq_id, num_new):
+            victim = next(s for s in reversed(self.running) if s.kv_tier == seq.kv_tier)
+            self._preempt(victim)
+            if victim is seq:
+                return None
+        return self.page_manager.append(seq.seq_id, num_new)
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Free seq's KV and queue it at the front of its queue, to be recomputed later."""
+        self._release(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_computed_tokens = 0
+        self.waiting[seq.request.priority].appendleft(seq)
+
+    def _admit(self, budget: int) -> tuple[Sequence, int, list[int]] | None:
+        """Move the head of the queues into the block if its projected KV fits some tier."""
+        seq = next((q[0] for q in self._queues()), None)
+        if seq is None or seq.num_pending:
+            return None
+        num_new = min(seq.num_tokens, budget)
+        counts = {t: 0 for t in TIERS}
+        for s in self.running:
+            counts[s.kv_tier] += 1
+        fracs = tuple(
+            f if f > 0 and self._kv_fits(seq, num_new, t) else 0.0
+            for t, f in zip(TIERS, self.config.kv_frac, strict=True)
+        )
+        if not any(fracs):
+            return None
+        self.waiting[seq.request.priority].popleft()
+        seq.kv_tier = pick_tier((fracs[0], fracs[1], fracs[2]), counts)
+        act_counts = {t: sum(1 for s in self.running if s.act_tier == t) for t in TIERS}
+        seq.act_tier = pick_tier(self.config.act_frac, act_counts)
+        seq.slot = heapq.heappop(self._free_slots)
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        return seq, num_new, self.page_manager.append(seq.seq_id, num_new, seq.kv_tier)
+
+    def _kv_fits(self, seq: Sequence, num_new: int, tier: str) -> bool:
+        """Room now for the first chunk, and projected peak KV on tier within capacity."""
+        if not self.page_manager.can_append(seq.seq_id, num_new, tier):
+            return False
+        capacity = self.page_manager.capacity_pages[tier]
+        if capacity is None:
+            return True
+        if self.page_manager.num_pages_for(seq.num_tokens) > capacity:
+            return False  # too long for this pool even alone (it was preempted from it)
+        others = [s for s in self.running if s.kv_tier == tier]
+        if not others:  # an empty pool always takes one: progress
+            return True
+        lengths = [(s.num_tokens, self._expected_remaining(s)) for s in [*others, seq]]
+        return self.page_manager.projected_peak_pages(lengths) <= capacity
+
+    def _expected_remaining(self, seq: Sequence) -> int:
+        remaining = min(seq.num_remaining, self.max_len - seq.num_tokens)
+        if self.config.expected_gen_tokens is not None:
+            expected = self.config.expected_gen_tokens - seq.num_generated - seq.num_pending
+            remaining = min(remaining, expected)
+        return max(remaining, 0)
+
+    def _release(self, seq: Sequence) -> None:
+        """Take seq out of the block: free its KV and slot, tell the engine to forget it."""
+        if seq in self.running:
+            self.running.remove(seq)
+            heapq.heappush(self._free_slots, seq.slot)
+        self.page_manager.free(seq.seq_id)
+        if seq.is_sent:
+            self._freed_seq_ids.append(seq.seq_id)
+        seq.is_sent, seq.slot = False, -1
+
+    def _retire(self, seq: Sequence) -> None:
+        """Remove a sequence for good (finished or aborted)."""
+        self._release(seq)
+        queue = self.waiting.get(seq.request.priority)
+        if queue is not None and seq in queue:
+            queue.remove(seq)
+        self._seqs.pop(seq.seq_id, None)
+
+    def _queues(self) -> list[deque[Sequence]]:
+        return [q for _, q in sorted(self.waiting.items()) if q]
+
+    # -- postprocess -------------------------------------------------------------------
+    def postprocess(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
+        """Apply the sampled tokens; outputs of requests that produced a token or finished."""
+        sampled = [c for c in plan.chunks if c.do_sample]
+        if [c.seq_id for c in sampled] != result.seq_ids or len(result.token_ids) != len(sampled):
+            raise EngineProtocolError(
+                f"step {plan.step_id}: result seq_ids {result.seq_ids} do not match the plan"
+            )
+        for seq_id, prompt_logprobs in result.prompt_logprobs.items():
+            seq = self._seqs.get(seq_id)
+            if seq is not None and seq.prompt_logprobs is None:  # not again after a recompute
+                seq.prompt_logprobs = prompt_logprobs
+        changed: dict[str, None] = {}  # request ids in first-change order
+        for chunk, token_id, logprobs in zip(sampled, result.token_ids, result.logprobs):
+            seq = self._seqs.get(chunk.seq_id)
+            if seq is None:  # finished or aborted after this plan was built: drop the token
+                continue
+            seq.num_pending -= 1
+            seq.append_token(
+                token_id,
+                logprobs,
+                self.config.eos_token_ids,
+                self.max_len,
+                self.detokenizer,
+            )
+            if seq.is_finished:
+                self._retire(seq)
+            changed[seq.request.request_id] = None
+        return [self._output(request_id) for request_id in changed if request_id in self.requests]
+
+    def _output(self, request_id: str) -> RequestOutput:
+        """The request's cumulative output; forgets the request once every choice finished."""
+        output = request_output(self.requests[request_id])
+        if output.finished:
+            del self.requests[request_id]
+        return output

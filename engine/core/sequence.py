@@ -1,0 +1,167 @@
+"""`Request` (what a caller asked for) and `Sequence` (one choice being generated), torch-free.
+
+A request with n choices expands to n sequences. A sequence's tokens are the
+prompt followed by what it generated; `num_computed_tokens` of them are in its
+KV cache (or scheduled to be), so the next chunk always starts there. A
+preempted sequence drops its KV and is recomputed from token 0 later.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from engine.core.protocol import TokenLogprobs
+from engine.core.sampling_params import SamplingParams
+
+ONLINE_PRIORITY = 0
+"""Online calls (completions, chat): admitted before any batch work."""
+BATCH_PRIORITY = 1
+"""Batch API work: admitted when no online request waits."""
+
+
+class Detokenizer(Protocol):
+    """Turns generated token ids into text (the daemon's tokenizer, skipping special tokens)."""
+
+    def decode(self, token_ids: list[int]) -> str: ...
+
+
+@dataclass(slots=True)
+class Request:
+    """One generation request as the scheduler receives it."""
+
+    request_id: str
+    """Caller-chosen id, unique among unfinished requests."""
+    prompt_token_ids: list[int]
+    """The tokenized prompt (non-empty)."""
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    """How tokens are chosen and when each choice stops; `n` choices are generated."""
+    priority: int = ONLINE_PRIORITY
+    """Lower runs first: ONLINE_PRIORITY (0) before BATCH_PRIORITY (1); FIFO within one."""
+    arrival_time: float = field(default_factory=time.monotonic)
+    """When the request arrived (monotonic seconds), for latency figures."""
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    """One choice of a request: its tokens, its place in the batch and its stop state."""
+
+    seq_id: int
+    request: Request
+    index: int
+    """Choice index in [0, n)."""
+    sampling: SamplingParams
+    """The request's sampling with n=1 and, when seeded, seed + index."""
+    token_ids: list[int]
+    """Prompt followed by the generated tokens known so far."""
+    num_prompt_tokens: int
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0
+    """Tokens whose KV is computed or scheduled; the next chunk starts here."""
+    num_pending: int = 0
+    """Samples scheduled whose token has not come back yet (asynchronous scheduling)."""
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs] | None = None
+    text: str = ""
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    slot: int = -1
+    """Position in the block while running; gpu_batch = slot // gpu_batch_size."""
+    kv_tier: str = ""
+    act_tier: str = ""
+    is_sent: bool = False
+    """The engine holds state for this sequence (sampling was sent with a chunk)."""
+
+    @classmethod
+    def expand(cls, request: Request, first_seq_id: int) -> list[Sequence]:
+        """One sequence per choice; choice i samples with seed + i when a seed is set."""
+        base = request.sampling
+        seqs = []
+        for i in range(base.n):
+            seed = None if base.seed is None else base.seed + i
+            sampling = dataclasses.replace(base, n=1, seed=seed)
+            prompt = list(request.prompt_token_ids)
+            seqs.append(cls(first_seq_id + i, request, i, sampling, prompt, len(prompt)))
+        return seqs
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens including the samples still in flight."""
+        return len(self.token_ids) + self.num_pending
+
+    @property
+    def num_remaining(self) -> int:
+        """Tokens this sequence may still generate beyond the ones known or in flight."""
+        return self.sampling.max_tokens - self.num_generated - self.num_pending
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def will_finish(self, max_model_len: int) -> bool:
+        """A sample in flight will end it (max_tokens or context): plan nothing more for it."""
+        return self.num_pending > 0 and (
+            self.num_remaining <= 0 or self.num_tokens >= max_model_len
+        )
+
+    def finish(self, reason: str, stop_reason: int | str | None = None) -> None:
+        self.status = SequenceStatus.FINISHED
+        self.finish_reason = reason
+        self.stop_reason = stop_reason
+
+    def append_token(
+        self,
+        token_id: int,
+        logprobs: TokenLogprobs | None,
+        eos_token_ids: tuple[int, ...],
+        max_model_len: int,
+        detokenizer: Detokenizer | None,
+    ) -> None:
+        """Record one sampled token, then finish the sequence if a stop condition holds.
+
+        Order: EOS (unless ignore_eos), stop_token_ids, stop strings, max_tokens,
+        context length. A stop token stays in token_ids but not in text; a stop
+        string is cut from text together with everything after it.
+        """
+        self.token_ids.append(token_id)
+        if self.sampling.logprobs is not None and logprobs is not None:
+            self.logprobs.append(logprobs)
+        is_eos = token_id in eos_token_ids and not self.sampling.ignore_eos
+        if is_eos or token_id in self.sampling.stop_token_ids:
+            if detokenizer is not None:
+                self.text = detokenizer.decode(self.output_token_ids[:-1])
+            self.finish("stop", None if is_eos else token_id)
+            return
+        if detokenizer is not None:
+            self.text = detokenizer.decode(self.output_token_ids)
+            if self._cut_at_stop_string():
+                return
+        if self.num_generated >= self.sampling.max_tokens or len(self.token_ids) >= max_model_len:
+            self.finish("length")
+
+    def _cut_at_stop_string(self) -> bool:
+        hits = [(self.text.find(s), s) for s in self.sampling.stop]
+        hits = [(pos, s) for pos, s in hits if pos >= 0]
+        if not hits:
+            return False
+        pos, stop = min(hits)
+        self.text = self.text[:pos]
+        self.finish("stop", stop)
+        return True

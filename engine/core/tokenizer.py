@@ -1,0 +1,125 @@
+"""`Tokenizer`: a Hugging Face tokenizer without transformers (which imports torch).
+
+The one tokenizer of the daemon and of `LLM`: prompts encode and outputs decode the same
+way offline and online.
+
+Loads `tokenizer.json` with the `tokenizers` library and renders the chat
+template from `tokenizer_config.json` (or `chat_template.jinja`) with jinja2's
+sandbox, the way transformers' `apply_chat_template` does.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from jinja2 import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as HFTokenizer
+
+from policy.errors import UserError
+
+
+class TokenizerError(UserError):
+    """The model directory has no usable tokenizer, or a chat cannot be rendered."""
+
+
+def _token_text(value: Any) -> str | None:
+    """Special tokens appear as strings or as {"content": str, ...} in tokenizer_config.json."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _raise_exception(message: str) -> None:
+    raise TemplateError(message)
+
+
+def has_tokenizer(model_dir: Path) -> bool:
+    """The model directory ships a fast tokenizer (tokenizer.json)."""
+    return (model_dir / "tokenizer.json").is_file()
+
+
+class Tokenizer:
+    """encode / decode / apply_chat_template for one model directory. `decode` skips special
+    tokens by default, so a Tokenizer is the scheduler's `Detokenizer`."""
+
+    def __init__(self, model_dir: str | Path) -> None:
+        model_dir = Path(model_dir)
+        path = model_dir / "tokenizer.json"
+        if not path.is_file():
+            raise TokenizerError(
+                f"{model_dir} has no tokenizer.json; the daemon needs a fast tokenizer "
+                "(save one with transformers' tokenizer.save_pretrained)."
+            )
+        self._tokenizer = HFTokenizer.from_file(str(path))
+        config_path = model_dir / "tokenizer_config.json"
+        config: dict[str, Any] = {}
+        if config_path.is_file():
+            config = json.loads(config_path.read_text())
+        self.bos_token = _token_text(config.get("bos_token"))
+        self.eos_token = _token_text(config.get("eos_token"))
+        self.add_bos_token = bool(config.get("add_bos_token", False))
+        template = config.get("chat_template")
+        template_file = model_dir / "chat_template.jinja"
+        if template is None and template_file.is_file():
+            template = template_file.read_text()
+        if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+            named = {t.get("name"): t.get("template") for t in template}
+            template = named.get("default") or next(iter(named.values()), None)
+        self.chat_template: str | None = template
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = _raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        self._template = env.from_string(template) if template else None
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self._tokenizer.get_vocab_size(with_added_tokens=True))
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.token_to_id(self.eos_token) if self.eos_token else None
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self.token_to_id(self.bos_token) if self.bos_token else None
+
+    def token_to_id(self, token: str) -> int | None:
+        token_id = self._tokenizer.token_to_id(token)
+        return None if token_id is None else int(token_id)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
+        bos = self.bos_token_id
+        if add_special_tokens and self.add_bos_token and bos is not None and ids[:1] != [bos]:
+            ids.insert(0, bos)
+        return ids
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return str(self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
+
+    def render_chat(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+    ) -> str:
+        """The chat as text, per the model's template."""
+        if self._template is None:
+            raise TokenizerError(
+                "this model's tokenizer has no chat template; use /v1/completions instead"
+            )
+        try:
+            return self._template.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+            )
+        except TemplateError as e:
+            raise TokenizerError(f"the chat template refused these messages: {e}") from e
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of the rendered chat; the template writes its own special tokens."""
+        return self.encode(self.render_chat(messages), add_special_tokens=False)

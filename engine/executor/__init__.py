@@ -1,0 +1,2 @@
+"""Running steps on the device: the executor, GPU batches, the block pipeline, attention,
+the sampler and the hardware profiler."""

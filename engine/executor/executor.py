@@ -1,0 +1,324 @@
+"""`Executor`: owns the device, placed weights and KV pools; runs one `StepPlan` per call."""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.core.kv_pages import PageManager
+from engine.core.protocol import (
+    EngineInfo,
+    Placement,
+    SeqChunk,
+    StepPlan,
+    StepResult,
+    TokenLogprobs,
+)
+from engine.core.sampling_params import SamplingParams
+from engine.executor.gpu_batch import BatchBuilder, SeqState
+from engine.executor.pipeline import BlockPipeline
+from engine.executor.sampler import Sampler, top_logprobs
+from engine.loading.checkpoint import open_reader
+from engine.loading.generated import local_model_dir
+from engine.models import build_model
+from engine.models.config import ModelConfig, read_hf_config
+from engine.storage.device import Device
+from engine.storage.disk import DiskIO
+from engine.storage.kv_store import KVStore
+from engine.storage.quant import KVRowCodec
+from engine.storage.weight_store import WeightStore
+from policy import TIERS, Policy
+from policy.errors import UserError
+
+PAGE_TOKENS = 16
+"""Tokens per KV page."""
+GPU_RESERVE_FRAC = 0.1
+"""Share of the gpu budget kept for activations and workspace, never given to KV pages."""
+
+
+class MemoryBudgetError(UserError):
+    """The policy places more on a tier than its budget allows."""
+
+
+class Executor:
+    """The engine side of the step protocol. Construct, call `execute(plan)` per step, `close()`.
+
+    model: a model reference or directory (see engine.core.model_files).
+    gpu_mem / cpu_mem / disk_mem: byte budgets per tier; gpu_mem also caps CUDA memory.
+    dtype: compute dtype; None: float32 on the CPU, the checkpoint's half type on CUDA.
+    offload_dir: the disk tier's directory; None: a temporary one, removed by `close()`.
+    """
+
+    def __init__(
+        self,
+        model: str | Path | None,
+        policy: Policy,
+        *,
+        device: str = "auto",
+        offload_dir: str | Path | None = None,
+        gpu_mem: int | None = None,
+        cpu_mem: int | None = None,
+        disk_mem: int | None = None,
+        dtype: torch.dtype | None = None,
+        show_progress: bool = False,
+    ) -> None:
+        if policy.num_nano_batches != 1:
+            raise UserError(
+                f"num_nano_batches={policy.num_nano_batches}: nano-batching is not implemented "
+                "yet; use 1"
+            )
+        self.policy = policy
+        self.device = Device.resolve(device)
+        self.model_dir = local_model_dir(model)
+        hf_config = read_hf_config(self.model_dir)
+        self.config = ModelConfig.from_hf(hf_config)
+        self.model = build_model(self.config)
+        self.dtype = dtype or self.device.default_dtype(_checkpoint_dtype(hf_config))
+        self.gpu_mem, self.cpu_mem, self.disk_mem = gpu_mem, cpu_mem, disk_mem
+        self._apply_thread_counts()
+        self._cap_gpu_memory()
+        self._own_offload_dir = offload_dir is None
+        self.offload_dir = Path(offload_dir or tempfile.mkdtemp(prefix="nanoflex-offload-"))
+        self.disk = DiskIO(self.offload_dir, policy.num_copy_threads)
+        self.weights = WeightStore(
+            self.model,
+            open_reader(self.model_dir),
+            weights_frac=policy.weights_frac,
+            compress=policy.compress_weights,
+            dtype=self.dtype,
+            device=self.device,
+            disk=self.disk,
+            progress=self._print_progress if show_progress else None,
+        )
+        codec = KVRowCodec(2 * self.config.kv_dim, compress=policy.compress_kv, dtype=self.dtype)
+        self.kv = KVStore(self.config.num_layers, PAGE_TOKENS, codec, self.device, self.disk)
+        self._check_budgets()
+        self.pipeline = BlockPipeline(
+            self.model,
+            self.weights,
+            self.kv,
+            self.device,
+            self.disk,
+            overlap=policy.overlap,
+            dtype=self.dtype,
+        )
+        self.sampler = Sampler()
+        self._seqs: dict[int, SeqState] = {}
+        self._builder = BatchBuilder(
+            self.device.device,
+            PAGE_TOKENS,
+            cpu_attention=policy.cpu_attention,
+            sliding_window=self.config.sliding_window,
+            pool_device=self.kv.pool_device,
+        )
+
+    # -- setup -------------------------------------------------------------------------
+
+    def _apply_thread_counts(self) -> None:
+        """The policy's intra-op and inter-op thread counts (0 keeps torch's default)."""
+        if self.policy.num_cpu_threads > 0:
+            torch.set_num_threads(self.policy.num_cpu_threads)
+        if self.policy.num_interop_threads > 0:
+            # settable once per process, before any inter-op work: later calls keep the first
+            with contextlib.suppress(RuntimeError):
+                torch.set_num_interop_threads(self.policy.num_interop_threads)
+
+    def _cap_gpu_memory(self) -> None:
+        """On CUDA, hold this process to the gpu budget (emulates a smaller card)."""
+        if self.device.is_cuda and self.gpu_mem is not None:
+            total = torch.cuda.get_device_properties(self.device.device).total_memory
+            torch.cuda.set_per_process_memory_fraction(
+                min(1.0, self.gpu_mem / total), self.device.device
+            )
+
+    def _print_progress(self, done: int, total: int) -> None:
+        print(f"\rloading {self.model_dir.name}: layer {done}/{total}", end="", file=sys.stderr)
+        if done == total:
+            print(file=sys.stderr)
+
+    def _check_budgets(self) -> None:
+        placed = self.weights.bytes_per_tier()
+        for tier, budget in (("gpu", self.gpu_mem), ("cpu", self.cpu_mem), ("disk", self.disk_mem)):
+            if budget is not None and placed[tier] > budget:
+                raise MemoryBudgetError(
+                    f"weights placed on {tier} take {placed[tier] / 2**30:.2f} GiB, over the "
+                    f"{budget / 2**30:.2f} GiB budget; lower weights_frac[{TIERS.index(tier)}]"
+                )
+
+    # -- what the scheduler needs ------------------------------------------------------
+
+    def kv_capacity_pages(self) -> dict[str, int | None]:
+        """KV pages each tier may hold: its budget less its weights (and, on the gpu tier,
+        less GPU_RESERVE_FRAC of the budget). None means bounded only by the machine."""
+        placed = self.weights.bytes_per_tier()
+        out: dict[str, int | None] = dict.fromkeys(TIERS, None)
+        budgets = (
+            ("gpu", self.gpu_mem, GPU_RESERVE_FRAC),
+            ("cpu", self.cpu_mem, 0.0),
+            ("disk", self.disk_mem, 0.0),
+        )
+        for tier, budget, reserve in budgets:
+            if budget is not None:
+                free = budget * (1 - reserve) - placed[tier]
+                out[tier] = max(0, int(free // self.kv.page_bytes))
+        return out
+
+    def describe(self) -> EngineInfo:
+        """What a scheduler in this or another process needs to plan for this engine."""
+        return EngineInfo(PAGE_TOKENS, self.kv_capacity_pages(), self.placement())
+
+    def placement(self) -> Placement:
+        """What was realized: bytes per tier for weights, KV and activations, and layer homes."""
+        weights = self.weights.bytes_per_tier()
+        total = sum(weights.values()) or 1
+        realized = tuple(round(weights[t] / total, 4) for t in TIERS)
+        return Placement(
+            planned_weights_frac=self.policy.weights_frac,
+            realized_weights_frac=(realized[0], realized[1], realized[2]),
+            weights_bytes=weights,
+            kv_bytes=self.kv.bytes_per_tier(),
+            act_bytes=dict(self.pipeline.act_bytes),
+            weight_tiers=tuple(self.weights.tiers),
+            device=str(self.device.device),
+            dtype=str(self.dtype).removeprefix("torch."),
+        )
+
+    # -- one step ----------------------------------------------------------------------
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        for seq_id in plan.freed_seq_ids:
+            self._seqs.pop(seq_id, None)
+        by_batch: dict[int, list[SeqChunk]] = {}
+        for chunk in plan.chunks:
+            self._admit(chunk)
+            by_batch.setdefault(chunk.gpu_batch, []).append(chunk)
+        batches = [
+            self._builder.build(k, [(c, self._seqs[c.seq_id]) for c in chunks])
+            for k, chunks in sorted(by_batch.items())
+        ]
+        logits = self.pipeline.run(batches)
+        # Split each batch's logit rows by chunk: the row to sample from, and for echo +
+        # logprobs requests the prompt positions. Rows follow batch order; results plan order.
+        sample_rows: list[torch.Tensor] = []
+        sampled: list[SeqChunk] = []
+        prompt_logprobs: dict[int, list[TokenLogprobs]] = {}
+        for batch, batch_logits, (_, chunks) in zip(
+            batches, logits, sorted(by_batch.items()), strict=True
+        ):
+            row = 0
+            for c, count in zip(chunks, batch.logit_counts, strict=True):
+                rows, row = batch_logits[row : row + count], row + count
+                state = self._seqs[c.seq_id]
+                if state.wants_prompt_logprobs:
+                    score_prompt(c, state, rows)
+                    if c.do_sample:
+                        prompt_logprobs[c.seq_id] = state.prompt_logprobs
+                if c.do_sample:
+                    sample_rows.append(rows[-1:])
+                    sampled.append(c)
+                    state.has_sampled = True
+        token_ids, logprobs = self.sampler.sample(
+            torch.cat(sample_rows) if sampled else torch.empty(0),
+            [self._seqs[c.seq_id].sampling for c in sampled],
+            [c.num_sampled for c in sampled],
+        )
+        by_seq = {c.seq_id: i for i, c in enumerate(sampled)}
+        order = [by_seq[c.seq_id] for c in plan.chunks if c.do_sample]
+        self.device.synchronize()
+        return StepResult(
+            plan.step_id,
+            [sampled[i].seq_id for i in order],
+            [token_ids[i] for i in order],
+            [logprobs[i] for i in order],
+            prompt_logprobs=prompt_logprobs,
+        )
+
+    def _admit(self, chunk: SeqChunk) -> None:
+        state = self._seqs.get(chunk.seq_id)
+        if state is None:
+            if chunk.sampling is None:
+                raise ValueError(f"first chunk of sequence {chunk.seq_id} carries no sampling")
+            state = self._seqs[chunk.seq_id] = SeqState(
+                chunk.kv_tier, chunk.act_tier, chunk.sampling
+            )
+        state.page_ids.extend(chunk.new_page_ids)
+        if chunk.new_page_ids:
+            self.kv.reserve(state.kv_tier, max(chunk.new_page_ids) + 1)
+
+    def score(self, prompts: list[list[int]], prefill_len: int | None = None) -> list[torch.Tensor]:
+        """(len, vocab) float32 logits at every position of each prompt: for offline
+        log-likelihood evaluation and for measuring compressed paths. The first `prefill_len`
+        tokens (all by default) run as one prefill; the rest one per step, as decodes that read
+        the KV cache back. Uses its own KV pages: not while scheduled requests are in flight."""
+        pages = PageManager(PAGE_TOKENS, {})
+        greedy = SamplingParams(max_tokens=1, temperature=0.0)
+        out = []
+        for i, prompt in enumerate(prompts):
+            seq_id = -1 - i  # negative ids never collide with the scheduler's
+            first = len(prompt) if prefill_len is None else max(1, min(prefill_len, len(prompt)))
+            pieces = [(0, first)] + [(t, t + 1) for t in range(first, len(prompt))]
+            logits = []
+            for start, stop in pieces:
+                new_pages = pages.append(seq_id, stop - start, "gpu")
+                chunk = SeqChunk(
+                    seq_id,
+                    list(prompt[start:stop]),
+                    start,
+                    0,
+                    new_pages,
+                    "gpu",
+                    "gpu",
+                    do_sample=False,
+                    sampling=greedy,
+                )
+                self._admit(chunk)
+                batch = self._builder.build(0, [(chunk, self._seqs[seq_id])])
+                batch.logit_rows = torch.arange(stop - start, device=self.device.device)
+                logits.append(self.pipeline.run([batch])[0].cpu())
+            out.append(torch.cat(logits))
+            self._seqs.pop(seq_id)
+            pages.free(seq_id)
+        return out
+
+    def close(self) -> None:
+        self.pipeline.close()
+        self.disk.close()
+        if self._own_offload_dir:
+            shutil.rmtree(self.offload_dir, ignore_errors=True)
+
+
+def build_executor(
+    model: str | None = None,
+    policy: dict[str, Any] | None = None,
+    dtype: str | None = None,
+    **kwargs: Any,
+) -> Executor:
+    """Factory for the engine process: the plain arguments of `EngineArgs.executor_kwargs`
+    (`dtype` by name, validated there)."""
+    torch_dtype = None if dtype is None else getattr(torch, dtype)
+    return Executor(model, Policy.from_dict(policy or {}), dtype=torch_dtype, **kwargs)
+
+
+def _checkpoint_dtype(hf_config: Any) -> torch.dtype | None:
+    """The dtype the checkpoint declares (transformers 5 calls it `dtype`, 4.x `torch_dtype`)."""
+    raw = vars(hf_config).get("dtype") or vars(hf_config).get("torch_dtype")
+    value = getattr(torch, raw, None) if isinstance(raw, str) else raw
+    return value if isinstance(value, torch.dtype) else None
+
+
+def score_prompt(chunk: SeqChunk, state: SeqState, logits: torch.Tensor) -> None:
+    """Logprobs of a prompt chunk's tokens (echo + logprobs). logits: (q_len, vocab), row r
+    predicting position start_pos + r + 1; the prediction for the chunk's first token was
+    left by the previous chunk. Position 0 has no logprob, as in OpenAI's API."""
+    log_probs = torch.log_softmax(logits.float(), dim=-1).cpu()
+    for i, token_id in enumerate(chunk.token_ids):
+        row = state.pending_logprobs if i == 0 else log_probs[i - 1]
+        if row is not None:
+            state.prompt_logprobs.append(top_logprobs(row, token_id, state.sampling.logprobs))
+    state.pending_logprobs = log_probs[-1]

@@ -1,0 +1,197 @@
+"""`GpuBatch`: one GPU batch of a step as flat token rows, with every index its layers need.
+
+Built once per step by the executor; every layer of the step reuses it, so no
+layer loops over sequences in Python.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.core.protocol import SeqChunk, TokenLogprobs
+from engine.core.sampling_params import SamplingParams
+from engine.executor.attention import RaggedLayout
+
+
+@dataclass(slots=True)
+class KVRows:
+    """Token rows of one tier's KV pool that a batch reads or writes, and where they go."""
+
+    slots: list[int]
+    """Pool slots (the disk tier reads and writes coalesced runs of them)."""
+    slot_index: torch.Tensor | None
+    """The same slots on the pool's device, for the memory tiers (None for disk)."""
+    rows: torch.Tensor
+    """On the compute device: each slot's row in the packed order it is gathered into
+    (past KV packed in sequence order) or taken from (the batch's new-token rows)."""
+
+
+@dataclass(slots=True)
+class AttentionGroup:
+    """The sequences of a batch whose attention runs on one device."""
+
+    rows: torch.Tensor | None
+    """(T_g,) batch rows of the group's new tokens on the compute device; None: every row."""
+    layout: RaggedLayout
+    """Padding indices and mask, on the device the group's attention runs on."""
+    past: dict[str, KVRows]
+    """Per tier: the slots of the group's past tokens and their rows in its packed past."""
+
+
+@dataclass(slots=True)
+class GpuBatch:
+    """Everything a layer needs to run one GPU batch (T = new tokens, S = sampled rows)."""
+
+    index: int
+    token_ids: torch.Tensor
+    """(T,) on the compute device."""
+    positions: torch.Tensor
+    """(T,) absolute positions on the compute device."""
+    logit_rows: torch.Tensor
+    """(S,) rows whose next-token logits the head computes."""
+    logit_counts: list[int]
+    """Per chunk, in order: how many of the logit rows are its (its last row when it samples,
+    every row when its prompt logprobs are wanted, none otherwise)."""
+    device_group: AttentionGroup | None
+    """Sequences attending on the compute device."""
+    cpu_group: AttentionGroup | None
+    """Decodes over cpu-homed KV attending on the CPU (FlexGen Sec. 4.2)."""
+    new_kv: dict[str, KVRows]
+    """Per tier: the slots for the new tokens' KV and their rows in the batch."""
+    act_rows: dict[str, torch.Tensor] = field(default_factory=dict)
+    """tier -> (rows,) indices of rows homed there; empty when every row stays on the gpu tier."""
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_ids.shape[0])
+
+
+@dataclass(slots=True)
+class SeqState:
+    """What the engine keeps per sequence between steps."""
+
+    kv_tier: str
+    act_tier: str
+    sampling: SamplingParams
+    page_ids: list[int] = field(default_factory=list)
+    """The page table, extended by each plan's new_page_ids."""
+    has_sampled: bool = False
+    """A token was sampled: every chunk from here on is a decode."""
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    """echo + logprobs: the prompt positions scored so far (position 0 has none)."""
+    pending_logprobs: torch.Tensor | None = None
+    """(vocab,) log-probabilities predicting the next prompt chunk's first token."""
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.sampling.echo and self.sampling.logprobs is not None and not self.has_sampled
+
+
+def slots_for(page_ids: list[int], start: int, stop: int, page_tokens: int) -> list[int]:
+    """KV pool slots of tokens [start, stop) of a sequence with this page table."""
+    return [page_ids[t // page_tokens] * page_tokens + t % page_tokens for t in range(start, stop)]
+
+
+class BatchBuilder:
+    """Turns one GPU batch's chunks into a `GpuBatch`: flat token rows plus, once for every
+    layer of the step, where each row's KV and activations live and where it attends."""
+
+    def __init__(
+        self,
+        device: torch.device,
+        page_tokens: int,
+        *,
+        cpu_attention: bool,
+        sliding_window: int | None,
+        pool_device: Callable[[str], torch.device],
+    ) -> None:
+        self.device, self.page_tokens = device, page_tokens
+        self.cpu_attention, self.sliding_window = cpu_attention, sliding_window
+        self.pool_device = pool_device
+
+    def build(self, index: int, chunks: list[tuple[SeqChunk, SeqState]]) -> GpuBatch:
+        """Flatten the chunks of one GPU batch into token rows and precompute, once for every
+        layer of the step, where each row's KV and activations live and where its attention
+        runs."""
+        token_ids: list[int] = []
+        positions: list[int] = []
+        logit_rows: list[int] = []
+        logit_counts: list[int] = []
+        act_rows: dict[str, list[int]] = {}
+        new_kv: dict[str, tuple[list[int], list[int]]] = {}  # tier -> (slots, batch rows)
+        members: dict[bool, list[tuple[SeqChunk, SeqState, int]]] = {False: [], True: []}
+        row = 0
+        for c, state in chunks:
+            q_len, ctx = len(c.token_ids), c.start_pos
+            token_ids.extend(c.token_ids)
+            positions.extend(range(ctx, ctx + q_len))
+            act_rows.setdefault(state.act_tier, []).extend(range(row, row + q_len))
+            slots, rows = new_kv.setdefault(state.kv_tier, ([], []))
+            slots.extend(slots_for(state.page_ids, ctx, ctx + q_len, self.page_tokens))
+            rows.extend(range(row, row + q_len))
+            on_cpu = self.cpu_attention and state.kv_tier == "cpu" and q_len == 1
+            members[on_cpu].append((c, state, row))
+            if state.wants_prompt_logprobs:
+                logit_rows.extend(range(row, row + q_len))
+                logit_counts.append(q_len)
+            elif c.do_sample:
+                logit_rows.append(row + q_len - 1)
+                logit_counts.append(1)
+            else:
+                logit_counts.append(0)
+            row += q_len
+        return GpuBatch(
+            index=index,
+            token_ids=self._index(token_ids),
+            positions=self._index(positions),
+            logit_rows=self._index(logit_rows),
+            logit_counts=logit_counts,
+            device_group=self._group(members[False], row, self.device),
+            cpu_group=self._group(members[True], row, torch.device("cpu")),
+            new_kv={tier: self._kv_rows(tier, *slots_rows) for tier, slots_rows in new_kv.items()},
+            act_rows={}
+            if set(act_rows) == {"gpu"}
+            else {tier: self._index(rows) for tier, rows in act_rows.items()},
+        )
+
+    def _group(
+        self, members: list[tuple[SeqChunk, SeqState, int]], num_rows: int, where: torch.device
+    ) -> AttentionGroup | None:
+        """The attention inputs of sequences attending on `where`: their rows, the padding
+        layout, and per tier the slots of their past tokens packed in sequence order."""
+        if not members:
+            return None
+        q_lens = [len(c.token_ids) for c, _, _ in members]
+        past_lens = [c.start_pos for c, _, _ in members]
+        past: dict[str, tuple[list[int], list[int]]] = {}
+        packed = 0
+        for c, state, _ in members:
+            if c.start_pos:
+                slots, dest = past.setdefault(state.kv_tier, ([], []))
+                slots.extend(slots_for(state.page_ids, 0, c.start_pos, self.page_tokens))
+                dest.extend(range(packed, packed + c.start_pos))
+                packed += c.start_pos
+        rows = None
+        if sum(q_lens) != num_rows:
+            rows = self._index(
+                [r for c, _, start in members for r in range(start, start + len(c.token_ids))]
+            )
+        return AttentionGroup(
+            rows=rows,
+            layout=RaggedLayout.build(q_lens, past_lens, where, self.sliding_window),
+            past={tier: self._kv_rows(tier, *slots_dest) for tier, slots_dest in past.items()},
+        )
+
+    def _kv_rows(self, tier: str, slots: list[int], rows: list[int]) -> KVRows:
+        slot_index = (
+            None
+            if tier == "disk"
+            else torch.tensor(slots, dtype=torch.long, device=self.pool_device(tier))
+        )
+        return KVRows(slots, slot_index, self._index(rows))
+
+    def _index(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)

@@ -1,0 +1,63 @@
+"""`Sampler`: next tokens from logits: greedy, temperature, top-k, top-p, seeds, logprobs."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.core.protocol import TokenLogprobs
+from engine.core.sampling_params import SamplingParams
+
+_SEED_STRIDE = 1_000_003  # decorrelates (seed, step) pairs for per-request generators
+
+
+class Sampler:
+    """Samples one token per row. A request with a seed draws from its own generator keyed by
+    (seed, tokens generated so far), so its output does not depend on what shares the batch."""
+
+    def __init__(self, seed: int = 0) -> None:
+        self._rng = torch.Generator().manual_seed(seed)
+
+    def sample(
+        self, logits: torch.Tensor, params: list[SamplingParams], num_sampled: list[int]
+    ) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """logits: (S, vocab) float32. Returns S token ids and S logprob records (or None)."""
+        if not params:
+            return [], []
+        token_ids = logits.argmax(dim=-1).tolist()  # greedy rows are done here
+        for row, p in enumerate(params):
+            if not p.is_greedy:
+                token_ids[row] = self._draw(logits[row], p, num_sampled[row])
+        logprobs: list[TokenLogprobs | None] = [None] * len(params)
+        wanted = [row for row, p in enumerate(params) if p.logprobs is not None]
+        if wanted:
+            rows = torch.tensor(wanted, device=logits.device)
+            log_probs = torch.log_softmax(logits.index_select(0, rows), dim=-1).cpu()
+            for i, row in enumerate(wanted):
+                logprobs[row] = top_logprobs(log_probs[i], token_ids[row], params[row].logprobs)
+        return token_ids, logprobs
+
+    def _draw(self, logits: torch.Tensor, p: SamplingParams, num_sampled: int) -> int:
+        scores = logits.float() / p.temperature
+        if p.top_k > 0 and p.top_k < scores.shape[-1]:
+            kth = torch.topk(scores, p.top_k).values[-1]
+            scores = scores.masked_fill(scores < kth, float("-inf"))
+        if p.top_p < 1.0:
+            sorted_scores, order = torch.sort(scores, descending=True)
+            sorted_probs = torch.softmax(sorted_scores, dim=-1)
+            # keep the smallest prefix whose mass reaches top_p (always at least one token)
+            drop = sorted_probs.cumsum(dim=-1) - sorted_probs >= p.top_p
+            scores = scores.scatter(0, order, sorted_scores.masked_fill(drop, float("-inf")))
+        probs = torch.softmax(scores, dim=-1).cpu()
+        rng = self._rng
+        if p.seed is not None:
+            rng = torch.Generator().manual_seed((p.seed * _SEED_STRIDE + num_sampled) % 2**63)
+        return int(torch.multinomial(probs, 1, generator=rng).item())
+
+
+def top_logprobs(log_probs: torch.Tensor, token_id: int, k: int | None) -> TokenLogprobs:
+    """log_probs: (vocab,) of one position. The chosen token's logprob and the top k."""
+    top: list[tuple[int, float]] = []
+    if k:
+        values, ids = torch.topk(log_probs, k)
+        top = list(zip(ids.tolist(), values.tolist(), strict=True))
+    return TokenLogprobs(token_id, float(log_probs[token_id]), top)

@@ -1,0 +1,115 @@
+"""`KVStore`: the physical paged KV cache, one pool per tier, holding encoded token rows.
+
+A row is one token's keys then values for one layer, (2 * num_kv_heads * head_dim,)
+values, encoded by a `KVRowCodec` into `row_bytes` bytes (a plain view, or 4-bit
+groups). Token t of a sequence lives at slot page_ids[t // page_tokens] *
+page_tokens + t % page_tokens of its home tier's pool, for every layer. Memory
+pools grow by doubling; the disk pool is one file per layer, a slot at
+slot * row_bytes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.executor.gpu_batch import KVRows
+from engine.storage.device import Device
+from engine.storage.disk import DiskFile, DiskIO
+from engine.storage.quant import KVRowCodec
+from policy import TIERS
+
+
+def runs(slots: list[int]) -> list[tuple[int, int]]:
+    """Coalesce slots into (first slot, count) runs of consecutive slots."""
+    out: list[tuple[int, int]] = []
+    for s in slots:
+        if out and out[-1][0] + out[-1][1] == s:
+            out[-1] = (out[-1][0], out[-1][1] + 1)
+        else:
+            out.append((s, 1))
+    return out
+
+
+class KVStore:
+    def __init__(
+        self,
+        num_layers: int,
+        page_tokens: int,
+        codec: KVRowCodec,
+        device: Device,
+        disk: DiskIO,
+    ) -> None:
+        self.num_layers, self.page_tokens, self.codec = num_layers, page_tokens, codec
+        self.device, self.disk = device, disk
+        self.row_bytes = codec.row_bytes
+        self._pools: dict[str, list[torch.Tensor]] = {"gpu": [], "cpu": []}  # (slots, row_bytes)
+        self._files: list[DiskFile] = []
+        self.num_pages = dict.fromkeys(TIERS, 0)
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page across all layers (what one page id costs a tier)."""
+        return self.page_tokens * self.row_bytes * self.num_layers
+
+    def bytes_per_tier(self) -> dict[str, int]:
+        return {tier: n * self.page_bytes for tier, n in self.num_pages.items()}
+
+    def reserve(self, tier: str, num_pages: int) -> None:
+        """Make page ids [0, num_pages) addressable on `tier`."""
+        if num_pages <= self.num_pages[tier]:
+            return
+        if tier == "disk":
+            if not self._files:
+                self._files = [self.disk.open(f"kv-{j:04d}.bin") for j in range(self.num_layers)]
+            self.num_pages[tier] = num_pages
+            return
+        new_pages = max(num_pages, 2 * self.num_pages[tier], 4)
+        shape = (new_pages * self.page_tokens, self.row_bytes)
+        grown = []
+        for j in range(self.num_layers):
+            pool = (
+                torch.empty(shape, dtype=torch.uint8, device=self.device.device)
+                if tier == "gpu"
+                else self.device.host_empty(shape, torch.uint8)
+            )
+            if self._pools[tier]:
+                old = self._pools[tier][j]
+                pool[: old.shape[0]].copy_(old)
+            grown.append(pool)
+        self._pools[tier] = grown
+        self.num_pages[tier] = new_pages
+        # the copy above runs on the compute stream; copy streams read the pool next
+        self.device.synchronize()
+
+    def read(self, tier: str, layer: int, kv_rows: KVRows) -> torch.Tensor:
+        """Encoded rows at `kv_rows.slots`: on the compute device for gpu, on the host else."""
+        n = len(kv_rows.slots)
+        if tier == "disk":
+            out = self.device.host_empty((n, self.row_bytes), torch.uint8)
+            i = 0
+            for first, count in runs(kv_rows.slots):
+                self.disk.read(self._files[layer], first * self.row_bytes, out[i : i + count])
+                i += count
+            return out
+        assert kv_rows.slot_index is not None
+        pool = self._pools[tier][layer]
+        if tier == "cpu" and self.device.is_cuda:  # gather straight into pinned memory
+            out = self.device.host_empty((n, self.row_bytes), torch.uint8)
+            return torch.index_select(pool, 0, kv_rows.slot_index, out=out)
+        return pool.index_select(0, kv_rows.slot_index)
+
+    def write(self, tier: str, layer: int, kv_rows: KVRows, data: torch.Tensor) -> None:
+        """Store encoded rows (on the compute device for gpu, on the host otherwise)."""
+        if tier == "disk":
+            i = 0
+            for first, count in runs(kv_rows.slots):
+                self.disk.write(self._files[layer], first * self.row_bytes, data[i : i + count])
+                i += count
+            return
+        assert kv_rows.slot_index is not None
+        pool = self._pools[tier][layer]
+        pool.index_copy_(0, kv_rows.slot_index, data.to(pool.device, non_blocking=True))
+
+    def pool_device(self, tier: str) -> torch.device:
+        """Where a tier's slot indices must live."""
+        return self.device.device if tier == "gpu" else torch.device("cpu")

@@ -1,0 +1,210 @@
+"""`WeightStore`: each layer homed on one tier, loaded onto the compute device on demand."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import queue
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from engine.core.model_files import ModelLoadError
+from engine.models.base import Model, Weights
+from engine.storage.device import Device, Ready
+from engine.storage.disk import DiskFile, DiskIO
+from engine.storage.quant import QuantizedTensor, dequantize, quantize
+from policy import TIERS
+
+Stored = torch.Tensor | QuantizedTensor
+
+
+class TensorReader(Protocol):
+    """What the weight store reads: tensors by checkpoint name (engine.loading's readers)."""
+
+    @property
+    def names(self) -> list[str]: ...
+
+    def numel(self, name: str) -> int: ...
+
+    def get(self, name: str) -> torch.Tensor: ...
+
+
+_ALIGN = 64
+
+
+def _parts(value: Stored) -> list[torch.Tensor]:
+    """The plain tensors a stored value is made of: itself, or a quantized tensor's three."""
+    if isinstance(value, QuantizedTensor):
+        return [value.packed, value.scale, value.min]
+    return [value]
+
+
+def _rebuild(template: Stored, parts: list[torch.Tensor]) -> Stored:
+    if isinstance(template, QuantizedTensor):
+        packed, scale, minimum = parts
+        return dataclasses.replace(template, packed=packed, scale=scale, min=minimum)
+    return parts[0]
+
+
+def nbytes_of(value: Stored) -> int:
+    return sum(p.numel() * p.element_size() for p in _parts(value))
+
+
+@dataclass(slots=True)
+class StoredLayer:
+    tier: str
+    values: dict[str, Stored] = field(default_factory=dict)
+    """gpu tier: on the compute device; cpu tier: host memory; disk tier: meta-only templates."""
+    file: DiskFile | None = None
+    offsets: list[int] = field(default_factory=list)
+    """Disk tier: byte offset of each part, in `values` order then part order."""
+    nbytes: int = 0
+
+
+def assign_tiers(sizes: list[int], fracs: tuple[float, float, float]) -> list[str]:
+    """Whole layers to tiers: a layer goes where the midpoint of its byte range falls, so the
+    realized split is the closest to `fracs` that layer granularity allows."""
+    total = float(sum(sizes)) or 1.0
+    bounds = (fracs[0], fracs[0] + fracs[1])
+    tiers, start = [], 0.0
+    for size in sizes:
+        mid = (start + size / 2) / total
+        tiers.append(TIERS[0] if mid < bounds[0] else TIERS[1] if mid < bounds[1] else TIERS[2])
+        start += size
+    return tiers
+
+
+class WeightStore:
+    """Reads a checkpoint layer by layer, casts, optionally compresses, and homes each layer."""
+
+    def __init__(
+        self,
+        model: Model,
+        reader: TensorReader,
+        *,
+        weights_frac: tuple[float, float, float],
+        compress: bool,
+        dtype: torch.dtype,
+        device: Device,
+        disk: DiskIO,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> None:
+        self.model, self.device, self.disk, self.dtype = model, device, disk, dtype
+        by_layer: list[dict[str, str]] = [{} for _ in range(model.num_layers)]
+        for hf_name in reader.names:
+            target = model.map_name(hf_name)
+            if target is not None:
+                by_layer[target[0]][target[1]] = hf_name
+        embed_j, embed_name, head_name = model.tied_head_source()
+        head = by_layer[-1]
+        if head_name not in head:  # tied embeddings: the head keeps its own copy to be placed
+            if embed_name not in by_layer[embed_j]:
+                raise ModelLoadError("checkpoint has neither an LM head nor token embeddings")
+            head[head_name] = by_layer[embed_j][embed_name]
+        for j, names in enumerate(by_layer):
+            if not names:
+                raise ModelLoadError(f"checkpoint has no tensors for layer {j}")
+        sizes = [
+            sum(reader.numel(n) for n in names.values()) * dtype.itemsize for names in by_layer
+        ]
+        self.tiers = assign_tiers(sizes, weights_frac)
+        self.layers: list[StoredLayer] = []
+        self._staging: queue.Queue[torch.Tensor] = queue.Queue()
+        self._staging_bytes = 0
+        for j, names in enumerate(by_layer):
+            values: dict[str, Stored] = {}
+            for local, hf_name in sorted(names.items()):
+                t = reader.get(hf_name).to(dtype)
+                values[local] = (
+                    quantize(t, group_size=64, dim=0)
+                    if compress and model.is_compressible(j, local, t)
+                    else t
+                )
+            self.layers.append(self._home(j, self.tiers[j], values))
+            if progress is not None:
+                progress(j + 1, model.num_layers)
+
+    def _home(self, j: int, tier: str, values: dict[str, Stored]) -> StoredLayer:
+        if tier == "gpu":
+            moved = {
+                k: _rebuild(v, [self.device.to_device(p) for p in _parts(v)])
+                for k, v in values.items()
+            }
+            return StoredLayer(tier, moved, nbytes=sum(nbytes_of(v) for v in moved.values()))
+        if tier == "cpu":
+            pinned = {}
+            for k, v in values.items():
+                parts = []
+                for p in _parts(v):
+                    host = self.device.host_empty(tuple(p.shape), p.dtype)
+                    parts.append(host.copy_(p))
+                pinned[k] = _rebuild(v, parts)
+            return StoredLayer(tier, pinned, nbytes=sum(nbytes_of(v) for v in pinned.values()))
+        f = self.disk.open(f"weights-{j:04d}.bin")
+        offsets, offset, end = [], 0, 0
+        for v in values.values():
+            for p in _parts(v):
+                offsets.append(offset)
+                self.disk.write(f, offset, p)
+                end = offset + p.numel() * p.element_size()
+                offset = -(-end // _ALIGN) * _ALIGN
+        f.drop_cache()
+        meta = {k: _rebuild(v, [p.to("meta") for p in _parts(v)]) for k, v in values.items()}
+        self._staging_bytes = max(self._staging_bytes, end)
+        return StoredLayer(tier, meta, f, offsets, end)
+
+    def bytes_per_tier(self) -> dict[str, int]:
+        out = dict.fromkeys(TIERS, 0)
+        for layer in self.layers:
+            out[layer.tier] += layer.nbytes
+        return out
+
+    def load(self, j: int) -> Ready[Weights]:
+        """Layer j's weights on the compute device, dequantized. Runs on a copy thread; on CUDA
+        the copies go on this thread's side stream and the returned event fences them."""
+        layer = self.layers[j]
+        stream = self.device.copy_stream()
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            if layer.tier == "gpu":
+                values = layer.values
+            elif layer.tier == "cpu":
+                values = {
+                    k: _rebuild(v, [self.device.to_device(p) for p in _parts(v)])
+                    for k, v in layer.values.items()
+                }
+            else:
+                values = self._load_disk(layer)
+            weights = {
+                k: dequantize(v) if isinstance(v, QuantizedTensor) else v for k, v in values.items()
+            }
+            return Ready(weights, self.device.record())
+
+    def _load_disk(self, layer: StoredLayer) -> dict[str, Stored]:
+        assert layer.file is not None
+        if self.device.is_cuda:  # pinned staging buffers, recycled once the copy has landed
+            try:
+                staging = self._staging.get_nowait()
+            except queue.Empty:
+                staging = self.device.host_empty((self._staging_bytes,), torch.uint8)
+        else:
+            staging = torch.empty(layer.nbytes, dtype=torch.uint8)
+        buf = staging[: layer.nbytes]
+        self.disk.read(layer.file, 0, buf)
+        values, i = {}, 0
+        for k, template in layer.values.items():
+            parts = []
+            for p in _parts(template):
+                n = p.numel() * p.element_size()
+                host = buf[layer.offsets[i] : layer.offsets[i] + n].view(p.dtype).view(p.shape)
+                parts.append(self.device.to_device(host))
+                i += 1
+            values[k] = _rebuild(template, parts)
+        if self.device.is_cuda:
+            done = self.device.record()
+            assert done is not None
+            done.synchronize()  # the device copies read `staging`; only then may it be reused
+            self._staging.put(staging)
+        return values

@@ -1,0 +1,103 @@
+"""`nanoflex plan`: choose a policy for a model, workload and machine, and say why."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from policy.hardware import HardwareSpec, load_cached
+from policy.search import PlanResult, search
+from policy.specs import ModelSpec, WorkloadSpec
+from policy.units import format_bytes, parse_bytes
+
+TASK_LABELS: dict[str, str] = {
+    "ctog": "CPU->GPU copies (weights, KV, activations)",
+    "gtoc": "GPU->CPU copies (new KV, activations, q/k/v for CPU attention)",
+    "dtoc": "disk reads",
+    "ctod": "disk writes",
+    "gpu_compute": "GPU compute (matmuls, attention, dequantization)",
+    "cpu_compute": "CPU attention",
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="path, hub id or known name (default: demo)")
+    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--gen-len", type=int, default=32)
+    parser.add_argument("--gpu-mem", default=None, help="GPU budget, e.g. 16GiB")
+    parser.add_argument("--cpu-mem", default=None, help="CPU memory budget, e.g. 64GiB")
+    parser.add_argument("--disk-mem", default=None, help="disk budget, e.g. 500GiB")
+    parser.add_argument("--hardware", default=None, help="hardware JSON (default: cached profile)")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run the search for the parsed `nanoflex plan` arguments; print JSON or a report."""
+    model = ModelSpec.from_name_or_path(args.model)
+    workload = WorkloadSpec(prompt_len=args.prompt_len, gen_len=args.gen_len)
+    hardware = HardwareSpec.load(args.hardware) if args.hardware else load_cached()
+    result = search(
+        model,
+        workload,
+        hardware,
+        gpu_mem=None if args.gpu_mem is None else parse_bytes(args.gpu_mem),
+        cpu_mem=None if args.cpu_mem is None else parse_bytes(args.cpu_mem),
+        disk_mem=None if args.disk_mem is None else parse_bytes(args.disk_mem),
+    )
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2))
+    else:
+        print(format_report(model, workload, result))
+    return 0
+
+
+def _triple(values: tuple[float, float, float]) -> str:
+    return " / ".join(f"{100 * v:.1f}%" for v in values)
+
+
+def format_report(model: ModelSpec, workload: WorkloadSpec, result: PlanResult) -> str:
+    """A readable plan: the policy, the prediction, and the reasons behind each choice."""
+    policy, est = result.policy, result.estimate
+    stage, _, task = result.bottleneck.partition(" ")[0].partition(":")
+    lines = [
+        f"model {model.name}: {model.total_params / 1e9:.2f}B parameters, "
+        f"{format_bytes(model.total_weight_bytes)} of weights, "
+        f"{format_bytes(model.kv_bytes_per_token)} of KV per token",
+        f"workload: prompt {workload.prompt_len:g} tokens, generate {workload.gen_len:g}",
+        "",
+        "policy (gpu / cpu / disk):",
+        f"  block           {policy.gpu_batch_size} x {policy.num_gpu_batches} GPU batches "
+        f"= {policy.block_size} sequences",
+        f"  weights         {_triple(policy.weights_frac)}",
+        f"  KV cache        {_triple(policy.kv_frac)}",
+        f"  activations     {_triple(policy.act_frac)}",
+        f"  cpu attention   {'on' if policy.cpu_attention else 'off'}",
+        f"  4-bit weights   {'on' if policy.compress_weights else 'off'}",
+        f"  4-bit KV        {'on' if policy.compress_kv else 'off'}",
+        f"  threads         {policy.num_cpu_threads} intra-op, {policy.num_interop_threads} "
+        f"inter-op, {policy.num_copy_threads} copy",
+        "",
+        "predicted throughput (tokens/s):",
+        f"  prefill {result.predicted['prefill_throughput']:.2f}, "
+        f"decode {result.predicted['decode_throughput']:.2f}, "
+        f"generation {result.predicted['generation_throughput']:.2f}",
+        "",
+        "memory (peak / usable):",
+    ]
+    for tier in ("gpu", "cpu", "disk"):
+        lines.append(
+            f"  {tier:5s} {format_bytes(est.peak_bytes[tier]):>10s} / "
+            f"{format_bytes(est.capacity_bytes[tier])}"
+        )
+    lines += ["", "why:", f"  bottleneck: {stage} is limited by {TASK_LABELS.get(task, task)}"]
+    if "memory full" in result.bottleneck:
+        lines.append(
+            "  " + result.bottleneck.split("(", 1)[1].rstrip(")") + ": a bigger block would not fit"
+        )
+    terms = est.decode_terms if stage == "decode" else est.prefill_terms
+    per_layer = ", ".join(f"{t} {1e3 * v:.1f} ms" for t, v in terms.items())
+    lines.append(f"  per-layer {stage} times: {per_layer}")
+    best = result.predicted["generation_throughput"]
+    for combo, throughput in sorted(result.alternatives.items(), key=lambda kv: -kv[1]):
+        lines.append(f"  best with {combo}: {throughput:.2f} tok/s ({throughput / best:.0%})")
+    return "\n".join(lines)

@@ -1,0 +1,66 @@
+"""Greedy output equals transformers' generate() token for token, under every placement."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import LLM, SamplingParams
+from policy import Policy
+from tests.engine.tiny_models import TINY_CONFIGS, hf_greedy, random_prompts
+
+MAX_TOKENS = 8
+
+PLACEMENTS: dict[str, dict[str, object]] = {
+    "all-on-device": {},
+    "weights-cpu-disk": dict(weights_frac=(0.0, 0.5, 0.5)),
+    "weights-split-3": dict(weights_frac=(0.3, 0.3, 0.4)),
+    "kv-cpu-cpu-attention": dict(kv_frac=(0.0, 1.0, 0.0), cpu_attention=True),
+    "kv-cpu-no-cpu-attention": dict(kv_frac=(0.0, 1.0, 0.0), cpu_attention=False),
+    "kv-act-disk": dict(kv_frac=(0.0, 0.0, 1.0), act_frac=(0.0, 0.0, 1.0)),
+    "kv-act-mixed": dict(kv_frac=(0.4, 0.3, 0.3), act_frac=(0.3, 0.3, 0.4), cpu_attention=True),
+    "three-gpu-batches": dict(gpu_batch_size=2, num_gpu_batches=3, weights_frac=(0.0, 0.5, 0.5)),
+}
+
+
+@pytest.fixture(scope="module")
+def references(tiny_model):
+    cache: dict[str, tuple[list[list[int]], list[list[int]]]] = {}
+
+    def get(kind: str) -> tuple[list[list[int]], list[list[int]]]:
+        if kind not in cache:
+            vocab = int(TINY_CONFIGS[kind]["vocab_size"])  # type: ignore[call-overload]
+            prompts = random_prompts(6, vocab, 2, 40, seed=len(kind))
+            expected = [hf_greedy(tiny_model(kind), p, MAX_TOKENS) for p in prompts]
+            cache[kind] = (prompts, expected)
+        return cache[kind]
+
+    return get
+
+
+def run(model_dir, prompts, policy, tmp_path) -> list[list[int]]:
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    with LLM(str(model_dir), policy=policy, offload_dir=tmp_path / "offload", device="cpu") as llm:
+        return [out.outputs[0].token_ids for out in llm.generate(prompts, params)]
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sequential", "overlap"])
+@pytest.mark.parametrize("placement", list(PLACEMENTS))
+def test_llama_matches_transformers(tiny_model, references, tmp_path, placement, overlap):
+    prompts, expected = references("llama")
+    policy = Policy(overlap=overlap, **PLACEMENTS[placement])  # type: ignore[arg-type]
+    assert run(tiny_model("llama"), prompts, policy, tmp_path) == expected
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sequential", "overlap"])
+@pytest.mark.parametrize("placement", ["all-on-device", "kv-act-mixed", "three-gpu-batches"])
+def test_opt_matches_transformers(tiny_model, references, tmp_path, placement, overlap):
+    prompts, expected = references("opt")
+    policy = Policy(overlap=overlap, **PLACEMENTS[placement])  # type: ignore[arg-type]
+    assert run(tiny_model("opt"), prompts, policy, tmp_path) == expected
+
+
+@pytest.mark.parametrize("kind", ["llama3", "qwen2", "mistral"])
+def test_llama_family_variants(tiny_model, references, tmp_path, kind):
+    prompts, expected = references(kind)
+    policy = Policy(weights_frac=(0.0, 0.5, 0.5), kv_frac=(0.5, 0.5, 0.0), cpu_attention=True)
+    assert run(tiny_model(kind), prompts, policy, tmp_path) == expected

@@ -1,0 +1,66 @@
+"""The correctness suite on a CUDA device: run with `pytest -m gpu` on a machine with a GPU.
+
+float32 must match transformers token for token under every placement. In
+float16 the reference itself depends on kernel choices; we hold float16 to the
+same exact equality and record any divergence in docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from policy import Policy
+from tests.engine.executor.test_correctness import MAX_TOKENS, PLACEMENTS
+from tests.engine.tiny_models import TINY_CONFIGS, random_prompts
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+def hf_greedy_cuda(model_dir, prompts, dtype):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).cuda()
+    model.generation_config.eos_token_id = None
+    out = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt], device="cuda")
+        gen = model.generate(
+            ids,
+            max_new_tokens=MAX_TOKENS,
+            min_new_tokens=MAX_TOKENS,
+            do_sample=False,
+            pad_token_id=0,
+        )
+        out.append(gen[0, len(prompt) :].tolist())
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("overlap", [False, True], ids=["sequential", "overlap"])
+@pytest.mark.parametrize("placement", list(PLACEMENTS))
+@pytest.mark.parametrize("kind", ["llama", "opt"])
+def test_cuda_matches_transformers(tiny_model, tmp_path, kind, placement, overlap, dtype):
+    vocab = int(TINY_CONFIGS[kind]["vocab_size"])  # type: ignore[call-overload]
+    prompts = random_prompts(6, vocab, 2, 40, seed=len(kind))
+    expected = hf_greedy_cuda(tiny_model(kind), prompts, getattr(torch, dtype))
+    policy = Policy(overlap=overlap, **PLACEMENTS[placement])  # type: ignore[arg-type]
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    with LLM(
+        str(tiny_model(kind)),
+        policy=policy,
+        offload_dir=tmp_path / "off",
+        device="cuda",
+        dtype=dtype,
+    ) as llm:
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert got == expected
+
+
+def test_gpu_mem_budget_is_enforced(tiny_model):
+    with pytest.raises(Exception, match="budget"):
+        LLM(str(tiny_model("llama")), policy=Policy(), device="cuda", gpu_mem=1024)
