@@ -7,7 +7,7 @@ Child entry point (what `bench.gpu_compare` starts, under a hard timeout):
 
 What `from_pretrained(..., device_map="auto", max_memory=..., offload_folder=...)` does,
 without a checkpoint on disk: the model is built on the meta device, filled with the
-same generated tensors nanoflex's `dummy:` model uses (engine/dummy.py), placed by
+same generated tensors nanoflex's `dummy:` model uses (engine/loading/dummy.py), placed by
 `infer_auto_device_map` under the budgets and dispatched with `dispatch_model`
 (layers that do not fit on the GPU stay in host memory and are copied in per
 forward pass by Accelerate's hooks). The KV cache stays on the GPU, as in

@@ -47,8 +47,9 @@ class FlexGenOutputError(ValueError):
 
 
 def parse_flexgen_output(text: str) -> dict[str, Any]:
-    """FlexGen's `write_benchmark_log` lines -> our metric names (DESIGN 8 definitions, which
-    FlexGen's are). The last occurrence wins; 'projected' says whether FlexGen extrapolated."""
+    """FlexGen's `write_benchmark_log` lines -> our metric names (docs/benchmarks.md, Metrics:
+    FlexGen's own definitions). The last occurrence wins; 'projected' says whether FlexGen
+    extrapolated."""
     out: dict[str, Any] = {}
     for key, pattern in _FIELDS.items():
         matches = re.findall(pattern, text)

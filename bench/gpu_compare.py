@@ -8,7 +8,7 @@ bench.accelerate_run) under a hard timeout and the same GPU budget, one after th
 other, so they never share the GPU or host memory. Results are merged into
 bench/results/gpu-<case>.json (or $NANOFLEX_BENCH_RESULTS) after every child (a later
 call adds systems or variants to the same file); logs go beside it under logs/.
-Metrics follow FlexGen's definitions (DESIGN 8) for all systems.
+Metrics follow FlexGen's definitions (docs/benchmarks.md, Metrics) for all systems.
 """
 
 from __future__ import annotations

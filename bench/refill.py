@@ -4,7 +4,8 @@ Both runs use the same model, policy, prompts and per-request max_tokens (EOS
 ignored, greedy); only the scheduler differs. Static blocks admit sequences only
 into an empty block, so a block runs until its longest member finishes, as
 FlexGen does; refill replaces every finished sequence at the next step.
-Generation throughput = generated tokens / wall time (DESIGN 8 with ragged lengths).
+Generation throughput = generated tokens / wall time (docs/benchmarks.md, Metrics,
+with ragged lengths).
 
     .venv/bin/python -m bench.refill --device cpu [--json FILE]
 """

@@ -332,7 +332,8 @@ class Estimate:
 
 
 def evaluate(terms: CostTerms, x: np.ndarray) -> Estimate:
-    """Numbers for placement `x` (VARS order), with DESIGN section 8's throughputs."""
+    """Numbers for placement `x` (VARS order), with FlexGen's throughputs
+    (docs/benchmarks.md, Metrics)."""
     prefill_terms = {t: terms.prefill[t](x) for t in TASKS}
     decode_terms = {t: terms.decode[t](x) for t in TASKS}
     compute_parts = {k: v(x) for k, v in terms.compute_parts.items()}

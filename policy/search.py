@@ -55,7 +55,8 @@ class PlanResult:
 
     policy: Policy
     predicted: dict[str, float]
-    """prefill_throughput, decode_throughput, generation_throughput (DESIGN section 8)."""
+    """prefill_throughput, decode_throughput, generation_throughput (FlexGen's definitions,
+    docs/benchmarks.md, Metrics)."""
     bottleneck: str
     """'<stage>:<task>' of the binding term (e.g. 'decode:ctog'), plus full memory tiers."""
     estimate: Estimate

@@ -16,10 +16,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive
 
+from engine.core.sequence import ONLINE_PRIORITY
 from server.batch_routes import read_json
 from server.batch_routes import router as batch_router
 from server.batches import BatchRunner
-from server.engine_client import ONLINE_PRIORITY, EngineClient
+from server.engine_client import EngineClient
 from server.errors import engine_unavailable, install_error_handlers, not_found
 from server.files import FileStorage, now
 from server.metrics import CONTENT_TYPE, Metrics

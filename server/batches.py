@@ -13,8 +13,8 @@ import json
 import logging
 from typing import Any
 
+from engine.core.sequence import BATCH_PRIORITY
 from server.batch_input import parse_input_lines
-from server.engine_client import BATCH_PRIORITY
 from server.errors import APIError, invalid_request
 from server.files import FileStorage, new_id, now
 from server.serving import Serving

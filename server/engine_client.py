@@ -22,19 +22,11 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from engine.core.sampling_params import SamplingParams
-
-ONLINE_PRIORITY = 0
-"""Priority of online requests (/v1/completions, /v1/chat/completions): served first."""
-BATCH_PRIORITY = 1
-"""Priority of Batch API work: runs when no online request waits."""
+from engine.core.sequence import ONLINE_PRIORITY
 
 
 class EngineDeadError(RuntimeError):
     """The engine process died or is restarting; the request did not finish. Retry later."""
-
-
-class PromptTooLongError(ValueError):
-    """The prompt plus max_tokens does not fit the model's context window."""
 
 
 class CompletionOutputLike(Protocol):

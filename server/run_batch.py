@@ -33,10 +33,11 @@ from tqdm import tqdm
 
 from engine.core.engine_args import EngineArgs
 from engine.core.sampling_params import SamplingError
+from engine.core.sequence import BATCH_PRIORITY
 from policy.errors import UserError
 from server.batch_input import parse_input_lines
 from server.batches import error_line, response_line
-from server.engine_client import BATCH_PRIORITY, EngineClient
+from server.engine_client import EngineClient
 from server.errors import APIError, invalid_request
 from server.metrics import Metrics
 from server.result_log import ResultLog, read_back

@@ -17,7 +17,7 @@ from typing import Any
 
 from engine.core.sampling_params import SamplingParams
 from policy.errors import UserError
-from server.engine_client import EngineClient, EngineDeadError, PromptTooLongError
+from server.engine_client import EngineClient, EngineDeadError
 from server.errors import APIError, engine_unavailable, invalid_request, not_found
 from server.files import new_id, now
 from server.metrics import Metrics
@@ -258,6 +258,6 @@ def _translate(e: Exception) -> APIError:
         return e
     if isinstance(e, EngineDeadError):
         return engine_unavailable()
-    if isinstance(e, PromptTooLongError | ValueError):
+    if isinstance(e, ValueError):  # the scheduler's RequestError: the caller's 400
         return invalid_request(str(e))
     return APIError(500, f"generation failed: {e}", type="server_error", code="internal_error")

@@ -14,19 +14,7 @@ import torch
 from engine.core.protocol import SeqChunk, TokenLogprobs
 from engine.core.sampling_params import SamplingParams
 from engine.executor.attention import RaggedLayout
-
-
-@dataclass(slots=True)
-class KVRows:
-    """Token rows of one tier's KV pool that a batch reads or writes, and where they go."""
-
-    slots: list[int]
-    """Pool slots (the disk tier reads and writes coalesced runs of them)."""
-    slot_index: torch.Tensor | None
-    """The same slots on the pool's device, for the memory tiers (None for disk)."""
-    rows: torch.Tensor
-    """On the compute device: each slot's row in the packed order it is gathered into
-    (past KV packed in sequence order) or taken from (the batch's new-token rows)."""
+from engine.storage.kv_store import KVRows
 
 
 @dataclass(slots=True)

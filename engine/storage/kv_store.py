@@ -10,13 +10,27 @@ slot * row_bytes.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from engine.executor.gpu_batch import KVRows
 from engine.storage.device import Device
 from engine.storage.disk import DiskFile, DiskIO
 from engine.storage.quant import KVRowCodec
 from policy import TIERS
+
+
+@dataclass(slots=True)
+class KVRows:
+    """Token rows of one tier's KV pool that a batch reads or writes, and where they go."""
+
+    slots: list[int]
+    """Pool slots (the disk tier reads and writes coalesced runs of them)."""
+    slot_index: torch.Tensor | None
+    """The same slots on the pool's device, for the memory tiers (None for disk)."""
+    rows: torch.Tensor
+    """On the compute device: each slot's row in the packed order it is gathered into
+    (past KV packed in sequence order) or taken from (the batch's new-token rows)."""
 
 
 def runs(slots: list[int]) -> list[tuple[int, int]]:

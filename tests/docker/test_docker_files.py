@@ -168,14 +168,9 @@ def test_health_check_hits_the_health_route(dockerfile: list[Instruction]) -> No
 
 
 def route_is_served(route: str) -> bool:
-    """The route appears in the FastAPI app, else in the API docs, else in the design."""
-    app = ROOT / "server" / "app.py"
-    if app.exists():
-        return bool(re.search(rf"""\.get\(\s*["']{re.escape(route)}["']""", app.read_text()))
-    for doc in (ROOT / "docs" / "api.md", ROOT.parent / "shared" / "DESIGN.md"):
-        if doc.exists():
-            return f"GET {route}" in doc.read_text() or f"`GET {route}`" in doc.read_text()
-    pytest.skip("neither server/app.py nor docs/api.md nor DESIGN.md is present")
+    """The daemon's app registers a GET handler for `route`."""
+    app = (ROOT / "server" / "app.py").read_text()
+    return bool(re.search(rf"""\.get\(\s*["']{re.escape(route)}["']""", app))
 
 
 def test_cpu_image() -> None:

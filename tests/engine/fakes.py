@@ -2,7 +2,7 @@
 
 The fake keeps each sequence's tokens as its "KV cache" and checks every plan
 the way a real engine relies on it: chunks start where the KV ends, sampling
-arrives with a sequence's first chunk, block tables cover the tokens, no block
+arrives with a sequence's first chunk, page tables cover the tokens, no page
 is shared by two live sequences, and no placeholder token reaches it.
 """
 
@@ -37,7 +37,7 @@ class FakeExecutor:
     page_tokens: int = 16
     history: dict[int, list[int]] = field(default_factory=dict)
     sampling: dict[int, SamplingParams] = field(default_factory=dict)
-    blocks: dict[int, tuple[str, list[int]]] = field(default_factory=dict)
+    pages: dict[int, tuple[str, list[int]]] = field(default_factory=dict)
     plans: list[StepPlan] = field(default_factory=list)
     freed: list[int] = field(default_factory=list)
 
@@ -45,7 +45,7 @@ class FakeExecutor:
         self.plans.append(plan)
         for seq_id in plan.freed_seq_ids:
             assert seq_id in self.history, f"freed unknown sequence {seq_id}"
-            del self.history[seq_id], self.sampling[seq_id], self.blocks[seq_id]
+            del self.history[seq_id], self.sampling[seq_id], self.pages[seq_id]
             self.freed.append(seq_id)
         seq_ids, token_ids, logprobs = [], [], []
         for chunk in plan.chunks:
@@ -55,30 +55,30 @@ class FakeExecutor:
                 assert chunk.start_pos == 0
                 self.history[chunk.seq_id] = []
                 self.sampling[chunk.seq_id] = chunk.sampling
-                self.blocks[chunk.seq_id] = (chunk.kv_tier, [])
+                self.pages[chunk.seq_id] = (chunk.kv_tier, [])
             else:
                 assert chunk.sampling is None, "sampling sent twice"
             history = self.history[chunk.seq_id]
             assert chunk.start_pos == len(history), (chunk.start_pos, len(history))
             history.extend(chunk.token_ids)
-            tier, table = self.blocks[chunk.seq_id]
+            tier, table = self.pages[chunk.seq_id]
             assert tier == chunk.kv_tier
             table.extend(chunk.new_page_ids)
-            assert len(table) == -(-len(history) // self.page_tokens), "block table size"
+            assert len(table) == -(-len(history) // self.page_tokens), "page table size"
             if chunk.do_sample:
                 seed = self.sampling[chunk.seq_id].seed
                 token = next_token(history, seed)
                 seq_ids.append(chunk.seq_id)
                 token_ids.append(token)
                 logprobs.append(TokenLogprobs(token, -0.5, [(token, -0.5)]))
-        self._check_blocks_disjoint()
+        self._check_pages_disjoint()
         return StepResult(plan.step_id, seq_ids, token_ids, logprobs)
 
-    def _check_blocks_disjoint(self) -> None:
+    def _check_pages_disjoint(self) -> None:
         seen: set[tuple[str, int]] = set()
-        for tier, table in self.blocks.values():
+        for tier, table in self.pages.values():
             for page_id in table:
-                assert (tier, page_id) not in seen, f"block {tier}:{page_id} shared"
+                assert (tier, page_id) not in seen, f"page {tier}:{page_id} shared"
                 seen.add((tier, page_id))
 
 

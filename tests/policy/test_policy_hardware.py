@@ -1,6 +1,7 @@
 """HardwareSpec JSON, cache location and derived constants."""
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +30,27 @@ MINIMAL: dict[str, Any] = {
 }
 
 
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "policy.md"
+
+
+def documented_required_keys() -> set[str]:
+    """The keys in the first column of docs/policy.md's table of required profile keys."""
+    lines = DOCS.read_text().splitlines()
+    start = lines.index("**Hardware.** The profile JSON has these required keys:")
+    keys: set[str] = set()
+    for line in lines[start + 4 :]:
+        if not line.startswith("|"):
+            break
+        keys.update(re.findall(r"`(\w+)`", line.split("|")[1]))
+    return keys
+
+
 def test_required_keys_are_exactly_the_documented_ones() -> None:
-    assert set(REQUIRED_KEYS) == set(MINIMAL)
+    """The loader's required keys are those docs/policy.md lists, no more and no fewer."""
+    assert set(REQUIRED_KEYS) == documented_required_keys()
+    for key in REQUIRED_KEYS:  # and each one really is required
+        with pytest.raises(UserError, match=key):
+            HardwareSpec.from_dict({k: v for k, v in MINIMAL.items() if k != key})
 
 
 def test_file_with_only_required_keys_loads(tmp_path: Path) -> None:

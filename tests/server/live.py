@@ -134,7 +134,7 @@ class Reference:
 
 
 def engine_is_idle(engine: EngineClient) -> bool:
-    """No request left in the real engine's scheduler and every KV block free (read from the
+    """No request left in the real engine's scheduler and every KV page free (read from the
     test thread: a snapshot, good enough to wait on)."""
     assert isinstance(engine, CoreEngineClient)
     core = engine._core

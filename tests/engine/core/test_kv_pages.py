@@ -9,39 +9,39 @@ import pytest
 from engine.core.kv_pages import KVCapacityError, PageManager, pick_tier
 
 
-def test_append_allocates_blocks_as_tokens_cross_boundaries() -> None:
-    bm = PageManager(4, {"gpu": 10})
-    assert bm.append(0, 5, "gpu") == [0, 1]
-    assert bm.append(0, 3) == []  # 8 tokens still fit 2 blocks
-    assert bm.append(0, 1) == [2]
-    assert bm.page_table(0) == [0, 1, 2]
-    assert bm.num_tokens(0) == 9
-    assert bm.tier_of(0) == "gpu"
-    assert bm.num_used_pages("gpu") == 3
-    assert bm.num_free_pages("gpu") == 7
+def test_append_allocates_pages_as_tokens_cross_boundaries() -> None:
+    pages = PageManager(4, {"gpu": 10})
+    assert pages.append(0, 5, "gpu") == [0, 1]
+    assert pages.append(0, 3) == []  # 8 tokens still fit 2 pages
+    assert pages.append(0, 1) == [2]
+    assert pages.page_table(0) == [0, 1, 2]
+    assert pages.num_tokens(0) == 9
+    assert pages.tier_of(0) == "gpu"
+    assert pages.num_used_pages("gpu") == 3
+    assert pages.num_free_pages("gpu") == 7
 
 
-def test_free_returns_blocks_for_reuse() -> None:
-    bm = PageManager(4, {"gpu": 3})
-    bm.append(0, 8, "gpu")
-    bm.free(0)
-    assert 0 not in bm
-    assert bm.num_used_pages("gpu") == 0
-    assert sorted(bm.append(1, 12, "gpu")) == [0, 1, 2]
-    bm.free(99)  # unknown: no-op
+def test_free_returns_pages_for_reuse() -> None:
+    pages = PageManager(4, {"gpu": 3})
+    pages.append(0, 8, "gpu")
+    pages.free(0)
+    assert 0 not in pages
+    assert pages.num_used_pages("gpu") == 0
+    assert sorted(pages.append(1, 12, "gpu")) == [0, 1, 2]
+    pages.free(99)  # unknown: no-op
 
 
 def test_capacity_is_enforced_per_tier() -> None:
-    bm = PageManager(4, {"gpu": 2, "cpu": None})
-    bm.append(0, 8, "gpu")
-    assert not bm.can_append(0, 1)
-    assert not bm.can_append(1, 1, "gpu")
-    assert bm.can_append(1, 1000, "cpu")  # unbounded
-    assert bm.num_free_pages("cpu") is None
+    pages = PageManager(4, {"gpu": 2, "cpu": None})
+    pages.append(0, 8, "gpu")
+    assert not pages.can_append(0, 1)
+    assert not pages.can_append(1, 1, "gpu")
+    assert pages.can_append(1, 1000, "cpu")  # unbounded
+    assert pages.num_free_pages("cpu") is None
     with pytest.raises(KVCapacityError):
-        bm.append(0, 1)
+        pages.append(0, 1)
     with pytest.raises(ValueError):
-        bm.append(2, 1)  # a new sequence needs a tier
+        pages.append(2, 1)  # a new sequence needs a tier
 
 
 def exact_peak(lengths: list[tuple[int, int]], page_tokens: int) -> int:
@@ -54,19 +54,44 @@ def exact_peak(lengths: list[tuple[int, int]], page_tokens: int) -> int:
 
 def test_projected_peak_bounds_the_exact_peak() -> None:
     rng = random.Random(0)
-    bm = PageManager(4, {})
+    pages = PageManager(4, {})
     for _ in range(200):
         lengths = [(rng.randint(1, 30), rng.randint(0, 20)) for _ in range(rng.randint(1, 6))]
-        bound, exact = bm.projected_peak_pages(lengths), exact_peak(lengths, 4)
+        bound, exact = pages.projected_peak_pages(lengths), exact_peak(lengths, 4)
         assert exact <= bound <= exact + len(lengths)
 
 
-def test_projected_peak_counts_only_live_sequences() -> None:
-    bm = PageManager(4, {})
-    # One long-lived sequence and one that ends now: the peak is the long one at its end.
-    assert bm.projected_peak_pages([(4, 12), (40, 0)]) == (4 + 40 + 2 * 3) // 4
-    assert bm.projected_peak_pages([(4, 100), (40, 0)]) == (104 + 3) // 4
-    assert bm.projected_peak_pages([]) == 0
+def simulated_peak(lengths: list[tuple[int, int]], page_tokens: int) -> int:
+    """Run the sequences through a real PageManager: each holds `now` tokens, appends one
+    token per step for `to_come` steps, then frees everything. The most pages ever in use."""
+    pages = PageManager(page_tokens, {})
+    for seq_id, (now, _) in enumerate(lengths):
+        pages.append(seq_id, now, "gpu")
+    peak = pages.num_used_pages("gpu")
+    for t in range(1, max((r for _, r in lengths), default=0) + 1):
+        for seq_id, (_, to_come) in enumerate(lengths):
+            if to_come == t - 1:
+                pages.free(seq_id)  # it ended after its last token
+            elif to_come >= t:
+                pages.append(seq_id, 1)
+        peak = max(peak, pages.num_used_pages("gpu"))
+    return peak
+
+
+def test_projected_peak_bounds_a_simulated_run() -> None:
+    """The projection is never below what a real run holds, and at most one page per
+    sequence above it; sequences that end early stop counting (not every one to the end)."""
+    rng = random.Random(1)
+    manager = PageManager(4, {})
+    for _ in range(200):
+        lengths = [(rng.randint(1, 30), rng.randint(0, 20)) for _ in range(rng.randint(1, 6))]
+        peak = simulated_peak(lengths, 4)
+        assert peak <= manager.projected_peak_pages(lengths) <= peak + len(lengths)
+    # a long sequence ending now next to a short one that runs long: the peak is the short
+    # one's end alone (26 pages), not that plus the long one's 10
+    lengths = [(4, 100), (40, 0)]
+    assert simulated_peak(lengths, 4) == 26 <= manager.projected_peak_pages(lengths) < 26 + 2
+    assert manager.projected_peak_pages([]) == 0
 
 
 def test_pick_tier_follows_fractions() -> None:

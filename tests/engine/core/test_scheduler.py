@@ -105,24 +105,28 @@ def test_prefill_is_chunked_within_the_step_budget() -> None:
     assert sum(len(c.token_ids) for c in prefill) == 40
 
 
-def test_dense_size_is_a_discrete_batch_size_filled_while_prefill_waits() -> None:
+def test_steps_are_filled_while_prefill_waits() -> None:
+    """Four 30-token prompts (120 prefill tokens) behind a 16-token step budget: every step
+    runs 16 tokens (decodes of the finished prefills plus prompt chunks) until no prompt
+    token waits; none is left partly empty while work is queued."""
     sched = make(gpu_batch_size=4, max_step_tokens=16, batch_sizes=(8, 16))
     for i in range(4):
         sched.add_request(request(i, length=30, max_tokens=5))
     fake = FakeExecutor()
-    plans: list[StepPlan] = []
-    while sched.has_unfinished():
-        plan = sched.schedule()
-        assert plan is not None
-        plans.append(plan)
-        sched.postprocess(plan, fake.execute(plan))
-    assert all(p.dense_size in (8, 16) and p.num_tokens <= p.dense_size for p in plans)
-    assert [p.num_tokens for p in plans[:7]] == [16] * 7  # 120 prompt tokens keep it full
-    assert plans[-1].dense_size == 8 and plans[-1].num_tokens <= 4  # decode only
+    outputs = drive(sched, fake)
+    prompt_tokens = [  # per step: prompt tokens it ran (positions < 30)
+        sum(max(0, min(30, c.start_pos + len(c.token_ids)) - c.start_pos) for c in p.chunks)
+        for p in fake.plans
+    ]
+    assert sum(prompt_tokens) == 120
+    last_prefill = max(i for i, n in enumerate(prompt_tokens) if n)
+    assert [p.num_tokens for p in fake.plans[:last_prefill]] == [16] * last_prefill
+    for i in range(4):
+        assert outputs[f"r{i}"].outputs[0].token_ids == reference(prompt(i, 30), 5)
 
 
 def test_kv_admission_uses_projected_peak() -> None:
-    # 6-token prompts + 6 new tokens peak at 3 blocks of 4; 8 blocks hold two at once.
+    # 6-token prompts + 6 new tokens peak at 3 pages of 4; 8 pages hold two at once.
     sched = make(page_tokens=4, kv_capacity_pages={"gpu": 8})
     for i in range(5):
         sched.add_request(request(i, length=6, max_tokens=6))
@@ -281,7 +285,7 @@ def test_add_request_refusals_are_user_errors() -> None:
     with pytest.raises(RequestError):
         sched.add_request(request(1, length=0))
     with pytest.raises(RequestError):
-        sched.add_request(request(2, length=6))  # 2 blocks, the pool has 1
+        sched.add_request(request(2, length=6))  # 2 pages, the pool has 1
     sched.add_request(request(3, length=4))
     with pytest.raises(RequestError):
         sched.add_request(request(3, length=4))
@@ -325,16 +329,32 @@ def test_sequence_that_outgrows_a_small_pool_moves_to_a_larger_one() -> None:
     assert_kv_empty(sched)
 
 
+class PromptScoringFake(FakeExecutor):
+    """Also returns prompt logprobs at the end of each prompt prefill (as the real executor
+    does for echo + logprobs), stamped with the step that computed them."""
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        result = super().execute(plan)
+        for c in plan.chunks:
+            if c.do_sample and c.start_pos == 0 and len(c.token_ids) > 1:  # a whole prompt
+                stamp = -float(plan.step_id)
+                scores = [TokenLogprobs(t, stamp, []) for t in c.token_ids[1:]]
+                result.prompt_logprobs[c.seq_id] = scores
+        return result
+
+
 def test_prompt_logprobs_are_kept_from_the_first_prefill() -> None:
-    sched = make()
-    sched.add_request(request(0, max_tokens=2, echo=True, logprobs=0))
-    fake = FakeExecutor()
-    plan = sched.schedule()
-    assert plan is not None
-    result = fake.execute(plan)
-    first = [TokenLogprobs(t, -1.0, []) for t in prompt(0)]
-    result.prompt_logprobs = {0: first}
-    out = sched.postprocess(plan, result)[0]
-    assert out.prompt_logprobs == first
-    assert out.outputs[0].logprobs is not None and len(out.outputs[0].logprobs) == 1
-    assert drive(sched, fake)["r0"].prompt_logprobs == first
+    """A preempted echo + logprobs request is prefilled again; the prompt logprobs it reports
+    are those of its first prefill, not the recompute's."""
+    sched = make(page_tokens=4, kv_capacity_pages={"gpu": 6}, expected_gen_tokens=1)
+    sched.add_request(request(0, length=8, max_tokens=12))
+    sched.add_request(request(1, length=5, max_tokens=10, echo=True, logprobs=0))
+    fake = PromptScoringFake(page_tokens=4)
+    final = drive(sched, fake)
+    prefills = [
+        p.step_id for p in fake.plans for c in p.chunks if c.seq_id == 1 and c.start_pos == 0
+    ]
+    assert len(prefills) == 2, "the tight pool should have preempted the echo request"
+    scores = final["r1"].prompt_logprobs
+    assert scores is not None and len(scores) == 4
+    assert {s.logprob for s in scores} == {-float(prefills[0])}

@@ -56,7 +56,7 @@ def test_ragged_requests_through_a_block_of_8_match_transformers(
 
 def test_tiny_kv_pool_preempts_and_recomputes_to_the_same_tokens(workload, tmp_path) -> None:
     model_dir, prompts, max_tokens, expected = workload
-    # 12 blocks of KV hold the longest sequence (<= 84 tokens) but not 8 running ones
+    # 12 pages of KV hold the longest sequence (<= 84 tokens) but not 8 running ones
     with LLM(
         str(model_dir),
         policy=POLICY,
