@@ -72,7 +72,9 @@ class EngineArgs:
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
         """The flags every command that builds an engine shares."""
         parser.add_argument(
-            "--model", default=None, help="local path, hub id or dummy:<shape> (default: demo)"
+            "--model",
+            default=None,
+            help="local path, hub id, dummy:<shape> or nanoflex-demo (default: the demo model)",
         )
         parser.add_argument("--policy", default=None, help="'auto' (default) or a policy JSON file")
         parser.add_argument("--offload-dir", default=None, help="directory for the disk tier")

@@ -1,7 +1,8 @@
 """Finding a model directory and reading the facts the scheduler needs from it (torch-free).
 
 A model reference is one of:
-- None: the built-in demo model (generated into the cache on first use);
+- None (the default model) or `nanoflex-demo`: the built-in demo model, a small random-weight
+  Llama generated into the cache on first use (fast; for tests and a first look);
 - `dummy:<built-in name or config dir>`: a config-only directory whose weights are generated
   on demand (benchmarks of a model's shape, FlexGen's `_DUMMY_`);
 - a local directory holding config.json and weights;
@@ -23,10 +24,13 @@ from pathlib import Path
 from policy.errors import UserError
 
 DUMMY_PREFIX = "dummy:"
+DEMO_MODEL = "nanoflex-demo"
+"""The reference (and served name) of the built-in demo model."""
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]
 
 BuildFn = Callable[[str | None], Path]
-"""Builds a generated model (None: the demo model, or a `dummy:` reference) -> its directory."""
+"""Builds a generated model (None or DEMO_MODEL: the demo model; `dummy:<shape>`) -> its
+directory."""
 
 
 class ModelLoadError(UserError):
@@ -35,7 +39,7 @@ class ModelLoadError(UserError):
 
 def is_generated(model: str | None) -> bool:
     """True for references whose directory `engine.loading` builds (demo, `dummy:`)."""
-    return model is None or model.startswith(DUMMY_PREFIX)
+    return model is None or model == DEMO_MODEL or model.startswith(DUMMY_PREFIX)
 
 
 def build_in_child(model: str | None) -> Path:

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from engine.core.model_files import DUMMY_PREFIX, resolve_model_dir
+from engine.core.model_files import DEMO_MODEL, DUMMY_PREFIX, resolve_model_dir
 
 
 def build_generated(model: str | None) -> Path:
-    """The directory of a generated model (None: the demo model; `dummy:<name>`), built now
-    if it is not in the cache yet."""
-    if model is None:
+    """The directory of a generated model (None or DEMO_MODEL: the demo model; `dummy:<name>`),
+    built now if it is not in the cache yet."""
+    if model is None or model == DEMO_MODEL:
         from engine.loading.demo import demo_model_dir
 
         return demo_model_dir()

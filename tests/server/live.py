@@ -20,6 +20,7 @@ import httpx
 import openai
 import uvicorn
 
+from engine.core.model_files import DEMO_MODEL
 from engine.core.outputs import CompletionOutput
 from engine.core.sampling_params import SamplingParams
 from engine.core.tokenizer import Tokenizer
@@ -33,13 +34,15 @@ from server.settings import ServerSettings
 from server.state import AppState
 
 API_KEY = "test-key"
-MODEL = "nanoflex-demo"
+MODEL = DEMO_MODEL
 
 
 def engine_args(**overrides: Any) -> argparse.Namespace:
     """`nanoflex serve --device cpu` arguments (the demo model), with the default `Policy()`
     fixed so that nothing is planned and the reference runs the same policy."""
-    args = build_parser().parse_args(["serve", "--device", "cpu", "--in-process"])
+    args = build_parser("serve").parse_args(
+        ["serve", "--model", DEMO_MODEL, "--device", "cpu", "--in-process"]
+    )
     args.policy = Policy()
     for name, value in overrides.items():
         setattr(args, name, value)
@@ -108,7 +111,7 @@ class Reference:
     def __init__(self) -> None:
         from engine.llm import LLM  # imports torch: only tests that compare outputs pay for it
 
-        self.llm = LLM(None, policy=Policy(), device="cpu")
+        self.llm = LLM(DEMO_MODEL, policy=Policy(), device="cpu")
         self.tokenizer = Tokenizer(demo_model_dir())
         self._cache: dict[tuple[Any, ...], list[CompletionOutput]] = {}
 

@@ -121,7 +121,16 @@ class Daemon:
         policy = data_dir.parent / "policy.json"
         policy.write_text(Policy().to_json())  # fixed: the reference runs the same policy
         env = {k: v for k, v in os.environ.items() if k != "NANOFLEX_ENGINE_CLIENT"}
-        argv = [str(NANOFLEX), "serve", "--port", str(port), "--data-dir", str(data_dir)]
+        argv = [
+            str(NANOFLEX),
+            "serve",
+            "--model",
+            MODEL,
+            "--port",
+            str(port),
+            "--data-dir",
+            str(data_dir),
+        ]
         argv += ["--device", "cpu", "--policy", str(policy)]
         with open(log, "ab") as out:
             self.process = subprocess.Popen(argv, env=env, cwd=REPO, stdout=out, stderr=out)

@@ -202,7 +202,8 @@ from server.core_client import build_engine_client
 from server.settings import ServerSettings
 for module in pkgutil.walk_packages(server.__path__, "server."):
     importlib.import_module(module.name)
-args = build_parser("serve").parse_args(["serve", "--device", "cpu", "--policy", {str(policy)!r}])
+argv = ["serve", "--model", "nanoflex-demo", "--device", "cpu", "--policy", {str(policy)!r}]
+args = build_parser("serve").parse_args(argv)
 create_app(ServerSettings(data_dir={str(tmp_path)!r}), build_engine_client(args))
 bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers'))
 assert not bad, bad

@@ -14,11 +14,12 @@ from typing import Any
 
 import pytest
 
+from engine.core.model_files import DEMO_MODEL
 from server.cli import main as cli_main
 from server.result_log import read_back
 
 ROOT = Path(__file__).resolve().parents[2]
-MODEL = "nanoflex-demo"
+MODEL = DEMO_MODEL
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 
 
@@ -38,7 +39,8 @@ def write_input(path: Path, lines: list[str]) -> Path:
 
 
 def run_cli(inp: Path, out: Path) -> None:
-    assert cli_main(["run-batch", "-i", str(inp), "-o", str(out), "--device", "cpu"]) == 0
+    argv = ["run-batch", "-i", str(inp), "-o", str(out), "--model", MODEL, "--device", "cpu"]
+    assert cli_main(argv) == 0
 
 
 def by_custom_id(path: Path) -> dict[str, str]:
@@ -147,7 +149,8 @@ def test_read_back_truncates_a_torn_tail(tmp_path: Path) -> None:
 def test_sigkill_mid_run_then_rerun_gives_the_uninterrupted_output(tmp_path: Path) -> None:
     inp = write_input(tmp_path / "in.jsonl", [*ragged_lines(40), "{bad", line("r3")])
     full, resumed = tmp_path / "full.jsonl", tmp_path / "resumed.jsonl"
-    command = [sys.executable, "-m", "server.cli", "run-batch", "-i", str(inp), "--device", "cpu"]
+    command = [sys.executable, "-m", "server.cli", "run-batch", "-i", str(inp), "--model", MODEL]
+    command += ["--device", "cpu"]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     subprocess.run([*command, "-o", str(full)], cwd=ROOT, env=env, check=True)
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingError, SamplingParams
+from engine.core.model_files import DEMO_MODEL
 from engine.executor.sampler import Sampler
 from policy import Policy
 from policy.errors import UserError
@@ -15,7 +16,7 @@ from policy.errors import UserError
 
 @pytest.fixture(scope="module")
 def llm():
-    with LLM(None, policy=Policy(gpu_batch_size=4, num_gpu_batches=2), device="cpu") as llm:
+    with LLM(DEMO_MODEL, policy=Policy(gpu_batch_size=4, num_gpu_batches=2), device="cpu") as llm:
         yield llm
 
 
@@ -90,6 +91,6 @@ def test_bad_input_is_a_clear_error(llm):
     with pytest.raises(SamplingError, match="2 sampling params for 1 prompts"):
         llm.generate(["a"], [SamplingParams(), SamplingParams()])
     with pytest.raises(UserError, match="dtype must be one of"):
-        LLM(None, policy=Policy(), device="cpu", dtype="fp8")
+        LLM(DEMO_MODEL, policy=Policy(), device="cpu", dtype="fp8")
     with pytest.raises(UserError, match="nano-batching"):
-        LLM(None, policy=Policy(num_nano_batches=2), device="cpu")
+        LLM(DEMO_MODEL, policy=Policy(num_nano_batches=2), device="cpu")

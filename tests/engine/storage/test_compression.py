@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.core.model_files import DEMO_MODEL
 from engine.executor.executor import Executor
 from policy import Policy
 from tests.engine.tiny_models import random_prompts
@@ -73,6 +74,6 @@ def test_compressed_tokens_identical_across_placements(tmp_path):
         dict(kv_frac=(0.0, 1.0, 0.0), cpu_attention=True, gpu_batch_size=2, num_gpu_batches=3),
     ):
         policy = Policy(compress_weights=True, compress_kv=True, **extra)  # type: ignore[arg-type]
-        with LLM(None, policy=policy, offload_dir=tmp_path / "off", device="cpu") as llm:
+        with LLM(DEMO_MODEL, policy=policy, offload_dir=tmp_path / "off", device="cpu") as llm:
             results.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
     assert results[0] == results[1] == results[2]
