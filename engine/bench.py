@@ -27,6 +27,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gen-len", type=int, default=32)
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument(
+        "--trace",
+        default=None,
+        metavar="FILE",
+        help="write a Chrome trace-event JSON of every load, store and compute (Perfetto)",
+    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -37,6 +43,7 @@ def main(args: argparse.Namespace) -> int:
         show_progress=True,
         max_step_tokens=None,
         workload=WorkloadSpec(args.prompt_len, args.gen_len),
+        trace=args.trace,
     )
     with LLM.from_engine_args(engine_args) as llm:
         result = run_bench(llm, args.prompt_len, args.gen_len, args.num_prompts)

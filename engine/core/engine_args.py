@@ -59,6 +59,9 @@ class EngineArgs:
     """Lengths an automatic policy is planned for."""
     show_progress: bool = False
     """Print model-loading progress on stderr."""
+    trace: str | None = None
+    """Write a Chrome trace-event JSON of every step's loads, stores and compute to this path
+    when the engine closes (open it in Perfetto or chrome://tracing)."""
 
     def __post_init__(self) -> None:
         if self.dtype is not None and self.dtype not in DTYPES:
@@ -130,6 +133,7 @@ class EngineArgs:
             "disk_mem": self.disk_mem,
             "dtype": self.dtype,
             "show_progress": self.show_progress,
+            "trace": self.trace,
         }
 
     def scheduler_config(

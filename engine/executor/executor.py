@@ -24,6 +24,7 @@ from engine.core.sampling_params import SamplingParams
 from engine.executor.gpu_batch import BatchBuilder, SeqState
 from engine.executor.pipeline import BlockPipeline
 from engine.executor.sampler import Sampler, top_logprobs
+from engine.executor.trace import NoTracer, Tracer
 from engine.loading.checkpoint import open_reader
 from engine.loading.generated import local_model_dir
 from engine.models import build_model
@@ -53,6 +54,8 @@ class Executor:
     gpu_mem / cpu_mem / disk_mem: byte budgets per tier; gpu_mem also caps CUDA memory.
     dtype: compute dtype; None: float32 on the CPU, the checkpoint's half type on CUDA.
     offload_dir: the disk tier's directory; None: a temporary one, removed by `close()`.
+    trace: write a Chrome trace of every step's loads, stores and compute to this path at
+        `close()` (engine/executor/trace.py); None: no tracing.
     """
 
     def __init__(
@@ -67,6 +70,7 @@ class Executor:
         disk_mem: int | None = None,
         dtype: torch.dtype | None = None,
         show_progress: bool = False,
+        trace: str | Path | None = None,
     ) -> None:
         if policy.num_nano_batches != 1:
             raise UserError(
@@ -99,6 +103,8 @@ class Executor:
         codec = KVRowCodec(2 * self.config.kv_dim, compress=policy.compress_kv, dtype=self.dtype)
         self.kv = KVStore(self.config.num_layers, PAGE_TOKENS, codec, self.device, self.disk)
         self._check_budgets()
+        self.trace_path = None if trace is None else Path(trace)
+        self.tracer = Tracer(cuda=self.device.is_cuda) if trace is not None else NoTracer()
         self.pipeline = BlockPipeline(
             self.model,
             self.weights,
@@ -107,6 +113,7 @@ class Executor:
             self.disk,
             overlap=policy.overlap,
             dtype=self.dtype,
+            tracer=self.tracer,
         )
         self.sampler = Sampler()
         self._seqs: dict[int, SeqState] = {}
@@ -287,6 +294,9 @@ class Executor:
         return out
 
     def close(self) -> None:
+        if isinstance(self.tracer, Tracer) and self.trace_path is not None:
+            self.device.synchronize()
+            self.tracer.save(self.trace_path)
         self.pipeline.close()
         self.disk.close()
         if self._own_offload_dir:

@@ -46,7 +46,7 @@ class GpuBatch:
     device_group: AttentionGroup | None
     """Sequences attending on the compute device."""
     cpu_group: AttentionGroup | None
-    """Decodes over cpu-homed KV attending on the CPU (FlexGen Sec. 4.2)."""
+    """Decodes over cpu- or disk-homed KV attending on the CPU (FlexGen Sec. 4.2)."""
     new_kv: dict[str, KVRows]
     """Per tier: the slots for the new tokens' KV and their rows in the batch."""
     act_rows: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -120,7 +120,9 @@ class BatchBuilder:
             slots, rows = new_kv.setdefault(state.kv_tier, ([], []))
             slots.extend(slots_for(state.page_ids, ctx, ctx + q_len, self.page_tokens))
             rows.extend(range(row, row + q_len))
-            on_cpu = self.cpu_attention and state.kv_tier == "cpu" and q_len == 1
+            # FlexGen Sec. 4.2: decode attention over host-homed KV (cpu, or disk read into
+            # host memory) runs on the CPU; only q and the new k, v cross PCIe
+            on_cpu = self.cpu_attention and state.kv_tier != "gpu" and q_len == 1
             members[on_cpu].append((c, state, row))
             if state.wants_prompt_logprobs:
                 logit_rows.extend(range(row, row + q_len))

@@ -1,34 +1,58 @@
 """`BlockPipeline`: one engine step over a block of GPU batches, layer by layer (FlexGen Fig. 4).
 
-For each layer j the weights are loaded once and used by every GPU batch k of
-the block. Two loops share every load, compute and store function:
+For each layer j the weights are loaded once and used by every GPU batch k of the block
+(j-th layer, k-th GPU batch, as in FlexGen). Two loops share every load, compute and store:
 - `overlap=False`: the plain sequential loop, the reference;
-- `overlap=True`: while batch k computes, layer j+1's weights and the next
-  batch's activations and past KV are prefetched and batch k's results are
-  stored, on copy threads (and CUDA side streams, fenced by events).
-Both produce bit-identical tokens; tests hold them to it.
+- `overlap=True`: while (j, k) computes, the load threads fetch layer j+1's weights and the
+  next (j, k)'s past KV and activations, and the store threads write (j, k)'s new KV and
+  activations (CUDA side streams fenced by events). Only a true dependency waits: the
+  activations entering (j+1, k) wait for (j, k)'s activation store; past KV never waits
+  for this step's stores (it was written in earlier steps), so with one GPU batch the next
+  layer's past KV loads while this layer computes.
+Both loops produce bit-identical tokens; tests hold them to it, and the trace
+(`engine/executor/trace.py`) shows what overlapped.
 """
 
 from __future__ import annotations
 
-import contextlib
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 
 from engine.executor.attention import ragged_attention
 from engine.executor.gpu_batch import AttentionGroup, GpuBatch
+from engine.executor.trace import NoTracer, Tracer
 from engine.models.base import Model, Weights
 from engine.storage.device import Device, Ready
 from engine.storage.disk import DiskFile, DiskIO
 from engine.storage.kv_store import KVStore
 from engine.storage.weight_store import WeightStore
 
-Past = torch.Tensor | None  # (P, 2 * kv_dim) past KV of the device group, packed by sequence
-Inputs = tuple[torch.Tensor | None, Past]
+
+@dataclass(slots=True)
+class PastKV:
+    """The past KV a (layer, GPU batch) attends over, per attention group, packed by sequence."""
+
+    device: torch.Tensor | None
+    """(P, 2 * kv_dim) on the compute device for the device group; None if no past."""
+    cpu: torch.Tensor | None
+    """(P_cpu, 2 * kv_dim) float32 in host memory for the CPU-attention group; None if none."""
+
+
+NO_PAST = PastKV(None, None)
+
+
+def _stay(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 class BlockPipeline:
+    """Runs one step's GPU batches through every layer. `num_load_threads` fetch weights,
+    past KV and activations; `num_store_threads` write new KV and activations."""
+
     def __init__(
         self,
         model: Model,
@@ -39,125 +63,162 @@ class BlockPipeline:
         *,
         overlap: bool,
         dtype: torch.dtype,
+        num_load_threads: int = 2,
+        num_store_threads: int = 1,
+        tracer: Tracer | NoTracer | None = None,
     ) -> None:
         self.model, self.weights, self.kv, self.device, self.disk = model, weights, kv, device, disk
         self.overlap, self.dtype = overlap, dtype
+        self.tracer = tracer or NoTracer()
         c = model.config
         self._kv_dim = c.kv_dim
         self._kv_shape = (c.num_kv_heads, c.head_dim)
-        self._acts: dict[int, dict[str, torch.Tensor]] = {}  # batch -> tier -> rows
+        self._acts: dict[int, dict[str, torch.Tensor]] = {}  # GPU batch -> tier -> rows
         self._act_files: dict[int, DiskFile] = {}
-        self._prefetch = ThreadPoolExecutor(2, thread_name_prefix="nanoflex-prefetch")
+        self._loads = ThreadPoolExecutor(num_load_threads, thread_name_prefix="nanoflex-load")
+        self._stores = ThreadPoolExecutor(num_store_threads, thread_name_prefix="nanoflex-store")
         self.act_bytes = {"gpu": 0, "cpu": 0, "disk": 0}
         """Peak bytes of between-layer activations homed on each tier."""
 
     def close(self) -> None:
-        self._prefetch.shutdown(wait=True)
+        self._loads.shutdown(wait=True)
+        self._stores.shutdown(wait=True)
 
     # -- the two loops -------------------------------------------------------------------
 
     def run(self, batches: list[GpuBatch]) -> list[torch.Tensor]:
-        """One step: returns (S_k, vocab) float32 logits for each batch's logit rows."""
+        """One step: returns (S_k, vocab) float32 logits for each GPU batch's logit rows."""
         if self.overlap:
             return self._run_overlapped(batches)
         return self._run_sequential(batches)
 
     def _run_sequential(self, batches: list[GpuBatch]) -> list[torch.Tensor]:
         logits: list[torch.Tensor] = []
+        wait = self.device.wait
         for j in range(self.model.num_layers):
-            w = self.device.wait(self.weights.load(j))
+            w = wait(self._load_weights(j))
             for batch in batches:
-                h, past = self.device.wait(self._load_inputs(j, batch, None))
+                past = wait(self._load_past(j, batch))
+                h = wait(self._load_act(j, batch, None))
                 out, new_kv = self._compute(j, w, h, past, batch)
                 if self.model.layer_kind(j) == "head":
                     logits.append(out)
-                else:
-                    self._store(j, batch, out, new_kv, self.device.record(), None)
+                    continue
+                done = self.device.record()
+                self._store_act(j, batch, out, done, None)
+                if new_kv is not None:
+                    self._store_kv(j, batch, new_kv, done)
         return logits
 
     def _run_overlapped(self, batches: list[GpuBatch]) -> list[torch.Tensor]:
         num_layers, num_batches = self.model.num_layers, len(batches)
-        submit = self._prefetch.submit
-        weight_futures = {0: submit(self.weights.load, 0)}
-        stored: dict[int, Future[None]] = {}  # batch -> its latest store
-        stores: list[Future[None]] = []
-        inputs: dict[tuple[int, int], Future[Ready[Inputs]]] = {}
-
-        def prefetch_inputs(j: int, k: int) -> None:
-            if j < num_layers and (j, k) not in inputs:
-                inputs[(j, k)] = submit(self._load_inputs, j, batches[k], stored.get(k))
-
-        prefetch_inputs(0, 0)
+        load, store, wait = self._loads.submit, self._stores.submit, self.device.wait
+        weights = {0: load(self._load_weights, 0)}
+        pasts = {(0, 0): load(self._load_past, 0, batches[0])}
+        acts = {(0, 0): load(self._load_act, 0, batches[0], None)}
+        act_stored: dict[int, Future[None]] = {}  # GPU batch -> its latest activation store
+        kv_stores: list[Future[None]] = []
         logits: list[torch.Tensor] = []
         for j in range(num_layers):
             if j + 1 < num_layers:
-                weight_futures[j + 1] = submit(self.weights.load, j + 1)
-            w = self.device.wait(weight_futures.pop(j).result())
+                weights[j + 1] = load(self._load_weights, j + 1)
+            w = wait(weights.pop(j).result())
             for k, batch in enumerate(batches):
                 nxt = (j, k + 1) if k + 1 < num_batches else (j + 1, 0)
-                if nxt[1] != k:  # its inputs do not depend on this batch's store
-                    prefetch_inputs(*nxt)
-                h, past = self.device.wait(inputs.pop((j, k)).result())
+                if nxt[0] < num_layers:  # past KV never depends on this step's stores
+                    pasts[nxt] = load(self._load_past, nxt[0], batches[nxt[1]])
+                    if nxt[1] != k:  # nor does another batch's activation on this one's
+                        after = act_stored.get(nxt[1])
+                        acts[nxt] = load(self._load_act, nxt[0], batches[nxt[1]], after)
+                past = wait(pasts.pop((j, k)).result())
+                h = wait(acts.pop((j, k)).result())
                 out, new_kv = self._compute(j, w, h, past, batch)
                 if self.model.layer_kind(j) == "head":
                     logits.append(out)
-                else:
-                    done = self.device.record()
-                    stored[k] = submit(self._store, j, batch, out, new_kv, done, stored.get(k))
-                    stores.append(stored[k])
-                prefetch_inputs(*nxt)
-        for fut in stores:
+                    continue
+                done = self.device.record()
+                act_stored[k] = store(self._store_act, j, batch, out, done, act_stored.get(k))
+                if new_kv is not None:
+                    kv_stores.append(store(self._store_kv, j, batch, new_kv, done))
+                if nxt[0] < num_layers and nxt[1] == k:
+                    acts[nxt] = load(self._load_act, nxt[0], batch, act_stored[k])
+        for fut in (*kv_stores, *act_stored.values()):
             fut.result()
         return logits
 
-    # -- loads, compute, stores ------------------------------------------------------------
+    # -- loads ---------------------------------------------------------------------------
 
-    def _load_inputs(self, j: int, batch: GpuBatch, after: Future[None] | None) -> Ready[Inputs]:
-        """GpuBatch's activations entering layer j and, for decoder layers, the past KV of its
-        sequences that attend on the compute device."""
+    @contextmanager
+    def _copy_task(self, name: str, cat: str, j: int, k: int = 0) -> Iterator[None]:
+        """A load or store on this thread's copy stream, traced."""
+        with self.device.on_copy_stream(), self.tracer.span(name, cat, j, k):
+            yield
+
+    def _load_weights(self, j: int) -> Ready[Weights]:
+        with self._copy_task("load_weight", "load", j):
+            return self.weights.load(j)
+
+    def _load_act(
+        self, j: int, batch: GpuBatch, after: Future[None] | None
+    ) -> Ready[torch.Tensor | None]:
+        """The activations entering layer j (None for the embedding), once `after` (the
+        previous layer's activation store of this batch) has landed."""
         if after is not None:
-            after.result()  # the previous layer's store of this batch must have landed
-        stream = self.device.copy_stream()
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            h = None if j == 0 else self._load_act(batch)
-            past: Past = None
-            if self.model.layer_kind(j) == "decoder" and batch.device_group is not None:
-                past = self._load_past(j - 1, batch.device_group)
-            return Ready((h, past), self.device.record())
-
-    def _load_act(self, batch: GpuBatch) -> torch.Tensor:
+            after.result()
+        if j == 0:
+            return Ready(None)
         parts = self._acts[batch.index]
-        if "all" in parts:
-            return parts["all"]
-        out = torch.empty(
-            (batch.num_tokens, self.model.config.hidden_size),
-            dtype=self.dtype,
-            device=self.device.device,
-        )
-        for tier, rows in batch.act_rows.items():
-            if tier == "disk":
-                host = self.device.host_empty((rows.shape[0], out.shape[1]), self.dtype)
-                self.disk.read(self._act_files[batch.index], 0, host)
-                part = host
-            else:
-                part = parts[tier]
-            out.index_copy_(0, rows, self.device.to_device(part))
-        return out
+        if "all" in parts:  # every row stayed on the compute device: nothing to move
+            return Ready(parts["all"])
+        with self._copy_task("load_activation", "load", j, batch.index):
+            out = torch.empty(
+                (batch.num_tokens, self.model.config.hidden_size),
+                dtype=self.dtype,
+                device=self.device.device,
+            )
+            for tier, rows in batch.act_rows.items():
+                if tier == "disk":
+                    part = self.device.host_empty((rows.shape[0], out.shape[1]), self.dtype)
+                    self.disk.read(self._act_files[batch.index], 0, part)
+                else:
+                    part = parts[tier]
+                out.index_copy_(0, rows, self.device.to_device(part))
+            return Ready(out, self.device.record())
 
-    def _load_past(self, layer: int, group: AttentionGroup) -> Past:
-        """The group's past KV, read per tier and decoded on the compute device, packed in
-        sequence order: (P, 2 * kv_dim), or None when no sequence has a past."""
-        if not group.layout.num_past:
-            return None
+    def _load_past(self, j: int, batch: GpuBatch) -> Ready[PastKV]:
+        """Past KV of layer j's attention for both groups: the device group's decoded on the
+        compute device, the CPU group's decoded in host memory (read from cpu or disk)."""
+        if self.model.layer_kind(j) != "decoder":
+            return Ready(NO_PAST)
+        layer = j - 1
+        device_past = cpu_past = None
+        dev, cpu = batch.device_group, batch.cpu_group
+        with self.device.on_copy_stream():
+            if dev is not None and dev.layout.num_past:
+                with self.tracer.span("load_cache", "load", j, batch.index):
+                    device_past = self._gather(layer, dev, self.device.to_device)
+            if cpu is not None and cpu.layout.num_past:
+                with self.tracer.span("load_cache", "load", j, batch.index, host=True):
+                    cpu_past = self._gather(layer, cpu, _stay).float()
+            return Ready(PastKV(device_past, cpu_past), self.device.record())
+
+    def _gather(
+        self, layer: int, group: AttentionGroup, move: Callable[[torch.Tensor], torch.Tensor]
+    ) -> torch.Tensor:
+        """The group's past rows from every tier that homes them, moved by `move`, decoded,
+        packed in sequence order: (P, 2 * kv_dim)."""
         packed: torch.Tensor | None = None
         for tier, kv_rows in group.past.items():
-            rows = self.kv.codec.decode(self.device.to_device(self.kv.read(tier, layer, kv_rows)))
+            rows = self.kv.codec.decode(move(self.kv.read(tier, layer, kv_rows)))
             if len(group.past) == 1:
                 return rows  # one tier: its rows are already in packed order
             if packed is None:
                 packed = rows.new_empty(group.layout.num_past, rows.shape[1])
-            packed.index_copy_(0, kv_rows.rows, rows)
+            packed.index_copy_(0, kv_rows.rows.to(rows.device), rows)
+        assert packed is not None
         return packed
+
+    # -- compute -------------------------------------------------------------------------
 
     def _split_kv(
         self, rows: torch.Tensor | None
@@ -172,29 +233,30 @@ class BlockPipeline:
         )
 
     def _compute(
-        self, j: int, w: Weights, h: torch.Tensor | None, past: Past, batch: GpuBatch
+        self, j: int, w: Weights, h: torch.Tensor | None, past: PastKV, batch: GpuBatch
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Layer j over one batch: (output states or logits, the new (T, 2 * kv_dim) KV rows)."""
-        kind = self.model.layer_kind(j)
-        if kind == "embed":
-            return self.model.embed(w, batch.token_ids, batch.positions), None
-        assert h is not None
-        if kind == "head":
-            return self.model.head(w, h.index_select(0, batch.logit_rows)), None
-        new_kv: list[torch.Tensor] = []
+        with self.tracer.span("compute", "compute", j, batch.index):
+            kind = self.model.layer_kind(j)
+            if kind == "embed":
+                return self.model.embed(w, batch.token_ids, batch.positions), None
+            assert h is not None
+            if kind == "head":
+                return self.model.head(w, h.index_select(0, batch.logit_rows)), None
+            new_kv: list[torch.Tensor] = []
 
-        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            new_kv.append(torch.cat([k.flatten(1), v.flatten(1)], dim=1))  # (T, 2 * kv_dim)
-            return self._attend(j - 1, batch, past, q, k, v)
+            def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+                new_kv.append(torch.cat([k.flatten(1), v.flatten(1)], dim=1))  # (T, 2 * kv_dim)
+                return self._attend(j, batch, past, q, k, v)
 
-        out = self.model.decoder(w, h, batch.positions, attend)
-        return out, new_kv[0]
+            out = self.model.decoder(w, h, batch.positions, attend)
+            return out, new_kv[0]
 
     def _attend(
         self,
-        layer: int,
+        j: int,
         batch: GpuBatch,
-        past: Past,
+        past: PastKV,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
@@ -202,32 +264,28 @@ class BlockPipeline:
         dev, cpu = batch.device_group, batch.cpu_group
         if cpu is None:
             assert dev is not None
-            return ragged_attention(q, k, v, *self._split_kv(past), dev.layout)
+            return ragged_attention(q, k, v, *self._split_kv(past.device), dev.layout)
         o = torch.empty_like(q)
         if dev is not None:
             assert dev.rows is not None
             o[dev.rows] = ragged_attention(
-                q[dev.rows], k[dev.rows], v[dev.rows], *self._split_kv(past), dev.layout
+                q[dev.rows], k[dev.rows], v[dev.rows], *self._split_kv(past.device), dev.layout
             )
         rows = cpu.rows if cpu.rows is not None else slice(None)
-        o[rows] = self._cpu_attention(layer, cpu, q[rows], k[rows], v[rows]).to(
-            q.device, non_blocking=True
-        )
+        with self.tracer.span("cpu_attention", "cpu_attention", j, batch.index):
+            o[rows] = self._cpu_attention(cpu, past.cpu, q[rows], k[rows], v[rows])
         return o
 
     def _cpu_attention(
         self,
-        layer: int,
         group: AttentionGroup,
+        past: torch.Tensor | None,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
     ) -> torch.Tensor:
-        """Decode attention on the CPU over CPU-homed KV: only q and the new k, v cross PCIe.
-        Computes in float32 (CPU half-precision matmuls are slow and less exact)."""
-        past = None
-        if group.layout.num_past:
-            past = self.kv.codec.decode(self.kv.read("cpu", layer, group.past["cpu"])).float()
+        """Decode attention on the CPU over host-homed KV (cpu or disk tier): only q and the
+        new k, v cross PCIe. Computes in float32 (CPU half matmuls are slow and less exact)."""
         out = ragged_attention(
             q.to("cpu", torch.float32),
             k.to("cpu", torch.float32),
@@ -235,67 +293,70 @@ class BlockPipeline:
             *self._split_kv(past),
             group.layout,
         )
-        return out.to(q.dtype)
+        return out.to(q.device, q.dtype, non_blocking=True)
 
-    def _store(
+    # -- stores --------------------------------------------------------------------------
+
+    def _store_act(
         self,
         j: int,
         batch: GpuBatch,
         out: torch.Tensor,
-        new_kv: torch.Tensor | None,
         done: torch.cuda.Event | None,
         after: Future[None] | None,
     ) -> None:
-        """Write layer j's new KV rows to each sequence's home tier and its output activations
-        to theirs. On CUDA, waits for `done` (compute finished) on this thread's copy stream."""
+        """Home layer j's output rows on each row's activation tier (after the previous
+        layer's store of this batch, which the next load may still be reading)."""
         if after is not None:
             after.result()
-        stream = self.device.copy_stream()
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            if stream is not None and done is not None:
-                stream.wait_event(done)
-                out.record_stream(stream)
-            if new_kv is not None:
-                self._store_kv(j - 1, batch, new_kv, stream)
-            self._store_act(batch, out)
-            if stream is not None:
-                stream.synchronize()
-
-    def _store_kv(
-        self, layer: int, batch: GpuBatch, new_kv: torch.Tensor, stream: torch.cuda.Stream | None
-    ) -> None:
-        if stream is not None:
-            new_kv.record_stream(stream)
-        encoded = self.kv.codec.encode(new_kv)  # (T, row_bytes) on the compute device
-        for tier, kv_rows in batch.new_kv.items():
-            rows = encoded if len(batch.new_kv) == 1 else encoded.index_select(0, kv_rows.rows)
-            if tier != "gpu":
-                host = self.device.host_empty(tuple(rows.shape), torch.uint8)
-                host.copy_(rows, non_blocking=stream is not None)
-                if stream is not None:
-                    stream.synchronize()
-                rows = host
-            self.kv.write(tier, layer, kv_rows, rows)
-
-    def _store_act(self, batch: GpuBatch, out: torch.Tensor) -> None:
-        if not batch.act_rows:
+        if not batch.act_rows:  # every row stays on the compute device
             self._acts[batch.index] = {"all": out}
             self.act_bytes["gpu"] = max(self.act_bytes["gpu"], out.numel() * out.element_size())
             return
-        parts: dict[str, torch.Tensor] = {}
-        for tier, rows in batch.act_rows.items():
-            part = out.index_select(0, rows)
-            nbytes = part.numel() * part.element_size()
-            self.act_bytes[tier] = max(self.act_bytes[tier], nbytes)
-            if tier == "gpu":
-                parts[tier] = part
-                continue
-            host = self.device.host_empty(tuple(part.shape), part.dtype)
-            host.copy_(part)
-            if tier == "cpu":
-                parts[tier] = host
-            else:
+        with self._copy_task("store_activation", "store", j, batch.index):
+            stream = self.device.copy_stream()
+            if stream is not None and done is not None:
+                stream.wait_event(done)
+                out.record_stream(stream)
+            parts: dict[str, torch.Tensor] = {}
+            for tier, rows in batch.act_rows.items():
+                part = out.index_select(0, rows)
+                self.act_bytes[tier] = max(self.act_bytes[tier], part.numel() * part.element_size())
+                if tier == "gpu":
+                    parts[tier] = part
+                    continue
+                host = self.device.host_empty(tuple(part.shape), part.dtype)
+                host.copy_(part, non_blocking=stream is not None)
+                if stream is not None:
+                    stream.synchronize()
+                if tier == "cpu":
+                    parts[tier] = host
+                    continue
                 if batch.index not in self._act_files:
                     self._act_files[batch.index] = self.disk.open(f"act-{batch.index:04d}.bin")
                 self.disk.write(self._act_files[batch.index], 0, host)
-        self._acts[batch.index] = parts
+            if stream is not None:
+                stream.synchronize()
+            self._acts[batch.index] = parts
+
+    def _store_kv(
+        self, j: int, batch: GpuBatch, new_kv: torch.Tensor, done: torch.cuda.Event | None
+    ) -> None:
+        """Write layer j's new KV rows to each sequence's home tier."""
+        with self._copy_task("store_cache", "store", j, batch.index):
+            stream = self.device.copy_stream()
+            if stream is not None and done is not None:
+                stream.wait_event(done)
+                new_kv.record_stream(stream)
+            encoded = self.kv.codec.encode(new_kv)  # (T, row_bytes) on the compute device
+            for tier, kv_rows in batch.new_kv.items():
+                rows = encoded if len(batch.new_kv) == 1 else encoded.index_select(0, kv_rows.rows)
+                if tier != "gpu":
+                    host = self.device.host_empty(tuple(rows.shape), torch.uint8)
+                    host.copy_(rows, non_blocking=stream is not None)
+                    if stream is not None:
+                        stream.synchronize()
+                    rows = host
+                self.kv.write(tier, j - 1, kv_rows, rows)
+            if stream is not None:
+                stream.synchronize()

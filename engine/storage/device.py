@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -63,6 +64,11 @@ class Device:
         if stream is None:
             stream = self._local.stream = torch.cuda.Stream(self.device)
         return stream
+
+    def on_copy_stream(self) -> AbstractContextManager[object]:
+        """Make this thread's side stream current (a no-op on the CPU)."""
+        stream = self.copy_stream()
+        return nullcontext() if stream is None else torch.cuda.stream(stream)
 
     def to_device(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(self.device, non_blocking=self.is_cuda and t.is_pinned())

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import queue
 from collections.abc import Callable
@@ -166,8 +165,7 @@ class WeightStore:
         """Layer j's weights on the compute device, dequantized. Runs on a copy thread; on CUDA
         the copies go on this thread's side stream and the returned event fences them."""
         layer = self.layers[j]
-        stream = self.device.copy_stream()
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+        with self.device.on_copy_stream():
             if layer.tier == "gpu":
                 values = layer.values
             elif layer.tier == "cpu":
