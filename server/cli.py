@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
 from collections.abc import Sequence
 from types import ModuleType
@@ -47,6 +48,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = next((a for a in argv if not a.startswith("-")), None)
     args = build_parser(command if command in COMMANDS else "").parse_args(argv)
+    if args.command != "serve":  # uvicorn handles serve's; elsewhere `with` blocks clean up
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         return int(handler(args.command).main(args))
     except UserError as e:
@@ -55,6 +58,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"nanoflex {args.command}: interrupted", file=sys.stderr)
         return 130
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 if __name__ == "__main__":

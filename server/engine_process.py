@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import importlib
 import multiprocessing as mp
+import shutil
+import signal
 import traceback
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
@@ -45,7 +47,10 @@ def build_from_path(factory: str, kwargs: dict[str, Any]) -> Any:
 
 
 def _child_main(conn: Connection, factory: str, kwargs: dict[str, Any]) -> None:
-    """The child's loop: build the executor, then answer messages until shutdown."""
+    """The child's loop: build the executor, then answer messages until shutdown. The
+    executor is closed (its scratch files removed) on shutdown, when the parent is gone,
+    and on SIGTERM."""
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         executor = build_from_path(factory, kwargs)
         info = executor.describe()
@@ -53,6 +58,13 @@ def _child_main(conn: Connection, factory: str, kwargs: dict[str, Any]) -> None:
         conn.send(("error", traceback.format_exc()))
         return
     conn.send(("ready", info))
+    try:
+        _serve(conn, executor)
+    finally:
+        executor.close()
+
+
+def _serve(conn: Connection, executor: Any) -> None:
     while True:
         try:
             message = conn.recv()
@@ -70,6 +82,10 @@ def _child_main(conn: Connection, factory: str, kwargs: dict[str, Any]) -> None:
             conn.send(("result", executor.execute(message[1])))
         except Exception:
             conn.send(("error", traceback.format_exc()))
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 class ExecutorProcess:
@@ -173,7 +189,8 @@ class ExecutorProcess:
         self.kill()
 
     def kill(self) -> None:
-        """Stop the child at once (used after a failure)."""
+        """Stop the child at once (used after a failure), and remove the scratch directory
+        it could not remove itself."""
         if self._process is not None:
             if self._process.is_alive():
                 self._process.kill()
@@ -181,6 +198,8 @@ class ExecutorProcess:
         if self._conn is not None:
             self._conn.close()
         self._process, self._conn = None, None
+        if self.info is not None and self.info.scratch_dir is not None:
+            shutil.rmtree(self.info.scratch_dir, ignore_errors=True)
 
     def restart(self) -> None:
         self.kill()

@@ -134,3 +134,6 @@ class EngineInfo:
     """KV pages each tier may hold (None: bounded only by the machine)."""
     placement: Placement
     """The realized placement when the executor was built."""
+    scratch_dir: str | None = None
+    """A temporary directory the executor made (the disk tier without --offload-dir): it
+    removes it when closed; whoever outlives a killed executor removes it instead."""

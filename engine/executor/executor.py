@@ -6,6 +6,7 @@ import contextlib
 import shutil
 import sys
 import tempfile
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +90,10 @@ class Executor:
         self._cap_gpu_memory()
         self._own_offload_dir = offload_dir is None
         self.offload_dir = Path(offload_dir or tempfile.mkdtemp(prefix="nanoflex-offload-"))
+        if self._own_offload_dir:  # removed at close, or at exit if close never comes
+            self._remove_scratch = weakref.finalize(
+                self, shutil.rmtree, self.offload_dir, ignore_errors=True
+            )
         self.disk = DiskIO(self.offload_dir, policy.num_copy_threads)
         self.weights = WeightStore(
             self.model,
@@ -116,6 +121,7 @@ class Executor:
             tracer=self.tracer,
         )
         self.sampler = Sampler()
+        self._closed = False
         self._seqs: dict[int, SeqState] = {}
         self._builder = BatchBuilder(
             self.device.device,
@@ -178,7 +184,8 @@ class Executor:
 
     def describe(self) -> EngineInfo:
         """What a scheduler in this or another process needs to plan for this engine."""
-        return EngineInfo(PAGE_TOKENS, self.kv_capacity_pages(), self.placement())
+        scratch = str(self.offload_dir) if self._own_offload_dir else None
+        return EngineInfo(PAGE_TOKENS, self.kv_capacity_pages(), self.placement(), scratch)
 
     def placement(self) -> Placement:
         """What was realized: bytes per tier for weights, KV and activations, and layer homes."""
@@ -294,13 +301,17 @@ class Executor:
         return out
 
     def close(self) -> None:
+        """Write the trace, stop the copy threads, remove the scratch directory. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
         if isinstance(self.tracer, Tracer) and self.trace_path is not None:
             self.device.synchronize()
             self.tracer.save(self.trace_path)
         self.pipeline.close()
         self.disk.close()
         if self._own_offload_dir:
-            shutil.rmtree(self.offload_dir, ignore_errors=True)
+            self._remove_scratch()
 
 
 def build_executor(

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -69,3 +72,55 @@ def test_in_process_executor_has_same_surface() -> None:
     assert executor.health() and executor.execute(plan(1)).token_ids == [10]
     executor.shutdown()
     assert not executor.is_alive
+
+
+REAL_FACTORY = "engine.executor.executor:build_executor"
+
+
+def demo_kwargs() -> dict[str, object]:
+    return {"model": "nanoflex-demo", "policy": {"kv_frac": [0, 0, 1]}, "device": "cpu"}
+
+
+def test_a_killed_engine_leaves_no_scratch_directory() -> None:
+    """The executor's temporary disk tier goes with it: removed at shutdown by the child,
+    and by the parent when the child was killed and could not."""
+    executor = ExecutorProcess(REAL_FACTORY, demo_kwargs(), start_timeout_s=120)
+    executor.start()
+    scratch = executor.describe().scratch_dir
+    assert scratch is not None and os.path.isdir(scratch)
+    assert executor._process is not None and executor._process.pid
+    os.kill(executor._process.pid, signal.SIGKILL)
+    executor.restart()  # kill() cleans up after the dead child, start() makes a new one
+    assert not os.path.exists(scratch)
+    second = executor.describe().scratch_dir
+    assert second is not None and os.path.isdir(second) and second != scratch
+    executor.shutdown(timeout_s=30)
+    assert not os.path.exists(second)
+
+
+def test_sigterm_to_a_command_removes_its_scratch_directory(tmp_path: Path) -> None:
+    policy = tmp_path / "policy.json"
+    policy.write_text('{"kv_frac": [0, 0, 1]}')
+    command = [sys.executable, "-m", "server.cli", "generate", "--model", "nanoflex-demo"]
+    command += [
+        "--prompt",
+        "hello",
+        "--max-tokens",
+        "2000",
+        "--device",
+        "cpu",
+        "--policy",
+        str(policy),
+    ]
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 60
+        while not list(tmp_path.glob("nanoflex-offload-*/kv-*.bin")):  # generating
+            assert process.poll() is None and time.monotonic() < deadline, "never got going"
+            time.sleep(0.05)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 128 + signal.SIGTERM
+    finally:
+        process.kill()
+    assert not list(tmp_path.glob("nanoflex-offload-*"))
