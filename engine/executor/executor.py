@@ -207,7 +207,9 @@ class Executor:
 
     def execute(self, plan: StepPlan) -> StepResult:
         for seq_id in plan.freed_seq_ids:
-            self._seqs.pop(seq_id, None)
+            gone = self._seqs.pop(seq_id, None)
+            if gone is not None and gone.kv_tier == "disk":
+                self.kv.disk_pool.release_pages(gone.page_ids)
         by_batch: dict[int, list[SeqChunk]] = {}
         for chunk in plan.chunks:
             self._admit(chunk)
@@ -264,6 +266,8 @@ class Executor:
         state.page_ids.extend(chunk.new_page_ids)
         if chunk.new_page_ids:
             self.kv.reserve(state.kv_tier, max(chunk.new_page_ids) + 1)
+            if state.kv_tier == "disk":
+                self.kv.disk_pool.begin_pages(chunk.new_page_ids)
 
     def score(self, prompts: list[list[int]], prefill_len: int | None = None) -> list[torch.Tensor]:
         """(len, vocab) float32 logits at every position of each prompt: for offline

@@ -4,8 +4,8 @@ A row is one token's keys then values for one layer, (2 * num_kv_heads * head_di
 values, encoded by a `KVRowCodec` into `row_bytes` bytes (a plain view, or 4-bit
 groups). Token t of a sequence lives at slot page_ids[t // page_tokens] *
 page_tokens + t % page_tokens of its home tier's pool, for every layer. Memory
-pools grow by doubling; the disk pool is one file per layer, a slot at
-slot * row_bytes.
+pools grow by doubling; the disk pool (`DiskKVPool`) is one file per layer, written a
+whole page at a time.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from engine.storage.device import Device
-from engine.storage.disk import DiskFile, DiskIO
+from engine.storage.disk import DiskIO
+from engine.storage.disk_kv import DiskKVPool
 from engine.storage.quant import KVRowCodec
 from policy import TIERS
 
@@ -33,17 +34,6 @@ class KVRows:
     (past KV packed in sequence order) or taken from (the batch's new-token rows)."""
 
 
-def runs(slots: list[int]) -> list[tuple[int, int]]:
-    """Coalesce slots into (first slot, count) runs of consecutive slots."""
-    out: list[tuple[int, int]] = []
-    for s in slots:
-        if out and out[-1][0] + out[-1][1] == s:
-            out[-1] = (out[-1][0], out[-1][1] + 1)
-        else:
-            out.append((s, 1))
-    return out
-
-
 class KVStore:
     def __init__(
         self,
@@ -57,7 +47,7 @@ class KVStore:
         self.device, self.disk = device, disk
         self.row_bytes = codec.row_bytes
         self._pools: dict[str, list[torch.Tensor]] = {"gpu": [], "cpu": []}  # (slots, row_bytes)
-        self._files: list[DiskFile] = []
+        self.disk_pool = DiskKVPool(num_layers, page_tokens, self.row_bytes, device, disk)
         self.num_pages = dict.fromkeys(TIERS, 0)
 
     @property
@@ -66,15 +56,16 @@ class KVStore:
         return self.page_tokens * self.row_bytes * self.num_layers
 
     def bytes_per_tier(self) -> dict[str, int]:
-        return {tier: n * self.page_bytes for tier, n in self.num_pages.items()}
+        """Pool bytes per tier; the disk tier's partly written pages count as cpu memory."""
+        out = {tier: n * self.page_bytes for tier, n in self.num_pages.items()}
+        out["cpu"] += self.disk_pool.staged_bytes
+        return out
 
     def reserve(self, tier: str, num_pages: int) -> None:
         """Make page ids [0, num_pages) addressable on `tier`."""
         if num_pages <= self.num_pages[tier]:
             return
         if tier == "disk":
-            if not self._files:
-                self._files = [self.disk.open(f"kv-{j:04d}.bin") for j in range(self.num_layers)]
             self.num_pages[tier] = num_pages
             return
         new_pages = max(num_pages, 2 * self.num_pages[tier], 4)
@@ -99,12 +90,7 @@ class KVStore:
         """Encoded rows at `kv_rows.slots`: on the compute device for gpu, on the host else."""
         n = len(kv_rows.slots)
         if tier == "disk":
-            out = self.device.host_empty((n, self.row_bytes), torch.uint8)
-            i = 0
-            for first, count in runs(kv_rows.slots):
-                self.disk.read(self._files[layer], first * self.row_bytes, out[i : i + count])
-                i += count
-            return out
+            return self.disk_pool.read(layer, kv_rows.slots)
         assert kv_rows.slot_index is not None
         pool = self._pools[tier][layer]
         if tier == "cpu" and self.device.is_cuda:  # gather straight into pinned memory
@@ -115,10 +101,7 @@ class KVStore:
     def write(self, tier: str, layer: int, kv_rows: KVRows, data: torch.Tensor) -> None:
         """Store encoded rows (on the compute device for gpu, on the host otherwise)."""
         if tier == "disk":
-            i = 0
-            for first, count in runs(kv_rows.slots):
-                self.disk.write(self._files[layer], first * self.row_bytes, data[i : i + count])
-                i += count
+            self.disk_pool.write(layer, kv_rows.slots, data)
             return
         assert kv_rows.slot_index is not None
         pool = self._pools[tier][layer]
