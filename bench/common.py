@@ -48,7 +48,6 @@ def run_policies(
                     offload_dir=offload,
                     device=args.device,
                     workload=workload,
-                    max_step_tokens=None,
                 ) as llm,
             ):
                 num_prompts = args.num_prompts or llm.policy.block_size

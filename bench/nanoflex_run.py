@@ -70,7 +70,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             gpu_mem=args.gpu_mem,
             cpu_mem=args.cpu_mem,
             workload=WorkloadSpec(args.prompt_len, args.gen_len),
-            max_step_tokens=None,
         ) as llm,
     ):
         setup_s = time.perf_counter() - setup

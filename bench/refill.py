@@ -81,12 +81,10 @@ def main(argv: list[str] | None = None) -> int:
         "num_prompts": args.num_prompts,
     }
     for name, static_blocks in (("static", True), ("refill", False)):
-        # max_step_tokens=None: a joining block prefills in one step, as FlexGen does
         with LLM(
             args.model,
             policy=policy,
             device=args.device,
-            max_step_tokens=None,
             static_blocks=static_blocks,
         ) as llm:
             items = workload(args.num_prompts, llm.executor.config.vocab_size, args.seed)

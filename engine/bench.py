@@ -41,7 +41,6 @@ def main(args: argparse.Namespace) -> int:
     engine_args = EngineArgs.from_cli_args(
         args,
         show_progress=True,
-        max_step_tokens=None,
         workload=WorkloadSpec(args.prompt_len, args.gen_len),
         trace=args.trace,
     )

@@ -40,6 +40,14 @@ def main(args: argparse.Namespace) -> int:
         f"{t} threads {bw / gb:.1f} GB/s" for t, bw in spec.cpu_attention_throughput
     )
     print(f"cpu attention  {attention}")
+    knee = spec.dense_knee_rows()
+    print(f"dense step     knee at {knee} rows (discrete batch sizes start there):")
+    best = max(n / s for n, s in spec.dense_step_table)
+    for rows, seconds in spec.dense_step_table:
+        mark = "  <- knee" if rows == knee else ""
+        print(
+            f"  {rows:6d} rows {seconds * 1e3:9.3f} ms  {rows / seconds / best:6.1%} of best{mark}"
+        )
     print(
         f"fixed   {spec.layer_overhead_s * 1e3:.3f} ms per layer per GPU batch; dequantize "
         f"{spec.dequant_throughput / 1e9:.2f} G elements/s"

@@ -35,6 +35,8 @@ UNFUSED_DEQUANT_PASSES = 16
 """Full-width memory passes of an unfused (unpack, scale, shift, reshape) dequantization."""
 CPU_ATTENTION_SATURATION_THREADS = 8
 """CPU attention stops scaling past ~8 intra-op threads (LM-Offload Fig. 5)."""
+KNEE_FRAC = 0.9
+"""A step size is efficient once its rows/s reach this share of the best measured."""
 
 
 class HardwareError(UserError, ValueError):
@@ -76,6 +78,9 @@ class HardwareSpec:
     """Measured decode attention on the CPU: (intra-op threads, KV bytes/s) pairs."""
     dequant_throughput: float = 0.0
     """Group-wise 4-bit dequantization on the compute device, elements/s."""
+    dense_step_table: tuple[tuple[int, float], ...] = ()
+    """Measured dense work of one step: (token rows, seconds) of a reference layer's matmuls
+    on the compute device; its knee sets the discrete batch sizes (NanoFlow 4.2)."""
     layer_overhead_s: float = 0.0
     """Fixed seconds per layer per GPU batch, whatever its size (kernel launches, the
     engine's per-layer bookkeeping); measured by running one-token steps through the engine."""
@@ -103,6 +108,13 @@ class HardwareSpec:
         if any(t < 1 or bw <= 0 for t, bw in table):
             raise HardwareError("cpu_attention_throughput needs threads >= 1 and bytes/s > 0")
         object.__setattr__(self, "cpu_attention_throughput", tuple(sorted(table)))
+        try:
+            dense = tuple((int(n), float(s)) for n, s in self.dense_step_table)
+        except (TypeError, ValueError) as e:
+            raise HardwareError("dense_step_table must be [rows, seconds] pairs") from e
+        if any(n < 1 or s <= 0 for n, s in dense):
+            raise HardwareError("dense_step_table needs rows >= 1 and seconds > 0")
+        object.__setattr__(self, "dense_step_table", tuple(sorted(dense)))
 
     # ---- derived constants -------------------------------------------------------------
 
@@ -148,11 +160,21 @@ class HardwareSpec:
         saturation = min(self.cpu_cores, CPU_ATTENTION_SATURATION_THREADS)
         return full * min(threads, saturation) / saturation
 
+    def dense_knee_rows(self, frac: float = KNEE_FRAC) -> int | None:
+        """The fewest token rows per step whose rows/s reach `frac` of the best measured in
+        `dense_step_table` (None when not measured): below it the device idles, above it
+        time grows with the rows."""
+        if not self.dense_step_table:
+            return None
+        best = max(n / s for n, s in self.dense_step_table)
+        return next(n for n, s in self.dense_step_table if n / s >= frac * best)
+
     # ---- JSON --------------------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["cpu_attention_throughput"] = [list(p) for p in self.cpu_attention_throughput]
+        data["dense_step_table"] = [list(p) for p in self.dense_step_table]
         return data
 
     def to_json(self) -> str:

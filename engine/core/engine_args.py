@@ -15,15 +15,17 @@ from pathlib import Path
 from typing import Any
 
 from engine.core.model_files import context_length, eos_token_ids
-from engine.core.planning import DEFAULT_WORKLOAD, resolve_policy
+from engine.core.planning import DEFAULT_WORKLOAD, cached_hardware, resolve_policy
 from engine.core.protocol import EngineInfo
-from engine.core.scheduler import Scheduler, SchedulerConfig
+from engine.core.scheduler import Scheduler, SchedulerConfig, discrete_sizes
 from engine.core.sequence import Detokenizer
 from policy import Policy, UserError
 from policy.specs import WorkloadSpec
 from policy.units import parse_bytes
 
 DTYPES = ("float16", "bfloat16", "float32")
+RESIDENT_STEP_TOKENS = 2048
+"""Default step budget when the weights stay on the compute device (chunked prefill)."""
 
 
 @dataclass(frozen=True)
@@ -47,8 +49,17 @@ class EngineArgs:
     dtype: str | None = None
     """'float16', 'bfloat16' or 'float32'; None: float32 on the CPU, the checkpoint's half
     type (or float16) on CUDA."""
-    max_step_tokens: int | None = 2048
-    """Most tokens in one step; None: a whole block's prompts prefill in one step (FlexGen)."""
+    max_step_tokens: int | None = None
+    """Most tokens in one step. None: RESIDENT_STEP_TOKENS when the weights stay on the
+    compute device (chunked prefill reloads nothing), else a whole block's planned prompts,
+    so that each offloaded layer is loaded once per block (FlexGen). Never below the block
+    size: a step always holds one decode per running sequence."""
+    discrete_batching: bool = True
+    """Run every step at one of the discrete batch sizes, filling with prefill and padding
+    the rest (NanoFlow 4.2); False runs exactly the scheduled tokens."""
+    batch_sizes: tuple[int, ...] | None = None
+    """The discrete sizes; None: from the knee of the cached hardware profile's dense step
+    table (`nanoflex profile`), or powers of two without one."""
     async_scheduling: bool = True
     """Plan step i+1 while step i runs (NanoFlow 5.3); False is the synchronous reference."""
     static_blocks: bool = False
@@ -69,6 +80,19 @@ class EngineArgs:
         if self.max_step_tokens is not None and self.max_step_tokens < 1:
             raise UserError(f"max_step_tokens must be >= 1, got {self.max_step_tokens}")
 
+    def step_tokens(self, policy: Policy) -> int:
+        """The most tokens one step runs under `policy` (see max_step_tokens)."""
+        if self.max_step_tokens is not None:
+            if self.max_step_tokens < policy.block_size:
+                raise UserError(
+                    f"--max-step-tokens {self.max_step_tokens} cannot hold one decode for each "
+                    f"of the block's {policy.block_size} sequences: raise it or omit it"
+                )
+            return self.max_step_tokens
+        if policy.weights_frac[0] >= 1.0:
+            return max(RESIDENT_STEP_TOKENS, policy.block_size)
+        return max(policy.block_size * int(self.workload.prompt_len), policy.block_size)
+
     # -- the command line ------------------------------------------------------------------
 
     @staticmethod
@@ -86,6 +110,19 @@ class EngineArgs:
         parser.add_argument("--cpu-mem", default=None, help="CPU memory budget, e.g. 64GiB")
         parser.add_argument("--disk-mem", default=None, help="disk budget, e.g. 500GiB")
         parser.add_argument("--dtype", default=None, choices=DTYPES, help="compute dtype")
+        parser.add_argument(
+            "--max-step-tokens",
+            type=int,
+            default=None,
+            help="most tokens per step (default: 2048 with resident weights, else a whole "
+            "block's prompts)",
+        )
+        parser.add_argument(
+            "--discrete-batching",
+            action=argparse.BooleanOptionalAction,
+            default=True,
+            help="run steps at the profiled discrete batch sizes (default: on)",
+        )
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace, **overrides: Any) -> EngineArgs:
@@ -103,6 +140,8 @@ class EngineArgs:
             cpu_mem=size(args.cpu_mem),
             disk_mem=size(args.disk_mem),
             dtype=args.dtype,
+            max_step_tokens=args.max_step_tokens,
+            discrete_batching=args.discrete_batching,
         )
         return cls(**{**fields, **overrides})
 
@@ -141,15 +180,23 @@ class EngineArgs:
     ) -> SchedulerConfig:
         """The scheduler's settings: the block shape and tier fractions of `policy`, the KV
         capacity the executor reports, stop ids and context length from the model directory."""
-        max_model_len = context_length(model_dir)
+        step_tokens = self.step_tokens(policy)
+        if self.batch_sizes is not None:
+            sizes = tuple(s for s in self.batch_sizes if s <= step_tokens)
+        else:
+            hardware = cached_hardware()
+            knee = None if hardware is None else hardware.dense_knee_rows()
+            sizes = discrete_sizes(step_tokens, knee, policy.block_size)
         return SchedulerConfig.from_policy(
             policy,
             page_tokens=info.page_tokens,
             kv_capacity_pages={**info.kv_capacity_pages, **(self.kv_capacity_pages or {})},
             static_blocks=self.static_blocks,
             eos_token_ids=eos_token_ids(model_dir),
-            max_model_len=max_model_len,
-            max_step_tokens=self.max_step_tokens or policy.block_size * max_model_len,
+            max_model_len=context_length(model_dir),
+            max_step_tokens=step_tokens,
+            batch_sizes=sizes,
+            discrete_batching=self.discrete_batching,
         )
 
     def create_scheduler(

@@ -19,6 +19,12 @@ DEFAULT_WORKLOAD = WorkloadSpec(prompt_len=512, gen_len=32)
 """What an automatic policy is planned for when no workload is given."""
 
 
+def cached_hardware() -> HardwareSpec | None:
+    """The cached hardware profile, or None when `nanoflex profile` has not run."""
+    path = default_cache_path()
+    return HardwareSpec.load(path) if path.is_file() else None
+
+
 def hardware_profile(device: str = "auto") -> HardwareSpec:
     """The cached profile; without one, a quick profile is measured now (in a child process,
     since measuring imports torch) and cached."""
@@ -68,11 +74,11 @@ def predict(
     cpu_mem: int | None = None,
 ) -> dict[str, Any] | None:
     """The cost model's prediction for `policy`, or None when no profile is cached."""
-    if not default_cache_path().is_file():
+    hardware = cached_hardware()
+    if hardware is None:
         return None
     from policy.cost_model import estimate, hardware_budgets
 
-    hardware = HardwareSpec.load(default_cache_path())
     result = estimate(
         policy,
         ModelSpec.from_name_or_path(str(model_dir)),

@@ -56,7 +56,8 @@ class StepPlan:
     """Sequences finished, aborted or preempted since the last plan: drop their engine state.
     Apply before running the chunks: their pages may already be reused in this plan."""
     dense_size: int = 0
-    """Discrete dense batch size chosen for this step (>= num_tokens; the engine may pad to it)."""
+    """Token rows this step runs (NanoFlow's discrete batch size): num_tokens plus padding
+    rows that go through the dense ops only; 0 means num_tokens."""
 
     @property
     def num_tokens(self) -> int:

@@ -60,7 +60,11 @@ class SchedulerConfig:
     max_step_tokens: int = 2048
     """Most tokens (decodes plus prefill chunks) in one step."""
     batch_sizes: tuple[int, ...] = ()
-    """Efficient dense batch sizes, ascending; empty: powers of two and max_step_tokens."""
+    """The discrete dense batch sizes a step runs (NanoFlow 4.2), ascending; empty:
+    `discrete_sizes(max_step_tokens, None, block_size)`."""
+    discrete_batching: bool = True
+    """Fill each step to one of batch_sizes and pad the rest (fixed shapes: CUDA graphs,
+    tuned kernels); False runs exactly the scheduled tokens, budgeted by max_step_tokens."""
     eos_token_ids: tuple[int, ...] = ()
     max_model_len: int = 2048
     """Context window: prompt plus generated tokens."""
@@ -76,7 +80,7 @@ class SchedulerConfig:
                 raise SchedulerConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_model_len < 1:
             raise SchedulerConfigError(f"max_model_len must be >= 1, got {self.max_model_len}")
-        sizes = self.batch_sizes or _powers_of_two(self.max_step_tokens)
+        sizes = self.batch_sizes or discrete_sizes(self.max_step_tokens, None, self.block_size)
         sizes = tuple(sorted(set(sizes)))
         if sizes[0] < 1 or sizes[-1] > self.max_step_tokens:
             raise SchedulerConfigError(f"batch_sizes must lie in [1, max_step_tokens], got {sizes}")
@@ -103,8 +107,21 @@ class SchedulerConfig:
         return cls(**shape, **fracs, **kwargs)  # type: ignore[arg-type]
 
 
-def _powers_of_two(limit: int) -> tuple[int, ...]:
-    return (*(1 << i for i in range(limit.bit_length()) if 1 << i < limit), limit)
+MAX_KNEE_MULTIPLES = 16
+"""Sizes at multiples of the knee go up to this many knees; powers of two beyond."""
+
+
+def discrete_sizes(max_rows: int, knee: int | None, block_size: int) -> tuple[int, ...]:
+    """The dense batch sizes a step may run (NanoFlow 4.2): powers of two below the knee
+    (the device is under-used there, so padding up is nearly free), multiples of the knee
+    above it (time grows with rows, so sizes are close and padding small), the block size
+    (a full block's decodes run unpadded) and max_rows. knee None: powers of two."""
+    sizes = {1 << i for i in range(max_rows.bit_length()) if 1 << i <= max_rows}
+    if knee is not None and knee >= 1:
+        sizes = {s for s in sizes if s < knee or s > MAX_KNEE_MULTIPLES * knee}
+        sizes |= {knee * m for m in range(1, MAX_KNEE_MULTIPLES + 1) if knee * m <= max_rows}
+    sizes |= {min(block_size, max_rows), max_rows}
+    return tuple(sorted(sizes))
 
 
 class Scheduler:
@@ -190,7 +207,8 @@ class Scheduler:
         num_joining = len(self._free_slots) if can_admit else 0
         queued = itertools.islice(itertools.chain(*self._queues()), num_joining)
         demand += sum(s.num_tokens for s in queued)
-        budget = self._pick_size(demand) - num_decodes  # prefill tokens allowed this step
+        step_tokens = self._pick_size(demand) if self.config.discrete_batching else None
+        budget = (step_tokens or self.config.max_step_tokens) - num_decodes  # prefill tokens
 
         planned: list[tuple[int, SeqChunk]] = []
         preempted = False
@@ -208,7 +226,7 @@ class Scheduler:
             budget -= num_new if to_run > 1 else 0
             planned.append((seq.slot, self._chunk(seq, num_new, page_ids)))
         if not planned:  # the budget reserved for preempted decodes is free again
-            budget = self.config.batch_sizes[-1]
+            budget = self.config.max_step_tokens
         can_admit = can_admit or not self.running  # preemption may have emptied the block
         while can_admit and (not preempted or not planned) and budget > 0 and self._free_slots:
             admitted = self._admit(budget)
@@ -221,7 +239,8 @@ class Scheduler:
             return None
         chunks = [chunk for _, chunk in sorted(planned, key=lambda p: p[0])]
         plan = StepPlan(self._next_step_id, chunks, self._freed_seq_ids)
-        plan.dense_size = self._pick_size(plan.num_tokens)
+        discrete = self.config.discrete_batching
+        plan.dense_size = self._pick_size(plan.num_tokens) if discrete else plan.num_tokens
         self._next_step_id += 1
         self._freed_seq_ids = []
         return plan

@@ -214,8 +214,12 @@ class Executor:
         for chunk in plan.chunks:
             self._admit(chunk)
             by_batch.setdefault(chunk.gpu_batch, []).append(chunk)
+        padding = max(0, plan.dense_size - plan.num_tokens)  # to the step's discrete size
+        last = max(by_batch)
         batches = [
-            self._builder.build(k, [(c, self._seqs[c.seq_id]) for c in chunks])
+            self._builder.build(
+                k, [(c, self._seqs[c.seq_id]) for c in chunks], padding if k == last else 0
+            )
             for k, chunks in sorted(by_batch.items())
         ]
         logits = self.pipeline.run(batches)

@@ -51,6 +51,8 @@ class GpuBatch:
     """Per tier: the slots for the new tokens' KV and their rows in the batch."""
     act_rows: dict[str, torch.Tensor] = field(default_factory=dict)
     """tier -> (rows,) indices of rows homed there; empty when every row stays on the gpu tier."""
+    num_padding: int = 0
+    """Rows after the chunks' rows that only pad the dense ops to the step's discrete size."""
 
     @property
     def num_tokens(self) -> int:
@@ -100,10 +102,13 @@ class BatchBuilder:
         self.cpu_attention, self.sliding_window = cpu_attention, sliding_window
         self.pool_device = pool_device
 
-    def build(self, index: int, chunks: list[tuple[SeqChunk, SeqState]]) -> GpuBatch:
+    def build(
+        self, index: int, chunks: list[tuple[SeqChunk, SeqState]], num_padding: int = 0
+    ) -> GpuBatch:
         """Flatten the chunks of one GPU batch into token rows and precompute, once for every
         layer of the step, where each row's KV and activations live and where its attention
-        runs."""
+        runs. `num_padding` rows follow the chunks' rows (discrete batching): they go through
+        the dense ops only (no attention, no KV, no logits) and stay on the compute device."""
         token_ids: list[int] = []
         positions: list[int] = []
         logit_rows: list[int] = []
@@ -133,18 +138,24 @@ class BatchBuilder:
             else:
                 logit_counts.append(0)
             row += q_len
+        if num_padding:
+            token_ids.extend([0] * num_padding)
+            positions.extend([0] * num_padding)
+            act_rows.setdefault("gpu", []).extend(range(row, row + num_padding))
+        num_rows = row + num_padding
         return GpuBatch(
             index=index,
             token_ids=self._index(token_ids),
             positions=self._index(positions),
             logit_rows=self._index(logit_rows),
             logit_counts=logit_counts,
-            device_group=self._group(members[False], row, self.device),
-            cpu_group=self._group(members[True], row, torch.device("cpu")),
+            device_group=self._group(members[False], num_rows, self.device),
+            cpu_group=self._group(members[True], num_rows, torch.device("cpu")),
             new_kv={tier: self._kv_rows(tier, *slots_rows) for tier, slots_rows in new_kv.items()},
             act_rows={}
             if set(act_rows) == {"gpu"}
             else {tier: self._index(rows) for tier, rows in act_rows.items()},
+            num_padding=num_padding,
         )
 
     def _group(

@@ -262,18 +262,18 @@ class BlockPipeline:
         v: torch.Tensor,
     ) -> torch.Tensor:
         dev, cpu = batch.device_group, batch.cpu_group
-        if cpu is None:
-            assert dev is not None
+        if cpu is None and dev is not None and dev.rows is None:  # every row, one device
             return ragged_attention(q, k, v, *self._split_kv(past.device), dev.layout)
-        o = torch.empty_like(q)
+        o = torch.zeros_like(q)  # padding rows attend to nothing
         if dev is not None:
             assert dev.rows is not None
             o[dev.rows] = ragged_attention(
                 q[dev.rows], k[dev.rows], v[dev.rows], *self._split_kv(past.device), dev.layout
             )
-        rows = cpu.rows if cpu.rows is not None else slice(None)
-        with self.tracer.span("cpu_attention", "cpu_attention", j, batch.index):
-            o[rows] = self._cpu_attention(cpu, past.cpu, q[rows], k[rows], v[rows])
+        if cpu is not None:
+            rows = cpu.rows if cpu.rows is not None else slice(None)
+            with self.tracer.span("cpu_attention", "cpu_attention", j, batch.index):
+                o[rows] = self._cpu_attention(cpu, past.cpu, q[rows], k[rows], v[rows])
         return o
 
     def _cpu_attention(
@@ -350,7 +350,8 @@ class BlockPipeline:
                 new_kv.record_stream(stream)
             encoded = self.kv.codec.encode(new_kv)  # (T, row_bytes) on the compute device
             for tier, kv_rows in batch.new_kv.items():
-                rows = encoded if len(batch.new_kv) == 1 else encoded.index_select(0, kv_rows.rows)
+                covers_all = len(kv_rows.slots) == encoded.shape[0]  # one tier, no padding
+                rows = encoded if covers_all else encoded.index_select(0, kv_rows.rows)
                 if tier != "gpu":
                     host = self.device.host_empty(tuple(rows.shape), torch.uint8)
                     host.copy_(rows, non_blocking=stream is not None)

@@ -8,6 +8,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -91,6 +92,33 @@ def _cpu_attention(threads: int, kv_tokens: int) -> float:
         torch.set_num_threads(previous)
 
 
+def _dense_step_table(
+    device: Device, dtype: torch.dtype, hidden: int, max_rows: int
+) -> tuple[tuple[int, float], ...]:
+    """(token rows, seconds) of one reference layer's dense matmuls (QKV, output, MLP up and
+    down) for power-of-two row counts: where rows/s stops growing is the knee the discrete
+    batch sizes start from (NanoFlow 4.2)."""
+    where = device.device
+    weights = [
+        torch.randn(hidden, 3 * hidden, dtype=dtype, device=where),
+        torch.randn(hidden, hidden, dtype=dtype, device=where),
+        torch.randn(hidden, 4 * hidden, dtype=dtype, device=where),
+        torch.randn(4 * hidden, hidden, dtype=dtype, device=where),
+    ]
+    x = torch.randn(max_rows, 4 * hidden, dtype=dtype, device=where)
+    table = []
+    rows = 1
+    while rows <= max_rows:
+        inputs = [x[:rows, : w.shape[0]] for w in weights]
+        table.append((rows, _best_seconds(partial(_matmuls, inputs, weights), device)))
+        rows *= 2
+    return tuple(table)
+
+
+def _matmuls(inputs: list[torch.Tensor], weights: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [a @ w for a, w in zip(inputs, weights, strict=True)]
+
+
 def _layer_overhead(device_name: str) -> float:
     """Seconds per decoder layer of a one-token step of the demo model through the engine:
     almost all fixed cost (its matmuls at batch 1 are a few percent of it)."""
@@ -140,6 +168,10 @@ def profile_hardware(
     cores = os.cpu_count() or 1
     thread_counts = sorted({1, max(1, cores // 2), cores})
     attention = tuple((t, _cpu_attention(t, 256 * scale)) for t in thread_counts)
+    hidden = (4096 if device.is_cuda else 1024) // (1 if scale > 1 else 2)
+    dense = _dense_step_table(
+        device, dtype, hidden, max_rows=4 * hidden if device.is_cuda else 1024
+    )
     weight = torch.randn(1024 * scale, 1024, dtype=dtype, device=device.device)
     packed = quantize(weight, 64, dim=0)
     dequant = weight.numel() / _best_seconds(lambda: dequantize(packed), device)
@@ -168,6 +200,7 @@ def profile_hardware(
         cpu_mem_bw=cpu_mem_bw,
         cpu_attention_throughput=attention,
         dequant_throughput=dequant,
+        dense_step_table=dense,
         layer_overhead_s=_layer_overhead(device_name),
         compute_device="cuda" if device.is_cuda else "cpu",
         notes=f"{name}; torch {torch.__version__}; measured {time.strftime('%Y-%m-%d %H:%M')}"

@@ -63,11 +63,25 @@ class Model(ABC):
     def embed(self, w: Weights, token_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """(T,) token ids at (T,) positions -> (T, hidden) states."""
 
-    @abstractmethod
     def decoder(
         self, w: Weights, h: torch.Tensor, positions: torch.Tensor, attend: AttendFn
     ) -> torch.Tensor:
         """One decoder layer over (T, hidden) states of a batch's new tokens."""
+        q, k, v = self.attention_inputs(w, h, positions)
+        return self.attention_output(w, h, attend(q, k, v))
+
+    @abstractmethod
+    def attention_inputs(
+        self, w: Weights, h: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The dense ops before attention (norm, QKV projection, rotary): (T, hidden) states
+        -> q (T, num_heads, head_dim), k and v (T, num_kv_heads, head_dim)."""
+
+    @abstractmethod
+    def attention_output(self, w: Weights, h: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """The dense ops after attention (output projection, residuals, norms, MLP): the
+        layer's input states h (T, hidden) and attention output o (T, num_heads, head_dim)
+        -> the layer's output states (T, hidden)."""
 
     @abstractmethod
     def head(self, w: Weights, h: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,7 @@ import re
 
 import torch
 
-from engine.models.base import AttendFn, Model, Weights, linear
+from engine.models.base import Model, Weights, linear
 from engine.models.config import ModelConfig
 
 _LAYER = re.compile(r"^(?:model\.)?layers\.(\d+)\.(.+)$")
@@ -88,18 +88,17 @@ class LlamaModel(Model):
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # (T, 1, head_dim)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
-    def decoder(
-        self, w: Weights, h: torch.Tensor, positions: torch.Tensor, attend: AttendFn
-    ) -> torch.Tensor:
-        c = self.config
-        x = rms_norm(h, w["ln1.weight"], c.norm_eps)
+    def attention_inputs(
+        self, w: Weights, h: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        x = rms_norm(h, w["ln1.weight"], self.config.norm_eps)
         q, k, v = self.split_qkv(linear(x, w, "q"), linear(x, w, "k"), linear(x, w, "v"))
         cos, sin = self._cos_sin(positions, q.dtype)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
-        o = attend(q, k, v)  # (T, num_heads, head_dim)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
+
+    def attention_output(self, w: Weights, h: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
         h = h + linear(o.reshape(o.shape[0], -1), w, "o")
-        x = rms_norm(h, w["ln2.weight"], c.norm_eps)
+        x = rms_norm(h, w["ln2.weight"], self.config.norm_eps)
         mlp = torch.nn.functional.silu(linear(x, w, "gate")) * linear(x, w, "up")
         return h + linear(mlp, w, "down")
 

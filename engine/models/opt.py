@@ -6,7 +6,7 @@ import re
 
 import torch
 
-from engine.models.base import AttendFn, Model, Weights, linear
+from engine.models.base import Model, Weights, linear
 
 _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 _LOCAL = {
@@ -51,13 +51,14 @@ class OPTModel(Model):
             x, (x.shape[-1],), w[f"{name}.weight"], w.get(f"{name}.bias"), self.config.norm_eps
         )
 
-    def decoder(
-        self, w: Weights, h: torch.Tensor, positions: torch.Tensor, attend: AttendFn
-    ) -> torch.Tensor:
+    def attention_inputs(
+        self, w: Weights, h: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        x = self._norm(h, w, "ln1") if self.config.do_layer_norm_before else h
+        return self.split_qkv(linear(x, w, "q"), linear(x, w, "k"), linear(x, w, "v"))
+
+    def attention_output(self, w: Weights, h: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
         pre = self.config.do_layer_norm_before
-        x = self._norm(h, w, "ln1") if pre else h
-        q, k, v = self.split_qkv(linear(x, w, "q"), linear(x, w, "k"), linear(x, w, "v"))
-        o = attend(q, k, v)
         h = h + linear(o.reshape(o.shape[0], -1), w, "o")
         if not pre:
             h = self._norm(h, w, "ln1")

@@ -12,7 +12,9 @@ import httpx
 
 from engine.core.sampling_params import SamplingParams
 from policy import Policy
-from tests.server.live import MODEL, LiveServer, Reference
+from policy.search import GPU_BATCH_SIZES, NUM_GPU_BATCHES
+from server.core_client import build_engine_client
+from tests.server.live import MODEL, LiveServer, Reference, ServerFactory, engine_args
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPT = "The quick brown fox"
@@ -32,6 +34,18 @@ def test_completion_greedy_equals_offline_engine(live: LiveServer, reference: Re
     assert result.usage.total_tokens == result.usage.prompt_tokens + len(expected.token_ids)
     assert result.object == "text_completion" and result.id.startswith("cmpl-")
     assert result.model == MODEL
+
+
+def test_daemon_runs_the_largest_block_the_search_can_return(
+    make_server: ServerFactory, reference: Reference
+) -> None:
+    """policy.search may return 1024 x 32; the daemon starts with it and answers."""
+    largest = Policy(gpu_batch_size=GPU_BATCH_SIZES[-1], num_gpu_batches=NUM_GPU_BATCHES[-1])
+    live = make_server(build_engine_client(engine_args(policy=largest)))
+    result = live.openai().completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0
+    )
+    assert result.choices[0].text == reference.greedy(PROMPT, 5).text
 
 
 def test_completion_prompt_forms_n_and_echo(live: LiveServer, reference: Reference) -> None:
