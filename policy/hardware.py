@@ -101,20 +101,11 @@ class HardwareSpec:
             raise HardwareError(
                 f"compute_device must be 'cuda' or 'cpu', not {self.compute_device!r}"
             )
-        try:
-            table = tuple((int(t), float(bw)) for t, bw in self.cpu_attention_throughput)
-        except (TypeError, ValueError) as e:
-            raise HardwareError("cpu_attention_throughput must be [threads, bytes/s] pairs") from e
-        if any(t < 1 or bw <= 0 for t, bw in table):
-            raise HardwareError("cpu_attention_throughput needs threads >= 1 and bytes/s > 0")
-        object.__setattr__(self, "cpu_attention_throughput", tuple(sorted(table)))
-        try:
-            dense = tuple((int(n), float(s)) for n, s in self.dense_step_table)
-        except (TypeError, ValueError) as e:
-            raise HardwareError("dense_step_table must be [rows, seconds] pairs") from e
-        if any(n < 1 or s <= 0 for n, s in dense):
-            raise HardwareError("dense_step_table needs rows >= 1 and seconds > 0")
-        object.__setattr__(self, "dense_step_table", tuple(sorted(dense)))
+        for name, key, value in (
+            ("cpu_attention_throughput", "threads", "bytes/s"),
+            ("dense_step_table", "rows", "seconds"),
+        ):
+            object.__setattr__(self, name, _pairs(name, getattr(self, name), key, value))
 
     # ---- derived constants -------------------------------------------------------------
 
@@ -211,6 +202,17 @@ class HardwareSpec:
     @classmethod
     def load(cls, path: str | Path) -> HardwareSpec:
         return cls.from_json(read_text(path, "hardware profile", HardwareError))
+
+
+def _pairs(name: str, raw: Any, key: str, value: str) -> tuple[tuple[int, float], ...]:
+    """A table of (int key >= 1, float value > 0) pairs, sorted by key."""
+    try:
+        table = tuple((int(k), float(v)) for k, v in raw)
+    except (TypeError, ValueError) as e:
+        raise HardwareError(f"{name} must be [{key}, {value}] pairs") from e
+    if any(k < 1 or v <= 0 for k, v in table):
+        raise HardwareError(f"{name} needs {key} >= 1 and {value} > 0")
+    return tuple(sorted(table))
 
 
 def default_cache_path() -> Path:
