@@ -57,6 +57,9 @@ class EngineArgs:
     discrete_batching: bool = True
     """Run every step at one of the discrete batch sizes, filling with prefill and padding
     the rest (NanoFlow 4.2); False runs exactly the scheduled tokens."""
+    cuda_graphs: bool = True
+    """Replay decode steps' dense ops as CUDA graphs at the discrete sizes where sound (resident
+    weights, one GPU batch); False runs every op eagerly (vLLM's enforce_eager)."""
     batch_sizes: tuple[int, ...] | None = None
     """The discrete sizes; None: from the knee of the cached hardware profile's dense step
     table (`nanoflex profile`), or powers of two without one."""
@@ -123,6 +126,12 @@ class EngineArgs:
             default=True,
             help="run steps at the profiled discrete batch sizes (default: on)",
         )
+        parser.add_argument(
+            "--cuda-graphs",
+            action=argparse.BooleanOptionalAction,
+            default=True,
+            help="replay decode steps as CUDA graphs where sound (default: on)",
+        )
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace, **overrides: Any) -> EngineArgs:
@@ -142,6 +151,7 @@ class EngineArgs:
             dtype=args.dtype,
             max_step_tokens=args.max_step_tokens,
             discrete_batching=args.discrete_batching,
+            cuda_graphs=args.cuda_graphs,
         )
         return cls(**{**fields, **overrides})
 
@@ -173,6 +183,7 @@ class EngineArgs:
             "dtype": self.dtype,
             "show_progress": self.show_progress,
             "trace": self.trace,
+            "cuda_graphs": self.cuda_graphs,
         }
 
     def scheduler_config(

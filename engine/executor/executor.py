@@ -22,6 +22,7 @@ from engine.core.protocol import (
     TokenLogprobs,
 )
 from engine.core.sampling_params import SamplingParams
+from engine.executor.cuda_graphs import GraphRunner
 from engine.executor.gpu_batch import BatchBuilder, SeqState
 from engine.executor.pipeline import BlockPipeline
 from engine.executor.sampler import Sampler, top_logprobs
@@ -57,6 +58,8 @@ class Executor:
     offload_dir: the disk tier's directory; None: a temporary one, removed by `close()`.
     trace: write a Chrome trace of every step's loads, stores and compute to this path at
         `close()` (engine/executor/trace.py); None: no tracing.
+    cuda_graphs: replay decode steps' dense ops as CUDA graphs where that is sound
+        (engine/executor/cuda_graphs.py); False runs every op eagerly.
     """
 
     def __init__(
@@ -72,6 +75,7 @@ class Executor:
         dtype: torch.dtype | None = None,
         show_progress: bool = False,
         trace: str | Path | None = None,
+        cuda_graphs: bool = True,
     ) -> None:
         if policy.num_nano_batches != 1:
             raise UserError(
@@ -119,6 +123,7 @@ class Executor:
             overlap=policy.overlap,
             dtype=self.dtype,
             tracer=self.tracer,
+            graphs=self._graph_runner() if cuda_graphs else None,
         )
         self.sampler = Sampler()
         self._closed = False
@@ -163,6 +168,18 @@ class Executor:
                     f"weights placed on {tier} take {placed[tier] / 2**30:.2f} GiB, over the "
                     f"{budget / 2**30:.2f} GiB budget; lower weights_frac[{TIERS.index(tier)}]"
                 )
+
+    def _graph_runner(self) -> GraphRunner | None:
+        """CUDA graphs where they are sound: on CUDA, with every layer's weights resident and
+        uncompressed, one GPU batch, activations on the device."""
+        p = self.policy
+        resident = all(tier == "gpu" for tier in self.weights.tiers) and not p.compress_weights
+        if not (self.device.is_cuda and resident and p.num_gpu_batches == 1):
+            return None
+        if p.act_frac[0] < 1.0:
+            return None
+        weights = [layer.values for layer in self.weights.layers]
+        return GraphRunner(self.model, weights, self.device.device, self.dtype)  # type: ignore[arg-type]
 
     # -- what the scheduler needs ------------------------------------------------------
 

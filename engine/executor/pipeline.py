@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.executor.attention import ragged_attention
+from engine.executor.cuda_graphs import GraphRunner, StepGraphs
 from engine.executor.gpu_batch import AttentionGroup, GpuBatch
 from engine.executor.trace import NoTracer, Tracer
 from engine.models.base import Model, Weights
@@ -66,10 +67,14 @@ class BlockPipeline:
         num_load_threads: int = 2,
         num_store_threads: int = 1,
         tracer: Tracer | NoTracer | None = None,
+        graphs: GraphRunner | None = None,
     ) -> None:
         self.model, self.weights, self.kv, self.device, self.disk = model, weights, kv, device, disk
         self.overlap, self.dtype = overlap, dtype
         self.tracer = tracer or NoTracer()
+        self.graphs = graphs
+        """Piecewise CUDA graphs of the dense ops, used for the steps where they apply."""
+        self._replaying: StepGraphs | None = None
         c = model.config
         self._kv_dim = c.kv_dim
         self._kv_shape = (c.num_kv_heads, c.head_dim)
@@ -88,6 +93,9 @@ class BlockPipeline:
 
     def run(self, batches: list[GpuBatch]) -> list[torch.Tensor]:
         """One step: returns (S_k, vocab) float32 logits for each GPU batch's logit rows."""
+        self._replaying = None
+        if self.graphs is not None and GraphRunner.applies(batches):
+            self._replaying = self.graphs.begin(batches[0])
         if self.overlap:
             return self._run_overlapped(batches)
         return self._run_sequential(batches)
@@ -237,20 +245,25 @@ class BlockPipeline:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Layer j over one batch: (output states or logits, the new (T, 2 * kv_dim) KV rows)."""
         with self.tracer.span("compute", "compute", j, batch.index):
-            kind = self.model.layer_kind(j)
+            kind, graphs = self.model.layer_kind(j), self._replaying
             if kind == "embed":
+                if graphs is not None:
+                    graphs.embed.replay()
+                    return graphs.h, None
                 return self.model.embed(w, batch.token_ids, batch.positions), None
             assert h is not None
             if kind == "head":
                 return self.model.head(w, h.index_select(0, batch.logit_rows)), None
-            new_kv: list[torch.Tensor] = []
-
-            def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-                new_kv.append(torch.cat([k.flatten(1), v.flatten(1)], dim=1))  # (T, 2 * kv_dim)
-                return self._attend(j, batch, past, q, k, v)
-
-            out = self.model.decoder(w, h, batch.positions, attend)
-            return out, new_kv[0]
+            if graphs is not None:  # dense ops replayed, attention eager in between
+                graphs.before[j - 1].replay()
+                new_kv = torch.cat([graphs.k.flatten(1), graphs.v.flatten(1)], dim=1)
+                graphs.o.copy_(self._attend(j, batch, past, graphs.q, graphs.k, graphs.v))
+                graphs.after[j - 1].replay()
+                return graphs.h, new_kv
+            q, k, v = self.model.attention_inputs(w, h, batch.positions)
+            new_kv = torch.cat([k.flatten(1), v.flatten(1)], dim=1)  # (T, 2 * kv_dim)
+            o = self._attend(j, batch, past, q, k, v)
+            return self.model.attention_output(w, h, o), new_kv
 
     def _attend(
         self,

@@ -10,17 +10,12 @@ from __future__ import annotations
 
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 
 import torch
 
 from engine.models.config import ModelConfig
 
 Weights = dict[str, torch.Tensor]
-# attend(q, k, v) -> o with q: (T, num_heads, head_dim), k and v: (T, num_kv_heads, head_dim)
-# for the T new tokens of a batch; returns o: (T, num_heads, head_dim). The callback owns
-# the past KV (it reads it and stores k, v) so the math below never sees a tier.
-AttendFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class Model(ABC):
@@ -62,13 +57,6 @@ class Model(ABC):
     @abstractmethod
     def embed(self, w: Weights, token_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """(T,) token ids at (T,) positions -> (T, hidden) states."""
-
-    def decoder(
-        self, w: Weights, h: torch.Tensor, positions: torch.Tensor, attend: AttendFn
-    ) -> torch.Tensor:
-        """One decoder layer over (T, hidden) states of a batch's new tokens."""
-        q, k, v = self.attention_inputs(w, h, positions)
-        return self.attention_output(w, h, attend(q, k, v))
 
     @abstractmethod
     def attention_inputs(

@@ -64,3 +64,27 @@ def test_cuda_matches_transformers(tiny_model, tmp_path, kind, placement, overla
 def test_gpu_mem_budget_is_enforced(tiny_model):
     with pytest.raises(Exception, match="budget"):
         LLM(str(tiny_model("llama")), policy=Policy(), device="cuda", gpu_mem=1024)
+
+
+@pytest.mark.parametrize("kind", ["llama", "opt"])
+def test_cuda_graphs_replay_decode_steps_with_identical_tokens(tiny_model, kind):
+    """Discrete sizes + piecewise CUDA graphs (resident weights, one GPU batch): the decode
+    steps go through the graphs and the tokens equal the eager path's."""
+    vocab = int(TINY_CONFIGS[kind]["vocab_size"])  # type: ignore[call-overload]
+    prompts = random_prompts(10, vocab, 2, 40, seed=5)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    outputs = {}
+    for graphs in (False, True):
+        with LLM(
+            str(tiny_model(kind)),
+            policy=Policy(gpu_batch_size=4),
+            device="cuda",
+            dtype="float32",
+            cuda_graphs=graphs,
+        ) as llm:
+            outputs[graphs] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+            runner = llm.executor.pipeline.graphs
+            assert (runner is not None) == graphs
+            if runner is not None:
+                assert runner.num_replays >= MAX_TOKENS - 1
+    assert outputs[True] == outputs[False]
