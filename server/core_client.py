@@ -66,6 +66,7 @@ class CoreEngineClient(EngineClient):
         self._ready = threading.Event()
         self._stopping = threading.Event()
         self._core: EngineCore | None = None
+        self._preemptions_before = 0
         self._counter = _StepCounter(self._executor)
         self._reported_busy = False
 
@@ -90,6 +91,8 @@ class CoreEngineClient(EngineClient):
         return self._ready.is_set() and self._executor.is_alive
 
     def _new_core(self) -> EngineCore:
+        if self._core is not None:  # a restart: keep counting across schedulers
+            self._preemptions_before += self._core.scheduler.num_preemptions
         scheduler = self.engine_args.create_scheduler(
             self.policy, self.model_dir, self._executor.describe(), self._tokenizer
         )
@@ -239,6 +242,7 @@ class CoreEngineClient(EngineClient):
                 num_waiting=scheduler.num_waiting,
                 num_running=len(scheduler.running),
                 bytes_per_tier=self._executor.describe().placement.bytes_per_tier(),
+                num_preemptions=self._preemptions_before + scheduler.num_preemptions,
             )
         )
 

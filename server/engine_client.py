@@ -71,6 +71,8 @@ class StepStats:
     num_running: int
     bytes_per_tier: dict[str, int] = field(default_factory=dict)
     """Bytes resident per tier ('gpu', 'cpu', 'disk'): weights + KV + activations."""
+    num_preemptions: int = 0
+    """Sequences preempted since the engine started (KV dropped, recomputed later)."""
 
 
 StepListener = Callable[[StepStats], None]

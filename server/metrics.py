@@ -57,6 +57,13 @@ class Metrics:
         self.batch_size = Histogram(
             "nanoflex_batch_size", "Sequences per engine step.", buckets=BATCH_BUCKETS, registry=r
         )
+        self.preemptions = Counter(
+            "nanoflex_preemptions",
+            "Sequences preempted: their KV dropped when the admission estimate proved wrong, "
+            "recomputed later.",
+            registry=r,
+        )
+        self._preemptions_seen = 0
         self.tier_bytes = Gauge(
             "nanoflex_tier_bytes", "Bytes resident per memory tier.", ["tier"], registry=r
         )
@@ -78,6 +85,9 @@ class Metrics:
         if stats.batch_size > 0:  # 0: no step ran, only the queues changed (aborts, restart)
             self.step_seconds.observe(stats.step_seconds)
             self.batch_size.observe(stats.batch_size)
+        if stats.num_preemptions > self._preemptions_seen:
+            self.preemptions.inc(stats.num_preemptions - self._preemptions_seen)
+            self._preemptions_seen = stats.num_preemptions
         self.requests_waiting.set(stats.num_waiting)
         self.requests_running.set(stats.num_running)
         for tier, num_bytes in stats.bytes_per_tier.items():

@@ -69,7 +69,13 @@ class SchedulerConfig:
     max_model_len: int = 2048
     """Context window: prompt plus generated tokens."""
     expected_gen_tokens: int | None = None
-    """Generated length assumed by KV admission; None assumes max_tokens (never preempts)."""
+    """Generated length KV admission assumes per request (capped by its max_tokens): a fixed
+    number, or None for NanoFlow's estimate (4.4), the running mean output length of the
+    finished requests (max_tokens until one has finished). A wrong estimate is caught by
+    preemption, never by running out of pages."""
+    conservative_admission: bool = False
+    """Assume every request runs to max_tokens: nothing is ever preempted, but fewer
+    sequences run at once when most stop early."""
     static_blocks: bool = False
     """FlexGen-style baseline: admit only into an empty block, so a block runs to completion
     before the next starts (no refill). False: continuous refill after every step."""
@@ -144,6 +150,10 @@ class Scheduler:
         self._seqs: dict[int, Sequence] = {}
         self._free_slots = list(range(config.block_size))
         self._freed_seq_ids: list[int] = []
+        self.num_preemptions = 0
+        """Sequences preempted so far (their KV dropped, to be recomputed)."""
+        self._finished_gen_tokens = 0  # over requests that ended on their own (stop, length)
+        self._num_finished = 0
         self._next_seq_id = 0
         self._next_step_id = 0
         caps = [
@@ -285,6 +295,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         """Free seq's KV and queue it at the front of its queue, to be recomputed later."""
+        self.num_preemptions += 1
         self._release(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0
@@ -330,10 +341,13 @@ class Scheduler:
         return self.page_manager.projected_peak_pages(lengths) <= capacity
 
     def _expected_remaining(self, seq: Sequence) -> int:
+        """Tokens seq is expected to add before it ends (see expected_gen_tokens)."""
         remaining = min(seq.num_remaining, self.max_len - seq.num_tokens)
-        if self.config.expected_gen_tokens is not None:
-            expected = self.config.expected_gen_tokens - seq.num_generated - seq.num_pending
-            remaining = min(remaining, expected)
+        expected_total = self.config.expected_gen_tokens
+        if expected_total is None and self._num_finished:
+            expected_total = -(-self._finished_gen_tokens // self._num_finished)  # ceil mean
+        if expected_total is not None and not self.config.conservative_admission:
+            remaining = min(remaining, expected_total - seq.num_generated - seq.num_pending)
         return max(remaining, 0)
 
     def _release(self, seq: Sequence) -> None:
@@ -383,6 +397,8 @@ class Scheduler:
                 self.detokenizer,
             )
             if seq.is_finished:
+                self._finished_gen_tokens += seq.num_generated
+                self._num_finished += 1
                 self._retire(seq)
             changed[seq.request.request_id] = None
         return [self._output(request_id) for request_id in changed if request_id in self.requests]

@@ -38,11 +38,18 @@ from engine.storage.quant import KVRowCodec
 from engine.storage.weight_store import WeightStore
 from policy import TIERS, Policy
 from policy.errors import UserError
+from policy.units import format_bytes
 
 PAGE_TOKENS = 16
 """Tokens per KV page."""
 GPU_RESERVE_FRAC = 0.1
 """Share of the gpu budget kept for activations and workspace, never given to KV pages."""
+DEVICE_SHARE = 0.9
+"""Without --gpu-mem: this share of the device memory free at start."""
+RAM_SHARE = 0.8
+"""Without --cpu-mem: this share of the available RAM (both memory tiers on a CPU box)."""
+DISK_SHARE = 0.9
+"""Without --disk-mem: this share of the free disk under the offload directory."""
 
 
 class MemoryBudgetError(UserError):
@@ -89,11 +96,20 @@ class Executor:
         self.config = ModelConfig.from_hf(hf_config)
         self.model = build_model(self.config)
         self.dtype = dtype or self.device.default_dtype(_checkpoint_dtype(hf_config))
-        self.gpu_mem, self.cpu_mem, self.disk_mem = gpu_mem, cpu_mem, disk_mem
         self._apply_thread_counts()
-        self._cap_gpu_memory()
         self._own_offload_dir = offload_dir is None
         self.offload_dir = Path(offload_dir or tempfile.mkdtemp(prefix="nanoflex-offload-"))
+        self.offload_dir.mkdir(parents=True, exist_ok=True)
+        self.budgets = self._budgets(gpu_mem, cpu_mem, disk_mem)
+        """Byte budget per tier, given or derived from the machine (see _budgets)."""
+        if show_progress or None in (gpu_mem, cpu_mem, disk_mem):
+            given = {"gpu": gpu_mem, "cpu": cpu_mem, "disk": disk_mem}
+            parts = [
+                f"{t} {format_bytes(self.budgets[t])}" + ("" if given[t] else " (derived)")
+                for t in TIERS
+            ]
+            print(f"nanoflex: memory budgets: {', '.join(parts)}", file=sys.stderr)
+        self._cap_gpu_memory()
         if self._own_offload_dir:  # removed at close, or at exit if close never comes
             self._remove_scratch = weakref.finalize(
                 self, shutil.rmtree, self.offload_dir, ignore_errors=True
@@ -147,12 +163,34 @@ class Executor:
             with contextlib.suppress(RuntimeError):
                 torch.set_num_interop_threads(self.policy.num_interop_threads)
 
+    def _budgets(
+        self, gpu_mem: int | None, cpu_mem: int | None, disk_mem: int | None
+    ) -> dict[str, int]:
+        """Each tier's byte budget: as given, else derived from the machine so that KV
+        admission is never unbounded: the device's free memory (on CUDA), a share of the
+        available RAM (split between the two tiers on a CPU-only box, where the "gpu" tier
+        is host memory too), a share of the free disk under the offload directory."""
+        import psutil
+
+        ram = int(psutil.virtual_memory().available * RAM_SHARE)
+        if self.device.is_cuda:
+            free, _ = torch.cuda.mem_get_info(self.device.device)
+            derived_gpu, derived_cpu = int(free * DEVICE_SHARE), ram
+        else:
+            derived_gpu = derived_cpu = ram // 2
+        derived_disk = int(shutil.disk_usage(self.offload_dir).free * DISK_SHARE)
+        return {
+            "gpu": derived_gpu if gpu_mem is None else gpu_mem,
+            "cpu": derived_cpu if cpu_mem is None else cpu_mem,
+            "disk": derived_disk if disk_mem is None else disk_mem,
+        }
+
     def _cap_gpu_memory(self) -> None:
         """On CUDA, hold this process to the gpu budget (emulates a smaller card)."""
-        if self.device.is_cuda and self.gpu_mem is not None:
+        if self.device.is_cuda:
             total = torch.cuda.get_device_properties(self.device.device).total_memory
             torch.cuda.set_per_process_memory_fraction(
-                min(1.0, self.gpu_mem / total), self.device.device
+                min(1.0, self.budgets["gpu"] / total), self.device.device
             )
 
     def _print_progress(self, done: int, total: int) -> None:
@@ -162,8 +200,8 @@ class Executor:
 
     def _check_budgets(self) -> None:
         placed = self.weights.bytes_per_tier()
-        for tier, budget in (("gpu", self.gpu_mem), ("cpu", self.cpu_mem), ("disk", self.disk_mem)):
-            if budget is not None and placed[tier] > budget:
+        for tier, budget in self.budgets.items():
+            if placed[tier] > budget:
                 raise MemoryBudgetError(
                     f"weights placed on {tier} take {placed[tier] / 2**30:.2f} GiB, over the "
                     f"{budget / 2**30:.2f} GiB budget; lower weights_frac[{TIERS.index(tier)}]"
@@ -185,18 +223,13 @@ class Executor:
 
     def kv_capacity_pages(self) -> dict[str, int | None]:
         """KV pages each tier may hold: its budget less its weights (and, on the gpu tier,
-        less GPU_RESERVE_FRAC of the budget). None means bounded only by the machine."""
+        less GPU_RESERVE_FRAC of the budget)."""
         placed = self.weights.bytes_per_tier()
-        out: dict[str, int | None] = dict.fromkeys(TIERS, None)
-        budgets = (
-            ("gpu", self.gpu_mem, GPU_RESERVE_FRAC),
-            ("cpu", self.cpu_mem, 0.0),
-            ("disk", self.disk_mem, 0.0),
-        )
-        for tier, budget, reserve in budgets:
-            if budget is not None:
-                free = budget * (1 - reserve) - placed[tier]
-                out[tier] = max(0, int(free // self.kv.page_bytes))
+        out: dict[str, int | None] = {}
+        for tier in TIERS:
+            reserve = GPU_RESERVE_FRAC if tier == "gpu" else 0.0
+            free = self.budgets[tier] * (1 - reserve) - placed[tier]
+            out[tier] = max(0, int(free // self.kv.page_bytes))
         return out
 
     def describe(self) -> EngineInfo:

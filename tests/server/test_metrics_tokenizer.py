@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 from tokenizers import Tokenizer as RawTokenizer
 from tokenizers import models, pre_tokenizers
 
+from engine.core.engine_args import EngineArgs
+from engine.core.model_files import resolve_model_dir
 from engine.core.tokenizer import Tokenizer
 from engine.loading.demo import demo_model_dir
+from policy import Policy
+from server.core_client import CoreEngineClient
 from tests.server.live import MODEL, LiveServer, Reference, ServerFactory
 
 
@@ -90,3 +95,30 @@ def test_daemon_tokenizer_equals_transformers(reference: Reference) -> None:
     assert reference.tokenizer.render_chat(messages) == text
     expected = hf.encode(text, add_special_tokens=False)
     assert reference.tokenizer.apply_chat_template(messages) == expected
+
+
+def test_preemptions_are_counted_and_outputs_survive_them(
+    make_server: ServerFactory, reference: Reference
+) -> None:
+    """A small KV pool and an admission estimate taught by short requests: long ones are
+    admitted, outgrow the pool, are preempted and recomputed; /metrics counts it and every
+    answer equals the offline engine's."""
+    args = EngineArgs(model=MODEL, policy=Policy(), device="cpu", kv_capacity_pages={"gpu": 12})
+    model_dir = resolve_model_dir(MODEL)
+    engine = CoreEngineClient(args, model_dir, Policy(), model_name=MODEL, in_process=True)
+    live = make_server(engine)
+    client = live.openai()
+    for i in range(4):  # teach the estimate: 1 token
+        client.completions.create(model=MODEL, prompt=f"short {i}", max_tokens=1, temperature=0)
+    prompts = [f"a longer request number {i} that keeps going" for i in range(6)]
+
+    def ask(prompt: str) -> str:
+        done = client.completions.create(model=MODEL, prompt=prompt, max_tokens=40, temperature=0)
+        return done.choices[0].text
+
+    with ThreadPoolExecutor(6) as pool:
+        answers = list(pool.map(ask, prompts))
+    assert answers == [reference.greedy(p, 40).text for p in prompts]
+    metrics = live.http().get("/metrics").text
+    line = next(x for x in metrics.splitlines() if x.startswith("nanoflex_preemptions_total"))
+    assert float(line.split()[-1]) > 0, line

@@ -358,3 +358,28 @@ def test_prompt_logprobs_are_kept_from_the_first_prefill() -> None:
     scores = final["r1"].prompt_logprobs
     assert scores is not None and len(scores) == 4
     assert {s.logprob for s in scores} == {-float(prefills[0])}
+
+
+def test_a_wrong_length_estimate_preempts_and_recovers_with_identical_tokens() -> None:
+    """Admission assumes the running mean output length (NanoFlow 4.4). Short requests
+    first teach it "2 tokens"; long ones then join more than the pool holds when they grow,
+    are preempted and recomputed, and end with the same tokens as under an admission that
+    assumes every request runs to max_tokens (which never preempts)."""
+
+    def run(**config: object) -> tuple[dict[str, RequestOutput], Scheduler]:
+        sched = make(page_tokens=4, kv_capacity_pages={"gpu": 24}, **config)
+        for i in range(6):
+            sched.add_request(request(i, length=4, max_tokens=2))
+        for i in range(6, 14):
+            sched.add_request(request(i, length=6, max_tokens=30))
+        return drive(sched), sched
+
+    estimated, sched = run()
+    conservative, safe = run(conservative_admission=True)
+    assert sched.num_preemptions > 0 and safe.num_preemptions == 0
+    assert {k: o.outputs[0].token_ids for k, o in estimated.items()} == {
+        k: o.outputs[0].token_ids for k, o in conservative.items()
+    }
+    for i in range(6, 14):
+        assert estimated[f"r{i}"].outputs[0].token_ids == reference(prompt(i, 6), 30)
+    assert_kv_empty(sched)
