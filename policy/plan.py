@@ -74,8 +74,8 @@ def format_report(model: ModelSpec, workload: WorkloadSpec, result: PlanResult) 
         f"  cpu attention   {'on' if policy.cpu_attention else 'off'}",
         f"  4-bit weights   {'on' if policy.compress_weights else 'off'}",
         f"  4-bit KV        {'on' if policy.compress_kv else 'off'}",
-        f"  threads         {policy.num_cpu_threads} intra-op, {policy.num_interop_threads} "
-        f"inter-op, {policy.num_copy_threads} copy",
+        f"  threads         {policy.num_cpu_threads} intra-op, {policy.num_load_threads} load, "
+        f"{policy.num_store_threads} store, {policy.num_copy_threads} disk",
         "",
         "predicted throughput (tokens/s):",
         f"  prefill {result.predicted['prefill_throughput']:.2f}, "

@@ -61,24 +61,28 @@ class Policy:
     """Overlap loads and stores with compute; False runs the sequential reference loop."""
     num_nano_batches: int = 1
     """Nano-batches per GPU batch for operation overlap (NanoFlow); 1 is off."""
+    num_load_threads: int = 2
+    """Threads that load weights, past KV and activations beside compute (LM-Offload
+    Algorithm 3 sizes them by the bytes each load task moves)."""
+    num_store_threads: int = 1
+    """Threads that store new KV and activations beside compute."""
     num_copy_threads: int = 4
-    """Threads in the copy pool that moves data to and from the disk tier."""
+    """Threads of the disk pool, which splits large disk reads and writes into chunks."""
     num_cpu_threads: int = 0
     """torch intra-op threads for CPU compute; 0 keeps torch's default."""
-    num_interop_threads: int = 0
-    """torch inter-op threads (LM-Offload Algorithm 3); 0 keeps torch's default."""
 
     def __post_init__(self) -> None:
         for name in ("weights_frac", "kv_frac", "act_frac"):
             object.__setattr__(self, name, _as_triple(name, getattr(self, name)))
-        for name in ("gpu_batch_size", "num_gpu_batches", "num_nano_batches", "num_copy_threads"):
+        positive = ("gpu_batch_size", "num_gpu_batches", "num_nano_batches")
+        threads = ("num_load_threads", "num_store_threads", "num_copy_threads")
+        for name in (*positive, *threads):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise PolicyError(f"{name} must be a positive integer, got {value!r}")
-        for name in ("num_cpu_threads", "num_interop_threads"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise PolicyError(f"{name} must be an integer >= 0, got {value!r}")
+        value = self.num_cpu_threads
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise PolicyError(f"num_cpu_threads must be an integer >= 0, got {value!r}")
         if self.num_nano_batches > self.gpu_batch_size:
             raise PolicyError(
                 f"num_nano_batches ({self.num_nano_batches}) cannot exceed "

@@ -208,7 +208,7 @@ def search(
                     cpu_attention=cpu_attention,
                     compress_weights=compress_weights,
                     compress_kv=compress_kv,
-                    num_cpu_threads=max_compute_threads(hardware, compress_kv),
+                    num_cpu_threads=max_compute_threads(hardware),
                 )
                 terms = build_terms(model, workload, hardware, choice, budgets)
                 if best is not None and _upper_bound(terms) / penalty <= best[0]:

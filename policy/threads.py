@@ -1,5 +1,6 @@
-"""Thread-level parallelism control (LM-Offload Sec. 4.2, Algorithm 3): intra-op, inter-op
-and copy threads for a chosen policy, from the machine's core count and the cost model."""
+"""Thread-level parallelism control (LM-Offload Sec. 4.2, Algorithm 3): intra-op threads for
+compute and the load, store and disk pools for a chosen policy, from the machine's core count
+and the cost model."""
 
 from __future__ import annotations
 
@@ -11,58 +12,16 @@ from policy.hardware import HardwareSpec
 from policy.policy import Policy
 from policy.specs import ModelSpec, WorkloadSpec
 
-IO_TASKS: tuple[str, ...] = (
-    "load_weight",
-    "load_cache",
-    "load_activation",
-    "store_cache",
-    "store_activation",
-)
+LOAD_TASKS: tuple[str, ...] = ("load_weight", "load_cache", "load_activation")
+"""Tasks of the engine's load pool (BlockPipeline's load threads)."""
+STORE_TASKS: tuple[str, ...] = ("store_cache", "store_activation")
+"""Tasks of the engine's store pool."""
+IO_TASKS: tuple[str, ...] = LOAD_TASKS + STORE_TASKS
 """The five load/store tasks that run beside compute; each needs at least one thread."""
 MAX_COPY_THREADS = 16
 """Beyond this the copy pool only adds contention (disk queues are already full)."""
 IMPROVEMENT = 1.01
 """A larger intra-op count must raise predicted throughput by 1% to be chosen."""
-
-
-def attention_graph(compress_kv: bool) -> dict[str, tuple[str, ...]]:
-    """Our CPU decode-attention compute task as op -> prerequisites (LM-Offload Fig. 6)."""
-    graph: dict[str, tuple[str, ...]] = {
-        "scale_q": (),
-        "append_k": (),
-        "append_v": (),
-        "scores": ("scale_q", "append_k"),  # (b, heads, 1, kv_len)
-        "softmax": ("scores",),
-        "context": ("softmax", "append_v"),  # (b, heads, 1, head_dim)
-    }
-    if compress_kv:
-        graph["dequant_k"] = ()
-        graph["dequant_v"] = ()
-        graph["scores"] = (*graph["scores"], "dequant_k")
-        graph["context"] = (*graph["context"], "dequant_v")
-    return graph
-
-
-def max_concurrency(graph: dict[str, tuple[str, ...]]) -> int:
-    """Widest level of Kahn's topological sort: the ops that can run at once."""
-    indegree = {op: len(deps) for op, deps in graph.items()}
-    users: dict[str, list[str]] = {op: [] for op in graph}
-    for op, deps in graph.items():
-        for dep in deps:
-            users[dep].append(op)
-    level = [op for op, degree in indegree.items() if degree == 0]
-    widest, seen = 0, 0
-    while level:
-        widest, seen = max(widest, len(level)), seen + len(level)
-        following = []
-        for op in level:
-            for user in users[op]:
-                indegree[user] -= 1
-                if indegree[user] == 0:
-                    following.append(user)
-        level = following
-    assert seen == len(graph), "attention graph has a cycle"
-    return widest
 
 
 @dataclass(frozen=True)
@@ -71,10 +30,22 @@ class ThreadPlan:
 
     num_cpu_threads: int
     """Intra-op threads of the compute task (torch.set_num_threads)."""
-    num_interop_threads: int
-    """Inter-op threads: the compute task's concurrency plus one per load/store task."""
-    num_copy_threads: int
+    num_load_threads: int
+    """The load pool: the load tasks' shares together."""
+    num_store_threads: int
+    """The store pool: the store tasks' shares together."""
     io_threads: dict[str, int]
+    """Each load/store task's share, in proportion to the bytes it moves."""
+
+    @property
+    def num_copy_threads(self) -> int:
+        """The disk pool, which splits large reads and writes of both pools into chunks."""
+        return min(MAX_COPY_THREADS, self.num_load_threads + self.num_store_threads)
+
+    @classmethod
+    def of(cls, intra_op: int, io_threads: dict[str, int]) -> ThreadPlan:
+        load = sum(io_threads[t] for t in LOAD_TASKS)
+        return cls(intra_op, load, sum(io_threads[t] for t in STORE_TASKS), io_threads)
 
 
 def io_volumes(model: ModelSpec, workload: WorkloadSpec, policy: Policy) -> dict[str, float]:
@@ -115,45 +86,39 @@ def split_threads(num_threads: int, volumes: dict[str, float]) -> dict[str, int]
     return shares
 
 
-def max_compute_threads(hardware: HardwareSpec, compress_kv: bool) -> int:
+def max_compute_threads(hardware: HardwareSpec) -> int:
     """The most intra-op threads Algorithm 3 can give compute on this machine; the search
     prices CPU attention at this count, and `choose_threads` then picks at or below it."""
-    inter_op_compute = max_concurrency(attention_graph(compress_kv))
-    max_threads = hardware.cpu_cores
-    if hardware.compute_device == "cpu" or max_threads < inter_op_compute + len(IO_TASKS):
-        return max_threads
-    return (max_threads - len(IO_TASKS)) // inter_op_compute
+    if hardware.compute_device == "cpu" or hardware.cpu_cores < 1 + len(IO_TASKS):
+        return hardware.cpu_cores
+    return hardware.cpu_cores - len(IO_TASKS)
 
 
 def choose_threads(
     model: ModelSpec, workload: WorkloadSpec, hardware: HardwareSpec, policy: Policy
 ) -> ThreadPlan:
-    """Algorithm 3: enumerate intra-op threads for compute, give the rest to load/store."""
+    """Algorithm 3: enumerate intra-op threads for compute, give the rest to load/store.
+
+    LM-Offload also runs the CPU attention's independent ops concurrently (inter-op
+    threads); our CPU attention is one fused SDPA call, so there is nothing to run beside
+    it and compute is a single task of `intra_op` threads."""
     max_threads = hardware.cpu_cores
     volumes = io_volumes(model, workload, policy)
     uses_disk = policy.weights_frac[2] + policy.kv_frac[2] + policy.act_frac[2] > 0
-    inter_op_compute = max_concurrency(attention_graph(policy.compress_kv))
-    if hardware.compute_device == "cpu" or max_threads < inter_op_compute + len(IO_TASKS):
+    if hardware.compute_device == "cpu" or max_threads < 1 + len(IO_TASKS):
         # Too few cores to reserve one per load/store task (or the CPU does all the compute):
-        # compute gets every core, copies share one or two threads that mostly wait on I/O.
-        num_copy = 2 if uses_disk and max_threads > 2 else 1
-        return ThreadPlan(max_threads, 1, num_copy, split_threads(num_copy, volumes))
+        # compute gets every core, copies share a few threads that mostly wait on I/O.
+        shares = dict.fromkeys(IO_TASKS, 0)
+        shares["load_weight"] = 2 if uses_disk else 1
+        shares["store_cache"] = 1
+        return ThreadPlan.of(max_threads, shares)
     best: tuple[float, ThreadPlan] | None = None
     for intra_op in range(1, max_threads - len(IO_TASKS) + 1):
-        free = max_threads - inter_op_compute * intra_op
-        if free < len(IO_TASKS):
-            continue
-        io_threads = split_threads(free, volumes)
+        io_threads = split_threads(max_threads - intra_op, volumes)
         candidate = dataclasses.replace(policy, num_cpu_threads=intra_op)
         throughput = estimate(candidate, model, workload, hardware).generation_throughput
         if best is None or throughput > best[0] * IMPROVEMENT:
-            plan = ThreadPlan(
-                num_cpu_threads=intra_op,
-                num_interop_threads=inter_op_compute + len(IO_TASKS),
-                num_copy_threads=min(MAX_COPY_THREADS, sum(io_threads.values())),
-                io_threads=io_threads,
-            )
-            best = (throughput, plan)
+            best = (throughput, ThreadPlan.of(intra_op, io_threads))
     assert best is not None  # intra_op = 1 leaves >= 5 threads free (checked above)
     return best[1]
 
@@ -161,11 +126,12 @@ def choose_threads(
 def plan_threads(
     model: ModelSpec, workload: WorkloadSpec, hardware: HardwareSpec, policy: Policy
 ) -> Policy:
-    """`policy` with num_cpu_threads, num_interop_threads and num_copy_threads filled in."""
+    """`policy` with the thread counts of `choose_threads` filled in."""
     plan = choose_threads(model, workload, hardware, policy)
     return dataclasses.replace(
         policy,
         num_cpu_threads=plan.num_cpu_threads,
-        num_interop_threads=plan.num_interop_threads,
+        num_load_threads=plan.num_load_threads,
+        num_store_threads=plan.num_store_threads,
         num_copy_threads=plan.num_copy_threads,
     )

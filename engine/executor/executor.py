@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import shutil
 import sys
 import tempfile
@@ -138,6 +137,8 @@ class Executor:
             self.disk,
             overlap=policy.overlap,
             dtype=self.dtype,
+            num_load_threads=policy.num_load_threads,
+            num_store_threads=policy.num_store_threads,
             tracer=self.tracer,
             graphs=self._graph_runner() if cuda_graphs else None,
         )
@@ -155,13 +156,10 @@ class Executor:
     # -- setup -------------------------------------------------------------------------
 
     def _apply_thread_counts(self) -> None:
-        """The policy's intra-op and inter-op thread counts (0 keeps torch's default)."""
+        """The policy's intra-op thread count (0 keeps torch's default); the load, store and
+        disk pools are sized where they are made."""
         if self.policy.num_cpu_threads > 0:
             torch.set_num_threads(self.policy.num_cpu_threads)
-        if self.policy.num_interop_threads > 0:
-            # settable once per process, before any inter-op work: later calls keep the first
-            with contextlib.suppress(RuntimeError):
-                torch.set_num_interop_threads(self.policy.num_interop_threads)
 
     def _budgets(
         self, gpu_mem: int | None, cpu_mem: int | None, disk_mem: int | None

@@ -87,7 +87,7 @@ def test_lm_offload_cpu_attention_decides_whether_kv_compression_pays() -> None:
 
 
 def test_policy_json_round_trip_with_thread_fields() -> None:
-    policy = dataclasses.replace(PAPER_30B, num_cpu_threads=8, num_interop_threads=8)
+    policy = dataclasses.replace(PAPER_30B, num_cpu_threads=8)
     assert Policy.from_json(policy.to_json()) == policy
 
 

@@ -5,25 +5,11 @@ import dataclasses
 from policy.hardware import FLEXGEN_T4
 from policy.paper import FLEXGEN_TABLE15
 from policy.specs import BUILTIN_MODELS, WorkloadSpec
-from policy.threads import (
-    IO_TASKS,
-    attention_graph,
-    choose_threads,
-    max_concurrency,
-    plan_threads,
-    split_threads,
-)
+from policy.threads import LOAD_TASKS, choose_threads, io_volumes, plan_threads, split_threads
 
 OPT_30B = BUILTIN_MODELS["opt-30b"]
 WORKLOAD = WorkloadSpec(prompt_len=512, gen_len=32)
 POLICY = FLEXGEN_TABLE15["opt-30b"]  # FlexGen's own OPT-30B policy
-
-
-def test_max_concurrency_is_the_widest_level() -> None:
-    assert max_concurrency({"a": (), "b": ("a",), "c": ("b",)}) == 1
-    assert max_concurrency({"a": (), "b": (), "c": ("a", "b"), "d": ("c",)}) == 2
-    assert max_concurrency(attention_graph(compress_kv=False)) == 3
-    assert max_concurrency(attention_graph(compress_kv=True)) == 5
 
 
 def test_split_threads_is_proportional_and_complete() -> None:
@@ -34,9 +20,14 @@ def test_split_threads_is_proportional_and_complete() -> None:
 
 def test_algorithm_3_respects_the_core_budget() -> None:
     plan = choose_threads(OPT_30B, WORKLOAD, FLEXGEN_T4, POLICY)
-    inter_compute = plan.num_interop_threads - len(IO_TASKS)
-    assert inter_compute * plan.num_cpu_threads + sum(plan.io_threads.values()) <= 32
+    assert plan.num_cpu_threads + sum(plan.io_threads.values()) == 32
     assert all(n >= 1 for n in plan.io_threads.values())
+    # the pools the engine makes are the tasks' shares, and the heaviest task gets the most
+    assert plan.num_load_threads == sum(plan.io_threads[t] for t in LOAD_TASKS)
+    assert plan.num_store_threads == sum(plan.io_threads.values()) - plan.num_load_threads
+    volumes = io_volumes(OPT_30B, WORKLOAD, POLICY)
+    heaviest = max(volumes, key=volumes.__getitem__)
+    assert plan.io_threads[heaviest] == max(plan.io_threads.values()) > 1
     # CPU attention saturates at 8 threads on this profile: the knee, not all cores.
     assert 1 < plan.num_cpu_threads <= 8
 
@@ -44,8 +35,5 @@ def test_algorithm_3_respects_the_core_budget() -> None:
 def test_few_cores_fall_back_to_compute_everything() -> None:
     small = dataclasses.replace(FLEXGEN_T4, num_cpu_cores=2)
     policy = plan_threads(OPT_30B, WORKLOAD, small, POLICY)
-    assert (policy.num_cpu_threads, policy.num_interop_threads, policy.num_copy_threads) == (
-        2,
-        1,
-        1,
-    )
+    threads = (policy.num_cpu_threads, policy.num_load_threads, policy.num_store_threads)
+    assert threads == (2, 1, 1)  # nothing on disk: one load thread, one store thread
