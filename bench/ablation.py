@@ -3,8 +3,8 @@
     python -m bench.ablation [--model M] [--prompt-len 128] [--gen-len 16] [--num-prompts 12]
 
 Base: weights on disk (the I/O-bound case offloading is for), KV on the cpu tier
-with CPU attention, overlap on, no compression. Each row flips one switch.
-Nano-batching is not built yet, so it has no row.
+with CPU attention, overlap on, no compression, discrete batching on. Each row flips
+one switch.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 
-from bench.common import parse_args, run_policies, write_json
+from bench.common import Table, Variant, parse_args, run_policies, write_json
 from policy import Policy
 
 BASE = Policy(
@@ -23,12 +23,13 @@ BASE = Policy(
     cpu_attention=True,
     overlap=True,
 )
-VARIANTS: dict[str, Policy | str] = {
-    "base (overlap, CPU attention)": BASE,
+VARIANTS: dict[str, Variant] = {
+    "base (overlap, CPU attention, discrete batching)": BASE,
     "overlap off": dataclasses.replace(BASE, overlap=False),
     "CPU attention off": dataclasses.replace(BASE, cpu_attention=False),
     "4-bit weights on": dataclasses.replace(BASE, compress_weights=True),
     "4-bit KV on": dataclasses.replace(BASE, compress_kv=True),
+    "discrete batching off": (BASE, {"discrete_batching": False}),
 }
 
 
@@ -36,15 +37,20 @@ def main() -> int:
     args = parse_args(__doc__ or "")
     rows = run_policies(VARIANTS, args)
     base = rows[0]["measured"]["generation_throughput"]
-    print("| variant | generation tok/s | decode tok/s | prefill tok/s | vs base |")
-    print("| --- | ---: | ---: | ---: | ---: |")
+    table = Table(["variant", "generation tok/s", "decode tok/s", "prefill tok/s", "vs base"])
     for row in rows:
         m = row["measured"]
-        print(
-            f"| {row['name']} | {m['generation_throughput']:.1f} | {m['decode_throughput']:.1f} "
-            f"| {m['prefill_throughput']:.1f} | {m['generation_throughput'] / base:.2f} |"
+        table.rows.append(
+            [
+                row["name"],
+                f"{m['generation_throughput']:.1f}",
+                f"{m['decode_throughput']:.1f}",
+                f"{m['prefill_throughput']:.1f}",
+                f"{m['generation_throughput'] / base:.2f}",
+            ]
         )
-    write_json(args.json, rows)
+    print(table.markdown("lrrrr"))
+    write_json(args.json, rows, table)
     return 0
 
 

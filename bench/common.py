@@ -1,4 +1,10 @@
-"""Shared by the bench scripts: run `nanoflex bench`'s measurement under several policies."""
+"""Shared by the bench scripts: run `nanoflex bench`'s measurement under several variants, and
+write each figure table both to stdout (Markdown, for the docs) and to its results file.
+
+A results file is {"table": {"header": [...], "rows": [[...]]}, "results": [...]}: the
+table exactly as printed, and the raw measurements behind it. tests/test_doc_figures.py
+checks that each docs table marked `<!-- source: bench/results/X.json -->` equals its file's.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +12,7 @@ import argparse
 import json
 import sys
 import tempfile
+from dataclasses import dataclass, field
 from typing import Any
 
 from engine import LLM
@@ -29,17 +36,36 @@ def parse_args(doc: str) -> argparse.Namespace:
     return parser.parse_args()
 
 
-def run_policies(
-    policies: dict[str, Policy | str], args: argparse.Namespace
-) -> list[dict[str, Any]]:
-    """One row per policy: the median (by generation throughput) of `args.repeat` bench runs,
-    interleaved across policies so slow drift of a shared machine hits them alike, and the
+Variant = Policy | str | tuple[Policy | str, dict[str, Any]]
+"""A policy (or "auto"), optionally with engine switches that are not policy fields
+(`LLM` keywords such as discrete_batching)."""
+
+
+@dataclass
+class Table:
+    """A figure table: Markdown cells exactly as the docs show them."""
+
+    header: list[str]
+    rows: list[list[str]] = field(default_factory=list)
+
+    def markdown(self, align: str = "") -> str:
+        """The Markdown table; `align` gives one of 'l'/'r' per column (default: all left)."""
+        align = align or "l" * len(self.header)
+        rule = ["---" if a == "l" else "---:" for a in align]
+        lines = [self.header, rule, *self.rows]
+        return "\n".join("| " + " | ".join(cells) + " |" for cells in lines)
+
+
+def run_policies(variants: dict[str, Variant], args: argparse.Namespace) -> list[dict[str, Any]]:
+    """One row per variant: the median (by generation throughput) of `args.repeat` bench runs,
+    interleaved across variants so slow drift of a shared machine hits them alike, and the
     cost model's prediction."""
     workload = WorkloadSpec(args.prompt_len, args.gen_len)
-    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in policies}
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in variants}
     predicted: dict[str, dict[str, Any] | None] = {}
     for _ in range(args.repeat):
-        for name, policy in policies.items():
+        for name, variant in variants.items():
+            policy, switches = variant if isinstance(variant, tuple) else (variant, {})
             with (
                 tempfile.TemporaryDirectory(prefix="nanoflex-bench-") as offload,
                 LLM(
@@ -48,6 +74,7 @@ def run_policies(
                     offload_dir=offload,
                     device=args.device,
                     workload=workload,
+                    **switches,
                 ) as llm,
             ):
                 num_prompts = args.num_prompts or llm.policy.block_size
@@ -68,8 +95,10 @@ def run_policies(
     return rows
 
 
-def write_json(path: str | None, rows: list[dict[str, Any]]) -> None:
-    """--json: the raw rows, for bench/results/ and plots."""
+def write_json(path: str | None, results: list[dict[str, Any]], table: Table) -> None:
+    """--json: the table as printed and the raw results behind it, for bench/results/."""
     if path:
+        data = {"table": {"header": table.header, "rows": table.rows}, "results": results}
         with open(path, "w") as f:
-            json.dump(rows, f, indent=2, default=str)
+            json.dump(data, f, indent=2, default=str)
+            f.write("\n")

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import sys
 
-from bench.common import parse_args, run_policies, write_json
+from bench.common import Table, Variant, parse_args, run_policies, write_json
 from policy import Policy
 
-POLICIES: dict[str, Policy | str] = {
+POLICIES: dict[str, Variant] = {
     "auto (searched)": "auto",
     "all on compute device": Policy(gpu_batch_size=12),
     "weights on disk": Policy(gpu_batch_size=12, weights_frac=(0.0, 0.0, 1.0)),
@@ -27,6 +27,7 @@ POLICIES: dict[str, Policy | str] = {
     "4-bit weights on cpu": Policy(
         gpu_batch_size=12, weights_frac=(0.0, 1.0, 0.0), compress_weights=True
     ),
+    "KV on disk": Policy(gpu_batch_size=12, kv_frac=(0.0, 0.0, 1.0)),
     "KV and activations on disk": Policy(
         gpu_batch_size=12, kv_frac=(0.0, 0.0, 1.0), act_frac=(0.0, 0.0, 1.0)
     ),
@@ -36,20 +37,36 @@ POLICIES: dict[str, Policy | str] = {
 def main() -> int:
     args = parse_args(__doc__ or "")
     rows = run_policies(POLICIES, args)
-    print(
-        "| policy | measured gen tok/s | predicted gen tok/s | ratio | measured decode | "
-        "predicted decode | predicted bottleneck |"
+    table = Table(
+        [
+            "policy",
+            "block",
+            "measured gen tok/s",
+            "predicted gen tok/s",
+            "measured / predicted",
+            "measured decode",
+            "predicted decode",
+            "predicted bottleneck",
+        ]
     )
-    print("| --- | ---: | ---: | ---: | ---: | ---: | --- |")
     for row in rows:
         m, p = row["measured"], row["predicted"] or {}
         gen_p = p.get("generation_throughput", float("nan"))
-        print(
-            f"| {row['name']} | {m['generation_throughput']:.1f} | {gen_p:.1f} | "
-            f"{m['generation_throughput'] / gen_p:.2f} | {m['decode_throughput']:.1f} | "
-            f"{p.get('decode_throughput', float('nan')):.1f} | {p.get('bottleneck', '-')} |"
+        block = m["policy"]["gpu_batch_size"] * m["policy"]["num_gpu_batches"]
+        table.rows.append(
+            [
+                row["name"],
+                str(block),
+                f"{m['generation_throughput']:.1f}",
+                f"{gen_p:.1f}",
+                f"{m['generation_throughput'] / gen_p:.2f}",
+                f"{m['decode_throughput']:.1f}",
+                f"{p.get('decode_throughput', float('nan')):.1f}",
+                str(p.get("bottleneck", "-")),
+            ]
         )
-    write_json(args.json, rows)
+    print(table.markdown("lrrrrrrl"))
+    write_json(args.json, rows, table)
     return 0
 
 

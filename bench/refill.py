@@ -21,7 +21,7 @@ import sys
 import time
 from typing import Any
 
-from bench.common import write_json
+from bench.common import Table, write_json
 from engine import LLM, SamplingParams
 from engine.core.sequence import Request
 from policy import Policy
@@ -103,9 +103,38 @@ def main(argv: list[str] | None = None) -> int:
     result["speedup"] = round(
         result["refill"]["generation_throughput"] / result["static"]["generation_throughput"], 2
     )
-    text = json.dumps(result, indent=2)
-    print(text)
-    write_json(args.json, [result])
+    static, refill = result["static"], result["refill"]
+    table = Table(
+        [
+            "scheduler",
+            "wall time (s)",
+            "engine steps",
+            "mean block occupancy",
+            "generation throughput (token/s)",
+        ]
+    )
+    for label, runs in (("static blocks (FlexGen-style)", static), ("continuous refill", refill)):
+        table.rows.append(
+            [
+                label,
+                f"{runs['seconds']:.2f}",
+                str(runs["num_steps"]),
+                f"{runs['block_occupancy']:.2f}",
+                f"{runs['generation_throughput']:.1f}",
+            ]
+        )
+    table.rows.append(
+        [
+            "refill / static",
+            "",
+            f"{refill['num_steps'] / static['num_steps']:.2f}x",
+            f"{refill['block_occupancy'] / static['block_occupancy']:.1f}x",
+            f"**{result['speedup']:.2f}x**",
+        ]
+    )
+    print(json.dumps(result, indent=2), file=sys.stderr)
+    print(table.markdown("lrrrr"))
+    write_json(args.json, [result], table)
     return 0
 
 

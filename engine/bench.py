@@ -83,7 +83,7 @@ def run_bench(llm: LLM, prompt_len: int, gen_len: int, num_prompts: int) -> dict
     prefill_s = (prefill_done or end) - start
     decode_s = end - (prefill_done or end)
     placement = llm.placement()
-    return {
+    result = {
         "model": str(llm.executor.model_dir),
         "device": placement.device,
         "dtype": placement.dtype,
@@ -102,6 +102,23 @@ def run_bench(llm: LLM, prompt_len: int, gen_len: int, num_prompts: int) -> dict
         if llm.plan
         else predict(llm.policy, llm.executor.model_dir, WorkloadSpec(prompt_len, gen_len)),
     }
+    result["table"] = figure_table(result)
+    return result
+
+
+def figure_table(r: dict[str, Any]) -> dict[str, Any]:
+    """Measured next to predicted throughput, as the docs show it (`--json` carries it)."""
+    predicted = r["predicted"] or {}
+    rows = [
+        [
+            f"{stage} throughput",
+            f"{r[f'{stage}_throughput']:.1f}",
+            f"{predicted[f'{stage}_throughput']:.1f}" if predicted else "-",
+        ]
+        for stage in ("prefill", "decode", "generation")
+    ]
+    header = ["metric (FlexGen's definitions)", "measured tok/s", "cost model tok/s"]
+    return {"header": header, "rows": rows}
 
 
 def print_bench(r: dict[str, Any]) -> None:

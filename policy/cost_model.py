@@ -102,6 +102,16 @@ class CostTerms:
         return total / (self.block_size * self.gen_len)
 
 
+def _act_round_trip(act: float, hardware: HardwareSpec) -> Affine:
+    """Seconds to store `act` bytes of activations to the cpu (hc) or disk (hd) tier and
+    load them back onto the compute device."""
+    to_host, from_host = act / hardware.gtoc_bw, act / hardware.ctog_bw
+    return Affine.of(
+        hc=to_host + from_host,
+        hd=to_host + act / hardware.ctod_bw + act / hardware.dtoc_bw + from_host,
+    )
+
+
 def build_terms(
     model: ModelSpec,
     workload: WorkloadSpec,
@@ -195,6 +205,23 @@ def build_terms(
             linear_gen + dequant_weights, cg=gpu_attention, cc=gpu_attention, cd=gpu_attention
         )
         cpu_part = ZERO
+    share_small, share_large = hardware.io_compute_share_small, hardware.io_compute_share_large
+    if hardware.compute_device == "cpu" and (share_small or share_large):
+        # The copy threads and the compute share the cores: each second of disk I/O costs
+        # compute that share of its progress (measured by the profile), I/O overlapped or not.
+        prefill["compute"] += Affine.of(wd=layer_bytes, hd=act_pre) * (
+            share_large / hardware.dtoc_bw
+        ) + Affine.of(cd=kv_pre, hd=act_pre) * (share_large / hardware.ctod_bw)
+        gpu_part += Affine.of(
+            wd=layer_bytes * share_large, cd=kv_read * share_small, hd=act_gen * share_large
+        ) * (1 / hardware.dtoc_bw) + Affine.of(
+            cd=kv_new * share_small, hd=act_gen * share_large
+        ) * (1 / hardware.ctod_bw)
+    if num_batches == 1:
+        # One GPU batch: the activations entering layer j+1 are those layer j just stored,
+        # so their round trip through a lower tier cannot overlap anything.
+        prefill["compute"] += _act_round_trip(act_pre, hardware)
+        gpu_part += _act_round_trip(act_gen, hardware)
     decode = {
         "ctog": ctog * (1 / hardware.ctog_bw),
         "gtoc": gtoc * (1 / hardware.gtoc_bw),

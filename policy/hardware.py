@@ -81,6 +81,11 @@ class HardwareSpec:
     dense_step_table: tuple[tuple[int, float], ...] = ()
     """Measured dense work of one step: (token rows, seconds) of a reference layer's matmuls
     on the compute device; its knee sets the discrete batch sizes (NanoFlow 4.2)."""
+    io_compute_share_small: float = 0.0
+    """When the compute device is the CPU: the share of its rate compute loses while the
+    copy threads read the disk in small pieces (KV pages); 0 on a GPU."""
+    io_compute_share_large: float = 0.0
+    """The same for large reads and writes (weight layers, activations)."""
     layer_overhead_s: float = 0.0
     """Fixed seconds per layer per GPU batch, whatever its size (kernel launches, the
     engine's per-layer bookkeeping); measured by running one-token steps through the engine."""

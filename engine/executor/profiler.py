@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import shutil
+import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from functools import partial
@@ -16,7 +18,7 @@ import torch
 from engine.executor.attention import RaggedLayout, ragged_attention
 from engine.executor.executor import Executor
 from engine.storage.device import Device
-from engine.storage.disk import DiskIO
+from engine.storage.disk import DiskFile, DiskIO
 from engine.storage.quant import dequantize, quantize
 from policy import Policy
 from policy.hardware import HardwareSpec, default_cache_path
@@ -71,6 +73,48 @@ def _disk_bw(disk: DiskIO, nbytes: int, device: Device) -> tuple[float, float]:
     disk.read(f, 0, data)
     read_bw = nbytes / (time.perf_counter() - start)
     return read_bw, write_bw
+
+
+IO_INTERFERENCE_READS = (64 << 10, 4 << 20)
+"""Read sizes of the interference probe: a KV page run, a weight chunk."""
+
+
+def _io_interference(disk: DiskIO) -> tuple[float, float]:
+    """(small, large): the share of its rate CPU compute loses while the copy threads read
+    from disk with small (64 KiB) or large (4 MiB) reads, each dropped from the page cache
+    as the engine does. On a CPU-only box the copies and the compute share the cores."""
+    f = disk.open("interference.bin")
+    disk.write(f, 0, torch.zeros(64 << 20, dtype=torch.uint8))
+    a, b = torch.randn(512, 512), torch.randn(512, 1408)
+
+    def matmul_ms(repeats: int = 60) -> float:
+        start = time.perf_counter()
+        for _ in range(repeats):
+            torch.mm(a, b)
+        return (time.perf_counter() - start) / repeats
+
+    shares = []
+    for size in IO_INTERFERENCE_READS:
+        alone, busy = [], []
+        for _ in range(3):
+            alone.append(matmul_ms())
+            stop = threading.Event()
+            reader = threading.Thread(target=_read_until, args=(disk, f, size, stop))
+            reader.start()
+            busy.append(matmul_ms())
+            stop.set()
+            reader.join()
+        share = 1.0 - statistics.median(alone) / statistics.median(busy)
+        shares.append(min(max(share, 0.0), 1.0))
+    return shares[0], shares[1]
+
+
+def _read_until(disk: DiskIO, f: DiskFile, size: int, stop: threading.Event) -> None:
+    buf = torch.empty(size, dtype=torch.uint8)
+    offset = 0
+    while not stop.is_set():
+        disk.read(f, offset, buf)
+        offset = (offset + 16 * size) % ((64 << 20) - size)
 
 
 def _cpu_attention(threads: int, kv_tokens: int) -> float:
@@ -153,6 +197,7 @@ def profile_hardware(
     disk = DiskIO(root, 4)
     try:
         dtoc, ctod = _disk_bw(disk, nbytes, device)
+        io_small, io_large = (0.0, 0.0) if device.is_cuda else _io_interference(disk)
     finally:
         disk.close()
         if not offload_dir:
@@ -201,6 +246,8 @@ def profile_hardware(
         cpu_attention_throughput=attention,
         dequant_throughput=dequant,
         dense_step_table=dense,
+        io_compute_share_small=io_small,
+        io_compute_share_large=io_large,
         layer_overhead_s=_layer_overhead(device_name),
         compute_device="cuda" if device.is_cuda else "cpu",
         notes=f"{name}; torch {torch.__version__}; measured {time.strftime('%Y-%m-%d %H:%M')}"

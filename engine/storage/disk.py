@@ -46,9 +46,11 @@ class DiskFile:
                 raise OSError(f"short read from {self.path} at offset {offset}")
             view, offset = view[got:], offset + got
 
-    def drop_cache(self) -> None:
+    def drop_cache(self, offset: int = 0, length: int = 0) -> None:
+        """Ask the kernel to drop the cached pages of [offset, offset + length) (0: to the
+        end of the file)."""
         if _FADVISE:
-            os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.posix_fadvise(self.fd, offset, length, os.POSIX_FADV_DONTNEED)
 
     def close(self) -> None:
         os.close(self.fd)
@@ -70,9 +72,11 @@ class DiskIO:
         return f
 
     def read(self, f: DiskFile, offset: int, out: torch.Tensor) -> None:
-        """Fill `out` from f[offset:], in parallel chunks; returns when all bytes arrived."""
-        self._run_chunked(f.read_into, offset, as_bytes(out))
-        f.drop_cache()
+        """Fill `out` from f[offset:], in parallel chunks; returns when all bytes arrived. The
+        range read is dropped from the page cache (only that range: cheap for small reads)."""
+        data = as_bytes(out)
+        self._run_chunked(f.read_into, offset, data)
+        f.drop_cache(offset, data.numel())
 
     def write(self, f: DiskFile, offset: int, data: torch.Tensor) -> None:
         self._run_chunked(f.write, offset, as_bytes(data))

@@ -105,3 +105,38 @@ def test_paper_policies_match_docs_policy_md(case: str, documented: float) -> No
     model = BUILTIN_MODELS[case.removesuffix("-compressed")]
     est = estimate(FLEXGEN_TABLE15[case], model, WORKLOAD, FLEXGEN_T4)
     assert est.generation_throughput == pytest.approx(documented, abs=0.005)
+
+
+def test_on_a_cpu_box_disk_io_costs_compute_its_measured_share() -> None:
+    """The copy threads and the compute share a CPU box's cores: decode compute grows by
+    share x seconds of disk I/O (small reads for KV pages), and not at all on a GPU."""
+    kv_on_disk = Policy(gpu_batch_size=12, num_gpu_batches=2, kv_frac=(0.0, 0.0, 1.0))
+    cpu_box = dataclasses.replace(FLEXGEN_T4, compute_device="cpu")
+    sharing = dataclasses.replace(cpu_box, io_compute_share_small=0.5)
+    base = estimate(kv_on_disk, OPT_30B, WORKLOAD, cpu_box)
+    shared = estimate(kv_on_disk, OPT_30B, WORKLOAD, sharing)
+    reads = base.decode_terms["dtoc"] + base.decode_terms["ctod"]  # all KV on disk here
+    assert shared.decode_terms["compute"] - base.decode_terms["compute"] == pytest.approx(
+        0.5 * reads
+    )
+    on_gpu = dataclasses.replace(sharing, compute_device="cuda")
+    assert estimate(kv_on_disk, OPT_30B, WORKLOAD, on_gpu).decode_terms == (
+        estimate(kv_on_disk, OPT_30B, WORKLOAD, FLEXGEN_T4).decode_terms
+    )
+
+
+def test_one_gpu_batch_puts_the_activation_round_trip_on_the_critical_path() -> None:
+    def compute(num_gpu_batches: int, act: tuple[float, float, float]) -> float:
+        policy = Policy(gpu_batch_size=24 // num_gpu_batches, num_gpu_batches=num_gpu_batches)
+        policy = dataclasses.replace(policy, act_frac=act)
+        return estimate(policy, OPT_30B, WORKLOAD, FLEXGEN_T4).decode_terms["compute"]
+
+    act_bytes = 24 * OPT_30B.hidden_bytes_per_token
+    trip = act_bytes * (
+        1 / FLEXGEN_T4.gtoc_bw
+        + 1 / FLEXGEN_T4.ctod_bw
+        + 1 / FLEXGEN_T4.dtoc_bw
+        + 1 / FLEXGEN_T4.ctog_bw
+    )
+    assert compute(1, (0, 0, 1)) - compute(1, (1, 0, 0)) == pytest.approx(trip)
+    assert compute(2, (0, 0, 1)) == pytest.approx(compute(2, (1, 0, 0)))  # overlapped instead
