@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.core.prefix_cache import PageRef, PrefixCache, page_hashes
 from policy import TIERS
 
 
@@ -15,42 +16,98 @@ class KVCapacityError(RuntimeError):
     """A tier's KV pool has no free page left."""
 
 
+@dataclass(frozen=True, slots=True)
+class PageMove:
+    """Copy one page's KV, every layer, from `src` to `dst` before the step uses either: a
+    cached page spilled down a tier, or loaded back up for a sequence that hit it."""
+
+    src: PageRef
+    dst: PageRef
+    hash: str
+    """The content hash of the page (the disk tier's persistent index records it)."""
+
+
 @dataclass(slots=True)
 class SeqPages:
-    """The pages one sequence holds: all on its home tier, in token order."""
+    """The pages one sequence holds, in token order (token t in pages[t // page_tokens])."""
 
     tier: str
-    page_ids: list[int] = field(default_factory=list)
+    """Home tier: where its own new pages are made."""
+    pages: list[PageRef] = field(default_factory=list)
     num_tokens: int = 0
+    hashes: list[str] = field(default_factory=list)
+    """Content hashes of its first len(hashes) pages, known once those pages are computed."""
+
+
+@dataclass(slots=True)
+class CacheStats:
+    """Cumulative prefix-cache figures (the daemon's /metrics)."""
+
+    query_tokens: int = 0
+    """Prompt tokens looked up."""
+    hit_tokens: int = 0
+    """Prompt tokens found cached (not recomputed)."""
+    spilled_pages: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
+    """Pages moved down into each tier."""
+    loaded_pages: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
+    """Pages loaded back up from each tier for a hit."""
+    evicted_pages: int = 0
+    """Cached pages dropped (from the last tier with room to spare)."""
 
 
 class PageManager:
-    """Allocates fixed-size KV pages from one pool per tier.
+    """Allocates fixed-size KV pages from one pool per tier, with an optional prefix cache.
 
-    `capacity_pages[tier]` bounds each pool (None: unbounded, the pool grows).
-    A sequence's pages all live on its home tier; its page table lists them
-    in token order, so token t sits in page_ids[t // page_tokens].
+    `capacity_pages[tier]` bounds each pool (None: unbounded, the pool grows). A sequence's
+    own pages live on its home tier; with prefix caching it may also hold cached pages of
+    other sequences (reference counted, never written). A finished sequence's full pages
+    stay cached; when a tier needs room, its least recently used unheld pages move down a
+    tier (gpu -> cpu -> disk, as `PageMove`s for the next plan) and are dropped only where
+    no lower tier has room (NanoFlow 4.4, 5.4).
     """
 
-    def __init__(self, page_tokens: int, capacity_pages: dict[str, int | None]) -> None:
+    def __init__(
+        self,
+        page_tokens: int,
+        capacity_pages: dict[str, int | None],
+        *,
+        prefix_caching: bool = False,
+        salt: str = "",
+        max_cached_pages: dict[str, int] | None = None,
+    ) -> None:
         assert page_tokens > 0
         self.page_tokens = page_tokens
         self.capacity_pages = {tier: capacity_pages.get(tier) for tier in TIERS}
+        self.prefix_caching, self.salt = prefix_caching, salt
+        self.max_cached_pages = dict(max_cached_pages or {})
+        """Per tier, the most unheld cached pages kept (the disk cache's size bound)."""
+        self.cache = PrefixCache()
+        self.stats = CacheStats()
         self._free: dict[str, list[int]] = {tier: [] for tier in TIERS}
         self._next_id: dict[str, int] = {tier: 0 for tier in TIERS}
+        self._refs: dict[PageRef, int] = {}
+        self._held = dict.fromkeys(TIERS, 0)
         self._seqs: dict[int, SeqPages] = {}
+        self._moves: list[PageMove] = []
+
+    # -- sizes -----------------------------------------------------------------------------
 
     def num_pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_tokens)
 
     def num_free_pages(self, tier: str) -> int | None:
+        """Pages a sequence could still get on `tier` (free, never used, or cached and
+        unheld, which can be spilled or dropped); None when unbounded."""
         cap = self.capacity_pages[tier]
-        if cap is None:
-            return None
-        return cap - self._next_id[tier] + len(self._free[tier])
+        return None if cap is None else cap - self._held[tier]
 
     def num_used_pages(self, tier: str) -> int:
-        return self._next_id[tier] - len(self._free[tier])
+        """Pages some sequence holds."""
+        return self._held[tier]
+
+    def num_cached_pages(self, tier: str) -> int:
+        """Cached pages nobody holds (kept for later hits)."""
+        return len(self.cache.lru[tier])
 
     def projected_peak_pages(self, lengths: list[tuple[int, int]]) -> int:
         """Upper bound on the most pages a set of sequences will hold at once.
@@ -69,41 +126,119 @@ class PageManager:
             peak = max(peak, (tokens + num_live * (self.page_tokens - 1)) // self.page_tokens)
         return peak
 
+    # -- the prefix cache ------------------------------------------------------------------
+
+    def match(self, token_ids: list[int]) -> list[PageRef]:
+        """The cached pages of the longest prefix of `token_ids` made of full pages, leaving
+        at least one token to compute (its logits are needed). Nothing is taken yet."""
+        if not self.prefix_caching:
+            return []
+        usable = (len(token_ids) - 1) // self.page_tokens
+        hashes = page_hashes(token_ids[: usable * self.page_tokens], self.page_tokens, self.salt)
+        return self.cache.lookup(hashes)
+
+    def start(self, seq_id: int, tier: str, prefix: list[PageRef]) -> list[PageRef]:
+        """Begin sequence `seq_id` on home `tier` holding the cached pages `prefix` (from
+        `match`). An unheld page below the home tier is loaded back up (a PageMove) when
+        the home tier has room; otherwise it is used where it is. Returns its pages."""
+        if tier not in TIERS:
+            raise ValueError(f"new sequence {seq_id} needs a tier, got {tier!r}")
+        seq = self._seqs[seq_id] = SeqPages(tier)
+        for ref in prefix:
+            h = self.cache.hash_of(ref)
+            assert h is not None, f"{ref} is not cached"
+            if _below(ref[0], tier) and self._refs.get(ref, 0) == 0 and self._can_take(tier):
+                self.cache.acquire(ref)  # not evictable while it is being moved up
+                dst = (tier, self._take(tier, protect=ref))
+                self._moves.append(PageMove(ref, dst, self.cache.move(ref, dst)))
+                self.stats.loaded_pages[ref[0]] += 1
+                self._return(ref)
+                ref = dst
+            self._hold(ref)
+            seq.pages.append(ref)
+            seq.hashes.append(h)
+        seq.num_tokens = len(prefix) * self.page_tokens
+        return list(seq.pages)
+
+    def commit(self, seq_id: int, token_ids: list[int], num_computed: int) -> None:
+        """The first `num_computed` tokens of the sequence (`token_ids`) have their KV: index
+        its pages that are now full, so later requests can hit them."""
+        seq = self._seqs.get(seq_id)
+        if seq is None or not self.prefix_caching:
+            return
+        parent = seq.hashes[-1] if seq.hashes else ""
+        start = len(seq.hashes)
+        full = token_ids[: min(num_computed, seq.num_tokens)]
+        for i, h in enumerate(page_hashes(full, self.page_tokens, self.salt, parent, start)):
+            seq.hashes.append(h)
+            self.cache.add(seq.pages[start + i], h)  # a page with the same content may exist
+
+    def take_moves(self) -> list[PageMove]:
+        """The page moves decided since the last call, in the order they must run."""
+        moves, self._moves = self._moves, []
+        return moves
+
+    def preload(self, tier: str, entries: list[tuple[str, int]]) -> None:
+        """Cached pages that already exist on `tier` (the disk cache of an earlier run):
+        (hash, page id) pairs, indexed as unheld cached pages."""
+        for h, page_id in entries:
+            ref = (tier, page_id)
+            if self.cache.add(ref, h):
+                self.cache.release(ref)
+                self._next_id[tier] = max(self._next_id[tier], page_id + 1)
+        self._free[tier] = [
+            p for p in range(self._next_id[tier]) if self.cache.hash_of((tier, p)) is None
+        ][::-1]
+
+    # -- allocation ------------------------------------------------------------------------
+
     def can_append(self, seq_id: int, num_new_tokens: int, tier: str | None = None) -> bool:
         """Would `append` succeed for this sequence (or a new one on `tier`)?"""
         seq = self._seqs.get(seq_id)
         home = seq.tier if seq else tier
         assert home is not None
-        have = len(seq.page_ids) if seq else 0
+        have = len(seq.pages) if seq else 0
         used = seq.num_tokens if seq else 0
         need = self.num_pages_for(used + num_new_tokens) - have
         free = self.num_free_pages(home)
         return free is None or need <= free
 
-    def append(self, seq_id: int, num_new_tokens: int, tier: str | None = None) -> list[int]:
+    def append(self, seq_id: int, num_new_tokens: int, tier: str | None = None) -> list[PageRef]:
         """Reserve room for `num_new_tokens` more tokens; returns the pages added."""
         seq = self._seqs.get(seq_id)
         if seq is None:
-            if tier not in TIERS:
-                raise ValueError(f"new sequence {seq_id} needs a tier, got {tier!r}")
-            seq = self._seqs[seq_id] = SeqPages(tier)
-        need = self.num_pages_for(seq.num_tokens + num_new_tokens) - len(seq.page_ids)
+            self.start(seq_id, tier or "", [])
+            seq = self._seqs[seq_id]
+        need = self.num_pages_for(seq.num_tokens + num_new_tokens) - len(seq.pages)
         if not self.can_append(seq_id, num_new_tokens):
             raise KVCapacityError(
                 f"KV pool on {seq.tier} is full: sequence {seq_id} needs {need} more page(s)"
             )
-        new_ids = [self._take(seq.tier) for _ in range(need)]
-        seq.page_ids.extend(new_ids)
+        new_pages = [(seq.tier, self._take(seq.tier)) for _ in range(need)]
+        for ref in new_pages:
+            self._hold(ref)
+        seq.pages.extend(new_pages)
         seq.num_tokens += num_new_tokens
-        return new_ids
+        return new_pages
 
     def free(self, seq_id: int) -> None:
+        """The sequence is gone: its pages go back, cached ones stay in the LRU."""
         seq = self._seqs.pop(seq_id, None)
-        if seq is not None:
-            self._free[seq.tier].extend(reversed(seq.page_ids))
+        if seq is None:
+            return
+        for ref in reversed(seq.pages):
+            self._refs[ref] -= 1
+            if self._refs[ref] == 0:
+                del self._refs[ref]
+                self._held[ref[0]] -= 1
+                if self.cache.hash_of(ref) is not None:
+                    self.cache.release(ref)
+                    self._trim(ref[0])
+                else:
+                    self._free[ref[0]].append(ref[1])
 
-    def page_table(self, seq_id: int) -> list[int]:
-        return list(self._seqs[seq_id].page_ids)
+    def page_table(self, seq_id: int) -> list[PageRef]:
+        return list(self._seqs[seq_id].pages)
 
     def tier_of(self, seq_id: int) -> str:
         return self._seqs[seq_id].tier
@@ -114,12 +249,74 @@ class PageManager:
     def __contains__(self, seq_id: int) -> bool:
         return seq_id in self._seqs
 
-    def _take(self, tier: str) -> int:
+    # -- pages -----------------------------------------------------------------------------
+
+    def _hold(self, ref: PageRef) -> None:
+        count = self._refs.get(ref, 0)
+        if count == 0:
+            self._held[ref[0]] += 1
+            self.cache.acquire(ref)
+        self._refs[ref] = count + 1
+
+    def _return(self, ref: PageRef) -> None:
+        """An unheld page whose contents moved away: free for reuse."""
+        self.cache.remove(ref)
+        self._free[ref[0]].append(ref[1])
+
+    def _can_take(self, tier: str) -> bool:
+        free = self.num_free_pages(tier)
+        return free is None or free > 0
+
+    def _take(self, tier: str, protect: PageRef | None = None) -> int:
+        """A page id on `tier` for new contents: free, never used, or the least recently used
+        unheld cached page, spilled down a tier (or dropped) first."""
         if self._free[tier]:
             return self._free[tier].pop()
-        page_id = self._next_id[tier]
-        self._next_id[tier] += 1
-        return page_id
+        cap = self.capacity_pages[tier]
+        if cap is None or self._next_id[tier] < cap:
+            page_id = self._next_id[tier]
+            self._next_id[tier] += 1
+            return page_id
+        victim = self.cache.oldest(tier)
+        if victim is None or (tier, victim) == protect:
+            raise KVCapacityError(f"KV pool on {tier} is full and holds no evictable page")
+        self._evict((tier, victim))
+        return self._free[tier].pop()
+
+    def _evict(self, ref: PageRef) -> None:
+        """Make the unheld cached page `ref` free: spill it to the next tier down that has
+        room, else drop it from the cache."""
+        lower = next((t for t in TIERS if _below(t, ref[0]) and self._has_room(t)), None)
+        if lower is None:
+            self.cache.remove(ref)
+            self.stats.evicted_pages += 1
+        else:
+            self.cache.acquire(ref)
+            dst = (lower, self._take(lower))
+            self._moves.append(PageMove(ref, dst, self.cache.move(ref, dst)))
+            self.cache.release(dst)
+            self.stats.spilled_pages[lower] += 1
+        self._free[ref[0]].append(ref[1])
+
+    def _has_room(self, tier: str) -> bool:
+        """Can `tier` take one more page (possibly by spilling or dropping its own LRU)?"""
+        cap = self.capacity_pages[tier]
+        if cap == 0:
+            return False
+        return self._can_take(tier) or self.cache.oldest(tier) is not None
+
+    def _trim(self, tier: str) -> None:
+        """Keep at most max_cached_pages[tier] unheld cached pages on `tier`."""
+        limit = self.max_cached_pages.get(tier)
+        while limit is not None and self.num_cached_pages(tier) > limit:
+            victim = self.cache.oldest(tier)
+            assert victim is not None
+            self._evict((tier, victim))
+
+
+def _below(tier: str, other: str) -> bool:
+    """`tier` is a lower (slower) tier than `other`."""
+    return TIERS.index(tier) > TIERS.index(other)
 
 
 def pick_tier(fracs: tuple[float, float, float], counts: dict[str, int]) -> str:

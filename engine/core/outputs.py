@@ -48,6 +48,9 @@ class RequestOutput:
     """True once every choice has finished; this is the request's last output."""
     prompt_logprobs: list[TokenLogprobs] | None = None
     """Logprobs of the prompt tokens when sampling asked for echo with logprobs."""
+    num_cached_tokens: int = 0
+    """Prompt tokens whose KV came from the prefix cache instead of being computed (vLLM's
+    field; with n > 1, the first choice's)."""
 
 
 def request_output(seqs: list[Sequence]) -> RequestOutput:
@@ -67,5 +70,10 @@ def request_output(seqs: list[Sequence]) -> RequestOutput:
     finished = all(s.is_finished for s in seqs)
     prompt_logprobs = seqs[0].prompt_logprobs
     return RequestOutput(
-        request.request_id, list(request.prompt_token_ids), outputs, finished, prompt_logprobs
+        request.request_id,
+        list(request.prompt_token_ids),
+        outputs,
+        finished,
+        prompt_logprobs,
+        seqs[0].num_cached_tokens or 0,
     )

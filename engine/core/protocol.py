@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.core.kv_pages import PageMove
+from engine.core.prefix_cache import PageRef
 from engine.core.sampling_params import SamplingParams
 
 PENDING_TOKEN_ID = -1
@@ -32,10 +34,12 @@ class SeqChunk:
     """Position of token_ids[0]; equals the number of tokens already in this sequence's KV."""
     gpu_batch: int
     """Which GPU batch of the block this sequence computes in."""
-    new_page_ids: list[int]
-    """KV pages appended to this sequence's page table for these tokens (may be empty)."""
+    new_pages: list[PageRef]
+    """(tier, page id) of the KV pages appended to this sequence's page table for these
+    tokens (may be empty). Its own pages are on its home tier; pages of a cached prefix
+    (first chunk only) may be on any tier and are only read."""
     kv_tier: str
-    """Tier that homes this sequence's KV pages: 'gpu', 'cpu' or 'disk'."""
+    """Home tier of this sequence's own KV pages: 'gpu', 'cpu' or 'disk'."""
     act_tier: str
     """Tier that homes this sequence's activations between layers."""
     do_sample: bool
@@ -55,6 +59,9 @@ class StepPlan:
     freed_seq_ids: list[int] = field(default_factory=list)
     """Sequences finished, aborted or preempted since the last plan: drop their engine state.
     Apply before running the chunks: their pages may already be reused in this plan."""
+    page_moves: list[PageMove] = field(default_factory=list)
+    """Cached pages to copy between tiers, in order, before this step reads or writes any
+    KV (a spill down, a load back up for a hit); the source page is free afterwards."""
     dense_size: int = 0
     """Token rows this step runs (NanoFlow's discrete batch size): num_tokens plus padding
     rows that go through the dense ops only; 0 means num_tokens."""

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from engine.core.kv_pages import PageManager, pick_tier
 from engine.core.outputs import RequestOutput, request_output
+from engine.core.prefix_cache import PageRef
 from engine.core.protocol import PENDING_TOKEN_ID, SeqChunk, StepPlan, StepResult
 from engine.core.sequence import Detokenizer, Request, Sequence, SequenceStatus
 from policy import TIERS, Policy, UserError
@@ -76,6 +77,16 @@ class SchedulerConfig:
     conservative_admission: bool = False
     """Assume every request runs to max_tokens: nothing is ever preempted, but fewer
     sequences run at once when most stop early."""
+    enable_prefix_caching: bool = False
+    """Keep finished sequences' full KV pages cached (spilling LRU pages down the tiers) and
+    let new requests reuse the longest cached prefix instead of recomputing it."""
+    cache_salt: str = ""
+    """Mixed into every page hash: what else determines the KV bytes (EngineInfo.cache_salt)."""
+    max_cached_pages: dict[str, int] = field(default_factory=dict)
+    """Per tier, the most cached pages nobody holds (the disk cache's size bound)."""
+    min_hit_tokens: dict[str, int] = field(default_factory=dict)
+    """Per tier, the shortest cached prefix worth loading from there instead of recomputing
+    (the cost model's break-even); a shorter hit on that tier is recomputed."""
     static_blocks: bool = False
     """FlexGen-style baseline: admit only into an empty block, so a block runs to completion
     before the next starts (no refill). False: continuous refill after every step."""
@@ -141,7 +152,13 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, detokenizer: Detokenizer | None = None) -> None:
         self.config = config
         self.detokenizer = detokenizer
-        self.page_manager = PageManager(config.page_tokens, config.kv_capacity_pages)
+        self.page_manager = PageManager(
+            config.page_tokens,
+            config.kv_capacity_pages,
+            prefix_caching=config.enable_prefix_caching,
+            salt=config.cache_salt,
+            max_cached_pages=config.max_cached_pages,
+        )
         self.waiting: dict[int, deque[Sequence]] = {}
         """Queues per priority (lower first), FIFO; preempted sequences go back to the front."""
         self.running: list[Sequence] = []
@@ -156,6 +173,9 @@ class Scheduler:
         self._num_finished = 0
         self._next_seq_id = 0
         self._next_step_id = 0
+        self._plan_epochs: dict[int, dict[int, int]] = {}
+        """Per plan in flight: each sequence's epoch when planned (prefix caching indexes a
+        sequence's pages after a step only if it was not preempted meanwhile)."""
         caps = [
             self.page_manager.capacity_pages[t]
             for t, f in zip(TIERS, config.kv_frac, strict=True)
@@ -249,6 +269,9 @@ class Scheduler:
             return None
         chunks = [chunk for _, chunk in sorted(planned, key=lambda p: p[0])]
         plan = StepPlan(self._next_step_id, chunks, self._freed_seq_ids)
+        plan.page_moves = self.page_manager.take_moves()
+        if self.config.enable_prefix_caching:
+            self._plan_epochs[plan.step_id] = {c.seq_id: self._seqs[c.seq_id].epoch for c in chunks}
         discrete = self.config.discrete_batching
         plan.dense_size = self._pick_size(plan.num_tokens) if discrete else plan.num_tokens
         self._next_step_id += 1
@@ -261,7 +284,7 @@ class Scheduler:
             (s for s in self.config.batch_sizes if s >= num_tokens), self.config.batch_sizes[-1]
         )
 
-    def _chunk(self, seq: Sequence, num_new: int, page_ids: list[int]) -> SeqChunk:
+    def _chunk(self, seq: Sequence, num_new: int, pages: list[PageRef]) -> SeqChunk:
         start = seq.num_computed_tokens
         known = seq.token_ids[start : start + num_new]
         token_ids = known + [PENDING_TOKEN_ID] * (num_new - len(known))
@@ -272,7 +295,7 @@ class Scheduler:
             token_ids=token_ids,
             start_pos=start,
             gpu_batch=seq.slot // self.config.gpu_batch_size,
-            new_page_ids=page_ids,
+            new_pages=pages,
             kv_tier=seq.kv_tier,
             act_tier=seq.act_tier,
             do_sample=do_sample,
@@ -284,7 +307,7 @@ class Scheduler:
         return chunk
 
     # -- KV: allocation, admission, preemption ----------------------------------------------
-    def _allocate(self, seq: Sequence, num_new: int) -> list[int] | None:
+    def _allocate(self, seq: Sequence, num_new: int) -> list[PageRef] | None:
         """Pages for seq's next tokens, preempting newer ones on its tier; None if seq went."""
         while not self.page_manager.can_append(seq.seq_id, num_new):
             victim = next(s for s in reversed(self.running) if s.kv_tier == seq.kv_tier)
@@ -296,17 +319,21 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         """Free seq's KV and queue it at the front of its queue, to be recomputed later."""
         self.num_preemptions += 1
+        seq.epoch += 1
         self._release(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0
         self.waiting[seq.request.priority].appendleft(seq)
 
-    def _admit(self, budget: int) -> tuple[Sequence, int, list[int]] | None:
-        """Move the head of the queues into the block if its projected KV fits some tier."""
+    def _admit(self, budget: int) -> tuple[Sequence, int, list[PageRef]] | None:
+        """Move the head of the queues into the block if its projected KV fits some tier.
+        With prefix caching its longest cached prefix is taken, not recomputed."""
         seq = next((q[0] for q in self._queues()), None)
         if seq is None or seq.num_pending:
             return None
-        num_new = min(seq.num_tokens, budget)
+        prefix = self._worth_loading(self.page_manager.match(seq.token_ids))
+        num_cached = len(prefix) * self.config.page_tokens
+        num_new = min(seq.num_tokens - num_cached, budget)
         counts = {t: 0 for t in TIERS}
         for s in self.running:
             counts[s.kv_tier] += 1
@@ -323,7 +350,23 @@ class Scheduler:
         seq.slot = heapq.heappop(self._free_slots)
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
-        return seq, num_new, self.page_manager.append(seq.seq_id, num_new, seq.kv_tier)
+        pages = self.page_manager.start(seq.seq_id, seq.kv_tier, prefix)
+        seq.num_computed_tokens = num_cached
+        if seq.num_cached_tokens is None:  # the first admission's hit is the request's
+            seq.num_cached_tokens = num_cached
+        stats = self.page_manager.stats
+        stats.query_tokens += seq.num_tokens
+        stats.hit_tokens += num_cached
+        return seq, num_new, pages + self.page_manager.append(seq.seq_id, num_new)
+
+    def _worth_loading(self, prefix: list[PageRef]) -> list[PageRef]:
+        """`prefix` cut before its first page on a tier where a hit this long loses to
+        recomputing (SchedulerConfig.min_hit_tokens)."""
+        num_tokens = len(prefix) * self.config.page_tokens
+        for i, (tier, _) in enumerate(prefix):
+            if num_tokens < self.config.min_hit_tokens.get(tier, 0):
+                return prefix[:i]
+        return prefix
 
     def _kv_fits(self, seq: Sequence, num_new: int, tier: str) -> bool:
         """Room now for the first chunk, and projected peak KV on tier within capacity."""
@@ -383,6 +426,12 @@ class Scheduler:
             seq = self._seqs.get(seq_id)
             if seq is not None and seq.prompt_logprobs is None:  # not again after a recompute
                 seq.prompt_logprobs = prompt_logprobs
+        epochs = self._plan_epochs.pop(plan.step_id, {})
+        for chunk in plan.chunks:  # their KV is computed now: index the pages they filled
+            seq = self._seqs.get(chunk.seq_id)
+            if seq is not None and epochs.get(seq.seq_id) == seq.epoch:  # not preempted since
+                computed = chunk.start_pos + len(chunk.token_ids)
+                self.page_manager.commit(seq.seq_id, seq.token_ids, computed)
         changed: dict[str, None] = {}  # request ids in first-change order
         for chunk, token_id, logprobs in zip(sampled, result.token_ids, result.logprobs):
             seq = self._seqs.get(chunk.seq_id)

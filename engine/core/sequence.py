@@ -80,6 +80,10 @@ class Sequence:
     act_tier: str = ""
     is_sent: bool = False
     """The engine holds state for this sequence (sampling was sent with a chunk)."""
+    num_cached_tokens: int | None = None
+    """Prompt tokens whose KV came from the prefix cache at its first admission."""
+    epoch: int = 0
+    """Times it was preempted (its KV dropped); plans made before that are stale for it."""
 
     @classmethod
     def expand(cls, request: Request, first_seq_id: int) -> list[Sequence]:

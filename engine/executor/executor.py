@@ -256,8 +256,8 @@ class Executor:
     def execute(self, plan: StepPlan) -> StepResult:
         for seq_id in plan.freed_seq_ids:
             gone = self._seqs.pop(seq_id, None)
-            if gone is not None and gone.kv_tier == "disk":
-                self.kv.disk_pool.release_pages(gone.page_ids)
+            if gone is not None:  # drop what is staged for its partly written disk pages
+                self.kv.disk_pool.release_pages([p for tier, p in gone.pages if tier == "disk"])
         by_batch: dict[int, list[SeqChunk]] = {}
         for chunk in plan.chunks:
             self._admit(chunk)
@@ -270,7 +270,9 @@ class Executor:
             )
             for k, chunks in sorted(by_batch.items())
         ]
-        logits = self.pipeline.run(batches)
+        self.kv.reserve_pages([m.dst for m in plan.page_moves])
+        self.kv.disk_pool.begin_pages([m.dst[1] for m in plan.page_moves if m.dst[0] == "disk"])
+        logits = self.pipeline.run(batches, plan.page_moves)
         # Split each batch's logit rows by chunk: the row to sample from, and for echo +
         # logprobs requests the prompt positions. Rows follow batch order; results plan order.
         sample_rows: list[torch.Tensor] = []
@@ -315,11 +317,10 @@ class Executor:
             state = self._seqs[chunk.seq_id] = SeqState(
                 chunk.kv_tier, chunk.act_tier, chunk.sampling
             )
-        state.page_ids.extend(chunk.new_page_ids)
-        if chunk.new_page_ids:
-            self.kv.reserve(state.kv_tier, max(chunk.new_page_ids) + 1)
-            if state.kv_tier == "disk":
-                self.kv.disk_pool.begin_pages(chunk.new_page_ids)
+        state.pages.extend(chunk.new_pages)
+        self.kv.reserve_pages(chunk.new_pages)
+        # fresh disk pages start clean (a cached prefix page is full: nothing staged for it)
+        self.kv.disk_pool.begin_pages([p for tier, p in chunk.new_pages if tier == "disk"])
 
     def score(self, prompts: list[list[int]], prefill_len: int | None = None) -> list[torch.Tensor]:
         """(len, vocab) float32 logits at every position of each prompt: for offline

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.core.prefix_cache import PageRef
 from engine.core.protocol import SeqChunk, TokenLogprobs
 from engine.core.sampling_params import SamplingParams
 from engine.executor.attention import RaggedLayout
@@ -66,8 +67,8 @@ class SeqState:
     kv_tier: str
     act_tier: str
     sampling: SamplingParams
-    page_ids: list[int] = field(default_factory=list)
-    """The page table, extended by each plan's new_page_ids."""
+    pages: list[PageRef] = field(default_factory=list)
+    """The page table, (tier, page id) per page, extended by each plan's new_pages."""
     has_sampled: bool = False
     """A token was sampled: every chunk from here on is a decode."""
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
@@ -80,9 +81,25 @@ class SeqState:
         return self.sampling.echo and self.sampling.logprobs is not None and not self.has_sampled
 
 
-def slots_for(page_ids: list[int], start: int, stop: int, page_tokens: int) -> list[int]:
-    """KV pool slots of tokens [start, stop) of a sequence with this page table."""
-    return [page_ids[t // page_tokens] * page_tokens + t % page_tokens for t in range(start, stop)]
+SlotsByTier = dict[str, tuple[list[int], list[int]]]
+"""tier -> (pool slots, the rows they go to or come from)."""
+
+
+def add_slots(
+    out: SlotsByTier, pages: list[PageRef], start: int, stop: int, page_tokens: int, row: int
+) -> None:
+    """Add the pool slots of tokens [start, stop) of a sequence with page table `pages` to
+    `out`, per tier, paired with rows row, row + 1, ... (a page at a time)."""
+    t = start
+    while t < stop:
+        tier, page = pages[t // page_tokens]
+        offset = t % page_tokens
+        n = min(page_tokens - offset, stop - t)
+        slots, rows = out.setdefault(tier, ([], []))
+        first = page * page_tokens + offset
+        slots.extend(range(first, first + n))
+        rows.extend(range(row, row + n))
+        t, row = t + n, row + n
 
 
 class BatchBuilder:
@@ -114,7 +131,7 @@ class BatchBuilder:
         logit_rows: list[int] = []
         logit_counts: list[int] = []
         act_rows: dict[str, list[int]] = {}
-        new_kv: dict[str, tuple[list[int], list[int]]] = {}  # tier -> (slots, batch rows)
+        new_kv: SlotsByTier = {}  # tier -> (slots, batch rows)
         members: dict[bool, list[tuple[SeqChunk, SeqState, int]]] = {False: [], True: []}
         row = 0
         for c, state in chunks:
@@ -122,9 +139,7 @@ class BatchBuilder:
             token_ids.extend(c.token_ids)
             positions.extend(range(ctx, ctx + q_len))
             act_rows.setdefault(state.act_tier, []).extend(range(row, row + q_len))
-            slots, rows = new_kv.setdefault(state.kv_tier, ([], []))
-            slots.extend(slots_for(state.page_ids, ctx, ctx + q_len, self.page_tokens))
-            rows.extend(range(row, row + q_len))
+            add_slots(new_kv, state.pages, ctx, ctx + q_len, self.page_tokens, row)
             # FlexGen Sec. 4.2: decode attention over host-homed KV (cpu, or disk read into
             # host memory) runs on the CPU; only q and the new k, v cross PCIe
             on_cpu = self.cpu_attention and state.kv_tier != "gpu" and q_len == 1
@@ -167,14 +182,11 @@ class BatchBuilder:
             return None
         q_lens = [len(c.token_ids) for c, _, _ in members]
         past_lens = [c.start_pos for c, _, _ in members]
-        past: dict[str, tuple[list[int], list[int]]] = {}
+        past: SlotsByTier = {}
         packed = 0
-        for c, state, _ in members:
-            if c.start_pos:
-                slots, dest = past.setdefault(state.kv_tier, ([], []))
-                slots.extend(slots_for(state.page_ids, 0, c.start_pos, self.page_tokens))
-                dest.extend(range(packed, packed + c.start_pos))
-                packed += c.start_pos
+        for c, state, _ in members:  # a cached prefix may sit on other tiers than the home
+            add_slots(past, state.pages, 0, c.start_pos, self.page_tokens, packed)
+            packed += c.start_pos
         rows = None
         if sum(q_lens) != num_rows:
             rows = self._index(

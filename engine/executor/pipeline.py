@@ -15,13 +15,14 @@ Both loops produce bit-identical tokens; tests hold them to it, and the trace
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 
+from engine.core.kv_pages import PageMove
 from engine.executor.attention import ragged_attention
 from engine.executor.cuda_graphs import GraphRunner, StepGraphs
 from engine.executor.gpu_batch import AttentionGroup, GpuBatch
@@ -46,8 +47,10 @@ class PastKV:
 NO_PAST = PastKV(None, None)
 
 
-def _stay(t: torch.Tensor) -> torch.Tensor:
-    return t
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """Rows for CPU attention: host-homed ones stay, device-homed ones (a cached prefix
+    on the gpu tier) come over."""
+    return t.cpu()
 
 
 class BlockPipeline:
@@ -75,6 +78,8 @@ class BlockPipeline:
         self.graphs = graphs
         """Piecewise CUDA graphs of the dense ops, used for the steps where they apply."""
         self._replaying: StepGraphs | None = None
+        self._moves: list[PageMove] = []
+        self._moved: dict[int, Future[None]] = {}  # layer -> its page moves, when overlapped
         c = model.config
         self._kv_dim = c.kv_dim
         self._kv_shape = (c.num_kv_heads, c.head_dim)
@@ -91,8 +96,11 @@ class BlockPipeline:
 
     # -- the two loops -------------------------------------------------------------------
 
-    def run(self, batches: list[GpuBatch]) -> list[torch.Tensor]:
-        """One step: returns (S_k, vocab) float32 logits for each GPU batch's logit rows."""
+    def run(self, batches: list[GpuBatch], moves: Sequence[PageMove] = ()) -> list[torch.Tensor]:
+        """One step: returns (S_k, vocab) float32 logits for each GPU batch's logit rows.
+        `moves` (cached pages spilled down or loaded back up) are applied layer by layer
+        before that layer's KV is read or written."""
+        self._moves = list(moves)
         self._replaying = None
         if self.graphs is not None and GraphRunner.applies(batches):
             self._replaying = self.graphs.begin(batches[0])
@@ -105,6 +113,7 @@ class BlockPipeline:
         wait = self.device.wait
         for j in range(self.model.num_layers):
             w = wait(self._load_weights(j))
+            self._move_pages(j)
             for batch in batches:
                 past = wait(self._load_past(j, batch))
                 h = wait(self._load_act(j, batch, None))
@@ -121,6 +130,8 @@ class BlockPipeline:
     def _run_overlapped(self, batches: list[GpuBatch]) -> list[torch.Tensor]:
         num_layers, num_batches = self.model.num_layers, len(batches)
         load, store, wait = self._loads.submit, self._stores.submit, self.device.wait
+        if self._moves:  # first in the load queue: every KV load and store waits for its layer's
+            self._moved = {j: load(self._move_pages, j) for j in range(1, num_layers - 1)}
         weights = {0: load(self._load_weights, 0)}
         pasts = {(0, 0): load(self._load_past, 0, batches[0])}
         acts = {(0, 0): load(self._load_act, 0, batches[0], None)}
@@ -153,6 +164,23 @@ class BlockPipeline:
         for fut in (*kv_stores, *act_stored.values()):
             fut.result()
         return logits
+
+    # -- page moves ------------------------------------------------------------------------
+
+    def _move_pages(self, j: int) -> None:
+        """Layer j's share of the step's page moves, in order (a move may free the page the
+        next one fills)."""
+        if not self._moves or self.model.layer_kind(j) != "decoder":
+            return
+        with self._copy_task("move_pages", "load", j):
+            for move in self._moves:
+                self.kv.copy_page(j - 1, move.src, move.dst)
+            self.device.synchronize()
+
+    def _after_moves(self, j: int) -> None:
+        moved = self._moved.get(j)
+        if moved is not None:
+            moved.result()
 
     # -- loads ---------------------------------------------------------------------------
 
@@ -198,6 +226,7 @@ class BlockPipeline:
         compute device, the CPU group's decoded in host memory (read from cpu or disk)."""
         if self.model.layer_kind(j) != "decoder":
             return Ready(NO_PAST)
+        self._after_moves(j)
         layer = j - 1
         device_past = cpu_past = None
         dev, cpu = batch.device_group, batch.cpu_group
@@ -207,7 +236,7 @@ class BlockPipeline:
                     device_past = self._gather(layer, dev, self.device.to_device)
             if cpu is not None and cpu.layout.num_past:
                 with self.tracer.span("load_cache", "load", j, batch.index, host=True):
-                    cpu_past = self._gather(layer, cpu, _stay).float()
+                    cpu_past = self._gather(layer, cpu, _to_host).float()
             return Ready(PastKV(device_past, cpu_past), self.device.record())
 
     def _gather(
@@ -356,6 +385,7 @@ class BlockPipeline:
         self, j: int, batch: GpuBatch, new_kv: torch.Tensor, done: torch.cuda.Event | None
     ) -> None:
         """Write layer j's new KV rows to each sequence's home tier."""
+        self._after_moves(j)
         with self._copy_task("store_cache", "store", j, batch.index):
             stream = self.device.copy_stream()
             if stream is not None and done is not None:

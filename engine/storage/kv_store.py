@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.core.prefix_cache import PageRef
 from engine.storage.device import Device
 from engine.storage.disk import DiskIO
 from engine.storage.disk_kv import DiskKVPool
@@ -32,6 +33,9 @@ class KVRows:
     rows: torch.Tensor
     """On the compute device: each slot's row in the packed order it is gathered into
     (past KV packed in sequence order) or taken from (the batch's new-token rows)."""
+
+
+_NO_ROWS = torch.empty(0, dtype=torch.long)
 
 
 class KVStore:
@@ -85,6 +89,30 @@ class KVStore:
         self.num_pages[tier] = new_pages
         # the copy above runs on the compute stream; copy streams read the pool next
         self.device.synchronize()
+
+    def reserve_pages(self, pages: list[PageRef]) -> None:
+        """Make every page of `pages` addressable on its tier."""
+        top: dict[str, int] = {}
+        for tier, page in pages:
+            top[tier] = max(top.get(tier, 0), page + 1)
+        for tier, num_pages in top.items():
+            self.reserve(tier, num_pages)
+
+    def page_rows(self, ref: PageRef) -> KVRows:
+        """The slots of every token of page `ref`."""
+        tier, page = ref
+        first = page * self.page_tokens
+        index = None
+        if tier != "disk":
+            index = torch.arange(first, first + self.page_tokens, device=self.pool_device(tier))
+        return KVRows(list(range(first, first + self.page_tokens)), index, _NO_ROWS)
+
+    def copy_page(self, layer: int, src: PageRef, dst: PageRef) -> None:
+        """Copy one layer of a page's encoded KV from `src` to `dst` (any two tiers)."""
+        data = self.read(src[0], layer, self.page_rows(src))
+        if dst[0] == "disk":
+            data = data.cpu()
+        self.write(dst[0], layer, self.page_rows(dst), data)
 
     def read(self, tier: str, layer: int, kv_rows: KVRows) -> torch.Tensor:
         """Encoded rows at `kv_rows.slots`: on the compute device for gpu, on the host else."""

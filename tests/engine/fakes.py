@@ -1,15 +1,16 @@
 """A fake executor and detokenizer for scheduler tests: deterministic, torch-free, strict.
 
-The fake keeps each sequence's tokens as its "KV cache" and checks every plan
-the way a real engine relies on it: chunks start where the KV ends, sampling
-arrives with a sequence's first chunk, page tables cover the tokens, no page
-is shared by two live sequences, and no placeholder token reaches it.
+The fake keeps each page's tokens as its "KV cache" and checks every plan the way a
+real engine relies on it: chunks start where the KV ends, sampling arrives with a
+sequence's first chunk, page tables cover the tokens, no page is written while another
+live sequence holds it, moves land in free pages, and no placeholder token reaches it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.core.prefix_cache import PageRef
 from engine.core.protocol import PENDING_TOKEN_ID, StepPlan, StepResult, TokenLogprobs
 from engine.core.sampling_params import SamplingParams
 
@@ -34,52 +35,76 @@ def reference(prompt: list[int], max_tokens: int, seed: int | None = None) -> li
 
 @dataclass
 class FakeExecutor:
+    """Holds each page's token ids as its "KV": a sequence's history is read back from the
+    pages of its page table, so a page mapped wrong (a bad prefix hit, a lost move, a
+    write into a shared page) changes its tokens and the outputs."""
+
     page_tokens: int = 16
-    history: dict[int, list[int]] = field(default_factory=dict)
+    store: dict[PageRef, list[int | None]] = field(default_factory=dict)
+    tables: dict[int, list[PageRef]] = field(default_factory=dict)
+    homes: dict[int, str] = field(default_factory=dict)
     sampling: dict[int, SamplingParams] = field(default_factory=dict)
-    pages: dict[int, tuple[str, list[int]]] = field(default_factory=dict)
     plans: list[StepPlan] = field(default_factory=list)
     freed: list[int] = field(default_factory=list)
 
     def execute(self, plan: StepPlan) -> StepResult:
         self.plans.append(plan)
         for seq_id in plan.freed_seq_ids:
-            assert seq_id in self.history, f"freed unknown sequence {seq_id}"
-            del self.history[seq_id], self.sampling[seq_id], self.pages[seq_id]
+            assert seq_id in self.tables, f"freed unknown sequence {seq_id}"
+            del self.tables[seq_id], self.sampling[seq_id], self.homes[seq_id]
             self.freed.append(seq_id)
+        for move in plan.page_moves:
+            assert move.src in self.store, f"moved page {move.src} holds nothing"
+            assert not self._holders(move.dst), f"moved into page {move.dst}, which is held"
+            self.store[move.dst] = self.store.pop(move.src)
         seq_ids, token_ids, logprobs = [], [], []
         for chunk in plan.chunks:
             assert PENDING_TOKEN_ID not in chunk.token_ids, "placeholder reached the engine"
-            if chunk.seq_id not in self.history:
+            if chunk.seq_id not in self.tables:
                 assert chunk.sampling is not None, "first chunk must carry sampling"
-                assert chunk.start_pos == 0
-                self.history[chunk.seq_id] = []
+                self.tables[chunk.seq_id] = []
+                self.homes[chunk.seq_id] = chunk.kv_tier
                 self.sampling[chunk.seq_id] = chunk.sampling
-                self.pages[chunk.seq_id] = (chunk.kv_tier, [])
             else:
                 assert chunk.sampling is None, "sampling sent twice"
-            history = self.history[chunk.seq_id]
-            assert chunk.start_pos == len(history), (chunk.start_pos, len(history))
+            assert self.homes[chunk.seq_id] == chunk.kv_tier
+            table = self.tables[chunk.seq_id]
+            table.extend(chunk.new_pages)
+            history = self._read(table, chunk.start_pos)
             history.extend(chunk.token_ids)
-            tier, table = self.pages[chunk.seq_id]
-            assert tier == chunk.kv_tier
-            table.extend(chunk.new_page_ids)
             assert len(table) == -(-len(history) // self.page_tokens), "page table size"
+            self._write(chunk.seq_id, table, chunk.start_pos, chunk.token_ids)
             if chunk.do_sample:
                 seed = self.sampling[chunk.seq_id].seed
                 token = next_token(history, seed)
                 seq_ids.append(chunk.seq_id)
                 token_ids.append(token)
                 logprobs.append(TokenLogprobs(token, -0.5, [(token, -0.5)]))
-        self._check_pages_disjoint()
         return StepResult(plan.step_id, seq_ids, token_ids, logprobs)
 
-    def _check_pages_disjoint(self) -> None:
-        seen: set[tuple[str, int]] = set()
-        for tier, table in self.pages.values():
-            for page_id in table:
-                assert (tier, page_id) not in seen, f"page {tier}:{page_id} shared"
-                seen.add((tier, page_id))
+    def _read(self, table: list[PageRef], num_tokens: int) -> list[int]:
+        """The tokens in KV positions [0, num_tokens) of a page table."""
+        out: list[int] = []
+        for t in range(num_tokens):
+            token = self.store[table[t // self.page_tokens]][t % self.page_tokens]
+            assert token is not None, f"position {t} read before it was written"
+            out.append(token)
+        return out
+
+    def _write(self, seq_id: int, table: list[PageRef], start: int, tokens: list[int]) -> None:
+        for i, token in enumerate(tokens):
+            t = start + i
+            ref = table[t // self.page_tokens]
+            assert ref[0] == self.homes[seq_id], "a sequence writes only its home tier"
+            others = self._holders(ref) - {seq_id}
+            assert not others, f"page {ref} written while sequences {others} hold it"
+            page = self.store.setdefault(ref, [None] * self.page_tokens)
+            if t % self.page_tokens == 0:  # a fresh page: forget its previous owner
+                page[:] = [None] * self.page_tokens
+            page[t % self.page_tokens] = token
+
+    def _holders(self, ref: PageRef) -> set[int]:
+        return {seq_id for seq_id, table in self.tables.items() if ref in table}
 
 
 class FakeDetokenizer:

@@ -28,7 +28,7 @@ def plan(step_id: int) -> StepPlan:
         token_ids=[5, 9],
         start_pos=0,
         gpu_batch=0,
-        new_page_ids=[0],
+        new_pages=[("gpu", 0)],
         kv_tier="gpu",
         act_tier="gpu",
         do_sample=True,

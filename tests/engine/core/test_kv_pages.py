@@ -11,10 +11,10 @@ from engine.core.kv_pages import KVCapacityError, PageManager, pick_tier
 
 def test_append_allocates_pages_as_tokens_cross_boundaries() -> None:
     pages = PageManager(4, {"gpu": 10})
-    assert pages.append(0, 5, "gpu") == [0, 1]
+    assert pages.append(0, 5, "gpu") == [("gpu", 0), ("gpu", 1)]
     assert pages.append(0, 3) == []  # 8 tokens still fit 2 pages
-    assert pages.append(0, 1) == [2]
-    assert pages.page_table(0) == [0, 1, 2]
+    assert pages.append(0, 1) == [("gpu", 2)]
+    assert pages.page_table(0) == [("gpu", 0), ("gpu", 1), ("gpu", 2)]
     assert pages.num_tokens(0) == 9
     assert pages.tier_of(0) == "gpu"
     assert pages.num_used_pages("gpu") == 3
@@ -27,7 +27,7 @@ def test_free_returns_pages_for_reuse() -> None:
     pages.free(0)
     assert 0 not in pages
     assert pages.num_used_pages("gpu") == 0
-    assert sorted(pages.append(1, 12, "gpu")) == [0, 1, 2]
+    assert sorted(pages.append(1, 12, "gpu")) == [("gpu", 0), ("gpu", 1), ("gpu", 2)]
     pages.free(99)  # unknown: no-op
 
 

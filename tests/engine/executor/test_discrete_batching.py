@@ -42,10 +42,10 @@ def run(model_dir: Path, **engine: Any) -> tuple[list[list[int]], list[tuple[int
             planned.append(plan)
             return execute(plan)
 
-        def record_rows(batches: list[GpuBatch]) -> list[torch.Tensor]:
+        def record_rows(batches: list[GpuBatch], moves: Any = ()) -> list[torch.Tensor]:
             plan = planned[-1]
             steps.append((plan.num_tokens, plan.dense_size, sum(b.num_tokens for b in batches)))
-            return pipeline_run(batches)
+            return pipeline_run(batches, moves)
 
         llm.executor.execute = record_plan  # type: ignore[method-assign]
         llm.executor.pipeline.run = record_rows  # type: ignore[method-assign]
