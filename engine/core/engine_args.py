@@ -71,6 +71,11 @@ class EngineArgs:
     """KV pages per tier, overriding what the budgets leave (tests force preemption with it)."""
     workload: WorkloadSpec = DEFAULT_WORKLOAD
     """Lengths an automatic policy is planned for."""
+    enable_prefix_caching: bool = True
+    """Reuse the KV of cached full-page prefixes across requests, keeping finished ones in
+    an LRU cache that spills GPU -> CPU -> disk (vLLM's name for the switch)."""
+    kv_cache_disk_bytes: int | None = None
+    """The most bytes of cached pages nobody holds kept on the disk tier (LRU beyond)."""
     show_progress: bool = False
     """Print model-loading progress on stderr."""
     trace: str | None = None
@@ -127,6 +132,18 @@ class EngineArgs:
             help="run steps at the profiled discrete batch sizes (default: on)",
         )
         parser.add_argument(
+            "--enable-prefix-caching",
+            action=argparse.BooleanOptionalAction,
+            default=True,
+            help="reuse cached KV of shared prompt prefixes, spilled LRU GPU -> CPU -> disk "
+            "(default: on)",
+        )
+        parser.add_argument(
+            "--kv-cache-disk-bytes",
+            default=None,
+            help="most bytes of idle cached KV kept on disk, e.g. 20GiB (default: the disk budget)",
+        )
+        parser.add_argument(
             "--cuda-graphs",
             action=argparse.BooleanOptionalAction,
             default=True,
@@ -152,6 +169,8 @@ class EngineArgs:
             max_step_tokens=args.max_step_tokens,
             discrete_batching=args.discrete_batching,
             cuda_graphs=args.cuda_graphs,
+            enable_prefix_caching=args.enable_prefix_caching,
+            kv_cache_disk_bytes=size(args.kv_cache_disk_bytes),
         )
         return cls(**{**fields, **overrides})
 
@@ -208,7 +227,15 @@ class EngineArgs:
             max_step_tokens=step_tokens,
             batch_sizes=sizes,
             discrete_batching=self.discrete_batching,
+            enable_prefix_caching=self.enable_prefix_caching,
+            cache_salt=info.cache_salt,
+            max_cached_pages=self._max_cached_pages(info),
         )
+
+    def _max_cached_pages(self, info: EngineInfo) -> dict[str, int]:
+        if self.kv_cache_disk_bytes is None or not info.page_bytes:
+            return {}
+        return {"disk": self.kv_cache_disk_bytes // info.page_bytes}
 
     def create_scheduler(
         self,

@@ -296,6 +296,7 @@ class PageManager:
             self._moves.append(PageMove(ref, dst, self.cache.move(ref, dst)))
             self.cache.release(dst)
             self.stats.spilled_pages[lower] += 1
+            self._trim(lower)
         self._free[ref[0]].append(ref[1])
 
     def _has_room(self, tier: str) -> bool:

@@ -142,6 +142,11 @@ class EngineInfo:
     """KV pages each tier may hold (None: bounded only by the machine)."""
     placement: Placement
     """The realized placement when the executor was built."""
+    page_bytes: int = 0
+    """Bytes of one KV page, every layer, as stored (compressed or not)."""
+    cache_salt: str = ""
+    """What besides the tokens determines a page's KV bytes (model, dtype, compression,
+    page size), hashed: mixed into every prefix-cache page hash."""
     scratch_dir: str | None = None
     """A temporary directory the executor made (the disk tier without --offload-dir): it
     removes it when closed; whoever outlives a killed executor removes it instead."""

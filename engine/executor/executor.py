@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import shutil
 import sys
 import tempfile
@@ -233,7 +234,21 @@ class Executor:
     def describe(self) -> EngineInfo:
         """What a scheduler in this or another process needs to plan for this engine."""
         scratch = str(self.offload_dir) if self._own_offload_dir else None
-        return EngineInfo(PAGE_TOKENS, self.kv_capacity_pages(), self.placement(), scratch)
+        return EngineInfo(
+            page_tokens=PAGE_TOKENS,
+            kv_capacity_pages=self.kv_capacity_pages(),
+            placement=self.placement(),
+            page_bytes=self.kv.page_bytes,
+            cache_salt=self.cache_salt(),
+            scratch_dir=scratch,
+        )
+
+    def cache_salt(self) -> str:
+        """A digest of everything besides the tokens that decides a KV page's bytes."""
+        digest = hashlib.sha256((self.model_dir / "config.json").read_bytes())
+        codec = self.kv.codec
+        digest.update(f"{self.dtype}|{codec.compress}|{codec.group_size}|{PAGE_TOKENS}".encode())
+        return digest.hexdigest()[:16]
 
     def placement(self) -> Placement:
         """What was realized: bytes per tier for weights, KV and activations, and layer homes."""

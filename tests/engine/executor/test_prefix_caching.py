@@ -1,0 +1,85 @@
+"""Prefix caching through the real executor: cached KV reused, spilled down the tiers and
+loaded back, with greedy tokens equal to transformers' and to the cache switched off."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from engine import LLM, SamplingParams
+from policy import Policy
+from tests.engine.tiny_models import TINY_CONFIGS, hf_greedy, random_prompts
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+def prompts_sharing(kind: str) -> list[list[int]]:
+    """A 40-token system prompt (2 full pages and a half) with different tails, an exact
+    duplicate, and a prompt that is a prefix of another."""
+    vocab = int(TINY_CONFIGS[kind]["vocab_size"])  # type: ignore[call-overload]
+    system = random_prompts(1, vocab, 40, 40, seed=1)[0]
+    tails = random_prompts(4, vocab, 1, 20, seed=2)
+    out = [system + tail for tail in tails]
+    return [*out, out[0], out[1][:33], out[1] + tails[3]]
+
+
+def generate_one_by_one(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[int], int]]:
+    """(tokens, num_cached_tokens) per prompt, each after the previous one finished."""
+    out = []
+    for prompt in prompts:
+        result = llm.generate([prompt], GREEDY)[0]
+        out.append((result.outputs[0].token_ids, result.num_cached_tokens))
+    return out
+
+
+@pytest.mark.parametrize("kind", ["llama", "opt", "mistral"])
+def test_cached_prefixes_give_transformers_tokens(tiny_model, tmp_path: Path, kind: str) -> None:
+    model = str(tiny_model(kind))
+    prompts = prompts_sharing(kind)
+    results = {}
+    for on in (True, False):
+        with LLM(model, policy=Policy(), device="cpu", enable_prefix_caching=on) as llm:
+            results[on] = generate_one_by_one(llm, prompts)
+    expected = [hf_greedy(Path(model), p, 6) for p in prompts]
+    assert [t for t, _ in results[True]] == [t for t, _ in results[False]] == expected
+    hits = [n for _, n in results[True]]
+    assert hits[0] == 0 and all(n >= 32 for n in hits[1:]) and hits[4] == 48
+    assert all(n == 0 for _, n in results[False])
+
+
+def test_spilled_to_disk_and_loaded_back(tiny_model, tmp_path: Path) -> None:
+    """A gpu pool of 8 pages and a cpu pool of 4: earlier prompts' pages spill to cpu and
+    disk (real files); asking again loads them back, layer by layer, same tokens."""
+    model = str(tiny_model("llama"))
+    vocab = int(TINY_CONFIGS["llama"]["vocab_size"])  # type: ignore[call-overload]
+    prompts = random_prompts(6, vocab, 34, 40, seed=5)  # 2 full pages each
+    with LLM(
+        model,
+        policy=Policy(gpu_batch_size=2),
+        device="cpu",
+        offload_dir=tmp_path,
+        kv_capacity_pages={"gpu": 8, "cpu": 4, "disk": 64},
+    ) as llm:
+        first = generate_one_by_one(llm, prompts)
+        stats = llm.scheduler.page_manager.stats
+        assert stats.spilled_pages["cpu"] > 0 and stats.spilled_pages["disk"] > 0
+        again = generate_one_by_one(llm, prompts[:3])  # the oldest: on disk by now
+        assert stats.loaded_pages["disk"] > 0
+        assert list(tmp_path.glob("kv-*.bin"))
+    expected = [hf_greedy(Path(model), p, 6) for p in prompts]
+    assert [t for t, _ in first] == expected
+    assert [t for t, _ in again] == expected[:3]
+    assert all(n == 32 for _, n in again)
+
+
+def test_n_choices_and_a_batch_of_duplicates(tiny_model) -> None:
+    model = str(tiny_model("llama"))
+    prompt = prompts_sharing("llama")[0]
+    sampling = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, n=3)
+    with LLM(model, policy=Policy(), device="cpu") as llm:
+        llm.generate([prompt], GREEDY)
+        out = llm.generate([prompt, prompt], sampling)
+    expected = hf_greedy(Path(model), prompt, 5)
+    assert all(c.token_ids == expected for o in out for c in o.outputs)
+    assert all(o.num_cached_tokens == (len(prompt) - 1) // 16 * 16 for o in out)
