@@ -6,6 +6,7 @@ import argparse
 import json
 
 from policy.hardware import HardwareSpec, load_cached
+from policy.prefix import break_even_tokens
 from policy.search import PlanResult, search
 from policy.specs import ModelSpec, WorkloadSpec
 from policy.units import format_bytes, parse_bytes
@@ -44,10 +45,11 @@ def main(args: argparse.Namespace) -> int:
         cpu_mem=None if args.cpu_mem is None else parse_bytes(args.cpu_mem),
         disk_mem=None if args.disk_mem is None else parse_bytes(args.disk_mem),
     )
+    break_even = break_even_tokens(model, hardware, compress_kv=result.policy.compress_kv)
     if args.json:
-        print(json.dumps(result.to_dict(), indent=2))
+        print(json.dumps({**result.to_dict(), "prefix_break_even_tokens": break_even}, indent=2))
     else:
-        print(format_report(model, workload, result))
+        print(format_report(model, workload, result, break_even))
     return 0
 
 
@@ -55,7 +57,12 @@ def _triple(values: tuple[float, float, float]) -> str:
     return " / ".join(f"{100 * v:.1f}%" for v in values)
 
 
-def format_report(model: ModelSpec, workload: WorkloadSpec, result: PlanResult) -> str:
+def format_report(
+    model: ModelSpec,
+    workload: WorkloadSpec,
+    result: PlanResult,
+    break_even: dict[str, int | None],
+) -> str:
     """A readable plan: the policy, the prediction, and the reasons behind each choice."""
     policy, est = result.policy, result.estimate
     stage, _, task = result.bottleneck.partition(" ")[0].partition(":")
@@ -100,4 +107,8 @@ def format_report(model: ModelSpec, workload: WorkloadSpec, result: PlanResult) 
     best = result.predicted["generation_throughput"]
     for combo, throughput in sorted(result.alternatives.items(), key=lambda kv: -kv[1]):
         lines.append(f"  best with {combo}: {throughput:.2f} tok/s ({throughput / best:.0%})")
+    lines += ["", "prefix cache: a cached prefix is loaded back instead of recomputed from"]
+    for tier, tokens in break_even.items():
+        when = "never (recomputing is faster)" if tokens is None else f"{tokens} tokens"
+        lines.append(f"  {tier:5s} {when}")
     return "\n".join(lines)

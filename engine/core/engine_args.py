@@ -203,6 +203,8 @@ class EngineArgs:
             "show_progress": self.show_progress,
             "trace": self.trace,
             "cuda_graphs": self.cuda_graphs,
+            # the disk KV cache outlives the engine only in a directory of the user's
+            "persist_kv_cache": self.enable_prefix_caching and self.offload_dir is not None,
         }
 
     def scheduler_config(
@@ -230,7 +232,22 @@ class EngineArgs:
             enable_prefix_caching=self.enable_prefix_caching,
             cache_salt=info.cache_salt,
             max_cached_pages=self._max_cached_pages(info),
+            min_hit_tokens=self._min_hit_tokens(policy, model_dir, info),
         )
+
+    def _min_hit_tokens(self, policy: Policy, model_dir: Path, info: EngineInfo) -> dict[str, int]:
+        """Per tier, the shortest cached prefix worth loading instead of recomputing (the
+        cost model's break-even on the cached hardware profile; none without a profile)."""
+        hardware = cached_hardware()
+        if hardware is None or not self.enable_prefix_caching:
+            return {}
+        from policy.prefix import break_even_tokens  # the cost model imports numpy
+        from policy.specs import ModelSpec
+
+        model = ModelSpec.from_name_or_path(str(model_dir))
+        never = context_length(model_dir) + 1
+        even = break_even_tokens(model, hardware, info.page_tokens, policy.compress_kv)
+        return {tier: never if n is None else n for tier, n in even.items()}
 
     def _max_cached_pages(self, info: EngineInfo) -> dict[str, int]:
         if self.kv_cache_disk_bytes is None or not info.page_bytes:
@@ -244,4 +261,7 @@ class EngineArgs:
         info: EngineInfo,
         detokenizer: Detokenizer | None,
     ) -> Scheduler:
-        return Scheduler(self.scheduler_config(policy, model_dir, info), detokenizer)
+        scheduler = Scheduler(self.scheduler_config(policy, model_dir, info), detokenizer)
+        if self.enable_prefix_caching:
+            scheduler.page_manager.preload("disk", info.disk_cache)
+        return scheduler

@@ -89,6 +89,7 @@ class PageManager:
         self._held = dict.fromkeys(TIERS, 0)
         self._seqs: dict[int, SeqPages] = {}
         self._moves: list[PageMove] = []
+        self._disk_cached: list[tuple[int, str]] = []
 
     # -- sizes -----------------------------------------------------------------------------
 
@@ -171,12 +172,16 @@ class PageManager:
         full = token_ids[: min(num_computed, seq.num_tokens)]
         for i, h in enumerate(page_hashes(full, self.page_tokens, self.salt, parent, start)):
             seq.hashes.append(h)
-            self.cache.add(seq.pages[start + i], h)  # a page with the same content may exist
+            ref = seq.pages[start + i]
+            if self.cache.add(ref, h) and ref[0] == "disk":  # the same content may exist
+                self._disk_cached.append((ref[1], h))
 
-    def take_moves(self) -> list[PageMove]:
-        """The page moves decided since the last call, in the order they must run."""
+    def take_moves(self) -> tuple[list[PageMove], list[tuple[int, str]]]:
+        """The page moves decided since the last call, in the order they must run, and the
+        (disk page, hash) pairs newly cached on disk."""
         moves, self._moves = self._moves, []
-        return moves
+        cached, self._disk_cached = self._disk_cached, []
+        return moves, cached
 
     def preload(self, tier: str, entries: list[tuple[str, int]]) -> None:
         """Cached pages that already exist on `tier` (the disk cache of an earlier run):
@@ -189,6 +194,7 @@ class PageManager:
         self._free[tier] = [
             p for p in range(self._next_id[tier]) if self.cache.hash_of((tier, p)) is None
         ][::-1]
+        self._trim(tier)
 
     # -- allocation ------------------------------------------------------------------------
 

@@ -59,6 +59,9 @@ class StepPlan:
     freed_seq_ids: list[int] = field(default_factory=list)
     """Sequences finished, aborted or preempted since the last plan: drop their engine state.
     Apply before running the chunks: their pages may already be reused in this plan."""
+    cached_disk_pages: list[tuple[int, str]] = field(default_factory=list)
+    """(disk page id, hash) of disk pages that became cached since the last plan (the
+    executor records them in the persistent disk-cache index)."""
     page_moves: list[PageMove] = field(default_factory=list)
     """Cached pages to copy between tiers, in order, before this step reads or writes any
     KV (a spill down, a load back up for a hit); the source page is free afterwards."""
@@ -147,6 +150,8 @@ class EngineInfo:
     cache_salt: str = ""
     """What besides the tokens determines a page's KV bytes (model, dtype, compression,
     page size), hashed: mixed into every prefix-cache page hash."""
+    disk_cache: list[tuple[str, int]] = field(default_factory=list)
+    """(hash, disk page id) of the cached pages a previous run left on disk, verified."""
     scratch_dir: str | None = None
     """A temporary directory the executor made (the disk tier without --offload-dir): it
     removes it when closed; whoever outlives a killed executor removes it instead."""

@@ -269,7 +269,7 @@ class Scheduler:
             return None
         chunks = [chunk for _, chunk in sorted(planned, key=lambda p: p[0])]
         plan = StepPlan(self._next_step_id, chunks, self._freed_seq_ids)
-        plan.page_moves = self.page_manager.take_moves()
+        plan.page_moves, plan.cached_disk_pages = self.page_manager.take_moves()
         if self.config.enable_prefix_caching:
             self._plan_epochs[plan.step_id] = {c.seq_id: self._seqs[c.seq_id].epoch for c in chunks}
         discrete = self.config.discrete_batching

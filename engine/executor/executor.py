@@ -33,15 +33,15 @@ from engine.models import build_model
 from engine.models.config import ModelConfig, read_hf_config
 from engine.storage.device import Device
 from engine.storage.disk import DiskIO
+from engine.storage.disk_cache import DiskCacheIndex
 from engine.storage.kv_store import KVStore
 from engine.storage.quant import KVRowCodec
 from engine.storage.weight_store import WeightStore
 from policy import TIERS, Policy
 from policy.errors import UserError
+from policy.prefix import PAGE_TOKENS
 from policy.units import format_bytes
 
-PAGE_TOKENS = 16
-"""Tokens per KV page."""
 GPU_RESERVE_FRAC = 0.1
 """Share of the gpu budget kept for activations and workspace, never given to KV pages."""
 DEVICE_SHARE = 0.9
@@ -67,6 +67,8 @@ class Executor:
         `close()` (engine/executor/trace.py); None: no tracing.
     cuda_graphs: replay decode steps' dense ops as CUDA graphs where that is sound
         (engine/executor/cuda_graphs.py); False runs every op eagerly.
+    persist_kv_cache: keep the disk tier's cached KV pages in `offload_dir` with a verified
+        index, for the next run to find (engine/storage/disk_cache.py).
     """
 
     def __init__(
@@ -83,6 +85,7 @@ class Executor:
         show_progress: bool = False,
         trace: str | Path | None = None,
         cuda_graphs: bool = True,
+        persist_kv_cache: bool = False,
     ) -> None:
         if policy.num_nano_batches != 1:
             raise UserError(
@@ -126,7 +129,15 @@ class Executor:
             progress=self._print_progress if show_progress else None,
         )
         codec = KVRowCodec(2 * self.config.kv_dim, compress=policy.compress_kv, dtype=self.dtype)
-        self.kv = KVStore(self.config.num_layers, PAGE_TOKENS, codec, self.device, self.disk)
+        self.kv = KVStore(
+            self.config.num_layers, PAGE_TOKENS, codec, self.device, self.disk, persist_kv_cache
+        )
+        self.disk_cache: DiskCacheIndex | None = None
+        self._found_on_disk: list[tuple[str, int]] = []
+        if persist_kv_cache:
+            self.disk_cache = DiskCacheIndex(self.offload_dir, self.cache_salt(), self.kv.disk_pool)
+            self._found_on_disk = self.disk_cache.load()
+            self.kv.reserve_pages([("disk", page) for _, page in self._found_on_disk])
         self._check_budgets()
         self.trace_path = None if trace is None else Path(trace)
         self.tracer = Tracer(cuda=self.device.is_cuda) if trace is not None else NoTracer()
@@ -240,6 +251,7 @@ class Executor:
             placement=self.placement(),
             page_bytes=self.kv.page_bytes,
             cache_salt=self.cache_salt(),
+            disk_cache=list(self._found_on_disk),
             scratch_dir=scratch,
         )
 
@@ -286,8 +298,18 @@ class Executor:
             for k, chunks in sorted(by_batch.items())
         ]
         self.kv.reserve_pages([m.dst for m in plan.page_moves])
-        self.kv.disk_pool.begin_pages([m.dst[1] for m in plan.page_moves if m.dst[0] == "disk"])
+        moved_to_disk = [m.dst[1] for m in plan.page_moves if m.dst[0] == "disk"]
+        self.kv.disk_pool.begin_pages(moved_to_disk)
+        if self.disk_cache is not None:  # pages about to get new contents
+            self.disk_cache.forget(moved_to_disk + self._disk_pages_written(plan))
         logits = self.pipeline.run(batches, plan.page_moves)
+        if self.disk_cache is not None:
+            for move in plan.page_moves:
+                if move.dst[0] == "disk":
+                    self.disk_cache.add(move.dst[1], move.hash)
+            for page, h in plan.cached_disk_pages:
+                self.disk_cache.add(page, h)
+            self.disk_cache.save()
         # Split each batch's logit rows by chunk: the row to sample from, and for echo +
         # logprobs requests the prompt positions. Rows follow batch order; results plan order.
         sample_rows: list[torch.Tensor] = []
@@ -323,6 +345,18 @@ class Executor:
             [logprobs[i] for i in order],
             prompt_logprobs=prompt_logprobs,
         )
+
+    def _disk_pages_written(self, plan: StepPlan) -> list[int]:
+        """Disk pages the plan's chunks write new KV into."""
+        out: list[int] = []
+        for c in plan.chunks:
+            pages = self._seqs[c.seq_id].pages
+            first, last = (
+                c.start_pos // PAGE_TOKENS,
+                (c.start_pos + len(c.token_ids) - 1) // PAGE_TOKENS,
+            )
+            out.extend(p for tier, p in pages[first : last + 1] if tier == "disk")
+        return out
 
     def _admit(self, chunk: SeqChunk) -> None:
         state = self._seqs.get(chunk.seq_id)
@@ -380,6 +414,8 @@ class Executor:
         if isinstance(self.tracer, Tracer) and self.trace_path is not None:
             self.device.synchronize()
             self.tracer.save(self.trace_path)
+        if self.disk_cache is not None:
+            self.disk_cache.save(force=True)
         self.pipeline.close()
         self.disk.close()
         if self._own_offload_dir:

@@ -28,9 +28,12 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
 class DiskFile:
     """One file read and written at byte offsets (pread/pwrite: safe from many threads)."""
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    def __init__(self, path: Path, keep: bool = False) -> None:
+        self.path, self.keep = path, keep
+        """keep: an existing file is opened as it is and outlives the process (the disk KV
+        cache); otherwise the file starts empty and is removed at close."""
+        flags = os.O_RDWR | os.O_CREAT | (0 if keep else os.O_TRUNC)
+        self.fd = os.open(path, flags, 0o600)
 
     def write(self, offset: int, data: torch.Tensor) -> None:
         view = as_bytes(data).numpy().data
@@ -66,8 +69,8 @@ class DiskIO:
         self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="nanoflex-disk")
         self._files: list[DiskFile] = []
 
-    def open(self, name: str) -> DiskFile:
-        f = DiskFile(self.root / name)
+    def open(self, name: str, keep: bool = False) -> DiskFile:
+        f = DiskFile(self.root / name, keep)
         self._files.append(f)
         return f
 
@@ -99,5 +102,6 @@ class DiskIO:
         self._pool.shutdown(wait=True)
         for f in self._files:
             f.close()
-            f.path.unlink(missing_ok=True)
+            if not f.keep:
+                f.path.unlink(missing_ok=True)
         self._files.clear()

@@ -14,6 +14,7 @@ every layer (`staged_bytes`).
 from __future__ import annotations
 
 import threading
+import zlib
 from dataclasses import dataclass, field
 
 import torch
@@ -44,14 +45,52 @@ class _StagedPage:
 
 
 class DiskKVPool:
+    """persistent: the layer files are kept across runs (the disk prefix cache), and every
+    page written whole gets a CRC-32 per layer, so a restarted engine can check what it
+    finds (engine/storage/disk_cache.py)."""
+
     def __init__(
-        self, num_layers: int, page_tokens: int, row_bytes: int, device: Device, disk: DiskIO
+        self,
+        num_layers: int,
+        page_tokens: int,
+        row_bytes: int,
+        device: Device,
+        disk: DiskIO,
+        persistent: bool = False,
     ) -> None:
         self.num_layers, self.page_tokens, self.row_bytes = num_layers, page_tokens, row_bytes
-        self.device, self.disk = device, disk
+        self.device, self.disk, self.persistent = device, disk, persistent
         self._files: list[DiskFile] = []
         self._staged: dict[int, _StagedPage] = {}
         self._lock = threading.Lock()
+        self.page_crcs: dict[int, list[int | None]] = {}
+        """persistent: per page, the CRC-32 of each layer's bytes as last written whole."""
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page of one layer."""
+        return self.page_tokens * self.row_bytes
+
+    def files(self) -> list[DiskFile]:
+        """The layer files (opened on first use)."""
+        if not self._files:
+            self._files = [
+                self.disk.open(f"kv-{j:04d}.bin", keep=self.persistent)
+                for j in range(self.num_layers)
+            ]
+        return self._files
+
+    def read_page(self, layer: int, page: int) -> torch.Tensor:
+        """One layer of a page as written to disk, (page_tokens, row_bytes)."""
+        out = torch.empty((self.page_tokens, self.row_bytes), dtype=torch.uint8)
+        self.disk.read(self.files()[layer], page * self.page_bytes, out)
+        return out
+
+    def _written(self, layer: int, page: int, rows: torch.Tensor) -> None:
+        """A whole page of `layer` reached the disk: remember its checksum."""
+        if self.persistent:
+            crcs = self.page_crcs.setdefault(page, [None] * self.num_layers)
+            crcs[layer] = zlib.crc32(rows.contiguous().numpy().tobytes())
 
     @property
     def staged_bytes(self) -> int:
@@ -63,16 +102,18 @@ class DiskKVPool:
         with self._lock:
             for page_id in page_ids:
                 self._staged.pop(page_id, None)
+                self.page_crcs.pop(page_id, None)
 
     def release_pages(self, page_ids: list[int]) -> None:
-        """Pages of a sequence that is gone: drop what is staged for them."""
-        self.begin_pages(page_ids)
+        """Pages of a sequence that is gone: drop what is staged for them (a full page stays
+        as it is: it may be cached)."""
+        with self._lock:
+            for page_id in page_ids:
+                self._staged.pop(page_id, None)
 
     def write(self, layer: int, slots: list[int], data: torch.Tensor) -> None:
         """Store encoded rows (N, row_bytes) in host memory at `slots` of `layer`."""
-        if not self._files:
-            self._files = [self.disk.open(f"kv-{j:04d}.bin") for j in range(self.num_layers)]
-        f, p = self._files[layer], self.page_tokens
+        f, p = self.files()[layer], self.page_tokens
         i = 0
         for first, count in runs(slots):
             slot, end = first, first + count
@@ -81,6 +122,8 @@ class DiskKVPool:
                 if offset == 0 and end - slot >= p:  # whole pages: write them directly
                     n = (end - slot) // p * p
                     self.disk.write(f, slot * self.row_bytes, data[i : i + n])
+                    for k in range(n // p):
+                        self._written(layer, page + k, data[i + k * p : i + (k + 1) * p])
                 else:
                     n = min(p - offset, end - slot)
                     self._stage(layer, page, offset, data[i : i + n])
@@ -98,9 +141,8 @@ class DiskKVPool:
             staged.filled[layer] += n
             full = staged.filled[layer] == self.page_tokens
         if full:
-            self.disk.write(
-                self._files[layer], page * self.page_tokens * self.row_bytes, staged.rows[layer]
-            )
+            self.disk.write(self._files[layer], page * self.page_bytes, staged.rows[layer])
+            self._written(layer, page, staged.rows[layer])
             with self._lock:
                 if all(n == self.page_tokens for n in staged.filled):
                     self._staged.pop(page, None)

@@ -46,12 +46,15 @@ class KVStore:
         codec: KVRowCodec,
         device: Device,
         disk: DiskIO,
+        persistent: bool = False,
     ) -> None:
         self.num_layers, self.page_tokens, self.codec = num_layers, page_tokens, codec
         self.device, self.disk = device, disk
         self.row_bytes = codec.row_bytes
         self._pools: dict[str, list[torch.Tensor]] = {"gpu": [], "cpu": []}  # (slots, row_bytes)
-        self.disk_pool = DiskKVPool(num_layers, page_tokens, self.row_bytes, device, disk)
+        self.disk_pool = DiskKVPool(
+            num_layers, page_tokens, self.row_bytes, device, disk, persistent
+        )
         self.num_pages = dict.fromkeys(TIERS, 0)
 
     @property

@@ -21,7 +21,8 @@ def test_plan_json(hardware_file: str, capsys: pytest.CaptureFixture[str]) -> No
     argv = ["plan", "--prompt-len", "64", "--gen-len", "8", "--hardware", hardware_file]
     assert main([*argv, "--gpu-mem", "2GiB", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert set(out) == {"policy", "predicted", "bottleneck"}
+    assert set(out) == {"policy", "predicted", "bottleneck", "prefix_break_even_tokens"}
+    assert set(out["prefix_break_even_tokens"]) == {"gpu", "cpu", "disk"}
     assert set(out["predicted"]) == {
         "prefill_throughput",
         "decode_throughput",

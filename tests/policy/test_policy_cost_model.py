@@ -140,3 +140,22 @@ def test_one_gpu_batch_puts_the_activation_round_trip_on_the_critical_path() -> 
     )
     assert compute(1, (0, 0, 1)) - compute(1, (1, 0, 0)) == pytest.approx(trip)
     assert compute(2, (0, 0, 1)) == pytest.approx(compute(2, (1, 0, 0)))  # overlapped instead
+
+
+def test_prefix_break_even_follows_the_tier_bandwidth() -> None:
+    """Loading cached KV wins at once from fast tiers; from a slow disk next to a fast GPU
+    only long prefixes (where the prefill's attention grows quadratically) are worth it."""
+    from policy.prefix import break_even_tokens, load_seconds, recompute_seconds
+
+    model = BUILTIN_MODELS["llama-3-8b"]
+    fast_gpu = dataclasses.replace(FLEXGEN_T4, gpu_flops=600e12, gpu_bmm_flops=400e12)
+    even = break_even_tokens(model, fast_gpu)
+    assert even["gpu"] == even["cpu"] == 16
+    n = even["disk"]
+    assert n is not None and n > 1024
+    assert load_seconds(n, "disk", model, fast_gpu, False) <= recompute_seconds(n, model, fast_gpu)
+    assert load_seconds(n - 16, "disk", model, fast_gpu, False) > recompute_seconds(
+        n - 16, model, fast_gpu
+    )
+    slow_disk = dataclasses.replace(fast_gpu, dtoc_bw=1e6)
+    assert break_even_tokens(model, slow_disk)["disk"] is None

@@ -226,3 +226,12 @@ def test_page_manager_reference_counts() -> None:
     assert manager._refs[prefix[0]] == 1 and manager.num_cached_pages("gpu") == 0
     manager.free(1)
     assert manager.num_cached_pages("gpu") == 2 and manager.num_used_pages("gpu") == 0
+
+
+def test_a_hit_shorter_than_its_tiers_break_even_is_recomputed() -> None:
+    prompt = tokens(80, 3 * P + 1)
+    worth = run(make(min_hit_tokens={"gpu": 3 * P}), [prompt, prompt], max_tokens=2)
+    not_worth = run(make(min_hit_tokens={"gpu": 3 * P + 1}), [prompt, prompt], max_tokens=2)
+    assert worth["r1"].num_cached_tokens == 3 * P
+    assert not_worth["r1"].num_cached_tokens == 0
+    assert not_worth["r1"].outputs[0].token_ids == reference(prompt, 2)

@@ -3,6 +3,7 @@ loaded back, with greedy tokens equal to transformers' and to the cache switched
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -83,3 +84,36 @@ def test_n_choices_and_a_batch_of_duplicates(tiny_model) -> None:
     expected = hf_greedy(Path(model), prompt, 5)
     assert all(c.token_ids == expected for o in out for c in o.outputs)
     assert all(o.num_cached_tokens == (len(prompt) - 1) // 16 * 16 for o in out)
+
+
+def test_the_disk_cache_outlives_the_engine_and_a_corrupt_page_is_a_miss(
+    tiny_model, tmp_path: Path
+) -> None:
+    """KV homed on disk in an offload dir of ours: a second engine on the same directory
+    finds the first one's cached pages (checked against their checksums); a page corrupted
+    in between is a miss, recomputed, never wrong tokens."""
+    model = str(tiny_model("llama"))
+    prompt = prompts_sharing("llama")[1]
+    policy = Policy(kv_frac=(0.0, 0.0, 1.0))
+    expected = hf_greedy(Path(model), prompt, 6)
+
+    def once() -> tuple[list[int], int, int]:
+        with LLM(model, policy=policy, device="cpu", offload_dir=tmp_path) as llm:
+            found = len(llm.executor.describe().disk_cache)
+            out = llm.generate([prompt], GREEDY)[0]
+        return out.outputs[0].token_ids, out.num_cached_tokens, found
+
+    first = once()
+    assert first == (expected, 0, 0)
+    assert (tmp_path / "kv-cache-index.json").is_file()
+    second = once()
+    full_pages = (len(prompt) - 1) // 16
+    assert second[0] == expected and second[1] == 16 * full_pages and second[2] >= full_pages
+    index = json.loads((tmp_path / "kv-cache-index.json").read_text())
+    page = min(int(p) for p, (h, _) in index["pages"].items())
+    row_bytes, page_tokens = index["row_bytes"], index["page_tokens"]
+    with open(tmp_path / "kv-0001.bin", "r+b") as f:  # the second decoder layer's file
+        f.seek(page * page_tokens * row_bytes + 5)
+        f.write(b"\xff\x00\xff")
+    third = once()
+    assert third[0] == expected and third[2] < second[2]

@@ -1,0 +1,65 @@
+"""When loading cached KV beats recomputing it: the prefix cache's break-even per tier.
+
+A prompt prefix found in the cache on tier T can be loaded back (its KV bytes cross from
+T to the compute device) or recomputed (a prefill of those tokens). Loading costs
+n x kv_bytes_per_token / bandwidth(T); recomputing costs the prefill's dense FLOPs,
+linear in n, plus its attention, quadratic in n. So where a tier's bytes are slower
+than the dense FLOPs per token (disk on a fast GPU), short hits lose and long ones
+win: the break-even is the shortest prefix worth loading. The scheduler recomputes
+shorter hits on that tier (SchedulerConfig.min_hit_tokens); `nanoflex plan` reports it.
+"""
+
+from __future__ import annotations
+
+from policy.cost_model import compressed_bytes_per_element
+from policy.hardware import HardwareSpec
+from policy.policy import TIERS
+from policy.specs import ModelSpec
+
+PAGE_TOKENS = 16
+"""Tokens per KV page: the unit the engine caches and moves (engine.executor uses this)."""
+MAX_PREFIX_TOKENS = 1 << 17
+"""Beyond this a prefix is never worth loading from that tier (reported as None)."""
+
+
+def load_seconds(
+    num_tokens: int, tier: str, model: ModelSpec, hardware: HardwareSpec, compress_kv: bool
+) -> float:
+    """Seconds to bring `num_tokens` of cached KV (every layer) from `tier` to the compute
+    device."""
+    per_token = float(model.kv_bytes_per_token_per_layer * model.num_layers)
+    if compress_kv:
+        per_token *= compressed_bytes_per_element(model.dtype_bytes) / model.dtype_bytes
+    nbytes = num_tokens * per_token
+    if tier == "gpu":
+        return 0.0
+    seconds = nbytes / hardware.ctog_bw
+    if tier == "disk":
+        seconds += nbytes / hardware.dtoc_bw
+    return seconds
+
+
+def recompute_seconds(num_tokens: int, model: ModelSpec, hardware: HardwareSpec) -> float:
+    """Seconds to prefill `num_tokens` with the weights on the compute device."""
+    q_dim = model.num_heads * model.head_dim
+    dense = num_tokens * 2 * model.layer_params / hardware.gpu_flops
+    attention = 2 * num_tokens * num_tokens * q_dim / hardware.gpu_bmm_flops  # causal half
+    return model.num_layers * (dense + attention + hardware.layer_overhead_s)
+
+
+def break_even_tokens(
+    model: ModelSpec,
+    hardware: HardwareSpec,
+    page_tokens: int = PAGE_TOKENS,
+    compress_kv: bool = False,
+) -> dict[str, int | None]:
+    """Per tier, the shortest prefix (a whole number of pages) that loads at least as fast
+    as it recomputes; None when none up to MAX_PREFIX_TOKENS does."""
+
+    def loads_faster(n: int, tier: str) -> bool:
+        return load_seconds(n, tier, model, hardware, compress_kv) <= recompute_seconds(
+            n, model, hardware
+        )
+
+    sizes = range(page_tokens, MAX_PREFIX_TOKENS + 1, page_tokens)
+    return {tier: next((n for n in sizes if loads_faster(n, tier)), None) for tier in TIERS}
