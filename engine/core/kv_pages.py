@@ -47,6 +47,8 @@ class CacheStats:
     """Prompt tokens looked up."""
     hit_tokens: int = 0
     """Prompt tokens found cached (not recomputed)."""
+    hit_pages: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
+    """Cached pages found, by the tier they were found on."""
     spilled_pages: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
     """Pages moved down into each tier."""
     loaded_pages: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
@@ -148,6 +150,7 @@ class PageManager:
         for ref in prefix:
             h = self.cache.hash_of(ref)
             assert h is not None, f"{ref} is not cached"
+            self.stats.hit_pages[ref[0]] += 1
             if _below(ref[0], tier) and self._refs.get(ref, 0) == 0 and self._can_take(tier):
                 self.cache.acquire(ref)  # not evictable while it is being moved up
                 dst = (tier, self._take(tier, protect=ref))

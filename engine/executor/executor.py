@@ -22,6 +22,12 @@ from engine.core.protocol import (
     TokenLogprobs,
 )
 from engine.core.sampling_params import SamplingParams
+from engine.executor.budgets import (
+    cap_gpu_memory,
+    check_budgets,
+    derive_budgets,
+    kv_capacity_pages,
+)
 from engine.executor.cuda_graphs import GraphRunner
 from engine.executor.gpu_batch import BatchBuilder, SeqState
 from engine.executor.pipeline import BlockPipeline
@@ -41,19 +47,6 @@ from policy import TIERS, Policy
 from policy.errors import UserError
 from policy.prefix import PAGE_TOKENS
 from policy.units import format_bytes
-
-GPU_RESERVE_FRAC = 0.1
-"""Share of the gpu budget kept for activations and workspace, never given to KV pages."""
-DEVICE_SHARE = 0.9
-"""Without --gpu-mem: this share of the device memory free at start."""
-RAM_SHARE = 0.8
-"""Without --cpu-mem: this share of the available RAM (both memory tiers on a CPU box)."""
-DISK_SHARE = 0.9
-"""Without --disk-mem: this share of the free disk under the offload directory."""
-
-
-class MemoryBudgetError(UserError):
-    """The policy places more on a tier than its budget allows."""
 
 
 class Executor:
@@ -103,7 +96,7 @@ class Executor:
         self._own_offload_dir = offload_dir is None
         self.offload_dir = Path(offload_dir or tempfile.mkdtemp(prefix="nanoflex-offload-"))
         self.offload_dir.mkdir(parents=True, exist_ok=True)
-        self.budgets = self._budgets(gpu_mem, cpu_mem, disk_mem)
+        self.budgets = derive_budgets(self.device, self.offload_dir, gpu_mem, cpu_mem, disk_mem)
         """Byte budget per tier, given or derived from the machine (see _budgets)."""
         if show_progress or None in (gpu_mem, cpu_mem, disk_mem):
             given = {"gpu": gpu_mem, "cpu": cpu_mem, "disk": disk_mem}
@@ -112,7 +105,7 @@ class Executor:
                 for t in TIERS
             ]
             print(f"nanoflex: memory budgets: {', '.join(parts)}", file=sys.stderr)
-        self._cap_gpu_memory()
+        cap_gpu_memory(self.device, self.budgets["gpu"])
         if self._own_offload_dir:  # removed at close, or at exit if close never comes
             self._remove_scratch = weakref.finalize(
                 self, shutil.rmtree, self.offload_dir, ignore_errors=True
@@ -138,7 +131,7 @@ class Executor:
             self.disk_cache = DiskCacheIndex(self.offload_dir, self.cache_salt(), self.kv.disk_pool)
             self._found_on_disk = self.disk_cache.load()
             self.kv.reserve_pages([("disk", page) for _, page in self._found_on_disk])
-        self._check_budgets()
+        check_budgets(self.weights.bytes_per_tier(), self.budgets)
         self.trace_path = None if trace is None else Path(trace)
         self.tracer = Tracer(cuda=self.device.is_cuda) if trace is not None else NoTracer()
         self.pipeline = BlockPipeline(
@@ -173,49 +166,10 @@ class Executor:
         if self.policy.num_cpu_threads > 0:
             torch.set_num_threads(self.policy.num_cpu_threads)
 
-    def _budgets(
-        self, gpu_mem: int | None, cpu_mem: int | None, disk_mem: int | None
-    ) -> dict[str, int]:
-        """Each tier's byte budget: as given, else derived from the machine so that KV
-        admission is never unbounded: the device's free memory (on CUDA), a share of the
-        available RAM (split between the two tiers on a CPU-only box, where the "gpu" tier
-        is host memory too), a share of the free disk under the offload directory."""
-        import psutil
-
-        ram = int(psutil.virtual_memory().available * RAM_SHARE)
-        if self.device.is_cuda:
-            free, _ = torch.cuda.mem_get_info(self.device.device)
-            derived_gpu, derived_cpu = int(free * DEVICE_SHARE), ram
-        else:
-            derived_gpu = derived_cpu = ram // 2
-        derived_disk = int(shutil.disk_usage(self.offload_dir).free * DISK_SHARE)
-        return {
-            "gpu": derived_gpu if gpu_mem is None else gpu_mem,
-            "cpu": derived_cpu if cpu_mem is None else cpu_mem,
-            "disk": derived_disk if disk_mem is None else disk_mem,
-        }
-
-    def _cap_gpu_memory(self) -> None:
-        """On CUDA, hold this process to the gpu budget (emulates a smaller card)."""
-        if self.device.is_cuda:
-            total = torch.cuda.get_device_properties(self.device.device).total_memory
-            torch.cuda.set_per_process_memory_fraction(
-                min(1.0, self.budgets["gpu"] / total), self.device.device
-            )
-
     def _print_progress(self, done: int, total: int) -> None:
         print(f"\rloading {self.model_dir.name}: layer {done}/{total}", end="", file=sys.stderr)
         if done == total:
             print(file=sys.stderr)
-
-    def _check_budgets(self) -> None:
-        placed = self.weights.bytes_per_tier()
-        for tier, budget in self.budgets.items():
-            if placed[tier] > budget:
-                raise MemoryBudgetError(
-                    f"weights placed on {tier} take {placed[tier] / 2**30:.2f} GiB, over the "
-                    f"{budget / 2**30:.2f} GiB budget; lower weights_frac[{TIERS.index(tier)}]"
-                )
 
     def _graph_runner(self) -> GraphRunner | None:
         """CUDA graphs where they are sound: on CUDA, with every layer's weights resident and
@@ -232,15 +186,8 @@ class Executor:
     # -- what the scheduler needs ------------------------------------------------------
 
     def kv_capacity_pages(self) -> dict[str, int | None]:
-        """KV pages each tier may hold: its budget less its weights (and, on the gpu tier,
-        less GPU_RESERVE_FRAC of the budget)."""
-        placed = self.weights.bytes_per_tier()
-        out: dict[str, int | None] = {}
-        for tier in TIERS:
-            reserve = GPU_RESERVE_FRAC if tier == "gpu" else 0.0
-            free = self.budgets[tier] * (1 - reserve) - placed[tier]
-            out[tier] = max(0, int(free // self.kv.page_bytes))
-        return out
+        """KV pages each tier may hold: its budget less its weights (budgets.py)."""
+        return kv_capacity_pages(self.budgets, self.weights.bytes_per_tier(), self.kv.page_bytes)
 
     def describe(self) -> EngineInfo:
         """What a scheduler in this or another process needs to plan for this engine."""

@@ -4,6 +4,7 @@ tiers and reload, against a fake executor whose KV is the tokens written into ea
 from __future__ import annotations
 
 import random
+import weakref
 
 import pytest
 
@@ -29,7 +30,7 @@ def tokens(seed: int, length: int) -> list[int]:
     return [rng.randrange(1, VOCAB) for _ in range(length)]
 
 
-FAKES: dict[int, FakeExecutor] = {}
+FAKES: weakref.WeakKeyDictionary[Scheduler, FakeExecutor] = weakref.WeakKeyDictionary()
 
 
 def run(
@@ -37,7 +38,7 @@ def run(
 ) -> dict[str, RequestOutput]:
     """Submit one request per prompt, in order, each after the previous finished (the same
     fake executor, and so the same page contents, for every call on one scheduler)."""
-    fake = FAKES.setdefault(id(sched), FakeExecutor(P))
+    fake = FAKES.setdefault(sched, FakeExecutor(P))
     final: dict[str, RequestOutput] = {}
     for i, prompt in enumerate(prompts):
         sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **params)  # type: ignore[arg-type]
@@ -110,7 +111,7 @@ def test_n_choices_share_their_prompt_pages() -> None:
     sched = make()
     prompt = tokens(12, 3 * P + 1)
     run(sched, [prompt], max_tokens=1)
-    fake = FAKES[id(sched)]
+    fake = FAKES[sched]
     sp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, n=3)
     sched.add_request(Request("n3", prompt, sp))
     final = {}

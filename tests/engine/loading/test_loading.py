@@ -10,7 +10,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.core.model_files import ModelLoadError
-from engine.executor.executor import MemoryBudgetError
+from engine.executor.budgets import MemoryBudgetError
 from engine.models.config import UnsupportedModelError
 from policy import Policy, PolicyError
 from tests.engine.tiny_models import build_tiny, hf_greedy

@@ -1,0 +1,82 @@
+"""Each tier's byte budget, given or derived from the machine, and the KV pages it leaves."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+
+from engine.storage.device import Device
+from policy import TIERS
+from policy.errors import UserError
+
+GPU_RESERVE_FRAC = 0.1
+"""Share of the gpu budget kept for activations and workspace, never given to KV pages."""
+DEVICE_SHARE = 0.9
+"""Without --gpu-mem: this share of the device memory free at start."""
+RAM_SHARE = 0.8
+"""Without --cpu-mem: this share of the available RAM (both memory tiers on a CPU box)."""
+DISK_SHARE = 0.9
+"""Without --disk-mem: this share of the free disk under the offload directory."""
+
+
+class MemoryBudgetError(UserError):
+    """The policy places more on a tier than its budget allows."""
+
+
+def derive_budgets(
+    device: Device,
+    offload_dir: Path,
+    gpu_mem: int | None,
+    cpu_mem: int | None,
+    disk_mem: int | None,
+) -> dict[str, int]:
+    """Each tier's byte budget: as given, else derived from the machine so that KV
+    admission is never unbounded: the device's free memory (on CUDA), a share of the
+    available RAM (split between the two tiers on a CPU-only box, where the "gpu" tier
+    is host memory too), a share of the free disk under the offload directory."""
+    import psutil
+
+    ram = int(psutil.virtual_memory().available * RAM_SHARE)
+    if device.is_cuda:
+        free, _ = torch.cuda.mem_get_info(device.device)
+        derived_gpu, derived_cpu = int(free * DEVICE_SHARE), ram
+    else:
+        derived_gpu = derived_cpu = ram // 2
+    derived_disk = int(shutil.disk_usage(offload_dir).free * DISK_SHARE)
+    return {
+        "gpu": derived_gpu if gpu_mem is None else gpu_mem,
+        "cpu": derived_cpu if cpu_mem is None else cpu_mem,
+        "disk": derived_disk if disk_mem is None else disk_mem,
+    }
+
+
+def cap_gpu_memory(device: Device, budget: int) -> None:
+    """On CUDA, hold this process to the gpu budget (emulates a smaller card)."""
+    if device.is_cuda:
+        total = torch.cuda.get_device_properties(device.device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), device.device)
+
+
+def check_budgets(placed: dict[str, int], budgets: dict[str, int]) -> None:
+    """Refuse a placement whose weights alone exceed a tier's budget."""
+    for tier, budget in budgets.items():
+        if placed[tier] > budget:
+            raise MemoryBudgetError(
+                f"weights placed on {tier} take {placed[tier] / 2**30:.2f} GiB, over the "
+                f"{budget / 2**30:.2f} GiB budget; lower weights_frac[{TIERS.index(tier)}]"
+            )
+
+
+def kv_capacity_pages(
+    budgets: dict[str, int], placed: dict[str, int], page_bytes: int
+) -> dict[str, int | None]:
+    """KV pages each tier may hold: its budget less its weights (and, on the gpu tier,
+    less GPU_RESERVE_FRAC of the budget)."""
+    out: dict[str, int | None] = {}
+    for tier in TIERS:
+        reserve = GPU_RESERVE_FRAC if tier == "gpu" else 0.0
+        free = budgets[tier] * (1 - reserve) - placed[tier]
+        out[tier] = max(0, int(free // page_bytes))
+    return out
