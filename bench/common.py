@@ -24,7 +24,7 @@ from policy.specs import WorkloadSpec
 
 def parse_args(doc: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
-    parser.add_argument("--model", default=None, help="default: the demo model")
+    parser.add_argument("--model", default=None, help="default: smollm2-135m-instruct")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--gen-len", type=int, default=16)
     parser.add_argument(

@@ -25,7 +25,8 @@ Prompt = str | list[int]
 class LLM:
     """Generate with one model under one policy, like vLLM's `LLM`.
 
-    model: a local directory, a hub id, `dummy:<shape>`, or None for the built-in demo model.
+    model: a local directory, a GGUF file, a hub id, `dummy:<shape>`, `nanoflex-demo` (random
+        weights, fast), or None for the default model, SmolLM2-135M-Instruct.
     policy: a `Policy`, a policy JSON file, or "auto" (or None): planned by the cost model for
         `workload` on this machine's cached hardware profile (`nanoflex profile`).
     Every other keyword is a field of `EngineArgs` (device, offload_dir, gpu_mem, cpu_mem,

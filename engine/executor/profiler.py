@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from engine.core.model_files import DEMO_MODEL
 from engine.executor.attention import RaggedLayout, ragged_attention
 from engine.executor.executor import Executor
 from engine.storage.device import Device
@@ -166,7 +167,7 @@ def _matmuls(inputs: list[torch.Tensor], weights: list[torch.Tensor]) -> list[to
 def _layer_overhead(device_name: str) -> float:
     """Seconds per decoder layer of a one-token step of the demo model through the engine:
     almost all fixed cost (its matmuls at batch 1 are a few percent of it)."""
-    executor = Executor(None, Policy(gpu_batch_size=1), device=device_name)
+    executor = Executor(DEMO_MODEL, Policy(gpu_batch_size=1), device=device_name)
     try:
         # two one-token steps: a prefill of one token, then one decode reading it back
         seconds = _best_seconds(lambda: executor.score([[5, 6]], prefill_len=1), executor.device)

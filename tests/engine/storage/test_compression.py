@@ -31,7 +31,7 @@ def scored():
     prompts = random_prompts(4, 2048, 48, 80, seed=7)
 
     def score(**policy: object) -> list[torch.Tensor]:
-        executor = Executor(None, Policy(**policy), device="cpu")  # type: ignore[arg-type]
+        executor = Executor(DEMO_MODEL, Policy(**policy), device="cpu")  # type: ignore[arg-type]
         try:
             return executor.score(prompts, prefill_len=PREFILL_LEN)
         finally:

@@ -1,0 +1,170 @@
+"""A GGUF file's tensors under transformers' names, dequantized to float32 by the `gguf` package.
+
+GGUF names tensors llama.cpp's way (`blk.3.attn_q.weight`); transformers' names for the same
+model (`model.layers.3.self_attn.q_proj.weight`) come from the model class transformers builds
+for the file's config, mapped through gguf-py's own name table. llama.cpp stores the q and k
+rows of Llama-architecture files permuted for its rotary kernel; they are put back here.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from engine.core.model_files import ModelLoadError
+from engine.models.config import UnsupportedModelError
+
+PERMUTED_QK = {"llama": True, "qwen2": False}
+"""GGUF architectures nanoflex converts -> whether llama.cpp permuted their q/k rows (Llama
+and Mistral files are `llama`; Qwen2 keeps transformers' row order). OPT has no GGUF form."""
+
+
+def open_gguf(path: Path) -> GgufTensors:
+    """The file's tensors, after checking that its architecture is one nanoflex runs and that
+    the installed `gguf` package can dequantize every tensor type in it."""
+    try:
+        from gguf import GGUFReader
+    except ImportError as e:
+        raise ModelLoadError("reading GGUF files needs the gguf package: pip install gguf") from e
+    try:
+        reader = GGUFReader(str(path))
+    except (ValueError, OSError, IndexError) as e:
+        hint = (
+            "; it holds a tensor type this gguf package does not know: pip install -U gguf"
+            if "GGMLQuantizationType" in str(e)
+            else ""
+        )
+        raise ModelLoadError(f"cannot read {path.name} as a GGUF file ({e}){hint}") from e
+    tensors = GgufTensors(path, reader)
+    tensors.check_types()
+    return tensors
+
+
+class GgufTensors:
+    """Random access to a GGUF file's tensors by transformers' name, as float32 numpy arrays.
+    `bind(hf_config)` must be called before `names`, `numel` and `read`."""
+
+    def __init__(self, path: Path, reader: Any) -> None:
+        self.path = path
+        self._reader = reader
+        self._by_gguf_name = {t.name: t for t in reader.tensors}
+        field = reader.fields.get("general.architecture")
+        self.architecture = (
+            bytes(field.parts[field.data[0]]).decode() if field is not None else "unknown"
+        )
+        if self.architecture not in PERMUTED_QK:
+            raise UnsupportedModelError(
+                f"{path.name} is a GGUF file of architecture {self.architecture!r}, which "
+                f"nanoflex cannot convert; it converts {', '.join(PERMUTED_QK)} GGUF files "
+                "(Llama, Mistral, Qwen2)"
+            )
+        self._gguf_names: dict[str, str] = {}  # transformers name -> GGUF name
+        self._shapes: dict[str, tuple[int, ...]] = {}
+        self._heads: dict[str, int] = {}  # GGUF name of a q/k tensor -> heads to un-permute
+        self.model_class_name = ""
+        self.skipped: list[str] = []
+        """GGUF tensors the model has no parameter for (kept out of the conversion)."""
+
+    def check_types(self) -> None:
+        """Dequantize one row of each tensor type in the file: a type the gguf package cannot
+        read fails here, before anything is written."""
+        from gguf import dequantize
+
+        first: dict[Any, Any] = {}
+        for tensor in self._reader.tensors:
+            first.setdefault(tensor.tensor_type, tensor)
+        for qtype, tensor in first.items():
+            data = tensor.data.reshape(-1, tensor.data.shape[-1])[:1]
+            try:
+                dequantize(data, qtype)
+            except NotImplementedError as e:
+                raise ModelLoadError(
+                    f"{self.path.name} stores {tensor.name} as {qtype.name}, a GGUF tensor type "
+                    f"the installed gguf package cannot dequantize ({e}); try `pip install -U "
+                    "gguf`, or use a file quantized as Q4_0, Q4_1, Q5_*, Q8_0, K-quants or float"
+                ) from e
+
+    @property
+    def has_tokenizer(self) -> bool:
+        """The file carries a tokenizer (vocabulary, merges, special ids, chat template)."""
+        return "tokenizer.ggml.model" in self._reader.fields
+
+    def type_counts(self) -> dict[str, int]:
+        """{GGUF tensor type name: number of tensors}, for the manifest."""
+        return dict(Counter(t.tensor_type.name for t in self._reader.tensors))
+
+    def bind(self, hf_config: Any) -> None:
+        """Name and check every tensor against the model transformers builds for `hf_config`
+        (on the meta device): each parameter has a GGUF tensor of the same shape."""
+        from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(hf_config)
+        self.model_class_name = type(model).__name__
+        arch = next(k for k, v in MODEL_ARCH_NAMES.items() if v == self.architecture)
+        table = get_tensor_name_map(arch, hf_config.num_hidden_layers)
+        for name, param in model.named_parameters():  # tied parameters appear once
+            module, _, suffix = name.rpartition(".")
+            gguf_module = table.get_name(module)
+            gguf_name = f"{gguf_module}.{suffix}"
+            tensor = self._by_gguf_name.get(gguf_name)
+            if gguf_module is None or tensor is None:
+                raise ModelLoadError(
+                    f"{self.path.name} has no tensor for the model's {name} "
+                    f"(GGUF name {gguf_name if gguf_module else '?'}); is the file complete?"
+                )
+            shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))  # ggml order is reversed
+            if shape != tuple(param.shape):
+                raise ModelLoadError(
+                    f"{self.path.name}: {gguf_name} has shape {shape}, the model's {name} "
+                    f"needs {tuple(param.shape)}"
+                )
+            self._gguf_names[name] = gguf_name
+            self._shapes[name] = shape
+        used = set(self._gguf_names.values())
+        self.skipped = [t for t in self._by_gguf_name if t not in used]
+        if any(t.startswith("rope_freqs") for t in self.skipped):
+            raise UnsupportedModelError(
+                f"{self.path.name} scales its rotary frequencies per dimension (rope_freqs, "
+                "Llama 3.1 and later), which its GGUF config does not describe; load the "
+                "original safetensors checkpoint instead"
+            )
+        if PERMUTED_QK[self.architecture]:
+            heads = hf_config.num_attention_heads
+            kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+            for gguf_name in used:
+                if ".attn_q." in gguf_name or ".attn_k." in gguf_name:
+                    self._heads[gguf_name] = heads if ".attn_q." in gguf_name else kv_heads
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._gguf_names)
+
+    def numel(self, name: str) -> int:
+        return math.prod(self._shapes[name])
+
+    def read(self, name: str) -> np.ndarray:
+        """The tensor `name` (transformers' name), dequantized to float32, in torch's layout."""
+        from gguf import dequantize
+
+        gguf_name = self._gguf_names[name]
+        tensor = self._by_gguf_name[gguf_name]
+        values = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
+        values = values.reshape(self._shapes[name])
+        if gguf_name in self._heads:
+            values = _unpermute_rows(values, self._heads[gguf_name])
+        return np.ascontiguousarray(values)
+
+
+def _unpermute_rows(values: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row order. Within a head, transformers' rows are (half, pair): the
+    two rotary halves one after the other; llama.cpp interleaves them, (pair, half)."""
+    rows = values.shape[0]
+    split = values.reshape(num_heads, rows // num_heads // 2, 2, *values.shape[1:])
+    return split.swapaxes(1, 2).reshape(values.shape)

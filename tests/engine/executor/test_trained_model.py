@@ -1,0 +1,60 @@
+"""The engine on a trained model (SmolLM2-135M-Instruct, the default): for chat prompts, every
+greedy token equals transformers' argmax over the same weights, teacher-forced on our tokens
+(a full forward over prompt + output, stricter than comparing with `generate()`, whose cached
+path can drift on near-ties), whatever the placement."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.core.tokenizer import Tokenizer
+from policy import Policy
+from tests.engine.chats import CHATS
+
+MAX_TOKENS = 40
+DISK_MAX_TOKENS = 12  # every step reads all 540 MB of float32 weights back from disk
+
+PLACEMENTS: dict[str, dict[str, object]] = {
+    "all-on-device": {},
+    "weights-on-disk": dict(weights_frac=(0.0, 0.0, 1.0), gpu_batch_size=2, num_gpu_batches=2),
+    "kv-split-across-tiers": dict(kv_frac=(0.4, 0.3, 0.3), act_frac=(0.3, 0.3, 0.4)),
+    "cpu-attention": dict(kv_frac=(0.0, 1.0, 0.0), cpu_attention=True, gpu_batch_size=2),
+    "overlap-off": dict(overlap=False, weights_frac=(0.2, 0.8, 0.0), kv_frac=(0.5, 0.5, 0.0)),
+}
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2_dir: Path):
+    """transformers' LlamaForCausalLM on the converted weights (which equal transformers' own
+    reading of the GGUF: tests/engine/loading/test_gguf.py)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32)
+    model.eval()
+    return model
+
+
+def teacher_forced_argmax(model, prompt: list[int], tokens: list[int]) -> list[int]:
+    """transformers' argmax at every output position, fed prompt + our tokens in one forward."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens])).logits[0]
+    return logits[len(prompt) - 1 : len(prompt) - 1 + len(tokens)].argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("placement", list(PLACEMENTS))
+def test_greedy_chat_equals_transformers_argmax(smollm2_dir, reference, tmp_path, placement):
+    prompts = [Tokenizer(smollm2_dir).apply_chat_template(chat) for chat in CHATS]
+    policy = Policy(**PLACEMENTS[placement])  # type: ignore[arg-type]
+    max_tokens = DISK_MAX_TOKENS if placement == "weights-on-disk" else MAX_TOKENS
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    with LLM(str(smollm2_dir), policy=policy, offload_dir=tmp_path, device="cpu") as llm:
+        outputs = [out.outputs[0] for out in llm.generate(prompts, params)]
+    for prompt, out in zip(prompts, outputs, strict=True):
+        assert len(out.token_ids) > 3
+        assert out.token_ids == teacher_forced_argmax(reference, prompt, out.token_ids)
+    assert outputs[0].text == "The capital of France is Paris."
+    assert outputs[0].finish_reason == "stop"  # EOS (<|im_end|>) ends the answer
