@@ -79,7 +79,8 @@ def run_policies(variants: dict[str, Variant], args: argparse.Namespace) -> list
             ):
                 num_prompts = args.num_prompts or llm.policy.block_size
                 runs[name].append(run_bench(llm, args.prompt_len, args.gen_len, num_prompts))
-                predicted[name] = predict(llm.policy, llm.executor.model_dir, workload)
+                dtype = llm.placement().dtype
+                predicted[name] = predict(llm.policy, llm.executor.model_dir, workload, dtype=dtype)
             print(f"{name}: run {len(runs[name])}/{args.repeat}", file=sys.stderr)
     rows = []
     for name, results in runs.items():

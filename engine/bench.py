@@ -100,7 +100,12 @@ def run_bench(llm: LLM, prompt_len: int, gen_len: int, num_prompts: int) -> dict
         "placement": dataclasses.asdict(placement),
         "predicted": llm.plan["predicted"]
         if llm.plan
-        else predict(llm.policy, llm.executor.model_dir, WorkloadSpec(prompt_len, gen_len)),
+        else predict(
+            llm.policy,
+            llm.executor.model_dir,
+            WorkloadSpec(prompt_len, gen_len),
+            dtype=placement.dtype,
+        ),
     }
     result["table"] = figure_table(result)
     return result

@@ -419,9 +419,17 @@ def hardware_budgets(
     cpu_mem: float | None = None,
     disk_mem: float | None = None,
 ) -> dict[str, float]:
-    """Byte budgets per tier: the overrides where given, else the machine's sizes."""
+    """Byte budgets per tier: the overrides where given, else the machine's sizes. When the
+    compute device is the CPU, the gpu and cpu tiers are the same RAM: together they never
+    get more than the machine has (a --gpu-mem comes out of the cpu tier's share)."""
+    gpu = float(hardware.gpu_mem_bytes if gpu_mem is None else gpu_mem)
+    cpu = float(hardware.cpu_mem_bytes if cpu_mem is None else cpu_mem)
+    if hardware.compute_device == "cpu":
+        ram = float(hardware.gpu_mem_bytes + hardware.cpu_mem_bytes)
+        gpu = min(gpu, ram)
+        cpu = min(cpu, ram - gpu)
     return {
-        "gpu": float(hardware.gpu_mem_bytes if gpu_mem is None else gpu_mem),
-        "cpu": float(hardware.cpu_mem_bytes if cpu_mem is None else cpu_mem),
+        "gpu": gpu,
+        "cpu": cpu,
         "disk": float(hardware.disk_mem_bytes if disk_mem is None else disk_mem),
     }

@@ -188,6 +188,7 @@ class EngineArgs:
             gpu_mem=self.gpu_mem,
             cpu_mem=self.cpu_mem,
             disk_mem=self.disk_mem,
+            dtype=self.dtype,
         )
 
     def executor_kwargs(self, model_dir: Path, policy: Policy) -> dict[str, Any]:

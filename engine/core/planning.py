@@ -6,6 +6,7 @@ needs torch, and that runs in a child process.
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +18,19 @@ from policy.specs import ModelSpec, WorkloadSpec
 
 DEFAULT_WORKLOAD = WorkloadSpec(prompt_len=512, gen_len=32)
 """What an automatic policy is planned for when no workload is given."""
+
+
+DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
+
+
+def model_spec(model_dir: Path, compute_device: str, dtype: str | None = None) -> ModelSpec:
+    """The model's shape with the element size the engine will compute in: `dtype` if
+    given, else float32 on a CPU, else the checkpoint's half type (float16 if it has none),
+    as `engine.storage.device.Device.default_dtype` chooses."""
+    spec = ModelSpec.from_name_or_path(str(model_dir))
+    if dtype is None:  # on CUDA the half type: 2 bytes whichever it is
+        dtype = "float32" if compute_device == "cpu" else "float16"
+    return dataclasses.replace(spec, dtype_bytes=DTYPE_BYTES[dtype])
 
 
 def cached_hardware() -> HardwareSpec | None:
@@ -45,6 +59,7 @@ def resolve_policy(
     gpu_mem: int | None = None,
     cpu_mem: int | None = None,
     disk_mem: int | None = None,
+    dtype: str | None = None,
 ) -> tuple[Policy, dict[str, Any] | None]:
     """(policy, plan report). `spec` is a Policy, a JSON file path, or None / 'auto' to plan
     with the cost model; the report holds the prediction and the bottleneck when planned."""
@@ -54,10 +69,11 @@ def resolve_policy(
         return Policy.load(str(spec)), None
     from policy.search import search
 
+    hardware = hardware_profile(device)
     result = search(
-        ModelSpec.from_name_or_path(str(model_dir)),
+        model_spec(model_dir, hardware.compute_device, dtype),
         workload,
-        hardware_profile(device),
+        hardware,
         gpu_mem=gpu_mem,
         cpu_mem=cpu_mem,
         disk_mem=disk_mem,
@@ -72,8 +88,10 @@ def predict(
     *,
     gpu_mem: int | None = None,
     cpu_mem: int | None = None,
+    dtype: str | None = None,
 ) -> dict[str, Any] | None:
-    """The cost model's prediction for `policy`, or None when no profile is cached."""
+    """The cost model's prediction for `policy` computing in `dtype`, or None when no profile
+    is cached."""
     hardware = cached_hardware()
     if hardware is None:
         return None
@@ -81,7 +99,7 @@ def predict(
 
     result = estimate(
         policy,
-        ModelSpec.from_name_or_path(str(model_dir)),
+        model_spec(model_dir, hardware.compute_device, dtype),
         workload,
         hardware,
         hardware_budgets(hardware, gpu_mem, cpu_mem),

@@ -69,6 +69,21 @@ def check_budgets(placed: dict[str, int], budgets: dict[str, int]) -> None:
             )
 
 
+def check_host_memory(placed: dict[str, int], device: Device) -> None:
+    """Refuse weights the machine's RAM cannot hold: the cpu tier's, and on a CPU-only box
+    the gpu tier's too (the "gpu" is host memory there)."""
+    import psutil
+
+    in_ram = placed["cpu"] + (0 if device.is_cuda else placed["gpu"])
+    available = psutil.virtual_memory().available
+    if in_ram > available * RAM_SHARE:
+        raise MemoryBudgetError(
+            f"the policy keeps {in_ram / 2**30:.1f} GiB of weights in host memory but only "
+            f"{available / 2**30:.1f} GiB of RAM is available: put more of them on disk "
+            "(weights_frac) or pass --cpu-mem/--gpu-mem so the planner does"
+        )
+
+
 def kv_capacity_pages(
     budgets: dict[str, int], placed: dict[str, int], page_bytes: int
 ) -> dict[str, int | None]:

@@ -25,6 +25,7 @@ from engine.core.sampling_params import SamplingParams
 from engine.executor.budgets import (
     cap_gpu_memory,
     check_budgets,
+    check_host_memory,
     derive_budgets,
     kv_capacity_pages,
 )
@@ -119,8 +120,11 @@ class Executor:
             dtype=self.dtype,
             device=self.device,
             disk=self.disk,
-            progress=self._print_progress if show_progress else None,
         )
+        if not policy.compress_weights:  # refuse before reading anything
+            check_budgets(self.weights.planned_bytes(), self.budgets)
+            check_host_memory(self.weights.planned_bytes(), self.device)
+        self.weights.read_all(self._print_progress if show_progress else None)
         codec = KVRowCodec(2 * self.config.kv_dim, compress=policy.compress_kv, dtype=self.dtype)
         self.kv = KVStore(
             self.config.num_layers, PAGE_TOKENS, codec, self.device, self.disk, persist_kv_cache

@@ -89,9 +89,11 @@ class WeightStore:
         dtype: torch.dtype,
         device: Device,
         disk: DiskIO,
-        progress: Callable[[int, int], None] | None = None,
     ) -> None:
+        """Plans where each layer goes (nothing is read yet: `planned_bytes` can be checked
+        against the budgets first); `read_all` then reads and homes every layer."""
         self.model, self.device, self.disk, self.dtype = model, device, disk, dtype
+        self.reader, self.compress = reader, compress
         by_layer: list[dict[str, str]] = [{} for _ in range(model.num_layers)]
         for hf_name in reader.names:
             target = model.map_name(hf_name)
@@ -99,7 +101,8 @@ class WeightStore:
                 by_layer[target[0]][target[1]] = hf_name
         embed_j, embed_name, head_name = model.tied_head_source()
         head = by_layer[-1]
-        if head_name not in head:  # tied embeddings: the head keeps its own copy to be placed
+        self._tied = head_name not in head
+        if self._tied:  # the head reads the embedding's tensor (shared when on one tier)
             if embed_name not in by_layer[embed_j]:
                 raise ModelLoadError("checkpoint has neither an LM head nor token embeddings")
             head[head_name] = by_layer[embed_j][embed_name]
@@ -110,19 +113,54 @@ class WeightStore:
             sum(reader.numel(n) for n in names.values()) * dtype.itemsize for names in by_layer
         ]
         self.tiers = assign_tiers(sizes, weights_frac)
+        self._sizes, self._by_layer = sizes, by_layer
         self.layers: list[StoredLayer] = []
         self._staging: queue.Queue[torch.Tensor] = queue.Queue()
         self._staging_bytes = 0
-        for j, names in enumerate(by_layer):
+
+    def planned_bytes(self) -> dict[str, int]:
+        """Bytes each tier will hold once loaded, uncompressed (an upper bound with 4-bit)."""
+        out = dict.fromkeys(TIERS, 0)
+        for tier, size in zip(self.tiers, self._sizes, strict=True):
+            out[tier] += size
+        if self._shares_head():
+            out[self.tiers[-1]] -= self._sizes[-1] - self._head_only_bytes()
+        return out
+
+    def _shares_head(self) -> bool:
+        """Tied embeddings on one memory tier, uncompressed: the head holds the embedding's
+        tensor itself instead of a second copy."""
+        embed_j = self.model.tied_head_source()[0]
+        same = self.tiers[embed_j] == self.tiers[-1] and self.tiers[-1] != "disk"
+        return self._tied and same and not self.compress
+
+    def _head_only_bytes(self) -> int:
+        """The head layer's bytes without its tied weight."""
+        head_name = self.model.tied_head_source()[2]
+        names = self._by_layer[-1]
+        return sum(self.reader.numel(n) for k, n in names.items() if k != head_name) * (
+            self.dtype.itemsize
+        )
+
+    def read_all(self, progress: Callable[[int, int], None] | None = None) -> None:
+        """Read, cast, compress and home every layer."""
+        model, dtype, compress = self.model, self.dtype, self.compress
+        embed_j, embed_name, head_name = model.tied_head_source()
+        for j, names in enumerate(self._by_layer):
             values: dict[str, Stored] = {}
             for local, hf_name in sorted(names.items()):
-                t = reader.get(hf_name).to(dtype)
+                if j == len(self._by_layer) - 1 and local == head_name and self._shares_head():
+                    continue  # added below: the embedding's stored tensor itself
+                t = self.reader.get(hf_name).to(dtype)
                 values[local] = (
                     quantize(t, group_size=64, dim=0)
                     if compress and model.is_compressible(j, local, t)
                     else t
                 )
-            self.layers.append(self._home(j, self.tiers[j], values))
+            layer = self._home(j, self.tiers[j], values)
+            if j == len(self._by_layer) - 1 and self._shares_head():
+                layer.values[head_name] = self.layers[embed_j].values[embed_name]
+            self.layers.append(layer)
             if progress is not None:
                 progress(j + 1, model.num_layers)
 

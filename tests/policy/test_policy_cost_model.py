@@ -159,3 +159,14 @@ def test_prefix_break_even_follows_the_tier_bandwidth() -> None:
     )
     slow_disk = dataclasses.replace(fast_gpu, dtoc_bw=1e6)
     assert break_even_tokens(model, slow_disk)["disk"] is None
+
+
+def test_on_a_cpu_box_the_gpu_budget_comes_out_of_the_same_ram() -> None:
+    from policy.cost_model import hardware_budgets
+
+    box = dataclasses.replace(
+        FLEXGEN_T4, compute_device="cpu", gpu_mem_bytes=12 * 2**30, cpu_mem_bytes=12 * 2**30
+    )
+    budgets = hardware_budgets(box, gpu_mem=16 * 2**30)
+    assert budgets["gpu"] == 16 * 2**30 and budgets["cpu"] == 8 * 2**30
+    assert hardware_budgets(FLEXGEN_T4, gpu_mem=16 * 2**30)["cpu"] == FLEXGEN_T4.cpu_mem_bytes

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 
 import pytest
 import torch
@@ -85,3 +86,34 @@ def test_policy_json_round_trip(tmp_path):
         Policy.load(tmp_path / "missing.json")
     with pytest.raises(PolicyError, match="unknown policy field"):
         Policy.from_json('{"gpu_batchsize": 3}')
+
+
+@pytest.mark.parametrize("weights_frac", [(1.0, 0.0, 0.0), (0.0, 0.0, 1.0)])
+def test_tied_embeddings_are_held_once_in_memory(tiny_model, weights_frac):
+    """Llama 3-style tied embeddings: the head uses the embedding's own tensor when both
+    live on one memory tier; on disk each layer's file keeps its copy."""
+    from safetensors import safe_open
+
+    model_dir = tiny_model("llama3")
+    with safe_open(str(model_dir / "model.safetensors"), framework="pt") as f:
+        checkpoint = sum(f.get_tensor(n).numel() * 4 for n in f.keys())  # noqa: SIM118
+    policy = Policy(weights_frac=weights_frac)
+    with LLM(str(model_dir), policy=policy, device="cpu") as llm:
+        held = sum(llm.placement().weights_bytes.values())
+        head = llm.executor.weights.layers[-1].values["lm_head.weight"]
+        embed = llm.executor.weights.layers[0].values["tok.weight"]
+    if weights_frac[0] == 1.0:
+        assert held == checkpoint and head is embed
+    else:
+        assert held > checkpoint  # the head layer's file has its own copy
+
+
+def test_a_policy_the_machine_cannot_hold_is_refused_before_loading():
+    """OPT-30B's shape with every weight in memory: refused in one line before a single
+    tensor is generated, whether the budget or the machine's RAM says no."""
+    start = time.perf_counter()
+    with pytest.raises(MemoryBudgetError, match="over the"):
+        LLM("dummy:facebook/opt-30b", policy=Policy(), device="cpu")
+    with pytest.raises(MemoryBudgetError, match="RAM is available"):
+        LLM("dummy:facebook/opt-30b", policy=Policy(), device="cpu", gpu_mem=2**42)
+    assert time.perf_counter() - start < 60  # nothing of 120 GB was read
