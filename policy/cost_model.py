@@ -421,13 +421,16 @@ def hardware_budgets(
 ) -> dict[str, float]:
     """Byte budgets per tier: the overrides where given, else the machine's sizes. When the
     compute device is the CPU, the gpu and cpu tiers are the same RAM: together they never
-    get more than the machine has (a --gpu-mem comes out of the cpu tier's share)."""
+    get more than the machine has, and what is not asked for goes to the gpu tier (on a
+    CPU, moving bytes between the two tiers only costs copies)."""
     gpu = float(hardware.gpu_mem_bytes if gpu_mem is None else gpu_mem)
     cpu = float(hardware.cpu_mem_bytes if cpu_mem is None else cpu_mem)
     if hardware.compute_device == "cpu":
         ram = float(hardware.gpu_mem_bytes + hardware.cpu_mem_bytes)
+        if gpu_mem is None:
+            gpu = ram - min(cpu if cpu_mem is not None else 0.0, ram)
         gpu = min(gpu, ram)
-        cpu = min(cpu, ram - gpu)
+        cpu = min(cpu if cpu_mem is not None else ram - gpu, ram - gpu)
     return {
         "gpu": gpu,
         "cpu": cpu,

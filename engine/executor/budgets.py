@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from engine.storage.device import Device
-from policy import TIERS
+from policy import TIERS, Policy
 from policy.errors import UserError
 
 GPU_RESERVE_FRAC = 0.1
@@ -31,11 +31,13 @@ def derive_budgets(
     gpu_mem: int | None,
     cpu_mem: int | None,
     disk_mem: int | None,
+    policy: Policy,
 ) -> dict[str, int]:
     """Each tier's byte budget: as given, else derived from the machine so that KV
     admission is never unbounded: the device's free memory (on CUDA), a share of the
-    available RAM (split between the two tiers on a CPU-only box, where the "gpu" tier
-    is host memory too), a share of the free disk under the offload directory."""
+    available RAM, a share of the free disk under the offload directory. On a CPU-only box
+    the "gpu" tier is host memory too: the two memory tiers split one RAM share in
+    proportion to how much of the weights, KV and activations the policy puts on each."""
     import psutil
 
     ram = int(psutil.virtual_memory().available * RAM_SHARE)
@@ -43,7 +45,10 @@ def derive_budgets(
         free, _ = torch.cuda.mem_get_info(device.device)
         derived_gpu, derived_cpu = int(free * DEVICE_SHARE), ram
     else:
-        derived_gpu = derived_cpu = ram // 2
+        fracs = (policy.weights_frac, policy.kv_frac, policy.act_frac)
+        on_gpu, on_cpu = sum(f[0] for f in fracs), sum(f[1] for f in fracs)
+        derived_gpu = int(ram * on_gpu / (on_gpu + on_cpu)) if on_gpu + on_cpu else ram // 2
+        derived_cpu = ram - derived_gpu
     derived_disk = int(shutil.disk_usage(offload_dir).free * DISK_SHARE)
     return {
         "gpu": derived_gpu if gpu_mem is None else gpu_mem,

@@ -97,7 +97,9 @@ class Executor:
         self._own_offload_dir = offload_dir is None
         self.offload_dir = Path(offload_dir or tempfile.mkdtemp(prefix="nanoflex-offload-"))
         self.offload_dir.mkdir(parents=True, exist_ok=True)
-        self.budgets = derive_budgets(self.device, self.offload_dir, gpu_mem, cpu_mem, disk_mem)
+        self.budgets = derive_budgets(
+            self.device, self.offload_dir, gpu_mem, cpu_mem, disk_mem, policy
+        )
         """Byte budget per tier, given or derived from the machine (see _budgets)."""
         if show_progress or None in (gpu_mem, cpu_mem, disk_mem):
             given = {"gpu": gpu_mem, "cpu": cpu_mem, "disk": disk_mem}

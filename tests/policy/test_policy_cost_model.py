@@ -169,4 +169,8 @@ def test_on_a_cpu_box_the_gpu_budget_comes_out_of_the_same_ram() -> None:
     )
     budgets = hardware_budgets(box, gpu_mem=16 * 2**30)
     assert budgets["gpu"] == 16 * 2**30 and budgets["cpu"] == 8 * 2**30
+    default = hardware_budgets(box)  # nothing asked: the RAM is the gpu tier's
+    assert default["gpu"] == 24 * 2**30 and default["cpu"] == 0
+    asked = hardware_budgets(box, cpu_mem=4 * 2**30)
+    assert asked["gpu"] == 20 * 2**30 and asked["cpu"] == 4 * 2**30
     assert hardware_budgets(FLEXGEN_T4, gpu_mem=16 * 2**30)["cpu"] == FLEXGEN_T4.cpu_mem_bytes
