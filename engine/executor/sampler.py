@@ -44,8 +44,10 @@ class Sampler:
         if p.top_p < 1.0:
             sorted_scores, order = torch.sort(scores, descending=True)
             sorted_probs = torch.softmax(sorted_scores, dim=-1)
-            # keep the smallest prefix whose mass reaches top_p (always at least one token)
+            # keep the smallest prefix whose mass reaches top_p (always at least one token,
+            # also when a tiny top_p rounds to 0 in float32)
             drop = sorted_probs.cumsum(dim=-1) - sorted_probs >= p.top_p
+            drop[0] = False
             scores = scores.scatter(0, order, sorted_scores.masked_fill(drop, float("-inf")))
         probs = torch.softmax(scores, dim=-1).cpu()
         rng = self._rng
