@@ -87,6 +87,14 @@ UPLOAD_FORM = {
 }
 
 
+SSE_EVENT = {
+    "type": "object",
+    "description": "One server-sent event of `stream: true`: a JSON chunk, or [DONE] last.",
+    "properties": {"data": {"type": "string"}},
+    "required": ["data"],
+}
+
+
 def _json(schema: dict[str, Any]) -> dict[str, Any]:
     return {"application/json": {"schema": schema}}
 
@@ -102,7 +110,7 @@ def _responses(path: str, op: Operation, secured: bool) -> dict[str, Any]:
     else:
         content = _json(_ref(op.ok))
     if op.streams:
-        content["text/event-stream"] = {"schema": {"type": "string"}}
+        content["text/event-stream"] = {"schema": SSE_EVENT}
     responses: dict[str, Any] = {"200": {"description": "OK", "content": content}}
     unauthorized = {401} if op.public or not secured else set()
     for status in sorted({*COMMON_ERRORS, *op.errors} - unauthorized):

@@ -283,11 +283,16 @@ def test_batch_lines_that_cannot_be_decoded_do_not_stall_validation(live: LiveSe
     assert (batch.request_counts.completed, batch.request_counts.failed) == (1, 2)
 
 
-def test_tiny_top_p_samples_the_top_token(live: LiveServer, client: httpx.Client) -> None:
-    """Found by the fuzz test: top_p = 7e-112 is 0 in float32; the sampler dropped every
-    token, the engine step failed and the engine restarted (503 for everyone in flight)."""
-    body = {**GOOD, "top_p": 6.920603198957656e-112, "max_tokens": 3, "seed": 1}
-    tiny = client.post("/v1/completions", json=body)
+@pytest.mark.parametrize(
+    "change", [{"top_p": 6.920603198957656e-112}, {"temperature": 2.2250738585072014e-308}]
+)
+def test_tiny_top_p_or_temperature_samples_the_top_token(
+    client: httpx.Client, change: dict[str, float]
+) -> None:
+    """Found by the fuzz test: top_p = 7e-112 is 0 in float32, and logits / 2e-308 overflow;
+    either made every probability NaN, the engine step failed and the engine restarted
+    (503 for every request in flight)."""
+    tiny = client.post("/v1/completions", json={**GOOD, **change, "max_tokens": 3, "seed": 1})
     assert tiny.status_code == 200, tiny.text
     greedy = client.post("/v1/completions", json={**GOOD, "max_tokens": 3, "temperature": 0})
     assert tiny.json()["choices"][0]["text"] == greedy.json()["choices"][0]["text"]
