@@ -67,6 +67,8 @@ def _aim(case: Any) -> None:
     for key in ("max_tokens", "max_completion_tokens"):
         if isinstance(body.get(key), int) and not isinstance(body[key], bool):
             body[key] = max(1, min(body[key], 4))
+        elif key in body:  # null: the rest of the context window, thousands of steps
+            body[key] = 4
     if case.path == "/v1/chat/completions" and "max_tokens" not in body:
         body["max_tokens"] = 4  # chat defaults to the rest of the context window
 
