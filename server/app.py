@@ -13,22 +13,24 @@ from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive
 
 from engine.core.sequence import ONLINE_PRIORITY
-from server.batch_routes import read_json
 from server.batch_routes import router as batch_router
 from server.batches import BatchRunner
+from server.data_dir import open_data_dir
 from server.engine_client import EngineClient
 from server.errors import engine_unavailable, install_error_handlers, not_found
-from server.files import FileStorage, now
+from server.files import now
 from server.metrics import CONTENT_TYPE, Metrics
 from server.middleware import Guard
-from server.serving import CHAT, COMPLETIONS, Serving
+from server.openapi import install_openapi
+from server.request_body import decode_json, read_body
+from server.serving import CHAT, COMPLETIONS, Prepared, Serving
 from server.settings import ServerSettings
 from server.state import AppState, get_state
-from server.store import Store
 from server.streaming import stream_chunks
 
 logger = logging.getLogger("nanoflex.server")
@@ -65,10 +67,10 @@ def create_app(
 ) -> FastAPI:
     """The daemon's app. Its lifespan starts the engine (unless `start_engine` is False:
     the caller started it), resumes unfinished batches, and shuts both down at exit."""
-    store = Store(settings.db_path)
-    storage = FileStorage(settings.files_dir)
+    store, storage = open_data_dir(settings)
     metrics = Metrics(engine)
-    serving = Serving(engine, settings.served_model_name or engine.model_name, metrics)
+    model_name = settings.served_model_name or engine.model_name
+    serving = Serving(engine, model_name, metrics, settings.max_seqs_per_request)
     state = AppState(
         settings=settings,
         engine=engine,
@@ -105,31 +107,50 @@ def create_app(
         api_key=settings.api_key,
         max_body_bytes=settings.max_body_bytes,
         max_file_bytes=settings.max_file_bytes,
+        body_timeout_s=settings.body_timeout_s,
+        bind_host=settings.bind_host,
+        allowed_hosts=settings.allowed_hosts,
+        allowed_origins=settings.allowed_origins,
     )
+    if settings.allowed_origins:  # outside the Guard: a CORS preflight carries no API key
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(settings.allowed_origins),
+            allow_methods=["GET", "POST", "DELETE"],
+            allow_headers=["Authorization", "Content-Type"],
+        )
     app.include_router(batch_router)
     _add_online_routes(app)
+    install_openapi(app, secured=settings.api_key is not None)
     return app
+
+
+def _prepare(serving: Serving, endpoint: str, raw: bytes) -> Prepared:
+    """Decode, validate and tokenize a request body (in a worker thread: a long prompt
+    takes a while to tokenize and must not stall the event loop)."""
+    return serving.prepare(endpoint, decode_json(raw))
 
 
 async def _generate(request: Request, endpoint: str) -> Response:
     state = get_state(request)
-    prep = state.serving.prepare(endpoint, await read_json(request))
+    raw = await read_body(request)
+    prep = await asyncio.to_thread(_prepare, state.serving, endpoint, raw)
     if not state.engine.is_ready():
         raise engine_unavailable()
-    state.admit()
+    state.admit(prep.num_seqs)
     if not prep.stream:
         try:
             result = await _unless_disconnected(request, state.serving.run(prep, ONLINE_PRIORITY))
         except ClientDisconnected:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         finally:
-            state.release()
+            state.release(prep.num_seqs)
         return JSONResponse(result)
     chunks = stream_chunks(state.serving, prep, ONLINE_PRIORITY)
     try:
         first = await _unless_disconnected(request, anext(chunks))
     except BaseException:
-        state.release()
+        state.release(prep.num_seqs)
         await chunks.aclose()
         raise
 
@@ -140,7 +161,7 @@ async def _generate(request: Request, endpoint: str) -> Response:
                 yield chunk
         finally:
             await chunks.aclose()
-            state.release()
+            state.release(prep.num_seqs)
 
     return StreamingResponse(sse_body(), media_type="text/event-stream")
 

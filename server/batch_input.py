@@ -11,6 +11,8 @@ import json
 from collections.abc import Callable
 from typing import Any, BinaryIO
 
+from server.json_body import JSONBodyError, loads_json
+
 ErrorLine = Callable[[str | None, str, str], str]
 Row = tuple[int, str | None, str | None, str, str | None]
 """(line_index, custom_id, body JSON, status 'pending' | 'failed', error line JSON)."""
@@ -53,9 +55,9 @@ def parse_input_lines(
         index = len(rows)
         obj: Any = None
         try:
-            obj = json.loads(raw)
+            obj = loads_json(raw)
             problem = _check(obj, endpoint, seen)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        except JSONBodyError as e:
             problem = ("invalid_json_line", f"Line {line_number} is not valid JSON: {e}.")
         custom_id = obj.get("custom_id") if isinstance(obj, dict) else None
         if not isinstance(custom_id, str):

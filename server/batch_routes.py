@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 import asyncio
-import json
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import FileResponse
 from starlette.datastructures import UploadFile
 
-from server.errors import invalid_request, not_found
-from server.files import file_object, new_id, now
+from server.errors import APIError, invalid_request, not_found
+from server.files import file_object, new_id, now, safe_filename
+from server.request_body import read_json
 from server.schemas import BatchCreateRequest, parse_body
 from server.state import AppState, get_state
+from server.storage_faults import storage_error
 
 router = APIRouter()
 UPLOAD_PURPOSES = ("batch",)
@@ -32,17 +33,6 @@ def _page(data: list[dict[str, Any]], limit: int) -> dict[str, Any]:
     }
 
 
-async def read_json(request: Request) -> Any:
-    """The decoded JSON body, or a 400 that says it is not JSON."""
-    raw = await request.body()
-    try:
-        return json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise invalid_request(
-            f"The request body is not valid JSON ({e}); send a JSON object.", code="invalid_json"
-        ) from e
-
-
 def _file(state: AppState, file_id: str) -> dict[str, Any]:
     record = state.store.get_file(file_id)
     if record is None:
@@ -54,7 +44,13 @@ def _file(state: AppState, file_id: str) -> dict[str, Any]:
 @router.post("/v1/files")
 async def upload_file(request: Request) -> dict[str, Any]:
     state = get_state(request)
-    form = await request.form(max_files=1, max_fields=8)
+    try:
+        form = await request.form(max_files=1, max_fields=8)
+    except OSError as e:  # the multipart parser spools large parts to a temporary file
+        error = storage_error(e, "receiving the upload")
+        if error is None:
+            raise
+        raise error from e
     try:
         upload, purpose = form.get("file"), form.get("purpose")
         if not isinstance(upload, UploadFile):
@@ -72,13 +68,17 @@ async def upload_file(request: Request) -> dict[str, Any]:
         record = {
             "id": file_id,
             "bytes": num_bytes,
-            "filename": upload.filename or "upload.jsonl",
+            "filename": safe_filename(upload.filename),
             "purpose": purpose,
             "created_at": now(),
             "status": "processed",
             "path": file_id,
         }
-        state.store.insert_file(record)
+        try:
+            state.store.insert_file(record)
+        except BaseException:
+            state.storage.remove(file_id)
+            raise
         return file_object(record)
     finally:
         await form.close()
@@ -105,8 +105,15 @@ async def get_file(request: Request, file_id: str) -> dict[str, Any]:
 async def file_content(request: Request, file_id: str) -> FileResponse:
     state = get_state(request)
     record = _file(state, file_id)
+    path = state.storage.path_for(record["id"])
+    if not path.is_file():
+        raise APIError(
+            404,
+            f"The contents of {file_id} are missing from the server's data directory.",
+            code="file_content_missing",
+        )
     return FileResponse(
-        state.storage.path_for(record["id"]),
+        path,
         media_type="application/octet-stream",
         filename=record["filename"],
     )
@@ -154,10 +161,11 @@ async def create_batch(request: Request) -> dict[str, Any]:
 
 
 def _batch(state: AppState, batch_id: str) -> dict[str, Any]:
+    """The batch object, with the reason it is paused (if it is) in its `errors`."""
     batch = state.store.get_batch(batch_id)
     if batch is None:
         raise not_found("batch", batch_id)
-    return batch
+    return state.runner.with_pause(batch)
 
 
 @router.get("/v1/batches")
@@ -166,7 +174,9 @@ async def list_batches(
     after: str | None = None,
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
 ) -> dict[str, Any]:
-    return _page(get_state(request).store.list_batches(after, limit + 1), limit)
+    state = get_state(request)
+    batches = [state.runner.with_pause(b) for b in state.store.list_batches(after, limit + 1)]
+    return _page(batches, limit)
 
 
 @router.get("/v1/batches/{batch_id}")

@@ -1,9 +1,15 @@
 """`BatchRunner`: validates, runs, cancels, expires and finalizes Batch API jobs, durably.
 
 Lifecycle of a batch: validating -> in_progress -> finalizing -> completed, or
-failed (no valid line), cancelling -> cancelled, expired (past its window).
-Every request's output line is committed with its done/failed mark in one
+failed (no valid line, input file gone), cancelling -> cancelled, expired (past its
+window). Every request's output line is committed with its done/failed mark in one
 transaction; on start every unfinished batch resumes from its pending requests.
+
+The invariant: a batch reaches a final state only when every line of its input is in
+its output file or its error file, exactly once (`Store.finalize_batch` checks it in
+the closing transaction). A line the server fails on becomes a `server_error` line. A
+batch that cannot make progress (data directory full or read-only, engine down)
+pauses: its `errors` say why while it waits, and it resumes by itself.
 """
 
 from __future__ import annotations
@@ -15,32 +21,19 @@ from typing import Any
 
 from engine.core.sequence import BATCH_PRIORITY
 from server.batch_input import parse_input_lines
+from server.batch_lines import SERVER_ERROR, error_line, response_line
 from server.errors import APIError, invalid_request
 from server.files import FileStorage, new_id, now
 from server.serving import Serving
 from server.settings import ServerSettings
+from server.storage_faults import StorageError
 from server.store import Store
 
 logger = logging.getLogger("nanoflex.batches")
 ENGINE_RETRY_S = 0.5
-
-
-def error_line(custom_id: str | None, code: str, message: str) -> str:
-    """OpenAI's line for a request that never ran."""
-    line = {
-        "id": new_id("batch_req_"),
-        "custom_id": custom_id,
-        "response": None,
-        "error": {"code": code, "message": message},
-    }
-    return json.dumps(line)
-
-
-def response_line(custom_id: str, request_id: str, status_code: int, body: Any) -> str:
-    """OpenAI's line for a request that ran (status 200) or was refused by the endpoint."""
-    response = {"status_code": status_code, "request_id": request_id, "body": body}
-    line = {"id": new_id("batch_req_"), "custom_id": custom_id, "response": response, "error": None}
-    return json.dumps(line)
+STORAGE_PAUSED = "storage_unavailable"
+ENGINE_PAUSED = "engine_unavailable"
+SERVER_PAUSED = "server_error"
 
 
 class BatchRunner:
@@ -58,6 +51,9 @@ class BatchRunner:
         self._in_flight: dict[str, set[asyncio.Task[None]]] = {}
         self._cancelled: dict[str, asyncio.Event] = {}
         self._slots: asyncio.Semaphore | None = None
+        self._pauses: dict[str, dict[str, Any]] = {}
+        """batch id -> the error entry that says why it is paused (in memory: the disk may
+        be full, and a restart retries anyway)."""
 
     async def start(self) -> None:
         """Resume every unfinished batch (call from the running event loop)."""
@@ -74,7 +70,7 @@ class BatchRunner:
         await asyncio.gather(*tasks, return_exceptions=True)
 
     def submit(self, batch_id: str) -> None:
-        self._cancelled[batch_id] = asyncio.Event()
+        self._cancelled.setdefault(batch_id, asyncio.Event())
         task = asyncio.create_task(self._run(batch_id), name=f"batch {batch_id}")
         self._tasks[batch_id] = task
         task.add_done_callback(lambda _: self._forget(batch_id))
@@ -82,6 +78,7 @@ class BatchRunner:
     def _forget(self, batch_id: str) -> None:
         self._tasks.pop(batch_id, None)
         self._cancelled.pop(batch_id, None)
+        self._pauses.pop(batch_id, None)
 
     async def wait(self, batch_id: str) -> None:
         """Until the batch's task ends (tests, shutdown)."""
@@ -105,42 +102,108 @@ class BatchRunner:
                 event.set()
             for task in self._in_flight.get(batch_id, set()):
                 task.cancel()
-        result = self.store.get_batch(batch_id)
-        assert result is not None
-        return result
+        if batch_id not in self._tasks:  # nothing runs it (it ended on an error): finalize
+            self.submit(batch_id)
+        return self.describe(batch_id)
+
+    # -- pauses ----------------------------------------------------------------------
+    def describe(self, batch_id: str) -> dict[str, Any]:
+        """The batch object, with the reason it is paused (if it is) in its `errors`."""
+        batch = self.store.get_batch(batch_id)
+        assert batch is not None
+        return self.with_pause(batch)
+
+    def with_pause(self, batch: dict[str, Any]) -> dict[str, Any]:
+        pause = self._pauses.get(batch["id"])
+        if pause is None:
+            return batch
+        errors = batch["errors"] or {"object": "list", "data": []}
+        return {**batch, "errors": {**errors, "data": [*errors["data"], pause]}}
+
+    def _pause(self, batch_id: str, code: str, message: str) -> None:
+        if not self._is_paused(batch_id, code):
+            logger.warning("batch %s paused: %s", batch_id, message)
+        self._pauses[batch_id] = {"code": code, "message": message, "param": None, "line": None}
+
+    def _is_paused(self, batch_id: str, code: str) -> bool:
+        return self._pauses.get(batch_id, {}).get("code") == code
+
+    def _resume(self, batch_id: str, code: str) -> None:
+        if self._is_paused(batch_id, code):
+            del self._pauses[batch_id]
+            logger.info("batch %s resumed", batch_id)
+
+    def _pause_for_storage(self, batch_id: str, error: StorageError) -> None:
+        self._pause(
+            batch_id,
+            STORAGE_PAUSED,
+            f"Paused: the server cannot write its data directory ({error}). No line is "
+            "lost; the batch resumes by itself once space is freed.",
+        )
 
     # -- the batch task --------------------------------------------------------------
     async def _run(self, batch_id: str) -> None:
-        try:
-            batch = self.store.get_batch(batch_id)
-            assert batch is not None
-            if batch["status"] == "validating":
-                await asyncio.to_thread(self._validate, batch)
-            batch = self.store.get_batch(batch_id)
-            assert batch is not None
-            if batch["status"] == "in_progress":
-                await self._execute(batch)
-            batch = self.store.get_batch(batch_id)
-            assert batch is not None
-            if batch["status"] == "cancelling":
-                await asyncio.to_thread(self._finalize, batch_id, "cancelled")
-            elif batch["status"] == "in_progress" and now() >= batch["expires_at"]:
-                await asyncio.to_thread(self._finalize, batch_id, "expired")
-            elif batch["status"] in ("in_progress", "finalizing"):
-                await asyncio.to_thread(self._finalize, batch_id, "completed")
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            logger.exception("batch %s stopped on an unexpected error", batch_id)
+        """Drive the batch to a final state, pausing (and retrying) while it cannot."""
+        while True:
+            try:
+                await self._advance(batch_id)
+                return
+            except asyncio.CancelledError:
+                raise
+            except StorageError as e:
+                self._pause_for_storage(batch_id, e)
+            except Exception as e:
+                logger.exception("batch %s stopped on an unexpected error", batch_id)
+                self._pause(
+                    batch_id,
+                    SERVER_PAUSED,
+                    f"Paused on a server error ({type(e).__name__}); retrying. No line is "
+                    "lost; the daemon log has the details.",
+                )
+            await asyncio.sleep(self.settings.storage_retry_s)
+            self._pauses.pop(batch_id, None)  # try again; a new failure pauses it again
 
-    def _validate(self, batch: dict[str, Any]) -> None:
+    async def _advance(self, batch_id: str) -> None:
+        """Validate, run and finalize from wherever the batch is; idempotent."""
+        status = self._status(batch_id)
+        if status == "validating":
+            await asyncio.to_thread(self._validate, batch_id)
+            status = self._status(batch_id)
+        while status in ("in_progress", "finalizing") and not self._expired(batch_id):
+            pending = await asyncio.to_thread(self.store.pending_requests, batch_id)
+            if not pending:
+                break
+            await self._execute(batch_id, pending)
+            status = self._status(batch_id)
+        if status == "cancelling":
+            await asyncio.to_thread(self._finalize, batch_id, "cancelled")
+        elif status == "in_progress" and self._expired(batch_id):
+            await asyncio.to_thread(self._finalize, batch_id, "expired")
+        elif status in ("in_progress", "finalizing"):
+            await asyncio.to_thread(self._finalize, batch_id, "completed")
+        self._pauses.pop(batch_id, None)
+
+    def _status(self, batch_id: str) -> str:
+        batch = self.store.get_batch(batch_id)
+        assert batch is not None
+        return str(batch["status"])
+
+    def _expired(self, batch_id: str) -> bool:
+        batch = self.store.get_batch(batch_id)
+        assert batch is not None
+        return now() >= batch["expires_at"]
+
+    def _validate(self, batch_id: str) -> None:
         """Split the input file into runnable requests and error lines (worker thread)."""
-        batch_id = batch["id"]
+        batch = self.store.get_batch(batch_id)
+        assert batch is not None
         record = self.store.get_file(batch["input_file_id"])
-        if record is None:
-            self._fail(batch_id, "file_not_found", f"Input file {batch['input_file_id']} is gone.")
+        path = self.storage.path_for(batch["input_file_id"])
+        if record is None or not path.is_file():
+            message = f"Input file {batch['input_file_id']} is gone; upload it again."
+            self._fail(batch_id, "file_not_found", message)
             return
-        with open(self.storage.path_for(record["id"]), "rb") as f:
+        with open(path, "rb") as f:
             rows, problems = parse_input_lines(f, batch["endpoint"], error_line)
         if len(rows) > self.settings.max_batch_requests:
             message = f"{len(rows)} requests; the limit is {self.settings.max_batch_requests}."
@@ -152,7 +215,7 @@ class BatchRunner:
             )
             return
         self.store.insert_requests(batch_id, rows)
-        if self.store.get_batch(batch_id)["status"] == "validating":  # type: ignore[index]
+        if self._status(batch_id) == "validating":
             self.store.update_batch(batch_id, status="in_progress", in_progress_at=now())
 
     def _fail(
@@ -162,14 +225,17 @@ class BatchRunner:
         errors = {"object": "list", "data": data[:100]}
         self.store.update_batch(batch_id, status="failed", failed_at=now(), errors=errors)
 
-    async def _execute(self, batch: dict[str, Any]) -> None:
-        batch_id, endpoint = batch["id"], batch["endpoint"]
-        assert self._slots is not None, "call start() first"
+    async def _execute(self, batch_id: str, pending: list[tuple[int, str, str]]) -> None:
+        """Run `pending` requests, `batch_concurrency` at a time over all batches."""
+        batch = self.store.get_batch(batch_id)
+        assert batch is not None and self._slots is not None, "call start() first"
+        endpoint = batch["endpoint"]
         cancelled = self._cancelled.setdefault(batch_id, asyncio.Event())
         in_flight = self._in_flight.setdefault(batch_id, set())
         try:
-            pending = await asyncio.to_thread(self.store.pending_requests, batch_id)
             for line_index, custom_id, body in pending:
+                while self._is_paused(batch_id, STORAGE_PAUSED) and not cancelled.is_set():
+                    await asyncio.sleep(self.settings.storage_retry_s)  # no new work meanwhile
                 await self._slots.acquire()
                 if cancelled.is_set() or now() >= batch["expires_at"]:
                     self._slots.release()
@@ -194,54 +260,80 @@ class BatchRunner:
     async def _one(
         self, batch_id: str, endpoint: str, line_index: int, custom_id: str, body: str
     ) -> None:
-        """Run one request (retrying while the engine restarts) and commit its line."""
+        """Answer one request and commit its line, whatever happens to it."""
+        line, ok = await self._answer(batch_id, endpoint, custom_id, body)
+        while True:  # the line is computed: keep it until the store takes it
+            try:
+                await asyncio.to_thread(self.store.commit_result, batch_id, line_index, ok, line)
+                self._resume(batch_id, STORAGE_PAUSED)
+                return
+            except StorageError as e:
+                self._pause_for_storage(batch_id, e)
+                await asyncio.sleep(self.settings.storage_retry_s)
+
+    async def _answer(
+        self, batch_id: str, endpoint: str, custom_id: str, body: str
+    ) -> tuple[str, bool]:
+        """(line, ran ok): the endpoint's answer, retried while the engine restarts; a
+        refusal (4xx) is a response line, any failure of the server a `server_error` line."""
         while True:
             try:
-                prep = self.serving.prepare(endpoint, json.loads(body))
+                prep = await asyncio.to_thread(self.serving.prepare, endpoint, json.loads(body))
                 if prep.stream:
                     raise invalid_request("stream is not supported in a batch", param="stream")
                 result = await self.serving.run(prep, BATCH_PRIORITY)
-                line, ok = response_line(custom_id, prep.request_id, 200, result), True
+                self._resume(batch_id, ENGINE_PAUSED)
+                return response_line(custom_id, prep.request_id, 200, result), True
             except APIError as e:
                 if e.status_code == 503:
+                    self._pause(batch_id, ENGINE_PAUSED, f"Paused: {e.message}")
                     await asyncio.sleep(ENGINE_RETRY_S)  # engine restarting: run it again
                     continue
-                line, ok = (
-                    response_line(custom_id, new_id("req_"), e.status_code, e.to_dict()),
-                    False,
-                )
-            break
-        await asyncio.to_thread(self.store.commit_result, batch_id, line_index, ok, line)
+                if e.status_code < 500:
+                    refusal = response_line(custom_id, new_id("req_"), e.status_code, e.to_dict())
+                    return refusal, False
+                message = e.message
+            except Exception as e:  # a bug on this line must not lose it
+                logger.exception("batch %s: line %r failed", batch_id, custom_id)
+                message = f"The server failed on this request ({type(e).__name__}: {e})."
+            return error_line(custom_id, SERVER_ERROR, message), False
 
     def _finalize(self, batch_id: str, status: str) -> None:
-        """Write output and error files (input order) and close the batch (worker thread)."""
+        """Write output and error files (input order) and close the batch (worker thread).
+        All or nothing: on a failure the files written so far are removed."""
         reason = {"cancelled": "batch_cancelled", "expired": "batch_expired"}.get(status)
         if reason is not None:
             message = f"The batch was {status} before this request ran."
             for line_index, custom_id, _ in self.store.pending_requests(batch_id):
                 line = error_line(custom_id, reason, message)
                 self.store.commit_result(batch_id, line_index, False, line)
-        else:
+        elif self._status(batch_id) != "finalizing":
             self.store.update_batch(batch_id, status="finalizing", finalizing_at=now())
-        new_files, file_ids = [], {}
-        for kind, state in (("output", "done"), ("error", "failed")):
-            lines = list(self.store.results(batch_id, state))
-            if not lines:
-                continue
-            file_id = new_id("file-")
-            num_bytes = self.storage.write_lines(file_id, lines)
-            file_ids[f"{kind}_file_id"] = file_id
-            new_files.append(
-                {
-                    "id": file_id,
-                    "bytes": num_bytes,
-                    "filename": f"{batch_id}_{kind}.jsonl",
-                    "purpose": "batch_output",
-                    "created_at": now(),
-                    "status": "processed",
-                    "path": file_id,
-                }
+        new_files: list[dict[str, Any]] = []
+        file_ids: dict[str, str] = {}
+        try:
+            for kind, state in (("output", "done"), ("error", "failed")):
+                lines = list(self.store.results(batch_id, state))
+                if not lines:
+                    continue
+                file_id = new_id("file-")
+                file_ids[f"{kind}_file_id"] = file_id
+                num_bytes = self.storage.write_lines(file_id, lines)
+                new_files.append(
+                    {
+                        "id": file_id,
+                        "bytes": num_bytes,
+                        "filename": f"{batch_id}_{kind}.jsonl",
+                        "purpose": "batch_output",
+                        "created_at": now(),
+                        "status": "processed",
+                        "path": file_id,
+                    }
+                )
+            self.store.finalize_batch(
+                batch_id, new_files, status=status, **file_ids, **{f"{status}_at": now()}
             )
-        self.store.finalize_batch(
-            batch_id, new_files, status=status, **file_ids, **{f"{status}_at": now()}
-        )
+        except BaseException:
+            for file_id in file_ids.values():
+                self.storage.remove(file_id)
+            raise

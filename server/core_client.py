@@ -20,6 +20,8 @@ from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from tokenizers import Tokenizer as HFTokenizer
+
 from engine.core.engine_args import EngineArgs
 from engine.core.engine_core import EngineCore
 from engine.core.model_files import context_length, resolve_model_dir, served_model_name
@@ -59,6 +61,7 @@ class CoreEngineClient(EngineClient):
             else ExecutorProcess(EXECUTOR_FACTORY, kwargs)
         )
         self._max_model_len = context_length(model_dir)
+        self._max_token_bytes = longest_token_bytes(model_dir)
         self._commands: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._streams: dict[str, asyncio.Queue[RequestOutput | Exception]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -112,6 +115,10 @@ class CoreEngineClient(EngineClient):
     @property
     def vocab_size(self) -> int:
         return self._tokenizer.vocab_size
+
+    @property
+    def max_token_bytes(self) -> int:
+        return self._max_token_bytes
 
     @property
     def eos_token_id(self) -> int | None:
@@ -267,6 +274,15 @@ class _StepCounter:
     def execute(self, plan: StepPlan) -> StepResult:
         self.num_seqs = len({chunk.seq_id for chunk in plan.chunks})
         return self.executor.execute(plan)
+
+
+def longest_token_bytes(model_dir: Path) -> int:
+    """The longest vocabulary entry (added tokens included) in UTF-8 bytes, as spelled in
+    tokenizer.json. A spelling is never shorter than the text it decodes to (byte-level
+    BPE spells a byte as one character, SentencePiece a space as '▁', a fallback byte as
+    '<0x41>'), so this bounds the bytes of text per token from above."""
+    vocab = HFTokenizer.from_file(str(model_dir / "tokenizer.json")).get_vocab(True)
+    return max((len(piece.encode()) for piece in vocab), default=1)
 
 
 def _resolve(future: asyncio.Future[Exception | None], error: Exception | None) -> None:

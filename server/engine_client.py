@@ -120,6 +120,12 @@ class EngineClient(abc.ABC):
 
     @property
     @abc.abstractmethod
+    def max_token_bytes(self) -> int:
+        """The most UTF-8 bytes of text one token stands for: a prompt text of more than
+        `max_model_len * max_token_bytes` bytes cannot fit the context window."""
+
+    @property
+    @abc.abstractmethod
     def eos_token_id(self) -> int | None:
         """End-of-sequence id (None if the model has none)."""
 

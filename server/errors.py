@@ -2,7 +2,8 @@
 
 Every error the daemon returns has the shape
 `{"error": {"message": str, "type": str, "param": str | None, "code": str | None}}`.
-Invalid requests are 400 (FastAPI's default 422 never escapes), unknown routes 404.
+Invalid requests are 400 (FastAPI's default 422 never escapes), unknown routes 404,
+a full data directory 507.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.core.sampling_params import SamplingError
+from server.storage_faults import StorageError
 
 logger = logging.getLogger("nanoflex.server")
 
@@ -62,11 +64,14 @@ def invalid_request(
     return APIError(400, message, param=param, code=code)
 
 
+_LIST_ROUTES = {"model": "/v1/models", "file": "/v1/files", "batch": "/v1/batches"}
+
+
 def not_found(kind: str, object_id: str, param: str | None = None) -> APIError:
     """404 for an unknown model, file or batch; `kind` is 'model', 'file' or 'batch'."""
     return APIError(
         404,
-        f"No such {kind}: {object_id!r}. List the available ones with GET /v1/{kind}s.",
+        f"No such {kind}: {object_id!r}. List the available ones with GET {_LIST_ROUTES[kind]}.",
         param=param,
         code=f"{kind}_not_found",
     )
@@ -89,6 +94,18 @@ def queue_full(retry_after_s: int) -> APIError:
         type="rate_limit_error",
         code="queue_full",
         headers={"Retry-After": str(retry_after_s)},
+    )
+
+
+def insufficient_storage(error: StorageError) -> APIError:
+    """507: the data directory cannot take the write (disk full, read-only); nothing was
+    stored, so the same request can be sent again once space is freed."""
+    return APIError(
+        507,
+        f"The server cannot store this request's data ({error}). Nothing was stored; "
+        "retry once the server's operator has freed space in its data directory.",
+        type="server_error",
+        code="insufficient_storage",
     )
 
 
@@ -140,6 +157,11 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
         return _validation_error(exc).to_response()
+
+    @app.exception_handler(StorageError)
+    async def _storage(_: Request, exc: StorageError) -> JSONResponse:
+        logger.error("storage failure: %s", exc)
+        return insufficient_storage(exc).to_response()
 
     @app.exception_handler(SamplingError)
     async def _sampling(_: Request, exc: SamplingError) -> JSONResponse:

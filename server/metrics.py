@@ -33,7 +33,8 @@ class Metrics:
         )
         self.online_in_flight = Gauge(
             "nanoflex_online_requests_in_flight",
-            "Online requests admitted and not finished (bounded by --max-queue).",
+            "Sequences (prompts x n) of online requests admitted and not finished "
+            "(bounded by --max-queue).",
             registry=r,
         )
         self.prompt_tokens = Counter(
@@ -49,7 +50,9 @@ class Metrics:
             registry=r,
         )
         self.rejected = Counter(
-            "nanoflex_requests_rejected", "Online requests refused with 429.", registry=r
+            "nanoflex_requests_rejected",
+            "Online requests refused with 429 (queue full).",
+            registry=r,
         )
         self.step_seconds = Histogram(
             "nanoflex_step_seconds", "Engine step time.", buckets=STEP_BUCKETS, registry=r

@@ -32,13 +32,13 @@ from typing import Any
 from tqdm import tqdm
 
 from engine.core.engine_args import EngineArgs
-from engine.core.sampling_params import SamplingError
 from engine.core.sequence import BATCH_PRIORITY
 from policy.errors import UserError
 from server.batch_input import parse_input_lines
-from server.batches import error_line, response_line
+from server.batch_lines import error_line, response_line
 from server.engine_client import EngineClient
 from server.errors import APIError, invalid_request
+from server.json_body import JSONBodyError, loads_json
 from server.metrics import Metrics
 from server.result_log import ResultLog, read_back
 from server.serving import CHAT, COMPLETIONS, Serving
@@ -179,10 +179,7 @@ async def _answer(
     """(ran, output line) for one valid input line; the engine's own failures raise."""
     request_id = _request_id(custom_id, endpoint)
     try:
-        try:
-            prep = serving.prepare(endpoint, json.loads(body))
-        except SamplingError as e:  # the online routes answer this 400 from a handler
-            raise invalid_request(str(e)) from e
+        prep = serving.prepare(endpoint, json.loads(body))
         if prep.stream:  # as the Batch API answers it (server.batches)
             raise invalid_request("stream is not supported in a batch", param="stream")
         prep = replace(prep, request_id=request_id, created=created)
@@ -200,8 +197,8 @@ def _endpoint(f: Any) -> str:
     """The batch's endpoint: the url of the first line that names a supported one."""
     for raw in f:
         try:
-            obj = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError):
+            obj = loads_json(raw)
+        except JSONBodyError:
             continue
         if isinstance(obj, dict) and obj.get("url") in ENDPOINTS:
             return str(obj["url"])

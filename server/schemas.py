@@ -6,15 +6,17 @@ accepted-but-unsupported fields must hold their neutral value.
 
 from __future__ import annotations
 
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
 from engine.core.sampling_params import SamplingParams
 from server.errors import APIError, invalid_request
 
 MAX_N = 16
 MAX_STOP = 4
+MAX_STOP_TOKEN_IDS = 64
+INT64 = 2**63
 
 
 class _Strict(BaseModel):
@@ -35,14 +37,16 @@ class _Sampling(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-INT64, lt=INT64)
     user: str | None = None
     presence_penalty: float | None = Field(default=None, ge=0.0, le=0.0)
     frequency_penalty: float | None = Field(default=None, ge=0.0, le=0.0)
     # vLLM-style extensions
-    top_k: int | None = Field(default=None, ge=-1)
+    top_k: int | None = Field(default=None, ge=-1, lt=INT64)
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0, lt=INT64)]] | None = Field(
+        default=None, max_length=MAX_STOP_TOKEN_IDS
+    )
 
     def stop_strings(self) -> tuple[str, ...]:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -138,7 +142,14 @@ class BatchCreateRequest(_Strict):
     input_file_id: str
     endpoint: Literal["/v1/completions", "/v1/chat/completions"]
     completion_window: Literal["24h"]
-    metadata: dict[str, str] | None = Field(default=None, max_length=16)
+    metadata: (
+        dict[
+            Annotated[str, StringConstraints(max_length=64)],
+            Annotated[str, StringConstraints(max_length=512)],
+        ]
+        | None
+    ) = Field(default=None, max_length=16)
+    """OpenAI's limits: 16 pairs, keys of up to 64 characters, values of up to 512."""
 
 
 M = TypeVar("M", bound=BaseModel)

@@ -4,6 +4,13 @@ Used by the online routes and by the batch runner alike, so a batch line gets
 exactly the body the online endpoint would return. Each choice (prompt i,
 sample j) is one engine request with n == 1; its id is `<request id>-<index>`.
 An unfinished engine request is aborted whenever its consumer goes away.
+
+Hostile sizes are refused before any costly work: a request of more than
+`max_seqs_per_request` sequences (prompts x n) before tokenizing, a prompt text
+longer than `max_prompt_bytes` (no such text fits the context window) before
+tokenizing it, a token-id prompt longer than the context before scanning it.
+`prepare` is synchronous and may take a while on a long prompt: callers run it in
+a worker thread.
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, replace
 from typing import Any
 
-from engine.core.sampling_params import SamplingParams
+from engine.core.sampling_params import SamplingError, SamplingParams
 from policy.errors import UserError
 from server.engine_client import EngineClient, EngineDeadError
 from server.errors import APIError, engine_unavailable, invalid_request, not_found
@@ -26,6 +33,8 @@ from server.schemas import ChatCompletionRequest, CompletionRequest, parse_body
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
+MAX_SEQS_PER_REQUEST = 256
+"""Most sequences (prompts x n) one request may ask for."""
 
 
 @dataclass(slots=True)
@@ -49,23 +58,50 @@ class Prepared:
     def num_prompt_tokens(self) -> int:
         return sum(len(p) for p in self.prompts)
 
+    @property
+    def num_seqs(self) -> int:
+        """Engine requests this request becomes (prompts x n): what it takes of the queue."""
+        return len(self.prompts) * self.n
+
 
 class Serving:
     """Prepare, run and format completion and chat requests against one engine."""
 
-    def __init__(self, engine: EngineClient, model_name: str, metrics: Metrics) -> None:
+    def __init__(
+        self,
+        engine: EngineClient,
+        model_name: str,
+        metrics: Metrics,
+        max_seqs_per_request: int = MAX_SEQS_PER_REQUEST,
+    ) -> None:
         self.engine = engine
         self.model_name = model_name
         self.metrics = metrics
+        self.max_seqs_per_request = max_seqs_per_request
+
+    @property
+    def max_prompt_bytes(self) -> int:
+        """The longest prompt text (UTF-8 bytes) that can fit the context window: no token
+        stands for more than `engine.max_token_bytes` bytes of text."""
+        return self.engine.max_model_len * self.engine.max_token_bytes
 
     # -- preparation -----------------------------------------------------------------
     def prepare(self, endpoint: str, body: Any) -> Prepared:
         """Validate and tokenize; raises `APIError` (400 invalid, 404 unknown model)."""
+        try:
+            return self._prepare(endpoint, body)
+        except SamplingError as e:
+            raise invalid_request(str(e)) from e
+
+    def _prepare(self, endpoint: str, body: Any) -> Prepared:
         req: CompletionRequest | ChatCompletionRequest
         if endpoint == CHAT:
             req = parse_body(ChatCompletionRequest, body)
             req.check_supported()
+            self._check_model(req.model)
+            self._check_num_seqs(1, req.n)
             messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+            self._check_text_bytes([m["content"] for m in messages], "messages")
             try:
                 prompts = [self.engine.apply_chat_template(messages)]
             except UserError as e:
@@ -73,13 +109,13 @@ class Serving:
             max_tokens = req.max_completion_tokens or req.max_tokens
             num_logprobs, echo = req.num_logprobs(), False
         else:
+            self._precheck_prompt(body)
             req = parse_body(CompletionRequest, body)
             if req.best_of not in (None, req.n):
                 raise invalid_request("best_of must equal n (or be omitted)", param="best_of")
-            prompts = self._completion_prompts(req.prompt)
+            self._check_model(req.model)
+            prompts = self._completion_prompts(req.prompt, req.n)
             max_tokens, num_logprobs, echo = req.max_tokens, req.logprobs, req.echo
-        if req.model != self.model_name:
-            raise not_found("model", req.model, param="model")
         params = [
             req.sampling_params(self._max_tokens(p, max_tokens), num_logprobs, echo)
             for p in prompts
@@ -98,8 +134,51 @@ class Serving:
             include_usage=req.include_usage(),
         )
 
+    def _precheck_prompt(self, body: Any) -> None:
+        """The size checks on a completion body's raw `prompt`, before validation looks at
+        each of its (possibly millions of) elements."""
+        prompt = body.get("prompt") if isinstance(body, dict) else None
+        if not isinstance(prompt, list) or not prompt:
+            return
+        n = body.get("n", 1)
+        n = n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else 1
+        if isinstance(prompt[0], int):
+            self._check_num_tokens(len(prompt))
+            return
+        self._check_num_seqs(len(prompt), n)
+        for item in prompt:
+            if isinstance(item, list):
+                self._check_num_tokens(len(item))
+
+    def _check_model(self, model: str) -> None:
+        if model != self.model_name:
+            raise not_found("model", model, param="model")
+
+    def _check_num_seqs(self, num_prompts: int, n: int) -> None:
+        if num_prompts * n > self.max_seqs_per_request:
+            raise invalid_request(
+                f"This request asks for {num_prompts * n} sequences ({num_prompts} prompts x "
+                f"n={n}); the limit is {self.max_seqs_per_request} per request. Split it.",
+                param="prompt" if num_prompts > 1 else "n",
+                code="too_many_sequences",
+            )
+
+    def _check_text_bytes(self, texts: list[str], param: str) -> None:
+        """Refuse a prompt text that cannot fit the context, before tokenizing it."""
+        limit = self.max_prompt_bytes
+        if 4 * sum(len(t) for t in texts) <= limit:  # a character is at most 4 bytes
+            return
+        num_bytes = sum(len(t.encode()) for t in texts)
+        if num_bytes > limit:
+            raise invalid_request(
+                f"The prompt is {num_bytes} bytes of text; no text over {limit} bytes fits "
+                f"this model's context of {self.engine.max_model_len} tokens. Shorten it.",
+                param=param,
+                code="context_length_exceeded",
+            )
+
     def _completion_prompts(
-        self, prompt: str | list[str] | list[int] | list[list[int]]
+        self, prompt: str | list[str] | list[int] | list[list[int]], n: int
     ) -> list[list[int]]:
         items: list[Any]
         if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
@@ -108,9 +187,15 @@ class Serving:
             items = list(prompt)
         if not items:
             raise invalid_request("prompt must not be empty", param="prompt", code="empty_prompt")
+        self._check_num_seqs(len(items), n)
         prompts: list[list[int]] = []
         for item in items:
-            ids = self.engine.encode(item) if isinstance(item, str) else list(item)
+            if isinstance(item, str):
+                self._check_text_bytes([item], "prompt")
+                ids = self.engine.encode(item)
+            else:
+                ids = list(item)
+                self._check_num_tokens(len(ids))
             if not ids or item == "":
                 raise invalid_request(
                     "prompt must not be empty", param="prompt", code="empty_prompt"
@@ -124,6 +209,15 @@ class Serving:
                 )
             prompts.append(ids)
         return prompts
+
+    def _check_num_tokens(self, num_tokens: int) -> None:
+        if num_tokens > self.engine.max_model_len:
+            raise invalid_request(
+                f"This model's maximum context length is {self.engine.max_model_len} tokens; "
+                f"the prompt has {num_tokens}. Shorten it.",
+                param="prompt",
+                code="context_length_exceeded",
+            )
 
     def _max_tokens(self, prompt: list[int], max_tokens: int | None) -> int:
         limit = self.engine.max_model_len

@@ -8,7 +8,7 @@ from fastapi import Request
 
 from server.batches import BatchRunner
 from server.engine_client import EngineClient
-from server.errors import queue_full
+from server.errors import invalid_request, queue_full
 from server.files import FileStorage
 from server.metrics import Metrics
 from server.serving import Serving
@@ -26,20 +26,29 @@ class AppState:
     serving: Serving
     runner: BatchRunner
     num_online: int = 0
-    """Online requests admitted and not yet finished (bounded by settings.max_queue)."""
+    """Sequences (prompts x n) of online requests admitted and not yet finished, bounded by
+    settings.max_queue."""
     engine_error: str | None = field(default=None)
     """Why the engine failed to start, shown by GET /ready."""
 
-    def admit(self) -> None:
-        """Take an online slot, or refuse with 429 and Retry-After."""
-        if self.num_online >= self.settings.max_queue:
+    def admit(self, num_seqs: int) -> None:
+        """Take `num_seqs` online slots, or refuse: 429 with Retry-After while the queue is
+        full, 400 if the request alone is larger than the whole queue."""
+        max_queue = self.settings.max_queue
+        if num_seqs > max_queue:
+            raise invalid_request(
+                f"This request asks for {num_seqs} sequences (prompts x n), more than the "
+                f"server queues at once ({max_queue}); split it.",
+                code="too_many_sequences",
+            )
+        if self.num_online + num_seqs > max_queue:
             self.metrics.rejected.inc()
             raise queue_full(self.settings.retry_after_s)
-        self.num_online += 1
+        self.num_online += num_seqs
         self.metrics.online_in_flight.set(self.num_online)
 
-    def release(self) -> None:
-        self.num_online -= 1
+    def release(self, num_seqs: int) -> None:
+        self.num_online -= num_seqs
         self.metrics.online_in_flight.set(self.num_online)
 
 

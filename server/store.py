@@ -3,6 +3,8 @@
 One connection guarded by a lock, so any thread (the event loop or a worker
 thread) may call it. Every method is one transaction: a request's result is
 written in the same transaction that marks it done and bumps the batch's counts.
+A write that fails because the disk is full (or read-only) raises `StorageError`
+and changes nothing; a database that cannot be opened raises `DataDirError`.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+from server.storage_faults import DataDirError, storage_error
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS files (
@@ -77,17 +81,35 @@ BATCH_TIMESTAMPS = (
 )
 
 
+class BatchInvariantError(RuntimeError):
+    """A batch was about to close with a line unaccounted for (a bug: nothing is written)."""
+
+
 class Store:
     """SQLite-backed records for the Files and Batch APIs."""
 
     def __init__(self, db_path: Path) -> None:
-        db_path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.RLock()
-        self._conn = sqlite3.connect(db_path, check_same_thread=False, isolation_level=None)
-        self._conn.row_factory = sqlite3.Row
-        self._conn.execute("PRAGMA journal_mode=WAL")
-        self._conn.execute("PRAGMA synchronous=FULL")
-        self._conn.executescript(SCHEMA)
+        try:
+            db_path.parent.mkdir(parents=True, exist_ok=True)
+            self._conn = sqlite3.connect(db_path, check_same_thread=False, isolation_level=None)
+        except (OSError, sqlite3.Error) as e:
+            raise DataDirError(
+                f"cannot open the database {db_path}: {e}; check that --data-dir exists "
+                "and is writable"
+            ) from e
+        try:
+            self._conn.row_factory = sqlite3.Row
+            self._conn.execute("PRAGMA journal_mode=WAL")
+            self._conn.execute("PRAGMA synchronous=FULL")
+            self._conn.executescript(SCHEMA)
+        except sqlite3.Error as e:
+            self._conn.close()
+            if storage_error(e, "opening the database") is not None:
+                advice = "check that --data-dir is writable and its disk has free space"
+            else:
+                advice = "it is damaged or not a nanoflex database: restore it from a backup"
+            raise DataDirError(f"cannot use the database {db_path} ({e}): {advice}") from e
 
     def close(self) -> None:
         with self._lock:
@@ -95,14 +117,22 @@ class Store:
 
     @contextmanager
     def _tx(self) -> Iterator[sqlite3.Connection]:
+        """One write transaction; a storage failure rolls it back and raises StorageError."""
         with self._lock:
-            self._conn.execute("BEGIN IMMEDIATE")
             try:
-                yield self._conn
-            except BaseException:
-                self._conn.execute("ROLLBACK")
-                raise
-            self._conn.execute("COMMIT")
+                self._conn.execute("BEGIN IMMEDIATE")
+                try:
+                    yield self._conn
+                    self._conn.execute("COMMIT")
+                except BaseException:
+                    if self._conn.in_transaction:  # a failed COMMIT may have rolled back already
+                        self._conn.execute("ROLLBACK")
+                    raise
+            except sqlite3.Error as e:
+                error = storage_error(e, "writing the database")
+                if error is None:
+                    raise
+                raise error from e
 
     def _query(self, sql: str, args: tuple[Any, ...] = ()) -> list[sqlite3.Row]:
         with self._lock:
@@ -135,6 +165,13 @@ class Store:
             f"ORDER BY seq {order} LIMIT ?"
         )
         return [dict(r) for r in self._query(sql, (*args, limit))]
+
+    def file_ids(self) -> set[str]:
+        return {r["id"] for r in self._query("SELECT id FROM files")}
+
+    def is_empty(self) -> bool:
+        """No file and no batch recorded (a new data directory, or a lost database)."""
+        return not self._query("SELECT 1 FROM files UNION ALL SELECT 1 FROM batches LIMIT 1")
 
     def delete_file(self, file_id: str) -> bool:
         with self._tx() as conn:
@@ -234,12 +271,33 @@ class Store:
             yield r["result"]
 
     def finalize_batch(self, batch_id: str, new_files: list[dict[str, Any]], **fields: Any) -> None:
-        """Insert the output/error file records and update the batch, in one transaction."""
+        """Insert the output/error file records and update the batch, in one transaction,
+        only if every line of the batch is done or failed and the counts agree."""
         sets = ", ".join(f"{k} = ?" for k in fields)
         with self._tx() as conn:
+            _check_accounted(conn, batch_id)
             for record in new_files:
                 _insert_file(conn, record)
             conn.execute(f"UPDATE batches SET {sets} WHERE id = ?", (*fields.values(), batch_id))
+
+
+def _check_accounted(conn: sqlite3.Connection, batch_id: str) -> None:
+    """The batch invariant: no line pending, and total = completed + failed = its lines."""
+    by_status = dict(
+        conn.execute(
+            "SELECT status, count(*) FROM batch_requests WHERE batch_id = ? GROUP BY status",
+            (batch_id,),
+        ).fetchall()
+    )
+    total, completed, failed = conn.execute(
+        "SELECT total, completed, failed FROM batches WHERE id = ?", (batch_id,)
+    ).fetchone()
+    done, errors, pending = (by_status.get(k, 0) for k in ("done", "failed", "pending"))
+    if pending or (completed, failed) != (done, errors) or total != done + errors:
+        raise BatchInvariantError(
+            f"batch {batch_id} cannot close: {pending} lines pending, "
+            f"counts {completed} + {failed} of {total}, rows {done} done + {errors} failed"
+        )
 
 
 def _insert_file(conn: sqlite3.Connection, record: dict[str, Any]) -> None:

@@ -8,6 +8,9 @@ from engine.core.protocol import TokenLogprobs
 from engine.core.sampling_params import SamplingParams
 
 _SEED_STRIDE = 1_000_003  # decorrelates (seed, step) pairs for per-request generators
+MIN_TEMPERATURE = 1e-5
+"""Below this, logits / temperature overflow float32 (inf, then NaN probabilities): such a
+row is sampled greedily, which is what the temperature tends to."""
 
 
 class Sampler:
@@ -25,7 +28,7 @@ class Sampler:
             return [], []
         token_ids = logits.argmax(dim=-1).tolist()  # greedy rows are done here
         for row, p in enumerate(params):
-            if not p.is_greedy:
+            if not p.is_greedy and p.temperature >= MIN_TEMPERATURE:
                 token_ids[row] = self._draw(logits[row], p, num_sampled[row])
         logprobs: list[TokenLogprobs | None] = [None] * len(params)
         wanted = [row for row, p in enumerate(params) if p.logprobs is not None]
@@ -44,8 +47,10 @@ class Sampler:
         if p.top_p < 1.0:
             sorted_scores, order = torch.sort(scores, descending=True)
             sorted_probs = torch.softmax(sorted_scores, dim=-1)
-            # keep the smallest prefix whose mass reaches top_p (always at least one token)
+            # keep the smallest prefix whose mass reaches top_p (always at least one token,
+            # also when a tiny top_p rounds to 0 in float32)
             drop = sorted_probs.cumsum(dim=-1) - sorted_probs >= p.top_p
+            drop[0] = False
             scores = scores.scatter(0, order, sorted_scores.masked_fill(drop, float("-inf")))
         probs = torch.softmax(scores, dim=-1).cpu()
         rng = self._rng

@@ -216,7 +216,8 @@ def test_compose_parses_and_matches_the_image() -> None:
     assert targets == {"/data", "/offload", "/models"}
     assert any(str(p).endswith(":8000") for p in service["ports"])
     command = service["command"]
-    assert any(a.startswith("--api-key=${NANOFLEX_API_KEY") for a in command)
+    assert not any("API_KEY" in a for a in command)  # never on the command line (ps)
+    assert service["environment"]["NANOFLEX_API_KEY"].startswith("${NANOFLEX_API_KEY:?")
     serve_parser_accepts([re.sub(r"\$\{[^}]*\}", "x", a) for a in command])
 
 

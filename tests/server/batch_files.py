@@ -5,10 +5,12 @@ from __future__ import annotations
 import io
 import json
 import time
+from collections import Counter
 from typing import Any, Literal
 
 import openai
 
+from server.json_body import JSONBodyError, loads_json
 from tests.server.live import MODEL
 
 URL: Literal["/v1/completions"] = "/v1/completions"
@@ -39,3 +41,39 @@ def read_lines(client: openai.OpenAI, file_id: str | None) -> list[dict[str, Any
     if file_id is None:
         return []
     return [json.loads(line) for line in client.files.content(file_id).text.splitlines()]
+
+
+def expected_custom_ids(lines: list[str]) -> Counter[str | None]:
+    """The custom_id each non-blank input line must appear under in the output or error file
+    (None for a line that is not acceptable JSON or has no custom_id), duplicates counted."""
+    ids: Counter[str | None] = Counter()
+    for line in lines:
+        if not line.strip():
+            continue
+        try:
+            obj = loads_json(line.encode())
+        except JSONBodyError:  # not JSON, too deep, a lone surrogate, a too-long integer
+            obj = None
+        custom_id = obj.get("custom_id") if isinstance(obj, dict) else None
+        ids[custom_id if isinstance(custom_id, str) and custom_id else None] += 1
+    return ids
+
+
+def assert_accounted(client: openai.OpenAI, batch: Any, lines: list[str]) -> None:
+    """The batch invariant: a final batch has every input line in its output file or its
+    error file, exactly once, and its request counts say so."""
+    assert batch.status in ("completed", "cancelled", "expired"), batch
+    output = read_lines(client, batch.output_file_id)
+    errors = read_lines(client, batch.error_file_id)
+    assert all(line["response"]["status_code"] == 200 for line in output)
+    assert all(
+        line["error"] is not None or line["response"]["status_code"] != 200 for line in errors
+    )
+    seen = Counter(line["custom_id"] for line in output + errors)
+    assert seen == expected_custom_ids(lines), (seen, expected_custom_ids(lines))
+    counts = batch.request_counts
+    assert (counts.total, counts.completed, counts.failed) == (
+        sum(1 for line in lines if line.strip()),
+        len(output),
+        len(errors),
+    )

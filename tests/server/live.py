@@ -30,6 +30,7 @@ from server.app import create_app
 from server.cli import build_parser
 from server.core_client import CoreEngineClient, build_engine_client
 from server.engine_client import EngineClient
+from server.serve import uvicorn_config
 from server.settings import ServerSettings
 from server.state import AppState
 
@@ -88,8 +89,7 @@ def free_port() -> int:
 def start_server(settings: ServerSettings, engine: EngineClient) -> LiveServer:
     app = create_app(settings, engine)
     port = free_port()
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
-    server = uvicorn.Server(config)
+    server = uvicorn.Server(uvicorn_config(app, settings, port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 120

@@ -20,7 +20,14 @@ import pytest
 
 from policy import Policy
 from server.store import Store
-from tests.server.batch_files import URL, read_lines, request_line, upload, wait_batch
+from tests.server.batch_files import (
+    URL,
+    assert_accounted,
+    read_lines,
+    request_line,
+    upload,
+    wait_batch,
+)
 from tests.server.live import MODEL, Reference, ServerFactory, free_port, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
@@ -77,10 +84,11 @@ def _lines(n: int, max_tokens: int) -> list[str]:
 def _check_output(
     client: openai.OpenAI, batch_id: str, reference: Reference, n: int, max_tokens: int
 ) -> None:
-    """Completed, one line per custom_id in input order, each equal to the uninterrupted
-    offline greedy run (`engine.LLM`) of the same prompts."""
+    """Completed with every line accounted for (the batch invariant), one line per custom_id
+    in input order, each equal to the uninterrupted offline greedy run (`engine.LLM`)."""
     batch = wait_batch(client, batch_id, timeout_s=120)
     assert batch.status == "completed", batch
+    assert_accounted(client, batch, _lines(n, max_tokens))
     assert batch.error_file_id is None
     output = read_lines(client, batch.output_file_id)
     assert [line["custom_id"] for line in output] == [f"c{i}" for i in range(n)]
@@ -225,3 +233,33 @@ def test_engine_process_death_restarts_and_batch_completes(
     assert daemon.engine_process().pid != engine.pid
     _check_output(client, batch.id, reference, n, max_tokens)
     assert client.completions.create(model=MODEL, prompt="again", max_tokens=2).usage
+
+
+def test_large_bodies_are_refused_and_memory_returned(
+    tmp_path: Path, daemons: list[Daemon]
+) -> None:
+    """Four concurrent 15 MiB prompts (text, then token ids) on a real `nanoflex serve`: each
+    is a 400 that names the limit, /health keeps answering, and the daemon's resident memory
+    ends within 80 MB of where it started (it grew by 2 GB before the limits)."""
+    daemon = Daemon(tmp_path / "data", free_port(), tmp_path / "daemon.log")
+    daemons.append(daemon)
+    rss = psutil.Process(daemon.process.pid).memory_info
+    start = rss().rss
+    bodies = [
+        {"model": MODEL, "prompt": "lorem ipsum " * (15 * 2**20 // 12), "max_tokens": 2},
+        {"model": MODEL, "prompt": [5] * (15 * 2**20 // 3), "max_tokens": 2},
+    ]
+    for body in bodies:
+        results: list[httpx.Response] = []
+
+        def send(body: dict[str, Any] = body, results: list[httpx.Response] = results) -> None:
+            results.append(httpx.post(f"{daemon.url}/v1/completions", json=body, timeout=120))
+
+        senders = [threading.Thread(target=send) for _ in range(4)]
+        for sender in senders:
+            sender.start()
+        while any(sender.is_alive() for sender in senders):
+            assert httpx.get(f"{daemon.url}/health", timeout=30).status_code == 200
+        assert [r.status_code for r in results] == [400] * 4
+        assert all(r.json()["error"]["code"] == "context_length_exceeded" for r in results)
+    assert rss().rss - start < 80 * 2**20, (start >> 20, rss().rss >> 20)

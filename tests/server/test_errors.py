@@ -130,7 +130,8 @@ def test_oversized_bodies_are_413(small: httpx.Client) -> None:
             yield b"x" * 100
         yield b'"}'
 
-    response = small.post("/v1/completions", content=chunks())
+    headers = {"content-type": "application/json"}
+    response = small.post("/v1/completions", content=chunks(), headers=headers)
     assert_error(response, 413, "request_too_large")
     files = {"file": ("in.jsonl", b"y" * 5000)}
     response = small.post("/v1/files", files=files, data={"purpose": "batch"})

@@ -1,0 +1,138 @@
+"""Fault injection for the server tests: engine clients that fail or block on marked prompts,
+and a data directory on a small tmpfs that can be filled to the last byte.
+
+The engines are the real `CoreEngineClient` on the demo model with one method overridden; the
+full disk is a real tmpfs mount when this machine allows mounting (root in CI), else the
+store's and the file storage's writes raise ENOSPC while the disk is "full".
+"""
+
+from __future__ import annotations
+
+import errno
+import subprocess
+import threading
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engine.core.outputs import RequestOutput
+from engine.core.sampling_params import SamplingParams
+from engine.core.sequence import ONLINE_PRIORITY
+from server.core_client import CoreEngineClient
+from server.state import AppState
+from tests.server.live import demo_engine
+
+FAIL_IN_ENGINE = "FAIL-IN-ENGINE"
+"""A prompt containing this makes `FaultyEngine.generate` raise, as an engine bug would."""
+FAIL_IN_TOKENIZER = "FAIL-IN-TOKENIZER"
+"""A prompt containing this makes `FaultyEngine.encode` raise."""
+BLOCK = "BLOCK-IN-TOKENIZER"
+"""A prompt containing this makes `BlockingEngine.encode` wait until released."""
+
+
+def like_demo(cls: type[CoreEngineClient]) -> Any:
+    """An engine client of class `cls` built exactly as the daemon's demo engine."""
+    base = demo_engine()
+    return cls(
+        base.engine_args, base.model_dir, base.policy, model_name=base.model_name, in_process=True
+    )
+
+
+class FaultyEngine(CoreEngineClient):
+    """Raises RuntimeError in `encode` or `generate` for marked prompts."""
+
+    def encode(self, text: str) -> list[int]:
+        if FAIL_IN_TOKENIZER in text:
+            raise RuntimeError("injected tokenizer failure")
+        return super().encode(text)
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = ONLINE_PRIORITY,
+    ) -> AsyncIterator[RequestOutput]:
+        if FAIL_IN_ENGINE in self.decode(prompt_token_ids):
+            raise RuntimeError("injected engine failure")
+        async for output in super().generate(request_id, prompt_token_ids, params, priority):
+            yield output
+
+
+class BlockingEngine(CoreEngineClient):
+    """`encode` of a marked prompt waits for `release`; `entered` is set once it waits."""
+
+    entered = threading.Event()
+    release = threading.Event()
+
+    def encode(self, text: str) -> list[int]:
+        if BLOCK in text:
+            self.entered.set()
+            assert self.release.wait(60), "the test never released the tokenizer"
+        return super().encode(text)
+
+
+class Disk:
+    """A data directory whose disk can be filled and freed."""
+
+    def __init__(self, data_dir: Path, mounted: bool) -> None:
+        self.data_dir = data_dir
+        self.mounted = mounted
+        self._filler = data_dir.parent / "filler" if not mounted else data_dir / "filler"
+        self._state: AppState | None = None
+        self._full = False
+
+    def attach(self, state: AppState) -> None:
+        """Without a tmpfs: make the server's store and file storage fail while full."""
+        if self.mounted:
+            return
+        self._state = state
+        _inject_enospc(state, lambda: self._full)
+
+    def fill(self) -> None:
+        self._full = True
+        if self.mounted:  # write until the kernel says no
+            with open(self._filler, "wb") as f:
+                try:
+                    while True:
+                        f.write(b"\0" * (1 << 16))
+                        f.flush()
+                except OSError as e:
+                    assert e.errno == errno.ENOSPC, e
+
+    def free(self) -> None:
+        self._full = False
+        self._filler.unlink(missing_ok=True)
+
+
+def _inject_enospc(state: AppState, is_full: Any) -> None:
+    from server.storage_faults import StorageError
+
+    def failing(method: Any, what: str) -> Any:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if is_full():
+                raise StorageError(f"{what} failed: No space left on device", is_full=True)
+            return method(*args, **kwargs)
+
+        return wrapper
+
+    store, storage = state.store, state.storage
+    for name in ("commit_result", "insert_file", "insert_batch", "finalize_batch"):
+        setattr(store, name, failing(getattr(store, name), "writing the database"))
+    for name in ("write_stream", "write_lines"):
+        setattr(storage, name, failing(getattr(storage, name), "writing a file"))
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Disk]:
+    """A 16 MiB tmpfs for the data directory (or, where mounting is not allowed, a plain
+    directory with injected ENOSPC)."""
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    mount = ["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(data_dir)]
+    mounted = subprocess.run(mount, capture_output=True).returncode == 0
+    yield Disk(data_dir, mounted)
+    if mounted:
+        subprocess.run(["umount", "-l", str(data_dir)], check=True)

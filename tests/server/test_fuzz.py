@@ -1,0 +1,150 @@
+"""Schema fuzzing: schemathesis generates requests from the daemon's own /openapi.json (bodies
+included) and sends them to a real uvicorn server on the real engine (demo model).
+
+Every answer must be no 5xx, a status the schema lists, the content type it lists and a body
+that validates against its response model; requests that violate the schema (negative mode)
+must be refused. Half of the valid completion and chat bodies are pointed at the served
+model (with max_tokens capped at 4 so each runs quickly), so generation is fuzzed too, not
+only validation. A bounded run is in CI; `-m slow` runs a longer one. The counts printed are
+the ones recorded in docs/benchmarks.md ("Schema fuzzing").
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import hypothesis.strategies as st
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, Phase, given, settings
+from schemathesis import GenerationMode
+from schemathesis.checks import not_a_server_error
+from schemathesis.specs.openapi.checks import (
+    content_type_conformance,
+    negative_data_rejection,
+    response_schema_conformance,
+    status_code_conformance,
+)
+
+from tests.server.live import MODEL, LiveServer, ServerFactory
+
+CHECKS = [
+    not_a_server_error,
+    status_code_conformance,
+    content_type_conformance,
+    response_schema_conformance,
+]
+
+
+@dataclass
+class FuzzReport:
+    statuses: Counter[tuple[str, str, int]] = field(default_factory=Counter)
+
+    @property
+    def num_requests(self) -> int:
+        return sum(self.statuses.values())
+
+    @property
+    def num_operations(self) -> int:
+        return len({(method, path) for method, path, _ in self.statuses})
+
+    def summary(self, mode: GenerationMode) -> str:
+        by_status = Counter(status for _, _, status in self.statuses.elements())
+        return (
+            f"fuzz ({mode.value}): {self.num_requests} requests over {self.num_operations} "
+            f"operations, statuses {dict(sorted(by_status.items()))}, 0 failures"
+        )
+
+
+def _aim(case: Any) -> None:
+    """Point a generated completion or chat body at the served model, briefly."""
+    body = case.body
+    if not isinstance(body, dict) or "model" not in body:
+        return
+    body["model"] = MODEL
+    for key in ("max_tokens", "max_completion_tokens"):
+        if isinstance(body.get(key), int) and not isinstance(body[key], bool):
+            body[key] = max(1, min(body[key], 4))
+        elif key in body:  # null: the rest of the context window, thousands of steps
+            body[key] = 4
+    if case.path == "/v1/chat/completions" and "max_tokens" not in body:
+        body["max_tokens"] = 4  # chat defaults to the rest of the context window
+
+
+def fuzz(live: LiveServer, mode: GenerationMode, max_examples: int) -> FuzzReport:
+    """Send `max_examples` generated requests; any failed check fails the test (shrunk)."""
+    schema = schemathesis.openapi.from_url(f"{live.base_url}/openapi.json")
+    checks = CHECKS + ([negative_data_rejection] if mode == GenerationMode.NEGATIVE else [])
+    report = FuzzReport()
+
+    @settings(
+        max_examples=max_examples,
+        deadline=None,
+        database=None,
+        derandomize=True,
+        suppress_health_check=list(HealthCheck),
+        phases=[Phase.generate, Phase.shrink],
+    )
+    @given(case=schema.as_strategy(mode), aim=st.booleans())
+    def run(case: Any, aim: bool) -> None:
+        if aim and mode == GenerationMode.POSITIVE:  # negative bodies must stay invalid
+            _aim(case)
+        response = case.call(base_url=live.base_url, timeout=120)
+        report.statuses[(case.method, case.path, response.status_code)] += 1
+        case.validate_response(response, checks=checks)
+
+    run()
+    return report
+
+
+NUM_OPERATIONS = {GenerationMode.POSITIVE: 16, GenerationMode.NEGATIVE: 6}
+"""Operations reached: all of them, and in negative mode those whose inputs can violate
+the schema (the JSON bodies, the upload form, the list queries)."""
+
+
+@pytest.mark.parametrize(
+    ("mode", "max_examples"), [(GenerationMode.POSITIVE, 300), (GenerationMode.NEGATIVE, 200)]
+)
+def test_fuzz_bounded(make_server: ServerFactory, mode: GenerationMode, max_examples: int) -> None:
+    report = fuzz(make_server(), mode, max_examples)
+    assert report.num_operations == NUM_OPERATIONS[mode]
+    print("\n" + report.summary(mode))
+    record(f"bounded, {mode.value}", report)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("mode", "max_examples"), [(GenerationMode.POSITIVE, 5000), (GenerationMode.NEGATIVE, 3000)]
+)
+def test_fuzz_long(make_server: ServerFactory, mode: GenerationMode, max_examples: int) -> None:
+    report = fuzz(make_server(), mode, max_examples)
+    print("\n" + report.summary(mode))
+    record(f"long, {mode.value}", report)
+
+
+RESULTS_ENV = "NANOFLEX_FUZZ_RESULTS"
+"""When set, each run adds its row to this results file (docs/benchmarks.md's table)."""
+HEADER = ["run", "requests", "operations", "answers", "failures"]
+
+
+def record(run: str, report: FuzzReport) -> None:
+    path = os.environ.get(RESULTS_ENV)
+    if not path:
+        return
+    data = json.loads(Path(path).read_text()) if Path(path).is_file() else {}
+    rows = {row[0]: row for row in data.get("table", {}).get("rows", [])}
+    by_status = Counter(status for _, _, status in report.statuses.elements())
+    answers = ", ".join(f"{status}: {n:,}" for status, n in sorted(by_status.items()))
+    rows[run] = [run, f"{report.num_requests:,}", str(report.num_operations), answers, "0"]
+    order = [f"{k}, {m}" for k in ("bounded", "long") for m in ("positive", "negative")]
+    table = {"header": HEADER, "rows": [rows[r] for r in order if r in rows]}
+    counts = {
+        f"{method} {path} {status}": n for (method, path, status), n in report.statuses.items()
+    }
+    results = {**data.get("results", {}), run: counts}
+    Path(path).write_text(json.dumps({"table": table, "results": results}, indent=2) + "\n")
