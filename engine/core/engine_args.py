@@ -60,6 +60,9 @@ class EngineArgs:
     cuda_graphs: bool = True
     """Replay decode steps' dense ops as CUDA graphs at the discrete sizes where sound (resident
     weights, one GPU batch); False runs every op eagerly (vLLM's enforce_eager)."""
+    nano_batch_overlap: bool = True
+    """With `Policy.num_nano_batches` > 1, overlap the nano-batches' operations; False runs
+    them one after another (NanoFlow's nano-batch-only baseline, for ablations)."""
     batch_sizes: tuple[int, ...] | None = None
     """The discrete sizes; None: from the knee of the cached hardware profile's dense step
     table (`nanoflex profile`), or powers of two without one."""
@@ -132,6 +135,13 @@ class EngineArgs:
             default=True,
             help="replay decode steps as CUDA graphs where sound (default: on)",
         )
+        parser.add_argument(
+            "--nano-batch-overlap",
+            action=argparse.BooleanOptionalAction,
+            default=True,
+            help="with num_nano_batches > 1, overlap the nano-batches' operations; off runs "
+            "them one after another (default: on)",
+        )
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace, **overrides: Any) -> EngineArgs:
@@ -152,6 +162,7 @@ class EngineArgs:
             max_step_tokens=args.max_step_tokens,
             discrete_batching=args.discrete_batching,
             cuda_graphs=args.cuda_graphs,
+            nano_batch_overlap=args.nano_batch_overlap,
         )
         return cls(**{**fields, **overrides})
 
@@ -184,6 +195,7 @@ class EngineArgs:
             "show_progress": self.show_progress,
             "trace": self.trace,
             "cuda_graphs": self.cuda_graphs,
+            "nano_overlap": self.nano_batch_overlap,
         }
 
     def scheduler_config(

@@ -10,6 +10,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 
@@ -163,6 +164,84 @@ def _matmuls(inputs: list[torch.Tensor], weights: list[torch.Tensor]) -> list[to
     return [a @ w for a, w in zip(inputs, weights, strict=True)]
 
 
+def _overlap_share(
+    first: Callable[[], object],
+    second: Callable[[], object],
+    both: Callable[[], object],
+    device: Device,
+    rounds: int = 5,
+) -> float:
+    """Share of the shorter of two operations that disappears when they run side by side: the
+    median over `rounds` rounds, each timing both alone and together (a shared machine's noise
+    moves single timings by tens of percent)."""
+    shares = []
+    for _ in range(rounds):
+        alone = _best_seconds(first, device), _best_seconds(second, device)
+        together = _best_seconds(both, device)
+        shares.append(min(max((sum(alone) - together) / min(alone), 0.0), 1.0))
+    return statistics.median(shares)
+
+
+def _nano_overlap(device: Device, dtype: torch.dtype, quick: bool) -> tuple[float, float]:
+    """(device, host): what nano-batching can hide (NanoFlow 4.3). Device: dense matmuls beside
+    a decode attention on a second CUDA stream (a second thread where the compute device is the
+    CPU). Host: the same matmuls beside CPU attention on a CPU thread. The matmuls are repeated
+    until they take about as long as the attention, so either can hide the other."""
+    hidden, batch, past = (512, 8, 256) if quick else (1024, 16, 1024)
+    heads, kv_heads, head_dim = 16, 4, 64
+    where = device.device
+    x = torch.randn(64, hidden, dtype=dtype, device=where)
+    w = torch.randn(hidden, 4 * hidden, dtype=dtype, device=where)
+
+    def attention_on(on: torch.device, kind: torch.dtype) -> Callable[[], object]:
+        layout = RaggedLayout.build([1] * batch, [past] * batch, on)
+        q = torch.randn(batch, heads, head_dim, dtype=kind, device=on)
+        k, v = (torch.randn(batch, kv_heads, head_dim, dtype=kind, device=on) for _ in "kv")
+        past_k = torch.randn(batch * past, kv_heads, head_dim, dtype=kind, device=on)
+        past_v = torch.randn_like(past_k)
+        return partial(ragged_attention, q, k, v, past_k, past_v, layout)
+
+    on_device = attention_on(where, dtype)
+    on_cpu = attention_on(torch.device("cpu"), torch.float32)
+    reps = max(
+        1, min(64, round(_best_seconds(on_device, device) / _best_seconds(lambda: x @ w, device)))
+    )
+
+    def dense() -> None:
+        for _ in range(reps):
+            x @ w
+
+    pool = ThreadPoolExecutor(1, thread_name_prefix="nanoflex-profile")
+    try:
+        if device.is_cuda:
+            side = torch.cuda.Stream(where)
+
+            def both_on_device() -> None:
+                side.wait_stream(torch.cuda.current_stream(where))
+                with torch.cuda.stream(side):
+                    on_device()
+                dense()
+                torch.cuda.current_stream(where).wait_stream(side)
+
+        else:
+
+            def both_on_device() -> None:
+                running = pool.submit(on_device)
+                dense()
+                running.result()
+
+        def beside_cpu_attention() -> None:
+            running = pool.submit(on_cpu)
+            dense()
+            running.result()
+
+        share_device = _overlap_share(dense, on_device, both_on_device, device)
+        share_host = _overlap_share(dense, on_cpu, beside_cpu_attention, device)
+    finally:
+        pool.shutdown()
+    return share_device, share_host
+
+
 def _layer_overhead(device_name: str) -> float:
     """Seconds per decoder layer of a one-token step of the demo model through the engine:
     almost all fixed cost (its matmuls at batch 1 are a few percent of it)."""
@@ -220,6 +299,7 @@ def profile_hardware(
     weight = torch.randn(1024 * scale, 1024, dtype=dtype, device=device.device)
     packed = quantize(weight, 64, dim=0)
     dequant = weight.numel() / _best_seconds(lambda: dequantize(packed), device)
+    nano_device, nano_host = _nano_overlap(device, dtype, quick)
     memory = psutil.virtual_memory().total
     if device.is_cuda:
         gpu_mem = torch.cuda.get_device_properties(device.device).total_memory
@@ -248,6 +328,8 @@ def profile_hardware(
         dense_step_table=dense,
         io_compute_share_small=io_small,
         io_compute_share_large=io_large,
+        nano_overlap_device=nano_device,
+        nano_overlap_host=nano_host,
         layer_overhead_s=_layer_overhead(device_name),
         compute_device="cuda" if device.is_cuda else "cpu",
         notes=f"{name}; torch {torch.__version__}; measured {time.strftime('%Y-%m-%d %H:%M')}"
