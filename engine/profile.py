@@ -51,7 +51,8 @@ def main(args: argparse.Namespace) -> int:
     print(
         f"nano    overlap hides {_share(spec.nano_overlap_device)} of the shorter of dense ops "
         f"and attention on two {'streams' if spec.compute_device == 'cuda' else 'threads'}, "
-        f"{_share(spec.nano_overlap_host)} beside CPU attention"
+        f"{_share(spec.nano_overlap_host)} beside CPU attention; each extra nano-batch "
+        f"costs {spec.nano_batch_overhead_s * 1e3:.3f} ms per layer"
     )
     print(
         f"fixed   {spec.layer_overhead_s * 1e3:.3f} ms per layer per GPU batch; dequantize "

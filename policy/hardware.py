@@ -96,6 +96,10 @@ class HardwareSpec:
     layer_overhead_s: float = 0.0
     """Fixed seconds per layer per GPU batch, whatever its size (kernel launches, the
     engine's per-layer bookkeeping); measured by running one-token steps through the engine."""
+    nano_batch_overhead_s: float = 0.0
+    """Fixed seconds each nano-batch beyond the first adds to a decoder layer (its kernel
+    launches, the hand-offs between streams or threads); measured through the engine like
+    layer_overhead_s. 0: not measured, layer_overhead_s stands in (an upper bound)."""
     compute_device: str = "cuda"
     """'cuda', or 'cpu' when the compute device is the CPU (then "gpu" = compute memory)."""
     notes: str = ""
@@ -147,6 +151,10 @@ class HardwareSpec:
     @property
     def nano_overlap_host_estimate(self) -> float:
         return self.nano_overlap_host or 0.0
+
+    @property
+    def nano_batch_overhead_estimate(self) -> float:
+        return self.nano_batch_overhead_s or self.layer_overhead_s
 
     def dequant_throughput_estimate(self, dtype_bytes: int) -> float:
         """Elements/s dequantized on the compute device: measured, else LM-Offload Eq. 16

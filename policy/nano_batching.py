@@ -2,10 +2,11 @@
 compute task when the attention of one nano-batch overlaps the dense ops of another.
 
 Per layer and GPU batch, with n nano-batches and f = (n - 1) / n:
-- dense(n) = n * (max(FLOPs / n / gpu_flops, weight bytes / gpu_mem_bw) + layer_overhead_s):
-  each nano-batch runs its own GEMMs, which read the whole layer's weights and pay the fixed
-  per-layer cost again. That is the nano-batch overhead (NanoFlow's "nano-batch-only" baseline,
-  -13% in its Fig. 13), priced from the profile instead of taken from the paper.
+- dense(n) = n max(FLOPs / n / gpu_flops, weight bytes / gpu_mem_bw) + layer_overhead_s
+  + (n - 1) nano_batch_overhead_s: each nano-batch runs its own GEMMs, which read the whole
+  layer's weights, and pays the fixed cost of a piece (launches, hand-offs). That is the
+  nano-batch overhead (NanoFlow's "nano-batch-only" baseline, -13% in its Fig. 13), priced
+  from the profile instead of taken from the paper.
 - the engine runs every nano-batch's QKV projection first, then each output projection + MLP
   once its attention is done, so all but a fill and a drain of 1/n overlap: of the shorter of
   dense and attention, f hides, times the overlap efficiency `nanoflex profile` measured for
@@ -30,11 +31,13 @@ def dense_seconds(
 ) -> float:
     """One GPU batch's dense ops of one layer (`flops` in all, weights of `weight_bytes` at full
     width) cut into `num_nano` nano-batches: each piece is FLOP- or weight-read-bound at its own
-    size and pays the fixed per-layer cost."""
+    size; the layer pays its fixed cost once and each extra piece the profiled fixed cost of a
+    nano-batch."""
     per_piece = max(
         flops / num_nano / hardware.gpu_flops, weight_bytes / hardware.gpu_mem_bw_estimate
     )
-    return num_nano * (per_piece + hardware.layer_overhead_s)
+    fixed = hardware.layer_overhead_s + (num_nano - 1) * hardware.nano_batch_overhead_estimate
+    return num_nano * per_piece + fixed
 
 
 def hidden_share(num_nano: int, efficiency: float) -> float:

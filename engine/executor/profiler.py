@@ -9,8 +9,6 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 
@@ -18,6 +16,8 @@ import torch
 
 from engine.executor.attention import RaggedLayout, ragged_attention
 from engine.executor.executor import Executor
+from engine.executor.nano_profile import nano_batch_overhead, nano_overlap
+from engine.executor.timing import best_seconds
 from engine.storage.device import Device
 from engine.storage.disk import DiskFile, DiskIO
 from engine.storage.quant import dequantize, quantize
@@ -25,22 +25,9 @@ from policy import Policy
 from policy.hardware import HardwareSpec, default_cache_path
 
 
-def _best_seconds(fn: Callable[[], object], device: Device, repeats: int = 3) -> float:
-    """Fastest of `repeats` timed runs after one warm-up (the steady state, not a cold start)."""
-    fn()
-    device.synchronize()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        device.synchronize()
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
 def _copy_bw(src: torch.Tensor, dst: torch.Tensor, device: Device) -> float:
     nbytes = src.numel() * src.element_size()
-    return nbytes / _best_seconds(lambda: dst.copy_(src, non_blocking=True), device)
+    return nbytes / best_seconds(lambda: dst.copy_(src, non_blocking=True), device)
 
 
 def _matmul_flops(
@@ -48,7 +35,7 @@ def _matmul_flops(
 ) -> float:
     a = torch.randn(batch, n, n, dtype=dtype, device=where)
     b = torch.randn(batch, n, n, dtype=dtype, device=where)
-    return 2 * batch * n**3 / _best_seconds(lambda: torch.bmm(a, b), device)
+    return 2 * batch * n**3 / best_seconds(lambda: torch.bmm(a, b), device)
 
 
 def _bmm_flops(dtype: torch.dtype, device: Device, scale: int) -> float:
@@ -56,7 +43,7 @@ def _bmm_flops(dtype: torch.dtype, device: Device, scale: int) -> float:
     heads, d, length = 32 * scale, 128, 512 * scale
     q = torch.randn(heads, 1, d, dtype=dtype, device=device.device)
     k = torch.randn(heads, d, length, dtype=dtype, device=device.device)
-    return 2 * heads * d * length / _best_seconds(lambda: torch.bmm(q, k), device)
+    return 2 * heads * d * length / best_seconds(lambda: torch.bmm(q, k), device)
 
 
 def _disk_bw(disk: DiskIO, nbytes: int, device: Device) -> tuple[float, float]:
@@ -129,7 +116,7 @@ def _cpu_attention(threads: int, kv_tokens: int) -> float:
         k, v = torch.randn(batch, kv_heads, d), torch.randn(batch, kv_heads, d)
         past_k = torch.randn(batch * (kv_tokens - 1), kv_heads, d)
         past_v = torch.randn_like(past_k)
-        seconds = _best_seconds(
+        seconds = best_seconds(
             lambda: ragged_attention(q, k, v, past_k, past_v, layout), Device(torch.device("cpu"))
         )
         return 2 * batch * kv_tokens * kv_heads * d * 4 / seconds
@@ -155,7 +142,7 @@ def _dense_step_table(
     rows = 1
     while rows <= max_rows:
         inputs = [x[:rows, : w.shape[0]] for w in weights]
-        table.append((rows, _best_seconds(partial(_matmuls, inputs, weights), device)))
+        table.append((rows, best_seconds(partial(_matmuls, inputs, weights), device)))
         rows *= 2
     return tuple(table)
 
@@ -164,91 +151,13 @@ def _matmuls(inputs: list[torch.Tensor], weights: list[torch.Tensor]) -> list[to
     return [a @ w for a, w in zip(inputs, weights, strict=True)]
 
 
-def _overlap_share(
-    first: Callable[[], object],
-    second: Callable[[], object],
-    both: Callable[[], object],
-    device: Device,
-    rounds: int = 5,
-) -> float:
-    """Share of the shorter of two operations that disappears when they run side by side: the
-    median over `rounds` rounds, each timing both alone and together (a shared machine's noise
-    moves single timings by tens of percent)."""
-    shares = []
-    for _ in range(rounds):
-        alone = _best_seconds(first, device), _best_seconds(second, device)
-        together = _best_seconds(both, device)
-        shares.append(min(max((sum(alone) - together) / min(alone), 0.0), 1.0))
-    return statistics.median(shares)
-
-
-def _nano_overlap(device: Device, dtype: torch.dtype, quick: bool) -> tuple[float, float]:
-    """(device, host): what nano-batching can hide (NanoFlow 4.3). Device: dense matmuls beside
-    a decode attention on a second CUDA stream (a second thread where the compute device is the
-    CPU). Host: the same matmuls beside CPU attention on a CPU thread. The matmuls are repeated
-    until they take about as long as the attention, so either can hide the other."""
-    hidden, batch, past = (512, 8, 256) if quick else (1024, 16, 1024)
-    heads, kv_heads, head_dim = 16, 4, 64
-    where = device.device
-    x = torch.randn(64, hidden, dtype=dtype, device=where)
-    w = torch.randn(hidden, 4 * hidden, dtype=dtype, device=where)
-
-    def attention_on(on: torch.device, kind: torch.dtype) -> Callable[[], object]:
-        layout = RaggedLayout.build([1] * batch, [past] * batch, on)
-        q = torch.randn(batch, heads, head_dim, dtype=kind, device=on)
-        k, v = (torch.randn(batch, kv_heads, head_dim, dtype=kind, device=on) for _ in "kv")
-        past_k = torch.randn(batch * past, kv_heads, head_dim, dtype=kind, device=on)
-        past_v = torch.randn_like(past_k)
-        return partial(ragged_attention, q, k, v, past_k, past_v, layout)
-
-    on_device = attention_on(where, dtype)
-    on_cpu = attention_on(torch.device("cpu"), torch.float32)
-    reps = max(
-        1, min(64, round(_best_seconds(on_device, device) / _best_seconds(lambda: x @ w, device)))
-    )
-
-    def dense() -> None:
-        for _ in range(reps):
-            x @ w
-
-    pool = ThreadPoolExecutor(1, thread_name_prefix="nanoflex-profile")
-    try:
-        if device.is_cuda:
-            side = torch.cuda.Stream(where)
-
-            def both_on_device() -> None:
-                side.wait_stream(torch.cuda.current_stream(where))
-                with torch.cuda.stream(side):
-                    on_device()
-                dense()
-                torch.cuda.current_stream(where).wait_stream(side)
-
-        else:
-
-            def both_on_device() -> None:
-                running = pool.submit(on_device)
-                dense()
-                running.result()
-
-        def beside_cpu_attention() -> None:
-            running = pool.submit(on_cpu)
-            dense()
-            running.result()
-
-        share_device = _overlap_share(dense, on_device, both_on_device, device)
-        share_host = _overlap_share(dense, on_cpu, beside_cpu_attention, device)
-    finally:
-        pool.shutdown()
-    return share_device, share_host
-
-
 def _layer_overhead(device_name: str) -> float:
     """Seconds per decoder layer of a one-token step of the demo model through the engine:
     almost all fixed cost (its matmuls at batch 1 are a few percent of it)."""
     executor = Executor(None, Policy(gpu_batch_size=1), device=device_name)
     try:
         # two one-token steps: a prefill of one token, then one decode reading it back
-        seconds = _best_seconds(lambda: executor.score([[5, 6]], prefill_len=1), executor.device)
+        seconds = best_seconds(lambda: executor.score([[5, 6]], prefill_len=1), executor.device)
         return seconds / 2 / executor.config.num_layers
     finally:
         executor.close()
@@ -298,8 +207,8 @@ def profile_hardware(
     )
     weight = torch.randn(1024 * scale, 1024, dtype=dtype, device=device.device)
     packed = quantize(weight, 64, dim=0)
-    dequant = weight.numel() / _best_seconds(lambda: dequantize(packed), device)
-    nano_device, nano_host = _nano_overlap(device, dtype, quick)
+    dequant = weight.numel() / best_seconds(lambda: dequantize(packed), device)
+    nano_device, nano_host = nano_overlap(device, dtype, quick)
     memory = psutil.virtual_memory().total
     if device.is_cuda:
         gpu_mem = torch.cuda.get_device_properties(device.device).total_memory
@@ -331,6 +240,7 @@ def profile_hardware(
         nano_overlap_device=nano_device,
         nano_overlap_host=nano_host,
         layer_overhead_s=_layer_overhead(device_name),
+        nano_batch_overhead_s=nano_batch_overhead(device_name),
         compute_device="cuda" if device.is_cuda else "cpu",
         notes=f"{name}; torch {torch.__version__}; measured {time.strftime('%Y-%m-%d %H:%M')}"
         + (" (quick)" if quick else ""),

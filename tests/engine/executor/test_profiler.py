@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from engine.executor.profiler import _nano_overlap, _overlap_share
+from engine.executor.nano_profile import _overlap_share, nano_batch_overhead, nano_overlap
 from engine.storage.device import Device
 
 CPU = Device(torch.device("cpu"))
@@ -34,5 +34,10 @@ def test_overlap_share_sees_what_runs_side_by_side_and_what_does_not() -> None:
 
 
 def test_probe_measures_both_shares_on_this_machine() -> None:
-    device_share, host_share = _nano_overlap(CPU, torch.float32, quick=True)
+    device_share, host_share = nano_overlap(CPU, torch.float32, quick=True)
     assert 0.0 <= device_share <= 1.0 and 0.0 <= host_share <= 1.0
+
+
+def test_a_nano_batch_has_a_fixed_cost_through_the_engine() -> None:
+    """Four one-token sequences cut four ways run 3 more pieces per layer than whole."""
+    assert 0.0 < nano_batch_overhead("cpu") < 0.05
