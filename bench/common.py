@@ -12,6 +12,7 @@ import argparse
 import json
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,7 +23,10 @@ from policy import Policy
 from policy.specs import WorkloadSpec
 
 
-def parse_args(doc: str) -> argparse.Namespace:
+def parse_args(
+    doc: str, extra: Callable[[argparse.ArgumentParser], None] | None = None
+) -> argparse.Namespace:
+    """The shared bench flags; `extra` adds a script's own."""
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--model", default=None, help="default: smollm2-135m-instruct")
     parser.add_argument("--prompt-len", type=int, default=128)
@@ -33,6 +37,8 @@ def parse_args(doc: str) -> argparse.Namespace:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--repeat", type=int, default=3, help="runs per policy (median kept)")
     parser.add_argument("--json", default=None, help="also write the raw results here")
+    if extra is not None:
+        extra(parser)
     return parser.parse_args()
 
 
@@ -56,8 +62,12 @@ class Table:
         return "\n".join("| " + " | ".join(cells) + " |" for cells in lines)
 
 
-def run_policies(variants: dict[str, Variant], args: argparse.Namespace) -> list[dict[str, Any]]:
-    """One row per variant: the median (by generation throughput) of `args.repeat` bench runs,
+def run_policies(
+    variants: dict[str, Variant],
+    args: argparse.Namespace,
+    median_of: str = "generation_throughput",
+) -> list[dict[str, Any]]:
+    """One row per variant: the median (by the `median_of` metric) of `args.repeat` bench runs,
     interleaved across variants so slow drift of a shared machine hits them alike, and the
     cost model's prediction."""
     workload = WorkloadSpec(args.prompt_len, args.gen_len)
@@ -84,7 +94,7 @@ def run_policies(variants: dict[str, Variant], args: argparse.Namespace) -> list
             print(f"{name}: run {len(runs[name])}/{args.repeat}", file=sys.stderr)
     rows = []
     for name, results in runs.items():
-        ranked = sorted(results, key=lambda r: r["generation_throughput"])
+        ranked = sorted(results, key=lambda r: r[median_of])
         rows.append(
             {
                 "name": name,

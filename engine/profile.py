@@ -49,7 +49,17 @@ def main(args: argparse.Namespace) -> int:
             f"  {rows:6d} rows {seconds * 1e3:9.3f} ms  {rows / seconds / best:6.1%} of best{mark}"
         )
     print(
+        f"nano    overlap hides {_share(spec.nano_overlap_device)} of the shorter of dense ops "
+        f"and attention on two {'streams' if spec.compute_device == 'cuda' else 'threads'}, "
+        f"{_share(spec.nano_overlap_host)} beside CPU attention; each extra nano-batch "
+        f"costs {spec.nano_batch_overhead_s * 1e3:.3f} ms per layer"
+    )
+    print(
         f"fixed   {spec.layer_overhead_s * 1e3:.3f} ms per layer per GPU batch; dequantize "
         f"{spec.dequant_throughput / 1e9:.2f} G elements/s"
     )
     return 0
+
+
+def _share(value: float | None) -> str:
+    return "(not measured)" if value is None else f"{value:.0%}"

@@ -1,9 +1,10 @@
 """Analytic cost model: per-layer prefill/decode time and peak memory per tier for a policy.
 
 FlexGen A.3 (overlapped tasks, max over them), LM-Offload 3.2 ((de)quantization and
-CPU attention terms) and our differences (activations on any tier, overlap off = sum,
-GQA, 4-bit bytes). Every term is affine in the nine placement fractions, so the same
-terms are evaluated here and handed to the LP in `policy.search`.
+CPU attention terms), NanoFlow 4.3 (nano-batch overlap inside the compute task,
+`policy.nano_batching`) and our differences (activations on any tier, overlap off = sum,
+GQA, 4-bit bytes). Every term is affine in the nine placement fractions, or the max of a
+few affine rows, so the same terms are evaluated here and handed to the LP in `policy.search`.
 Legend: s prompt_len, n gen_len, L num_layers, bls block size, gbs GPU batch size.
 """
 
@@ -13,12 +14,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from policy.affine import ZERO, Affine, MaxOf
 from policy.hardware import HardwareSpec
+from policy.nano_batching import dense_seconds, overlapped_compute
 from policy.policy import Policy
 from policy.specs import ModelSpec, WorkloadSpec
 
-VARS: tuple[str, ...] = ("wg", "wc", "wd", "cg", "cc", "cd", "hg", "hc", "hd")
-"""The LP variables: weights, KV cache and activations on (gpu, cpu, disk)."""
 TASKS: tuple[str, ...] = ("ctog", "gtoc", "dtoc", "ctod", "compute")
 """Overlapped tasks per layer: the four copy directions and compute (gpu + cpu)."""
 GROUP_SIZE = 64
@@ -32,39 +33,6 @@ def compressed_bytes_per_element(dtype_bytes: int) -> float:
     return 0.5 + 2 * dtype_bytes / GROUP_SIZE  # fp16: 0.5625 B = 0.28x of 2 B
 
 
-@dataclass(frozen=True, eq=False)
-class Affine:
-    """const + coeffs . x over VARS; values are seconds or bytes."""
-
-    coeffs: np.ndarray  # (9,)
-    const: float = 0.0
-
-    @staticmethod
-    def of(const: float = 0.0, **coeffs: float) -> Affine:
-        vector = np.zeros(len(VARS))
-        for name, value in coeffs.items():
-            vector[VARS.index(name)] += value
-        return Affine(vector, const)
-
-    def __add__(self, other: Affine) -> Affine:
-        return Affine(self.coeffs + other.coeffs, self.const + other.const)
-
-    def __mul__(self, scale: float) -> Affine:
-        return Affine(self.coeffs * scale, self.const * scale)
-
-    __rmul__ = __mul__
-
-    def __call__(self, x: np.ndarray) -> float:
-        return float(self.coeffs @ x + self.const)
-
-    def minimum(self) -> float:
-        """Smallest value over the placement simplex (each triple sums to 1, x >= 0)."""
-        return self.const + float(self.coeffs.reshape(3, 3).min(axis=1).sum())
-
-
-ZERO = Affine.of()
-
-
 def policy_vector(policy: Policy) -> np.ndarray:
     """The policy's fractions in VARS order."""
     return np.array([*policy.weights_frac, *policy.kv_frac, *policy.act_frac])
@@ -74,12 +42,15 @@ def policy_vector(policy: Policy) -> np.ndarray:
 class CostTerms:
     """Affine terms for one set of discrete choices; the fractions stay free."""
 
-    prefill: dict[str, Affine]
-    """Seconds per layer for the block during prefill, by task in TASKS."""
-    decode: dict[str, Affine]
+    prefill: dict[str, MaxOf]
+    """Seconds per layer for the block during prefill, by task in TASKS (copies are one
+    affine row; compute is the max of several when nano-batches overlap its parts)."""
+    decode: dict[str, MaxOf]
     """Seconds per layer for the block per decode step (KV at its mean length s + n/2)."""
     compute_parts: dict[str, Affine]
-    """Decode compute split: 'gpu_compute', 'cpu_compute' (they run one after the other)."""
+    """Decode compute by lane, before any overlap: 'gpu_compute' (the compute device's dense
+    ops, attention and serial work), 'cpu_compute' (CPU attention); and by operation:
+    'dense' (cut into the policy's nano-batches), 'gpu_attention', 'cpu_attention'."""
     memory: dict[str, Affine]
     """Peak bytes per tier and stage: gpu_prefill, gpu_decode, cpu_prefill, cpu_decode, disk."""
     capacity: dict[str, float]
@@ -90,9 +61,16 @@ class CostTerms:
     gen_len: float
     overlap: bool
 
-    def stage_time(self, terms: dict[str, Affine], x: np.ndarray) -> float:
-        values = [terms[t](x) for t in TASKS]
-        return max(values) if self.overlap else sum(values)
+    def stage_rows(self, terms: dict[str, MaxOf]) -> list[Affine]:
+        """Affine rows whose max is the stage's seconds per layer: every task's rows when the
+        tasks overlap; else the copies' sum plus each row of compute."""
+        if self.overlap:
+            return [row for t in TASKS for row in terms[t].rows]
+        copies = sum((terms[t].rows[0] for t in TASKS if t != "compute"), ZERO)
+        return [copies + row for row in terms["compute"].rows]
+
+    def stage_time(self, terms: dict[str, MaxOf], x: np.ndarray) -> float:
+        return max(row(x) for row in self.stage_rows(terms))
 
     def seconds_per_token(self, x: np.ndarray) -> float:
         """The LP objective T / bls with T = L*T_pre + L*(n-1)*T_gen (FlexGen Eq. 1)."""
@@ -155,10 +133,11 @@ def build_terms(
     kv_pre = bls * s * kv_tok
     weight_flops = 2 * model.layer_params  # per token
     head_flops = 2 * model.vocab_size * (model.word_embed_dim or h) / num_layers
-    overhead = hardware.layer_overhead_s  # per layer per GPU batch, size-independent
-    linear_pre = num_batches * (
-        max(gbs * (s * weight_flops + head_flops) / hardware.gpu_flops, layer_full / gpu_mem_bw)
-        + overhead
+    num_nano = choice.num_nano_batches
+    # Dense ops per GPU batch, cut into nano-batches (policy/nano_batching.py); each piece is
+    # FLOP- or weight-read-bound and pays layer_overhead_s (kernel launches, bookkeeping).
+    dense_pre = num_batches * dense_seconds(
+        gbs * (s * weight_flops + head_flops), layer_full, hardware, num_nano
     )
     attention_pre = bls * 4 * s * s * q_dim / hardware.gpu_bmm_flops
     dequant_weights = layer_elems / dequant_rate if choice.compress_weights else 0.0
@@ -169,16 +148,15 @@ def build_terms(
         "gtoc": Affine.of(cc=kv_pre, cd=kv_pre, hc=act_pre, hd=act_pre) * (1 / hardware.gtoc_bw),
         "dtoc": Affine.of(wd=layer_bytes, hd=act_pre) * (1 / hardware.dtoc_bw),
         "ctod": Affine.of(cd=kv_pre, hd=act_pre) * (1 / hardware.ctod_bw),
-        "compute": Affine.of(linear_pre + attention_pre + dequant_weights + quant_kv_pre),
     }
+    serial_pre = Affine.of(dequant_weights + quant_kv_pre)  # nothing overlaps these
 
     # ---- decode: one layer, one new token for each of the bls sequences ---------------
     act_gen = bls * act_tok
     kv_read = bls * kv_mean * kv_tok  # bytes of old KV attended per step
     kv_new = bls * kv_tok
-    linear_gen = num_batches * (
-        max(gbs * (weight_flops + head_flops) / hardware.gpu_flops, layer_full / gpu_mem_bw)
-        + overhead
+    dense_gen = num_batches * dense_seconds(
+        gbs * (weight_flops + head_flops), layer_full, hardware, num_nano
     )
     # GPU attention over one unit of KV fraction: FLOP- or memory-bound, whichever is slower.
     gpu_attention = bls * max(
@@ -196,23 +174,22 @@ def build_terms(
         cpu_attention = bls * kv_mean * kv_tok_full / cpu_attention_bw
         if choice.compress_kv:
             cpu_attention += bls * (kv_mean + 2) * kv_elems_tok / cpu_dequant_rate
-        gpu_part = Affine.of(linear_gen + dequant_weights, cg=gpu_attention)
-        cpu_part = Affine.of(cc=cpu_attention, cd=cpu_attention)
+        gpu_attention_part = Affine.of(cg=gpu_attention)
+        cpu_attention_part = Affine.of(cc=cpu_attention, cd=cpu_attention)
     else:
         ctog += Affine.of(cc=kv_read, cd=kv_read)
         gtoc += Affine.of(cc=kv_new, cd=kv_new)
-        gpu_part = Affine.of(
-            linear_gen + dequant_weights, cg=gpu_attention, cc=gpu_attention, cd=gpu_attention
-        )
-        cpu_part = ZERO
+        gpu_attention_part = Affine.of(cg=gpu_attention, cc=gpu_attention, cd=gpu_attention)
+        cpu_attention_part = ZERO
+    serial_gen = Affine.of(dequant_weights)
     share_small, share_large = hardware.io_compute_share_small, hardware.io_compute_share_large
     if hardware.compute_device == "cpu" and (share_small or share_large):
         # The copy threads and the compute share the cores: each second of disk I/O costs
         # compute that share of its progress (measured by the profile), I/O overlapped or not.
-        prefill["compute"] += Affine.of(wd=layer_bytes, hd=act_pre) * (
+        serial_pre += Affine.of(wd=layer_bytes, hd=act_pre) * (
             share_large / hardware.dtoc_bw
         ) + Affine.of(cd=kv_pre, hd=act_pre) * (share_large / hardware.ctod_bw)
-        gpu_part += Affine.of(
+        serial_gen += Affine.of(
             wd=layer_bytes * share_large, cd=kv_read * share_small, hd=act_gen * share_large
         ) * (1 / hardware.dtoc_bw) + Affine.of(
             cd=kv_new * share_small, hd=act_gen * share_large
@@ -220,15 +197,22 @@ def build_terms(
     if num_batches == 1:
         # One GPU batch: the activations entering layer j+1 are those layer j just stored,
         # so their round trip through a lower tier cannot overlap anything.
-        prefill["compute"] += _act_round_trip(act_pre, hardware)
-        gpu_part += _act_round_trip(act_gen, hardware)
+        serial_pre += _act_round_trip(act_pre, hardware)
+        serial_gen += _act_round_trip(act_gen, hardware)
     decode = {
         "ctog": ctog * (1 / hardware.ctog_bw),
         "gtoc": gtoc * (1 / hardware.gtoc_bw),
         "dtoc": Affine.of(wd=layer_bytes, cd=kv_read, hd=act_gen) * (1 / hardware.dtoc_bw),
         "ctod": Affine.of(cd=kv_new, hd=act_gen) * (1 / hardware.ctod_bw),
-        "compute": gpu_part + cpu_part,
     }
+    prefill_tasks = {task: MaxOf((affine,)) for task, affine in prefill.items()}
+    prefill_tasks["compute"] = overlapped_compute(
+        dense_pre, Affine.of(attention_pre), ZERO, serial_pre, num_nano, hardware
+    )
+    decode_tasks = {task: MaxOf((affine,)) for task, affine in decode.items()}
+    decode_tasks["compute"] = overlapped_compute(
+        dense_gen, gpu_attention_part, cpu_attention_part, serial_gen, num_nano, hardware
+    )
 
     memory = _peak_memory(
         model,
@@ -245,9 +229,15 @@ def build_terms(
     usable = {tier: budgets[tier] * USABLE_FRAC[tier] for tier in ("gpu", "cpu", "disk")}
     capacity = {row: usable[row.split("_")[0]] for row in memory}
     return CostTerms(
-        prefill=prefill,
-        decode=decode,
-        compute_parts={"gpu_compute": gpu_part, "cpu_compute": cpu_part},
+        prefill=prefill_tasks,
+        decode=decode_tasks,
+        compute_parts={
+            "gpu_compute": Affine.of(dense_gen) + gpu_attention_part + serial_gen,
+            "cpu_compute": cpu_attention_part,
+            "dense": Affine.of(dense_gen),
+            "gpu_attention": gpu_attention_part,
+            "cpu_attention": cpu_attention_part,
+        },
         memory=memory,
         capacity=capacity,
         num_layers=num_layers,

@@ -86,9 +86,20 @@ class HardwareSpec:
     copy threads read the disk in small pieces (KV pages); 0 on a GPU."""
     io_compute_share_large: float = 0.0
     """The same for large reads and writes (weight layers, activations)."""
+    nano_overlap_device: float | None = None
+    """Share of the shorter of a dense matmul and a decode attention that disappears when the
+    two run side by side on two CUDA streams (two threads where the compute device is the
+    CPU), in [0, 1]; what nano-batching can hide (NanoFlow 4.3). None: not measured (0)."""
+    nano_overlap_host: float | None = None
+    """The same for a dense matmul on the compute device beside CPU attention on a CPU
+    thread. None: not measured (0)."""
     layer_overhead_s: float = 0.0
     """Fixed seconds per layer per GPU batch, whatever its size (kernel launches, the
     engine's per-layer bookkeeping); measured by running one-token steps through the engine."""
+    nano_batch_overhead_s: float = 0.0
+    """Fixed seconds each nano-batch beyond the first adds to a decoder layer (its kernel
+    launches, the hand-offs between streams or threads); measured through the engine like
+    layer_overhead_s. 0: not measured, layer_overhead_s stands in (an upper bound)."""
     compute_device: str = "cuda"
     """'cuda', or 'cpu' when the compute device is the CPU (then "gpu" = compute memory)."""
     notes: str = ""
@@ -106,6 +117,12 @@ class HardwareSpec:
             raise HardwareError(
                 f"compute_device must be 'cuda' or 'cpu', not {self.compute_device!r}"
             )
+        for name in ("nano_overlap_device", "nano_overlap_host"):
+            share = getattr(self, name)
+            if share is not None and (
+                isinstance(share, bool) or not isinstance(share, int | float) or not 0 <= share <= 1
+            ):
+                raise HardwareError(f"hardware {name} must be a share in [0, 1] or null")
         for name, key, value in (
             ("cpu_attention_throughput", "threads", "bytes/s"),
             ("dense_step_table", "rows", "seconds"),
@@ -125,6 +142,19 @@ class HardwareSpec:
     @property
     def cpu_mem_bw_estimate(self) -> float:
         return self.cpu_mem_bw or DRAM_PER_LINK_BW * self.ctog_bw
+
+    @property
+    def nano_overlap_device_estimate(self) -> float:
+        """Measured, else 0: the search never picks nano-batching on a guess."""
+        return self.nano_overlap_device or 0.0
+
+    @property
+    def nano_overlap_host_estimate(self) -> float:
+        return self.nano_overlap_host or 0.0
+
+    @property
+    def nano_batch_overhead_estimate(self) -> float:
+        return self.nano_batch_overhead_s or self.layer_overhead_s
 
     def dequant_throughput_estimate(self, dtype_bytes: int) -> float:
         """Elements/s dequantized on the compute device: measured, else LM-Offload Eq. 16

@@ -81,6 +81,7 @@ def format_report(
         f"  cpu attention   {'on' if policy.cpu_attention else 'off'}",
         f"  4-bit weights   {'on' if policy.compress_weights else 'off'}",
         f"  4-bit KV        {'on' if policy.compress_kv else 'off'}",
+        f"  nano-batches    {policy.num_nano_batches}",
         f"  threads         {policy.num_cpu_threads} intra-op, {policy.num_load_threads} load, "
         f"{policy.num_store_threads} store, {policy.num_copy_threads} disk",
         "",
@@ -104,6 +105,7 @@ def format_report(
     terms = est.decode_terms if stage == "decode" else est.prefill_terms
     per_layer = ", ".join(f"{t} {1e3 * v:.1f} ms" for t, v in terms.items())
     lines.append(f"  per-layer {stage} times: {per_layer}")
+    lines += _nano_reasons(result)
     best = result.predicted["generation_throughput"]
     for combo, throughput in sorted(result.alternatives.items(), key=lambda kv: -kv[1]):
         lines.append(f"  best with {combo}: {throughput:.2f} tok/s ({throughput / best:.0%})")
@@ -112,3 +114,30 @@ def format_report(
         when = "never (recomputing is faster)" if tokens is None else f"{tokens} tokens"
         lines.append(f"  {tier:5s} {when}")
     return "\n".join(lines)
+
+
+def _nano_reasons(result: PlanResult) -> list[str]:
+    """Why this many nano-batches: what cutting costs, what overlap hides, and the other
+    counts' predictions for the same placement (docs/policy.md, Nano-batches)."""
+    chosen = result.policy.num_nano_batches
+    one, this = result.nano_estimates[1], result.nano_estimates[chosen]
+    ms = 1e3
+    parts = this.compute_parts
+    attention = f"attention {ms * parts['gpu_attention']:.2f} ms on the compute device"
+    if parts["cpu_attention"]:
+        attention += f" and {ms * parts['cpu_attention']:.2f} ms on the CPU"
+    if chosen == 1:
+        head = "  nano-batches: 1, cutting the GPU batch costs more than overlap would hide"
+    else:
+        overhead = parts["dense"] - one.compute_parts["dense"]
+        head = (
+            f"  nano-batches: {chosen}; per decode layer, dense ops {ms * parts['dense']:.2f} ms "
+            f"({ms * overhead:.2f} ms of it the cost of cutting),\n    {attention}; "
+            f"overlapped, compute takes {ms * this.decode_terms['compute']:.2f} ms, not "
+            f"{ms * one.decode_terms['compute']:.2f} ms in one piece"
+        )
+    others = ", ".join(
+        f"{n}: {est.generation_throughput:.2f} tok/s" + (" (chosen)" if n == chosen else "")
+        for n, est in sorted(result.nano_estimates.items())
+    )
+    return [head, f"  nano-batches, same placement: {others}"]

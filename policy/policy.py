@@ -12,6 +12,8 @@ from policy.jsonfile import parse_object, read_text
 
 Triple = tuple[float, float, float]
 TIERS: tuple[str, str, str] = ("gpu", "cpu", "disk")
+NUM_NANO_BATCHES: tuple[int, ...] = (1, 2, 4)
+"""The nano-batch counts the engine runs and the search weighs (NanoFlow splits in 2 and 4)."""
 
 
 class PolicyError(UserError, ValueError):
@@ -60,7 +62,8 @@ class Policy:
     overlap: bool = True
     """Overlap loads and stores with compute; False runs the sequential reference loop."""
     num_nano_batches: int = 1
-    """Nano-batches per GPU batch for operation overlap (NanoFlow); 1 is off."""
+    """Nano-batches per GPU batch: inside each decoder layer the attention of one overlaps
+    the dense ops of the others (NanoFlow 4.3); 1, 2 or 4, and 1 is off."""
     num_load_threads: int = 2
     """Threads that load weights, past KV and activations beside compute (LM-Offload
     Algorithm 3 sizes them by the bytes each load task moves)."""
@@ -83,6 +86,8 @@ class Policy:
         value = self.num_cpu_threads
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise PolicyError(f"num_cpu_threads must be an integer >= 0, got {value!r}")
+        if self.num_nano_batches not in NUM_NANO_BATCHES:
+            raise PolicyError(f"num_nano_batches must be 1, 2 or 4, got {self.num_nano_batches}")
         if self.num_nano_batches > self.gpu_batch_size:
             raise PolicyError(
                 f"num_nano_batches ({self.num_nano_batches}) cannot exceed "

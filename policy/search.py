@@ -1,8 +1,9 @@
 """Policy search: enumerate the discrete choices, solve the placement LP for each (cvxpy).
 
-For each (gpu_batch_size, num_gpu_batches, compress_weights, compress_kv, cpu_attention)
-the nine fractions (wg, wc, wd, cg, cc, cd, hg, hc, hd) are the LP's variables; the
-max over overlapped tasks is linearized with epigraph variables t_pre and t_gen.
+For each (gpu_batch_size, num_gpu_batches, num_nano_batches, compress_weights, compress_kv,
+cpu_attention) the nine fractions (wg, wc, wd, cg, cc, cd, hg, hc, hd) are the LP's
+variables; the max over overlapped tasks (and over the rows of an overlapped compute task)
+is linearized with epigraph variables t_pre and t_gen.
 """
 
 from __future__ import annotations
@@ -15,9 +16,9 @@ from typing import Any
 import cvxpy as cp
 import numpy as np
 
+from policy.affine import VARS
 from policy.cost_model import (
     TASKS,
-    VARS,
     CostTerms,
     Estimate,
     build_terms,
@@ -27,7 +28,8 @@ from policy.cost_model import (
 )
 from policy.errors import UserError
 from policy.hardware import HardwareSpec
-from policy.policy import Policy
+from policy.nano_batching import MAX_COMPUTE_ROWS
+from policy.policy import NUM_NANO_BATCHES, Policy
 from policy.specs import ModelSpec, WorkloadSpec
 from policy.threads import max_compute_threads, plan_threads
 from policy.units import format_bytes
@@ -38,11 +40,16 @@ GPU_BATCH_SIZES: tuple[int, ...] = (
 NUM_GPU_BATCHES: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 32)
 COMPRESSION_MIN_GAIN = 0.02
 """4-bit compression costs some accuracy: it must win by 2% per compressed tensor kind."""
+NANO_MIN_GAIN = 0.02
+"""Nano-batching must win by 2%: its overlap is measured on two operations in isolation,
+and the rest of a step (loads, stores, Python) competes with it in a real run."""
 MIN_GAIN = 1e-3
 """A candidate must beat the best so far by this much: ties go to simpler, smaller blocks."""
 TIE_BREAK_WEIGHT = 1e-3
 """Weight of the sum-of-tasks tie-breaker relative to the objective T / bls."""
 MEMORY_ROWS: tuple[str, ...] = ("gpu_prefill", "gpu_decode", "cpu_prefill", "cpu_decode", "disk")
+STAGE_ROWS = len(TASKS) - 1 + MAX_COMPUTE_ROWS
+"""Epigraph rows per stage: one per copy task, up to MAX_COMPUTE_ROWS for compute."""
 
 
 class PolicyInfeasible(UserError):
@@ -62,6 +69,8 @@ class PlanResult:
     estimate: Estimate
     alternatives: dict[str, float]
     """Best generation throughput per (compress_weights, compress_kv, cpu_attention) combo."""
+    nano_estimates: dict[int, Estimate]
+    """The chosen policy's prediction with each possible num_nano_batches (same placement)."""
     num_solved: int
     """LPs solved during the search."""
 
@@ -77,7 +86,7 @@ class PlacementLP:
     """One parametrized LP (DPP: compiled once, re-solved with new coefficients)."""
 
     def __init__(self) -> None:
-        num_vars, num_tasks, num_rows = len(VARS), len(TASKS), len(MEMORY_ROWS)
+        num_vars, num_tasks, num_rows = len(VARS), STAGE_ROWS, len(MEMORY_ROWS)
         self.x = cp.Variable(num_vars, nonneg=True)
         t_pre, t_gen = cp.Variable(), cp.Variable()
         self.a_pre = cp.Parameter((num_tasks, num_vars))
@@ -102,19 +111,19 @@ class PlacementLP:
 
     def solve(self, terms: CostTerms) -> np.ndarray | None:
         """Fractions minimizing T / bls, or None when no placement fits."""
-        scale = terms.num_layers / (terms.block_size * terms.gen_len)
+        # Seconds per token, in units of its lower bound: the objective is O(1), so the solver's
+        # tolerances (1e-8) are far below the tie-breaker's effect.
+        scale = terms.num_layers / (terms.block_size * terms.gen_len) * _upper_bound(terms)
         c_sum = np.zeros(len(VARS))
         for a, b, stage, weight in (
             (self.a_pre, self.b_pre, terms.prefill, scale),
             (self.a_gen, self.b_gen, terms.decode, scale * (terms.gen_len - 1)),
         ):
-            coeffs = np.array([stage[t].coeffs for t in TASKS]) * weight
-            consts = np.array([stage[t].const for t in TASKS]) * weight
-            c_sum += coeffs.sum(axis=0)
-            if not terms.overlap:  # sequential: one row holding the sum of the tasks
-                coeffs = np.vstack([coeffs.sum(axis=0), np.zeros((len(TASKS) - 1, len(VARS)))])
-                consts = np.concatenate([[consts.sum()], np.zeros(len(TASKS) - 1)])
-            a.value, b.value = coeffs, consts
+            c_sum += sum(stage[t].rows[0].coeffs for t in TASKS) * weight
+            rows = terms.stage_rows(stage)
+            rows += [rows[-1]] * (STAGE_ROWS - len(rows))  # repeated rows bind nothing new
+            a.value = np.array([r.coeffs for r in rows]) * weight
+            b.value = np.array([r.const for r in rows]) * weight
         self.c_sum.value = c_sum
         rows = [terms.memory[r] for r in MEMORY_ROWS]
         # Normalize each memory row so its numbers are O(1) whatever the byte sizes.
@@ -192,6 +201,10 @@ def search(
     num_solved = 0
     flag_values = (False, True) if allow_compression else (False,)
     attention_values = (False, True) if allow_cpu_attention else (False,)
+    # Without a measured overlap nano-batching only adds cost (policy/nano_batching.py): the
+    # search then tries one nano-batch only, which is exact, not a shortcut.
+    overlaps = hardware.nano_overlap_device_estimate or hardware.nano_overlap_host_estimate
+    nano_counts = NUM_NANO_BATCHES if overlaps else (1,)
     for compress_weights, compress_kv, cpu_attention in itertools.product(
         flag_values, flag_values, attention_values
     ):
@@ -202,28 +215,37 @@ def search(
         for num_gpu_batches in NUM_GPU_BATCHES:
             fitted_any = False
             for gpu_batch_size in GPU_BATCH_SIZES:
-                choice = Policy(
-                    gpu_batch_size=gpu_batch_size,
-                    num_gpu_batches=num_gpu_batches,
-                    cpu_attention=cpu_attention,
-                    compress_weights=compress_weights,
-                    compress_kv=compress_kv,
-                    num_cpu_threads=max_compute_threads(hardware),
-                )
-                terms = build_terms(model, workload, hardware, choice, budgets)
-                if best is not None and _upper_bound(terms) / penalty <= best[0]:
-                    fitted_any = True  # cannot win, but larger batches still might
-                    continue
-                x = lp.solve(terms)
-                num_solved += 1
-                if x is None:
+                fits = True
+                for num_nano in nano_counts:
+                    if num_nano > gpu_batch_size:
+                        break
+                    choice = Policy(
+                        gpu_batch_size=gpu_batch_size,
+                        num_gpu_batches=num_gpu_batches,
+                        num_nano_batches=num_nano,
+                        cpu_attention=cpu_attention,
+                        compress_weights=compress_weights,
+                        compress_kv=compress_kv,
+                        num_cpu_threads=max_compute_threads(hardware),
+                    )
+                    nano_penalty = penalty + NANO_MIN_GAIN * (num_nano > 1)
+                    terms = build_terms(model, workload, hardware, choice, budgets)
+                    if best is not None and _upper_bound(terms) / nano_penalty <= best[0]:
+                        fitted_any = True  # cannot win, but larger batches still might
+                        continue
+                    x = lp.solve(terms)
+                    num_solved += 1
+                    if x is None:
+                        fits = False  # memory does not depend on the nano-batches
+                        break
+                    fitted_any = True
+                    policy, result = _finish(choice, x, terms)
+                    throughput = result.generation_throughput
+                    alternatives[combo] = max(alternatives.get(combo, 0.0), throughput)
+                    if best is None or throughput / nano_penalty > best[0] * (1 + MIN_GAIN):
+                        best = (throughput / nano_penalty, policy, result)
+                if not fits:
                     break  # more sequences only need more memory
-                fitted_any = True
-                policy, result = _finish(choice, x, terms)
-                throughput = result.generation_throughput
-                alternatives[combo] = max(alternatives.get(combo, 0.0), throughput)
-                if best is None or throughput / penalty > best[0] * (1 + MIN_GAIN):
-                    best = (throughput / penalty, policy, result)
             if not fitted_any:
                 break  # even the smallest batch does not fit with more GPU batches
     if best is None:
@@ -231,19 +253,27 @@ def search(
     _, policy, _ = best
     policy = plan_threads(model, workload, hardware, policy)
     final = estimate(policy, model, workload, hardware, budgets)
+    nano_estimates = {
+        n: estimate(
+            dataclasses.replace(policy, num_nano_batches=n), model, workload, hardware, budgets
+        )
+        for n in NUM_NANO_BATCHES
+        if n <= policy.gpu_batch_size
+    }
     return PlanResult(
         policy=policy,
         predicted=final.predicted(),
         bottleneck=_bottleneck(final),
         estimate=final,
         alternatives=alternatives,
+        nano_estimates=nano_estimates,
         num_solved=num_solved,
     )
 
 
 def _upper_bound(terms: CostTerms) -> float:
     """Generation throughput no placement can beat: each task at its simplex minimum."""
-    pre = [terms.prefill[t].minimum() for t in TASKS]
+    pre = [terms.prefill[t].minimum() for t in TASKS]  # lower bounds of each task
     gen = [terms.decode[t].minimum() for t in TASKS]
     combine = max if terms.overlap else sum
     seconds = terms.num_layers * (combine(pre) + (terms.gen_len - 1) * combine(gen))

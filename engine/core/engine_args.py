@@ -61,6 +61,9 @@ class EngineArgs:
     cuda_graphs: bool = True
     """Replay decode steps' dense ops as CUDA graphs at the discrete sizes where sound (resident
     weights, one GPU batch); False runs every op eagerly (vLLM's enforce_eager)."""
+    nano_batch_overlap: bool = True
+    """With `Policy.num_nano_batches` > 1, overlap the nano-batches' operations; False runs
+    them one after another (NanoFlow's nano-batch-only baseline, for ablations)."""
     batch_sizes: tuple[int, ...] | None = None
     """The discrete sizes; None: from the knee of the cached hardware profile's dense step
     table (`nanoflex profile`), or powers of two without one."""
@@ -151,6 +154,13 @@ class EngineArgs:
             default=True,
             help="replay decode steps as CUDA graphs where sound (default: on)",
         )
+        parser.add_argument(
+            "--nano-batch-overlap",
+            action=argparse.BooleanOptionalAction,
+            default=True,
+            help="with num_nano_batches > 1, overlap the nano-batches' operations; off runs "
+            "them one after another (default: on)",
+        )
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace, **overrides: Any) -> EngineArgs:
@@ -173,6 +183,7 @@ class EngineArgs:
             cuda_graphs=args.cuda_graphs,
             enable_prefix_caching=args.enable_prefix_caching,
             kv_cache_disk_bytes=size(args.kv_cache_disk_bytes),
+            nano_batch_overlap=args.nano_batch_overlap,
         )
         return cls(**{**fields, **overrides})
 
@@ -208,6 +219,7 @@ class EngineArgs:
             "cuda_graphs": self.cuda_graphs,
             # the disk KV cache outlives the engine only in a directory of the user's
             "persist_kv_cache": self.enable_prefix_caching and self.offload_dir is not None,
+            "nano_overlap": self.nano_batch_overlap,
         }
 
     def scheduler_config(

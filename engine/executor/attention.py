@@ -111,3 +111,33 @@ def ragged_attention(
         enable_gqa=num_heads != num_kv_heads,
     )  # (B, nh, Qm, hd)
     return out.transpose(1, 2).reshape(b * q_max, num_heads, head_dim)[layout.q_dest]
+
+
+def split_kv(
+    rows: torch.Tensor | None, kv_shape: tuple[int, int]
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(N, 2 * kv_dim) packed KV rows -> k and v, each (N, num_kv_heads, head_dim)."""
+    if rows is None:
+        return None, None
+    n, kv_dim = rows.shape[0], kv_shape[0] * kv_shape[1]
+    return rows[:, :kv_dim].reshape(n, *kv_shape), rows[:, kv_dim:].reshape(n, *kv_shape)
+
+
+def cpu_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    past: torch.Tensor | None,
+    layout: RaggedLayout,
+    kv_shape: tuple[int, int],
+) -> torch.Tensor:
+    """Decode attention on the CPU over host-homed past KV (FlexGen Sec. 4.2): (T, heads,
+    head_dim) float32 on the CPU. Computes in float32 (CPU half matmuls are slow and less
+    exact); q, k, v may live anywhere and are copied as needed."""
+    return ragged_attention(
+        q.to("cpu", torch.float32),
+        k.to("cpu", torch.float32),
+        v.to("cpu", torch.float32),
+        *split_kv(past, kv_shape),
+        layout,
+    )

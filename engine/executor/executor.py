@@ -31,6 +31,8 @@ from engine.executor.budgets import (
 )
 from engine.executor.cuda_graphs import GraphRunner
 from engine.executor.gpu_batch import BatchBuilder, SeqState
+from engine.executor.nano_batches import NanoBatcher
+from engine.executor.nano_overlap import NanoOverlap
 from engine.executor.pipeline import BlockPipeline
 from engine.executor.sampler import Sampler, top_logprobs
 from engine.executor.trace import NoTracer, Tracer
@@ -45,7 +47,6 @@ from engine.storage.kv_store import KVStore
 from engine.storage.quant import KVRowCodec
 from engine.storage.weight_store import WeightStore
 from policy import TIERS, Policy
-from policy.errors import UserError
 from policy.prefix import PAGE_TOKENS
 from policy.units import format_bytes
 
@@ -63,6 +64,9 @@ class Executor:
         (engine/executor/cuda_graphs.py); False runs every op eagerly.
     persist_kv_cache: keep the disk tier's cached KV pages in `offload_dir` with a verified
         index, for the next run to find (engine/storage/disk_cache.py).
+    nano_overlap: with `policy.num_nano_batches` > 1, overlap the nano-batches' operations
+        (engine/executor/nano_overlap.py); False runs them one after another (NanoFlow's
+        nano-batch-only ablation baseline).
     """
 
     def __init__(
@@ -80,12 +84,8 @@ class Executor:
         trace: str | Path | None = None,
         cuda_graphs: bool = True,
         persist_kv_cache: bool = False,
+        nano_overlap: bool = True,
     ) -> None:
-        if policy.num_nano_batches != 1:
-            raise UserError(
-                f"num_nano_batches={policy.num_nano_batches}: nano-batching is not implemented "
-                "yet; use 1"
-            )
         self.policy = policy
         self.device = Device.resolve(device)
         self.model_dir = local_model_dir(model)
@@ -152,6 +152,9 @@ class Executor:
             num_store_threads=policy.num_store_threads,
             tracer=self.tracer,
             graphs=self._graph_runner() if cuda_graphs else None,
+            nano=NanoOverlap(self.model, self.device, overlap=nano_overlap, tracer=self.tracer)
+            if policy.num_nano_batches > 1
+            else None,
         )
         self.sampler = Sampler()
         self._closed = False
@@ -162,6 +165,11 @@ class Executor:
             cpu_attention=policy.cpu_attention,
             sliding_window=self.config.sliding_window,
             pool_device=self.kv.pool_device,
+        )
+        self._nano_batcher = (
+            NanoBatcher(policy.num_nano_batches, self._builder)
+            if policy.num_nano_batches > 1
+            else None
         )
 
     # -- setup -------------------------------------------------------------------------
@@ -179,10 +187,12 @@ class Executor:
 
     def _graph_runner(self) -> GraphRunner | None:
         """CUDA graphs where they are sound: on CUDA, with every layer's weights resident and
-        uncompressed, one GPU batch, activations on the device."""
+        uncompressed, one GPU batch, activations on the device, no nano-batches (their
+        streams and per-nano-batch pieces are not captured)."""
         p = self.policy
         resident = all(tier == "gpu" for tier in self.weights.tiers) and not p.compress_weights
-        if not (self.device.is_cuda and resident and p.num_gpu_batches == 1):
+        one_batch = p.num_gpu_batches == 1 and p.num_nano_batches == 1
+        if not (self.device.is_cuda and resident and one_batch):
             return None
         if p.act_frac[0] < 1.0:
             return None
@@ -244,12 +254,13 @@ class Executor:
             by_batch.setdefault(chunk.gpu_batch, []).append(chunk)
         padding = max(0, plan.dense_size - plan.num_tokens)  # to the step's discrete size
         last = max(by_batch)
-        batches = [
-            self._builder.build(
-                k, [(c, self._seqs[c.seq_id]) for c in chunks], padding if k == last else 0
-            )
-            for k, chunks in sorted(by_batch.items())
-        ]
+        batches = []
+        for k, chunks in sorted(by_batch.items()):
+            members = [(c, self._seqs[c.seq_id]) for c in chunks]
+            batch = self._builder.build(k, members, padding if k == last else 0)
+            if self._nano_batcher is not None:
+                batch.nano_batches = self._nano_batcher.split(batch, members)
+            batches.append(batch)
         self.kv.reserve_pages([m.dst for m in plan.page_moves])
         moved_to_disk = [m.dst[1] for m in plan.page_moves if m.dst[0] == "disk"]
         self.kv.disk_pool.begin_pages(moved_to_disk)

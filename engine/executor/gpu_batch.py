@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -16,6 +17,9 @@ from engine.core.protocol import SeqChunk, TokenLogprobs
 from engine.core.sampling_params import SamplingParams
 from engine.executor.attention import RaggedLayout
 from engine.storage.kv_store import KVRows
+
+if TYPE_CHECKING:
+    from engine.executor.nano_batches import NanoBatch
 
 
 @dataclass(slots=True)
@@ -54,6 +58,8 @@ class GpuBatch:
     """tier -> (rows,) indices of rows homed there; empty when every row stays on the gpu tier."""
     num_padding: int = 0
     """Rows after the chunks' rows that only pad the dense ops to the step's discrete size."""
+    nano_batches: list[NanoBatch] = field(default_factory=list)
+    """Its nano-batches (engine/executor/nano_batches.py); empty: its layers run it whole."""
 
     @property
     def num_tokens(self) -> int:
@@ -140,10 +146,7 @@ class BatchBuilder:
             positions.extend(range(ctx, ctx + q_len))
             act_rows.setdefault(state.act_tier, []).extend(range(row, row + q_len))
             add_slots(new_kv, state.pages, ctx, ctx + q_len, self.page_tokens, row)
-            # FlexGen Sec. 4.2: decode attention over host-homed KV (cpu, or disk read into
-            # host memory) runs on the CPU; only q and the new k, v cross PCIe
-            on_cpu = self.cpu_attention and state.kv_tier != "gpu" and q_len == 1
-            members[on_cpu].append((c, state, row))
+            members[self.attends_on_cpu(c, state)].append((c, state, row))
             if state.wants_prompt_logprobs:
                 logit_rows.extend(range(row, row + q_len))
                 logit_counts.append(q_len)
@@ -172,6 +175,11 @@ class BatchBuilder:
             else {tier: self._index(rows) for tier, rows in act_rows.items()},
             num_padding=num_padding,
         )
+
+    def attends_on_cpu(self, chunk: SeqChunk, state: SeqState) -> bool:
+        """FlexGen Sec. 4.2: decode attention over host-homed KV (cpu, or disk read into host
+        memory) runs on the CPU; only q and the new k, v cross PCIe."""
+        return self.cpu_attention and state.kv_tier != "gpu" and len(chunk.token_ids) == 1
 
     def _group(
         self, members: list[tuple[SeqChunk, SeqState, int]], num_rows: int, where: torch.device

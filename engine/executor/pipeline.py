@@ -23,9 +23,10 @@ from dataclasses import dataclass
 import torch
 
 from engine.core.kv_pages import PageMove
-from engine.executor.attention import ragged_attention
+from engine.executor.attention import cpu_attention, ragged_attention, split_kv
 from engine.executor.cuda_graphs import GraphRunner, StepGraphs
 from engine.executor.gpu_batch import AttentionGroup, GpuBatch
+from engine.executor.nano_overlap import NanoOverlap
 from engine.executor.trace import NoTracer, Tracer
 from engine.models.base import Model, Weights
 from engine.storage.device import Device, Ready
@@ -71,6 +72,7 @@ class BlockPipeline:
         num_store_threads: int = 1,
         tracer: Tracer | NoTracer | None = None,
         graphs: GraphRunner | None = None,
+        nano: NanoOverlap | None = None,
     ) -> None:
         self.model, self.weights, self.kv, self.device, self.disk = model, weights, kv, device, disk
         self.overlap, self.dtype = overlap, dtype
@@ -80,8 +82,9 @@ class BlockPipeline:
         self._replaying: StepGraphs | None = None
         self._moves: list[PageMove] = []
         self._moved: dict[int, Future[None]] = {}  # layer -> its page moves, when overlapped
+        self.nano = nano
+        """Runs the decoder layers of GPU batches cut into nano-batches (NanoFlow 4.3)."""
         c = model.config
-        self._kv_dim = c.kv_dim
         self._kv_shape = (c.num_kv_heads, c.head_dim)
         self._acts: dict[int, dict[str, torch.Tensor]] = {}  # GPU batch -> tier -> rows
         self._act_files: dict[int, DiskFile] = {}
@@ -93,6 +96,8 @@ class BlockPipeline:
     def close(self) -> None:
         self._loads.shutdown(wait=True)
         self._stores.shutdown(wait=True)
+        if self.nano is not None:
+            self.nano.close()
 
     # -- the two loops -------------------------------------------------------------------
 
@@ -260,19 +265,15 @@ class BlockPipeline:
     def _split_kv(
         self, rows: torch.Tensor | None
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """(N, 2 * kv_dim) rows -> k and v, each (N, num_kv_heads, head_dim)."""
-        if rows is None:
-            return None, None
-        n = rows.shape[0]
-        return (
-            rows[:, : self._kv_dim].reshape(n, *self._kv_shape),
-            rows[:, self._kv_dim :].reshape(n, *self._kv_shape),
-        )
+        return split_kv(rows, self._kv_shape)
 
     def _compute(
         self, j: int, w: Weights, h: torch.Tensor | None, past: PastKV, batch: GpuBatch
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Layer j over one batch: (output states or logits, the new (T, 2 * kv_dim) KV rows)."""
+        if batch.nano_batches and self.model.layer_kind(j) == "decoder":
+            assert self.nano is not None and h is not None
+            return self.nano.run_layer(j, w, h, (past.device, past.cpu), batch)
         with self.tracer.span("compute", "compute", j, batch.index):
             kind, graphs = self.model.layer_kind(j), self._replaying
             if kind == "embed":
@@ -327,14 +328,8 @@ class BlockPipeline:
         v: torch.Tensor,
     ) -> torch.Tensor:
         """Decode attention on the CPU over host-homed KV (cpu or disk tier): only q and the
-        new k, v cross PCIe. Computes in float32 (CPU half matmuls are slow and less exact)."""
-        out = ragged_attention(
-            q.to("cpu", torch.float32),
-            k.to("cpu", torch.float32),
-            v.to("cpu", torch.float32),
-            *self._split_kv(past),
-            group.layout,
-        )
+        new k, v cross PCIe."""
+        out = cpu_attention(q, k, v, past, group.layout, self._kv_shape)
         return out.to(q.device, q.dtype, non_blocking=True)
 
     # -- stores --------------------------------------------------------------------------

@@ -9,7 +9,6 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
@@ -18,6 +17,8 @@ import torch
 from engine.core.model_files import DEMO_MODEL
 from engine.executor.attention import RaggedLayout, ragged_attention
 from engine.executor.executor import Executor
+from engine.executor.nano_profile import nano_batch_overhead, nano_overlap
+from engine.executor.timing import best_seconds
 from engine.storage.device import Device
 from engine.storage.disk import DiskFile, DiskIO
 from engine.storage.quant import dequantize, quantize
@@ -25,22 +26,9 @@ from policy import Policy
 from policy.hardware import HardwareSpec, default_cache_path
 
 
-def _best_seconds(fn: Callable[[], object], device: Device, repeats: int = 3) -> float:
-    """Fastest of `repeats` timed runs after one warm-up (the steady state, not a cold start)."""
-    fn()
-    device.synchronize()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        device.synchronize()
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
 def _copy_bw(src: torch.Tensor, dst: torch.Tensor, device: Device) -> float:
     nbytes = src.numel() * src.element_size()
-    return nbytes / _best_seconds(lambda: dst.copy_(src, non_blocking=True), device)
+    return nbytes / best_seconds(lambda: dst.copy_(src, non_blocking=True), device)
 
 
 def _matmul_flops(
@@ -48,7 +36,7 @@ def _matmul_flops(
 ) -> float:
     a = torch.randn(batch, n, n, dtype=dtype, device=where)
     b = torch.randn(batch, n, n, dtype=dtype, device=where)
-    return 2 * batch * n**3 / _best_seconds(lambda: torch.bmm(a, b), device)
+    return 2 * batch * n**3 / best_seconds(lambda: torch.bmm(a, b), device)
 
 
 def _bmm_flops(dtype: torch.dtype, device: Device, scale: int) -> float:
@@ -56,7 +44,7 @@ def _bmm_flops(dtype: torch.dtype, device: Device, scale: int) -> float:
     heads, d, length = 32 * scale, 128, 512 * scale
     q = torch.randn(heads, 1, d, dtype=dtype, device=device.device)
     k = torch.randn(heads, d, length, dtype=dtype, device=device.device)
-    return 2 * heads * d * length / _best_seconds(lambda: torch.bmm(q, k), device)
+    return 2 * heads * d * length / best_seconds(lambda: torch.bmm(q, k), device)
 
 
 def _disk_bw(disk: DiskIO, nbytes: int, device: Device) -> tuple[float, float]:
@@ -129,7 +117,7 @@ def _cpu_attention(threads: int, kv_tokens: int) -> float:
         k, v = torch.randn(batch, kv_heads, d), torch.randn(batch, kv_heads, d)
         past_k = torch.randn(batch * (kv_tokens - 1), kv_heads, d)
         past_v = torch.randn_like(past_k)
-        seconds = _best_seconds(
+        seconds = best_seconds(
             lambda: ragged_attention(q, k, v, past_k, past_v, layout), Device(torch.device("cpu"))
         )
         return 2 * batch * kv_tokens * kv_heads * d * 4 / seconds
@@ -155,7 +143,7 @@ def _dense_step_table(
     rows = 1
     while rows <= max_rows:
         inputs = [x[:rows, : w.shape[0]] for w in weights]
-        table.append((rows, _best_seconds(partial(_matmuls, inputs, weights), device)))
+        table.append((rows, best_seconds(partial(_matmuls, inputs, weights), device)))
         rows *= 2
     return tuple(table)
 
@@ -170,7 +158,7 @@ def _layer_overhead(device_name: str) -> float:
     executor = Executor(DEMO_MODEL, Policy(gpu_batch_size=1), device=device_name)
     try:
         # two one-token steps: a prefill of one token, then one decode reading it back
-        seconds = _best_seconds(lambda: executor.score([[5, 6]], prefill_len=1), executor.device)
+        seconds = best_seconds(lambda: executor.score([[5, 6]], prefill_len=1), executor.device)
         return seconds / 2 / executor.config.num_layers
     finally:
         executor.close()
@@ -220,7 +208,8 @@ def profile_hardware(
     )
     weight = torch.randn(1024 * scale, 1024, dtype=dtype, device=device.device)
     packed = quantize(weight, 64, dim=0)
-    dequant = weight.numel() / _best_seconds(lambda: dequantize(packed), device)
+    dequant = weight.numel() / best_seconds(lambda: dequantize(packed), device)
+    nano_device, nano_host = nano_overlap(device, dtype, quick)
     memory = psutil.virtual_memory().total
     if device.is_cuda:
         gpu_mem = torch.cuda.get_device_properties(device.device).total_memory
@@ -249,7 +238,10 @@ def profile_hardware(
         dense_step_table=dense,
         io_compute_share_small=io_small,
         io_compute_share_large=io_large,
+        nano_overlap_device=nano_device,
+        nano_overlap_host=nano_host,
         layer_overhead_s=_layer_overhead(device_name),
+        nano_batch_overhead_s=nano_batch_overhead(device_name),
         compute_device="cuda" if device.is_cuda else "cpu",
         notes=f"{name}; torch {torch.__version__}; measured {time.strftime('%Y-%m-%d %H:%M')}"
         + (" (quick)" if quick else ""),

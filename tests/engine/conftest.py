@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.engine.tiny_models import build_tiny
+from tests.engine.tiny_models import MAX_TOKENS, TINY_CONFIGS, build_tiny, hf_greedy, random_prompts
 
 
 @pytest.fixture(scope="session")
@@ -28,3 +28,19 @@ def smollm2_dir() -> Path:
     from engine.loading.generated import local_model_dir
 
     return local_model_dir(None)
+
+
+@pytest.fixture(scope="session")
+def references(tiny_model):
+    """kind -> (6 random prompts, transformers' greedy MAX_TOKENS tokens for each)."""
+    cache: dict[str, tuple[list[list[int]], list[list[int]]]] = {}
+
+    def get(kind: str) -> tuple[list[list[int]], list[list[int]]]:
+        if kind not in cache:
+            vocab = int(TINY_CONFIGS[kind]["vocab_size"])  # type: ignore[call-overload]
+            prompts = random_prompts(6, vocab, 2, 40, seed=len(kind))
+            expected = [hf_greedy(tiny_model(kind), p, MAX_TOKENS) for p in prompts]
+            cache[kind] = (prompts, expected)
+        return cache[kind]
+
+    return get

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import torch
 
+MAX_TOKENS = 8
+"""Greedy tokens generated per prompt in the correctness tests."""
 TINY_CONFIGS: dict[str, dict[str, object]] = {
     # OPT: pre-norm, ReLU, learned positions, tied embeddings, head_dim 12
     "opt": dict(

@@ -6,9 +6,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from policy import Policy
-from tests.engine.tiny_models import TINY_CONFIGS, hf_greedy, random_prompts
-
-MAX_TOKENS = 8
+from tests.engine.tiny_models import MAX_TOKENS
 
 PLACEMENTS: dict[str, dict[str, object]] = {
     "all-on-device": {},
@@ -20,21 +18,6 @@ PLACEMENTS: dict[str, dict[str, object]] = {
     "kv-act-mixed": dict(kv_frac=(0.4, 0.3, 0.3), act_frac=(0.3, 0.3, 0.4), cpu_attention=True),
     "three-gpu-batches": dict(gpu_batch_size=2, num_gpu_batches=3, weights_frac=(0.0, 0.5, 0.5)),
 }
-
-
-@pytest.fixture(scope="module")
-def references(tiny_model):
-    cache: dict[str, tuple[list[list[int]], list[list[int]]]] = {}
-
-    def get(kind: str) -> tuple[list[list[int]], list[list[int]]]:
-        if kind not in cache:
-            vocab = int(TINY_CONFIGS[kind]["vocab_size"])  # type: ignore[call-overload]
-            prompts = random_prompts(6, vocab, 2, 40, seed=len(kind))
-            expected = [hf_greedy(tiny_model(kind), p, MAX_TOKENS) for p in prompts]
-            cache[kind] = (prompts, expected)
-        return cache[kind]
-
-    return get
 
 
 def run(model_dir, prompts, policy, tmp_path) -> list[list[int]]:

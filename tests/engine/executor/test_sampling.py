@@ -83,7 +83,7 @@ def test_max_tokens_and_length_finish(llm):
     assert len(out.token_ids) == 3 and out.finish_reason == "length"
 
 
-def test_bad_input_is_a_clear_error(llm):
+def test_bad_input_is_a_clear_error(llm, tmp_path):
     with pytest.raises(SamplingError, match="temperature"):
         SamplingParams(temperature=-1.0)
     with pytest.raises(SamplingError, match="token ids"):
@@ -92,5 +92,7 @@ def test_bad_input_is_a_clear_error(llm):
         llm.generate(["a"], [SamplingParams(), SamplingParams()])
     with pytest.raises(UserError, match="dtype must be one of"):
         LLM(DEMO_MODEL, policy=Policy(), device="cpu", dtype="fp8")
-    with pytest.raises(UserError, match="nano-batching"):
-        LLM(DEMO_MODEL, policy=Policy(num_nano_batches=2), device="cpu")
+    policy_file = tmp_path / "policy.json"
+    policy_file.write_text('{"num_nano_batches": 3}')
+    with pytest.raises(UserError, match="num_nano_batches must be 1, 2 or 4"):
+        LLM(DEMO_MODEL, policy=str(policy_file), device="cpu")

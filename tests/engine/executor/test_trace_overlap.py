@@ -3,6 +3,8 @@
 With overlap on, the loads for layer j+1 run while layer j computes (weights from disk;
 with one GPU batch also past KV from disk, which never waits for this step's stores);
 with overlap off no load intersects any compute. A no-op "overlap" fails the first test.
+With nano-batches, the attention of one nano-batch runs on another thread while the dense
+ops of another run on the compute thread; split but not overlapped, nothing intersects.
 """
 
 from __future__ import annotations
@@ -26,8 +28,10 @@ def prompts(num: int = 8, length: int = 300) -> list[list[int]]:
     return [torch.randint(10, 2000, (length,), generator=g).tolist() for _ in range(num)]
 
 
-def traced_run(policy: Policy, path: Path) -> tuple[list[list[int]], list[dict[str, Any]]]:
-    with LLM(DEMO_MODEL, policy=policy, device="cpu", trace=str(path)) as llm:
+def traced_run(
+    policy: Policy, path: Path, **engine: Any
+) -> tuple[list[list[int]], list[dict[str, Any]]]:
+    with LLM(DEMO_MODEL, policy=policy, device="cpu", trace=str(path), **engine) as llm:
         outputs = llm.generate(prompts(), GREEDY)
     trace = json.loads(path.read_text())
     return [o.outputs[0].token_ids for o in outputs], trace["traceEvents"]
@@ -98,3 +102,49 @@ def test_cpu_attention_attends_over_disk_kv_on_the_cpu(tmp_path: Path) -> None:
     assert tokens == reference
     on_cpu = [e for e in events if e.get("cat") == "cpu_attention"]
     assert len(on_cpu) >= 3 * 6  # every decode step, every decoder layer
+
+
+NANO_DENSE = ("attention_inputs", "attention_output")
+NANO_ATTENTION = ("attention", "cpu_attention")
+
+
+def nano_overlaps(events: list[dict[str, Any]]) -> tuple[int, int]:
+    """(attention events of a nano-batch that some dense op of another nano-batch of the same
+    layer and GPU batch intersects in time on another thread, all attention events)."""
+    complete = [e for e in events if e["ph"] == "X"]
+    dense = [e for e in complete if e["name"] in NANO_DENSE]
+    hits = total = 0
+    for a in (e for e in complete if e["name"] in NANO_ATTENTION):
+        total += 1
+        hits += any(
+            d["tid"] != a["tid"]
+            and d["args"]["nano_batch"] != a["args"]["nano_batch"]
+            and (d["args"]["layer"], d["args"]["gpu_batch"])
+            == (a["args"]["layer"], a["args"]["gpu_batch"])
+            and d["ts"] < a["ts"] + a["dur"]
+            and a["ts"] < d["ts"] + d["dur"]
+            for d in dense
+        )
+    return hits, total
+
+
+@pytest.mark.parametrize(
+    "placement",
+    [dict(kv_frac=(0.0, 1.0, 0.0), cpu_attention=True), {}],
+    ids=["cpu-attention", "resident"],
+)
+def test_attention_of_one_nano_batch_runs_beside_the_dense_ops_of_another(
+    placement: dict[str, Any], tmp_path: Path
+) -> None:
+    reference, _ = traced_run(Policy(**placement), tmp_path / "one.json")
+    policy = Policy(**placement, num_nano_batches=2)
+    on, on_events = traced_run(policy, tmp_path / "on.json")
+    off, off_events = traced_run(policy, tmp_path / "off.json", nano_batch_overlap=False)
+    assert on == off == reference
+    hits, total = nano_overlaps(on_events)
+    assert total >= 2 * 4 * 6 and hits >= total // 2, (hits, total)  # 2 nano x 4 steps x 6 layers
+    attention = "cpu_attention" if placement else "attention"
+    threads = {e["tid"] for e in on_events if e.get("name") == attention}
+    dense_threads = {e["tid"] for e in on_events if e.get("name") in NANO_DENSE}
+    assert len(threads) == len(dense_threads) == 1 and threads != dense_threads
+    assert nano_overlaps(off_events) == (0, total)

@@ -1,0 +1,261 @@
+"""`NanoOverlap`: one decoder layer of a GPU batch run as its nano-batches, the attention of one
+overlapping the dense operations of the others (NanoFlow 4.3).
+
+Per nano-batch i a decoder layer is three operations: A_i, the dense ops before attention
+(norm, QKV projection, rotary); B_i, attention; C_i, the dense ops after it (output
+projection, residuals, MLP). A_i -> B_i -> C_i is the only order they need. The compute
+stream runs A_0, A_1, ..., A_{n-1}, then C_0, C_1, ..., each C_i once B_i is done, while the
+attentions run beside it, in order, each as soon as its A_i is:
+- on the compute device, on a second CUDA stream fenced by events (NanoFlow's single-GPU
+  pipeline: the MLP of one nano-batch overlaps the attention of another);
+- on the CPU (CPU attention over host-homed KV, FlexGen Sec. 4.2), on a CPU thread: while the
+  CPU attends nano-batch i, the device runs the QKV projection of i+1 and the output
+  projection and MLP of i-1. The q/k/v copies to the host ride their own stream, the
+  attention outputs come back on the CPU thread's copy stream.
+Issuing every A first means an attention never waits behind an MLP. Where the compute device
+is the CPU, the device's attention runs on a thread too (torch ops release the GIL), so the
+schedule, its dependencies and its tokens are the same everywhere; only the speed differs.
+With `overlap=False` the nano-batches run one operation after another on the compute stream
+(NanoFlow's "nano-batch-only" ablation baseline).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+
+import torch
+
+from engine.executor.attention import cpu_attention, ragged_attention, split_kv
+from engine.executor.gpu_batch import GpuBatch
+from engine.executor.nano_batches import NanoAttention, NanoBatch
+from engine.executor.trace import NoTracer, Tracer
+from engine.models.base import Model, Weights
+from engine.storage.device import Device
+
+Event = torch.cuda.Event
+Attended = tuple[torch.Tensor, Event | None]
+"""An attention output (T_a, num_heads, head_dim) on the compute device, and the event the
+compute stream waits for before reading it (None: ready now)."""
+QKV = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def _rows(qkv: QKV, rows: torch.Tensor | None) -> QKV:
+    """q, k, v of the given rows (all when None)."""
+    if rows is None:
+        return qkv
+    return qkv[0][rows], qkv[1][rows], qkv[2][rows]
+
+
+def _start(
+    thread: ThreadPoolExecutor | None, fn: Callable[..., Attended], *args: object
+) -> Future[Attended]:
+    """Run `fn` on `thread`, or now in this thread when None (on CUDA its kernels still run
+    asynchronously, on whatever stream `fn` makes current)."""
+    if thread is not None:
+        return thread.submit(fn, *args)
+    future: Future[Attended] = Future()
+    try:
+        future.set_result(fn(*args))
+    except BaseException as e:  # handed to whoever waits, as a pool's future would
+        future.set_exception(e)
+    return future
+
+
+class NanoOverlap:
+    """Runs decoder layers over the nano-batches of a GPU batch (`GpuBatch.nano_batches`)."""
+
+    def __init__(
+        self,
+        model: Model,
+        device: Device,
+        *,
+        overlap: bool = True,
+        tracer: Tracer | NoTracer | None = None,
+    ) -> None:
+        self.model, self.device, self.overlap = model, device, overlap
+        self.tracer = tracer or NoTracer()
+        c = model.config
+        self._kv_shape = (c.num_kv_heads, c.head_dim)
+        cuda = device.is_cuda and overlap
+        self._attention_stream = torch.cuda.Stream(device.device) if cuda else None
+        """CUDA: the second stream the device's attention runs on."""
+        self._to_host_stream = torch.cuda.Stream(device.device) if cuda else None
+        """CUDA: the stream q/k/v ride to the host on, for CPU attention."""
+        self._attention_thread = (
+            ThreadPoolExecutor(1, thread_name_prefix="nanoflex-attention")
+            if overlap and not device.is_cuda
+            else None
+        )
+        """CPU compute device: the thread the device's attention runs on."""
+        self._cpu_thread = (
+            ThreadPoolExecutor(1, thread_name_prefix="nanoflex-cpu-attention") if overlap else None
+        )
+        self.num_layers_run = 0
+        """Decoder layers run as nano-batches (tests check the path was taken)."""
+
+    def close(self) -> None:
+        for pool in (self._attention_thread, self._cpu_thread):
+            if pool is not None:
+                pool.shutdown(wait=True)
+
+    def run_layer(
+        self,
+        j: int,
+        w: Weights,
+        h: torch.Tensor,
+        past: tuple[torch.Tensor | None, torch.Tensor | None],
+        batch: GpuBatch,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decoder layer j over `batch`'s nano-batches, given the batch's packed past KV of its
+        (device, CPU) attention groups: (output states (T, hidden), the new (T, 2 * kv_dim) KV
+        rows), the same rows in the same order as the whole-batch path."""
+        span, k = self.tracer.span, batch.index
+        self.num_layers_run += 1
+        new_kv: list[torch.Tensor] = []
+        launched: list[tuple[torch.Tensor, list[tuple[NanoAttention, Future[Attended]]]]] = []
+        for nano in batch.nano_batches:
+            with span("attention_inputs", "compute", j, k, nano.index):
+                q, key, value = self.model.attention_inputs(
+                    w, h[nano.rows], batch.positions[nano.rows]
+                )
+                new_kv.append(torch.cat([key.flatten(1), value.flatten(1)], dim=1))
+            ready = self.device.record() if self.overlap else None
+            launched.append((q, self._launch(j, k, nano, past, (q, key, value), ready)))
+        outs = []
+        for nano, (q, parts) in zip(batch.nano_batches, launched, strict=True):
+            o = self._collect(q, parts)
+            with span("attention_output", "compute", j, k, nano.index):
+                outs.append(self.model.attention_output(w, h[nano.rows], o))
+        return torch.cat(outs), torch.cat(new_kv)
+
+    # -- attention -----------------------------------------------------------------------
+
+    def _launch(
+        self,
+        j: int,
+        k: int,
+        nano: NanoBatch,
+        past: tuple[torch.Tensor | None, torch.Tensor | None],
+        qkv: QKV,
+        ready: Event | None,
+    ) -> list[tuple[NanoAttention, Future[Attended]]]:
+        """Start nano-batch `nano`'s attention: its device part and its CPU part."""
+        parts = []
+        if nano.device is not None:
+            args = (j, k, nano.index, nano.device, past[0], qkv, ready)
+            parts.append(
+                (nano.device, _start(self._attention_thread, self._device_attention, *args))
+            )
+        if nano.cpu is not None:
+            host, copied = self._to_host(j, k, nano.index, nano.cpu, qkv, ready)
+            args2 = (j, k, nano.index, nano.cpu, past[1], host, copied, qkv[0].dtype)
+            parts.append((nano.cpu, _start(self._cpu_thread, self._cpu_attention, *args2)))
+        return parts
+
+    def _device_attention(
+        self,
+        j: int,
+        k: int,
+        index: int,
+        part: NanoAttention,
+        past: torch.Tensor | None,
+        qkv: QKV,
+        ready: Event | None,
+    ) -> Attended:
+        """Attention of the part's sequences on the compute device (on CUDA, on the attention
+        stream once `ready`, the end of the nano-batch's QKV projection, has passed)."""
+        with self._on_stream(self._attention_stream, ready, (*qkv, past)):
+            q, key, value = _rows(qkv, part.rows)
+            with self.tracer.span("attention", "compute", j, k, index):
+                past_rows = None if past is None else past[part.past]
+                past_k, past_v = split_kv(past_rows, self._kv_shape)
+                out = ragged_attention(q, key, value, past_k, past_v, part.layout)
+            return out, self.device.record() if self._attention_stream is not None else None
+
+    def _to_host(
+        self, j: int, k: int, index: int, part: NanoAttention, qkv: QKV, ready: Event | None
+    ) -> tuple[QKV, Event | None]:
+        """The part's q, k, v on their way to the host (CUDA: on the to-host stream into pinned
+        memory, with the event that says they arrived)."""
+        if not self.device.is_cuda:
+            return _rows(qkv, part.rows), None
+        with (
+            self._on_stream(self._to_host_stream, ready, qkv),
+            self.tracer.span("copy_qkv_to_host", "store", j, k, index),
+        ):
+            host = []
+            for t in _rows(qkv, part.rows):
+                pinned = self.device.host_empty(tuple(t.shape), t.dtype)
+                pinned.copy_(t, non_blocking=True)
+                host.append(pinned)
+            return (host[0], host[1], host[2]), self.device.record()
+
+    def _cpu_attention(
+        self,
+        j: int,
+        k: int,
+        index: int,
+        part: NanoAttention,
+        past: torch.Tensor | None,
+        qkv: QKV,
+        copied: Event | None,
+        dtype: torch.dtype,
+    ) -> Attended:
+        """CPU attention of the part's decodes, once their q, k, v are on the host; the output
+        goes back on this thread's copy stream."""
+        if copied is not None:
+            copied.synchronize()
+        with self.tracer.span("cpu_attention", "cpu_attention", j, k, index):
+            past_rows = None if past is None else past[part.past]
+            out = cpu_attention(*qkv, past_rows, part.layout, self._kv_shape)
+        if not self.device.is_cuda:
+            return out.to(dtype), None
+        with (
+            self.device.on_copy_stream(),
+            self.tracer.span("copy_attention_to_device", "load", j, k, index),
+        ):
+            staged = self.device.host_empty(tuple(out.shape), dtype)
+            staged.copy_(out)
+            return self.device.to_device(staged), self.device.record()
+
+    def _collect(
+        self, q: torch.Tensor, parts: list[tuple[NanoAttention, Future[Attended]]]
+    ) -> torch.Tensor:
+        """The nano-batch's attention output (T_i, num_heads, head_dim) on the compute stream,
+        once every part has finished; padding rows attend to nothing (zeros)."""
+        outs = []
+        for part, future in parts:
+            out, done = future.result()
+            if done is not None:
+                stream = torch.cuda.current_stream(self.device.device)
+                stream.wait_event(done)
+                out.record_stream(stream)
+            outs.append((part, out))
+        if len(outs) == 1 and outs[0][0].rows is None:
+            return outs[0][1]
+        o = torch.zeros_like(q)
+        for part, out in outs:
+            o[part.rows] = out
+        return o
+
+    @contextmanager
+    def _on_stream(
+        self,
+        stream: torch.cuda.Stream | None,
+        ready: Event | None,
+        tensors: tuple[torch.Tensor | None, ...],
+    ) -> Iterator[None]:
+        """Make `stream` current once `ready` has passed; the compute stream's `tensors` are
+        marked as used by it, so their memory is not reused while it still reads them."""
+        if stream is None:
+            yield
+            return
+        with torch.cuda.stream(stream):
+            if ready is not None:
+                stream.wait_event(ready)
+            for t in tensors:
+                if t is not None and t.is_cuda:
+                    t.record_stream(stream)
+            yield

@@ -1,0 +1,43 @@
+"""The profile's nano-batch overlap probe (`nanoflex profile`: nano_overlap_device/host)."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from engine.executor.nano_profile import _overlap_share, nano_batch_overhead, nano_overlap
+from engine.storage.device import Device
+
+CPU = Device(torch.device("cpu"))
+
+
+def _wait() -> None:
+    time.sleep(0.02)  # releases the GIL, as torch ops do
+
+
+def test_overlap_share_sees_what_runs_side_by_side_and_what_does_not() -> None:
+    with ThreadPoolExecutor(1) as pool:
+
+        def side_by_side() -> None:
+            running = pool.submit(_wait)
+            _wait()
+            running.result()
+
+        def one_after_the_other() -> None:
+            _wait()
+            _wait()
+
+        assert _overlap_share(_wait, _wait, side_by_side, CPU, rounds=3) > 0.7
+        assert _overlap_share(_wait, _wait, one_after_the_other, CPU, rounds=3) < 0.3
+
+
+def test_probe_measures_both_shares_on_this_machine() -> None:
+    device_share, host_share = nano_overlap(CPU, torch.float32, quick=True)
+    assert 0.0 <= device_share <= 1.0 and 0.0 <= host_share <= 1.0
+
+
+def test_a_nano_batch_has_a_fixed_cost_through_the_engine() -> None:
+    """Four one-token sequences cut four ways run 3 more pieces per layer than whole."""
+    assert 0.0 < nano_batch_overhead("cpu") < 0.05
