@@ -87,11 +87,14 @@ class Serving:
 
     # -- preparation -----------------------------------------------------------------
     def prepare(self, endpoint: str, body: Any) -> Prepared:
-        """Validate and tokenize; raises `APIError` (400 invalid, 404 unknown model)."""
+        """Validate and tokenize; raises `APIError` (400 invalid, 404 unknown model, 503 while
+        the model is still loading)."""
         try:
             return self._prepare(endpoint, body)
         except SamplingError as e:
             raise invalid_request(str(e)) from e
+        except EngineDeadError as e:
+            raise engine_unavailable() from e
 
     def _prepare(self, endpoint: str, body: Any) -> Prepared:
         req: CompletionRequest | ChatCompletionRequest

@@ -7,6 +7,7 @@ import shutil
 import sys
 import tempfile
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +68,8 @@ class Executor:
     nano_overlap: with `policy.num_nano_batches` > 1, overlap the nano-batches' operations
         (engine/executor/nano_overlap.py); False runs them one after another (NanoFlow's
         nano-batch-only ablation baseline).
+    on_progress: called with (layers loaded, layers) while the weights load (the engine
+        process reports it to the daemon); None: `show_progress` decides.
     """
 
     def __init__(
@@ -85,6 +88,7 @@ class Executor:
         cuda_graphs: bool = True,
         persist_kv_cache: bool = False,
         nano_overlap: bool = True,
+        on_progress: Callable[[int, int], None] | None = None,
     ) -> None:
         self.policy = policy
         self.device = Device.resolve(device)
@@ -126,7 +130,7 @@ class Executor:
         if not policy.compress_weights:  # refuse before reading anything
             check_budgets(self.weights.planned_bytes(), self.budgets)
             check_host_memory(self.weights.planned_bytes(), self.device)
-        self.weights.read_all(self._print_progress if show_progress else None)
+        self.weights.read_all(on_progress or (self._print_progress if show_progress else None))
         codec = KVRowCodec(2 * self.config.kv_dim, compress=policy.compress_kv, dtype=self.dtype)
         self.kv = KVStore(
             self.config.num_layers, PAGE_TOKENS, codec, self.device, self.disk, persist_kv_cache
