@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -65,8 +66,11 @@ class CoreEngineClient(EngineClient):
         model_name: str,
         in_process: bool = False,
         restarts: RestartPolicy | None = None,
+        executor_factory: str = EXECUTOR_FACTORY,
     ) -> None:
         super().__init__()
+        self.executor_factory = executor_factory
+        """'module:function' building the executor from `EngineArgs.executor_kwargs`."""
         self.engine_args, self.model_dir, self.policy = engine_args, model_dir, policy
         self._model_name = model_name
         self._in_process = in_process
@@ -118,14 +122,15 @@ class CoreEngineClient(EngineClient):
             self.policy, plan = args.resolve_policy(self.model_dir)
             log.info("policy %s%s", self.policy.to_json(), f" planned: {plan}" if plan else "")
         self._set_status("reading the tokenizer")
-        self._tokenizer = Tokenizer(self.model_dir)
+        tokenizer = Tokenizer(self.model_dir)
         self._max_model_len = args.context_len(self.model_dir)
         self._max_token_bytes = longest_token_bytes(self.model_dir)
+        self._tokenizer = tokenizer  # last: requests are prepared once it is set
         kwargs = args.executor_kwargs(self.model_dir, self.policy)
         self._executor = (
-            InProcessExecutor(EXECUTOR_FACTORY, kwargs, on_progress=self._set_status)
+            InProcessExecutor(self.executor_factory, kwargs, on_progress=self._set_status)
             if self._in_process
-            else ExecutorProcess(EXECUTOR_FACTORY, kwargs, on_progress=self._set_status)
+            else ExecutorProcess(self.executor_factory, kwargs, on_progress=self._set_status)
         )
         if self._stopping.is_set():
             return
@@ -160,13 +165,19 @@ class CoreEngineClient(EngineClient):
 
     def _new_core(self) -> EngineCore:
         assert self.policy is not None and self.model_dir is not None and self._executor
-        if self._core is not None:  # a restart: keep counting across schedulers
-            self._preemptions_before += self._core.scheduler.num_preemptions
         scheduler = self.engine_args.create_scheduler(
             self.policy, self.model_dir, self._executor.describe(), self._tokenizer
         )
         self._counter = _StepCounter(self._executor)
         return EngineCore(scheduler, self._counter, self.engine_args.async_scheduling)
+
+    def _close_core(self) -> None:
+        """Close the engine core (after a crash, or at the end), keeping its counts."""
+        core, self._core = self._core, None
+        if core is not None:
+            self._preemptions_before += core.scheduler.num_preemptions
+            with contextlib.suppress(Exception):  # the failed step's error: already handled
+                core.close()
 
     def _loaded(self) -> Tokenizer:
         """The tokenizer, once `start()` has read it; before, the engine is unavailable."""
@@ -273,8 +284,7 @@ class CoreEngineClient(EngineClient):
             self._emit(core, time.perf_counter() - start, self._counter.num_seqs)
             for out in outputs:
                 self._deliver(out.request_id, out)
-        if self._core is not None:
-            self._core.close()
+        self._close_core()
 
     def _drain_commands(self, core: EngineCore, block: bool) -> None:
         try:
@@ -317,6 +327,7 @@ class CoreEngineClient(EngineClient):
                     f"{policy.window_s:.0f} s; giving up (last: {_one_line(error)})"
                 )
                 self._set_status(message)
+                self._close_core()
                 self.emit_fatal(message)
                 return False
             self._set_status(
@@ -331,6 +342,7 @@ class CoreEngineClient(EngineClient):
             except Exception as e:
                 log.error("engine restart failed: %s", _one_line(e))
                 error = e
+        self._close_core()
         if self._stopping.is_set():
             return False
         self._core = self._new_core()

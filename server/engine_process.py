@@ -197,7 +197,10 @@ class ExecutorProcess:
         try:
             message: tuple[str, Any] = self._conn.recv()
         except (EOFError, OSError) as e:
-            raise ExecutorDiedError(f"the engine process closed its pipe: {e}") from e
+            self._process.join(1.0)
+            code = self._process.exitcode
+            why = f"exited with code {code}" if code is not None else f"closed its pipe ({e!r})"
+            raise ExecutorDiedError(f"the engine process {why}") from e
         if message[0] == "error" and self._process.is_alive() and self.info is not None:
             raise RuntimeError(f"the engine step failed:\n{message[1]}")
         return message[0], message[1] if len(message) > 1 else None

@@ -394,12 +394,14 @@ def build_executor(
     model: str | None = None,
     policy: dict[str, Any] | None = None,
     dtype: str | None = None,
+    on_progress: Callable[[int, int], None] | None = None,
     **kwargs: Any,
 ) -> Executor:
     """Factory for the engine process: the plain arguments of `EngineArgs.executor_kwargs`
-    (`dtype` by name, validated there)."""
+    (`dtype` by name, validated there), and the engine process's `on_progress`."""
     torch_dtype = None if dtype is None else getattr(torch, dtype)
-    return Executor(model, Policy.from_dict(policy or {}), dtype=torch_dtype, **kwargs)
+    policy_record = Policy.from_dict(policy or {})
+    return Executor(model, policy_record, dtype=torch_dtype, on_progress=on_progress, **kwargs)
 
 
 def _checkpoint_dtype(hf_config: Any) -> torch.dtype | None:
