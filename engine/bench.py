@@ -23,10 +23,26 @@ from policy.units import format_bytes
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     EngineArgs.add_cli_args(parser)
-    parser.add_argument("--prompt-len", type=int, default=512)
-    parser.add_argument("--gen-len", type=int, default=32)
-    parser.add_argument("--num-prompts", type=int, default=8)
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument(
+        "--input-len",
+        "--prompt-len",
+        dest="prompt_len",
+        metavar="N",
+        type=int,
+        default=512,
+        help="prompt tokens per request (vLLM's name; --prompt-len is FlexGen's)",
+    )
+    parser.add_argument(
+        "--output-len",
+        "--gen-len",
+        dest="gen_len",
+        metavar="N",
+        type=int,
+        default=32,
+        help="tokens generated per request, EOS ignored (--gen-len is FlexGen's name)",
+    )
+    parser.add_argument("--num-prompts", type=int, default=8, help="requests, all run together")
+    parser.add_argument("--json", action="store_true", help="print one JSON object, not a table")
     parser.add_argument(
         "--trace",
         default=None,
@@ -37,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     if min(args.prompt_len, args.gen_len, args.num_prompts) < 1:
-        raise UserError("--prompt-len, --gen-len and --num-prompts must be at least 1")
+        raise UserError("--input-len, --output-len and --num-prompts must be at least 1")
     engine_args = EngineArgs.from_cli_args(
         args,
         show_progress=True,

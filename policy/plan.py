@@ -23,8 +23,23 @@ TASK_LABELS: dict[str, str] = {
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="path, hub id or known name (default: demo)")
-    parser.add_argument("--prompt-len", type=int, default=512)
-    parser.add_argument("--gen-len", type=int, default=32)
+    parser.add_argument(
+        "--input-len",
+        "--prompt-len",
+        dest="prompt_len",
+        type=int,
+        default=512,
+        help="prompt tokens",
+    )
+    parser.add_argument(
+        "--output-len",
+        "--gen-len",
+        dest="gen_len",
+        metavar="N",
+        type=int,
+        default=32,
+        help="generated tokens",
+    )
     parser.add_argument("--gpu-mem", default=None, help="GPU budget, e.g. 16GiB")
     parser.add_argument("--cpu-mem", default=None, help="CPU memory budget, e.g. 64GiB")
     parser.add_argument("--disk-mem", default=None, help="disk budget, e.g. 500GiB")
