@@ -17,30 +17,14 @@ from engine.core.sampling_params import SamplingParams
 from engine.core.sequence import Request
 from engine.llm import LLM
 from policy.errors import UserError
+from policy.plan import add_length_args
 from policy.specs import WorkloadSpec
 from policy.units import format_bytes
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     EngineArgs.add_cli_args(parser)
-    parser.add_argument(
-        "--input-len",
-        "--prompt-len",
-        dest="prompt_len",
-        metavar="N",
-        type=int,
-        default=512,
-        help="prompt tokens per request (vLLM's name; --prompt-len is FlexGen's)",
-    )
-    parser.add_argument(
-        "--output-len",
-        "--gen-len",
-        dest="gen_len",
-        metavar="N",
-        type=int,
-        default=32,
-        help="tokens generated per request, EOS ignored (--gen-len is FlexGen's name)",
-    )
+    add_length_args(parser)
     parser.add_argument("--num-prompts", type=int, default=8, help="requests, all run together")
     parser.add_argument("--json", action="store_true", help="print one JSON object, not a table")
     parser.add_argument(
