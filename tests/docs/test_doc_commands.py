@@ -46,6 +46,7 @@ SLOW = by_block({"setup", "fast", "slow"}, "slow")
 def scratch(tmp_path: Path) -> Path:
     """A working directory as a user's checkout has it: `.venv`, and the batch input of
     docs/api.md as `requests.jsonl` (README's run-batch example names it)."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
     (tmp_path / ".venv").symlink_to(VENV)
     (line,) = [code for _, lang, code in blocks(ROOT / "docs" / "api.md") if lang == "jsonl"]
     (tmp_path / "requests.jsonl").write_text(line)
