@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import copy
 import logging
 import queue
 import threading
@@ -30,7 +31,7 @@ from engine.core.protocol import StepPlan, StepResult
 from engine.core.sampling_params import SamplingParams
 from engine.core.sequence import ONLINE_PRIORITY, Request
 from engine.core.tokenizer import Tokenizer
-from policy import Policy
+from policy import TIERS, Policy
 from server.engine_client import EngineClient, EngineDeadError, StepStats
 from server.engine_process import ExecutorDiedError, ExecutorProcess, InProcessExecutor
 
@@ -241,6 +242,8 @@ class CoreEngineClient(EngineClient):
 
     def _emit(self, core: EngineCore, step_seconds: float, batch_size: int) -> None:
         scheduler = core.scheduler
+        pages = scheduler.page_manager
+        info = self._executor.describe()
         self._reported_busy = scheduler.has_unfinished()
         self.emit_step(
             StepStats(
@@ -248,8 +251,11 @@ class CoreEngineClient(EngineClient):
                 batch_size=batch_size,
                 num_waiting=scheduler.num_waiting,
                 num_running=len(scheduler.running),
-                bytes_per_tier=self._executor.describe().placement.bytes_per_tier(),
+                bytes_per_tier=info.placement.bytes_per_tier(),
                 num_preemptions=self._preemptions_before + scheduler.num_preemptions,
+                prefix_cache=copy.deepcopy(pages.stats),
+                cached_pages={tier: pages.num_cached_pages(tier) for tier in TIERS},
+                page_bytes=info.page_bytes,
             )
         )
 
