@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import copy
 import logging
 import queue
 import threading
@@ -37,7 +38,7 @@ from engine.core.protocol import StepPlan, StepResult
 from engine.core.sampling_params import SamplingParams
 from engine.core.sequence import ONLINE_PRIORITY, Request
 from engine.core.tokenizer import Tokenizer
-from policy import Policy
+from policy import TIERS, Policy
 from policy.errors import UserError
 from server.engine_client import EngineClient, EngineDeadError, StepStats
 from server.engine_process import ExecutorDiedError, ExecutorProcess, InProcessExecutor
@@ -353,6 +354,9 @@ class CoreEngineClient(EngineClient):
 
     def _emit(self, core: EngineCore, step_seconds: float, batch_size: int) -> None:
         scheduler = core.scheduler
+        pages = scheduler.page_manager
+        assert self._executor is not None
+        info = self._executor.describe()
         self._reported_busy = scheduler.has_unfinished()
         self.emit_step(
             StepStats(
@@ -360,14 +364,13 @@ class CoreEngineClient(EngineClient):
                 batch_size=batch_size,
                 num_waiting=scheduler.num_waiting,
                 num_running=len(scheduler.running),
-                bytes_per_tier=self._placement_bytes(),
+                bytes_per_tier=info.placement.bytes_per_tier(),
                 num_preemptions=self._preemptions_before + scheduler.num_preemptions,
+                prefix_cache=copy.deepcopy(pages.stats),
+                cached_pages={tier: pages.num_cached_pages(tier) for tier in TIERS},
+                page_bytes=info.page_bytes,
             )
         )
-
-    def _placement_bytes(self) -> dict[str, int]:
-        assert self._executor is not None
-        return self._executor.describe().placement.bytes_per_tier()
 
     def _deliver(self, request_id: str, item: RequestOutput | Exception) -> None:
         stream = self._streams.get(request_id)

@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from engine.core.kv_pages import CacheStats
 from engine.core.sampling_params import SamplingParams
 from engine.core.sequence import ONLINE_PRIORITY
 
@@ -57,6 +58,9 @@ class RequestOutputLike(Protocol):
     def outputs(self) -> Sequence[CompletionOutputLike]: ...
     @property
     def finished(self) -> bool: ...
+    @property
+    def num_cached_tokens(self) -> int | None:
+        """Prompt tokens whose KV came from the prefix cache."""
 
 
 @dataclass(slots=True)
@@ -73,6 +77,12 @@ class StepStats:
     """Bytes resident per tier ('gpu', 'cpu', 'disk'): weights + KV + activations."""
     num_preemptions: int = 0
     """Sequences preempted since the engine started (KV dropped, recomputed later)."""
+    prefix_cache: CacheStats = field(default_factory=CacheStats)
+    """Cumulative prefix-cache figures of the current scheduler (from 0 after a restart)."""
+    cached_pages: dict[str, int] = field(default_factory=dict)
+    """KV pages kept cached (held by no sequence), per tier."""
+    page_bytes: int = 0
+    """Bytes of one KV page over all layers (turns page counts into bytes)."""
 
 
 StepListener = Callable[[StepStats], None]

@@ -252,6 +252,9 @@ class Executor:
             gone = self._seqs.pop(seq_id, None)
             if gone is not None:  # drop what is staged for its partly written disk pages
                 self.kv.disk_pool.release_pages([p for tier, p in gone.pages if tier == "disk"])
+        if not plan.chunks:  # records only: nothing runs
+            self._record_cached_disk_pages(plan)
+            return StepResult(plan.step_id, [], [], [])
         by_batch: dict[int, list[SeqChunk]] = {}
         for chunk in plan.chunks:
             self._admit(chunk)
@@ -271,13 +274,7 @@ class Executor:
         if self.disk_cache is not None:  # pages about to get new contents
             self.disk_cache.forget(moved_to_disk + self._disk_pages_written(plan))
         logits = self.pipeline.run(batches, plan.page_moves)
-        if self.disk_cache is not None:
-            for move in plan.page_moves:
-                if move.dst[0] == "disk":
-                    self.disk_cache.add(move.dst[1], move.hash)
-            for page, h in plan.cached_disk_pages:
-                self.disk_cache.add(page, h)
-            self.disk_cache.save()
+        self._record_cached_disk_pages(plan)
         # Split each batch's logit rows by chunk: the row to sample from, and for echo +
         # logprobs requests the prompt positions. Rows follow batch order; results plan order.
         sample_rows: list[torch.Tensor] = []
@@ -373,6 +370,17 @@ class Executor:
             self._seqs.pop(seq_id)
             pages.free(seq_id)
         return out
+
+    def _record_cached_disk_pages(self, plan: StepPlan) -> None:
+        """Index the pages this plan left cached on disk (moved there, or filled there)."""
+        if self.disk_cache is None:
+            return
+        for move in plan.page_moves:
+            if move.dst[0] == "disk":
+                self.disk_cache.add(move.dst[1], move.hash)
+        for page, h in plan.cached_disk_pages:
+            self.disk_cache.add(page, h)
+        self.disk_cache.save()
 
     def close(self) -> None:
         """Write the trace, stop the copy threads, remove the scratch directory. Idempotent."""
