@@ -18,7 +18,9 @@ from typing import Any
 
 from bench.common import Table, parse_args, run_policies, write_json
 from engine.core.model_files import DEFAULT_MODEL, DEMO_MODEL
+from engine.core.planning import realized_policy
 from engine.executor.profiler import profile_hardware
+from policy import Policy
 from policy.hardware import default_cache_path
 
 TARGET = 0.25
@@ -59,9 +61,16 @@ def main() -> int:
         m, p = row["measured"], row["predicted"] or {}
         ratio = m["generation_throughput"] / p["generation_throughput"]
         policy = m["policy"]
-        shape = f"{policy['gpu_batch_size']}x{policy['num_gpu_batches']}, all on compute device"
-        if policy["weights_frac"][0] < 1 or policy["kv_frac"][0] < 1:
-            shape = f"{policy['gpu_batch_size']}x{policy['num_gpu_batches']}, offloaded"
+        where = (
+            "offloaded"
+            if min(policy["weights_frac"][0], policy["kv_frac"][0]) < 1
+            else ("all on compute device")
+        )
+        ran = realized_policy(Policy.from_dict(policy), m["num_prompts"])
+        shape = (
+            f"{policy['gpu_batch_size']}x{policy['num_gpu_batches']}, {where}; "
+            f"{m['num_prompts']} prompts ran as {ran.gpu_batch_size}x{ran.num_gpu_batches}"
+        )
         table.rows.append(
             [
                 row["model"],

@@ -41,8 +41,9 @@ MAX_SPREAD = 0.25
 """A profile whose noisiest measurement spreads wider than this (interquartile range over
 median) is measured again: a constant known only within +-12% cannot hold a 25% prediction."""
 MAX_ATTEMPTS = 3
-"""The planner measures a noisy profile again at most this many times in all; the least noisy
-is then kept, with a warning (a busy machine stays busy: re-measuring forever would not help)."""
+"""The planner measures a noisy quick profile again at most this many times in all; the least
+noisy is then kept, with a warning (a busy machine stays busy: re-measuring forever would not
+help)."""
 
 
 class HardwareError(UserError, ValueError):
@@ -88,9 +89,10 @@ class HardwareSpec:
     """Measured dense work of one step: (token rows, seconds) of a reference layer's matmuls
     on the compute device; its knee sets the discrete batch sizes (NanoFlow 4.2)."""
     dense_step_params: int = 0
-    """Parameters of the reference layer `dense_step_table` timed (12 hidden^2: QKV, output,
-    MLP up and down); 0 = unknown, and the cost model prices dense ops from gpu_flops and
-    gpu_mem_bw instead of the table."""
+    """Parameters of the reference Llama layer `dense_step_table` timed (its dense operations
+    through the engine's layer code: norms, projections, rotary, SwiGLU MLP, residuals); 0 =
+    unknown, and the cost model prices dense ops from gpu_flops and gpu_mem_bw instead of the
+    table."""
     prefill_attention_flops: float = 0.0
     """Causal attention of prefill chunks through the engine's ragged attention on the compute
     device, FLOP/s counted as 4 s^2 q per sequence (the padded square it computes); 0 = not
@@ -128,7 +130,11 @@ class HardwareSpec:
     samples over their median; empty = not recorded."""
     attempts: int = 1
     """Profiles measured on this machine to get this one (the planner re-measures a noisy
-    profile up to MAX_ATTEMPTS times)."""
+    quick profile up to MAX_ATTEMPTS times)."""
+    quick: bool = False
+    """Measured with small sizes by the planner for a first automatic plan; False: by
+    `nanoflex profile`, which retakes each noisy measurement itself and is only replaced on
+    another machine."""
     notes: str = ""
     """Free text: device names, how and when it was measured."""
 
@@ -170,11 +176,12 @@ class HardwareSpec:
 
     def staleness(self, machine: str) -> str | None:
         """Why this profile should be measured again on the machine with key `machine`: it
-        was measured elsewhere (or before keys were recorded), or too noisily; None if not."""
+        was measured elsewhere (or before keys were recorded), or it is a quick one measured
+        too noisily; None if not."""
         if self.machine != machine:
             return f"it was measured on another machine ({self.machine or 'unrecorded'})"
         name, spread = self.max_spread
-        if spread > MAX_SPREAD and self.attempts < MAX_ATTEMPTS:
+        if self.quick and spread > MAX_SPREAD and self.attempts < MAX_ATTEMPTS:
             return f"its {name} measurement spread {spread:.0%} (more than {MAX_SPREAD:.0%})"
         return None
 
@@ -235,12 +242,17 @@ class HardwareSpec:
 
     def dense_seconds(self, flops: float, weight_elems: float) -> float | None:
         """Seconds of dense matmuls doing `flops` over a layer of `weight_elems` parameters,
-        from the measured table: the reference layer's FLOP/s at the same number of rows
-        (flops / 2 / weight_elems), linear between measured rows, flat past either end. None
+        from the measured table: the reference layer's time at the same number of rows
+        (flops / 2 / weight_elems) scaled by weight_elems / dense_step_params, linear between
+        measured rows, as the fewest rows below them and linear in rows past the most. None
         when the table or its reference size is missing."""
         table, ref = self.dense_step_table, self.dense_step_params
         if not table or not ref or weight_elems <= 0:
             return None
+        # More rows never take less time (they could run padded to the next size), so each
+        # entry is the least time of any row count at or above it: a spike at one size (a
+        # descheduled thread on a busy machine) does not make it look slower than a larger one.
+        table = tuple((rows, min(t for _, t in table[i:])) for i, (rows, _) in enumerate(table))
         rows = flops / (2 * weight_elems)
         if rows <= table[0][0]:
             ref_seconds = table[0][1]

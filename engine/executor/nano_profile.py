@@ -110,8 +110,9 @@ def nano_batch_overhead(device_name: str, probe: Probe, rows: int = 4) -> float:
         executor = Executor(None, policy, device=device_name)
         try:
             num_layers = executor.config.num_layers
+            steps = _OneTokenSteps(executor, rows)
             seconds[num_nano] = probe.seconds(
-                "nano_batch_overhead_s", _OneTokenSteps(executor, rows), executor.device
+                "nano_batch_overhead_s", steps, executor.device, fastest=True
             )
         finally:
             executor.close()

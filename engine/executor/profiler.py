@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import sys
 import tempfile
 import time
-from functools import partial
 from pathlib import Path
 
 import torch
 
 from engine.core.model_files import DEMO_MODEL
 from engine.executor.attention import RaggedLayout, ragged_attention, split_kv
+from engine.executor.dense_profile import dense_step_table
 from engine.executor.disk_profile import disk_bandwidth, io_interference
 from engine.executor.executor import Executor
 from engine.executor.nano_profile import nano_batch_overhead, nano_overlap
@@ -111,44 +112,21 @@ def _cpu_attention(threads: int, kv_tokens: int, probe: Probe) -> float:
         torch.set_num_threads(previous)
 
 
-def _dense_step_table(
-    device: Device, dtype: torch.dtype, hidden: int, max_rows: int, probe: Probe
-) -> tuple[tuple[int, float], ...]:
-    """(token rows, seconds) of one reference layer's dense matmuls (QKV, output, MLP up and
-    down) for power-of-two row counts: where rows/s stops growing is the knee the discrete
-    batch sizes start from (NanoFlow 4.2)."""
-    where = device.device
-    weights = [
-        torch.randn(hidden, 3 * hidden, dtype=dtype, device=where),
-        torch.randn(hidden, hidden, dtype=dtype, device=where),
-        torch.randn(hidden, 4 * hidden, dtype=dtype, device=where),
-        torch.randn(4 * hidden, hidden, dtype=dtype, device=where),
-    ]
-    x = torch.randn(max_rows, 4 * hidden, dtype=dtype, device=where)
-    table = []
-    rows = 1
-    while rows <= max_rows:
-        inputs = [x[:rows, : w.shape[0]] for w in weights]
-        seconds = probe.seconds("dense_step_table", partial(_matmuls, inputs, weights), device)
-        table.append((rows, seconds))
-        rows *= 2
-    return tuple(table)
-
-
-def _matmuls(inputs: list[torch.Tensor], weights: list[torch.Tensor]) -> list[torch.Tensor]:
-    return [a @ w for a, w in zip(inputs, weights, strict=True)]
-
-
-def _layer_overhead(device_name: str, probe: Probe) -> float:
-    """Seconds per decoder layer of a one-token step of the demo model through the engine:
-    almost all fixed cost (its matmuls at batch 1 are a few percent of it)."""
+def _layer_overhead(device_name: str, probe: Probe, spec: HardwareSpec) -> float:
+    """Seconds per decoder layer of a one-token step of the demo model through the engine,
+    less what `spec`'s dense step table charges for its one-row matmuls (the cost model adds
+    those by size): launches, Python, the pipeline's hand-offs."""
     executor = Executor(DEMO_MODEL, Policy(gpu_batch_size=1), device=device_name)
     try:
         # two one-token steps: a prefill of one token, then one decode reading it back
         seconds = probe.seconds(
             "layer_overhead_s", lambda: executor.score([[5, 6]], prefill_len=1), executor.device
         )
-        return seconds / 2 / executor.config.num_layers
+        num_layers = executor.config.num_layers
+        element = torch.empty((), dtype=executor.dtype).element_size()
+        elems = sum(executor.weights.planned_bytes().values()) / element / num_layers
+        dense = spec.dense_seconds(2 * elems, elems) or 0.0
+        return max(seconds / 2 / num_layers - dense, 0.0)
     finally:
         executor.close()
 
@@ -194,7 +172,7 @@ def profile_hardware(
     thread_counts = sorted({1, max(1, cores // 2), cores})
     attention = tuple((t, _cpu_attention(t, 256 * scale, probe)) for t in thread_counts)
     hidden = (4096 if device.is_cuda else 1024) // (1 if scale > 1 else 2)
-    dense = _dense_step_table(
+    dense, dense_params = dense_step_table(
         device, dtype, hidden, max_rows=4 * hidden if device.is_cuda else 1024, probe=probe
     )
     weight = torch.randn(1024 * scale, 1024, dtype=dtype, device=device.device)
@@ -212,7 +190,7 @@ def profile_hardware(
         gpu_mem = cpu_mem = memory // 2
         name = "cpu"
     disk_free = shutil.disk_usage(offload_dir or tempfile.gettempdir()).free
-    return HardwareSpec(
+    spec = HardwareSpec(
         gpu_mem_bytes=int(gpu_mem),
         cpu_mem_bytes=int(cpu_mem),
         disk_mem_bytes=int(disk_free),
@@ -229,21 +207,23 @@ def profile_hardware(
         cpu_attention_throughput=attention,
         dequant_throughput=dequant,
         dense_step_table=dense,
-        dense_step_params=12 * hidden * hidden,
+        dense_step_params=dense_params,
         prefill_attention_flops=_prefill_attention_flops(dtype, device, scale, probe),
         device_attention_bw=_device_attention_bw(dtype, device, scale, probe),
         io_compute_share_small=io_small,
         io_compute_share_large=io_large,
         nano_overlap_device=nano_device,
         nano_overlap_host=nano_host,
-        layer_overhead_s=_layer_overhead(device_name, probe),
         nano_batch_overhead_s=nano_batch_overhead(device_name, probe),
         compute_device="cuda" if device.is_cuda else "cpu",
         machine=machine_key(),
-        spread=dict(sorted(probe.spread.items())),
+        quick=quick,
         notes=f"{name}; torch {torch.__version__}; measured {time.strftime('%Y-%m-%d %H:%M')}"
         + (" (quick)" if quick else ""),
     )
+    overhead = _layer_overhead(device_name, probe, spec)  # less the dense work spec charges
+    spread = dict(sorted(probe.spread.items()))
+    return dataclasses.replace(spec, layer_overhead_s=overhead, spread=spread)
 
 
 def main(argv: list[str]) -> int:
