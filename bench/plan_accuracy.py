@@ -29,12 +29,11 @@ TARGET = 0.25
 
 def _extra(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--models", nargs="+", default=[DEMO_MODEL, DEFAULT_MODEL])
+    parser.set_defaults(prompt_len=512, gen_len=32, num_prompts=8)  # nanoflex bench's defaults
 
 
 def main() -> int:
     args = parse_args(__doc__ or "", _extra)
-    if args.prompt_len == 128 and args.gen_len == 16 and not args.num_prompts:
-        args.prompt_len, args.gen_len, args.num_prompts = 512, 32, 8  # nanoflex bench's defaults
     print("profiling (about two minutes)...", file=sys.stderr)
     hardware = profile_hardware(args.device)
     hardware.save(default_cache_path())

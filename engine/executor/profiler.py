@@ -23,7 +23,7 @@ from engine.storage.device import Device
 from engine.storage.disk import DiskIO
 from engine.storage.quant import dequantize, quantize
 from policy import Policy
-from policy.hardware import MAX_SPREAD, HardwareSpec, default_cache_path
+from policy.hardware import HardwareSpec, default_cache_path
 from policy.machine import machine_key
 
 
@@ -140,7 +140,8 @@ def profile_hardware(
     (seconds instead of a minute): for a first automatic plan, not for reporting."""
     import psutil
 
-    probe = Probe(max_spread=MAX_SPREAD)
+    # quick: fewer samples and one retake (the planner may re-measure a noisy quick profile)
+    probe = Probe(repeats=3, retries=1) if quick else Probe()
     device = Device.resolve(device_name)
     scale = 1 if quick else 4
     nbytes = (32 if quick else 256) << 20

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.storage.device import Device
+from policy.hardware import MAX_SPREAD
 
 REPEATS = 5
 """Timed samples per measurement (the median is kept)."""
@@ -87,7 +88,9 @@ class Probe:
     `max_spread` is taken again, up to `retries` times, and the least spread one is kept: a
     burst of another process's work then costs a few seconds, not a wrong constant."""
 
-    def __init__(self, repeats: int = REPEATS, max_spread: float = 0.25, retries: int = 2) -> None:
+    def __init__(
+        self, repeats: int = REPEATS, max_spread: float = MAX_SPREAD, retries: int = 2
+    ) -> None:
         self.repeats, self.max_spread, self.retries = repeats, max_spread, retries
         self.spread: dict[str, float] = {}
 
