@@ -18,7 +18,6 @@ from typing import Any
 
 from engine import LLM
 from engine.bench import run_bench
-from engine.core.planning import predict
 from policy import Policy
 from policy.specs import WorkloadSpec
 
@@ -69,7 +68,7 @@ def run_policies(
 ) -> list[dict[str, Any]]:
     """One row per variant: the median (by the `median_of` metric) of `args.repeat` bench runs,
     interleaved across variants so slow drift of a shared machine hits them alike, and the
-    cost model's prediction."""
+    cost model's prediction for the block the prompts ran in."""
     workload = WorkloadSpec(args.prompt_len, args.gen_len)
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in variants}
     predicted: dict[str, dict[str, Any] | None] = {}
@@ -89,8 +88,7 @@ def run_policies(
             ):
                 num_prompts = args.num_prompts or llm.policy.block_size
                 runs[name].append(run_bench(llm, args.prompt_len, args.gen_len, num_prompts))
-                dtype = llm.placement().dtype
-                predicted[name] = predict(llm.policy, llm.executor.model_dir, workload, dtype=dtype)
+                predicted[name] = runs[name][-1]["predicted"]  # for the block that ran
             print(f"{name}: run {len(runs[name])}/{args.repeat}", file=sys.stderr)
     rows = []
     for name, results in runs.items():

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from engine.core.engine_args import EngineArgs
-from engine.core.planning import predict
+from engine.core.planning import predict, realized_policy
 from engine.core.sampling_params import SamplingParams
 from engine.core.sequence import Request
 from engine.llm import LLM
@@ -50,6 +50,9 @@ def main(args: argparse.Namespace) -> int:
         print(json.dumps(result, indent=2))
     else:
         print_bench(result)
+    warning = prediction_warning(result)
+    if warning:
+        print(warning, file=sys.stderr)
     return 0
 
 
@@ -98,10 +101,9 @@ def run_bench(llm: LLM, prompt_len: int, gen_len: int, num_prompts: int) -> dict
         "generation_throughput": num_prompts * gen_len / (prefill_s + decode_s),
         "num_steps": steps,
         "placement": dataclasses.asdict(placement),
-        "predicted": llm.plan["predicted"]
-        if llm.plan
-        else predict(
-            llm.policy,
+        # for the block these prompts actually ran in (a plan is made for a full block)
+        "predicted": predict(
+            realized_policy(llm.policy, num_prompts),
             llm.executor.model_dir,
             WorkloadSpec(prompt_len, gen_len),
             dtype=placement.dtype,
@@ -109,6 +111,25 @@ def run_bench(llm: LLM, prompt_len: int, gen_len: int, num_prompts: int) -> dict
     }
     result["table"] = figure_table(result)
     return result
+
+
+OFF_BY = 2.0
+"""`nanoflex bench` warns when measured and predicted generation throughput differ by more."""
+
+
+def prediction_warning(r: dict[str, Any]) -> str | None:
+    """One line when the cost model is off by more than OFF_BY on generation throughput."""
+    predicted = r["predicted"]
+    if not predicted or not predicted["generation_throughput"]:
+        return None
+    ratio = r["generation_throughput"] / predicted["generation_throughput"]
+    if 1 / OFF_BY <= ratio <= OFF_BY:
+        return None
+    return (
+        f"nanoflex bench: warning: measured {ratio:.2f}x the predicted generation throughput "
+        f"(more than {OFF_BY:g}x off): the plan rests on a wrong profile; run `nanoflex "
+        "profile` on an idle machine, or pass --policy"
+    )
 
 
 def figure_table(r: dict[str, Any]) -> dict[str, Any]:
@@ -144,3 +165,5 @@ def print_bench(r: dict[str, Any]) -> None:
             f"{predicted['decode_throughput']:.1f}, generation "
             f"{predicted['generation_throughput']:.1f} tokens/s (cost model)"
         )
+        ratio = r["generation_throughput"] / predicted["generation_throughput"]
+        print(f"measured     {ratio:.2f}x the predicted generation throughput")

@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from engine.executor.profiler import profile_hardware
-from policy.hardware import default_cache_path
+from policy.hardware import MAX_SPREAD, HardwareSpec, default_cache_path
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -27,6 +27,8 @@ def main(args: argparse.Namespace) -> int:
         return 0
     gb = 1e9
     print(f"saved to {path}: {spec.notes}")
+    print(f"machine {spec.machine}")
+    print(_spread_line(spec))
     print(
         f"memory  gpu {spec.gpu_mem_bytes / 2**30:.1f} GiB, "
         f"cpu {spec.cpu_mem_bytes / 2**30:.1f} GiB, "
@@ -60,7 +62,24 @@ def main(args: argparse.Namespace) -> int:
         f"fixed   {spec.layer_overhead_s * 1e3:.3f} ms per layer per GPU batch; dequantize "
         f"{spec.dequant_throughput / 1e9:.2f} G elements/s"
     )
+    print(
+        f"attention  prefill {spec.prefill_attention_flops / 1e9:.1f} GFLOP/s, decode through "
+        f"the engine's path {spec.device_attention_bw / 1e9:.2f} GB/s of KV"
+    )
     return 0
+
+
+def _spread_line(spec: HardwareSpec) -> str:
+    """The noisiest measurements (interquartile range over median of their samples)."""
+    noisy = sorted(spec.spread.items(), key=lambda kv: -kv[1])
+    worst = ", ".join(f"{name} {value:.0%}" for name, value in noisy[:3])
+    wide = [name for name, value in noisy if value > MAX_SPREAD]
+    if not wide:
+        return f"spread  widest: {worst} (all within {MAX_SPREAD:.0%})"
+    return (
+        f"spread  widest: {worst}; warning: {len(wide)} measurement(s) spread more than "
+        f"{MAX_SPREAD:.0%} even after re-measuring: the machine is busy, plans may be off"
+    )
 
 
 def _share(value: float | None) -> str:

@@ -137,9 +137,10 @@ def build_terms(
     # Dense ops per GPU batch, cut into nano-batches (policy/nano_batching.py); each piece is
     # FLOP- or weight-read-bound and pays layer_overhead_s (kernel launches, bookkeeping).
     dense_pre = num_batches * dense_seconds(
-        gbs * (s * weight_flops + head_flops), layer_full, hardware, num_nano
+        gbs * (s * weight_flops + head_flops), layer_full, layer_elems, hardware, num_nano
     )
-    attention_pre = bls * 4 * s * s * q_dim / hardware.gpu_bmm_flops
+    prefill_attention_flops = hardware.prefill_attention_flops or hardware.gpu_bmm_flops
+    attention_pre = bls * 4 * s * s * q_dim / prefill_attention_flops
     dequant_weights = layer_elems / dequant_rate if choice.compress_weights else 0.0
     quant_kv_pre = 2 * bls * s * kv_elems_tok / dequant_rate if choice.compress_kv else 0.0
     prefill = {
@@ -156,12 +157,16 @@ def build_terms(
     kv_read = bls * kv_mean * kv_tok  # bytes of old KV attended per step
     kv_new = bls * kv_tok
     dense_gen = num_batches * dense_seconds(
-        gbs * (weight_flops + head_flops), layer_full, hardware, num_nano
+        gbs * (weight_flops + head_flops), layer_full, layer_elems, hardware, num_nano
     )
-    # GPU attention over one unit of KV fraction: FLOP- or memory-bound, whichever is slower.
-    gpu_attention = bls * max(
-        4 * kv_mean * q_dim / hardware.gpu_bmm_flops, kv_mean * kv_tok_full / gpu_mem_bw
-    )
+    # GPU attention over one unit of KV fraction: as measured through the engine's path, else
+    # FLOP- or memory-bound, whichever is slower.
+    if hardware.device_attention_bw:
+        gpu_attention = bls * kv_mean * kv_tok_full / hardware.device_attention_bw
+    else:
+        gpu_attention = bls * max(
+            4 * kv_mean * q_dim / hardware.gpu_bmm_flops, kv_mean * kv_tok_full / gpu_mem_bw
+        )
     if choice.compress_kv:  # dequantize old KV, quantize the new token (LM-Offload Eqs. 6-7)
         gpu_attention += bls * (kv_mean + 2) * kv_elems_tok / dequant_rate
     ctog = Affine.of(wc=layer_bytes, wd=layer_bytes, hc=act_gen, hd=act_gen)

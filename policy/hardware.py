@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +37,13 @@ CPU_ATTENTION_SATURATION_THREADS = 8
 """CPU attention stops scaling past ~8 intra-op threads (LM-Offload Fig. 5)."""
 KNEE_FRAC = 0.9
 """A step size is efficient once its rows/s reach this share of the best measured."""
+MAX_SPREAD = 0.25
+"""A profile whose noisiest measurement spreads wider than this (interquartile range over
+median) is measured again: a constant known only within +-12% cannot hold a 25% prediction."""
+MAX_ATTEMPTS = 3
+"""The planner measures a noisy quick profile again at most this many times in all; the least
+noisy is then kept, with a warning (a busy machine stays busy: re-measuring forever would not
+help)."""
 
 
 class HardwareError(UserError, ValueError):
@@ -81,6 +88,19 @@ class HardwareSpec:
     dense_step_table: tuple[tuple[int, float], ...] = ()
     """Measured dense work of one step: (token rows, seconds) of a reference layer's matmuls
     on the compute device; its knee sets the discrete batch sizes (NanoFlow 4.2)."""
+    dense_step_params: int = 0
+    """Parameters of the reference Llama layer `dense_step_table` timed (its dense operations
+    through the engine's layer code: norms, projections, rotary, SwiGLU MLP, residuals); 0 =
+    unknown, and the cost model prices dense ops from gpu_flops and gpu_mem_bw instead of the
+    table."""
+    prefill_attention_flops: float = 0.0
+    """Causal attention of prefill chunks through the engine's ragged attention on the compute
+    device, FLOP/s counted as 4 s^2 q per sequence (the padded square it computes); 0 = not
+    measured (gpu_bmm_flops stands in)."""
+    device_attention_bw: float = 0.0
+    """Decode attention through the engine's path on the compute device (gather the past KV
+    from the pool, pad, SDPA), KV bytes/s; 0 = not measured (the larger of the FLOP and
+    memory bounds from gpu_bmm_flops and gpu_mem_bw stands in)."""
     io_compute_share_small: float = 0.0
     """When the compute device is the CPU: the share of its rate compute loses while the
     copy threads read the disk in small pieces (KV pages); 0 on a GPU."""
@@ -102,6 +122,19 @@ class HardwareSpec:
     layer_overhead_s. 0: not measured, layer_overhead_s stands in (an upper bound)."""
     compute_device: str = "cuda"
     """'cuda', or 'cpu' when the compute device is the CPU (then "gpu" = compute memory)."""
+    machine: str = ""
+    """`policy.machine.machine_key()` of the machine it was measured on; "" = not recorded. A
+    cached profile whose key is not this machine's is measured again."""
+    spread: dict[str, float] = field(default_factory=dict)
+    """Per measurement (named as the field it feeds): the interquartile range of its timed
+    samples over their median; empty = not recorded."""
+    attempts: int = 1
+    """Profiles measured on this machine to get this one (the planner re-measures a noisy
+    quick profile up to MAX_ATTEMPTS times)."""
+    quick: bool = False
+    """Measured with small sizes by the planner for a first automatic plan; False: by
+    `nanoflex profile`, which retakes each noisy measurement itself and is only replaced on
+    another machine."""
     notes: str = ""
     """Free text: device names, how and when it was measured."""
 
@@ -123,6 +156,11 @@ class HardwareSpec:
                 isinstance(share, bool) or not isinstance(share, int | float) or not 0 <= share <= 1
             ):
                 raise HardwareError(f"hardware {name} must be a share in [0, 1] or null")
+        if not isinstance(self.spread, dict) or not all(
+            isinstance(k, str) and isinstance(v, int | float) and v >= 0
+            for k, v in self.spread.items()
+        ):
+            raise HardwareError("hardware spread must map measurement names to numbers >= 0")
         for name, key, value in (
             ("cpu_attention_throughput", "threads", "bytes/s"),
             ("dense_step_table", "rows", "seconds"),
@@ -130,6 +168,22 @@ class HardwareSpec:
             object.__setattr__(self, name, _pairs(name, getattr(self, name), key, value))
 
     # ---- derived constants -------------------------------------------------------------
+
+    @property
+    def max_spread(self) -> tuple[str, float]:
+        """The noisiest measurement and its spread (("", 0.0) when none was recorded)."""
+        return max(self.spread.items(), key=lambda kv: kv[1], default=("", 0.0))
+
+    def staleness(self, machine: str) -> str | None:
+        """Why this profile should be measured again on the machine with key `machine`: it
+        was measured elsewhere (or before keys were recorded), or it is a quick one measured
+        too noisily; None if not."""
+        if self.machine != machine:
+            return f"it was measured on another machine ({self.machine or 'unrecorded'})"
+        name, spread = self.max_spread
+        if self.quick and spread > MAX_SPREAD and self.attempts < MAX_ATTEMPTS:
+            return f"its {name} measurement spread {spread:.0%} (more than {MAX_SPREAD:.0%})"
+        return None
 
     @property
     def cpu_cores(self) -> int:
@@ -185,6 +239,31 @@ class HardwareSpec:
         full = min(self.cpu_flops / flops_per_kv_byte, self.cpu_mem_bw_estimate)
         saturation = min(self.cpu_cores, CPU_ATTENTION_SATURATION_THREADS)
         return full * min(threads, saturation) / saturation
+
+    def dense_seconds(self, flops: float, weight_elems: float) -> float | None:
+        """Seconds of dense matmuls doing `flops` over a layer of `weight_elems` parameters,
+        from the measured table: the reference layer's time at the same number of rows
+        (flops / 2 / weight_elems) scaled by weight_elems / dense_step_params, linear between
+        measured rows, as the fewest rows below them and linear in rows past the most. None
+        when the table or its reference size is missing."""
+        table, ref = self.dense_step_table, self.dense_step_params
+        if not table or not ref or weight_elems <= 0:
+            return None
+        # More rows never take less time (they could run padded to the next size), so each
+        # entry is the least time of any row count at or above it: a spike at one size (a
+        # descheduled thread on a busy machine) does not make it look slower than a larger one.
+        table = tuple((rows, min(t for _, t in table[i:])) for i, (rows, _) in enumerate(table))
+        rows = flops / (2 * weight_elems)
+        if rows <= table[0][0]:
+            ref_seconds = table[0][1]
+        elif rows >= table[-1][0]:
+            ref_seconds = table[-1][1] * rows / table[-1][0]
+        else:
+            (r0, t0), (r1, t1) = next(
+                (a, b) for a, b in itertools.pairwise(table) if a[0] <= rows <= b[0]
+            )
+            ref_seconds = t0 + (t1 - t0) * (rows - r0) / (r1 - r0)
+        return ref_seconds * weight_elems / ref
 
     def dense_knee_rows(self, frac: float = KNEE_FRAC) -> int | None:
         """The fewest token rows per step whose rows/s reach `frac` of the best measured in

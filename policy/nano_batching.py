@@ -27,15 +27,18 @@ MAX_COMPUTE_ROWS = 4
 
 
 def dense_seconds(
-    flops: float, weight_bytes: float, hardware: HardwareSpec, num_nano: int
+    flops: float, weight_bytes: float, weight_elems: float, hardware: HardwareSpec, num_nano: int
 ) -> float:
-    """One GPU batch's dense ops of one layer (`flops` in all, weights of `weight_bytes` at full
-    width) cut into `num_nano` nano-batches: each piece is FLOP- or weight-read-bound at its own
-    size; the layer pays its fixed cost once and each extra piece the profiled fixed cost of a
-    nano-batch."""
-    per_piece = max(
-        flops / num_nano / hardware.gpu_flops, weight_bytes / hardware.gpu_mem_bw_estimate
-    )
+    """One GPU batch's dense ops of one layer (`flops` in all, `weight_elems` weights of
+    `weight_bytes` at full width) cut into `num_nano` nano-batches: each piece takes what the
+    profile's dense step table measured for as many rows (scaled to the layer's size), else
+    it is FLOP- or weight-read-bound at its own size; the layer pays its fixed cost once and
+    each extra piece the profiled fixed cost of a nano-batch."""
+    per_piece = hardware.dense_seconds(flops / num_nano, weight_elems)
+    if per_piece is None:
+        per_piece = max(
+            flops / num_nano / hardware.gpu_flops, weight_bytes / hardware.gpu_mem_bw_estimate
+        )
     fixed = hardware.layer_overhead_s + (num_nano - 1) * hardware.nano_batch_overhead_estimate
     return num_nano * per_piece + fixed
 

@@ -7,13 +7,16 @@ needs torch, and that runs in a child process.
 from __future__ import annotations
 
 import dataclasses
+import math
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
 from policy import Policy, UserError
-from policy.hardware import HardwareSpec, default_cache_path
+from policy.hardware import MAX_SPREAD, HardwareSpec, default_cache_path
+from policy.machine import machine_key
 from policy.specs import ModelSpec, WorkloadSpec
 
 DEFAULT_WORKLOAD = WorkloadSpec(prompt_len=512, gen_len=32)
@@ -40,14 +43,53 @@ def cached_hardware() -> HardwareSpec | None:
 
 
 def hardware_profile(device: str = "auto") -> HardwareSpec:
-    """The cached profile; without one, a quick profile is measured now (in a child process,
-    since measuring imports torch) and cached."""
+    """The cached profile, measured again when there is none, when it was measured on another
+    machine (`policy.machine.machine_key`) or when its measurements spread too wide
+    (`HardwareSpec.staleness`). A quick profile is measured in a child process (measuring
+    imports torch) and cached, unless the cached one from this machine is less noisy."""
     path = default_cache_path()
-    if not path.is_file():
-        argv = [sys.executable, "-m", "engine.executor.profiler", device]
-        if subprocess.run(argv, check=False).returncode != 0:
+    cached = HardwareSpec.load(path) if path.is_file() else None
+    machine = machine_key()
+    reason = "none is cached" if cached is None else cached.staleness(machine)
+    if reason is None:
+        assert cached is not None
+        return cached
+    print(f"nanoflex: measuring a quick hardware profile: {reason}", file=sys.stderr)
+    fresh = _measure_quick(device)
+    if cached is not None and cached.machine == machine:
+        fresh = dataclasses.replace(fresh, attempts=cached.attempts + 1)
+        if cached.max_spread[1] <= fresh.max_spread[1]:
+            fresh = dataclasses.replace(cached, attempts=fresh.attempts)
+    fresh.save(path)
+    name, spread = fresh.max_spread
+    if spread > MAX_SPREAD:
+        print(
+            f"nanoflex: warning: this machine measures noisily ({name} spread {spread:.0%} "
+            f"after {fresh.attempts} profiles); plans may be off: run `nanoflex profile` when "
+            "it is idle",
+            file=sys.stderr,
+        )
+    return fresh
+
+
+def _measure_quick(device: str) -> HardwareSpec:
+    with tempfile.TemporaryDirectory(prefix="nanoflex-profile-") as tmp:
+        out = Path(tmp) / "hardware.json"
+        argv = [sys.executable, "-m", "engine.executor.profiler", device, str(out)]
+        if subprocess.run(argv, check=False).returncode != 0 or not out.is_file():
             raise UserError("measuring a hardware profile failed; run `nanoflex profile`")
-    return HardwareSpec.load(path)
+        return HardwareSpec.load(out)
+
+
+def realized_policy(policy: Policy, num_seqs: int) -> Policy:
+    """The block shape `num_seqs` sequences actually run in under `policy` when they are
+    fewer than its block: GPU batches of at most num_seqs, only as many as they fill (the
+    scheduler fills slots in order). More sequences than the block run block after block."""
+    gbs = min(policy.gpu_batch_size, max(1, num_seqs))
+    nb = min(policy.num_gpu_batches, math.ceil(num_seqs / gbs))
+    if (gbs, nb) == (policy.gpu_batch_size, policy.num_gpu_batches):
+        return policy
+    return dataclasses.replace(policy, gpu_batch_size=gbs, num_gpu_batches=nb)
 
 
 def resolve_policy(

@@ -2,11 +2,13 @@
 
 The batch's token rows are scattered into padded (B, L) tensors by precomputed
 indices (`RaggedLayout`, built once per step and shared by every layer), so a
-layer does one scatter per tensor and one SDPA call, with no loop over sequences.
+layer does one scatter per tensor and one SDPA call per group (decodes, prefill
+chunks), with no loop over sequences.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -14,25 +16,48 @@ from torch.nn.functional import scaled_dot_product_attention
 
 
 @dataclass(slots=True)
-class RaggedLayout:
-    """Where each row goes in the padded attention tensors of B sequences (T new rows in
-    sequence order, P past rows packed in sequence order)."""
+class PaddedGroup:
+    """Sequences of a layout padded together into one SDPA call over (B_g, heads, q_max,
+    kv_max): the layout's decodes, or its prefill chunks."""
 
     num_seqs: int
     q_max: int
     kv_max: int
+    new_rows: torch.Tensor | None
+    """(T_g,) its rows among the layout's new rows; None: all of them."""
+    past_rows: torch.Tensor | None
+    """(P_g,) its rows of the layout's packed past; None: all of them."""
     q_dest: torch.Tensor
-    """(T,) new row -> b * q_max + t."""
+    """(T_g,) new row -> b * q_max + t."""
     new_dest: torch.Tensor
-    """(T,) new k/v row -> b * kv_max + past_len_b + t."""
+    """(T_g,) new k/v row -> b * kv_max + past_len_b + t."""
     past_dest: torch.Tensor
-    """(P,) past k/v row -> b * kv_max + position."""
-    mask: torch.Tensor
-    """(B, 1, q_max, kv_max) bool: causal (and sliding-window) visibility."""
+    """(P_g,) past k/v row -> b * kv_max + position."""
+    mask: torch.Tensor | None
+    """(B_g, 1, q_max, kv_max) bool: causal (and sliding-window) visibility; None when every
+    query sees every key (decodes of one length, no window)."""
 
     @property
     def num_past(self) -> int:
         return int(self.past_dest.shape[0])
+
+
+@dataclass(slots=True)
+class RaggedLayout:
+    """Where each row goes in the padded attention tensors of B sequences (T new rows in
+    sequence order, P past rows packed in sequence order).
+
+    Decodes and prefill chunks are padded apart: a step mixing one-token decodes with long
+    prefill chunks would otherwise pad every decode to the longest chunk, B x q_max x kv_max
+    work where the decodes need B x kv (the cost model charges the latter)."""
+
+    groups: list[PaddedGroup]
+    num_past: int
+    """P: past rows over all groups."""
+
+    @property
+    def q_max(self) -> int:
+        return max(g.q_max for g in self.groups)
 
     @classmethod
     def build(
@@ -42,37 +67,78 @@ class RaggedLayout:
         device: torch.device,
         sliding_window: int | None = None,
     ) -> RaggedLayout:
-        num_seqs, q_max = len(q_lens), max(q_lens)
-        kv_max = max(p + q for p, q in zip(past_lens, q_lens, strict=True))
-        q_len_t = torch.tensor(q_lens, device=device)
-        past_t = torch.tensor(past_lens, device=device)
-        seqs = torch.arange(num_seqs, device=device)
+        decodes = [i for i, q in enumerate(q_lens) if q == 1]
+        chunks = [i for i, q in enumerate(q_lens) if q > 1]
+        members = [m for m in (decodes, chunks) if m]
+        if len(members) == 1:
+            group = _padded(q_lens, past_lens, device, sliding_window, None, None)
+            return cls([group], sum(past_lens))
+        new_starts = [0, *itertools.accumulate(q_lens)]
+        past_starts = [0, *itertools.accumulate(past_lens)]
 
-        def offsets(lens: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
-            """(sequence of each row, index of each row within its sequence)."""
-            seq = torch.repeat_interleave(seqs, lens, output_size=total)
-            starts = torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens, output_size=total)
-            return seq, torch.arange(total, device=device) - starts
+        def rows(starts: list[int], seqs: list[int]) -> torch.Tensor:
+            values = [r for i in seqs for r in range(starts[i], starts[i + 1])]
+            return torch.tensor(values, dtype=torch.long, device=device)
 
-        seq_new, t_new = offsets(q_len_t, sum(q_lens))
-        seq_past, pos_past = offsets(past_t, sum(past_lens))
+        groups = [
+            _padded(
+                [q_lens[i] for i in seqs],
+                [past_lens[i] for i in seqs],
+                device,
+                sliding_window,
+                rows(new_starts, seqs),
+                rows(past_starts, seqs),
+            )
+            for seqs in members
+        ]
+        return cls(groups, sum(past_lens))
+
+
+def _padded(
+    q_lens: list[int],
+    past_lens: list[int],
+    device: torch.device,
+    sliding_window: int | None,
+    new_rows: torch.Tensor | None,
+    past_rows: torch.Tensor | None,
+) -> PaddedGroup:
+    """The padding indices and mask of one group of sequences."""
+    num_seqs, q_max = len(q_lens), max(q_lens)
+    kv_max = max(p + q for p, q in zip(past_lens, q_lens, strict=True))
+    q_len_t = torch.tensor(q_lens, device=device)
+    past_t = torch.tensor(past_lens, device=device)
+    seqs = torch.arange(num_seqs, device=device)
+
+    def offsets(lens: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sequence of each row, index of each row within its sequence)."""
+        seq = torch.repeat_interleave(seqs, lens, output_size=total)
+        starts = torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens, output_size=total)
+        return seq, torch.arange(total, device=device) - starts
+
+    seq_new, t_new = offsets(q_len_t, sum(q_lens))
+    seq_past, pos_past = offsets(past_t, sum(past_lens))
+    mask = None
+    if q_max > 1 or len(set(past_lens)) > 1 or sliding_window is not None:
         # Absolute position of query t of sequence b is past_len_b + t.
         q_pos = past_t[:, None] + torch.arange(q_max, device=device)[None, :]  # (B, q_max)
         k_pos = torch.arange(kv_max, device=device)[None, None, :]  # (1, 1, kv_max)
-        mask = k_pos <= q_pos[:, :, None]  # causal; also hides padded keys
+        visible = k_pos <= q_pos[:, :, None]  # causal; also hides padded keys
         if sliding_window is not None:
-            mask &= k_pos > q_pos[:, :, None] - sliding_window
+            visible &= k_pos > q_pos[:, :, None] - sliding_window
         q_valid = torch.arange(q_max, device=device)[None, :] < q_len_t[:, None]
-        mask[:, :, 0] |= ~q_valid  # padded query rows attend somewhere: no all -inf row
-        return cls(
-            num_seqs=num_seqs,
-            q_max=q_max,
-            kv_max=kv_max,
-            q_dest=seq_new * q_max + t_new,
-            new_dest=seq_new * kv_max + past_t[seq_new] + t_new,
-            past_dest=seq_past * kv_max + pos_past,
-            mask=mask[:, None],
-        )
+        visible[:, :, 0] |= ~q_valid  # padded query rows attend somewhere: no all -inf row
+        mask = visible[:, None]
+    return PaddedGroup(
+        num_seqs=num_seqs,
+        q_max=q_max,
+        kv_max=kv_max,
+        new_rows=new_rows,
+        past_rows=past_rows,
+        q_dest=seq_new * q_max + t_new,
+        new_dest=seq_new * kv_max + past_t[seq_new] + t_new,
+        past_dest=seq_past * kv_max + pos_past,
+        mask=mask,
+    )
 
 
 def ragged_attention(
@@ -83,34 +149,58 @@ def ragged_attention(
     past_v: torch.Tensor | None,
     layout: RaggedLayout,
 ) -> torch.Tensor:
-    """Causal attention of the new rows over each sequence's past and new keys.
+    """Causal attention of the new rows over each sequence's past and new keys, one padded
+    SDPA call per group of the layout.
 
     q: (T, num_heads, head_dim); k, v: (T, num_kv_heads, head_dim) for the new tokens;
     past_k, past_v: (P, num_kv_heads, head_dim) packed in sequence order (None if P = 0).
     Returns (T, num_heads, head_dim).
     """
-    b, q_max, kv_max = layout.num_seqs, layout.q_max, layout.kv_max
+    if len(layout.groups) == 1:
+        return _padded_attention(q, k, v, past_k, past_v, layout.groups[0])
+    out = torch.empty_like(q)
+    for g in layout.groups:
+        assert g.new_rows is not None and g.past_rows is not None
+        pk = pv = None
+        if past_k is not None and past_v is not None and g.num_past:
+            pk, pv = past_k.index_select(0, g.past_rows), past_v.index_select(0, g.past_rows)
+        rows = g.new_rows
+        o = _padded_attention(q[rows], k[rows], v[rows], pk, pv, g)
+        out.index_copy_(0, rows, o)
+    return out
+
+
+def _padded_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    past_k: torch.Tensor | None,
+    past_v: torch.Tensor | None,
+    g: PaddedGroup,
+) -> torch.Tensor:
+    """One group's rows scattered into padded tensors, one SDPA call, gathered back."""
+    b, q_max, kv_max = g.num_seqs, g.q_max, g.kv_max
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k.shape[1]
 
     def padded_kv(new: torch.Tensor, past: torch.Tensor | None) -> torch.Tensor:
         out = new.new_zeros(b * kv_max, num_kv_heads, head_dim)
-        out[layout.new_dest] = new
-        if past is not None and layout.num_past:
-            out[layout.past_dest] = past
+        out.index_copy_(0, g.new_dest, new)
+        if past is not None and g.num_past:
+            out.index_copy_(0, g.past_dest, past)
         return out.view(b, kv_max, num_kv_heads, head_dim).transpose(1, 2)  # (B, kvh, L, hd)
 
     qp = q.new_zeros(b * q_max, num_heads, head_dim)
-    qp[layout.q_dest] = q
+    qp.index_copy_(0, g.q_dest, q)
     qp = qp.view(b, q_max, num_heads, head_dim).transpose(1, 2)  # (B, nh, Qm, hd)
     out = scaled_dot_product_attention(
         qp,
         padded_kv(k, past_k),
         padded_kv(v, past_v),
-        attn_mask=layout.mask,
+        attn_mask=g.mask,
         enable_gqa=num_heads != num_kv_heads,
     )  # (B, nh, Qm, hd)
-    return out.transpose(1, 2).reshape(b * q_max, num_heads, head_dim)[layout.q_dest]
+    return out.transpose(1, 2).reshape(b * q_max, num_heads, head_dim)[g.q_dest]
 
 
 def split_kv(

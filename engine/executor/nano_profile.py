@@ -15,7 +15,7 @@ from engine.core.protocol import SeqChunk, StepPlan
 from engine.core.sampling_params import SamplingParams
 from engine.executor.attention import RaggedLayout, ragged_attention
 from engine.executor.executor import Executor
-from engine.executor.timing import best_seconds
+from engine.executor.timing import Probe, best_seconds
 from engine.storage.device import Device
 from policy import Policy
 
@@ -98,7 +98,7 @@ def nano_overlap(device: Device, dtype: torch.dtype, quick: bool) -> tuple[float
     return share_device, share_host
 
 
-def nano_batch_overhead(device_name: str, rows: int = 4) -> float:
+def nano_batch_overhead(device_name: str, probe: Probe, rows: int = 4) -> float:
     """Seconds each nano-batch beyond the first adds to a decoder layer: a step of `rows`
     one-token sequences of the demo model cut into `rows` nano-batches (overlapped, as the
     engine runs them) against the same step whole, per layer and extra piece. Their matmuls
@@ -110,7 +110,10 @@ def nano_batch_overhead(device_name: str, rows: int = 4) -> float:
         executor = Executor(None, policy, device=device_name)
         try:
             num_layers = executor.config.num_layers
-            seconds[num_nano] = best_seconds(_OneTokenSteps(executor, rows), executor.device)
+            steps = _OneTokenSteps(executor, rows)
+            seconds[num_nano] = probe.seconds(
+                "nano_batch_overhead_s", steps, executor.device, fastest=True
+            )
         finally:
             executor.close()
     return max(0.0, (seconds[rows] - seconds[1]) / (rows - 1) / num_layers)

@@ -2,111 +2,96 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
-import statistics
 import sys
 import tempfile
-import threading
 import time
-from functools import partial
 from pathlib import Path
 
 import torch
 
 from engine.core.model_files import DEMO_MODEL
-from engine.executor.attention import RaggedLayout, ragged_attention
+from engine.executor.attention import RaggedLayout, ragged_attention, split_kv
+from engine.executor.dense_profile import dense_step_table
+from engine.executor.disk_profile import disk_bandwidth, io_interference
 from engine.executor.executor import Executor
 from engine.executor.nano_profile import nano_batch_overhead, nano_overlap
-from engine.executor.timing import best_seconds
+from engine.executor.timing import Probe
 from engine.storage.device import Device
-from engine.storage.disk import DiskFile, DiskIO
+from engine.storage.disk import DiskIO
 from engine.storage.quant import dequantize, quantize
 from policy import Policy
 from policy.hardware import HardwareSpec, default_cache_path
+from policy.machine import machine_key
 
 
-def _copy_bw(src: torch.Tensor, dst: torch.Tensor, device: Device) -> float:
+def _copy_bw(
+    name: str, src: torch.Tensor, dst: torch.Tensor, device: Device, probe: Probe
+) -> float:
     nbytes = src.numel() * src.element_size()
-    return nbytes / best_seconds(lambda: dst.copy_(src, non_blocking=True), device)
+    return nbytes / probe.seconds(name, lambda: dst.copy_(src, non_blocking=True), device)
 
 
 def _matmul_flops(
-    n: int, batch: int, dtype: torch.dtype, where: torch.device, device: Device
+    name: str, n: int, batch: int, dtype: torch.dtype, device: Device, probe: Probe
 ) -> float:
-    a = torch.randn(batch, n, n, dtype=dtype, device=where)
-    b = torch.randn(batch, n, n, dtype=dtype, device=where)
-    return 2 * batch * n**3 / best_seconds(lambda: torch.bmm(a, b), device)
+    a = torch.randn(batch, n, n, dtype=dtype, device=device.device)
+    b = torch.randn(batch, n, n, dtype=dtype, device=device.device)
+    return 2 * batch * n**3 / probe.seconds(name, lambda: torch.bmm(a, b), device)
 
 
-def _bmm_flops(dtype: torch.dtype, device: Device, scale: int) -> float:
+def _bmm_flops(dtype: torch.dtype, device: Device, scale: int, probe: Probe) -> float:
     """Decode-attention-shaped batched matmul: (B*heads, 1, d) x (B*heads, d, L)."""
     heads, d, length = 32 * scale, 128, 512 * scale
     q = torch.randn(heads, 1, d, dtype=dtype, device=device.device)
     k = torch.randn(heads, d, length, dtype=dtype, device=device.device)
-    return 2 * heads * d * length / best_seconds(lambda: torch.bmm(q, k), device)
+    return 2 * heads * d * length / probe.seconds("gpu_bmm_flops", lambda: torch.bmm(q, k), device)
 
 
-def _disk_bw(disk: DiskIO, nbytes: int, device: Device) -> tuple[float, float]:
-    """(read, write) bytes/s through the engine's own disk path: pwrite + fsync, then pread
-    after dropping the page cache, with the copy-thread pool and pinned staging."""
-    data = device.host_empty((nbytes,), torch.uint8)
-    data.random_(0, 255)
-    f = disk.open("profile.bin")
-    start = time.perf_counter()
-    disk.write(f, 0, data)
-    os.fsync(f.fd)
-    write_bw = nbytes / (time.perf_counter() - start)
-    f.drop_cache()
-    start = time.perf_counter()
-    disk.read(f, 0, data)
-    read_bw = nbytes / (time.perf_counter() - start)
-    return read_bw, write_bw
+ATTENTION_SHAPE = (16, 4, 64)
+"""(heads, kv heads, head dim) of the attention probes: a small GQA model's layer."""
 
 
-IO_INTERFERENCE_READS = (64 << 10, 4 << 20)
-"""Read sizes of the interference probe: a KV page run, a weight chunk."""
+def _prefill_attention_flops(dtype: torch.dtype, device: Device, scale: int, probe: Probe) -> float:
+    """FLOP/s of the engine's ragged attention over prefill chunks (no past), counted as the
+    cost model counts them: 4 s^2 q per sequence."""
+    heads, kv_heads, d = ATTENTION_SHAPE
+    seqs, length = 4, 128 * scale
+    on = device.device
+    layout = RaggedLayout.build([length] * seqs, [0] * seqs, on)
+    q = torch.randn(seqs * length, heads, d, dtype=dtype, device=on)
+    k, v = (torch.randn(seqs * length, kv_heads, d, dtype=dtype, device=on) for _ in "kv")
+    seconds = probe.seconds(
+        "prefill_attention_flops",
+        lambda: ragged_attention(q, k, v, None, None, layout),
+        device,
+    )
+    return seqs * 4 * length**2 * heads * d / seconds
 
 
-def _io_interference(disk: DiskIO) -> tuple[float, float]:
-    """(small, large): the share of its rate CPU compute loses while the copy threads read
-    from disk with small (64 KiB) or large (4 MiB) reads, each dropped from the page cache
-    as the engine does. On a CPU-only box the copies and the compute share the cores."""
-    f = disk.open("interference.bin")
-    disk.write(f, 0, torch.zeros(64 << 20, dtype=torch.uint8))
-    a, b = torch.randn(512, 512), torch.randn(512, 1408)
+def _device_attention_bw(dtype: torch.dtype, device: Device, scale: int, probe: Probe) -> float:
+    """KV bytes/s of decode attention through the engine's path on the compute device: the
+    past KV rows gathered from a pool by slot, split into k and v, padded, one SDPA."""
+    heads, kv_heads, d = ATTENTION_SHAPE
+    seqs, past = 8, 256 * scale
+    on = device.device
+    layout = RaggedLayout.build([1] * seqs, [past] * seqs, on)
+    pool = torch.randn(2 * seqs * past, 2 * kv_heads * d, dtype=dtype, device=on)
+    slots = torch.randperm(pool.shape[0], device=on)[: seqs * past]
+    q = torch.randn(seqs, heads, d, dtype=dtype, device=on)
+    k, v = (torch.randn(seqs, kv_heads, d, dtype=dtype, device=on) for _ in "kv")
 
-    def matmul_ms(repeats: int = 60) -> float:
-        start = time.perf_counter()
-        for _ in range(repeats):
-            torch.mm(a, b)
-        return (time.perf_counter() - start) / repeats
+    def attend() -> torch.Tensor:
+        past_k, past_v = split_kv(pool.index_select(0, slots), (kv_heads, d))
+        return ragged_attention(q, k, v, past_k, past_v, layout)
 
-    shares = []
-    for size in IO_INTERFERENCE_READS:
-        alone, busy = [], []
-        for _ in range(3):
-            alone.append(matmul_ms())
-            stop = threading.Event()
-            reader = threading.Thread(target=_read_until, args=(disk, f, size, stop))
-            reader.start()
-            busy.append(matmul_ms())
-            stop.set()
-            reader.join()
-        share = 1.0 - statistics.median(alone) / statistics.median(busy)
-        shares.append(min(max(share, 0.0), 1.0))
-    return shares[0], shares[1]
+    seconds = probe.seconds("device_attention_bw", attend, device)
+    return seqs * (past + 1) * 2 * kv_heads * d * pool.element_size() / seconds
 
 
-def _read_until(disk: DiskIO, f: DiskFile, size: int, stop: threading.Event) -> None:
-    buf = torch.empty(size, dtype=torch.uint8)
-    offset = 0
-    while not stop.is_set():
-        disk.read(f, offset, buf)
-        offset = (offset + 16 * size) % ((64 << 20) - size)
-
-
-def _cpu_attention(threads: int, kv_tokens: int) -> float:
+def _cpu_attention(threads: int, kv_tokens: int, probe: Probe) -> float:
     """KV bytes/s consumed by decode attention on the CPU with `threads` intra-op threads."""
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -117,49 +102,31 @@ def _cpu_attention(threads: int, kv_tokens: int) -> float:
         k, v = torch.randn(batch, kv_heads, d), torch.randn(batch, kv_heads, d)
         past_k = torch.randn(batch * (kv_tokens - 1), kv_heads, d)
         past_v = torch.randn_like(past_k)
-        seconds = best_seconds(
-            lambda: ragged_attention(q, k, v, past_k, past_v, layout), Device(torch.device("cpu"))
+        seconds = probe.seconds(
+            "cpu_attention_throughput",
+            lambda: ragged_attention(q, k, v, past_k, past_v, layout),
+            Device(torch.device("cpu")),
         )
         return 2 * batch * kv_tokens * kv_heads * d * 4 / seconds
     finally:
         torch.set_num_threads(previous)
 
 
-def _dense_step_table(
-    device: Device, dtype: torch.dtype, hidden: int, max_rows: int
-) -> tuple[tuple[int, float], ...]:
-    """(token rows, seconds) of one reference layer's dense matmuls (QKV, output, MLP up and
-    down) for power-of-two row counts: where rows/s stops growing is the knee the discrete
-    batch sizes start from (NanoFlow 4.2)."""
-    where = device.device
-    weights = [
-        torch.randn(hidden, 3 * hidden, dtype=dtype, device=where),
-        torch.randn(hidden, hidden, dtype=dtype, device=where),
-        torch.randn(hidden, 4 * hidden, dtype=dtype, device=where),
-        torch.randn(4 * hidden, hidden, dtype=dtype, device=where),
-    ]
-    x = torch.randn(max_rows, 4 * hidden, dtype=dtype, device=where)
-    table = []
-    rows = 1
-    while rows <= max_rows:
-        inputs = [x[:rows, : w.shape[0]] for w in weights]
-        table.append((rows, best_seconds(partial(_matmuls, inputs, weights), device)))
-        rows *= 2
-    return tuple(table)
-
-
-def _matmuls(inputs: list[torch.Tensor], weights: list[torch.Tensor]) -> list[torch.Tensor]:
-    return [a @ w for a, w in zip(inputs, weights, strict=True)]
-
-
-def _layer_overhead(device_name: str) -> float:
-    """Seconds per decoder layer of a one-token step of the demo model through the engine:
-    almost all fixed cost (its matmuls at batch 1 are a few percent of it)."""
+def _layer_overhead(device_name: str, probe: Probe, spec: HardwareSpec) -> float:
+    """Seconds per decoder layer of a one-token step of the demo model through the engine,
+    less what `spec`'s dense step table charges for its one-row matmuls (the cost model adds
+    those by size): launches, Python, the pipeline's hand-offs."""
     executor = Executor(DEMO_MODEL, Policy(gpu_batch_size=1), device=device_name)
     try:
         # two one-token steps: a prefill of one token, then one decode reading it back
-        seconds = best_seconds(lambda: executor.score([[5, 6]], prefill_len=1), executor.device)
-        return seconds / 2 / executor.config.num_layers
+        seconds = probe.seconds(
+            "layer_overhead_s", lambda: executor.score([[5, 6]], prefill_len=1), executor.device
+        )
+        num_layers = executor.config.num_layers
+        element = torch.empty((), dtype=executor.dtype).element_size()
+        elems = sum(executor.weights.planned_bytes().values()) / element / num_layers
+        dense = spec.dense_seconds(2 * elems, elems) or 0.0
+        return max(seconds / 2 / num_layers - dense, 0.0)
     finally:
         executor.close()
 
@@ -167,48 +134,53 @@ def _layer_overhead(device_name: str) -> float:
 def profile_hardware(
     device_name: str = "auto", offload_dir: str | None = None, quick: bool = False
 ) -> HardwareSpec:
-    """Measure every constant of `HardwareSpec` on this machine. `quick` uses small sizes
+    """Measure every constant of `HardwareSpec` on this machine: each timing is the median of
+    several samples after a warm-up, its spread recorded (`HardwareSpec.spread`), and a
+    measurement that spreads wider than `MAX_SPREAD` is taken again. `quick` uses small sizes
     (seconds instead of a minute): for a first automatic plan, not for reporting."""
     import psutil
 
+    # quick: fewer samples and one retake (the planner may re-measure a noisy quick profile)
+    probe = Probe(repeats=3, retries=1) if quick else Probe()
     device = Device.resolve(device_name)
     scale = 1 if quick else 4
     nbytes = (32 if quick else 256) << 20
     dtype = torch.float16 if device.is_cuda else torch.float32
+    cpu = Device(torch.device("cpu"))
     host = device.host_empty((nbytes,), torch.uint8)
     on_device = torch.empty(nbytes, dtype=torch.uint8, device=device.device)
-    ctog = _copy_bw(host, on_device, device)
-    gtoc = _copy_bw(on_device, host, device)
-    gpu_mem_bw = _copy_bw(on_device, torch.empty_like(on_device), device)
+    ctog = _copy_bw("ctog_bw", host, on_device, device, probe)
+    gtoc = _copy_bw("gtoc_bw", on_device, host, device, probe)
+    gpu_mem_bw = _copy_bw("gpu_mem_bw", on_device, torch.empty_like(on_device), device, probe)
     cpu_src = torch.empty(nbytes, dtype=torch.uint8)
-    cpu_mem_bw = _copy_bw(cpu_src, torch.empty_like(cpu_src), Device(torch.device("cpu")))
+    cpu_mem_bw = _copy_bw("cpu_mem_bw", cpu_src, torch.empty_like(cpu_src), cpu, probe)
+    del host, on_device, cpu_src
     root = Path(offload_dir) if offload_dir else Path(tempfile.mkdtemp(prefix="nanoflex-profile-"))
     disk = DiskIO(root, 4)
     try:
-        dtoc, ctod = _disk_bw(disk, nbytes, device)
-        io_small, io_large = (0.0, 0.0) if device.is_cuda else _io_interference(disk)
+        dtoc, ctod = disk_bandwidth(disk, nbytes, device, probe)
+        io_small, io_large = (0.0, 0.0) if device.is_cuda else io_interference(disk, probe)
     finally:
         disk.close()
         if not offload_dir:
             shutil.rmtree(root, ignore_errors=True)
     n = 1024 * (2 if scale > 1 else 1)
     gpu_flops = _matmul_flops(
-        n * (4 if device.is_cuda else 1) // 2, 2, dtype, device.device, device
+        "gpu_flops", n * (4 if device.is_cuda else 1) // 2, 2, dtype, device, probe
     )
-    cpu_flops = _matmul_flops(
-        n // 2, 2, torch.float32, torch.device("cpu"), Device(torch.device("cpu"))
-    )
-    bmm = _bmm_flops(dtype, device, scale)
+    cpu_flops = _matmul_flops("cpu_flops", n // 2, 2, torch.float32, cpu, probe)
     cores = os.cpu_count() or 1
     thread_counts = sorted({1, max(1, cores // 2), cores})
-    attention = tuple((t, _cpu_attention(t, 256 * scale)) for t in thread_counts)
+    attention = tuple((t, _cpu_attention(t, 256 * scale, probe)) for t in thread_counts)
     hidden = (4096 if device.is_cuda else 1024) // (1 if scale > 1 else 2)
-    dense = _dense_step_table(
-        device, dtype, hidden, max_rows=4 * hidden if device.is_cuda else 1024
+    dense, dense_params = dense_step_table(
+        device, dtype, hidden, max_rows=4 * hidden if device.is_cuda else 1024, probe=probe
     )
     weight = torch.randn(1024 * scale, 1024, dtype=dtype, device=device.device)
     packed = quantize(weight, 64, dim=0)
-    dequant = weight.numel() / best_seconds(lambda: dequantize(packed), device)
+    dequant = weight.numel() / probe.seconds(
+        "dequant_throughput", lambda: dequantize(packed), device
+    )
     nano_device, nano_host = nano_overlap(device, dtype, quick)
     memory = psutil.virtual_memory().total
     if device.is_cuda:
@@ -219,7 +191,7 @@ def profile_hardware(
         gpu_mem = cpu_mem = memory // 2
         name = "cpu"
     disk_free = shutil.disk_usage(offload_dir or tempfile.gettempdir()).free
-    return HardwareSpec(
+    spec = HardwareSpec(
         gpu_mem_bytes=int(gpu_mem),
         cpu_mem_bytes=int(cpu_mem),
         disk_mem_bytes=int(disk_free),
@@ -228,7 +200,7 @@ def profile_hardware(
         dtoc_bw=dtoc,
         ctod_bw=ctod,
         gpu_flops=gpu_flops,
-        gpu_bmm_flops=bmm,
+        gpu_bmm_flops=_bmm_flops(dtype, device, scale, probe),
         cpu_flops=cpu_flops,
         num_cpu_cores=cores,
         gpu_mem_bw=gpu_mem_bw,
@@ -236,24 +208,31 @@ def profile_hardware(
         cpu_attention_throughput=attention,
         dequant_throughput=dequant,
         dense_step_table=dense,
+        dense_step_params=dense_params,
+        prefill_attention_flops=_prefill_attention_flops(dtype, device, scale, probe),
+        device_attention_bw=_device_attention_bw(dtype, device, scale, probe),
         io_compute_share_small=io_small,
         io_compute_share_large=io_large,
         nano_overlap_device=nano_device,
         nano_overlap_host=nano_host,
-        layer_overhead_s=_layer_overhead(device_name),
-        nano_batch_overhead_s=nano_batch_overhead(device_name),
+        nano_batch_overhead_s=nano_batch_overhead(device_name, probe),
         compute_device="cuda" if device.is_cuda else "cpu",
+        machine=machine_key(),
+        quick=quick,
         notes=f"{name}; torch {torch.__version__}; measured {time.strftime('%Y-%m-%d %H:%M')}"
         + (" (quick)" if quick else ""),
     )
+    overhead = _layer_overhead(device_name, probe, spec)  # less the dense work spec charges
+    spread = dict(sorted(probe.spread.items()))
+    return dataclasses.replace(spec, layer_overhead_s=overhead, spread=spread)
 
 
 def main(argv: list[str]) -> int:
-    """`python -m engine.executor.profiler [DEVICE]`: measure a quick profile and cache it (the
-    planner runs this in a child process the first time it needs a profile)."""
+    """`python -m engine.executor.profiler [DEVICE [OUT]]`: measure a quick profile and write it
+    to OUT (default: the cache), as the planner does when it needs one."""
     device_name = argv[1] if len(argv) > 1 else "auto"
-    print("nanoflex: no hardware profile cached; measuring a quick one", file=sys.stderr)
-    profile_hardware(device_name, quick=True).save(default_cache_path())
+    out = Path(argv[2]) if len(argv) > 2 else default_cache_path()
+    profile_hardware(device_name, quick=True).save(out)
     return 0
 
 

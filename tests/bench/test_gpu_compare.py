@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -14,15 +15,17 @@ from bench.subproc import run_child
 from engine import LLM, SamplingParams
 from policy import Policy
 from policy.hardware import FLEXGEN_T4
+from policy.machine import machine_key
 from tests.engine.tiny_models import TINY_CONFIGS
 
 
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
-    """A private nanoflex cache with a hardware profile, so nothing is measured."""
+    """A private nanoflex cache with a hardware profile keyed by this machine, so nothing is
+    measured."""
     root = tmp_path / "cache"
     monkeypatch.setenv("NANOFLEX_CACHE", str(root))
-    FLEXGEN_T4.save(root / "hardware.json")
+    dataclasses.replace(FLEXGEN_T4, machine=machine_key()).save(root / "hardware.json")
     return root
 
 

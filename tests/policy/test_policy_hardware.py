@@ -1,5 +1,6 @@
 """HardwareSpec JSON, cache location and derived constants."""
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -103,3 +104,47 @@ def test_cpu_attention_throughput_table_interpolates_and_saturates() -> None:
     derived = HardwareSpec(**MINIMAL, num_cpu_cores=32)
     assert derived.cpu_attention_bw(16, 1.0) == derived.cpu_attention_bw(8, 1.0)
     assert derived.cpu_attention_bw(4, 1.0) < derived.cpu_attention_bw(8, 1.0)
+
+
+def test_a_profile_from_another_machine_or_too_noisy_is_stale() -> None:
+    here = "cpu=AMD EPYC; cores=2; mem=23GiB; gpu=none; torch=2.13.0+cpu"
+    quiet = HardwareSpec(**MINIMAL, machine=here, spread={"gpu_flops": 0.05})
+    assert quiet.staleness(here) is None
+    other = quiet.staleness(here.replace("cores=2", "cores=64"))
+    assert other is not None and "another machine" in other
+    unrecorded = HardwareSpec(**MINIMAL).staleness(here)  # profiles from before keys existed
+    assert unrecorded is not None and "unrecorded" in unrecorded
+    spread = {"gpu_flops": 0.05, "dtoc_bw": 0.6}
+    noisy = HardwareSpec(**MINIMAL, machine=here, spread=spread, quick=True)
+    assert noisy.max_spread == ("dtoc_bw", 0.6)
+    reason = noisy.staleness(here)
+    assert reason is not None and "dtoc_bw" in reason and "60%" in reason
+    # a busy machine stays busy: after MAX_ATTEMPTS profiles the least noisy one is kept
+    assert dataclasses.replace(noisy, attempts=3).staleness(here) is None
+    # `nanoflex profile` retook its noisy measurements itself: only another machine replaces it
+    assert dataclasses.replace(noisy, quick=False).staleness(here) is None
+
+
+def test_machine_and_spread_survive_json(tmp_path: Path) -> None:
+    spec = HardwareSpec(**MINIMAL, machine="cpu=x; cores=1", spread={"ctog_bw": 0.1}, attempts=2)
+    spec.save(tmp_path / "hw.json")
+    assert HardwareSpec.load(tmp_path / "hw.json") == spec
+    with pytest.raises(UserError, match="spread"):
+        HardwareSpec(**MINIMAL, spread={"ctog_bw": -1.0})
+
+
+def test_dense_seconds_follow_the_measured_table() -> None:
+    """The reference layer's time at as many rows, scaled by the layer's size."""
+    table = ((1, 1e-3), (8, 2e-3), (64, 8e-3))
+    spec = HardwareSpec(**MINIMAL, dense_step_table=table, dense_step_params=1000)
+    assert spec.dense_seconds(2 * 8 * 2000, 2000) == pytest.approx(4e-3)  # 8 rows, 2x the size
+    assert spec.dense_seconds(2 * 36 * 1000, 1000) == pytest.approx(5e-3)  # halfway 8..64
+    assert spec.dense_seconds(2 * 0.5 * 1000, 1000) == pytest.approx(1e-3)  # below: as 1 row
+    assert spec.dense_seconds(2 * 128 * 1000, 1000) == pytest.approx(16e-3)  # beyond: linear
+    assert HardwareSpec(**MINIMAL, dense_step_table=table).dense_seconds(1e6, 1e3) is None
+
+
+def test_a_spike_in_the_dense_table_does_not_make_fewer_rows_slower() -> None:
+    table = ((1, 1e-3), (2, 9e-3), (4, 2e-3))  # 2 rows measured while descheduled
+    spec = HardwareSpec(**MINIMAL, dense_step_table=table, dense_step_params=1000)
+    assert spec.dense_seconds(2 * 2 * 1000, 1000) == pytest.approx(2e-3)

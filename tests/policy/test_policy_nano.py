@@ -64,12 +64,12 @@ def test_three_lanes_and_serial_work() -> None:
 
 def test_cutting_reads_the_weights_and_pays_the_fixed_cost_per_piece() -> None:
     hw = dataclasses.replace(FLEXGEN_T4, layer_overhead_s=1e-4)
-    weight_bound = dense_seconds(1e9, 1e9, hw, 1)  # 1 GFLOP: reading 1 GB of weights binds
-    assert dense_seconds(1e9, 1e9, hw, 4) == pytest.approx(4 * weight_bound)
-    flop_bound = dense_seconds(1e15, 1e6, hw, 1)
-    assert dense_seconds(1e15, 1e6, hw, 4) == pytest.approx(flop_bound + 3e-4)
+    weight_bound = dense_seconds(1e9, 1e9, 5e8, hw, 1)  # 1 GFLOP: reading 1 GB of weights binds
+    assert dense_seconds(1e9, 1e9, 5e8, hw, 4) == pytest.approx(4 * weight_bound)
+    flop_bound = dense_seconds(1e15, 1e6, 5e5, hw, 1)
+    assert dense_seconds(1e15, 1e6, 5e5, hw, 4) == pytest.approx(flop_bound + 3e-4)
     measured = dataclasses.replace(hw, nano_batch_overhead_s=2e-5)  # a piece costs less
-    assert dense_seconds(1e15, 1e6, measured, 4) == pytest.approx(flop_bound + 6e-5)
+    assert dense_seconds(1e15, 1e6, 5e5, measured, 4) == pytest.approx(flop_bound + 6e-5)
 
 
 def test_cpu_attention_policy_gains_only_where_the_overlap_was_measured() -> None:

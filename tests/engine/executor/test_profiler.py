@@ -8,6 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from engine.executor.nano_profile import _overlap_share, nano_batch_overhead, nano_overlap
+from engine.executor.timing import Probe
 from engine.storage.device import Device
 
 CPU = Device(torch.device("cpu"))
@@ -40,4 +41,4 @@ def test_probe_measures_both_shares_on_this_machine() -> None:
 
 def test_a_nano_batch_has_a_fixed_cost_through_the_engine() -> None:
     """Four one-token sequences cut four ways run 3 more pieces per layer than whole."""
-    assert 0.0 < nano_batch_overhead("cpu") < 0.05
+    assert 0.0 < nano_batch_overhead("cpu", Probe()) < 0.05
