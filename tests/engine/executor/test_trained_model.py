@@ -5,6 +5,7 @@ path can drift on near-ties), whatever the placement."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.core.tokenizer import Tokenizer
 from policy import Policy
+from policy.specs import ModelSpec
 from tests.engine.chats import CHATS
 
 MAX_TOKENS = 40
@@ -58,3 +60,13 @@ def test_greedy_chat_equals_transformers_argmax(smollm2_dir, reference, tmp_path
         assert out.token_ids == teacher_forced_argmax(reference, prompt, out.token_ids)
     assert outputs[0].text == "The capital of France is Paris."
     assert outputs[0].finish_reason == "stop"  # EOS (<|im_end|>) ends the answer
+
+
+def test_the_planners_builtin_spec_is_the_converted_checkpoint(smollm2_dir: Path) -> None:
+    """`nanoflex plan` knows the default model without a download: its built-in spec is
+    exactly what the converted checkpoint's config.json says (134,515,008 parameters)."""
+    config = json.loads((smollm2_dir / "config.json").read_text())
+    from_checkpoint = ModelSpec.from_hf_config(config, name="smollm2-135m-instruct")
+    assert ModelSpec.from_name_or_path("smollm2-135m-instruct") == from_checkpoint
+    assert ModelSpec.from_name_or_path("HuggingFaceTB/SmolLM2-135M-Instruct") == from_checkpoint
+    assert from_checkpoint.total_params == 134_515_008
