@@ -292,7 +292,14 @@ def _resolve(future: asyncio.Future[Exception | None], error: Exception | None) 
 
 def build_engine_client(args: argparse.Namespace) -> CoreEngineClient:
     """`nanoflex serve`'s engine: the model resolved here, loaded in the engine process."""
-    engine_args = EngineArgs.from_cli_args(args)
+    return engine_client(
+        EngineArgs.from_cli_args(args), in_process=getattr(args, "in_process", False)
+    )
+
+
+def engine_client(engine_args: EngineArgs, *, in_process: bool = False) -> CoreEngineClient:
+    """An (unstarted) client for `engine_args`: the model resolved and the policy chosen
+    here, on this machine; the executor in this process or in an engine process."""
     model_dir = resolve_model_dir(engine_args.model)
     policy, plan = engine_args.resolve_policy(model_dir)
     log.info("policy %s%s", policy.to_json(), f" planned: {plan}" if plan else "")
@@ -300,6 +307,6 @@ def build_engine_client(args: argparse.Namespace) -> CoreEngineClient:
         engine_args,
         model_dir,
         policy,
-        model_name=served_model_name(args.model),
-        in_process=getattr(args, "in_process", False),
+        model_name=served_model_name(engine_args.model),
+        in_process=in_process,
     )

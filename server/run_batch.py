@@ -15,6 +15,10 @@ line is cut off, and lines already answered are skipped, so the output ends
 with exactly one line per custom_id. Line ids, request ids and `created` are
 derived from the input (line index, custom_id, the input file's mtime), so a
 resumed greedy run writes the same bytes per line as an uninterrupted one.
+
+Who answers the pending lines is a `Runner`: here one engine in this process; with
+`--ray` the replicas of `server.scale_out.driver` (imported only then, so the local
+path never imports ray), whose actors answer each line with `answer_line` too.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import asyncio
 import hashlib
 import json
 import sys
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -65,18 +69,78 @@ class Summary:
     """Lines that earlier runs had already answered."""
 
 
+@dataclass(frozen=True, slots=True)
+class Pending:
+    """A valid input line that no earlier run answered."""
+
+    line_id: str
+    """The output line's id (`_line_id`: a function of the line index and custom_id)."""
+    custom_id: str
+    body: str
+    """The request body, JSON."""
+
+
+@dataclass(frozen=True, slots=True)
+class BatchWork:
+    """What a runner answers: the pending lines of one batch and how to answer them."""
+
+    endpoint: str
+    """The batch's endpoint (COMPLETIONS or CHAT)."""
+    created: int
+    """`created` of every response body: the input file's mtime."""
+    todo: list[Pending]
+
+
+Record = Callable[[bool, str], None]
+"""Takes one answered line (ran: output file; refused: error file) and makes it durable."""
+Runner = Callable[[BatchWork, Record], Awaitable[None]]
+"""Answers every line of the work, calling `record` once per line as soon as it is ready."""
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     EngineArgs.add_cli_args(parser)
     parser.add_argument("-i", "--input", required=True, help="requests JSONL")
     parser.add_argument("-o", "--output", required=True, help="results JSONL")
     parser.add_argument("--error-file", default=None, help="errors JSONL (default: OUTPUT.errors)")
+    parser.add_argument(
+        "--ray",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="ADDRESS",
+        help="run on a Ray cluster (pip install 'nanoflex[ray]'): ADDRESS as ray.init takes it "
+        "(auto, HOST:6379, ray://HOST:10001); alone: RAY_ADDRESS, the cluster `ray start` "
+        "started here, or a new local one",
+    )
+    parser.add_argument(
+        "--replicas",
+        type=int,
+        default=None,
+        help="with --ray: engines to run, one per actor (default: one per GPU of the "
+        "cluster, or 1 without GPUs)",
+    )
+    parser.add_argument(
+        "--gpus-per-replica",
+        type=float,
+        default=None,
+        help="with --ray: GPUs each actor reserves (default: 1 on a cluster with GPUs, else 0)",
+    )
 
 
 def main(args: argparse.Namespace) -> int:
     """Entry point of `nanoflex run-batch`."""
     output = Path(args.output)
     errors = Path(args.error_file) if args.error_file else Path(f"{args.output}.errors")
-    summary = asyncio.run(run_batch(Path(args.input), output, errors, lambda: _client(args)))
+    runner: Runner
+    if args.ray is not None:
+        from server.scale_out.driver import ray_runner  # imports ray: only with --ray
+
+        runner = ray_runner(args)
+    else:
+        if args.replicas is not None or args.gpus_per_replica is not None:
+            raise RunBatchError("--replicas and --gpus-per-replica need --ray")
+        runner = local_runner(lambda: _client(args))
+    summary = asyncio.run(run_batch(Path(args.input), output, errors, runner))
     print(
         f"run-batch: {summary.num_completed} completed, {summary.num_failed} failed "
         f"of {summary.num_lines} lines ({summary.num_resumed} from an earlier run); "
@@ -93,13 +157,10 @@ def _client(args: argparse.Namespace) -> EngineClient:
 
 
 async def run_batch(
-    input_path: Path,
-    output_path: Path,
-    error_path: Path,
-    make_client: Callable[[], EngineClient],
+    input_path: Path, output_path: Path, error_path: Path, runner: Runner
 ) -> Summary:
     """Answer every line of `input_path` not yet answered in the output or error file.
-    `make_client()` builds the (unstarted) engine client; it is not called when nothing is left."""
+    `runner` is not called when nothing is left."""
     try:
         with open(input_path, "rb") as f:
             endpoint = _endpoint(f)
@@ -124,10 +185,23 @@ async def run_batch(
             errors.append(_with_id(problem, line_id))
         else:
             assert custom_id is not None and body is not None
-            todo.append((line_id, custom_id, body))
+            todo.append(Pending(line_id, custom_id, body))
     try:
         if todo:
-            await _run(todo, endpoint, created, make_client(), output, errors, len(rows))
+            bar = tqdm(
+                total=len(rows),
+                initial=len(rows) - len(todo),
+                desc="run-batch",
+                unit="req",
+                file=sys.stderr,
+            )
+
+            def record(ok: bool, line: str) -> None:
+                (output if ok else errors).append(line)
+                bar.update()
+
+            with bar:
+                await runner(BatchWork(endpoint, created, todo), record)
     finally:
         output.close()
         errors.close()
@@ -139,58 +213,58 @@ async def run_batch(
     )
 
 
-async def _run(
-    todo: list[tuple[str, str, str]],
-    endpoint: str,
-    created: int,
-    client: EngineClient,
-    output: ResultLog,
-    errors: ResultLog,
-    num_lines: int,
+def local_runner(make_client: Callable[[], EngineClient]) -> Runner:
+    """One engine in this process; `make_client()` builds its (unstarted) client."""
+
+    async def run(work: BatchWork, record: Record) -> None:
+        client = make_client()
+        await client.start()
+        try:
+            serving = Serving(client, client.model_name, Metrics(client))
+            await answer_all(serving, work, lambda item, ok, line: record(ok, line))
+        finally:
+            await client.shutdown()
+
+    return run
+
+
+async def answer_all(
+    serving: Serving, work: BatchWork, on_answer: Callable[[Pending, bool, str], None]
 ) -> None:
-    """Queue every pending request in the engine and append each result as it finishes."""
-    await client.start()
-    try:
-        serving = Serving(client, client.model_name, Metrics(client))
-        window = asyncio.Semaphore(MAX_IN_FLIGHT)
-        bar = tqdm(
-            total=num_lines,
-            initial=num_lines - len(todo),
-            desc="run-batch",
-            unit="req",
-            file=sys.stderr,
-        )
+    """Queue every pending request in the engine (at most MAX_IN_FLIGHT prepared at once)
+    and hand each answer (line, ran, output line) to `on_answer` as it finishes."""
+    window = asyncio.Semaphore(MAX_IN_FLIGHT)
 
-        async def one(line_id: str, custom_id: str, body: str) -> None:
-            async with window:
-                ok, line = await _answer(serving, endpoint, custom_id, body, created)
-            (output if ok else errors).append(_with_id(line, line_id))
-            bar.update()
+    async def one(item: Pending) -> None:
+        async with window:
+            ok, line = await answer_line(serving, work.endpoint, work.created, item)
+        on_answer(item, ok, line)
 
-        with bar:
-            await asyncio.gather(*(one(*item) for item in todo))
-    finally:
-        await client.shutdown()
+    await asyncio.gather(*(one(item) for item in work.todo))
 
 
-async def _answer(
-    serving: Serving, endpoint: str, custom_id: str, body: str, created: int
+async def answer_line(
+    serving: Serving, endpoint: str, created: int, item: Pending
 ) -> tuple[bool, str]:
-    """(ran, output line) for one valid input line; the engine's own failures raise."""
-    request_id = _request_id(custom_id, endpoint)
+    """(ran, output line with its id) for one valid input line; the engine's own failures
+    raise `RunBatchError`."""
+    request_id = batch_request_id(item.custom_id, endpoint)
     try:
-        prep = serving.prepare(endpoint, json.loads(body))
+        prep = serving.prepare(endpoint, json.loads(item.body))
         if prep.stream:  # as the Batch API answers it (server.batches)
             raise invalid_request("stream is not supported in a batch", param="stream")
         prep = replace(prep, request_id=request_id, created=created)
         result = await serving.run(prep, BATCH_PRIORITY)
-        return True, response_line(custom_id, request_id, 200, result)
+        line = response_line(item.custom_id, request_id, 200, result)
+        return True, _with_id(line, item.line_id)
     except APIError as e:
         if e.status_code >= 500:
             raise RunBatchError(
-                f"the engine failed on {custom_id!r}: {e.message} Rerun the same command to resume."
+                f"the engine failed on {item.custom_id!r}: {e.message} "
+                "Rerun the same command to resume."
             ) from e
-        return False, response_line(custom_id, request_id, e.status_code, e.to_dict())
+        line = response_line(item.custom_id, request_id, e.status_code, e.to_dict())
+        return False, _with_id(line, item.line_id)
 
 
 def _endpoint(f: Any) -> str:
@@ -209,7 +283,7 @@ def _digest(*parts: str) -> str:
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:24]
 
 
-def _request_id(custom_id: str, endpoint: str) -> str:
+def batch_request_id(custom_id: str, endpoint: str) -> str:
     """The response's request id (and body id), a function of custom_id alone."""
     return ("chatcmpl-" if endpoint == CHAT else "cmpl-") + _digest(custom_id)
 
