@@ -44,6 +44,8 @@ class _Slot:
     generation: int = 0
     """Actors started in this slot so far (the current one included)."""
     info: ReplicaInfo | None = None
+    num_answered: int = 0
+    """Lines this slot's actors answered in this run (recorded ones only)."""
     lock: asyncio.Lock | None = None
     """Held while the slot's actor is replaced, so its lanes replace it once."""
 
@@ -162,11 +164,12 @@ class ReplicaPool:
         done = asyncio.Event()
         num_left = [len(work.todo)]
 
-        def record_once(line_id: str, ok: bool, line: str) -> None:
+        def record_once(slot: _Slot, line_id: str, ok: bool, line: str) -> None:
             if line_id in self._recorded:
                 return
             self._recorded.add(line_id)
             record(ok, line)
+            slot.num_answered += 1
             num_left[0] -= 1
             if num_left[0] == 0:
                 done.set()
@@ -187,6 +190,8 @@ class ReplicaPool:
             for task in [finished, *lanes]:
                 task.cancel()
             await asyncio.gather(finished, *lanes, return_exceptions=True)
+        counts = ", ".join(f"replica {s.index} {s.num_answered}" for s in self.slots)
+        print(f"run-batch: lines answered by {counts}; {self.num_lost} lost", file=sys.stderr)
 
     async def _lane(
         self, slot: _Slot, work: BatchWork, shards: asyncio.Queue[list[Pending]], record: Any
@@ -204,7 +209,7 @@ class ReplicaPool:
                 async for ref in stream:
                     line_id, ok, line = await ref
                     answered.add(line_id)
-                    record(line_id, ok, line)
+                    record(slot, line_id, ok, line)
             except errors.RayActorError as e:
                 rest = [item for item in shard if item.line_id not in answered]
                 if rest:

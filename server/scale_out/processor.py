@@ -15,12 +15,12 @@ This module does not import ray: Ray imports it in its actors.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 from engine.core.engine_args import EngineArgs
 from server.scale_out.replica import Replica
-from server.scale_out.rows import batch_rows, result_columns, row_request
+from server.scale_out.rows import result_columns, row_request
 
 DEFAULT_BATCH_ROWS = 64
 """Rows per `map_batches` batch: each actor runs a batch's rows in its engine together."""
@@ -42,11 +42,24 @@ class NanoflexProcessor:
         self.replica = Replica(EngineArgs(**dict(engine or {})))
         self.sampling = dict(sampling or {})
 
-    def __call__(self, batch: Mapping[str, Sequence[Any]]) -> dict[str, Any]:
-        """A batch in the "numpy" format (column -> array): its columns, and the results'."""
+    def __call__(self, batch: Any) -> Any:
+        """A batch as a `pyarrow.Table`: its columns, and the results' (`RESULT_TYPES`)."""
+        import pyarrow as pa  # Ray Data's own dependency, there whenever this runs
+
         model = self.replica.client.model_name
-        requests = [row_request(row, model, self.sampling) for row in batch_rows(batch)]
-        return {**batch, **result_columns(self.replica.process(requests))}
+        requests = [row_request(row, model, self.sampling) for row in batch.to_pylist()]
+        for name, values in result_columns(self.replica.process(requests)).items():
+            batch = batch.append_column(name, pa.array(values, type=_arrow_type(pa, name)))
+        return batch
+
+
+def _arrow_type(pa: Any, column: str) -> Any:
+    """The result columns' Arrow types, fixed so that every batch has the same schema."""
+    if column == "token_ids":
+        return pa.list_(pa.int64())
+    if column in ("prompt_tokens", "completion_tokens", "status_code"):
+        return pa.int64()
+    return pa.string()
 
 
 def process(
@@ -54,18 +67,21 @@ def process(
     *,
     replicas: int,
     gpus_per_replica: float = 0,
+    cpus_per_replica: float = 1,
     batch_rows: int = DEFAULT_BATCH_ROWS,
     sampling: Mapping[str, Any] | None = None,
     **engine: Any,
 ) -> Any:
     """`ds` (a `ray.data.Dataset`) with each row's result added: `replicas` actors, one
-    engine each, `gpus_per_replica` GPUs reserved for each (1 on a GPU cluster).
+    engine each, reserving `gpus_per_replica` GPUs (1 on a GPU cluster) and
+    `cpus_per_replica` CPUs.
     `engine` holds `EngineArgs` keywords (model, policy, device, ...)."""
     return ds.map_batches(
         NanoflexProcessor,
         fn_constructor_kwargs={"engine": engine, "sampling": dict(sampling or {})},
         batch_size=batch_rows,
-        batch_format="numpy",
+        batch_format="pyarrow",
         concurrency=replicas,
         num_gpus=gpus_per_replica,
+        num_cpus=cpus_per_replica,
     )

@@ -7,9 +7,10 @@ A row is one request, in one of two shapes:
 - a plain row: `prompt` (completions) or `messages` (chat); the processor's `sampling`
   dict fills the other body fields and the served model name is filled in.
 
-Arrow gives every row of a column the same keys, so a dict missing a key elsewhere
-present arrives with it set to null; nulls in dicts are dropped (null means omitted in
-OpenAI's API), and numpy values become plain Python.
+Arrow gives every row of a column the same keys, so a dict missing a key that another
+row has arrives with it set to null: nulls in dicts are dropped (null means omitted in
+OpenAI's API). Rows come from Arrow as Python values (`Table.to_pylist`), never through
+numpy or pandas, where an integer column with a null turns into floats.
 
 A result adds the columns of `RowResult` to its row (`OUTPUT_COLUMNS`).
 """
@@ -20,8 +21,6 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
-
-import numpy as np
 
 from server.errors import APIError, invalid_request
 from server.responses import ChoiceState
@@ -68,27 +67,18 @@ class RowResult:
 OUTPUT_COLUMNS = tuple(f.name for f in fields(RowResult))
 
 
-def to_python(value: Any) -> Any:
-    """`value` as plain Python: numpy arrays and scalars converted, nulls in dicts dropped."""
-    if isinstance(value, np.ndarray):
-        return [to_python(v) for v in value] if value.dtype == object else value.tolist()
-    if isinstance(value, np.generic):
-        return value.item()
+def without_nulls(value: Any) -> Any:
+    """`value` with every null-valued key of every dict in it dropped."""
     if isinstance(value, Mapping):
-        return {str(k): to_python(v) for k, v in value.items() if v is not None}
+        return {str(k): without_nulls(v) for k, v in value.items() if v is not None}
     if isinstance(value, list | tuple):
-        return [to_python(v) for v in value]
+        return [without_nulls(v) for v in value]
     return value
-
-
-def batch_rows(batch: Mapping[str, Sequence[Any]]) -> list[dict[str, Any]]:
-    """The rows of a Ray Data batch in the "numpy" format (a dict of column arrays)."""
-    num_rows = len(next(iter(batch.values()))) if batch else 0
-    return [{k: to_python(column[i]) for k, column in batch.items()} for i in range(num_rows)]
 
 
 def row_request(row: Mapping[str, Any], model: str, sampling: Mapping[str, Any]) -> RowRequest:
     """The request a row asks for; `model` and `sampling` complete a plain row."""
+    row = without_nulls(row)
     if row.get("body") is not None:
         return _batch_line(row)
     for key, endpoint in (("prompt", COMPLETIONS), ("messages", CHAT)):
