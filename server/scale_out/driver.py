@@ -13,6 +13,7 @@ and the progress bar are `server.run_batch`'s, unchanged; this module only suppl
 from __future__ import annotations
 
 import argparse
+import sys
 from types import ModuleType
 from typing import Any
 
@@ -45,6 +46,7 @@ def ray_runner(args: argparse.Namespace) -> Runner:
             if gpus is None:
                 gpus = 1 if num_gpus and engine_args.device != "cpu" else 0
             num_replicas = args.replicas or _default_replicas(ray, num_gpus if gpus else 0)
+            _warn_if_short(resources, num_replicas, gpus)
             pool = ReplicaPool(ray, engine_args, num_replicas, gpus_per_replica=gpus)
             try:
                 await pool.run(work, record)
@@ -74,3 +76,16 @@ def _default_replicas(ray: Any, num_gpus: int) -> int:
     if num_gpus:
         return num_gpus
     return max(1, sum(1 for node in ray.nodes() if node.get("Alive")))
+
+
+def _warn_if_short(resources: dict[str, float], num_replicas: int, gpus: float) -> None:
+    """Replicas the cluster cannot place now wait for nodes to join (an autoscaler's):
+    say so rather than look stuck."""
+    for name, each in (("GPU", gpus), ("CPU", 1.0)):
+        have = resources.get(name, 0.0)
+        if each and num_replicas * each > have:
+            print(
+                f"run-batch: {num_replicas} replicas need {num_replicas * each:g} {name}s and "
+                f"the cluster has {have:g}; the rest wait until nodes join",
+                file=sys.stderr,
+            )

@@ -155,8 +155,12 @@ class ReplicaPool:
         return max(1, min(largest, even))
 
     async def run(self, work: BatchWork, record: Record) -> None:
-        """Answer every line of `work`, recording each exactly once."""
+        """Start the replicas and answer every line of `work`."""
         await self.start()
+        await self.answer(work, record)
+
+    async def answer(self, work: BatchWork, record: Record) -> None:
+        """Answer every line of `work` on the started replicas, recording each exactly once."""
         size = self.shard_lines(len(work.todo))
         shards: asyncio.Queue[list[Pending]] = asyncio.Queue()
         for start in range(0, len(work.todo), size):

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from pytest import CaptureFixture
 
 from server.cli import main as cli_main
 from server.scale_out.pool import ACTOR_NAME_PREFIX
@@ -83,39 +84,40 @@ def answered_per_replica(stderr: str) -> list[int]:
 
 
 def test_two_replicas_write_what_the_local_run_writes(
-    ray_cluster: Any,
-    local_run: tuple[Path, Path],
-    tmp_path: Path,
-    capfd: pytest.CaptureFixture[str],
+    ray_cluster: Any, local_run: tuple[Path, Path], tmp_path: Path, capfd: CaptureFixture[str]
 ) -> None:
-    inp = copy_input(local_run[0], tmp_path)
-    out = tmp_path / "out.jsonl"
+    inp, out = copy_input(local_run[0], tmp_path), tmp_path / "out.jsonl"
     assert cli_main(run_batch_argv(inp, out, "--ray", "--replicas", "2")) == 0
     assert_same_files(out, local_run[1])
     counts = answered_per_replica(capfd.readouterr().err)
     assert len(counts) == 2 and all(n > 0 for n in counts) and sum(counts) == NUM_LINES
 
 
-def kill_a_replica_after(ray: Any, out: Path, num_lines: int, killed: list[int]) -> None:
-    """Once `out` has `num_lines` lines, kill one replica actor; note how many lines there were."""
+def num_lines_in(path: Path) -> int:
+    return path.read_bytes().count(b"\n") if path.exists() else 0
+
+
+def wait_for_lines(path: Path, num_lines: int, proc: subprocess.Popen[bytes] | None = None) -> None:
+    """Until `path` has `num_lines` lines (or `proc` ends, or 240 s pass)."""
     deadline = time.monotonic() + 240
-    while time.monotonic() < deadline:
-        if out.exists() and out.read_bytes().count(b"\n") >= num_lines:
-            names = sorted(n for n in ray.util.list_named_actors() if ACTOR_NAME_PREFIX in n)
-            ray.kill(ray.get_actor(names[-1]))
-            killed.append(out.read_bytes().count(b"\n"))
+    while time.monotonic() < deadline and (proc is None or proc.poll() is None):
+        if num_lines_in(path) >= num_lines:
             return
         time.sleep(0.01)
 
 
+def kill_a_replica_after(ray: Any, out: Path, num_lines: int, killed: list[int]) -> None:
+    """Once `out` has `num_lines` lines, kill one replica actor; note how many lines there were."""
+    wait_for_lines(out, num_lines)
+    names = sorted(n for n in ray.util.list_named_actors() if ACTOR_NAME_PREFIX in n)
+    ray.kill(ray.get_actor(names[-1]))
+    killed.append(num_lines_in(out))
+
+
 def test_a_replica_killed_mid_job_loses_and_repeats_no_line(
-    ray_cluster: Any,
-    local_run: tuple[Path, Path],
-    tmp_path: Path,
-    capfd: pytest.CaptureFixture[str],
+    ray_cluster: Any, local_run: tuple[Path, Path], tmp_path: Path, capfd: CaptureFixture[str]
 ) -> None:
-    inp = copy_input(local_run[0], tmp_path)
-    out = tmp_path / "out.jsonl"
+    inp, out = copy_input(local_run[0], tmp_path), tmp_path / "out.jsonl"
     killed: list[int] = []
     killer = threading.Thread(target=kill_a_replica_after, args=(ray_cluster, out, 2, killed))
     killer.start()
@@ -154,17 +156,28 @@ def test_a_killed_driver_is_resumed_by_running_it_again(
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen([sys.executable, "-m", "server.cli", *argv], cwd=ROOT, env=env)
     driver_process.append(proc)
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline and proc.poll() is None:
-        if out.exists() and out.read_bytes().count(b"\n") >= 4:
-            break
-        time.sleep(0.01)
+    wait_for_lines(out, 4, proc)
     assert proc.poll() is None, "the driver ended before it could be killed: make the job longer"
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    num_before = out.read_bytes().count(b"\n")
+    num_before = num_lines_in(out)
     assert 4 <= num_before < NUM_LINES
 
     assert cli_main(run_batch_argv(inp, out, "--ray", "--replicas", "2")) == 0
     assert_same_files(out, local_run[1])
-    assert out.read_bytes().count(b"\n") == NUM_LINES
+    assert num_lines_in(out) == NUM_LINES
+
+
+def test_an_engine_that_cannot_start_ends_the_run_with_its_error(
+    ray_cluster: Any, tmp_path: Path, capfd: CaptureFixture[str]
+) -> None:
+    inp = write_input(tmp_path / "in.jsonl", [line("a")])
+    out = tmp_path / "out.jsonl"
+    argv = run_batch_argv(inp, out, "--ray", "--replicas", "2")
+    argv[argv.index(MODEL)] = str(tmp_path / "no-such-model")
+    assert cli_main(argv) == 2
+    last = capfd.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("nanoflex run-batch: error: replica ") and "could not start" in last
+    assert "no-such-model" in last
+    assert not out.exists()
+    assert not ray_cluster.util.list_named_actors(), "the other replica was left running"
