@@ -117,7 +117,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="with --ray: engines to run, one per actor (default: one per GPU of the "
-        "cluster, or 1 without GPUs)",
+        "cluster, or one per node without GPUs)",
     )
     parser.add_argument(
         "--gpus-per-replica",
