@@ -22,8 +22,8 @@ from typing import Any
 
 from bench.common import Table, write_json
 from engine.core.engine_args import EngineArgs
-from engine.core.model_files import DEMO_MODEL
-from server.core_client import engine_client
+from engine.core.model_files import DEMO_MODEL, served_model_name
+from server.core_client import CoreEngineClient
 from server.metrics import Metrics
 from server.run_batch import BatchWork, Pending, answer_all, batch_request_id
 from server.serving import COMPLETIONS, Serving
@@ -85,7 +85,8 @@ def result(
 
 async def local(engine_args: EngineArgs, work: BatchWork) -> dict[str, Any]:
     start = time.perf_counter()
-    client = engine_client(engine_args, in_process=True)
+    name = served_model_name(engine_args.model)
+    client = CoreEngineClient(engine_args, model_name=name, in_process=True)
     await client.start()
     ready = time.perf_counter()
     tally = Tally()

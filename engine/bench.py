@@ -17,16 +17,16 @@ from engine.core.sampling_params import SamplingParams
 from engine.core.sequence import Request
 from engine.llm import LLM
 from policy.errors import UserError
+from policy.plan import add_length_args
 from policy.specs import WorkloadSpec
 from policy.units import format_bytes
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     EngineArgs.add_cli_args(parser)
-    parser.add_argument("--prompt-len", type=int, default=512)
-    parser.add_argument("--gen-len", type=int, default=32)
-    parser.add_argument("--num-prompts", type=int, default=8)
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    add_length_args(parser)
+    parser.add_argument("--num-prompts", type=int, default=8, help="requests, all run together")
+    parser.add_argument("--json", action="store_true", help="print one JSON object, not a table")
     parser.add_argument(
         "--trace",
         default=None,
@@ -37,7 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     if min(args.prompt_len, args.gen_len, args.num_prompts) < 1:
-        raise UserError("--prompt-len, --gen-len and --num-prompts must be at least 1")
+        raise UserError("--input-len, --output-len and --num-prompts must be at least 1")
     engine_args = EngineArgs.from_cli_args(
         args,
         show_progress=True,

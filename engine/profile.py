@@ -11,7 +11,9 @@ from policy.hardware import default_cache_path
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--offload-dir", default=None, help="directory to measure disk speed in")
-    parser.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
+    parser.add_argument(
+        "--device", default="auto", choices=["auto", "cuda", "cpu"], help="the device to profile"
+    )
     parser.add_argument("--json", action="store_true", help="print the profile as JSON")
 
 

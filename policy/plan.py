@@ -23,13 +23,35 @@ TASK_LABELS: dict[str, str] = {
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="path, hub id or known name (default: demo)")
-    parser.add_argument("--prompt-len", type=int, default=512)
-    parser.add_argument("--gen-len", type=int, default=32)
+    add_length_args(parser)
     parser.add_argument("--gpu-mem", default=None, help="GPU budget, e.g. 16GiB")
     parser.add_argument("--cpu-mem", default=None, help="CPU memory budget, e.g. 64GiB")
     parser.add_argument("--disk-mem", default=None, help="disk budget, e.g. 500GiB")
     parser.add_argument("--hardware", default=None, help="hardware JSON (default: cached profile)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+
+def add_length_args(parser: argparse.ArgumentParser) -> None:
+    """The workload's lengths, in vLLM's words (`--input-len`, `--output-len`) with FlexGen's
+    (`--prompt-len`, `--gen-len`) kept as aliases; parsed as `prompt_len` and `gen_len`."""
+    parser.add_argument(
+        "--input-len",
+        "--prompt-len",
+        dest="prompt_len",
+        metavar="N",
+        type=int,
+        default=512,
+        help="prompt tokens per request (--prompt-len: FlexGen's name)",
+    )
+    parser.add_argument(
+        "--output-len",
+        "--gen-len",
+        dest="gen_len",
+        metavar="N",
+        type=int,
+        default=32,
+        help="tokens generated per request, EOS ignored (--gen-len: FlexGen's name)",
+    )
 
 
 def main(args: argparse.Namespace) -> int:

@@ -2,13 +2,19 @@
 
 Online completions and chat run at priority 0, Batch API work at priority 1.
 A client that disconnects has its engine requests aborted.
+
+The engine starts in the background once the app serves: /health answers at once, /ready
+answers 503 with what the engine is doing until it is loaded. An engine that cannot start,
+or that crashes past its restart limit, calls `on_fatal` with one line (`nanoflex serve`
+then exits non-zero); /ready shows that line, never a traceback.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
@@ -18,10 +24,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive
 
 from engine.core.sequence import ONLINE_PRIORITY
+from policy.errors import UserError
 from server.batch_routes import router as batch_router
 from server.batches import BatchRunner
 from server.data_dir import open_data_dir
-from server.engine_client import EngineClient
+from server.engine_client import EngineClient, EngineDeadError
 from server.errors import engine_unavailable, install_error_handlers, not_found
 from server.files import now
 from server.metrics import CONTENT_TYPE, Metrics
@@ -63,10 +70,16 @@ async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
 
 
 def create_app(
-    settings: ServerSettings, engine: EngineClient, *, start_engine: bool = True
+    settings: ServerSettings,
+    engine: EngineClient,
+    *,
+    start_engine: bool = True,
+    on_fatal: Callable[[str], None] | None = None,
 ) -> FastAPI:
-    """The daemon's app. Its lifespan starts the engine (unless `start_engine` is False:
-    the caller started it), resumes unfinished batches, and shuts both down at exit."""
+    """The daemon's app. Its lifespan starts the engine in the background (unless
+    `start_engine` is False: the caller started it), resumes unfinished batches, and shuts
+    both down at exit. `on_fatal(line)` is called (from any thread) when the engine cannot
+    start or is gone for good."""
     store, storage = open_data_dir(settings)
     metrics = Metrics(engine)
     model_name = settings.served_model_name or engine.model_name
@@ -81,21 +94,38 @@ def create_app(
         runner=BatchRunner(store, storage, serving, settings),
     )
 
+    def fatal(message: str) -> None:
+        state.engine_error = message
+        if on_fatal is None:
+            logger.error("the engine cannot run: %s", message)
+        else:  # the caller reports it
+            on_fatal(message)
+
+    engine.add_fatal_listener(fatal)
+
+    async def start() -> None:
+        try:
+            await engine.start()
+        except UserError as e:  # the client's one line: bad model, no device, out of memory
+            fatal(str(e))
+        except Exception as e:  # a bug: keep its traceback in the log
+            logger.exception("engine failed to start")
+            fatal(f"{type(e).__name__}: {e}".splitlines()[0])
+        else:
+            logger.info("engine ready: serving %s", model_name)
+
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        if start_engine:
-            try:
-                await engine.start()
-            except Exception as e:
-                state.engine_error = f"{type(e).__name__}: {e}"
-                logger.exception("engine failed to start")
+        starting = asyncio.create_task(start()) if start_engine else None
         await state.runner.start()
         try:
             yield
         finally:
             await state.runner.stop()
-            if start_engine:
-                await engine.shutdown()
+            if starting is not None:
+                await engine.shutdown()  # aborts a load still under way
+                starting.cancel()
+                await asyncio.gather(starting, return_exceptions=True)
             store.close()
             logger.info("nanoflex stopped: batch work paused, engine shut down, store closed")
 
@@ -195,8 +225,11 @@ def _add_online_routes(app: FastAPI) -> None:
         state = get_state(request)
         if state.engine.is_ready():
             return JSONResponse({"status": "ready", "model": state.serving.model_name})
-        detail = state.engine_error or "engine starting or restarting"
-        return JSONResponse({"status": "not_ready", "detail": detail}, status_code=503)
+        if state.engine_error is not None:
+            body = {"status": "failed", "detail": state.engine_error}
+        else:
+            body = {"status": "not_ready", "detail": state.engine.status()}
+        return JSONResponse(body, status_code=503)
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
@@ -204,10 +237,13 @@ def _add_online_routes(app: FastAPI) -> None:
 
 
 def _model(state: AppState) -> dict[str, Any]:
-    return {
+    """The served model; `max_model_len` once the model is loaded (vLLM's extension)."""
+    model: dict[str, Any] = {
         "id": state.serving.model_name,
         "object": "model",
         "created": now(),
         "owned_by": "nanoflex",
-        "max_model_len": state.engine.max_model_len,
     }
+    with contextlib.suppress(EngineDeadError):  # still loading: no length yet
+        model["max_model_len"] = state.engine.max_model_len
+    return model

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
 import signal
 import sys
 from collections.abc import Sequence
@@ -31,14 +32,53 @@ def handler(command: str) -> ModuleType:
     return importlib.import_module(COMMANDS[command][0])
 
 
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """Every flag's help names its default: help text that does not already say it gets
+    "(default: X)" appended (argparse's ArgumentDefaultsHelpFormatter, with on/off for
+    switches and "none" for None, and "(required)" for required flags)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if action.default is argparse.SUPPRESS or "default" in text:
+            return text
+        if action.required:
+            return text if "required" in text else f"{text} (required)".strip()
+        if not action.option_strings and action.nargs not in ("?", "*"):
+            return text
+        return f"{text} (default: {describe_default(action.default)})".strip()
+
+
+def describe_default(value: object) -> str:
+    """A default as help text shows it (escaped for argparse's %-formatting)."""
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return str(value).replace("%", "%%")
+
+
+def version() -> str:
+    try:
+        return importlib.metadata.version("nanoflex")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree, not installed
+        return "unknown (not installed)"
+
+
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The parser; with `command`, only that command's module is imported for its flags."""
     parser = argparse.ArgumentParser(
-        prog="nanoflex", description="Throughput-oriented LLM serving on one GPU box."
+        prog="nanoflex",
+        description="Throughput-oriented LLM serving on one GPU box.",
+        formatter_class=DefaultsHelpFormatter,
+    )
+    parser.add_argument(
+        "--version", action="version", version=f"nanoflex {version()}", help="print the version"
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (_, help_text) in COMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text)
+        p = sub.add_parser(
+            name, help=help_text, description=help_text, formatter_class=DefaultsHelpFormatter
+        )
         if command is None or command == name:
             handler(name).add_arguments(p)
     return parser

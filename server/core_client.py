@@ -1,17 +1,25 @@
 """`CoreEngineClient`: the daemon's engine: the scheduler here, the executor in its own process.
 
+Building the client is cheap: `start()` resolves the model (building its directory on
+first use), plans the policy and loads the weights in the engine process, saying what it
+does in `status()` and the log, so the daemon can answer /health and /ready meanwhile.
+A failure there raises `EngineStartError` with one line; nothing is retried.
+
 One worker thread owns the `Scheduler` and `EngineCore` (neither is thread-safe)
 and steps them; the asyncio side talks to it only through a command queue and
 gets outputs back with `call_soon_threadsafe`. If the engine process dies, the
-client reports not-ready, restarts it with a fresh scheduler and fails the
-requests that were in flight with `EngineDeadError` (batch work is retried by
-the batch runner, so batch jobs lose nothing; online callers see a 503).
+client reports not-ready, restarts it with a fresh scheduler (back-off and a limit:
+server/restarts.py) and fails the requests that were in flight with `EngineDeadError`
+(batch work is retried by the batch runner, so batch jobs lose nothing; online
+callers see a 503). Past the limit it gives up and calls its fatal listeners.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import copy
 import logging
 import queue
 import threading
@@ -24,15 +32,17 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from engine.core.engine_args import EngineArgs
 from engine.core.engine_core import EngineCore
-from engine.core.model_files import context_length, resolve_model_dir, served_model_name
+from engine.core.model_files import resolve_model_dir, served_model_name
 from engine.core.outputs import RequestOutput
 from engine.core.protocol import StepPlan, StepResult
 from engine.core.sampling_params import SamplingParams
 from engine.core.sequence import ONLINE_PRIORITY, Request
 from engine.core.tokenizer import Tokenizer
-from policy import Policy
+from policy import TIERS, Policy
+from policy.errors import UserError
 from server.engine_client import EngineClient, EngineDeadError, StepStats
 from server.engine_process import ExecutorDiedError, ExecutorProcess, InProcessExecutor
+from server.restarts import RestartPolicy, RestartTracker
 
 log = logging.getLogger("nanoflex.engine")
 
@@ -40,67 +50,141 @@ EXECUTOR_FACTORY = "engine.executor.executor:build_executor"
 _IDLE_WAIT_S = 0.05
 
 
+class EngineStartError(UserError):
+    """The engine could not start (bad model, no device, out of memory at load); one line."""
+
+
 class CoreEngineClient(EngineClient):
+    """The scheduler in this process, the executor in the engine process (or in this one
+    with `in_process`). `model_dir` and `policy` are resolved by `start()` when None."""
+
     def __init__(
         self,
         engine_args: EngineArgs,
-        model_dir: Path,
-        policy: Policy,
+        model_dir: Path | None = None,
+        policy: Policy | None = None,
         *,
         model_name: str,
         in_process: bool = False,
+        restarts: RestartPolicy | None = None,
+        executor_factory: str = EXECUTOR_FACTORY,
     ) -> None:
         super().__init__()
+        self.executor_factory = executor_factory
+        """'module:function' building the executor from `EngineArgs.executor_kwargs`."""
         self.engine_args, self.model_dir, self.policy = engine_args, model_dir, policy
         self._model_name = model_name
-        self._tokenizer = Tokenizer(model_dir)
-        kwargs = engine_args.executor_kwargs(model_dir, policy)
-        self._executor: ExecutorProcess | InProcessExecutor = (
-            InProcessExecutor(EXECUTOR_FACTORY, kwargs)
-            if in_process
-            else ExecutorProcess(EXECUTOR_FACTORY, kwargs)
-        )
-        self._max_model_len = context_length(model_dir)
-        self._max_token_bytes = longest_token_bytes(model_dir)
+        self._in_process = in_process
+        self._restarts = RestartTracker(restarts or RestartPolicy())
+        self._tokenizer: Tokenizer | None = None
+        self._executor: ExecutorProcess | InProcessExecutor | None = None
+        self._max_model_len = 0
+        self._max_token_bytes = 0
+        self._status = "waiting to start"
         self._commands: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._streams: dict[str, asyncio.Queue[RequestOutput | Exception]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
         self._stopping = threading.Event()
+        self._loading = threading.Event()
         self._core: EngineCore | None = None
         self._preemptions_before = 0
-        self._counter = _StepCounter(self._executor)
+        self._counter: _StepCounter | None = None
         self._reported_busy = False
 
     # -- lifecycle -------------------------------------------------------------------------
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        await asyncio.to_thread(self._executor.start)
+        self._loading.set()
+        try:
+            await asyncio.to_thread(self._load)
+        except UserError as e:
+            raise EngineStartError(str(e)) from e
+        finally:
+            self._loading.clear()
+        if self._stopping.is_set():
+            return
         self._core = self._new_core()
         self._thread = threading.Thread(target=self._run, name="nanoflex-core", daemon=True)
         self._thread.start()
+        self._set_status("ready")
         self._ready.set()
+
+    def _load(self) -> None:
+        """Resolve the model and the policy, read the tokenizer, start the executor."""
+        args = self.engine_args
+        if self.model_dir is None:
+            self._set_status(f"finding model {self._model_name} (built on first use)")
+            self.model_dir = resolve_model_dir(args.model)
+        if self.policy is None:
+            self._set_status("planning the policy (the first run on a machine profiles it)")
+            self.policy, plan = args.resolve_policy(self.model_dir)
+            log.info("policy %s%s", self.policy.to_json(), f" planned: {plan}" if plan else "")
+        self._set_status("reading the tokenizer")
+        tokenizer = Tokenizer(self.model_dir)
+        self._max_model_len = args.context_len(self.model_dir)
+        self._max_token_bytes = longest_token_bytes(self.model_dir)
+        self._tokenizer = tokenizer  # last: requests are prepared once it is set
+        kwargs = args.executor_kwargs(self.model_dir, self.policy)
+        self._executor = (
+            InProcessExecutor(self.executor_factory, kwargs, on_progress=self._set_status)
+            if self._in_process
+            else ExecutorProcess(self.executor_factory, kwargs, on_progress=self._set_status)
+        )
+        if self._stopping.is_set():
+            return
+        self._set_status(f"loading {self.model_dir.name} in the engine process")
+        try:
+            self._executor.start()
+        except Exception:
+            if self._stopping.is_set():  # shut down while loading: not a start failure
+                return
+            raise
 
     async def shutdown(self) -> None:
         self._stopping.set()
+        if self._loading.is_set() and self._executor is not None:
+            self._executor.abort_start()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
-        await asyncio.to_thread(self._executor.shutdown)
+        if self._executor is not None:
+            await asyncio.to_thread(self._executor.shutdown)
         self._ready.clear()
 
     def is_ready(self) -> bool:
-        return self._ready.is_set() and self._executor.is_alive
+        return self._ready.is_set() and self._executor is not None and self._executor.is_alive
+
+    def status(self) -> str:
+        return self._status
+
+    def _set_status(self, text: str) -> None:
+        if text != self._status:
+            log.info("engine: %s", text)
+        self._status = text
 
     def _new_core(self) -> EngineCore:
-        if self._core is not None:  # a restart: keep counting across schedulers
-            self._preemptions_before += self._core.scheduler.num_preemptions
+        assert self.policy is not None and self.model_dir is not None and self._executor
         scheduler = self.engine_args.create_scheduler(
             self.policy, self.model_dir, self._executor.describe(), self._tokenizer
         )
         self._counter = _StepCounter(self._executor)
         return EngineCore(scheduler, self._counter, self.engine_args.async_scheduling)
+
+    def _close_core(self) -> None:
+        """Close the engine core (after a crash, or at the end), keeping its counts."""
+        core, self._core = self._core, None
+        if core is not None:
+            self._preemptions_before += core.scheduler.num_preemptions
+            with contextlib.suppress(Exception):  # the failed step's error: already handled
+                core.close()
+
+    def _loaded(self) -> Tokenizer:
+        """The tokenizer, once `start()` has read it; before, the engine is unavailable."""
+        if self._tokenizer is None:
+            raise EngineDeadError(f"the model is not loaded yet ({self._status})")
+        return self._tokenizer
 
     # -- model and tokenizer ---------------------------------------------------------------
 
@@ -110,28 +194,30 @@ class CoreEngineClient(EngineClient):
 
     @property
     def max_model_len(self) -> int:
+        self._loaded()
         return self._max_model_len
 
     @property
     def vocab_size(self) -> int:
-        return self._tokenizer.vocab_size
+        return self._loaded().vocab_size
 
     @property
     def max_token_bytes(self) -> int:
+        self._loaded()
         return self._max_token_bytes
 
     @property
     def eos_token_id(self) -> int | None:
-        return self._tokenizer.eos_token_id
+        return self._loaded().eos_token_id
 
     def encode(self, text: str) -> list[int]:
-        return self._tokenizer.encode(text)
+        return self._loaded().encode(text)
 
     def decode(self, token_ids: Sequence[int]) -> str:
-        return self._tokenizer.decode(token_ids)
+        return self._loaded().decode(token_ids)
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
-        return self._tokenizer.apply_chat_template(messages)
+        return self._loaded().apply_chat_template(messages)
 
     # -- generation ------------------------------------------------------------------------
 
@@ -185,18 +271,21 @@ class CoreEngineClient(EngineClient):
             try:
                 outputs = core.step()
             except ExecutorDiedError as e:
-                self._recover(e)
+                if not self._recover(e):
+                    break
                 continue
             except Exception as e:  # an engine bug: its state may no longer match the plan
                 log.exception("engine step failed")
+                assert self._executor is not None
                 self._executor.kill()
-                self._recover(e)
+                if not self._recover(e):
+                    break
                 continue
+            assert self._counter is not None
             self._emit(core, time.perf_counter() - start, self._counter.num_seqs)
             for out in outputs:
                 self._deliver(out.request_id, out)
-        if self._core is not None:
-            self._core.close()
+        self._close_core()
 
     def _drain_commands(self, core: EngineCore, block: bool) -> None:
         try:
@@ -222,25 +311,52 @@ class CoreEngineClient(EngineClient):
             except queue.Empty:
                 return
 
-    def _recover(self, error: Exception) -> None:
-        """The engine process died: fail what was in flight, restart it, start over clean."""
-        log.error("engine process died (%s); restarting it", error)
+    def _recover(self, error: Exception) -> bool:
+        """The engine process died: fail what was in flight, restart it after a back-off and
+        start over clean. False: stopping, or the restart limit is reached (fatal)."""
+        log.error("engine process died (%s)", _one_line(error))
         self._ready.clear()
         for request_id in list(self._streams):
             self._deliver(request_id, EngineDeadError("the engine process died; retry"))
+        assert self._executor is not None
         while not self._stopping.is_set():
+            delay = self._restarts.next_delay(time.monotonic())
+            if delay is None:
+                policy = self._restarts.policy
+                message = (
+                    f"the engine crashed {policy.max_restarts + 1} times within "
+                    f"{policy.window_s:.0f} s; giving up (last: {_one_line(error)})"
+                )
+                self._set_status(message)
+                self._close_core()
+                self.emit_fatal(message)
+                return False
+            self._set_status(
+                f"restarting the engine in {delay:.0f} s after a crash (restart "
+                f"{self._restarts.num_recent} of at most {self._restarts.policy.max_restarts})"
+            )
+            if self._stopping.wait(delay):
+                return False
             try:
                 self._executor.restart()
                 break
-            except Exception:
-                log.exception("engine restart failed; retrying in 5 s")
-                time.sleep(5.0)
+            except Exception as e:
+                log.error("engine restart failed: %s", _one_line(e))
+                error = e
+        self._close_core()
+        if self._stopping.is_set():
+            return False
         self._core = self._new_core()
         self._emit(self._core, 0.0, batch_size=0)
+        self._set_status("ready")
         self._ready.set()
+        return True
 
     def _emit(self, core: EngineCore, step_seconds: float, batch_size: int) -> None:
         scheduler = core.scheduler
+        pages = scheduler.page_manager
+        assert self._executor is not None
+        info = self._executor.describe()
         self._reported_busy = scheduler.has_unfinished()
         self.emit_step(
             StepStats(
@@ -248,8 +364,11 @@ class CoreEngineClient(EngineClient):
                 batch_size=batch_size,
                 num_waiting=scheduler.num_waiting,
                 num_running=len(scheduler.running),
-                bytes_per_tier=self._executor.describe().placement.bytes_per_tier(),
+                bytes_per_tier=info.placement.bytes_per_tier(),
                 num_preemptions=self._preemptions_before + scheduler.num_preemptions,
+                prefix_cache=copy.deepcopy(pages.stats),
+                cached_pages={tier: pages.num_cached_pages(tier) for tier in TIERS},
+                page_bytes=info.page_bytes,
             )
         )
 
@@ -290,23 +409,14 @@ def _resolve(future: asyncio.Future[Exception | None], error: Exception | None) 
         future.set_result(error)
 
 
+def _one_line(e: Exception) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
 def build_engine_client(args: argparse.Namespace) -> CoreEngineClient:
-    """`nanoflex serve`'s engine: the model resolved here, loaded in the engine process."""
-    return engine_client(
-        EngineArgs.from_cli_args(args), in_process=getattr(args, "in_process", False)
-    )
-
-
-def engine_client(engine_args: EngineArgs, *, in_process: bool = False) -> CoreEngineClient:
-    """An (unstarted) client for `engine_args`: the model resolved and the policy chosen
-    here, on this machine; the executor in this process or in an engine process."""
-    model_dir = resolve_model_dir(engine_args.model)
-    policy, plan = engine_args.resolve_policy(model_dir)
-    log.info("policy %s%s", policy.to_json(), f" planned: {plan}" if plan else "")
+    """`nanoflex serve`'s engine, not started: nothing is loaded until `start()`."""
+    engine_args = EngineArgs.from_cli_args(args)
+    name = getattr(args, "served_model_name", None) or served_model_name(engine_args.model)
     return CoreEngineClient(
-        engine_args,
-        model_dir,
-        policy,
-        model_name=served_model_name(engine_args.model),
-        in_process=in_process,
+        engine_args, model_name=name, in_process=getattr(args, "in_process", False)
     )

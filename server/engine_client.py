@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from engine.core.kv_pages import CacheStats
 from engine.core.sampling_params import SamplingParams
 from engine.core.sequence import ONLINE_PRIORITY
 
@@ -57,6 +58,9 @@ class RequestOutputLike(Protocol):
     def outputs(self) -> Sequence[CompletionOutputLike]: ...
     @property
     def finished(self) -> bool: ...
+    @property
+    def num_cached_tokens(self) -> int | None:
+        """Prompt tokens whose KV came from the prefix cache."""
 
 
 @dataclass(slots=True)
@@ -73,26 +77,38 @@ class StepStats:
     """Bytes resident per tier ('gpu', 'cpu', 'disk'): weights + KV + activations."""
     num_preemptions: int = 0
     """Sequences preempted since the engine started (KV dropped, recomputed later)."""
+    prefix_cache: CacheStats = field(default_factory=CacheStats)
+    """Cumulative prefix-cache figures of the current scheduler (from 0 after a restart)."""
+    cached_pages: dict[str, int] = field(default_factory=dict)
+    """KV pages kept cached (held by no sequence), per tier."""
+    page_bytes: int = 0
+    """Bytes of one KV page over all layers (turns page counts into bytes)."""
 
 
 StepListener = Callable[[StepStats], None]
+FatalListener = Callable[[str], None]
+"""Called once with one line when the engine is gone for good (restarts exhausted)."""
 
 
 class EngineClient(abc.ABC):
     """The daemon's view of the engine: lifecycle, tokenizer, generation, abort.
 
-    Lifecycle: `await start()` once (loads the model, may take minutes), then
-    `is_ready()` is True while the engine steps; `await shutdown()` finishes
-    the running step, frees the device and stops the child process.
+    Lifecycle: `await start()` once (loads the model, may take minutes; the daemon serves
+    /health meanwhile and /ready shows `status()`), then `is_ready()` is True while the
+    engine steps; `await shutdown()` finishes the running step, frees the device and stops
+    the child process. The tokenizer and the model's limits may need the model loaded:
+    before that they raise `EngineDeadError` (the daemon's 503).
     """
 
     def __init__(self) -> None:
         self._step_listeners: list[StepListener] = []
+        self._fatal_listeners: list[FatalListener] = []
 
     # -- lifecycle -------------------------------------------------------------------
     @abc.abstractmethod
     async def start(self) -> None:
-        """Load the model and start stepping. Raises a `UserError` for bad configuration."""
+        """Load the model and start stepping. Raises a `UserError` with a one-line message
+        for a failure that retrying does not change (bad model, no device, out of memory)."""
 
     @abc.abstractmethod
     async def shutdown(self) -> None:
@@ -101,6 +117,11 @@ class EngineClient(abc.ABC):
     @abc.abstractmethod
     def is_ready(self) -> bool:
         """True when the model is loaded and the engine is stepping (GET /ready)."""
+
+    def status(self) -> str:
+        """What the engine is doing while not ready (GET /ready's detail), e.g. "loading
+        weights: layer 3/30"."""
+        return "engine starting or restarting"
 
     # -- model and tokenizer ---------------------------------------------------------
     @property
@@ -168,3 +189,12 @@ class EngineClient(abc.ABC):
         """Concrete clients call this once per finished step."""
         for listener in self._step_listeners:
             listener(stats)
+
+    def add_fatal_listener(self, listener: FatalListener) -> None:
+        """Call `listener` (from any thread) when the engine is gone for good."""
+        self._fatal_listeners.append(listener)
+
+    def emit_fatal(self, message: str) -> None:
+        """Concrete clients call this once when they give up restarting the engine."""
+        for listener in self._fatal_listeners:
+            listener(message)

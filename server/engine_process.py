@@ -6,7 +6,11 @@ factory path such as "engine.executor.executor:build_executor" and keyword argum
 Messages over one Pipe are pickled tuples:
 
     parent -> child: ("execute", StepPlan) | ("health",) | ("shutdown",)
-    child -> parent: ("ready", EngineInfo) | ("result", StepResult) | ("ok",) | ("error", traceback)
+    child -> parent: ("progress", text)* then ("ready", EngineInfo) | ("error", (line, traceback))
+                     while starting; then ("result", StepResult) | ("ok",) | ("error", traceback)
+
+A factory that takes an `on_progress` keyword gets one: its (done, total) calls become
+"progress" messages ("loading weights: layer 3/30"), passed to the parent's `on_progress`.
 
 The factory returns an executor with the surface of `engine.executor.executor.Executor`:
 `describe() -> EngineInfo` once built, `execute(plan)` per step, `close()` at shutdown.
@@ -18,15 +22,21 @@ starts a fresh one. `InProcessExecutor` is the same surface without a process.
 from __future__ import annotations
 
 import importlib
+import inspect
+import logging
 import multiprocessing as mp
 import shutil
 import signal
 import traceback
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
 
 from engine.core.protocol import EngineInfo, StepPlan, StepResult
+from policy.errors import UserError
+
+log = logging.getLogger("nanoflex.engine")
 
 POLL_S = 0.1
 """How often a waiting call checks that the child is still alive."""
@@ -36,14 +46,42 @@ class ExecutorDiedError(RuntimeError):
     """The executor process exited or stopped answering; restart it and re-queue the work."""
 
 
-class ExecutorStartError(RuntimeError):
-    """The executor could not be built (bad model, out of memory); see the child's traceback."""
+class ExecutorStartError(UserError):
+    """The executor could not be built (no device, bad model, out of memory): a cause that a
+    restart does not change. The message is one line; `traceback` is the child's."""
+
+    def __init__(self, message: str, traceback: str = "") -> None:
+        super().__init__(message)
+        self.traceback = traceback
 
 
-def build_from_path(factory: str, kwargs: dict[str, Any]) -> Any:
-    """Call the function named 'package.module:function' with `kwargs`."""
+def start_error_line(e: BaseException) -> str:
+    """One line saying why the executor could not be built."""
+    text = (str(e).strip().splitlines() or [""])[0]
+    if isinstance(e, UserError):
+        return text
+    if isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError":
+        return (
+            f"out of memory while loading the model ({text or type(e).__name__}); lower "
+            "--gpu-mem/--cpu-mem or give a policy that offloads more (nanoflex plan)"
+        )
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def build_from_path(
+    factory: str, kwargs: dict[str, Any], report: Callable[[str], None] | None = None
+) -> Any:
+    """Call the function named 'package.module:function' with `kwargs`; one that takes
+    `on_progress` reports its loading through `report`."""
     module_name, _, attr = factory.partition(":")
-    return getattr(importlib.import_module(module_name), attr)(**kwargs)
+    build = getattr(importlib.import_module(module_name), attr)
+    if report is not None and "on_progress" in inspect.signature(build).parameters:
+
+        def on_progress(done: int, total: int) -> None:
+            report(f"loading weights: layer {done}/{total}")
+
+        kwargs = {**kwargs, "on_progress": on_progress}
+    return build(**kwargs)
 
 
 def _child_main(conn: Connection, factory: str, kwargs: dict[str, Any]) -> None:
@@ -52,10 +90,10 @@ def _child_main(conn: Connection, factory: str, kwargs: dict[str, Any]) -> None:
     and on SIGTERM."""
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
-        executor = build_from_path(factory, kwargs)
+        executor = build_from_path(factory, kwargs, lambda line: conn.send(("progress", line)))
         info = executor.describe()
-    except BaseException:
-        conn.send(("error", traceback.format_exc()))
+    except BaseException as e:
+        conn.send(("error", (start_error_line(e), traceback.format_exc())))
         return
     conn.send(("ready", info))
     try:
@@ -98,10 +136,13 @@ class ExecutorProcess:
         kwargs: dict[str, Any] | None = None,
         *,
         start_timeout_s: float = 600.0,
+        on_progress: Callable[[str], None] | None = None,
     ) -> None:
         self.factory = factory
         self.kwargs = dict(kwargs or {})
         self.start_timeout_s = start_timeout_s
+        self.on_progress = on_progress
+        """Called with each progress line the child sends while it starts."""
         self.info: EngineInfo | None = None
         """What the executor reported when it was built (set by `start`)."""
         self._process: BaseProcess | None = None
@@ -112,7 +153,8 @@ class ExecutorProcess:
         return self._process is not None and self._process.is_alive()
 
     def start(self) -> None:
-        """Spawn the child and wait until its executor is built (model loaded)."""
+        """Spawn the child and wait until its executor is built (model loaded). Raises
+        `ExecutorStartError` with one line when it cannot be built."""
         ctx = mp.get_context("spawn")
         parent_conn, child_conn = ctx.Pipe()
         process = ctx.Process(
@@ -124,10 +166,21 @@ class ExecutorProcess:
         process.start()
         child_conn.close()
         self._process, self._conn = process, parent_conn
-        kind, payload = self._receive(self.start_timeout_s)
+        try:
+            kind, payload = self._receive(self.start_timeout_s)
+            while kind == "progress":
+                if self.on_progress is not None:
+                    self.on_progress(payload)
+                kind, payload = self._receive(self.start_timeout_s)
+        except ExecutorDiedError as e:
+            code = process.exitcode
+            self.kill()
+            hint = " (killed: out of memory?)" if code == -signal.SIGKILL else ""
+            raise ExecutorStartError(f"the engine process died while loading{hint}: {e}") from e
         if kind != "ready":
             self.kill()
-            raise ExecutorStartError(f"the engine process failed to start:\n{payload}")
+            line, child_traceback = payload
+            raise ExecutorStartError(line, child_traceback)
         self.info = payload
 
     def _receive(self, timeout_s: float | None = None) -> tuple[str, Any]:
@@ -144,7 +197,10 @@ class ExecutorProcess:
         try:
             message: tuple[str, Any] = self._conn.recv()
         except (EOFError, OSError) as e:
-            raise ExecutorDiedError(f"the engine process closed its pipe: {e}") from e
+            self._process.join(1.0)
+            code = self._process.exitcode
+            why = f"exited with code {code}" if code is not None else f"closed its pipe ({e!r})"
+            raise ExecutorDiedError(f"the engine process {why}") from e
         if message[0] == "error" and self._process.is_alive() and self.info is not None:
             raise RuntimeError(f"the engine step failed:\n{message[1]}")
         return message[0], message[1] if len(message) > 1 else None
@@ -188,6 +244,12 @@ class ExecutorProcess:
             self._process.join(timeout_s)
         self.kill()
 
+    def abort_start(self) -> None:
+        """Kill a child that is still loading (from another thread: `start` then raises)."""
+        process = self._process
+        if process is not None and self.info is None and process.is_alive():
+            process.kill()
+
     def kill(self) -> None:
         """Stop the child at once (used after a failure), and remove the scratch directory
         it could not remove itself."""
@@ -210,9 +272,16 @@ class InProcessExecutor:
     """The same surface as `ExecutorProcess`, with the executor in this process (tests,
     `--in-process`). Importing the factory here may import torch."""
 
-    def __init__(self, factory: str, kwargs: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        factory: str,
+        kwargs: dict[str, Any] | None = None,
+        *,
+        on_progress: Callable[[str], None] | None = None,
+    ) -> None:
         self.factory = factory
         self.kwargs = dict(kwargs or {})
+        self.on_progress = on_progress
         self.info: EngineInfo | None = None
         self._executor: Any = None
 
@@ -221,8 +290,16 @@ class InProcessExecutor:
         return self._executor is not None
 
     def start(self) -> None:
-        self._executor = build_from_path(self.factory, self.kwargs)
+        try:
+            self._executor = build_from_path(self.factory, self.kwargs, self.on_progress)
+        except UserError:
+            raise
+        except Exception as e:
+            raise ExecutorStartError(start_error_line(e), traceback.format_exc()) from e
         self.info = self._executor.describe()
+
+    def abort_start(self) -> None:
+        """Nothing to abort: the in-process build runs to its end."""
 
     def describe(self) -> EngineInfo:
         assert self.info is not None, "call start() first"

@@ -22,6 +22,8 @@ class ChoiceState:
     prompt_logprobs: list[Any] | None = None
     """echo + logprobs: the engine's logprobs of prompt positions 1..n-1."""
     finish_reason: str | None = None
+    num_cached_tokens: int = 0
+    """Prompt tokens of this choice whose KV came from the prefix cache."""
     sent_text: int = 0
     """Characters of `text` already streamed."""
     sent_tokens: int = 0
@@ -106,11 +108,14 @@ def chat_logprobs(
     return {"content": content}
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    """OpenAI's usage object; `cached_tokens`: prompt tokens whose KV came from the prefix
+    cache (docs/api.md, "Prefix caching")."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
 
 

@@ -27,6 +27,7 @@ import argparse
 import asyncio
 import hashlib
 import json
+import os
 import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
@@ -38,7 +39,7 @@ from tqdm import tqdm
 from engine.core.engine_args import EngineArgs
 from engine.core.sequence import BATCH_PRIORITY
 from policy.errors import UserError
-from server.batch_input import parse_input_lines
+from server.batch_input import Row, parse_input_lines
 from server.batch_lines import error_line, response_line
 from server.engine_client import EngineClient
 from server.errors import APIError, invalid_request
@@ -99,9 +100,19 @@ Runner = Callable[[BatchWork, Record], Awaitable[None]]
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     EngineArgs.add_cli_args(parser)
-    parser.add_argument("-i", "--input", required=True, help="requests JSONL")
-    parser.add_argument("-o", "--output", required=True, help="results JSONL")
+    parser.add_argument(
+        "-i", "--input", required=True, help="the requests, OpenAI Batch JSONL (required)"
+    )
+    parser.add_argument(
+        "-o", "--output", required=True, help="results JSONL, appended to on resume (required)"
+    )
     parser.add_argument("--error-file", default=None, help="errors JSONL (default: OUTPUT.errors)")
+    parser.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model id the lines' bodies name (default: MODEL as given, or "
+        "smollm2-135m-instruct without one)",
+    )
     parser.add_argument(
         "--ray",
         nargs="?",
@@ -128,7 +139,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    """Entry point of `nanoflex run-batch`."""
+    """Entry point of `nanoflex run-batch`: 0 when at least one line succeeded, 1 when none."""
     output = Path(args.output)
     errors = Path(args.error_file) if args.error_file else Path(f"{args.output}.errors")
     runner: Runner
@@ -141,12 +152,19 @@ def main(args: argparse.Namespace) -> int:
             raise RunBatchError("--replicas and --gpus-per-replica need --ray")
         runner = local_runner(lambda: _client(args))
     summary = asyncio.run(run_batch(Path(args.input), output, errors, runner))
+    written = [
+        f"results in {output}" if summary.num_completed else "",
+        f"errors in {errors}" if summary.num_failed else "",
+    ]
     print(
         f"run-batch: {summary.num_completed} completed, {summary.num_failed} failed "
-        f"of {summary.num_lines} lines ({summary.num_resumed} from an earlier run); "
-        f"results in {output}" + (f", errors in {errors}" if summary.num_failed else ""),
+        f"of {summary.num_lines} lines ({summary.num_resumed} from an earlier run)"
+        + "".join(f"; {w}" for w in written if w),
         file=sys.stderr,
     )
+    if summary.num_completed == 0:
+        print("run-batch: error: no line succeeded", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -161,6 +179,7 @@ async def run_batch(
 ) -> Summary:
     """Answer every line of `input_path` not yet answered in the output or error file.
     `runner` is not called when nothing is left."""
+    check_paths(input_path, output_path, error_path)
     try:
         with open(input_path, "rb") as f:
             endpoint = _endpoint(f)
@@ -169,10 +188,60 @@ async def run_batch(
         created = int(input_path.stat().st_mtime)
     except OSError as e:
         raise RunBatchError(f"cannot read the batch input {input_path}: {e}") from e
-    for path in (output_path, error_path):
-        if not path.parent.is_dir():
-            raise RunBatchError(f"cannot write {path}: {path.parent} is not a directory")
     output, errors = ResultLog(output_path), ResultLog(error_path)
+    try:
+        todo, num_resumed = _pending(rows, output, errors)
+        if todo:
+            await _run(BatchWork(endpoint, created, todo), runner, output, errors, len(rows))
+    except OSError as e:  # the disk filled up or a file went away mid-run
+        raise RunBatchError(
+            f"cannot write the results ({e}); free the space and rerun the same command to resume"
+        ) from e
+    finally:
+        output.close()
+        errors.close()
+    return Summary(
+        num_lines=len(rows),
+        num_completed=len(read_back(output_path)),
+        num_failed=len(read_back(error_path)),
+        num_resumed=num_resumed,
+    )
+
+
+def check_paths(input_path: Path, output_path: Path, error_path: Path) -> None:
+    """Refuse outputs that would overwrite the input or each other, or cannot be written."""
+    names = {"input": input_path, "output": output_path, "error file": error_path}
+    seen: dict[object, str] = {}
+    for name, path in names.items():
+        real = _identity(path)
+        if real in seen:
+            raise RunBatchError(
+                f"the {name} and the {seen[real]} are the same file ({path}); "
+                "give the results a file of their own"
+            )
+        seen[real] = name
+    for name, path in list(names.items())[1:]:
+        if path.is_dir():
+            raise RunBatchError(f"cannot write the {name} {path}: it is a directory")
+        if not path.parent.is_dir():
+            raise RunBatchError(f"cannot write the {name} {path}: {path.parent} is not a directory")
+        if path.exists() and not os.access(path, os.W_OK):
+            raise RunBatchError(f"cannot write the {name} {path}: permission denied")
+        if not path.exists() and not os.access(path.parent, os.W_OK | os.X_OK):
+            raise RunBatchError(f"cannot write the {name} {path}: {path.parent} is read-only")
+
+
+def _identity(path: Path) -> object:
+    """What makes two paths one file: device and inode when it exists (hard links too)."""
+    try:
+        st = path.stat()
+    except OSError:
+        return path.resolve()
+    return (st.st_dev, st.st_ino)
+
+
+def _pending(rows: list[Row], output: ResultLog, errors: ResultLog) -> tuple[list[Pending], int]:
+    """(lines to run, lines earlier runs answered); invalid lines go to the error file now."""
     done_ids = {r.get("id") for r in (*output.records, *errors.records)}
     done_custom_ids = {r.get("custom_id") for r in output.records}
     todo, num_resumed = [], 0
@@ -186,31 +255,27 @@ async def run_batch(
         else:
             assert custom_id is not None and body is not None
             todo.append(Pending(line_id, custom_id, body))
-    try:
-        if todo:
-            bar = tqdm(
-                total=len(rows),
-                initial=len(rows) - len(todo),
-                desc="run-batch",
-                unit="req",
-                file=sys.stderr,
-            )
+    return todo, num_resumed
 
-            def record(ok: bool, line: str) -> None:
-                (output if ok else errors).append(line)
-                bar.update()
 
-            with bar:
-                await runner(BatchWork(endpoint, created, todo), record)
-    finally:
-        output.close()
-        errors.close()
-    return Summary(
-        num_lines=len(rows),
-        num_completed=len(read_back(output_path)),
-        num_failed=len(read_back(error_path)),
-        num_resumed=num_resumed,
+async def _run(
+    work: BatchWork, runner: Runner, output: ResultLog, errors: ResultLog, num_lines: int
+) -> None:
+    """Run `runner` over the work, each answer appended to its file, a progress bar over all."""
+    bar = tqdm(
+        total=num_lines,
+        initial=num_lines - len(work.todo),
+        desc="run-batch",
+        unit="req",
+        file=sys.stderr,
     )
+
+    def record(ok: bool, line: str) -> None:
+        (output if ok else errors).append(line)
+        bar.update()
+
+    with bar:
+        await runner(work, record)
 
 
 def local_runner(make_client: Callable[[], EngineClient]) -> Runner:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Iterable
 from contextlib import aclosing
 from dataclasses import dataclass, replace
 from typing import Any
@@ -58,6 +58,11 @@ class Prepared:
     def num_prompt_tokens(self) -> int:
         return sum(len(p) for p in self.prompts)
 
+    def num_cached_tokens(self, states: Iterable[ChoiceState]) -> int:
+        """Cached prompt tokens, counted like `num_prompt_tokens`: once per prompt (its first
+        choice's; with n > 1 the other choices of a prompt usually hit the same pages)."""
+        return sum(s.num_cached_tokens for s in states if s.index % self.n == 0)
+
     @property
     def num_seqs(self) -> int:
         """Engine requests this request becomes (prompts x n): what it takes of the queue."""
@@ -87,11 +92,14 @@ class Serving:
 
     # -- preparation -----------------------------------------------------------------
     def prepare(self, endpoint: str, body: Any) -> Prepared:
-        """Validate and tokenize; raises `APIError` (400 invalid, 404 unknown model)."""
+        """Validate and tokenize; raises `APIError` (400 invalid, 404 unknown model, 503 while
+        the model is still loading)."""
         try:
             return self._prepare(endpoint, body)
         except SamplingError as e:
             raise invalid_request(str(e)) from e
+        except EngineDeadError as e:
+            raise engine_unavailable() from e
 
     def _prepare(self, endpoint: str, body: Any) -> Prepared:
         req: CompletionRequest | ChatCompletionRequest
@@ -290,6 +298,7 @@ class Serving:
                 state.text, state.token_ids = completion.text, tuple(completion.token_ids)
                 state.logprobs = list(completion.logprobs) if completion.logprobs else None
                 state.prompt_logprobs = item.prompt_logprobs
+                state.num_cached_tokens = item.num_cached_tokens or 0
                 if item.finished:
                     state.finish_reason = completion.finish_reason or "stop"
                     remaining -= 1
@@ -317,7 +326,8 @@ class Serving:
         kind = "chat.completion" if prep.is_chat else "text_completion"
         body = envelope(kind, prep.request_id, prep.created, prep.model, choices)
         num_generated = sum(len(s.token_ids) for s in states)
-        body["usage"] = usage(prep.num_prompt_tokens, num_generated)
+        cached = prep.num_cached_tokens(states)
+        body["usage"] = usage(prep.num_prompt_tokens, num_generated, cached)
         return body
 
     def choice(self, prep: Prepared, state: ChoiceState) -> dict[str, Any]:

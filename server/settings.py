@@ -83,6 +83,7 @@ class ServerSettings:
             bind_host=args.host,
             allowed_hosts=_names(args.allowed_hosts),
             allowed_origins=_names(args.allowed_origins),
+            served_model_name=getattr(args, "served_model_name", None),
         )
 
 

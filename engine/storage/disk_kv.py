@@ -72,13 +72,16 @@ class DiskKVPool:
         return self.page_tokens * self.row_bytes
 
     def files(self) -> list[DiskFile]:
-        """The layer files (opened on first use)."""
-        if not self._files:
-            self._files = [
-                self.disk.open(f"kv-{j:04d}.bin", keep=self.persistent)
-                for j in range(self.num_layers)
-            ]
-        return self._files
+        """The layer files, opened on first use, once: the load and store threads of
+        different layers may get here together, and a second open would truncate what the
+        first one's thread already wrote."""
+        with self._lock:
+            if not self._files:
+                self._files = [
+                    self.disk.open(f"kv-{j:04d}.bin", keep=self.persistent)
+                    for j in range(self.num_layers)
+                ]
+            return self._files
 
     def read_page(self, layer: int, page: int) -> torch.Tensor:
         """One layer of a page as written to disk, (page_tokens, row_bytes)."""

@@ -47,7 +47,13 @@ def ray_runner(args: argparse.Namespace) -> Runner:
                 gpus = 1 if num_gpus and engine_args.device != "cpu" else 0
             num_replicas = args.replicas or _default_replicas(ray, num_gpus if gpus else 0)
             _warn_if_short(resources, num_replicas, gpus)
-            pool = ReplicaPool(ray, engine_args, num_replicas, gpus_per_replica=gpus)
+            pool = ReplicaPool(
+                ray,
+                engine_args,
+                num_replicas,
+                gpus_per_replica=gpus,
+                model_name=getattr(args, "served_model_name", None),
+            )
             try:
                 await pool.run(work, record)
             finally:

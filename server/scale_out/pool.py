@@ -62,11 +62,14 @@ class ReplicaPool:
         gpus_per_replica: float = 0,
         cpus_per_replica: float = 1,
         max_lost: int | None = None,
+        model_name: str | None = None,
     ) -> None:
         if num_replicas < 1:
             raise RunBatchError(f"--replicas must be >= 1, got {num_replicas}")
         self.ray = ray
         self.engine_args = engine_args
+        self.model_name = model_name
+        """The id requests name (`--served-model-name`); None: the model reference."""
         self.max_lost = 3 * num_replicas if max_lost is None else max_lost
         """Actors that may be lost in one run before it gives up (rerun to resume)."""
         self.num_lost = 0
@@ -112,7 +115,9 @@ class ReplicaPool:
         while True:
             name = f"{ACTOR_NAME_PREFIX}{self.run_name}-{slot.index}.{slot.generation}"
             options = {**self._actor_options, "name": name}
-            slot.actor = self._actor_class.options(**options).remote(self._engine_args(slot))
+            slot.actor = self._actor_class.options(**options).remote(
+                self._engine_args(slot), self.model_name
+            )
             slot.generation += 1
             try:
                 slot.info = await slot.actor.describe.remote()

@@ -21,8 +21,9 @@ from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from engine.core.engine_args import EngineArgs
+from engine.core.model_files import served_model_name
 from engine.core.sequence import BATCH_PRIORITY
-from server.core_client import CoreEngineClient, engine_client
+from server.core_client import CoreEngineClient
 from server.errors import APIError, invalid_request
 from server.metrics import Metrics
 from server.run_batch import BatchWork, Pending, answer_all
@@ -48,20 +49,23 @@ class ReplicaInfo:
 
 
 class Replica:
-    """One engine, started in the constructor and stopped by `close()`."""
+    """One engine, started in the constructor and stopped by `close()`; `model_name` is the
+    id requests name (default: the model reference as given)."""
 
-    def __init__(self, engine_args: EngineArgs) -> None:
+    def __init__(self, engine_args: EngineArgs, model_name: str | None = None) -> None:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self._loop.run_forever, name="nanoflex-replica", daemon=True
         )
         self._thread.start()
-        self.client: CoreEngineClient = engine_client(engine_args, in_process=True)
+        name = model_name or served_model_name(engine_args.model)
+        self.client = CoreEngineClient(engine_args, model_name=name, in_process=True)
         self._call(self.client.start())
         self.serving = Serving(self.client, self.client.model_name, Metrics(self.client))
 
     def describe(self) -> ReplicaInfo:
         policy = self.client.policy
+        assert policy is not None  # chosen when the client started
         return ReplicaInfo(
             host=socket.gethostname(),
             pid=os.getpid(),

@@ -252,7 +252,9 @@ def test_compose_config_validates() -> None:
     result = run_compose_config("test-key-123")
     assert result.returncode == 0, result.stderr
     resolved = yaml.safe_load(result.stdout)
-    assert "--api-key=test-key-123" in resolved["services"]["nanoflex"]["command"]
+    service = resolved["services"]["nanoflex"]
+    assert service["environment"]["NANOFLEX_API_KEY"] == "test-key-123"
+    assert not any("test-key-123" in arg for arg in service["command"])  # not visible in ps
 
 
 def test_compose_requires_an_api_key() -> None:

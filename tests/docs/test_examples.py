@@ -1,6 +1,7 @@
-"""The examples of README.md and docs/api.md, run as written against a real daemon serving the
-default model (SmolLM2-135M-Instruct) on loopback: every curl command with the real `curl`,
-every Python block in order in one namespace with the real `openai` client."""
+"""The HTTP examples of README.md and docs/*.md, run as written against a real daemon serving
+the default model (SmolLM2-135M-Instruct) on loopback: every curl command with the real
+`curl`, every Python block of docs/api.md in order in one namespace with the real `openai`
+client. The other examples run in tests/docs/test_doc_commands.py."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import pytest
 
 from server.core_client import build_engine_client
 from server.settings import ServerSettings
+from tests.docs.doc_examples import classify, examples, rule
 from tests.server.live import LiveServer, engine_args, start_server
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -144,3 +146,16 @@ def test_api_doc_examples_run(live: LiveServer, tmp_path: Path) -> None:
     other = getattr(session.namespace["other"], "id", "")
     with httpx.Client(base_url=live.base_url) as http:
         assert http.get(f"/v1/batches/{other}").json()["status"] in ("cancelling", "cancelled")
+
+
+def test_other_docs_http_examples_run(live: LiveServer, tmp_path: Path) -> None:
+    """The HTTP examples outside README.md and docs/api.md (docs/deployment.md's checks)."""
+    session = Session(live, tmp_path)
+    daemon = rule("daemon")
+    found = [
+        e for e in examples() if classify(e) is daemon and e.doc not in ("README.md", "docs/api.md")
+    ]
+    assert found
+    for example in found:
+        body = session.curl(example.code, {})
+        assert body.strip(), example.code

@@ -86,7 +86,11 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_server(settings: ServerSettings, engine: EngineClient) -> LiveServer:
+def start_server(
+    settings: ServerSettings, engine: EngineClient, *, wait_ready: bool = True
+) -> LiveServer:
+    """uvicorn on a free loopback port; with `wait_ready`, returns once the engine, which
+    loads in the background, is ready (and fails if it cannot start)."""
     app = create_app(settings, engine)
     port = free_port()
     server = uvicorn.Server(uvicorn_config(app, settings, port, log_level="warning"))
@@ -97,9 +101,13 @@ def start_server(settings: ServerSettings, engine: EngineClient) -> LiveServer:
         if time.monotonic() > deadline or not thread.is_alive():
             raise RuntimeError("uvicorn did not start")
         time.sleep(0.01)
-    return LiveServer(
-        f"http://127.0.0.1:{port}", engine, app.state.nanoflex, server, thread, settings.api_key
-    )
+    state: AppState = app.state.nanoflex
+    while wait_ready and not engine.is_ready():
+        if state.engine_error is not None or time.monotonic() > deadline:
+            server.should_exit = True
+            raise RuntimeError(f"the engine did not start: {state.engine_error}")
+        time.sleep(0.01)
+    return LiveServer(f"http://127.0.0.1:{port}", engine, state, server, thread, settings.api_key)
 
 
 ServerFactory = Callable[..., LiveServer]

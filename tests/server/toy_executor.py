@@ -9,6 +9,7 @@ covered end to end by test_durability.py on a real `nanoflex serve`.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from engine.core.protocol import EngineInfo, Placement, StepPlan, StepResult
 
@@ -45,6 +46,19 @@ def build_executor(fail: bool = False) -> ToyExecutor:
     if fail:
         raise ValueError("toy executor asked to fail")
     return ToyExecutor()
+
+
+class CrashingExecutor(ToyExecutor):
+    """Starts as the toy does; its process exits in the middle of every step (a crash)."""
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        os._exit(3)
+
+
+def build_crashing_executor(**engine_kwargs: Any) -> CrashingExecutor:
+    """Takes (and ignores) the real executor's keyword arguments, so that a real
+    `CoreEngineClient` can run it in its engine process."""
+    return CrashingExecutor()
 
 
 def pid() -> int:

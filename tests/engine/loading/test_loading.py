@@ -52,7 +52,7 @@ def test_unsupported_architecture_is_a_clear_error(tmp_path):
 
 
 def test_missing_model_is_a_clear_error(tmp_path):
-    with pytest.raises(ModelLoadError, match="not a directory"):
+    with pytest.raises(ModelLoadError, match="no such directory"):
         LLM(str(tmp_path / "nope" / "model"), policy=Policy(), device="cpu")
     (tmp_path / "empty").mkdir()
     with pytest.raises(ModelLoadError, match=r"no config\.json"):

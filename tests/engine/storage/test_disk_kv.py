@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import random
+import threading
+import time
 from pathlib import Path
 
 import torch
@@ -77,3 +79,38 @@ def test_reads_see_staged_and_written_rows_and_reused_pages_start_clean(tmp_path
     pool.release_pages(list(range(6)))
     assert pool.staged_bytes == 0
     disk.close()
+
+
+class SlowOpenDisk(DiskIO):
+    """Real files whose opening takes a while, counting the opens (each one truncates)."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root, 2)
+        self.opened: list[str] = []
+
+    def open(self, name: str, keep: bool = False) -> DiskFile:
+        self.opened.append(name)
+        time.sleep(0.02)
+        return super().open(name, keep)
+
+
+def test_layer_files_open_once_when_threads_race_to_first_use(tmp_path: Path) -> None:
+    """The load and store threads of different layers reach the pool's first write at the
+    same moment: the files open once, and no late open truncates a page already written."""
+    disk = SlowOpenDisk(tmp_path)
+    pool = DiskKVPool(LAYERS, P, ROW, Device(torch.device("cpu")), disk)
+    start = threading.Barrier(LAYERS)
+
+    def write_layer(layer: int) -> None:
+        start.wait()
+        pool.write(layer, list(range(P)), torch.stack([row(layer, s) for s in range(P)]))
+
+    threads = [threading.Thread(target=write_layer, args=(j,)) for j in range(LAYERS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(disk.opened) == [f"kv-{j:04d}.bin" for j in range(LAYERS)]
+    for layer in range(LAYERS):
+        want = torch.stack([row(layer, s) for s in range(P)])
+        assert torch.equal(pool.read(layer, list(range(P))), want)

@@ -39,7 +39,9 @@ def test_batch_rows_and_prompt_rows_give_the_local_run_batchs_answers(
         expected = local[f"b{i}"]["body"]
         body = json.loads(batch_row["response"])
         assert body["id"] == local[f"b{i}"]["request_id"]  # the id run-batch gives custom_id
-        assert body["choices"] == expected["choices"] and body["usage"] == expected["usage"]
+        assert body["choices"] == expected["choices"]
+        for key in ("prompt_tokens", "completion_tokens", "total_tokens"):  # cache hits may differ
+            assert body["usage"][key] == expected["usage"][key]
         for row in (batch_row, prompt_row):
             assert row["status_code"] == 200 and row["error"] is None
             assert row["text"] == expected["choices"][0]["text"]

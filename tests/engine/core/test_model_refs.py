@@ -1,0 +1,50 @@
+"""A model reference that can only be a local path is refused as "no such directory" at
+once, before any hub lookup; one that looks like a hub id is asked about once, without the
+hub client's retries (issue 12, item 7)."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from pathlib import Path
+
+import pytest
+
+from engine.core.model_files import ModelLoadError, looks_local, resolve_model_dir
+
+
+@pytest.mark.parametrize(
+    "model",
+    ["./modles/smollm", "/no/such/model", "~/no-such-model", "a/b/c", "bad name!", "x--y"],
+)
+def test_a_mistyped_local_path_is_no_such_directory(model: str) -> None:
+    assert looks_local(model)
+    started = time.monotonic()
+    with pytest.raises(ModelLoadError, match="no such directory") as caught:
+        resolve_model_dir(model)
+    assert "hub" not in str(caught.value)
+    assert time.monotonic() - started < 1.0
+
+
+def test_a_path_under_an_existing_folder_is_local(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "models").mkdir()
+    monkeypatch.chdir(tmp_path)
+    assert looks_local("models/smollm")
+    with pytest.raises(ModelLoadError, match="no such directory: 'models/smollm'"):
+        resolve_model_dir("models/smollm")
+    assert not looks_local("someone/some-model")  # no `someone/` here: a hub id
+
+
+def test_a_hub_id_that_cannot_be_served_fails_once_without_retries(tmp_path: Path) -> None:
+    """Offline (as in CI) the hub cannot be reached; online the repository does not exist:
+    either way one request, then the error (huggingface_hub's retries took 25 s)."""
+    started = time.monotonic()
+    with (
+        pytest.raises(ModelLoadError, match="no such directory") as caught,
+        contextlib.chdir(tmp_path),
+    ):
+        resolve_model_dir("nanoflex-tests/no-such-model-7f3a")
+    assert "Hugging Face hub" in str(caught.value)
+    assert time.monotonic() - started < 15.0

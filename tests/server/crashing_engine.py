@@ -1,0 +1,25 @@
+"""A `nanoflex serve` engine client whose engine process crashes on every step (TESTS ONLY):
+`NANOFLEX_ENGINE_CLIENT=tests.server.crashing_engine:build_engine_client`. It starts as the
+real client does (the demo model's tokenizer and scheduler), restarts quickly, and gives up
+after two restarts."""
+
+from __future__ import annotations
+
+import argparse
+
+from engine.core.engine_args import EngineArgs
+from engine.core.model_files import DEMO_MODEL
+from policy import Policy
+from server.core_client import CoreEngineClient
+from server.restarts import RestartPolicy
+
+RESTARTS = RestartPolicy(max_restarts=2, window_s=120.0, first_backoff_s=0.5)
+
+
+def build_engine_client(args: argparse.Namespace) -> CoreEngineClient:
+    return CoreEngineClient(
+        EngineArgs.from_cli_args(args, policy=Policy()),
+        model_name=DEMO_MODEL,
+        restarts=RESTARTS,
+        executor_factory="tests.server.toy_executor:build_crashing_executor",
+    )
