@@ -15,6 +15,10 @@ line is cut off, and lines already answered are skipped, so the output ends
 with exactly one line per custom_id. Line ids, request ids and `created` are
 derived from the input (line index, custom_id, the input file's mtime), so a
 resumed greedy run writes the same bytes per line as an uninterrupted one.
+
+Who answers the pending lines is a `Runner`: here one engine in this process; with
+`--ray` the replicas of `server.scale_out.driver` (imported only then, so the local
+path never imports ray), whose actors answer each line with `answer_line` too.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import hashlib
 import json
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -66,6 +70,34 @@ class Summary:
     """Lines that earlier runs had already answered."""
 
 
+@dataclass(frozen=True, slots=True)
+class Pending:
+    """A valid input line that no earlier run answered."""
+
+    line_id: str
+    """The output line's id (`_line_id`: a function of the line index and custom_id)."""
+    custom_id: str
+    body: str
+    """The request body, JSON."""
+
+
+@dataclass(frozen=True, slots=True)
+class BatchWork:
+    """What a runner answers: the pending lines of one batch and how to answer them."""
+
+    endpoint: str
+    """The batch's endpoint (COMPLETIONS or CHAT)."""
+    created: int
+    """`created` of every response body: the input file's mtime."""
+    todo: list[Pending]
+
+
+Record = Callable[[bool, str], None]
+"""Takes one answered line (ran: output file; refused: error file) and makes it durable."""
+Runner = Callable[[BatchWork, Record], Awaitable[None]]
+"""Answers every line of the work, calling `record` once per line as soon as it is ready."""
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     EngineArgs.add_cli_args(parser)
     parser.add_argument(
@@ -81,13 +113,45 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the model id the lines' bodies name (default: MODEL as given, or "
         "smollm2-135m-instruct without one)",
     )
+    parser.add_argument(
+        "--ray",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="ADDRESS",
+        help="run on a Ray cluster (pip install 'nanoflex[ray]'): ADDRESS as ray.init takes it "
+        "(auto, HOST:6379, ray://HOST:10001); alone: RAY_ADDRESS, the cluster `ray start` "
+        "started here, or a new local one",
+    )
+    parser.add_argument(
+        "--replicas",
+        type=int,
+        default=None,
+        help="with --ray: engines to run, one per actor (default: one per GPU of the "
+        "cluster, or one per node without GPUs)",
+    )
+    parser.add_argument(
+        "--gpus-per-replica",
+        type=float,
+        default=None,
+        help="with --ray: GPUs each actor reserves (default: 1 on a cluster with GPUs, else 0)",
+    )
 
 
 def main(args: argparse.Namespace) -> int:
     """Entry point of `nanoflex run-batch`: 0 when at least one line succeeded, 1 when none."""
     output = Path(args.output)
     errors = Path(args.error_file) if args.error_file else Path(f"{args.output}.errors")
-    summary = asyncio.run(run_batch(Path(args.input), output, errors, lambda: _client(args)))
+    runner: Runner
+    if args.ray is not None:
+        from server.scale_out.driver import ray_runner  # imports ray: only with --ray
+
+        runner = ray_runner(args)
+    else:
+        if args.replicas is not None or args.gpus_per_replica is not None:
+            raise RunBatchError("--replicas and --gpus-per-replica need --ray")
+        runner = local_runner(lambda: _client(args))
+    summary = asyncio.run(run_batch(Path(args.input), output, errors, runner))
     written = [
         f"results in {output}" if summary.num_completed else "",
         f"errors in {errors}" if summary.num_failed else "",
@@ -111,13 +175,10 @@ def _client(args: argparse.Namespace) -> EngineClient:
 
 
 async def run_batch(
-    input_path: Path,
-    output_path: Path,
-    error_path: Path,
-    make_client: Callable[[], EngineClient],
+    input_path: Path, output_path: Path, error_path: Path, runner: Runner
 ) -> Summary:
     """Answer every line of `input_path` not yet answered in the output or error file.
-    `make_client()` builds the (unstarted) engine client; it is not called when nothing is left."""
+    `runner` is not called when nothing is left."""
     check_paths(input_path, output_path, error_path)
     try:
         with open(input_path, "rb") as f:
@@ -131,7 +192,7 @@ async def run_batch(
     try:
         todo, num_resumed = _pending(rows, output, errors)
         if todo:
-            await _run(todo, endpoint, created, make_client(), output, errors, len(rows))
+            await _run(BatchWork(endpoint, created, todo), runner, output, errors, len(rows))
     except OSError as e:  # the disk filled up or a file went away mid-run
         raise RunBatchError(
             f"cannot write the results ({e}); free the space and rerun the same command to resume"
@@ -179,9 +240,7 @@ def _identity(path: Path) -> object:
     return (st.st_dev, st.st_ino)
 
 
-def _pending(
-    rows: list[Row], output: ResultLog, errors: ResultLog
-) -> tuple[list[tuple[str, str, str]], int]:
+def _pending(rows: list[Row], output: ResultLog, errors: ResultLog) -> tuple[list[Pending], int]:
     """(lines to run, lines earlier runs answered); invalid lines go to the error file now."""
     done_ids = {r.get("id") for r in (*output.records, *errors.records)}
     done_custom_ids = {r.get("custom_id") for r in output.records}
@@ -195,62 +254,82 @@ def _pending(
             errors.append(_with_id(problem, line_id))
         else:
             assert custom_id is not None and body is not None
-            todo.append((line_id, custom_id, body))
+            todo.append(Pending(line_id, custom_id, body))
     return todo, num_resumed
 
 
 async def _run(
-    todo: list[tuple[str, str, str]],
-    endpoint: str,
-    created: int,
-    client: EngineClient,
-    output: ResultLog,
-    errors: ResultLog,
-    num_lines: int,
+    work: BatchWork, runner: Runner, output: ResultLog, errors: ResultLog, num_lines: int
 ) -> None:
-    """Queue every pending request in the engine and append each result as it finishes."""
-    await client.start()
-    try:
-        serving = Serving(client, client.model_name, Metrics(client))
-        window = asyncio.Semaphore(MAX_IN_FLIGHT)
-        bar = tqdm(
-            total=num_lines,
-            initial=num_lines - len(todo),
-            desc="run-batch",
-            unit="req",
-            file=sys.stderr,
-        )
+    """Run `runner` over the work, each answer appended to its file, a progress bar over all."""
+    bar = tqdm(
+        total=num_lines,
+        initial=num_lines - len(work.todo),
+        desc="run-batch",
+        unit="req",
+        file=sys.stderr,
+    )
 
-        async def one(line_id: str, custom_id: str, body: str) -> None:
-            async with window:
-                ok, line = await _answer(serving, endpoint, custom_id, body, created)
-            (output if ok else errors).append(_with_id(line, line_id))
-            bar.update()
+    def record(ok: bool, line: str) -> None:
+        (output if ok else errors).append(line)
+        bar.update()
 
-        with bar:
-            await asyncio.gather(*(one(*item) for item in todo))
-    finally:
-        await client.shutdown()
+    with bar:
+        await runner(work, record)
 
 
-async def _answer(
-    serving: Serving, endpoint: str, custom_id: str, body: str, created: int
+def local_runner(make_client: Callable[[], EngineClient]) -> Runner:
+    """One engine in this process; `make_client()` builds its (unstarted) client."""
+
+    async def run(work: BatchWork, record: Record) -> None:
+        client = make_client()
+        await client.start()
+        try:
+            serving = Serving(client, client.model_name, Metrics(client))
+            await answer_all(serving, work, lambda item, ok, line: record(ok, line))
+        finally:
+            await client.shutdown()
+
+    return run
+
+
+async def answer_all(
+    serving: Serving, work: BatchWork, on_answer: Callable[[Pending, bool, str], None]
+) -> None:
+    """Queue every pending request in the engine (at most MAX_IN_FLIGHT prepared at once)
+    and hand each answer (line, ran, output line) to `on_answer` as it finishes."""
+    window = asyncio.Semaphore(MAX_IN_FLIGHT)
+
+    async def one(item: Pending) -> None:
+        async with window:
+            ok, line = await answer_line(serving, work.endpoint, work.created, item)
+        on_answer(item, ok, line)
+
+    await asyncio.gather(*(one(item) for item in work.todo))
+
+
+async def answer_line(
+    serving: Serving, endpoint: str, created: int, item: Pending
 ) -> tuple[bool, str]:
-    """(ran, output line) for one valid input line; the engine's own failures raise."""
-    request_id = _request_id(custom_id, endpoint)
+    """(ran, output line with its id) for one valid input line; the engine's own failures
+    raise `RunBatchError`."""
+    request_id = batch_request_id(item.custom_id, endpoint)
     try:
-        prep = serving.prepare(endpoint, json.loads(body))
+        prep = serving.prepare(endpoint, json.loads(item.body))
         if prep.stream:  # as the Batch API answers it (server.batches)
             raise invalid_request("stream is not supported in a batch", param="stream")
         prep = replace(prep, request_id=request_id, created=created)
         result = await serving.run(prep, BATCH_PRIORITY)
-        return True, response_line(custom_id, request_id, 200, result)
+        line = response_line(item.custom_id, request_id, 200, result)
+        return True, _with_id(line, item.line_id)
     except APIError as e:
         if e.status_code >= 500:
             raise RunBatchError(
-                f"the engine failed on {custom_id!r}: {e.message} Rerun the same command to resume."
+                f"the engine failed on {item.custom_id!r}: {e.message} "
+                "Rerun the same command to resume."
             ) from e
-        return False, response_line(custom_id, request_id, e.status_code, e.to_dict())
+        line = response_line(item.custom_id, request_id, e.status_code, e.to_dict())
+        return False, _with_id(line, item.line_id)
 
 
 def _endpoint(f: Any) -> str:
@@ -269,7 +348,7 @@ def _digest(*parts: str) -> str:
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:24]
 
 
-def _request_id(custom_id: str, endpoint: str) -> str:
+def batch_request_id(custom_id: str, endpoint: str) -> str:
     """The response's request id (and body id), a function of custom_id alone."""
     return ("chatcmpl-" if endpoint == CHAT else "cmpl-") + _digest(custom_id)
 

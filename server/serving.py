@@ -310,15 +310,23 @@ class Serving:
 
     async def run(self, prep: Prepared, priority: int) -> dict[str, Any]:
         """The whole (non-streaming) response body."""
+        return self.body(prep, await self.run_choices(prep, priority))
+
+    async def run_choices(self, prep: Prepared, priority: int) -> list[ChoiceState]:
+        """Every choice run to its end, in choice order (token ids included)."""
         states: dict[int, ChoiceState] = {}
         async with aclosing(self.outputs(prep, priority)) as outputs:
             async for state, _ in outputs:
                 states[state.index] = state
-        choices = [self.choice(prep, states[i]) for i in sorted(states)]
+        return [states[i] for i in sorted(states)]
+
+    def body(self, prep: Prepared, states: list[ChoiceState]) -> dict[str, Any]:
+        """The non-streaming response body of finished choices."""
+        choices = [self.choice(prep, state) for state in states]
         kind = "chat.completion" if prep.is_chat else "text_completion"
         body = envelope(kind, prep.request_id, prep.created, prep.model, choices)
-        num_generated = sum(len(s.token_ids) for s in states.values())
-        cached = prep.num_cached_tokens(states.values())
+        num_generated = sum(len(s.token_ids) for s in states)
+        cached = prep.num_cached_tokens(states)
         body["usage"] = usage(prep.num_prompt_tokens, num_generated, cached)
         return body
 

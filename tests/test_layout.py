@@ -87,6 +87,48 @@ def test_imports_follow_the_layers(module: str, path: Path) -> None:
     assert not bad, f"{module} ({own}) may not import {sorted(bad)}"
 
 
+SCALE_OUT = "server.scale_out"
+"""The only folder whose modules import ray (docs/scale-out.md)."""
+SCALE_OUT_IMPORTERS = {"server.run_batch"}
+"""The modules outside it that may import it, inside a function (`run-batch --ray`)."""
+
+
+def module_level_imports(path: Path) -> set[str]:
+    """The names `path` imports when it is imported (not those inside functions)."""
+    names: set[str] = set()
+    tree = ast.parse(path.read_text())
+    body = [n for n in tree.body if not isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)]
+    for node in (child for top in body for child in ast.walk(top)):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            continue
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+    return names
+
+
+def is_under(name: str, package: str) -> bool:
+    return name == package or name.startswith(package + ".")
+
+
+@pytest.mark.parametrize("module,path", our_modules(), ids=[m for m, _ in our_modules()])
+def test_only_scale_out_imports_ray_and_only_run_batch_imports_it_lazily(
+    module: str, path: Path
+) -> None:
+    """The daemon and the local paths never import ray: it is an optional dependency."""
+    if is_under(module, SCALE_OUT):
+        return
+    names = imported_names(path)
+    assert not any(is_under(n, "ray") for n in names), f"{module} imports ray"
+    if module not in SCALE_OUT_IMPORTERS:
+        assert not any(is_under(n, SCALE_OUT) for n in names), f"{module} imports {SCALE_OUT}"
+    assert not any(is_under(n, SCALE_OUT) for n in module_level_imports(path)), (
+        f"{module} imports {SCALE_OUT} when it is imported; import it inside the function "
+        "that needs it"
+    )
+
+
 def test_the_wheel_finds_every_package_in_the_tree() -> None:
     """pyproject discovers packages by pattern; every folder holding Python must be one."""
     config = tomllib.loads((REPO / "pyproject.toml").read_text())

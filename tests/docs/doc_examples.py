@@ -95,6 +95,13 @@ RULES = (
         _has("bench/results", "--update-docs"),
     ),
     Rule(
+        "cluster",
+        "skip",
+        "needs a Ray cluster (boxes joined with `ray start`, or KubeRay); tests/server/scale_out "
+        "runs `run-batch --ray` and the Ray Data processor on a local Ray instead",
+        _has("--ray", "ray start", "helm ", "kubectl ", "ray.data", "nanoflex[ray]"),
+    ),
+    Rule(
         "long",
         "slow",
         "minutes on a 2-core CPU: a throughput run or a hardware profile",

@@ -204,7 +204,8 @@ def test_models_health_ready(client: httpx.Client) -> None:
 
 def test_daemon_never_imports_torch(tmp_path: Path) -> None:
     """Every daemon module, the `serve` command's engine client (demo model, built in a child)
-    and the app load without torch or transformers."""
+    and the app load without torch or transformers, and without ray (server/scale_out's
+    modules included: they import it only when called)."""
     policy = tmp_path / "policy.json"
     policy.write_text(Policy().to_json())
     code = f"""
@@ -219,7 +220,7 @@ for module in pkgutil.walk_packages(server.__path__, "server."):
 argv = ["serve", "--model", "nanoflex-demo", "--device", "cpu", "--policy", {str(policy)!r}]
 args = build_parser("serve").parse_args(argv)
 create_app(ServerSettings(data_dir={str(tmp_path)!r}), build_engine_client(args))
-bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers'))
+bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'ray'))
 assert not bad, bad
 """
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, timeout=120)
