@@ -136,15 +136,12 @@ def test_an_engine_that_cannot_start_ends_the_daemon_with_one_line(
         model.mkdir()
         (model / "config.json").write_text(json.dumps({"model_type": "llama"}))
         argv = ["--model", str(model)]
-        expected = "error: "
+        expected = f"{model} has no tokenizer.json"
     else:
         argv = ["--model", "./modles/smollm"]  # a mistyped path: no hub lookup
         expected = "no such directory: './modles/smollm'"
-    started = time.monotonic()
     status, line = final_error(serve(tmp_path, *argv, "--port", str(free_port())))
     assert status == 2 and expected in line, line
-    if case == "no such directory":
-        assert time.monotonic() - started < 30  # no retries against the hub
 
 
 def test_ready_shows_a_start_failure_as_one_line(tmp_path: Path) -> None:
