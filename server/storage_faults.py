@@ -16,11 +16,11 @@ FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
 STORAGE_ERRNOS = FULL_ERRNOS | {errno.EROFS, errno.EIO, errno.EACCES, errno.EPERM}
 """OS errors that mean "this write cannot happen now", not a bug of ours."""
 
-_SQLITE_STORAGE_CODES = {
-    sqlite3.SQLITE_FULL: "the disk is full",
-    sqlite3.SQLITE_IOERR: "an I/O error",
-    sqlite3.SQLITE_READONLY: "the database is read-only",
-    sqlite3.SQLITE_CANTOPEN: "the database file cannot be opened",
+_SQLITE_STORAGE_CODES = {  # SQLite's primary result codes (the sqlite3 module names them
+    13: "the disk is full",  # SQLITE_FULL            only from Python 3.11 on)
+    10: "an I/O error",  # SQLITE_IOERR
+    8: "the database is read-only",  # SQLITE_READONLY
+    14: "the database file cannot be opened",  # SQLITE_CANTOPEN
 }
 
 
