@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from engine.executor.gpu_batch import GpuBatch
-from engine.models.base import Model, Weights
+from engine.models.base import Model, Positions, Weights
 
 
 @dataclass
@@ -37,7 +37,7 @@ class StepGraphs:
     k: torch.Tensor  # (T, num_kv_heads, head_dim)
     v: torch.Tensor  # (T, num_kv_heads, head_dim)
     o: torch.Tensor  # (T, num_heads, head_dim): attention output, written eagerly
-    embed: Any = None
+    embed: Any = None  # the embedding and the positions' tables
     before: list[Any] = field(default_factory=list)  # per decoder layer
     after: list[Any] = field(default_factory=list)  # per decoder layer
 
@@ -69,7 +69,7 @@ class GraphRunner:
         if graphs is None:
             graphs = self._graphs[rows] = self._capture(rows)
         graphs.token_ids.copy_(batch.token_ids)
-        graphs.positions.copy_(batch.positions)
+        graphs.positions.copy_(batch.positions.ids)
         self.num_replays += 1
         return graphs
 
@@ -88,12 +88,22 @@ class GraphRunner:
             o=torch.zeros(rows, c.num_heads, c.head_dim, dtype=dtype, device=device),
         )
         embed = self.weights[0]
-        g.embed = self._graph(lambda: g.h.copy_(self.model.embed(embed, g.token_ids, g.positions)))
+        made = self.model.positions(g.positions, dtype)
+        tables = Positions(g.positions, tuple(torch.zeros_like(t) for t in made.tables))
+
+        def embed_step() -> None:
+            g.h.copy_(self.model.embed(embed, g.token_ids, g.positions))
+            for static, fresh in zip(
+                tables.tables, self.model.positions(g.positions, dtype).tables, strict=True
+            ):
+                static.copy_(fresh)
+
+        g.embed = self._graph(embed_step)
         for j in range(1, self.model.num_layers - 1):
             w = self.weights[j]
 
             def before(w: Weights = w) -> None:
-                q, k, v = self.model.attention_inputs(w, g.h, g.positions)
+                q, k, v = self.model.attention_inputs(w, g.h, tables)
                 g.q.copy_(q)
                 g.k.copy_(k)
                 g.v.copy_(v)

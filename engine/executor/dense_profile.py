@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from engine.executor.timing import Probe
-from engine.models.base import Weights
+from engine.models.base import Positions, Weights
 from engine.models.config import ModelConfig
 from engine.models.llama import LlamaModel
 from engine.storage.device import Device
@@ -52,7 +52,8 @@ def reference_layer(
     }
     w["ln1.weight"] = torch.ones(hidden, dtype=dtype, device=where)
     w["ln2.weight"] = torch.ones(hidden, dtype=dtype, device=where)
-    return LlamaModel(config), w
+    model = LlamaModel(config)
+    return model, model.fuse(w)
 
 
 def dense_step_table(
@@ -69,11 +70,11 @@ def dense_step_table(
     rows = 1
     while rows <= max_rows:
         h = torch.randn(rows, hidden, dtype=dtype, device=device.device)
-        positions = torch.arange(rows, device=device.device)
+        positions = model.positions(torch.arange(rows, device=device.device), dtype)
         o = torch.zeros(rows, heads, HEAD_DIM, dtype=dtype, device=device.device)
 
         def layer(
-            h: torch.Tensor = h, positions: torch.Tensor = positions, o: torch.Tensor = o
+            h: torch.Tensor = h, positions: Positions = positions, o: torch.Tensor = o
         ) -> torch.Tensor:
             model.attention_inputs(w, h, positions)
             return model.attention_output(w, h, o)

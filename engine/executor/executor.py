@@ -169,6 +169,7 @@ class Executor:
             cpu_attention=policy.cpu_attention,
             sliding_window=self.config.sliding_window,
             pool_device=self.kv.pool_device,
+            positions=lambda ids: self.model.positions(ids, self.dtype),
         )
         self._nano_batcher = (
             NanoBatcher(policy.num_nano_batches, self._builder)

@@ -16,6 +16,7 @@ from engine.core.prefix_cache import PageRef
 from engine.core.protocol import SeqChunk, TokenLogprobs
 from engine.core.sampling_params import SamplingParams
 from engine.executor.attention import RaggedLayout
+from engine.models.base import Positions
 from engine.storage.kv_store import KVRows
 
 if TYPE_CHECKING:
@@ -41,8 +42,8 @@ class GpuBatch:
     index: int
     token_ids: torch.Tensor
     """(T,) on the compute device."""
-    positions: torch.Tensor
-    """(T,) absolute positions on the compute device."""
+    positions: Positions
+    """(T,) absolute positions on the compute device, with the model's tables for them."""
     logit_rows: torch.Tensor
     """(S,) rows whose next-token logits the head computes."""
     logit_counts: list[int]
@@ -120,10 +121,13 @@ class BatchBuilder:
         cpu_attention: bool,
         sliding_window: int | None,
         pool_device: Callable[[str], torch.device],
+        positions: Callable[[torch.Tensor], Positions] = Positions,
     ) -> None:
         self.device, self.page_tokens = device, page_tokens
         self.cpu_attention, self.sliding_window = cpu_attention, sliding_window
         self.pool_device = pool_device
+        self.positions = positions
+        """(T,) positions -> `Positions` with the model's tables (`Model.positions`)."""
 
     def build(
         self, index: int, chunks: list[tuple[SeqChunk, SeqState]], num_padding: int = 0
@@ -164,7 +168,7 @@ class BatchBuilder:
         return GpuBatch(
             index=index,
             token_ids=self._index(token_ids),
-            positions=self._index(positions),
+            positions=self.positions(self._index(positions)),
             logit_rows=self._index(logit_rows),
             logit_counts=logit_counts,
             device_group=self._group(members[False], num_rows, self.device),

@@ -280,7 +280,7 @@ class BlockPipeline:
                 if graphs is not None:
                     graphs.embed.replay()
                     return graphs.h, None
-                return self.model.embed(w, batch.token_ids, batch.positions), None
+                return self.model.embed(w, batch.token_ids, batch.positions.ids), None
             assert h is not None
             if kind == "head":
                 return self.model.head(w, h.index_select(0, batch.logit_rows)), None

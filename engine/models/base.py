@@ -10,12 +10,32 @@ from __future__ import annotations
 
 import re
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 
 import torch
 
 from engine.models.config import ModelConfig
 
 Weights = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True, slots=True)
+class Positions:
+    """Absolute positions of a batch's token rows and what the model derives from them (rotary
+    cos and sin tables), computed once per step and read by every layer."""
+
+    ids: torch.Tensor
+    """(T,) absolute positions."""
+    tables: tuple[torch.Tensor, ...] = ()
+    """Per-row tables, each (T, ...); the model's own (`Model.positions`)."""
+
+    def __getitem__(self, rows: slice) -> Positions:
+        """The positions of a contiguous run of rows (a nano-batch's): views, no copies."""
+        return Positions(self.ids[rows], tuple(t[rows] for t in self.tables))
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.ids.shape[0])
 
 
 class Model(ABC):
@@ -54,13 +74,29 @@ class Model(ABC):
         local = local_names.get(module)
         return None if local is None else (int(match.group(1)) + 1, f"{local}.{param}")
 
+    def fuse(self, values: Weights) -> Weights:
+        """One layer's weights as read from the checkpoint -> as the layer's math reads them:
+        projections that share an input concatenated along the output dimension, so each
+        runs as one GEMM (`FUSED`). Runs once at load, before compression and placement."""
+        out = dict(values)
+        for fused, parts in FUSED.items():
+            for param in ("weight", "bias"):
+                names = [f"{part}.{param}" for part in parts]
+                if all(n in out for n in names):
+                    out[f"{fused}.{param}"] = torch.cat([out.pop(n) for n in names])
+        return out
+
+    def positions(self, ids: torch.Tensor, dtype: torch.dtype) -> Positions:
+        """(T,) positions -> `Positions` with the tables every layer of a step reads."""
+        return Positions(ids)
+
     @abstractmethod
     def embed(self, w: Weights, token_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """(T,) token ids at (T,) positions -> (T, hidden) states."""
 
     @abstractmethod
     def attention_inputs(
-        self, w: Weights, h: torch.Tensor, positions: torch.Tensor
+        self, w: Weights, h: torch.Tensor, positions: Positions
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The dense ops before attention (norm, QKV projection, rotary): (T, hidden) states
         -> q (T, num_heads, head_dim), k and v (T, num_kv_heads, head_dim)."""
@@ -79,16 +115,20 @@ class Model(ABC):
         """Group-wise 4-bit applies to the dense matrices of decoder layers and the LM head."""
         return tensor.dim() == 2 and self.layer_kind(j) != "embed"
 
-    def split_qkv(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(T, heads*head_dim) projections -> per-head views (T, heads, head_dim)."""
+    def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(T, (heads + 2 * kv_heads) * head_dim), the fused projection's output -> per-head
+        views q (T, heads, head_dim), k and v (T, kv_heads, head_dim)."""
         c = self.config
+        q, k, v = qkv.split([c.num_heads * c.head_dim, c.kv_dim, c.kv_dim], dim=-1)
         return (
             q.view(-1, c.num_heads, c.head_dim),
             k.view(-1, c.num_kv_heads, c.head_dim),
             v.view(-1, c.num_kv_heads, c.head_dim),
         )
+
+
+FUSED = {"qkv": ("q", "k", "v"), "gate_up": ("gate", "up")}
+"""Fused projection -> the checkpoint's projections it concatenates, in order."""
 
 
 def linear(x: torch.Tensor, w: Weights, name: str) -> torch.Tensor:

@@ -6,7 +6,7 @@ import re
 
 import torch
 
-from engine.models.base import Model, Weights, linear
+from engine.models.base import Model, Positions, Weights, linear
 from engine.models.config import ModelConfig
 
 _LAYER = re.compile(r"^(?:model\.)?layers\.(\d+)\.(.+)$")
@@ -78,28 +78,28 @@ class LlamaModel(Model):
     def embed(self, w: Weights, token_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.embedding(token_ids, w["tok.weight"])
 
-    def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        inv_freq = self._inv_freq_by_device.get(positions.device)
+    def positions(self, ids: torch.Tensor, dtype: torch.dtype) -> Positions:
+        """Rotary cos and sin, each (T, 1, head_dim) in `dtype`, once per step."""
+        inv_freq = self._inv_freq_by_device.get(ids.device)
         if inv_freq is None:
-            inv_freq = self._inv_freq_by_device[positions.device] = self._inv_freq.to(
-                positions.device
-            )
-        freqs = positions.float()[:, None] * inv_freq[None, :]  # (T, head_dim/2)
+            inv_freq = self._inv_freq_by_device[ids.device] = self._inv_freq.to(ids.device)
+        freqs = ids.float()[:, None] * inv_freq[None, :]  # (T, head_dim/2)
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # (T, 1, head_dim)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        return Positions(ids, (emb.cos().to(dtype), emb.sin().to(dtype)))
 
     def attention_inputs(
-        self, w: Weights, h: torch.Tensor, positions: torch.Tensor
+        self, w: Weights, h: torch.Tensor, positions: Positions
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         x = rms_norm(h, w["ln1.weight"], self.config.norm_eps)
-        q, k, v = self.split_qkv(linear(x, w, "q"), linear(x, w, "k"), linear(x, w, "v"))
-        cos, sin = self._cos_sin(positions, q.dtype)
+        q, k, v = self.split_qkv(linear(x, w, "qkv"))
+        cos, sin = positions.tables
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
 
     def attention_output(self, w: Weights, h: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
         h = h + linear(o.reshape(o.shape[0], -1), w, "o")
         x = rms_norm(h, w["ln2.weight"], self.config.norm_eps)
-        mlp = torch.nn.functional.silu(linear(x, w, "gate")) * linear(x, w, "up")
+        gate, up = linear(x, w, "gate_up").chunk(2, dim=-1)
+        mlp = torch.nn.functional.silu(gate) * up
         return h + linear(mlp, w, "down")
 
     def head(self, w: Weights, h: torch.Tensor) -> torch.Tensor:

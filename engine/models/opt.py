@@ -6,7 +6,7 @@ import re
 
 import torch
 
-from engine.models.base import Model, Weights, linear
+from engine.models.base import Model, Positions, Weights, linear
 
 _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 _LOCAL = {
@@ -52,10 +52,10 @@ class OPTModel(Model):
         )
 
     def attention_inputs(
-        self, w: Weights, h: torch.Tensor, positions: torch.Tensor
+        self, w: Weights, h: torch.Tensor, positions: Positions
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         x = self._norm(h, w, "ln1") if self.config.do_layer_norm_before else h
-        return self.split_qkv(linear(x, w, "q"), linear(x, w, "k"), linear(x, w, "v"))
+        return self.split_qkv(linear(x, w, "qkv"))
 
     def attention_output(self, w: Weights, h: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
         pre = self.config.do_layer_norm_before

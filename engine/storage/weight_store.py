@@ -147,16 +147,17 @@ class WeightStore:
         model, dtype, compress = self.model, self.dtype, self.compress
         embed_j, embed_name, head_name = model.tied_head_source()
         for j, names in enumerate(self._by_layer):
-            values: dict[str, Stored] = {}
+            read: Weights = {}
             for local, hf_name in sorted(names.items()):
                 if j == len(self._by_layer) - 1 and local == head_name and self._shares_head():
                     continue  # added below: the embedding's stored tensor itself
-                t = self.reader.get(hf_name).to(dtype)
-                values[local] = (
-                    quantize(t, group_size=64, dim=0)
-                    if compress and model.is_compressible(j, local, t)
-                    else t
-                )
+                read[local] = self.reader.get(hf_name).to(dtype)
+            values: dict[str, Stored] = {
+                local: quantize(t, group_size=64, dim=0)
+                if compress and model.is_compressible(j, local, t)
+                else t
+                for local, t in model.fuse(read).items()
+            }
             layer = self._home(j, self.tiers[j], values)
             if j == len(self._by_layer) - 1 and self._shares_head():
                 layer.values[head_name] = self.layers[embed_j].values[embed_name]
