@@ -64,6 +64,9 @@ class EngineArgs:
     cuda_graphs: bool = True
     """Replay decode steps' dense ops as CUDA graphs at the discrete sizes where sound (resident
     weights, one GPU batch); False runs every op eagerly (vLLM's enforce_eager)."""
+    paged_attention: bool = True
+    """Attention reads the gpu tier's KV pages in place, the new KV written first
+    (engine/executor/attention.py); False gathers every past row into a packed copy first."""
     nano_batch_overlap: bool = True
     """With `Policy.num_nano_batches` > 1, overlap the nano-batches' operations; False runs
     them one after another (NanoFlow's nano-batch-only baseline, for ablations)."""
@@ -211,6 +214,13 @@ class EngineArgs:
             help="replay decode steps as CUDA graphs where sound (default: on)",
         )
         parser.add_argument(
+            "--paged-attention",
+            action=argparse.BooleanOptionalAction,
+            default=True,
+            help="attention reads KV pages on the compute device in place; off gathers a packed "
+            "copy of the past first (default: on)",
+        )
+        parser.add_argument(
             "--nano-batch-overlap",
             action=argparse.BooleanOptionalAction,
             default=True,
@@ -241,6 +251,7 @@ class EngineArgs:
             enable_prefix_caching=args.enable_prefix_caching,
             kv_cache_disk_bytes=size(args.kv_cache_disk_bytes),
             nano_batch_overlap=args.nano_batch_overlap,
+            paged_attention=args.paged_attention,
         )
         return cls(**{**fields, **overrides})
 
@@ -277,6 +288,7 @@ class EngineArgs:
             # the disk KV cache outlives the engine only in a directory of the user's
             "persist_kv_cache": self.enable_prefix_caching and self.offload_dir is not None,
             "nano_overlap": self.nano_batch_overlap,
+            "paged_attention": self.paged_attention,
         }
 
     def scheduler_config(

@@ -1,14 +1,21 @@
 """Attention over ragged sequences: each has its own past length and number of new tokens.
 
-The batch's token rows are scattered into padded (B, L) tensors by precomputed
-indices (`RaggedLayout`, built once per step and shared by every layer), so a
-layer does one scatter per tensor and one SDPA call per group (decodes, prefill
-chunks), with no loop over sequences.
+Two ways in, both one SDPA call per group (decodes, prefill chunks) over padded (B, L)
+tensors whose indices are precomputed once per step (`RaggedLayout`) and shared by every
+layer, with no loop over sequences:
+- `paged_attention`, where every key of the group lives in the compute device's KV pool
+  (plain, uncompressed rows): the layer's new KV is written to its pages first, then one
+  gather reads every key and value of the group from the pool, in place, straight into
+  the padded layout (vLLM's write-then-attend). A decode's query needs no padding at all.
+- `ragged_attention`, the general path: past KV that the copy threads gathered from any
+  tier (and decoded) arrives packed by sequence, and it and the new rows are scattered
+  into the padded tensors.
 """
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +43,9 @@ class PaddedGroup:
     mask: torch.Tensor | None
     """(B_g, 1, q_max, kv_max) bool: causal (and sliding-window) visibility; None when every
     query sees every key (decodes of one length, no window)."""
+    slots: torch.Tensor | None = None
+    """(B_g * kv_max,) the KV pool slot of every padded key position, past and new (a
+    masked position repeats its sequence's first slot); None: not read in place."""
 
     @property
     def num_past(self) -> int:
@@ -59,6 +69,11 @@ class RaggedLayout:
     def q_max(self) -> int:
         return max(g.q_max for g in self.groups)
 
+    @property
+    def in_place(self) -> bool:
+        """Every group reads its keys from the KV pool in place (`paged_attention`)."""
+        return all(g.slots is not None for g in self.groups)
+
     @classmethod
     def build(
         cls,
@@ -66,12 +81,16 @@ class RaggedLayout:
         past_lens: list[int],
         device: torch.device,
         sliding_window: int | None = None,
+        seq_slots: list[list[int]] | None = None,
     ) -> RaggedLayout:
+        """The layout of sequences with `q_lens` new tokens after `past_lens` past ones.
+        `seq_slots`: per sequence, the KV pool slots of all its tokens, past and new, when
+        its attention reads them in place (on `device`); None: it gets them packed."""
         decodes = [i for i, q in enumerate(q_lens) if q == 1]
         chunks = [i for i, q in enumerate(q_lens) if q > 1]
         members = [m for m in (decodes, chunks) if m]
         if len(members) == 1:
-            group = _padded(q_lens, past_lens, device, sliding_window, None, None)
+            group = _padded(q_lens, past_lens, device, sliding_window, None, None, seq_slots)
             return cls([group], sum(past_lens))
         new_starts = [0, *itertools.accumulate(q_lens)]
         past_starts = [0, *itertools.accumulate(past_lens)]
@@ -88,6 +107,7 @@ class RaggedLayout:
                 sliding_window,
                 rows(new_starts, seqs),
                 rows(past_starts, seqs),
+                None if seq_slots is None else [seq_slots[i] for i in seqs],
             )
             for seqs in members
         ]
@@ -101,6 +121,7 @@ def _padded(
     sliding_window: int | None,
     new_rows: torch.Tensor | None,
     past_rows: torch.Tensor | None,
+    seq_slots: list[list[int]] | None = None,
 ) -> PaddedGroup:
     """The padding indices and mask of one group of sequences."""
     num_seqs, q_max = len(q_lens), max(q_lens)
@@ -138,7 +159,17 @@ def _padded(
         new_dest=seq_new * kv_max + past_t[seq_new] + t_new,
         past_dest=seq_past * kv_max + pos_past,
         mask=mask,
+        slots=None if seq_slots is None else _padded_slots(seq_slots, kv_max, device),
     )
+
+
+def _padded_slots(seq_slots: list[list[int]], kv_max: int, device: torch.device) -> torch.Tensor:
+    """(B * kv_max,) each sequence's slots, padded with its first slot (always masked)."""
+    flat: list[int] = []
+    for slots in seq_slots:
+        flat.extend(slots)
+        flat.extend(itertools.repeat(slots[0], kv_max - len(slots)))
+    return torch.tensor(flat, dtype=torch.long, device=device)
 
 
 def ragged_attention(
@@ -201,6 +232,55 @@ def _padded_attention(
         enable_gqa=num_heads != num_kv_heads,
     )  # (B, nh, Qm, hd)
     return out.transpose(1, 2).reshape(b * q_max, num_heads, head_dim)[g.q_dest]
+
+
+def paged_attention(
+    q: torch.Tensor,
+    pool: torch.Tensor,
+    decode: Callable[[torch.Tensor], torch.Tensor],
+    layout: RaggedLayout,
+    kv_shape: tuple[int, int],
+) -> torch.Tensor:
+    """Causal attention of the new rows over every key of their sequences, read in place from
+    one layer's KV pool (its new keys already written there), one SDPA call per group.
+
+    q: (T, num_heads, head_dim); pool: (slots, row_bytes) encoded rows; `decode` turns
+    gathered rows into (N, 2 * kv_dim) keys then values (a view for plain rows).
+    Returns (T, num_heads, head_dim)."""
+    if len(layout.groups) == 1:
+        return _paged_group(q, pool, decode, layout.groups[0], kv_shape)
+    out = torch.empty_like(q)
+    for g in layout.groups:
+        assert g.new_rows is not None
+        out.index_copy_(0, g.new_rows, _paged_group(q[g.new_rows], pool, decode, g, kv_shape))
+    return out
+
+
+def _paged_group(
+    q: torch.Tensor,
+    pool: torch.Tensor,
+    decode: Callable[[torch.Tensor], torch.Tensor],
+    g: PaddedGroup,
+    kv_shape: tuple[int, int],
+) -> torch.Tensor:
+    """One group: one gather from the pool, one SDPA call. A decode group (one query per
+    sequence) uses q as it is, without a padded copy."""
+    assert g.slots is not None
+    b, q_max, kv_max = g.num_seqs, g.q_max, g.kv_max
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    kv = decode(pool.index_select(0, g.slots)).view(b, kv_max, 2, *kv_shape)
+    k, v = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)  # (B, kvh, L, hd) views
+    if q_max == 1:
+        qp = q.view(b, 1, num_heads, head_dim).transpose(1, 2)  # (B, nh, 1, hd), no copy
+    else:
+        qp = q.new_zeros(b * q_max, num_heads, head_dim)
+        qp.index_copy_(0, g.q_dest, q)
+        qp = qp.view(b, q_max, num_heads, head_dim).transpose(1, 2)  # (B, nh, Qm, hd)
+    out = scaled_dot_product_attention(
+        qp, k, v, attn_mask=g.mask, enable_gqa=num_heads != kv_shape[0]
+    )  # (B, nh, Qm, hd)
+    out = out.transpose(1, 2).reshape(b * q_max, num_heads, head_dim)
+    return out if q_max == 1 else out[g.q_dest]
 
 
 def split_kv(

@@ -68,6 +68,9 @@ class Executor:
     nano_overlap: with `policy.num_nano_batches` > 1, overlap the nano-batches' operations
         (engine/executor/nano_overlap.py); False runs them one after another (NanoFlow's
         nano-batch-only ablation baseline).
+    paged_attention: attention reads the gpu tier's KV pages in place, the layer's new KV
+        written first (engine/executor/attention.py); False gathers a packed copy of every
+        past row first, as other tiers and compressed KV always do.
     on_progress: called with (layers loaded, layers) while the weights load (the engine
         process reports it to the daemon); None: `show_progress` decides.
     """
@@ -88,6 +91,7 @@ class Executor:
         cuda_graphs: bool = True,
         persist_kv_cache: bool = False,
         nano_overlap: bool = True,
+        paged_attention: bool = True,
         on_progress: Callable[[int, int], None] | None = None,
     ) -> None:
         self.policy = policy
@@ -170,6 +174,7 @@ class Executor:
             sliding_window=self.config.sliding_window,
             pool_device=self.kv.pool_device,
             positions=lambda ids: self.model.positions(ids, self.dtype),
+            paged_attention=paged_attention and not policy.compress_kv,
         )
         self._nano_batcher = (
             NanoBatcher(policy.num_nano_batches, self._builder)

@@ -122,12 +122,16 @@ class BatchBuilder:
         sliding_window: int | None,
         pool_device: Callable[[str], torch.device],
         positions: Callable[[torch.Tensor], Positions] = Positions,
+        paged_attention: bool = False,
     ) -> None:
         self.device, self.page_tokens = device, page_tokens
         self.cpu_attention, self.sliding_window = cpu_attention, sliding_window
         self.pool_device = pool_device
         self.positions = positions
         """(T,) positions -> `Positions` with the model's tables (`Model.positions`)."""
+        self.paged_attention = paged_attention
+        """The device group reads its KV in place from the gpu tier's pool when all of it is
+        there (`engine.executor.attention.paged_attention`); False: always packed."""
 
     def build(
         self, index: int, chunks: list[tuple[SeqChunk, SeqState]], num_padding: int = 0
@@ -204,11 +208,26 @@ class BatchBuilder:
             rows = self._index(
                 [r for c, _, start in members for r in range(start, start + len(c.token_ids))]
             )
+        seq_slots = None
+        if self.paged_attention and where == self.device:
+            seq_slots = self._gpu_slots(members)
         return AttentionGroup(
             rows=rows,
-            layout=RaggedLayout.build(q_lens, past_lens, where, self.sliding_window),
+            layout=RaggedLayout.build(q_lens, past_lens, where, self.sliding_window, seq_slots),
             past={tier: self._kv_rows(tier, *slots_dest) for tier, slots_dest in past.items()},
         )
+
+    def _gpu_slots(self, members: list[tuple[SeqChunk, SeqState, int]]) -> list[list[int]] | None:
+        """Per sequence, the gpu tier's pool slots of all its tokens (past and new); None when
+        any of them lives on another tier."""
+        out = []
+        for c, state, _ in members:
+            by_tier: SlotsByTier = {}
+            add_slots(by_tier, state.pages, 0, c.start_pos + len(c.token_ids), self.page_tokens, 0)
+            if set(by_tier) != {"gpu"}:
+                return None
+            out.append(by_tier["gpu"][0])
+        return out
 
     def _kv_rows(self, tier: str, slots: list[int], rows: list[int]) -> KVRows:
         slot_index = (

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.core.kv_pages import PageMove
-from engine.executor.attention import cpu_attention, ragged_attention, split_kv
+from engine.executor.attention import cpu_attention, paged_attention, ragged_attention, split_kv
 from engine.executor.cuda_graphs import GraphRunner, StepGraphs
 from engine.executor.gpu_batch import AttentionGroup, GpuBatch
 from engine.executor.nano_overlap import NanoOverlap
@@ -31,7 +31,7 @@ from engine.executor.trace import NoTracer, Tracer
 from engine.models.base import Model, Weights
 from engine.storage.device import Device, Ready
 from engine.storage.disk import DiskFile, DiskIO
-from engine.storage.kv_store import KVStore
+from engine.storage.kv_store import KVRows, KVStore
 from engine.storage.weight_store import WeightStore
 
 
@@ -236,7 +236,7 @@ class BlockPipeline:
         device_past = cpu_past = None
         dev, cpu = batch.device_group, batch.cpu_group
         with self.device.on_copy_stream():
-            if dev is not None and dev.layout.num_past:
+            if dev is not None and dev.layout.num_past and not self._in_place(batch):
                 with self.tracer.span("load_cache", "load", j, batch.index):
                     device_past = self._gather(layer, dev, self.device.to_device)
             if cpu is not None and cpu.layout.num_past:
@@ -286,13 +286,15 @@ class BlockPipeline:
                 return self.model.head(w, h.index_select(0, batch.logit_rows)), None
             if graphs is not None:  # dense ops replayed, attention eager in between
                 graphs.before[j - 1].replay()
-                new_kv = torch.cat([graphs.k.flatten(1), graphs.v.flatten(1)], dim=1)
-                graphs.o.copy_(self._attend(j, batch, past, graphs.q, graphs.k, graphs.v))
+                q, k, v = graphs.q, graphs.k, graphs.v
+            else:
+                q, k, v = self.model.attention_inputs(w, h, batch.positions)
+            new_kv = torch.cat([k.flatten(1), v.flatten(1)], dim=1)  # (T, 2 * kv_dim)
+            o = self._attend(j, batch, past, q, k, v, new_kv)
+            if graphs is not None:
+                graphs.o.copy_(o)
                 graphs.after[j - 1].replay()
                 return graphs.h, new_kv
-            q, k, v = self.model.attention_inputs(w, h, batch.positions)
-            new_kv = torch.cat([k.flatten(1), v.flatten(1)], dim=1)  # (T, 2 * kv_dim)
-            o = self._attend(j, batch, past, q, k, v)
             return self.model.attention_output(w, h, o), new_kv
 
     def _attend(
@@ -303,21 +305,49 @@ class BlockPipeline:
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
+        new_kv: torch.Tensor,
     ) -> torch.Tensor:
+        """Layer j's attention output (T, num_heads, head_dim) for every row of the batch.
+        Reading in place, the gpu tier's new KV rows (of `new_kv`) are written first."""
         dev, cpu = batch.device_group, batch.cpu_group
+        if self._in_place(batch):
+            self._after_moves(j)
+            kv_rows = batch.new_kv["gpu"]
+            self.kv.write("gpu", j - 1, kv_rows, self._encoded_rows(new_kv, kv_rows))
         if cpu is None and dev is not None and dev.rows is None:  # every row, one device
-            return ragged_attention(q, k, v, *self._split_kv(past.device), dev.layout)
+            return self._device_attention(j, dev, past, q, k, v)
         o = torch.zeros_like(q)  # padding rows attend to nothing
         if dev is not None:
             assert dev.rows is not None
-            o[dev.rows] = ragged_attention(
-                q[dev.rows], k[dev.rows], v[dev.rows], *self._split_kv(past.device), dev.layout
+            o[dev.rows] = self._device_attention(
+                j, dev, past, q[dev.rows], k[dev.rows], v[dev.rows]
             )
         if cpu is not None:
             rows = cpu.rows if cpu.rows is not None else slice(None)
             with self.tracer.span("cpu_attention", "cpu_attention", j, batch.index):
                 o[rows] = self._cpu_attention(cpu, past.cpu, q[rows], k[rows], v[rows])
         return o
+
+    def _in_place(self, batch: GpuBatch) -> bool:
+        """The batch's device group reads its KV in place (a nano-batched one reads it packed:
+        each nano-batch slices its sequences' rows)."""
+        dev = batch.device_group
+        return dev is not None and dev.layout.in_place and not batch.nano_batches
+
+    def _device_attention(
+        self,
+        j: int,
+        group: AttentionGroup,
+        past: PastKV,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+    ) -> torch.Tensor:
+        """Attention of the device group's rows: in place from the pool, or over packed past."""
+        if group.layout.in_place and past.device is None:
+            pool = self.kv.pool("gpu", j - 1)
+            return paged_attention(q, pool, self.kv.codec.decode, group.layout, self._kv_shape)
+        return ragged_attention(q, k, v, *self._split_kv(past.device), group.layout)
 
     def _cpu_attention(
         self,
@@ -376,6 +406,12 @@ class BlockPipeline:
                 stream.synchronize()
             self._acts[batch.index] = parts
 
+    def _encoded_rows(self, new_kv: torch.Tensor, kv_rows: KVRows) -> torch.Tensor:
+        """The (N, row_bytes) encoded rows of `new_kv` (T, 2 * kv_dim) that `kv_rows` stores."""
+        if len(kv_rows.slots) != new_kv.shape[0]:  # not one tier without padding
+            new_kv = new_kv.index_select(0, kv_rows.rows)
+        return self.kv.codec.encode(new_kv)
+
     def _store_kv(
         self, j: int, batch: GpuBatch, new_kv: torch.Tensor, done: torch.cuda.Event | None
     ) -> None:
@@ -386,10 +422,11 @@ class BlockPipeline:
             if stream is not None and done is not None:
                 stream.wait_event(done)
                 new_kv.record_stream(stream)
-            encoded = self.kv.codec.encode(new_kv)  # (T, row_bytes) on the compute device
+            written = self._in_place(batch)  # the gpu tier's rows went in before attention
             for tier, kv_rows in batch.new_kv.items():
-                covers_all = len(kv_rows.slots) == encoded.shape[0]  # one tier, no padding
-                rows = encoded if covers_all else encoded.index_select(0, kv_rows.rows)
+                if tier == "gpu" and written:
+                    continue
+                rows = self._encoded_rows(new_kv, kv_rows)
                 if tier != "gpu":
                     host = self.device.host_empty(tuple(rows.shape), torch.uint8)
                     host.copy_(rows, non_blocking=stream is not None)

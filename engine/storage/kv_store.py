@@ -129,6 +129,10 @@ class KVStore:
             return torch.index_select(pool, 0, kv_rows.slot_index, out=out)
         return pool.index_select(0, kv_rows.slot_index)
 
+    def pool(self, tier: str, layer: int) -> torch.Tensor:
+        """One layer's (slots, row_bytes) pool of a memory tier, read in place by attention."""
+        return self._pools[tier][layer]
+
     def write(self, tier: str, layer: int, kv_rows: KVRows, data: torch.Tensor) -> None:
         """Store encoded rows (on the compute device for gpu, on the host otherwise)."""
         if tier == "disk":

@@ -20,9 +20,10 @@ PLACEMENTS: dict[str, dict[str, object]] = {
 }
 
 
-def run(model_dir, prompts, policy, tmp_path) -> list[list[int]]:
+def run(model_dir, prompts, policy, tmp_path, **engine) -> list[list[int]]:
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    with LLM(str(model_dir), policy=policy, offload_dir=tmp_path / "offload", device="cpu") as llm:
+    offload = tmp_path / "offload"
+    with LLM(str(model_dir), policy=policy, offload_dir=offload, device="cpu", **engine) as llm:
         return [out.outputs[0].token_ids for out in llm.generate(prompts, params)]
 
 
@@ -32,6 +33,15 @@ def test_llama_matches_transformers(tiny_model, references, tmp_path, placement,
     prompts, expected = references("llama")
     policy = Policy(overlap=overlap, **PLACEMENTS[placement])  # type: ignore[arg-type]
     assert run(tiny_model("llama"), prompts, policy, tmp_path) == expected
+
+
+@pytest.mark.parametrize("placement", ["all-on-device", "kv-act-mixed", "three-gpu-batches"])
+def test_packed_attention_matches_transformers(tiny_model, references, tmp_path, placement):
+    """With paged attention off, every past row is gathered into a packed copy first."""
+    prompts, expected = references("llama")
+    policy = Policy(**PLACEMENTS[placement])  # type: ignore[arg-type]
+    got = run(tiny_model("llama"), prompts, policy, tmp_path, paged_attention=False)
+    assert got == expected
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["sequential", "overlap"])

@@ -148,3 +148,17 @@ def test_attention_of_one_nano_batch_runs_beside_the_dense_ops_of_another(
     dense_threads = {e["tid"] for e in on_events if e.get("name") in NANO_DENSE}
     assert len(threads) == len(dense_threads) == 1 and threads != dense_threads
     assert nano_overlaps(off_events) == (0, total)
+
+
+def test_paged_attention_gathers_no_packed_past(tmp_path: Path) -> None:
+    """KV on the compute device is read in place by attention: no load_cache copies of the
+    past, where the packed path has one per layer and step; the same tokens either way."""
+    paged, paged_events = traced_run(Policy(), tmp_path / "paged.json")
+    packed, packed_events = traced_run(Policy(), tmp_path / "packed.json", paged_attention=False)
+    assert paged == packed
+
+    def loads(events: list[dict[str, Any]]) -> int:
+        return sum(e["ph"] == "X" and e["name"] == "load_cache" for e in events)
+
+    assert loads(paged_events) == 0
+    assert loads(packed_events) > 10
