@@ -49,7 +49,8 @@ class LLM:
         self.scheduler = args.create_scheduler(
             self.policy, model_dir, self.executor.describe(), self.tokenizer
         )
-        self.core = EngineCore(self.scheduler, self.executor, args.async_scheduling)
+        plans_ahead = args.plans_ahead(not self.executor.device.is_cuda)
+        self.core = EngineCore(self.scheduler, self.executor, plans_ahead)
         self._ids = itertools.count()
 
     @classmethod

@@ -170,7 +170,8 @@ class CoreEngineClient(EngineClient):
             self.policy, self.model_dir, self._executor.describe(), self._tokenizer
         )
         self._counter = _StepCounter(self._executor)
-        return EngineCore(scheduler, self._counter, self.engine_args.async_scheduling)
+        on_cpu_here = self._in_process and self._executor.describe().placement.device == "cpu"
+        return EngineCore(scheduler, self._counter, self.engine_args.plans_ahead(on_cpu_here))
 
     def _close_core(self) -> None:
         """Close the engine core (after a crash, or at the end), keeping its counts."""

@@ -73,8 +73,10 @@ class EngineArgs:
     batch_sizes: tuple[int, ...] | None = None
     """The discrete sizes; None: from the knee of the cached hardware profile's dense step
     table (`nanoflex profile`), or powers of two without one."""
-    async_scheduling: bool = True
-    """Plan step i+1 while step i runs (NanoFlow 5.3); False is the synchronous reference."""
+    async_scheduling: bool | None = None
+    """Plan step i+1 while step i runs (NanoFlow 5.3); False is the synchronous reference.
+    None: on, except where the step would run on a thread of this process with the CPU as
+    the compute device (`plans_ahead`)."""
     static_blocks: bool = False
     """FlexGen-style baseline without refill (SchedulerConfig.static_blocks)."""
     kv_capacity_pages: Mapping[str, int | None] | None = None
@@ -99,6 +101,16 @@ class EngineArgs:
             raise UserError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.max_step_tokens is not None and self.max_step_tokens < 1:
             raise UserError(f"max_step_tokens must be >= 1, got {self.max_step_tokens}")
+
+    def plans_ahead(self, steps_on_cpu_here: bool) -> bool:
+        """Whether the engine core plans step i+1 while step i runs. `steps_on_cpu_here`: the
+        step would run on a worker thread of this process, computing on the CPU. There the
+        step's torch ops on a second thread, beside the intra-op thread pool the model was
+        loaded with, cost more than planning ahead saves (12-20% of throughput on 2 cores,
+        docs/benchmarks.md), so None means off; on CUDA or in an engine process, on."""
+        if self.async_scheduling is not None:
+            return self.async_scheduling
+        return not steps_on_cpu_here
 
     def step_tokens(self, policy: Policy) -> int:
         """The most tokens one step runs under `policy` (see max_step_tokens)."""
