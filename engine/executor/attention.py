@@ -22,6 +22,21 @@ import torch
 from torch.nn.functional import scaled_dot_product_attention
 
 
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """One prefill chunk that attends alone (`PaddedGroup.chunks`): no padding, and with no
+    past the kernel's own causal mask, which skips the keys a query cannot see."""
+
+    row: int
+    """Its first row among the group's new rows."""
+    q_len: int
+    kv_start: int
+    """Its first key among the group's gathered slots."""
+    kv_len: int
+    mask: torch.Tensor | None
+    """(q_len, kv_len) bool visibility when it has a past; None: causal from key 0."""
+
+
 @dataclass(slots=True)
 class PaddedGroup:
     """Sequences of a layout padded together into one SDPA call over (B_g, heads, q_max,
@@ -45,7 +60,11 @@ class PaddedGroup:
     query sees every key (decodes of one length, no window)."""
     slots: torch.Tensor | None = None
     """(B_g * kv_max,) the KV pool slot of every padded key position, past and new (a
-    masked position repeats its sequence's first slot); None: not read in place."""
+    masked position repeats its sequence's first slot); with `chunks`, every sequence's
+    slots back to back, unpadded; None: not read in place."""
+    chunks: list[Chunk] | None = None
+    """Prefill chunks read in place attend one at a time, each over its own keys only; None:
+    the group is one padded call."""
 
     @property
     def num_past(self) -> int:
@@ -138,8 +157,11 @@ def _padded(
 
     seq_new, t_new = offsets(q_len_t, sum(q_lens))
     seq_past, pos_past = offsets(past_t, sum(past_lens))
+    chunks = None
+    if seq_slots is not None and q_max > 1 and sliding_window is None:
+        chunks = _chunks(q_lens, past_lens, device)
     mask = None
-    if q_max > 1 or len(set(past_lens)) > 1 or sliding_window is not None:
+    if chunks is None and (q_max > 1 or len(set(past_lens)) > 1 or sliding_window is not None):
         # Absolute position of query t of sequence b is past_len_b + t.
         q_pos = past_t[:, None] + torch.arange(q_max, device=device)[None, :]  # (B, q_max)
         k_pos = torch.arange(kv_max, device=device)[None, None, :]  # (1, 1, kv_max)
@@ -159,16 +181,35 @@ def _padded(
         new_dest=seq_new * kv_max + past_t[seq_new] + t_new,
         past_dest=seq_past * kv_max + pos_past,
         mask=mask,
-        slots=None if seq_slots is None else _padded_slots(seq_slots, kv_max, device),
+        slots=None if seq_slots is None else _padded_slots(seq_slots, kv_max, chunks, device),
+        chunks=chunks,
     )
 
 
-def _padded_slots(seq_slots: list[list[int]], kv_max: int, device: torch.device) -> torch.Tensor:
-    """(B * kv_max,) each sequence's slots, padded with its first slot (always masked)."""
+def _chunks(q_lens: list[int], past_lens: list[int], device: torch.device) -> list[Chunk]:
+    """Each sequence as a `Chunk`, its keys right after the previous one's."""
+    out, row, kv_start = [], 0, 0
+    for q_len, past_len in zip(q_lens, past_lens, strict=True):
+        kv_len = past_len + q_len
+        mask = None
+        if past_len:  # query t sees keys 0 .. past_len + t
+            q_pos = past_len + torch.arange(q_len, device=device)[:, None]
+            mask = torch.arange(kv_len, device=device)[None, :] <= q_pos
+        out.append(Chunk(row, q_len, kv_start, kv_len, mask))
+        row, kv_start = row + q_len, kv_start + kv_len
+    return out
+
+
+def _padded_slots(
+    seq_slots: list[list[int]], kv_max: int, chunks: list[Chunk] | None, device: torch.device
+) -> torch.Tensor:
+    """(B * kv_max,) each sequence's slots, padded with its first slot (always masked); for
+    chunks attending alone, not padded."""
     flat: list[int] = []
     for slots in seq_slots:
         flat.extend(slots)
-        flat.extend(itertools.repeat(slots[0], kv_max - len(slots)))
+        if chunks is None:
+            flat.extend(itertools.repeat(slots[0], kv_max - len(slots)))
     return torch.tensor(flat, dtype=torch.long, device=device)
 
 
@@ -268,6 +309,23 @@ def _paged_group(
     assert g.slots is not None
     b, q_max, kv_max = g.num_seqs, g.q_max, g.kv_max
     num_heads, head_dim = q.shape[1], q.shape[2]
+    gqa = num_heads != kv_shape[0]
+    if g.chunks is not None:
+        keys = decode(pool.index_select(0, g.slots)).view(-1, 2, *kv_shape)  # (sum L, 2, ...)
+        outs = []
+        for c in g.chunks:
+            kc = keys[c.kv_start : c.kv_start + c.kv_len].transpose(0, 2)  # (kvh, 2, L, hd)
+            qc = q[c.row : c.row + c.q_len].transpose(0, 1)  # (nh, t, hd)
+            out = scaled_dot_product_attention(
+                qc[None],
+                kc[None, :, 0],
+                kc[None, :, 1],
+                attn_mask=c.mask,
+                is_causal=c.mask is None,
+                enable_gqa=gqa,
+            )  # (1, nh, t, hd)
+            outs.append(out[0].transpose(0, 1))
+        return torch.cat(outs)
     kv = decode(pool.index_select(0, g.slots)).view(b, kv_max, 2, *kv_shape)
     k, v = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)  # (B, kvh, L, hd) views
     if q_max == 1:
@@ -277,7 +335,7 @@ def _paged_group(
         qp.index_copy_(0, g.q_dest, q)
         qp = qp.view(b, q_max, num_heads, head_dim).transpose(1, 2)  # (B, nh, Qm, hd)
     out = scaled_dot_product_attention(
-        qp, k, v, attn_mask=g.mask, enable_gqa=num_heads != kv_shape[0]
+        qp, k, v, attn_mask=g.mask, enable_gqa=gqa
     )  # (B, nh, Qm, hd)
     out = out.transpose(1, 2).reshape(b * q_max, num_heads, head_dim)
     return out if q_max == 1 else out[g.q_dest]
