@@ -313,6 +313,7 @@ BUILTIN_MODELS: dict[str, ModelSpec] = {
         _opt("30b", 7168, 48, 56),
         _opt("66b", 9216, 64, 72),
         _opt("175b", 12288, 96, 96),
+        _llama("tinyllama-1.1b", 2048, 5632, 22, 32, 4, 32000),
         _llama("llama-2-7b", 4096, 11008, 32, 32, 32, 32000),
         _llama("llama-2-13b", 5120, 13824, 40, 40, 40, 32000),
         _llama("llama-2-70b", 8192, 28672, 80, 64, 8, 32000),
@@ -355,6 +356,8 @@ BUILTIN_MODELS: dict[str, ModelSpec] = {
 
 # Hub ids (lower-cased, org dropped) that name a built-in entry.
 _ALIASES: dict[str, str] = {
+    "tinyllama-1.1b-chat-v1.0": "tinyllama-1.1b",
+    "tinyllama-1.1b-intermediate-step-1431k-3t": "tinyllama-1.1b",
     "llama-2-7b-hf": "llama-2-7b",
     "llama-2-13b-hf": "llama-2-13b",
     "llama-2-70b-hf": "llama-2-70b",

@@ -14,6 +14,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from engine.core.dtypes import checkpoint_dtype, default_dtype
 from policy import Policy, UserError
 from policy.hardware import MAX_SPREAD, HardwareSpec, default_cache_path
 from policy.machine import machine_key
@@ -28,11 +29,10 @@ DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 
 def model_spec(model_dir: Path, compute_device: str, dtype: str | None = None) -> ModelSpec:
     """The model's shape with the element size the engine will compute in: `dtype` if
-    given, else float32 on a CPU, else the checkpoint's half type (float16 if it has none),
-    as `engine.storage.device.Device.default_dtype` chooses."""
+    given, else the engine's default for this device and checkpoint (engine/core/dtypes.py)."""
     spec = ModelSpec.from_name_or_path(str(model_dir))
-    if dtype is None:  # on CUDA the half type: 2 bytes whichever it is
-        dtype = "float32" if compute_device == "cpu" else "float16"
+    if dtype is None:
+        dtype = default_dtype(compute_device, checkpoint_dtype(model_dir))
     return dataclasses.replace(spec, dtype_bytes=DTYPE_BYTES[dtype])
 
 

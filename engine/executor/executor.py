@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from engine.core.dtypes import checkpoint_dtype
 from engine.core.kv_pages import PageManager
 from engine.core.protocol import (
     EngineInfo,
@@ -100,7 +101,7 @@ class Executor:
         hf_config = read_hf_config(self.model_dir)
         self.config = ModelConfig.from_hf(hf_config)
         self.model = build_model(self.config)
-        self.dtype = dtype or self.device.default_dtype(_checkpoint_dtype(hf_config))
+        self.dtype = dtype or self.device.default_dtype(checkpoint_dtype(self.model_dir))
         self._apply_thread_counts()
         self._own_offload_dir = offload_dir is None
         self.offload_dir = Path(offload_dir or tempfile.mkdtemp(prefix="nanoflex-offload-"))
@@ -416,13 +417,6 @@ def build_executor(
     torch_dtype = None if dtype is None else getattr(torch, dtype)
     policy_record = Policy.from_dict(policy or {})
     return Executor(model, policy_record, dtype=torch_dtype, on_progress=on_progress, **kwargs)
-
-
-def _checkpoint_dtype(hf_config: Any) -> torch.dtype | None:
-    """The dtype the checkpoint declares (transformers 5 calls it `dtype`, 4.x `torch_dtype`)."""
-    raw = vars(hf_config).get("dtype") or vars(hf_config).get("torch_dtype")
-    value = getattr(torch, raw, None) if isinstance(raw, str) else raw
-    return value if isinstance(value, torch.dtype) else None
 
 
 def score_prompt(chunk: SeqChunk, state: SeqState, logits: torch.Tensor) -> None:

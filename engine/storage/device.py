@@ -9,6 +9,8 @@ from typing import Generic, TypeVar
 
 import torch
 
+from engine.core.dtypes import default_dtype
+
 T = TypeVar("T")
 
 
@@ -42,15 +44,13 @@ class Device:
             raise UserError(f"device must be auto, cuda or cpu, got {name!r}")
         return cls(torch.device(name))
 
-    def default_dtype(self, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
-        """float32 on the CPU (exact reference); the checkpoint's half type on CUDA."""
-        if not self.is_cuda:
-            return torch.float32
-        return (
-            checkpoint_dtype
-            if checkpoint_dtype in (torch.float16, torch.bfloat16)
-            else (torch.float16)
-        )
+    def default_dtype(self, checkpoint_dtype: str | None) -> torch.dtype:
+        """The compute dtype when none is given (engine/core/dtypes.py): float32 on the CPU
+        (bfloat16 for a half checkpoint where the CPU has bfloat16 in hardware); the
+        checkpoint's half type on CUDA."""
+        name = default_dtype(self.device.type, checkpoint_dtype)
+        dtype: torch.dtype = getattr(torch, name)
+        return dtype
 
     def host_empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """Host memory for the cpu tier and staging: pinned when a GPU will read it."""

@@ -71,3 +71,38 @@ def test_a_hub_id_that_cannot_be_served_fails_once_without_retries(
         ("snapshot_download", {"local_files_only": True}),
         ("model_info", {"timeout": model_files._HUB_TIMEOUT_S}),
     ]
+
+
+def test_default_dtype_is_bfloat16_only_for_half_checkpoints_on_bf16_cpus(monkeypatch) -> None:
+    """As vLLM's CPU backend: a half checkpoint computes in bfloat16 where the CPU has
+    bfloat16 dot products; a float32 checkpoint, or a CPU without them, stays float32."""
+    from engine.core import dtypes
+
+    monkeypatch.setattr(dtypes, "cpu_has_native_bf16", lambda: True)
+    assert dtypes.default_dtype("cpu", "bfloat16") == "bfloat16"
+    assert dtypes.default_dtype("cpu", "float16") == "bfloat16"
+    assert dtypes.default_dtype("cpu", "float32") == "float32"
+    assert dtypes.default_dtype("cpu", None) == "float32"
+    monkeypatch.setattr(dtypes, "cpu_has_native_bf16", lambda: False)
+    assert dtypes.default_dtype("cpu", "bfloat16") == "float32"
+    assert dtypes.default_dtype("cuda", "bfloat16") == "bfloat16"
+    assert dtypes.default_dtype("cuda", "float32") == "float16"
+
+
+def test_this_cpus_bf16_flag_is_read_from_cpuinfo() -> None:
+    from pathlib import Path
+
+    from engine.core.dtypes import cpu_has_native_bf16
+
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.is_file():
+        pytest.skip("no /proc/cpuinfo on this system")
+    flags = next(
+        (
+            line.split(":", 1)[1].split()
+            for line in cpuinfo.read_text().splitlines()
+            if line.split(":")[0].strip() in ("flags", "Features")
+        ),
+        [],
+    )
+    assert cpu_has_native_bf16() == bool({"avx512_bf16", "amx_bf16", "bf16"} & set(flags))
