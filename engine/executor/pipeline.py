@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import torch
 
@@ -46,6 +47,17 @@ class PastKV:
 
 
 NO_PAST = PastKV(None, None)
+T = TypeVar("T")
+
+
+def _now(fn: Callable[..., T], *args: Any) -> Future[T]:
+    """Run `fn` here and now, as a finished future (errors handed to whoever waits)."""
+    future: Future[T] = Future()
+    try:
+        future.set_result(fn(*args))
+    except BaseException as e:
+        future.set_exception(e)
+    return future
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:
@@ -134,7 +146,18 @@ class BlockPipeline:
 
     def _run_overlapped(self, batches: list[GpuBatch]) -> list[torch.Tensor]:
         num_layers, num_batches = self.model.num_layers, len(batches)
-        load, store, wait = self._loads.submit, self._stores.submit, self.device.wait
+        wait = self.device.wait
+
+        def load(fn: Callable[..., T], *args: Any) -> Future[T]:
+            return (
+                self._loads.submit(fn, *args) if self._moves_bytes(fn, *args) else _now(fn, *args)
+            )
+
+        def store(fn: Callable[..., T], *args: Any) -> Future[T]:
+            return (
+                self._stores.submit(fn, *args) if self._moves_bytes(fn, *args) else _now(fn, *args)
+            )
+
         if self._moves:  # first in the load queue: every KV load and store waits for its layer's
             self._moved = {j: load(self._move_pages, j) for j in range(1, num_layers - 1)}
         weights = {0: load(self._load_weights, 0)}
@@ -169,6 +192,27 @@ class BlockPipeline:
         for fut in (*kv_stores, *act_stored.values()):
             fut.result()
         return logits
+
+    def _moves_bytes(self, fn: Callable[..., object], *args: Any) -> bool:
+        """Whether a load or store has bytes to move (else it runs inline: a hand-off to a
+        copy thread would cost more than the nothing it does)."""
+        if fn == self._load_weights:
+            return not self.weights.is_resident(args[0])
+        if fn == self._load_act:  # layer 0, the embedding, reads token ids only
+            return args[0] > 0 and bool(args[1].act_rows)
+        if fn == self._store_act:
+            return bool(args[1].act_rows)
+        if self._moves:  # KV loads and stores wait for the layer's page moves
+            return True
+        if fn == self._load_past:
+            j, batch = args
+            dev, cpu = batch.device_group, batch.cpu_group
+            has_past = dev is not None and dev.layout.num_past and not self._in_place(batch)
+            has_host_past = cpu is not None and cpu.layout.num_past
+            return self.model.layer_kind(j) == "decoder" and bool(has_past or has_host_past)
+        if fn == self._store_kv:
+            return not self._in_place(args[1]) or set(args[1].new_kv) != {"gpu"}
+        return True
 
     # -- page moves ------------------------------------------------------------------------
 

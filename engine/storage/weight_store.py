@@ -194,6 +194,11 @@ class WeightStore:
         self._staging_bytes = max(self._staging_bytes, end)
         return StoredLayer(tier, meta, f, offsets, end)
 
+    def is_resident(self, j: int) -> bool:
+        """Layer j is used where it lies: on the compute device, uncompressed (its `load`
+        moves and decodes nothing)."""
+        return self.tiers[j] == "gpu" and not self.compress
+
     def bytes_per_tier(self) -> dict[str, int]:
         out = dict.fromkeys(TIERS, 0)
         for layer in self.layers:

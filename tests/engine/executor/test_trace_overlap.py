@@ -162,3 +162,15 @@ def test_paged_attention_gathers_no_packed_past(tmp_path: Path) -> None:
 
     assert loads(paged_events) == 0
     assert loads(packed_events) > 10
+
+
+def test_resident_work_is_not_handed_to_copy_threads(tmp_path: Path) -> None:
+    """With weights, KV and activations all on the compute device, the overlapped loop has
+    nothing to move: its loads and stores run inline, none on a copy thread (a hand-off
+    costs more than the nothing it would do), and the tokens are the sequential loop's."""
+    on, events = traced_run(Policy(overlap=True), tmp_path / "on.json")
+    off, _ = traced_run(Policy(overlap=False), tmp_path / "off.json")
+    assert on == off
+    thread = {e["tid"]: e["args"]["name"] for e in events if e["ph"] == "M"}
+    used = {thread[e["tid"]] for e in events if e["ph"] == "X"}
+    assert not any(name.startswith(("nanoflex-load", "nanoflex-store")) for name in used), used
