@@ -90,10 +90,16 @@ class LlamaModel(Model):
     def attention_inputs(
         self, w: Weights, h: torch.Tensor, positions: Positions
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        x = rms_norm(h, w["ln1.weight"], self.config.norm_eps)
-        q, k, v = self.split_qkv(linear(x, w, "qkv"))
+        c = self.config
+        x = rms_norm(h, w["ln1.weight"], c.norm_eps)
+        qkv = linear(x, w, "qkv")  # (T, (heads + 2 * kv_heads) * head_dim)
+        num_rotated = c.num_heads + c.num_kv_heads  # q and k rotate together: one pass
+        qk, v = qkv.split([num_rotated * c.head_dim, c.kv_dim], dim=-1)
+        qk = qk.view(-1, num_rotated, c.head_dim)
         cos, sin = positions.tables
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
+        qk = qk * cos + _rotate_half(qk) * sin
+        q, k = qk.split([c.num_heads, c.num_kv_heads], dim=1)
+        return q, k, v.view(-1, c.num_kv_heads, c.head_dim)
 
     def attention_output(self, w: Weights, h: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
         h = h + linear(o.reshape(o.shape[0], -1), w, "o")
