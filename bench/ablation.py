@@ -1,14 +1,17 @@
-"""Ablation of the speed features: each switched off in turn from one offloaded policy.
+"""Ablation of the speed features: each switched off in turn from one base policy.
 
-    python -m bench.ablation [--model M] [--prompt-len 128] [--gen-len 16] [--num-prompts 12]
+    python -m bench.ablation [--model M] [--base offloaded|resident] [--prompt-len 128]
+        [--gen-len 16] [--num-prompts 12]
 
-Base: weights on disk (the I/O-bound case offloading is for), KV on the cpu tier
-with CPU attention, overlap on, no compression, discrete batching on. Each row flips
-one switch.
+`offloaded` (the default): weights on disk (the I/O-bound case offloading is for), KV on
+the cpu tier with CPU attention, overlap on, no compression, discrete batching on.
+`resident`: everything on the compute device, where the step's hot path decides (paged
+attention, inline loads, the step on the loading thread). Each row flips one switch.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import sys
 
@@ -33,9 +36,23 @@ VARIANTS: dict[str, Variant] = {
 }
 
 
+RESIDENT = Policy(overlap=True)
+RESIDENT_VARIANTS: dict[str, Variant] = {
+    "base (overlap, paged attention, discrete batching)": RESIDENT,
+    "paged attention off": (RESIDENT, {"paged_attention": False}),
+    "overlap off": dataclasses.replace(RESIDENT, overlap=False),
+    "planning ahead on (step on a worker thread)": (RESIDENT, {"async_scheduling": True}),
+    "discrete batching off": (RESIDENT, {"discrete_batching": False}),
+}
+
+
+def _base_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--base", choices=("offloaded", "resident"), default="offloaded")
+
+
 def main() -> int:
-    args = parse_args(__doc__ or "")
-    rows = run_policies(VARIANTS, args)
+    args = parse_args(__doc__ or "", _base_flag)
+    rows = run_policies(RESIDENT_VARIANTS if args.base == "resident" else VARIANTS, args)
     base = rows[0]["measured"]["generation_throughput"]
     table = Table(["variant", "generation tok/s", "decode tok/s", "prefill tok/s", "vs base"])
     for row in rows:

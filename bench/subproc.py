@@ -27,16 +27,22 @@ class ChildResult:
 
 
 def run_child(
-    args: list[str], *, timeout_s: float, log_path: Path, env: dict[str, str] | None = None
+    args: list[str],
+    *,
+    timeout_s: float,
+    log_path: Path,
+    env: dict[str, str] | None = None,
+    launcher: list[str] | None = None,
 ) -> ChildResult:
-    """`python <args>` in its own process group; the whole group is killed at the timeout
+    """`python <args>` (or `<launcher> <args>`: another interpreter, or a wrapper that sets up
+    its environment) in its own process group; the whole group is killed at the timeout
     (FlexGen's copy threads can keep a failed process alive). stdout and stderr go to
     `log_path`, which is read back whole."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     with open(log_path, "w") as log:
         process = subprocess.Popen(
-            [sys.executable, *args],
+            [*(launcher or [sys.executable]), *args],
             stdout=log,
             stderr=subprocess.STDOUT,
             env={**os.environ, **(env or {})},

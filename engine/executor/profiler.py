@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from engine.core.model_files import DEMO_MODEL
-from engine.executor.attention import RaggedLayout, ragged_attention, split_kv
+from engine.executor.attention import RaggedLayout, paged_attention, ragged_attention
 from engine.executor.dense_profile import dense_step_table
 from engine.executor.disk_profile import disk_bandwidth, io_interference
 from engine.executor.executor import Executor
@@ -55,40 +55,47 @@ ATTENTION_SHAPE = (16, 4, 64)
 
 
 def _prefill_attention_flops(dtype: torch.dtype, device: Device, scale: int, probe: Probe) -> float:
-    """FLOP/s of the engine's ragged attention over prefill chunks (no past), counted as the
-    cost model counts them: 4 s^2 q per sequence."""
+    """FLOP/s of the engine's attention over prefill chunks (no past) read in place from a
+    pool (`paged_attention`), counted as the cost model counts them: 4 s^2 q per sequence."""
     heads, kv_heads, d = ATTENTION_SHAPE
     seqs, length = 4, 128 * scale
     on = device.device
-    layout = RaggedLayout.build([length] * seqs, [0] * seqs, on)
+    pool = torch.randn(2 * seqs * length, 2 * kv_heads * d, dtype=dtype, device=on)
+    slots = torch.randperm(pool.shape[0]).tolist()
+    seq_slots = [slots[i * length : (i + 1) * length] for i in range(seqs)]
+    layout = RaggedLayout.build([length] * seqs, [0] * seqs, on, seq_slots=seq_slots)
     q = torch.randn(seqs * length, heads, d, dtype=dtype, device=on)
-    k, v = (torch.randn(seqs * length, kv_heads, d, dtype=dtype, device=on) for _ in "kv")
     seconds = probe.seconds(
         "prefill_attention_flops",
-        lambda: ragged_attention(q, k, v, None, None, layout),
+        lambda: paged_attention(q, pool, _plain, layout, (kv_heads, d)),
         device,
     )
     return seqs * 4 * length**2 * heads * d / seconds
 
 
 def _device_attention_bw(dtype: torch.dtype, device: Device, scale: int, probe: Probe) -> float:
-    """KV bytes/s of decode attention through the engine's path on the compute device: the
-    past KV rows gathered from a pool by slot, split into k and v, padded, one SDPA."""
+    """KV bytes/s of decode attention through the engine's path on the compute device: every
+    key of a sequence read in place from a pool by slot into the padded layout, one SDPA
+    (`paged_attention`, where the KV is on the compute device's pool)."""
     heads, kv_heads, d = ATTENTION_SHAPE
     seqs, past = 8, 256 * scale
     on = device.device
-    layout = RaggedLayout.build([1] * seqs, [past] * seqs, on)
-    pool = torch.randn(2 * seqs * past, 2 * kv_heads * d, dtype=dtype, device=on)
-    slots = torch.randperm(pool.shape[0], device=on)[: seqs * past]
+    pool = torch.randn(2 * seqs * (past + 1), 2 * kv_heads * d, dtype=dtype, device=on)
+    slots = torch.randperm(pool.shape[0]).tolist()
+    seq_slots = [slots[i * (past + 1) : (i + 1) * (past + 1)] for i in range(seqs)]
+    layout = RaggedLayout.build([1] * seqs, [past] * seqs, on, seq_slots=seq_slots)
     q = torch.randn(seqs, heads, d, dtype=dtype, device=on)
-    k, v = (torch.randn(seqs, kv_heads, d, dtype=dtype, device=on) for _ in "kv")
-
-    def attend() -> torch.Tensor:
-        past_k, past_v = split_kv(pool.index_select(0, slots), (kv_heads, d))
-        return ragged_attention(q, k, v, past_k, past_v, layout)
-
-    seconds = probe.seconds("device_attention_bw", attend, device)
+    seconds = probe.seconds(
+        "device_attention_bw",
+        lambda: paged_attention(q, pool, _plain, layout, (kv_heads, d)),
+        device,
+    )
     return seqs * (past + 1) * 2 * kv_heads * d * pool.element_size() / seconds
+
+
+def _plain(rows: torch.Tensor) -> torch.Tensor:
+    """A plain KV pool's rows need no decoding."""
+    return rows
 
 
 def _cpu_attention(threads: int, kv_tokens: int, probe: Probe) -> float:

@@ -1,0 +1,63 @@
+"""The named workloads that nanoflex and its peers (vLLM's CPU build) run side by side.
+
+Stdlib only: a peer's own virtualenv imports this file to build the very same token ids.
+Each workload is a list of (prompt token ids, tokens to generate); generation is greedy
+with EOS ignored, so every system does exactly the same work.
+
+- `mixed`: 64 prompts of 32-256 token ids, 8-32 new tokens each, every fourth 128
+  (the engine-efficiency workload of docs/benchmarks.md, "Against vLLM").
+- `prefill-heavy`: 16 prompts of 1024 ids, 16 new tokens each.
+- `decode-heavy`: 32 prompts of 64 ids, 512 new tokens each.
+- `mixed-32`: the first 32 prompts of `mixed` (for the 1.1B shape on 2 cores).
+"""
+
+from __future__ import annotations
+
+import random
+
+Workload = list[tuple[list[int], int]]
+"""(prompt token ids, max new tokens) per request."""
+
+FIRST_ID = 3
+"""Token ids are drawn from [FIRST_ID, vocab): ids 0-2 are specials in the models we run."""
+
+
+def _ids(rng: random.Random, length: int, vocab_size: int) -> list[int]:
+    return [rng.randrange(FIRST_ID, vocab_size) for _ in range(length)]
+
+
+def mixed(vocab_size: int, num_prompts: int = 64, seed: int = 0) -> Workload:
+    rng = random.Random(seed)
+    out = []
+    for i in range(num_prompts):
+        prompt_len = rng.randint(32, 256)
+        gen_len = 128 if i % 4 == 3 else rng.randint(8, 32)
+        out.append((_ids(rng, prompt_len, vocab_size), gen_len))
+    return out
+
+
+def fixed(
+    vocab_size: int, num_prompts: int, prompt_len: int, gen_len: int, seed: int = 0
+) -> Workload:
+    rng = random.Random(seed)
+    return [(_ids(rng, prompt_len, vocab_size), gen_len) for _ in range(num_prompts)]
+
+
+WORKLOADS = {
+    "mixed": lambda vocab: mixed(vocab),
+    "mixed-32": lambda vocab: mixed(vocab, num_prompts=32),
+    "prefill-heavy": lambda vocab: fixed(vocab, 16, 1024, 16),
+    "decode-heavy": lambda vocab: fixed(vocab, 32, 64, 512),
+}
+
+
+def build(name: str, vocab_size: int) -> Workload:
+    """The named workload's requests for a model with `vocab_size` tokens."""
+    if name not in WORKLOADS:
+        raise ValueError(f"unknown workload {name!r}; one of {', '.join(WORKLOADS)}")
+    return WORKLOADS[name](vocab_size)
+
+
+def num_tokens(workload: Workload) -> tuple[int, int]:
+    """(prompt tokens, generated tokens) of a workload."""
+    return sum(len(p) for p, _ in workload), sum(n for _, n in workload)
