@@ -33,6 +33,7 @@ def run_child(
     log_path: Path,
     env: dict[str, str] | None = None,
     launcher: list[str] | None = None,
+    cwd: Path | None = None,
 ) -> ChildResult:
     """`python <args>` (or `<launcher> <args>`: another interpreter, or a wrapper that sets up
     its environment) in its own process group; the whole group is killed at the timeout
@@ -47,6 +48,7 @@ def run_child(
             stderr=subprocess.STDOUT,
             env={**os.environ, **(env or {})},
             start_new_session=True,
+            cwd=cwd,
         )
         try:
             returncode: int | None = process.wait(timeout=timeout_s)

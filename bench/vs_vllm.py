@@ -128,7 +128,7 @@ def main() -> int:
                 ]
             )
             results.append({"case": name, "runs": runs})
-    print(table.markdown("llllrr"))
+    print(table.markdown("lllrrr"))
     write_json(args.json, results, table)
     return 0
 

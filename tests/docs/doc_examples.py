@@ -89,6 +89,18 @@ RULES = (
     ),
     Rule("upgrade", "skip", "updates the checkout (an upgrade)", _starts("git pull")),
     Rule(
+        "worktree",
+        "skip",
+        "checks out an earlier commit beside this one (for a before/after figure)",
+        _starts("git worktree add"),
+    ),
+    Rule(
+        "peer",
+        "skip",
+        "builds vLLM's own virtualenv (a peer for benchmarks, minutes and gigabytes from PyPI)",
+        _has("setup_vllm_venv.sh"),
+    ),
+    Rule(
         "figure",
         "skip",
         "records a figure in bench/results (run it under flock as docs/benchmarks.md says)",
