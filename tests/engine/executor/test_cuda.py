@@ -90,6 +90,30 @@ def test_cuda_graphs_replay_decode_steps_with_identical_tokens(tiny_model, kind)
     assert outputs[True] == outputs[False]
 
 
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "cuda-graphs"])
+@pytest.mark.parametrize("placement", ["all-on-device", "kv-act-mixed"])
+def test_cuda_paged_attention_equals_packed(tiny_model, tmp_path, placement, graphs):
+    """On CUDA, KV read in place from the device pool (the new rows written first, on the
+    compute stream) gives the packed path's tokens, with and without CUDA graphs."""
+    vocab = int(TINY_CONFIGS["llama"]["vocab_size"])  # type: ignore[call-overload]
+    prompts = random_prompts(8, vocab, 2, 40, seed=7)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    policy = Policy(**PLACEMENTS[placement])  # type: ignore[arg-type]
+    outputs = {}
+    for paged in (False, True):
+        with LLM(
+            str(tiny_model("llama")),
+            policy=policy,
+            offload_dir=tmp_path / f"off-{paged}",
+            device="cuda",
+            dtype="float32",
+            cuda_graphs=graphs,
+            paged_attention=paged,
+        ) as llm:
+            outputs[paged] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert outputs[True] == outputs[False]
+
+
 @pytest.mark.parametrize("num_nano", [2, 4])
 @pytest.mark.parametrize("placement", ["all-on-device", "kv-cpu-cpu-attention", "kv-act-mixed"])
 def test_cuda_nano_batches_match_transformers(tiny_model, tmp_path, placement, num_nano):
