@@ -21,7 +21,7 @@ With `overlap=False` the nano-batches run one operation after another on the com
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 
@@ -30,6 +30,7 @@ import torch
 from engine.executor.attention import cpu_attention, ragged_attention, split_kv
 from engine.executor.gpu_batch import GpuBatch
 from engine.executor.nano_batches import NanoAttention, NanoBatch
+from engine.executor.tasks import start
 from engine.executor.trace import NoTracer, Tracer
 from engine.models.base import Model, Weights
 from engine.storage.device import Device
@@ -46,21 +47,6 @@ def _rows(qkv: QKV, rows: torch.Tensor | None) -> QKV:
     if rows is None:
         return qkv
     return qkv[0][rows], qkv[1][rows], qkv[2][rows]
-
-
-def _start(
-    thread: ThreadPoolExecutor | None, fn: Callable[..., Attended], *args: object
-) -> Future[Attended]:
-    """Run `fn` on `thread`, or now in this thread when None (on CUDA its kernels still run
-    asynchronously, on whatever stream `fn` makes current)."""
-    if thread is not None:
-        return thread.submit(fn, *args)
-    future: Future[Attended] = Future()
-    try:
-        future.set_result(fn(*args))
-    except BaseException as e:  # handed to whoever waits, as a pool's future would
-        future.set_exception(e)
-    return future
 
 
 class NanoOverlap:
@@ -146,12 +132,12 @@ class NanoOverlap:
         if nano.device is not None:
             args = (j, k, nano.index, nano.device, past[0], qkv, ready)
             parts.append(
-                (nano.device, _start(self._attention_thread, self._device_attention, *args))
+                (nano.device, start(self._attention_thread, self._device_attention, *args))
             )
         if nano.cpu is not None:
             host, copied = self._to_host(j, k, nano.index, nano.cpu, qkv, ready)
             args2 = (j, k, nano.index, nano.cpu, past[1], host, copied, qkv[0].dtype)
-            parts.append((nano.cpu, _start(self._cpu_thread, self._cpu_attention, *args2)))
+            parts.append((nano.cpu, start(self._cpu_thread, self._cpu_attention, *args2)))
         return parts
 
     def _device_attention(

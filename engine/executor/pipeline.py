@@ -28,6 +28,7 @@ from engine.executor.attention import cpu_attention, paged_attention, ragged_att
 from engine.executor.cuda_graphs import GraphRunner, StepGraphs
 from engine.executor.gpu_batch import AttentionGroup, GpuBatch
 from engine.executor.nano_overlap import NanoOverlap
+from engine.executor.tasks import start
 from engine.executor.trace import NoTracer, Tracer
 from engine.models.base import Model, Weights
 from engine.storage.device import Device, Ready
@@ -48,16 +49,6 @@ class PastKV:
 
 NO_PAST = PastKV(None, None)
 T = TypeVar("T")
-
-
-def _now(fn: Callable[..., T], *args: Any) -> Future[T]:
-    """Run `fn` here and now, as a finished future (errors handed to whoever waits)."""
-    future: Future[T] = Future()
-    try:
-        future.set_result(fn(*args))
-    except BaseException as e:
-        future.set_exception(e)
-    return future
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:
@@ -148,35 +139,35 @@ class BlockPipeline:
         num_layers, num_batches = self.model.num_layers, len(batches)
         wait = self.device.wait
 
-        def load(fn: Callable[..., T], *args: Any) -> Future[T]:
-            return (
-                self._loads.submit(fn, *args) if self._moves_bytes(fn, *args) else _now(fn, *args)
-            )
+        # A load or store with bytes to move goes to a copy thread; one without runs inline
+        # (a hand-off would cost more than the nothing it does).
+        def load(moves: bool, fn: Callable[..., T], *args: Any) -> Future[T]:
+            return start(self._loads if moves else None, fn, *args)
 
-        def store(fn: Callable[..., T], *args: Any) -> Future[T]:
-            return (
-                self._stores.submit(fn, *args) if self._moves_bytes(fn, *args) else _now(fn, *args)
-            )
+        def store(moves: bool, fn: Callable[..., T], *args: Any) -> Future[T]:
+            return start(self._stores if moves else None, fn, *args)
 
         if self._moves:  # first in the load queue: every KV load and store waits for its layer's
-            self._moved = {j: load(self._move_pages, j) for j in range(1, num_layers - 1)}
-        weights = {0: load(self._load_weights, 0)}
-        pasts = {(0, 0): load(self._load_past, 0, batches[0])}
-        acts = {(0, 0): load(self._load_act, 0, batches[0], None)}
+            self._moved = {j: load(True, self._move_pages, j) for j in range(1, num_layers - 1)}
+        first = batches[0]
+        weights = {0: load(self._weights_move(0), self._load_weights, 0)}
+        pasts = {(0, 0): load(self._past_moves(0, first), self._load_past, 0, first)}
+        acts = {(0, 0): load(self._acts_move(0, first), self._load_act, 0, first, None)}
         act_stored: dict[int, Future[None]] = {}  # GPU batch -> its latest activation store
         kv_stores: list[Future[None]] = []
         logits: list[torch.Tensor] = []
         for j in range(num_layers):
             if j + 1 < num_layers:
-                weights[j + 1] = load(self._load_weights, j + 1)
+                weights[j + 1] = load(self._weights_move(j + 1), self._load_weights, j + 1)
             w = wait(weights.pop(j).result())
             for k, batch in enumerate(batches):
                 nxt = (j, k + 1) if k + 1 < num_batches else (j + 1, 0)
                 if nxt[0] < num_layers:  # past KV never depends on this step's stores
-                    pasts[nxt] = load(self._load_past, nxt[0], batches[nxt[1]])
+                    jn, bn = nxt[0], batches[nxt[1]]
+                    pasts[nxt] = load(self._past_moves(jn, bn), self._load_past, jn, bn)
                     if nxt[1] != k:  # nor does another batch's activation on this one's
                         after = act_stored.get(nxt[1])
-                        acts[nxt] = load(self._load_act, nxt[0], batches[nxt[1]], after)
+                        acts[nxt] = load(self._acts_move(jn, bn), self._load_act, jn, bn, after)
                 past = wait(pasts.pop((j, k)).result())
                 h = wait(acts.pop((j, k)).result())
                 out, new_kv = self._compute(j, w, h, past, batch)
@@ -184,35 +175,41 @@ class BlockPipeline:
                     logits.append(out)
                     continue
                 done = self.device.record()
-                act_stored[k] = store(self._store_act, j, batch, out, done, act_stored.get(k))
+                act_stored[k] = store(
+                    bool(batch.act_rows), self._store_act, j, batch, out, done, act_stored.get(k)
+                )
                 if new_kv is not None:
-                    kv_stores.append(store(self._store_kv, j, batch, new_kv, done))
+                    moves = self._kv_store_moves(batch)
+                    kv_stores.append(store(moves, self._store_kv, j, batch, new_kv, done))
                 if nxt[0] < num_layers and nxt[1] == k:
-                    acts[nxt] = load(self._load_act, nxt[0], batch, act_stored[k])
+                    acts[nxt] = load(
+                        self._acts_move(nxt[0], batch), self._load_act, nxt[0], batch, act_stored[k]
+                    )
         for fut in (*kv_stores, *act_stored.values()):
             fut.result()
         return logits
 
-    def _moves_bytes(self, fn: Callable[..., object], *args: Any) -> bool:
-        """Whether a load or store has bytes to move (else it runs inline: a hand-off to a
-        copy thread would cost more than the nothing it does)."""
-        if fn == self._load_weights:
-            return not self.weights.is_resident(args[0])
-        if fn == self._load_act:  # layer 0, the embedding, reads token ids only
-            return args[0] > 0 and bool(args[1].act_rows)
-        if fn == self._store_act:
-            return bool(args[1].act_rows)
-        if self._moves:  # KV loads and stores wait for the layer's page moves
+    # -- what has bytes to move ------------------------------------------------------------
+
+    def _weights_move(self, j: int) -> bool:
+        return not self.weights.is_resident(j)
+
+    def _acts_move(self, j: int, batch: GpuBatch) -> bool:
+        """Layer j's input is homed off the device (layer 0, the embedding, reads token ids)."""
+        return j > 0 and bool(batch.act_rows)
+
+    def _past_moves(self, j: int, batch: GpuBatch) -> bool:
+        """Layer j's attention gathers past KV (KV loads wait for the layer's page moves)."""
+        if self._moves:
             return True
-        if fn == self._load_past:
-            j, batch = args
-            dev, cpu = batch.device_group, batch.cpu_group
-            has_past = dev is not None and dev.layout.num_past and not self._in_place(batch)
-            has_host_past = cpu is not None and cpu.layout.num_past
-            return self.model.layer_kind(j) == "decoder" and bool(has_past or has_host_past)
-        if fn == self._store_kv:
-            return not self._in_place(args[1]) or set(args[1].new_kv) != {"gpu"}
-        return True
+        dev, cpu = batch.device_group, batch.cpu_group
+        packed = dev is not None and dev.layout.num_past and not self._in_place(batch)
+        host = cpu is not None and cpu.layout.num_past
+        return self.model.layer_kind(j) == "decoder" and bool(packed or host)
+
+    def _kv_store_moves(self, batch: GpuBatch) -> bool:
+        """New KV goes somewhere besides the gpu tier rows written before attention."""
+        return bool(self._moves) or not self._in_place(batch) or set(batch.new_kv) != {"gpu"}
 
     # -- page moves ------------------------------------------------------------------------
 
@@ -354,17 +351,18 @@ class BlockPipeline:
         """Layer j's attention output (T, num_heads, head_dim) for every row of the batch.
         Reading in place, the gpu tier's new KV rows (of `new_kv`) are written first."""
         dev, cpu = batch.device_group, batch.cpu_group
-        if self._in_place(batch):
+        in_place = self._in_place(batch)
+        if in_place:
             self._after_moves(j)
             kv_rows = batch.new_kv["gpu"]
             self.kv.write("gpu", j - 1, kv_rows, self._encoded_rows(new_kv, kv_rows))
         if cpu is None and dev is not None and dev.rows is None:  # every row, one device
-            return self._device_attention(j, dev, past, q, k, v)
+            return self._device_attention(j, dev, in_place, past, q, k, v)
         o = torch.zeros_like(q)  # padding rows attend to nothing
         if dev is not None:
             assert dev.rows is not None
             o[dev.rows] = self._device_attention(
-                j, dev, past, q[dev.rows], k[dev.rows], v[dev.rows]
+                j, dev, in_place, past, q[dev.rows], k[dev.rows], v[dev.rows]
             )
         if cpu is not None:
             rows = cpu.rows if cpu.rows is not None else slice(None)
@@ -382,13 +380,14 @@ class BlockPipeline:
         self,
         j: int,
         group: AttentionGroup,
+        in_place: bool,
         past: PastKV,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
     ) -> torch.Tensor:
         """Attention of the device group's rows: in place from the pool, or over packed past."""
-        if group.layout.in_place and past.device is None:
+        if in_place:
             pool = self.kv.pool("gpu", j - 1)
             return paged_attention(q, pool, self.kv.codec.decode, group.layout, self._kv_shape)
         return ragged_attention(q, k, v, *self._split_kv(past.device), group.layout)

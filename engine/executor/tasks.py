@@ -1,0 +1,23 @@
+"""`start`: run a task on a worker thread, or right here when there is none (or no need)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+def start(thread: ThreadPoolExecutor | None, fn: Callable[..., T], *args: Any) -> Future[T]:
+    """Run `fn` on `thread`, or now in this thread when None, as a finished future whose
+    error, if any, goes to whoever waits, as a pool's would (on CUDA its kernels still run
+    asynchronously, on whatever stream `fn` makes current)."""
+    if thread is not None:
+        return thread.submit(fn, *args)
+    future: Future[T] = Future()
+    try:
+        future.set_result(fn(*args))
+    except BaseException as e:
+        future.set_exception(e)
+    return future
