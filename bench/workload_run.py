@@ -13,14 +13,12 @@ ids, greedy with EOS ignored: the same calls vLLM's child makes, so both time th
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
-from bench.workloads import WORKLOADS, build, num_tokens
+from bench.workloads import WORKLOADS, build, emit, record
 
 SYSTEM = "nanoflex"
 
@@ -44,24 +42,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     seconds = time.perf_counter() - start
     llm.close()
 
-    prompt_tokens, expected = num_tokens(workload)
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
-    if generated != expected:
-        raise RuntimeError(f"nanoflex generated {generated} tokens, the workload asks {expected}")
-    return {
-        "system": SYSTEM,
-        "workload": args.workload,
-        "dtype": str(llm.executor.dtype).removeprefix("torch."),
-        "num_prompts": len(workload),
-        "prompt_tokens": prompt_tokens,
-        "generated_tokens": generated,
-        "seconds": seconds,
-        "throughput": generated / seconds,
-        "total_throughput": (prompt_tokens + generated) / seconds,
-        "setup_seconds": setup_s,
-        "load_average_before": load_before,
-        "settings": {"policy": llm.policy.to_dict(), "torch_threads": torch.get_num_threads()},
-    }
+    return record(
+        SYSTEM,
+        args.workload,
+        workload,
+        generated,
+        seconds,
+        dtype=str(llm.executor.dtype).removeprefix("torch."),
+        setup_seconds=setup_s,
+        load_average_before=load_before,
+        settings={"policy": llm.policy.to_dict(), "torch_threads": torch.get_num_threads()},
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -72,11 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--policy", default="auto", help="'auto' or a policy JSON file")
     parser.add_argument("--json", default=None, help="also write the record here")
     args = parser.parse_args(argv)
-    record = run(args)
-    text = json.dumps(record, indent=2)
-    print(text)
-    if args.json:
-        Path(args.json).write_text(text + "\n")
+    emit(run(args), args.json)
     return 0
 
 

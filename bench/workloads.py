@@ -13,7 +13,10 @@ with EOS ignored, so every system does exactly the same work.
 
 from __future__ import annotations
 
+import json
 import random
+from pathlib import Path
+from typing import Any
 
 Workload = list[tuple[list[int], int]]
 """(prompt token ids, max new tokens) per request."""
@@ -61,3 +64,37 @@ def build(name: str, vocab_size: int) -> Workload:
 def num_tokens(workload: Workload) -> tuple[int, int]:
     """(prompt tokens, generated tokens) of a workload."""
     return sum(len(p) for p, _ in workload), sum(n for _, n in workload)
+
+
+def record(
+    system: str,
+    name: str,
+    workload: Workload,
+    generated: int,
+    seconds: float,
+    **extra: Any,
+) -> dict[str, Any]:
+    """One timed run of workload `name` as both sides' children report it: throughput of the
+    generated tokens (checked to be exactly what the workload asks) and `extra` fields."""
+    prompt_tokens, expected = num_tokens(workload)
+    if generated != expected:
+        raise RuntimeError(f"{system} generated {generated} tokens, the workload asks {expected}")
+    return {
+        "system": system,
+        "workload": name,
+        "num_prompts": len(workload),
+        "prompt_tokens": prompt_tokens,
+        "generated_tokens": generated,
+        "seconds": seconds,
+        "throughput": generated / seconds,
+        "total_throughput": (prompt_tokens + generated) / seconds,
+        **extra,
+    }
+
+
+def emit(record: dict[str, Any], path: str | None) -> None:
+    """Print a child's record as JSON, and write it to `path` when given."""
+    text = json.dumps(record, indent=2)
+    print(text)
+    if path:
+        Path(path).write_text(text + "\n")
