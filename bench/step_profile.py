@@ -34,6 +34,7 @@ ATTENTION_OPS = (
     "aten::_scaled_dot_product_flash_attention",
     "aten::index_select",
     "aten::index_copy_",
+    "nanoflex::paged_decode",
 )
 
 

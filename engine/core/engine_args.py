@@ -67,6 +67,12 @@ class EngineArgs:
     paged_attention: bool = True
     """Attention reads the gpu tier's KV pages in place, the new KV written first
     (engine/executor/attention.py); False gathers every past row into a packed copy first."""
+    native_kernels: bool = True
+    """On the CPU, decode attention reads the KV pool in place with the native kernel,
+    compiled on first use (engine/executor/kernels); False gathers a padded copy for SDPA."""
+    prepack_weights: bool = True
+    """On the CPU, resident linear weights are stored prepacked for oneDNN's GEMM once at
+    load (engine/models/base.py); False keeps them plain for `F.linear`."""
     nano_batch_overlap: bool = True
     """With `Policy.num_nano_batches` > 1, overlap the nano-batches' operations; False runs
     them one after another (NanoFlow's nano-batch-only baseline, for ablations)."""
@@ -233,6 +239,20 @@ class EngineArgs:
             "copy of the past first (default: on)",
         )
         parser.add_argument(
+            "--native-kernels",
+            action=argparse.BooleanOptionalAction,
+            default=True,
+            help="on the CPU, decode attention runs a native kernel built on first use (C++ "
+            "compiler and ninja); off uses torch's SDPA over a gathered copy (default: on)",
+        )
+        parser.add_argument(
+            "--prepack-weights",
+            action=argparse.BooleanOptionalAction,
+            default=True,
+            help="on the CPU, store resident linear weights prepacked for oneDNN's GEMM at "
+            "load; off keeps them plain (default: on)",
+        )
+        parser.add_argument(
             "--nano-batch-overlap",
             action=argparse.BooleanOptionalAction,
             default=True,
@@ -264,6 +284,8 @@ class EngineArgs:
             kv_cache_disk_bytes=size(args.kv_cache_disk_bytes),
             nano_batch_overlap=args.nano_batch_overlap,
             paged_attention=args.paged_attention,
+            native_kernels=args.native_kernels,
+            prepack_weights=args.prepack_weights,
         )
         return cls(**{**fields, **overrides})
 
@@ -301,6 +323,8 @@ class EngineArgs:
             "persist_kv_cache": self.enable_prefix_caching and self.offload_dir is not None,
             "nano_overlap": self.nano_batch_overlap,
             "paged_attention": self.paged_attention,
+            "native_kernels": self.native_kernels,
+            "prepack_weights": self.prepack_weights,
         }
 
     def scheduler_config(

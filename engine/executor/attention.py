@@ -7,6 +7,8 @@ layer, with no loop over sequences:
   (plain, uncompressed rows): the layer's new KV is written to its pages first, then one
   gather reads every key and value of the group from the pool, in place, straight into
   the padded layout (vLLM's write-then-attend). A decode's query needs no padding at all.
+  On the CPU a decode group skips the gather: the native kernel
+  (`engine.executor.kernels.paged_decode`) reads each key where it lies in the pool.
 - `ragged_attention`, the general path: past KV that the copy threads gathered from any
   tier (and decoded) arrives packed by sequence, and it and the new rows are scattered
   into the padded tensors.
@@ -20,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 from torch.nn.functional import scaled_dot_product_attention
+
+from engine.executor.kernels import PagedDecode
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +69,11 @@ class PaddedGroup:
     chunks: list[Chunk] | None = None
     """Prefill chunks read in place attend one at a time, each over its own keys only; None:
     the group is one padded call."""
+    kv_lens: torch.Tensor | None = None
+    """(B_g,) int64 keys per sequence, for a decode group read in place (the native kernel
+    reads `slots` up to each length); None otherwise."""
+    window: int = 0
+    """The sliding window (a decode sees its last `window` keys); 0: none."""
 
     @property
     def num_past(self) -> int:
@@ -183,6 +192,8 @@ def _padded(
         mask=mask,
         slots=None if seq_slots is None else _padded_slots(seq_slots, kv_max, chunks, device),
         chunks=chunks,
+        kv_lens=past_t + q_len_t if seq_slots is not None and q_max == 1 else None,
+        window=sliding_window or 0,
     )
 
 
@@ -281,19 +292,23 @@ def paged_attention(
     decode: Callable[[torch.Tensor], torch.Tensor],
     layout: RaggedLayout,
     kv_shape: tuple[int, int],
+    decode_kernel: PagedDecode | None = None,
 ) -> torch.Tensor:
     """Causal attention of the new rows over every key of their sequences, read in place from
-    one layer's KV pool (its new keys already written there), one SDPA call per group.
+    one layer's KV pool (its new keys already written there), one call per group.
 
     q: (T, num_heads, head_dim); pool: (slots, row_bytes) encoded rows; `decode` turns
-    gathered rows into (N, 2 * kv_dim) keys then values (a view for plain rows).
+    gathered rows into (N, 2 * kv_dim) keys then values (a view for plain rows, and so of
+    the whole pool). `decode_kernel`: the native CPU kernel (`engine.executor.kernels`),
+    which a decode group calls on the pool as it lies instead of gathering a padded copy.
     Returns (T, num_heads, head_dim)."""
     if len(layout.groups) == 1:
-        return _paged_group(q, pool, decode, layout.groups[0], kv_shape)
+        return _paged_group(q, pool, decode, layout.groups[0], kv_shape, decode_kernel)
     out = torch.empty_like(q)
     for g in layout.groups:
         assert g.new_rows is not None
-        out.index_copy_(0, g.new_rows, _paged_group(q[g.new_rows], pool, decode, g, kv_shape))
+        o = _paged_group(q[g.new_rows], pool, decode, g, kv_shape, decode_kernel)
+        out.index_copy_(0, g.new_rows, o)
     return out
 
 
@@ -303,12 +318,17 @@ def _paged_group(
     decode: Callable[[torch.Tensor], torch.Tensor],
     g: PaddedGroup,
     kv_shape: tuple[int, int],
+    decode_kernel: PagedDecode | None,
 ) -> torch.Tensor:
-    """One group: one gather from the pool, one SDPA call. A decode group (one query per
-    sequence) uses q as it is, without a padded copy."""
+    """One group: the native kernel over the pool (decodes, when given one), or one gather
+    from the pool and one SDPA call. A decode group uses q as it is, without a padded copy."""
     assert g.slots is not None
     b, q_max, kv_max = g.num_seqs, g.q_max, g.kv_max
     num_heads, head_dim = q.shape[1], q.shape[2]
+    if decode_kernel is not None and g.kv_lens is not None:
+        rows = decode(pool)  # plain rows: a view of the whole pool
+        scale = head_dim**-0.5  # SDPA's default
+        return decode_kernel(q.contiguous(), rows, g.slots, g.kv_lens, kv_shape[0], scale, g.window)
     gqa = num_heads != kv_shape[0]
     if g.chunks is not None:
         keys = decode(pool.index_select(0, g.slots)).view(-1, 2, *kv_shape)  # (sum L, 2, ...)

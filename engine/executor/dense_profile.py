@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from engine.executor.timing import Probe
-from engine.models.base import Positions, Weights
+from engine.models.base import Positions, Weights, can_prepack, prepack
 from engine.models.config import ModelConfig
 from engine.models.llama import LlamaModel
 from engine.storage.device import Device
@@ -53,7 +53,10 @@ def reference_layer(
     w["ln1.weight"] = torch.ones(hidden, dtype=dtype, device=where)
     w["ln2.weight"] = torch.ones(hidden, dtype=dtype, device=where)
     model = LlamaModel(config)
-    return model, model.fuse(w)
+    fused = model.fuse(w)
+    if can_prepack(where, dtype):  # as the engine stores resident CPU weights by default
+        fused = {k: prepack(t) if t.dim() == 2 else t for k, t in fused.items()}
+    return model, fused
 
 
 def dense_step_table(

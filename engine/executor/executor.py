@@ -33,6 +33,7 @@ from engine.executor.budgets import (
 )
 from engine.executor.cuda_graphs import GraphRunner
 from engine.executor.gpu_batch import BatchBuilder, SeqState
+from engine.executor.kernels import paged_decode
 from engine.executor.nano_batches import NanoBatcher
 from engine.executor.nano_overlap import NanoOverlap
 from engine.executor.pipeline import BlockPipeline
@@ -72,6 +73,12 @@ class Executor:
     paged_attention: attention reads the gpu tier's KV pages in place, the layer's new KV
         written first (engine/executor/attention.py); False gathers a packed copy of every
         past row first, as other tiers and compressed KV always do.
+    native_kernels: on the CPU, decode attention in place runs the native kernel
+        (engine/executor/kernels), built on first use; False gathers a padded copy for
+        SDPA instead, as on CUDA.
+    prepack_weights: on the CPU, resident linear weights are stored in oneDNN's blocked
+        layout once at load (engine/models/base.py: prepack); False keeps them plain for
+        `F.linear`, which reorders them on every call.
     on_progress: called with (layers loaded, layers) while the weights load (the engine
         process reports it to the daemon); None: `show_progress` decides.
     """
@@ -93,6 +100,8 @@ class Executor:
         persist_kv_cache: bool = False,
         nano_overlap: bool = True,
         paged_attention: bool = True,
+        native_kernels: bool = True,
+        prepack_weights: bool = True,
         on_progress: Callable[[int, int], None] | None = None,
     ) -> None:
         self.policy = policy
@@ -131,6 +140,7 @@ class Executor:
             dtype=self.dtype,
             device=self.device,
             disk=self.disk,
+            prepack=prepack_weights,
         )
         if not policy.compress_weights:  # refuse before reading anything
             check_budgets(self.weights.planned_bytes(), self.budgets)
@@ -164,6 +174,7 @@ class Executor:
             nano=NanoOverlap(self.model, self.device, overlap=nano_overlap, tracer=self.tracer)
             if policy.num_nano_batches > 1
             else None,
+            decode_kernel=paged_decode() if native_kernels and not self.device.is_cuda else None,
         )
         self.sampler = Sampler()
         self._closed = False

@@ -27,6 +27,7 @@ from engine.core.kv_pages import PageMove
 from engine.executor.attention import cpu_attention, paged_attention, ragged_attention, split_kv
 from engine.executor.cuda_graphs import GraphRunner, StepGraphs
 from engine.executor.gpu_batch import AttentionGroup, GpuBatch
+from engine.executor.kernels import PagedDecode
 from engine.executor.nano_overlap import NanoOverlap
 from engine.executor.tasks import start
 from engine.executor.trace import NoTracer, Tracer
@@ -76,6 +77,7 @@ class BlockPipeline:
         tracer: Tracer | NoTracer | None = None,
         graphs: GraphRunner | None = None,
         nano: NanoOverlap | None = None,
+        decode_kernel: PagedDecode | None = None,
     ) -> None:
         self.model, self.weights, self.kv, self.device, self.disk = model, weights, kv, device, disk
         self.overlap, self.dtype = overlap, dtype
@@ -87,6 +89,8 @@ class BlockPipeline:
         self._moved: dict[int, Future[None]] = {}  # layer -> its page moves, when overlapped
         self.nano = nano
         """Runs the decoder layers of GPU batches cut into nano-batches (NanoFlow 4.3)."""
+        self.decode_kernel = decode_kernel
+        """The native CPU decode attention over the pool (`engine.executor.kernels`), or None."""
         c = model.config
         self._kv_shape = (c.num_kv_heads, c.head_dim)
         self._acts: dict[int, dict[str, torch.Tensor]] = {}  # GPU batch -> tier -> rows
@@ -389,7 +393,8 @@ class BlockPipeline:
         """Attention of the device group's rows: in place from the pool, or over packed past."""
         if in_place:
             pool = self.kv.pool("gpu", j - 1)
-            return paged_attention(q, pool, self.kv.codec.decode, group.layout, self._kv_shape)
+            decode, kernel = self.kv.codec.decode, self.decode_kernel
+            return paged_attention(q, pool, decode, group.layout, self._kv_shape, kernel)
         return ragged_attention(q, k, v, *self._split_kv(past.device), group.layout)
 
     def _cpu_attention(

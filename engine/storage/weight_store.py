@@ -11,7 +11,7 @@ from typing import Protocol
 import torch
 
 from engine.core.model_files import ModelLoadError
-from engine.models.base import Model, Weights
+from engine.models.base import Model, Weights, can_prepack, prepack
 from engine.storage.device import Device, Ready
 from engine.storage.disk import DiskFile, DiskIO
 from engine.storage.quant import QuantizedTensor, dequantize, quantize
@@ -89,11 +89,15 @@ class WeightStore:
         dtype: torch.dtype,
         device: Device,
         disk: DiskIO,
+        prepack: bool = False,
     ) -> None:
         """Plans where each layer goes (nothing is read yet: `planned_bytes` can be checked
-        against the budgets first); `read_all` then reads and homes every layer."""
+        against the budgets first); `read_all` then reads and homes every layer.
+        `prepack`: the compute device's uncompressed linear weights are stored prepacked
+        for the CPU's GEMM (`engine.models.base.prepack`), where the CPU computes."""
         self.model, self.device, self.disk, self.dtype = model, device, disk, dtype
         self.reader, self.compress = reader, compress
+        self.prepack = prepack and not compress and can_prepack(device.device, dtype)
         by_layer: list[dict[str, str]] = [{} for _ in range(model.num_layers)]
         for hf_name in reader.names:
             target = model.map_name(hf_name)
@@ -129,10 +133,12 @@ class WeightStore:
 
     def _shares_head(self) -> bool:
         """Tied embeddings on one memory tier, uncompressed: the head holds the embedding's
-        tensor itself instead of a second copy."""
+        tensor itself instead of a second copy (unless the head's is prepacked, a layout the
+        embedding lookup cannot read)."""
         embed_j = self.model.tied_head_source()[0]
         same = self.tiers[embed_j] == self.tiers[-1] and self.tiers[-1] != "disk"
-        return self._tied and same and not self.compress
+        prepacked = self.prepack and self.tiers[-1] == "gpu"
+        return self._tied and same and not self.compress and not prepacked
 
     def _head_only_bytes(self) -> int:
         """The head layer's bytes without its tied weight."""
@@ -171,6 +177,13 @@ class WeightStore:
                 k: _rebuild(v, [self.device.to_device(p) for p in _parts(v)])
                 for k, v in values.items()
             }
+            if self.prepack:
+                moved = {
+                    k: prepack(v)
+                    if isinstance(v, torch.Tensor) and self.model.is_compressible(j, k, v)
+                    else v
+                    for k, v in moved.items()
+                }
             return StoredLayer(tier, moved, nbytes=sum(nbytes_of(v) for v in moved.values()))
         if tier == "cpu":
             pinned = {}

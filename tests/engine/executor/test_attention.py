@@ -8,6 +8,7 @@ import torch
 from torch.nn.functional import scaled_dot_product_attention
 
 from engine.executor.attention import RaggedLayout, paged_attention, ragged_attention
+from engine.executor.kernels import PagedDecode, paged_decode
 
 HEADS, KV_HEADS, DIM = 4, 2, 8
 
@@ -72,6 +73,32 @@ def test_decodes_are_padded_apart_from_prefill_chunks() -> None:
     assert decodes.mask is None  # one length, every key visible
 
 
+def scattered_pool(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    past_k: torch.Tensor,
+    past_v: torch.Tensor,
+    q_lens: list[int],
+    past_lens: list[int],
+    g: torch.Generator,
+) -> tuple[torch.Tensor, list[list[int]]]:
+    """A pool holding every sequence's past then new keys and values at random slots, the
+    slots it does not use NaN (a read of one poisons the result); and each one's slots."""
+    num_slots = 4 * (k.shape[0] + past_k.shape[0])
+    pool = torch.full((num_slots, 2 * k.shape[1] * k.shape[2]), float("nan"), dtype=k.dtype)
+    order = torch.randperm(num_slots, generator=g).tolist()
+    seq_slots, row, past_row = [], 0, 0
+    for t, p in zip(q_lens, past_lens, strict=True):
+        slots = [order.pop() for _ in range(p + t)]
+        keys = torch.cat([past_k[past_row : past_row + p], k[row : row + t]])
+        values = torch.cat([past_v[past_row : past_row + p], v[row : row + t]])
+        pool[slots] = torch.cat([keys.flatten(1), values.flatten(1)], dim=1)
+        seq_slots.append(slots)
+        row, past_row = row + t, past_row + p
+    return pool, seq_slots
+
+
+@pytest.mark.parametrize("kernel", ["sdpa", "native"])
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize(
     "q_lens,past_lens",
@@ -83,29 +110,56 @@ def test_decodes_are_padded_apart_from_prefill_chunks() -> None:
     ],
 )
 def test_paged_attention_reads_the_pool_in_place(
-    q_lens: list[int], past_lens: list[int], window: int | None
+    q_lens: list[int], past_lens: list[int], window: int | None, kernel: str
 ) -> None:
-    """Keys scattered over a pool's slots, read in place, give what the packed path gives."""
+    """Keys scattered over a pool's slots, read in place (gathered for SDPA, or by the native
+    CPU decode kernel), give what the packed path gives."""
     g = torch.Generator().manual_seed(1)
     total, past_total = sum(q_lens), sum(past_lens)
     q = torch.randn(total, HEADS, DIM, generator=g)
     k, v = (torch.randn(total, KV_HEADS, DIM, generator=g) for _ in "kv")
     past_k, past_v = (torch.randn(past_total, KV_HEADS, DIM, generator=g) for _ in "kv")
-    num_slots = 4 * (total + past_total)
-    pool = torch.full((num_slots, 2 * KV_HEADS * DIM), float("nan"))  # unread slots poison
-    order = torch.randperm(num_slots, generator=g).tolist()
-    seq_slots, row, past_row = [], 0, 0
-    for t, p in zip(q_lens, past_lens, strict=True):
-        slots = [order.pop() for _ in range(p + t)]
-        keys = torch.cat([past_k[past_row : past_row + p], k[row : row + t]])
-        values = torch.cat([past_v[past_row : past_row + p], v[row : row + t]])
-        pool[slots] = torch.cat([keys.flatten(1), values.flatten(1)], dim=1)
-        seq_slots.append(slots)
-        row, past_row = row + t, past_row + p
+    pool, seq_slots = scattered_pool(k, v, past_k, past_v, q_lens, past_lens, g)
     cpu = torch.device("cpu")
     packed = RaggedLayout.build(q_lens, past_lens, cpu, window)
     paged = RaggedLayout.build(q_lens, past_lens, cpu, window, seq_slots)
     assert paged.in_place and not packed.in_place
     want = ragged_attention(q, k, v, past_k, past_v, packed)
-    got = paged_attention(q, pool, lambda rows: rows, paged, (KV_HEADS, DIM))
+    decode_kernel = native_kernel() if kernel == "native" else None
+    got = paged_attention(q, pool, lambda rows: rows, paged, (KV_HEADS, DIM), decode_kernel)
     torch.testing.assert_close(got, want)
+
+
+def native_kernel() -> PagedDecode:
+    """The native kernel, which the test set-up (a C++ compiler and ninja) must build."""
+    kernel = paged_decode()
+    assert kernel is not None, "the native CPU kernel did not build: see the log"
+    return kernel
+
+
+@pytest.mark.parametrize(
+    "dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)]
+)
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 4, 32)])
+def test_native_decode_kernel_equals_sdpa_over_the_padded_copy(
+    dtype: torch.dtype, tol: float, heads: int, kv_heads: int, dim: int
+) -> None:
+    """The kernel on realistic decode shapes (SmolLM2's grouped heads, and plain multi-head),
+    lengths 1..300, against SDPA in float32 over the same values: within `tol` (float32 to
+    rounding; the half types round their output once)."""
+    g = torch.Generator().manual_seed(2)
+    past_lens = [0, 299, 17, 64, 150, 3, 255, 100]
+    q_lens = [1] * len(past_lens)
+    total, past_total = len(q_lens), sum(past_lens)
+    q = torch.randn(total, heads, dim, generator=g).to(dtype)
+    k, v = (torch.randn(total, kv_heads, dim, generator=g).to(dtype) for _ in "kv")
+    past_k, past_v = (torch.randn(past_total, kv_heads, dim, generator=g).to(dtype) for _ in "kv")
+    pool, seq_slots = scattered_pool(k, v, past_k, past_v, q_lens, past_lens, g)
+    cpu = torch.device("cpu")
+    paged = RaggedLayout.build(q_lens, past_lens, cpu, None, seq_slots)
+    got = paged_attention(q, pool, lambda rows: rows, paged, (kv_heads, dim), native_kernel())
+    assert got.dtype == dtype
+    packed = RaggedLayout.build(q_lens, past_lens, cpu)
+    f32 = [x.float() for x in (q, k, v, past_k, past_v)]
+    want = ragged_attention(*f32, packed)
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)

@@ -44,6 +44,18 @@ def test_packed_attention_matches_transformers(tiny_model, references, tmp_path,
     assert got == expected
 
 
+@pytest.mark.parametrize("placement", ["all-on-device", "kv-act-mixed"])
+def test_portable_cpu_path_matches_transformers(tiny_model, references, tmp_path, placement):
+    """With the native decode kernel and prepacked weights off: SDPA over a gathered copy and
+    `F.linear` over plain weights (what runs where no compiler is at hand)."""
+    prompts, expected = references("llama")
+    policy = Policy(**PLACEMENTS[placement])  # type: ignore[arg-type]
+    got = run(
+        tiny_model("llama"), prompts, policy, tmp_path, native_kernels=False, prepack_weights=False
+    )
+    assert got == expected
+
+
 @pytest.mark.parametrize("overlap", [False, True], ids=["sequential", "overlap"])
 @pytest.mark.parametrize("placement", ["all-on-device", "kv-act-mixed", "three-gpu-batches"])
 def test_opt_matches_transformers(tiny_model, references, tmp_path, placement, overlap):

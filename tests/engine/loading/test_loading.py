@@ -88,22 +88,30 @@ def test_policy_json_round_trip(tmp_path):
         Policy.from_json('{"gpu_batchsize": 3}')
 
 
-@pytest.mark.parametrize("weights_frac", [(1.0, 0.0, 0.0), (0.0, 0.0, 1.0)])
-def test_tied_embeddings_are_held_once_in_memory(tiny_model, weights_frac):
+@pytest.mark.parametrize(
+    "weights_frac,prepack",
+    [((1.0, 0.0, 0.0), False), ((1.0, 0.0, 0.0), True), ((0.0, 0.0, 1.0), True)],
+)
+def test_tied_embeddings_are_held_once_in_memory(tiny_model, weights_frac, prepack):
     """Llama 3-style tied embeddings: the head uses the embedding's own tensor when both
-    live on one memory tier; on disk each layer's file keeps its copy."""
+    live on one memory tier; a head prepacked for the CPU's GEMM is its own copy, counted
+    as such; on disk each layer's file keeps its copy."""
     from safetensors import safe_open
 
     model_dir = tiny_model("llama3")
     with safe_open(str(model_dir / "model.safetensors"), framework="pt") as f:
         checkpoint = sum(f.get_tensor(n).numel() * 4 for n in f.keys())  # noqa: SIM118
     policy = Policy(weights_frac=weights_frac)
-    with LLM(str(model_dir), policy=policy, device="cpu") as llm:
+    with LLM(str(model_dir), policy=policy, device="cpu", prepack_weights=prepack) as llm:
         held = sum(llm.placement().weights_bytes.values())
+        planned = sum(llm.executor.weights.planned_bytes().values())
         head = llm.executor.weights.layers[-1].values["lm_head.weight"]
         embed = llm.executor.weights.layers[0].values["tok.weight"]
-    if weights_frac[0] == 1.0:
+    if weights_frac[0] == 1.0 and not prepack:
         assert held == checkpoint and head is embed
+    elif weights_frac[0] == 1.0:
+        assert head.is_mkldnn and not embed.is_mkldnn
+        assert held == planned == checkpoint + embed.numel() * 4
     else:
         assert held > checkpoint  # the head layer's file has its own copy
 
