@@ -38,8 +38,12 @@ VARIANTS: dict[str, Variant] = {
 
 RESIDENT = Policy(overlap=True)
 RESIDENT_VARIANTS: dict[str, Variant] = {
-    "base (overlap, paged attention, discrete batching)": RESIDENT,
+    "base (overlap, paged attention, native kernel, prepacked weights, discrete batching)": (
+        RESIDENT
+    ),
     "paged attention off": (RESIDENT, {"paged_attention": False}),
+    "native decode kernel off (gather + SDPA)": (RESIDENT, {"native_kernels": False}),
+    "prepacked weights off (F.linear)": (RESIDENT, {"prepack_weights": False}),
     "overlap off": dataclasses.replace(RESIDENT, overlap=False),
     "planning ahead on (step on a worker thread)": (RESIDENT, {"async_scheduling": True}),
     "discrete batching off": (RESIDENT, {"discrete_batching": False}),

@@ -27,7 +27,7 @@ from bench.common import Table, write_json
 from bench.workloads import WORKLOADS, build
 from engine import LLM, SamplingParams
 
-GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm")
+GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise")
 ATTENTION_OPS = (
     "aten::_scaled_dot_product_flash_attention_for_cpu",
     "aten::_scaled_dot_product_efficient_attention",
@@ -39,9 +39,12 @@ ATTENTION_OPS = (
 
 
 def gemm_flops(event: Any) -> float:
-    """2 x M x K x N of one mm/addmm event from its input shapes (0 when unknown)."""
+    """2 x M x K x N of one mm/addmm/prepacked-linear event from its input shapes (0 when
+    unknown)."""
     shapes = [s for s in event.input_shapes if len(s) == 2]
-    if event.key == "aten::addmm" and len(shapes) >= 3:
+    if event.key == "mkldnn::_linear_pointwise" and len(shapes) >= 2:
+        (m, k), (n, _) = shapes[0], shapes[1]  # x (M, K), the packed weight (N, K)
+    elif event.key == "aten::addmm" and len(shapes) >= 3:
         (m, k), (_, n) = shapes[1], shapes[2]
     elif len(shapes) >= 2:
         (m, k), (_, n) = shapes[0], shapes[1]

@@ -17,6 +17,7 @@ from engine.executor.attention import RaggedLayout, paged_attention, ragged_atte
 from engine.executor.dense_profile import dense_step_table
 from engine.executor.disk_profile import disk_bandwidth, io_interference
 from engine.executor.executor import Executor
+from engine.executor.kernels import paged_decode
 from engine.executor.nano_profile import nano_batch_overhead, nano_overlap
 from engine.executor.timing import Probe
 from engine.storage.device import Device
@@ -75,8 +76,9 @@ def _prefill_attention_flops(dtype: torch.dtype, device: Device, scale: int, pro
 
 def _device_attention_bw(dtype: torch.dtype, device: Device, scale: int, probe: Probe) -> float:
     """KV bytes/s of decode attention through the engine's path on the compute device: every
-    key of a sequence read in place from a pool by slot into the padded layout, one SDPA
-    (`paged_attention`, where the KV is on the compute device's pool)."""
+    key of a sequence read in place from a pool by slot (`paged_attention`, where the KV is
+    on the compute device's pool): on a CPU by the native kernel where it builds, as the
+    engine runs it by default; otherwise gathered into the padded layout for one SDPA."""
     heads, kv_heads, d = ATTENTION_SHAPE
     seqs, past = 8, 256 * scale
     on = device.device
@@ -85,9 +87,10 @@ def _device_attention_bw(dtype: torch.dtype, device: Device, scale: int, probe: 
     seq_slots = [slots[i * (past + 1) : (i + 1) * (past + 1)] for i in range(seqs)]
     layout = RaggedLayout.build([1] * seqs, [past] * seqs, on, seq_slots=seq_slots)
     q = torch.randn(seqs, heads, d, dtype=dtype, device=on)
+    kernel = None if device.is_cuda else paged_decode()
     seconds = probe.seconds(
         "device_attention_bw",
-        lambda: paged_attention(q, pool, _plain, layout, (kv_heads, d)),
+        lambda: paged_attention(q, pool, _plain, layout, (kv_heads, d), kernel),
         device,
     )
     return seqs * (past + 1) * 2 * kv_heads * d * pool.element_size() / seconds
