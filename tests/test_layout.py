@@ -21,12 +21,14 @@ PACKAGES = ("server", "engine", "policy")
 ALLOWED: dict[str, set[str]] = {
     "policy": set(),
     "engine.core": {"policy"},
-    "engine.models": {"engine.core", "policy"},
+    "engine.kernels": set(),
+    "engine.models": {"engine.kernels", "engine.core", "policy"},
     "engine.storage": {"engine.models", "engine.core", "policy"},
     "engine.loading": {"engine.models", "engine.core", "policy"},
     "engine.executor": {
         "engine.storage",
         "engine.models",
+        "engine.kernels",
         "engine.loading",
         "engine.core",
         "policy",
@@ -35,6 +37,7 @@ ALLOWED: dict[str, set[str]] = {
         "engine.executor",
         "engine.storage",
         "engine.models",
+        "engine.kernels",
         "engine.loading",
         "engine.core",
         "policy",

@@ -69,7 +69,7 @@ class EngineArgs:
     (engine/executor/attention.py); False gathers every past row into a packed copy first."""
     native_kernels: bool = True
     """On the CPU, decode attention reads the KV pool in place with the native kernel,
-    compiled on first use (engine/executor/kernels); False gathers a padded copy for SDPA."""
+    compiled on first use (engine/kernels); False gathers a padded copy for SDPA."""
     prepack_weights: bool = True
     """On the CPU, resident linear weights are stored prepacked for oneDNN's GEMM once at
     load (engine/models/base.py); False keeps them plain for `F.linear`."""
@@ -242,8 +242,9 @@ class EngineArgs:
             "--native-kernels",
             action=argparse.BooleanOptionalAction,
             default=True,
-            help="on the CPU, decode attention runs a native kernel built on first use (C++ "
-            "compiler and ninja); off uses torch's SDPA over a gathered copy (default: on)",
+            help="on the CPU, decode attention and the norm, rotary and SiLU ops run native "
+            "kernels built on first use (C++ compiler and ninja); off runs torch's own ops "
+            "(default: on)",
         )
         parser.add_argument(
             "--prepack-weights",

@@ -8,7 +8,7 @@ layer, with no loop over sequences:
   gather reads every key and value of the group from the pool, in place, straight into
   the padded layout (vLLM's write-then-attend). A decode's query needs no padding at all.
   On the CPU a decode group skips the gather: the native kernel
-  (`engine.executor.kernels.paged_decode`) reads each key where it lies in the pool.
+  (`engine.kernels.paged_decode`) reads each key where it lies in the pool.
 - `ragged_attention`, the general path: past KV that the copy threads gathered from any
   tier (and decoded) arrives packed by sequence, and it and the new rows are scattered
   into the padded tensors.
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn.functional import scaled_dot_product_attention
 
-from engine.executor.kernels import PagedDecode
+from engine.kernels import PagedDecode
 
 
 @dataclass(frozen=True, slots=True)
@@ -299,7 +299,7 @@ def paged_attention(
 
     q: (T, num_heads, head_dim); pool: (slots, row_bytes) encoded rows; `decode` turns
     gathered rows into (N, 2 * kv_dim) keys then values (a view for plain rows, and so of
-    the whole pool). `decode_kernel`: the native CPU kernel (`engine.executor.kernels`),
+    the whole pool). `decode_kernel`: the native CPU kernel (`engine.kernels`),
     which a decode group calls on the pool as it lies instead of gathering a padded copy.
     Returns (T, num_heads, head_dim)."""
     if len(layout.groups) == 1:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from engine.executor.timing import Probe
+from engine.kernels import dense_ops
 from engine.models.base import Positions, Weights, can_prepack, prepack
 from engine.models.config import ModelConfig
 from engine.models.llama import LlamaModel
@@ -56,6 +57,8 @@ def reference_layer(
     fused = model.fuse(w)
     if can_prepack(where, dtype):  # as the engine stores resident CPU weights by default
         fused = {k: prepack(t) if t.dim() == 2 else t for k, t in fused.items()}
+    if where.type == "cpu":  # and runs the fused ops around them
+        model.dense_ops = dense_ops()
     return model, fused
 
 

@@ -33,12 +33,12 @@ from engine.executor.budgets import (
 )
 from engine.executor.cuda_graphs import GraphRunner
 from engine.executor.gpu_batch import BatchBuilder, SeqState
-from engine.executor.kernels import paged_decode
 from engine.executor.nano_batches import NanoBatcher
 from engine.executor.nano_overlap import NanoOverlap
 from engine.executor.pipeline import BlockPipeline
 from engine.executor.sampler import Sampler, top_logprobs
 from engine.executor.trace import NoTracer, Tracer
+from engine.kernels import dense_ops, paged_decode
 from engine.loading.checkpoint import open_reader
 from engine.loading.generated import local_model_dir
 from engine.models import build_model
@@ -73,9 +73,9 @@ class Executor:
     paged_attention: attention reads the gpu tier's KV pages in place, the layer's new KV
         written first (engine/executor/attention.py); False gathers a packed copy of every
         past row first, as other tiers and compressed KV always do.
-    native_kernels: on the CPU, decode attention in place runs the native kernel
-        (engine/executor/kernels), built on first use; False gathers a padded copy for
-        SDPA instead, as on CUDA.
+    native_kernels: on the CPU, the native kernels (engine/kernels, built on first use) run
+        decode attention in place and the fused norm, rotary and SiLU ops; False gathers a
+        padded copy for SDPA and runs torch's own ops, as on CUDA.
     prepack_weights: on the CPU, resident linear weights are stored in oneDNN's blocked
         layout once at load (engine/models/base.py: prepack); False keeps them plain for
         `F.linear`, which reorders them on every call.
@@ -110,6 +110,9 @@ class Executor:
         hf_config = read_hf_config(self.model_dir)
         self.config = ModelConfig.from_hf(hf_config)
         self.model = build_model(self.config)
+        native = native_kernels and not self.device.is_cuda
+        if native:
+            self.model.dense_ops = dense_ops()
         self.dtype = dtype or self.device.default_dtype(checkpoint_dtype(self.model_dir))
         self._apply_thread_counts()
         self._own_offload_dir = offload_dir is None
@@ -174,7 +177,7 @@ class Executor:
             nano=NanoOverlap(self.model, self.device, overlap=nano_overlap, tracer=self.tracer)
             if policy.num_nano_batches > 1
             else None,
-            decode_kernel=paged_decode() if native_kernels and not self.device.is_cuda else None,
+            decode_kernel=paged_decode() if native else None,
         )
         self.sampler = Sampler()
         self._closed = False

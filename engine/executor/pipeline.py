@@ -27,10 +27,10 @@ from engine.core.kv_pages import PageMove
 from engine.executor.attention import cpu_attention, paged_attention, ragged_attention, split_kv
 from engine.executor.cuda_graphs import GraphRunner, StepGraphs
 from engine.executor.gpu_batch import AttentionGroup, GpuBatch
-from engine.executor.kernels import PagedDecode
 from engine.executor.nano_overlap import NanoOverlap
 from engine.executor.tasks import start
 from engine.executor.trace import NoTracer, Tracer
+from engine.kernels import PagedDecode
 from engine.models.base import Model, Weights
 from engine.storage.device import Device, Ready
 from engine.storage.disk import DiskFile, DiskIO
@@ -90,7 +90,7 @@ class BlockPipeline:
         self.nano = nano
         """Runs the decoder layers of GPU batches cut into nano-batches (NanoFlow 4.3)."""
         self.decode_kernel = decode_kernel
-        """The native CPU decode attention over the pool (`engine.executor.kernels`), or None."""
+        """The native CPU decode attention over the pool (`engine.kernels`), or None."""
         c = model.config
         self._kv_shape = (c.num_kv_heads, c.head_dim)
         self._acts: dict[int, dict[str, torch.Tensor]] = {}  # GPU batch -> tier -> rows

@@ -17,9 +17,9 @@ from engine.executor.attention import RaggedLayout, paged_attention, ragged_atte
 from engine.executor.dense_profile import dense_step_table
 from engine.executor.disk_profile import disk_bandwidth, io_interference
 from engine.executor.executor import Executor
-from engine.executor.kernels import paged_decode
 from engine.executor.nano_profile import nano_batch_overhead, nano_overlap
 from engine.executor.timing import Probe
+from engine.kernels import paged_decode
 from engine.storage.device import Device
 from engine.storage.disk import DiskIO
 from engine.storage.quant import dequantize, quantize

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.kernels import DenseOps
 from engine.models.config import ModelConfig
 
 Weights = dict[str, torch.Tensor]
@@ -43,6 +44,9 @@ class Model(ABC):
 
     def __init__(self, config: ModelConfig) -> None:
         self.config = config
+        self.dense_ops: DenseOps | None = None
+        """Fused CPU ops for the work around the GEMMs (`engine.kernels`), set where the
+        model computes on a CPU with native kernels on; None: torch's own ops."""
 
     @property
     def num_layers(self) -> int:

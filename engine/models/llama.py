@@ -90,24 +90,36 @@ class LlamaModel(Model):
     def attention_inputs(
         self, w: Weights, h: torch.Tensor, positions: Positions
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        c = self.config
-        x = rms_norm(h, w["ln1.weight"], c.norm_eps)
+        c, ops = self.config, self.dense_ops
+        if ops is not None:
+            x = ops.rms_norm(h.contiguous(), w["ln1.weight"], c.norm_eps)
+        else:
+            x = rms_norm(h, w["ln1.weight"], c.norm_eps)
         qkv = linear(x, w, "qkv")  # (T, (heads + 2 * kv_heads) * head_dim)
         num_rotated = c.num_heads + c.num_kv_heads  # q and k rotate together: one pass
         qk, v = qkv.split([num_rotated * c.head_dim, c.kv_dim], dim=-1)
         qk = qk.view(-1, num_rotated, c.head_dim)
         cos, sin = positions.tables
-        qk = qk * cos + _rotate_half(qk) * sin
+        qk = ops.rotary(qk, cos, sin) if ops is not None else qk * cos + _rotate_half(qk) * sin
         q, k = qk.split([c.num_heads, c.num_kv_heads], dim=1)
         return q, k, v.view(-1, c.num_kv_heads, c.head_dim)
 
     def attention_output(self, w: Weights, h: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
-        h = h + linear(o.reshape(o.shape[0], -1), w, "o")
-        x = rms_norm(h, w["ln2.weight"], self.config.norm_eps)
+        ops, eps = self.dense_ops, self.config.norm_eps
+        attended = linear(o.reshape(o.shape[0], -1), w, "o")
+        if ops is not None:
+            h, x = ops.add_rms_norm(h.contiguous(), attended, w["ln2.weight"], eps)
+            return h + linear(ops.silu_mul(linear(x, w, "gate_up")), w, "down")
+        h = h + attended
+        x = rms_norm(h, w["ln2.weight"], eps)
         gate, up = linear(x, w, "gate_up").chunk(2, dim=-1)
         mlp = torch.nn.functional.silu(gate) * up
         return h + linear(mlp, w, "down")
 
     def head(self, w: Weights, h: torch.Tensor) -> torch.Tensor:
-        x = rms_norm(h, w["norm.weight"], self.config.norm_eps)
+        ops, eps = self.dense_ops, self.config.norm_eps
+        if ops is not None:
+            x = ops.rms_norm(h.contiguous(), w["norm.weight"], eps)
+        else:
+            x = rms_norm(h, w["norm.weight"], eps)
         return linear(x, w, "lm_head").float()

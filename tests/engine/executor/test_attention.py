@@ -8,7 +8,7 @@ import torch
 from torch.nn.functional import scaled_dot_product_attention
 
 from engine.executor.attention import RaggedLayout, paged_attention, ragged_attention
-from engine.executor.kernels import PagedDecode, paged_decode
+from engine.kernels import PagedDecode, paged_decode
 
 HEADS, KV_HEADS, DIM = 4, 2, 8
 

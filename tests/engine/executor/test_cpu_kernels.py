@@ -1,6 +1,7 @@
-"""The CPU fast paths run where they should: the native decode attention kernel and oneDNN's
-GEMM over prepacked weights, each with its off switch (their results: test_attention.py,
-test_correctness.py and the trained-model tests)."""
+"""The CPU fast paths: the native kernels (decode attention, fused norm, rotary and SiLU) and
+oneDNN's GEMM over prepacked weights run where they should, each with its off switch, and
+the fused ops give what the torch ops they replace give (attention: test_attention.py;
+whole models: test_correctness.py and the trained-model tests)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,18 @@ import torch
 from torch.profiler import profile
 
 from engine import LLM, SamplingParams
+from engine.kernels import DenseOps, dense_ops
 from engine.models.base import linear, prepack
+from engine.models.llama import _rotate_half, rms_norm
 from tests.engine.tiny_models import MAX_TOKENS
+
+NATIVE = (
+    "nanoflex::paged_decode",
+    "nanoflex::rms_norm",
+    "nanoflex::add_rms_norm",
+    "nanoflex::rotary",
+    "nanoflex::silu_mul",
+)
 
 
 def ops_run(model_dir: Path, tmp_path: Path, **engine: object) -> set[str]:
@@ -27,8 +38,9 @@ def ops_run(model_dir: Path, tmp_path: Path, **engine: object) -> set[str]:
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_decode_steps_run_the_kernel_and_prepacked_gemms(tiny_model, tmp_path, dtype):
     on = ops_run(tiny_model("llama"), tmp_path / "on", dtype=dtype)
-    assert "nanoflex::paged_decode" in on
+    assert set(NATIVE) <= on
     assert "mkldnn::_linear_pointwise" in on and "aten::mm" not in on
+    assert "aten::silu" not in on and "aten::rsqrt" not in on
     off = ops_run(
         tiny_model("llama"),
         tmp_path / "off",
@@ -36,8 +48,8 @@ def test_decode_steps_run_the_kernel_and_prepacked_gemms(tiny_model, tmp_path, d
         native_kernels=False,
         prepack_weights=False,
     )
-    assert "nanoflex::paged_decode" not in off and "mkldnn::_linear_pointwise" not in off
-    assert "aten::mm" in off
+    assert not set(NATIVE) & off and "mkldnn::_linear_pointwise" not in off
+    assert {"aten::mm", "aten::silu", "aten::rsqrt"} <= off
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 0.0)])
@@ -52,3 +64,55 @@ def test_prepacked_weight_gives_what_the_plain_one_gives(dtype, tol):
     assert packed["proj.weight"].is_mkldnn
     want = linear(x, w, "proj")
     torch.testing.assert_close(linear(x, packed, "proj"), want, atol=tol, rtol=tol)
+
+
+def built_dense_ops() -> DenseOps:
+    ops = dense_ops()
+    assert ops is not None, "the native CPU kernels did not build: see the log"
+    return ops
+
+
+# float32: rotary is the same three roundings, bit for bit; the norm's mean and SiLU's exp
+# are summed and approximated differently, to within float32 rounding. The half types:
+# one rounding step (an ulp at most) where an intermediate lands differently.
+TOLERANCES = [(torch.float32, 0.0, 2e-6), (torch.bfloat16, 0.0, 1e-2), (torch.float16, 0.0, 2e-3)]
+
+
+@pytest.mark.parametrize("dtype,rotary_tol,tol", TOLERANCES)
+def test_fused_ops_equal_the_torch_ops_they_replace(dtype, rotary_tol, tol):
+    ops = built_dense_ops()
+    g = torch.Generator().manual_seed(3)
+    rows, hidden, heads, dim = 7, 96, 5, 32
+    h = torch.randn(rows, hidden, generator=g).to(dtype)
+    delta = torch.randn(rows, hidden, generator=g).to(dtype)
+    weight = (1 + 0.1 * torch.randn(hidden, generator=g)).to(dtype)
+
+    def close(got: torch.Tensor, want: torch.Tensor, t: float) -> None:
+        assert got.dtype == want.dtype and got.shape == want.shape
+        torch.testing.assert_close(got.float(), want.float(), atol=t, rtol=t)
+
+    close(ops.rms_norm(h, weight, 1e-5), rms_norm(h, weight, 1e-5), tol)
+    total, normed = ops.add_rms_norm(h, delta, weight, 1e-5)
+    close(total, h + delta, 0.0)
+    close(normed, rms_norm(h + delta, weight, 1e-5), tol)
+
+    # rotary over q and k as the model passes them: a strided view of the fused projection
+    qkv = torch.randn(rows, (heads + 2) * dim, generator=g).to(dtype)
+    qk = qkv[:, : heads * dim].view(rows, heads, dim)
+    angles = torch.rand(rows, 1, dim // 2, generator=g) * 6.28
+    angles = torch.cat([angles, angles], dim=-1)
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    close(ops.rotary(qk, cos, sin), qk * cos + _rotate_half(qk) * sin, rotary_tol)
+
+    gate_up = (3 * torch.randn(rows, 2 * hidden, generator=g)).to(dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    close(ops.silu_mul(gate_up), torch.nn.functional.silu(gate) * up, tol)
+
+
+def test_fused_ops_refuse_layouts_they_cannot_read():
+    ops = built_dense_ops()
+    x = torch.randn(4, 8)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        ops.rms_norm(x.t(), torch.ones(4), 1e-5)
+    with pytest.raises(RuntimeError, match="gate then up"):
+        ops.silu_mul(torch.randn(4, 7))

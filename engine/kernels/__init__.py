@@ -1,0 +1,132 @@
+"""Native CPU kernels, compiled on this machine the first time they are asked for.
+
+- `paged_decode` (paged_decode.cpp) is decode attention read in place from a layer's KV pool:
+  what vLLM's CPU backend does with its own kernels. Torch has no op that attends over rows
+  scattered in a pool, so the portable path (`engine.executor.attention`) gathers them into
+  a padded copy first; on a CPU, whose memory bandwidth is the limit in decode attention,
+  that copy costs more than the attention itself.
+- `dense_ops` (dense_ops.cpp) are the small operations around a layer's GEMMs, one pass
+  each: RMSNorm, residual add + RMSNorm, rotary, SiLU-and-multiply (vLLM has the same as
+  CPU ops). They round where the torch ops they replace round.
+
+The library is built with torch's C++ extension loader (a C++ compiler and ninja) for this
+CPU's own instruction set (`-march=native`), into torch's extensions folder
+(`TORCH_EXTENSIONS_DIR`, by default ~/.cache/torch_extensions), once per source, flags and
+CPU: a later process loads the built library in well under a second. Where it cannot be
+built (no compiler, say), one warning says why and torch's own ops run instead: the same
+results, slower. `EngineArgs.native_kernels=False` (`--no-native-kernels`) never builds or
+uses it.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger("nanoflex.engine")
+
+HERE = Path(__file__).parent
+SOURCES = (HERE / "paged_decode.cpp", HERE / "dense_ops.cpp")
+HEADERS = (HERE / "vector_math.h",)
+CFLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-ffp-contract=off")
+"""`-fopenmp` makes `at::parallel_for` run on torch's own OpenMP threads (the library
+links `libgomp.so.1`, which resolves to the copy torch has loaded), not serially.
+`-ffp-contract=off`: a product and a sum stay two roundings, as in the torch ops the
+fused ones replace (explicit FMA intrinsics still fuse)."""
+
+PagedDecode = Callable[..., torch.Tensor]
+"""(q (B, heads, head_dim), pool (slots, 2 * kv_dim), slots (B * kv_max,) int64,
+kv_lens (B,) int64, num_kv_heads, scale, window) -> (B, heads, head_dim)."""
+
+_lock = threading.Lock()
+
+
+def _cpu_signature() -> str:
+    """What `-march=native` compiles for: the CPU model and its feature flags."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return "unknown"
+    wanted = [ln for ln in lines if ln.startswith(("model name", "flags"))]
+    return "\n".join(dict.fromkeys(wanted))
+
+
+def library_name() -> str:
+    """One build per source, flags and CPU (a home folder shared by unlike machines)."""
+    digest = hashlib.sha256()
+    parts = [p.read_bytes() for p in (*SOURCES, *HEADERS)]
+    for part in (*parts, " ".join(CFLAGS).encode(), _cpu_signature().encode()):
+        digest.update(part)
+    return f"nanoflex_kernels_{digest.hexdigest()[:12]}"
+
+
+@functools.cache
+def _build() -> bool:
+    """Build (or find built) and load the library; False, with one warning, where it cannot
+    be built."""
+    try:
+        from torch.utils.cpp_extension import load
+
+        load(
+            name=library_name(),
+            sources=[str(p) for p in SOURCES],
+            extra_include_paths=[str(HERE)],
+            extra_cflags=list(CFLAGS),
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+            verbose=False,
+        )
+    except Exception as e:
+        text = str(e.__cause__ or e).strip()  # a load error's cause names the symbol
+        reason = text.splitlines()[-1] if text else type(e).__name__
+        logger.warning(
+            "native CPU kernels unavailable (%s; rebuild with TORCH_EXTENSIONS_DIR set and "
+            "verbose torch logging to see the compiler's output); torch's own ops run instead "
+            "(same results, slower)",
+            reason,
+        )
+        return False
+    return True
+
+
+def paged_decode() -> PagedDecode | None:
+    """The built `torch.ops.nanoflex.paged_decode`, or None where it cannot be built."""
+    with _lock:
+        built = _build()
+    op: PagedDecode | None = torch.ops.nanoflex.paged_decode if built else None
+    return op
+
+
+@dataclass(frozen=True, slots=True)
+class DenseOps:
+    """The fused operations around a layer's GEMMs (dense_ops.cpp), each one pass."""
+
+    rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+    """(x (T, hidden), weight, eps) -> RMSNorm(x), as transformers' LlamaRMSNorm rounds."""
+    add_rms_norm: Callable[
+        [torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]
+    ]
+    """(h, delta, weight, eps) -> (h + delta, RMSNorm(h + delta))."""
+    rotary: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+    """(x (T, heads, D), cos, sin (T, 1, D)) -> x * cos + rotate_half(x) * sin."""
+    silu_mul: Callable[[torch.Tensor], torch.Tensor]
+    """(T, 2 I) gate then up -> SiLU(gate) * up (T, I)."""
+
+    DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def dense_ops() -> DenseOps | None:
+    """The built fused ops, or None where the library cannot be built."""
+    with _lock:
+        built = _build()
+    if not built:
+        return None
+    ops = torch.ops.nanoflex
+    return DenseOps(ops.rms_norm, ops.add_rms_norm, ops.rotary, ops.silu_mul)
