@@ -42,7 +42,10 @@ RESIDENT_VARIANTS: dict[str, Variant] = {
         RESIDENT
     ),
     "paged attention off": (RESIDENT, {"paged_attention": False}),
-    "native decode kernel off (gather + SDPA)": (RESIDENT, {"native_kernels": False}),
+    "native kernels off (gather + SDPA, torch's norm/rotary/SiLU)": (
+        RESIDENT,
+        {"native_kernels": False},
+    ),
     "prepacked weights off (F.linear)": (RESIDENT, {"prepack_weights": False}),
     "overlap off": dataclasses.replace(RESIDENT, overlap=False),
     "planning ahead on (step on a worker thread)": (RESIDENT, {"async_scheduling": True}),
