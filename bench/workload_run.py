@@ -18,7 +18,7 @@ import sys
 import time
 from typing import Any
 
-from bench.workloads import WORKLOADS, build, emit, record
+from bench.workloads import build, child_main, record
 
 SYSTEM = "nanoflex"
 
@@ -56,16 +56,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+def arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct")
-    parser.add_argument("--workload", default="mixed", choices=sorted(WORKLOADS))
     parser.add_argument("--dtype", default=None, choices=("float32", "bfloat16"))
     parser.add_argument("--policy", default="auto", help="'auto' or a policy JSON file")
-    parser.add_argument("--json", default=None, help="also write the record here")
-    args = parser.parse_args(argv)
-    emit(run(args), args.json)
-    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return child_main(__doc__, run, arguments, argv)
 
 
 if __name__ == "__main__":

@@ -13,8 +13,10 @@ with EOS ignored, so every system does exactly the same work.
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -98,3 +100,20 @@ def emit(record: dict[str, Any], path: str | None) -> None:
     print(text)
     if path:
         Path(path).write_text(text + "\n")
+
+
+def child_main(
+    doc: str | None,
+    run: Callable[[argparse.Namespace], dict[str, Any]],
+    add_arguments: Callable[[argparse.ArgumentParser], None],
+    argv: list[str] | None = None,
+) -> int:
+    """A child's entry point: its own flags, then `--workload` and `--json`; runs it once and
+    prints (and writes) its record."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0] if doc else None)
+    add_arguments(parser)
+    parser.add_argument("--workload", default="mixed", choices=sorted(WORKLOADS))
+    parser.add_argument("--json", default=None, help="also write the record here")
+    args = parser.parse_args(argv)
+    emit(run(args), args.json)
+    return 0

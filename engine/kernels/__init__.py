@@ -106,7 +106,8 @@ def paged_decode() -> PagedDecode | None:
 
 @dataclass(frozen=True, slots=True)
 class DenseOps:
-    """The fused operations around a layer's GEMMs (dense_ops.cpp), each one pass."""
+    """The operations around a layer's GEMMs: fused, one pass each (dense_ops.cpp,
+    `dense_ops()`), or the torch ops they fuse (the Llama model's `TORCH_OPS`)."""
 
     rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
     """(x (T, hidden), weight, eps) -> RMSNorm(x), as transformers' LlamaRMSNorm rounds."""
@@ -118,8 +119,6 @@ class DenseOps:
     """(x (T, heads, D), cos, sin (T, 1, D)) -> x * cos + rotate_half(x) * sin."""
     silu_mul: Callable[[torch.Tensor], torch.Tensor]
     """(T, 2 I) gate then up -> SiLU(gate) * up (T, I)."""
-
-    DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def dense_ops() -> DenseOps | None:

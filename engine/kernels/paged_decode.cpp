@@ -32,18 +32,10 @@ namespace {
 // A row of head_dim values as float32: in place for float, converted into `buf` otherwise.
 inline const float* as_float(const float* src, float*, int64_t) { return src; }
 
-inline const float* as_float(const c10::BFloat16* src, float* buf, int64_t n) {
-  // bfloat16 is the upper half of a float32's bits.
-  const auto* bits = reinterpret_cast<const uint16_t*>(src);
-  auto* out = reinterpret_cast<uint32_t*>(buf);
+template <typename T>
+inline const float* as_float(const T* src, float* buf, int64_t n) {
 #pragma omp simd
-  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<uint32_t>(bits[i]) << 16;
-  return buf;
-}
-
-inline const float* as_float(const c10::Half* src, float* buf, int64_t n) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<float>(src[i]);
+  for (int64_t i = 0; i < n; ++i) buf[i] = to_f(src[i]);
   return buf;
 }
 

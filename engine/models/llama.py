@@ -6,6 +6,7 @@ import re
 
 import torch
 
+from engine.kernels import DenseOps
 from engine.models.base import Model, Positions, Weights, linear
 from engine.models.config import ModelConfig
 
@@ -59,6 +60,26 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def _add_rms_norm(
+    h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    h = h + delta
+    return h, rms_norm(h, weight, eps)
+
+
+def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + _rotate_half(x) * sin
+
+
+def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+TORCH_OPS = DenseOps(rms_norm, _add_rms_norm, _rotary, _silu_mul)
+"""The ops around the GEMMs in torch, where no native ones are set (`Model.dense_ops`)."""
+
+
 class LlamaModel(Model):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__(config)
@@ -90,36 +111,24 @@ class LlamaModel(Model):
     def attention_inputs(
         self, w: Weights, h: torch.Tensor, positions: Positions
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        c, ops = self.config, self.dense_ops
-        if ops is not None:
-            x = ops.rms_norm(h.contiguous(), w["ln1.weight"], c.norm_eps)
-        else:
-            x = rms_norm(h, w["ln1.weight"], c.norm_eps)
+        c, ops = self.config, self.dense_ops or TORCH_OPS
+        x = ops.rms_norm(h.contiguous(), w["ln1.weight"], c.norm_eps)
         qkv = linear(x, w, "qkv")  # (T, (heads + 2 * kv_heads) * head_dim)
         num_rotated = c.num_heads + c.num_kv_heads  # q and k rotate together: one pass
         qk, v = qkv.split([num_rotated * c.head_dim, c.kv_dim], dim=-1)
         qk = qk.view(-1, num_rotated, c.head_dim)
         cos, sin = positions.tables
-        qk = ops.rotary(qk, cos, sin) if ops is not None else qk * cos + _rotate_half(qk) * sin
+        qk = ops.rotary(qk, cos, sin)
         q, k = qk.split([c.num_heads, c.num_kv_heads], dim=1)
         return q, k, v.view(-1, c.num_kv_heads, c.head_dim)
 
     def attention_output(self, w: Weights, h: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
-        ops, eps = self.dense_ops, self.config.norm_eps
+        ops, eps = self.dense_ops or TORCH_OPS, self.config.norm_eps
         attended = linear(o.reshape(o.shape[0], -1), w, "o")
-        if ops is not None:
-            h, x = ops.add_rms_norm(h.contiguous(), attended, w["ln2.weight"], eps)
-            return h + linear(ops.silu_mul(linear(x, w, "gate_up")), w, "down")
-        h = h + attended
-        x = rms_norm(h, w["ln2.weight"], eps)
-        gate, up = linear(x, w, "gate_up").chunk(2, dim=-1)
-        mlp = torch.nn.functional.silu(gate) * up
-        return h + linear(mlp, w, "down")
+        h, x = ops.add_rms_norm(h.contiguous(), attended, w["ln2.weight"], eps)
+        return h + linear(ops.silu_mul(linear(x, w, "gate_up")), w, "down")
 
     def head(self, w: Weights, h: torch.Tensor) -> torch.Tensor:
-        ops, eps = self.dense_ops, self.config.norm_eps
-        if ops is not None:
-            x = ops.rms_norm(h.contiguous(), w["norm.weight"], eps)
-        else:
-            x = rms_norm(h, w["norm.weight"], eps)
+        ops = self.dense_ops or TORCH_OPS
+        x = ops.rms_norm(h.contiguous(), w["norm.weight"], self.config.norm_eps)
         return linear(x, w, "lm_head").float()
