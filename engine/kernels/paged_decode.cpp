@@ -7,11 +7,11 @@
 // so that a decode step moves the KV bytes once instead of three times (read, write the
 // copy, read it again).
 //
-// Work is split over (sequence, kv head) pairs, on torch's intra-op threads: the pair's
-// `group` query heads share every row it reads (grouped-query attention). Scores, softmax
-// (max, then exp and sum) and the weighted sum of values are in float32, as in SDPA's CPU
-// kernel. With AVX-512 and a head_dim of 64, 128 or 256 the pair runs in vector registers
-// (`attend_pair_avx512`); otherwise in plain loops the compiler vectorizes (`attend_pair`).
+// Work is split over sequences, on torch's intra-op threads, longest first. Scores, softmax
+// and the weighted sum of values are in float32, as in SDPA's CPU kernel. With AVX-512 and a
+// head_dim of 64, 128 or 256 a sequence runs in vector registers in one pass over its rows
+// (`attend_seq_avx512`); otherwise each kv head's query heads (grouped-query attention) in
+// plain loops the compiler vectorizes (`attend_pair`).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -20,9 +20,12 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <utility>
+#include <type_traits>
 #include <vector>
 
 #include "vector_math.h"
@@ -39,12 +42,9 @@ inline const float* as_float(const T* src, float* buf, int64_t n) {
   return buf;
 }
 
-// Per-thread buffers, reused across the pairs a thread takes.
+// Per-thread buffers, reused across the sequences a thread takes.
 struct Scratch {
-  std::vector<float> q, acc, row, scores, sums;
-#if defined(__AVX512F__)
-  std::vector<__m512> vec;
-#endif
+  std::vector<float> q, acc, row, scores, sums, top;
 };
 
 // One (sequence, kv head) pair, any head_dim: scores, softmax, weighted sum of values.
@@ -95,9 +95,17 @@ void attend_pair(const T* q_pair, const T* k_rows, const T* v_rows, int64_t row_
 }
 
 #if defined(__AVX512F__)
-// The same for head_dim HD known at compile time, in AVX-512 registers: each key and value
-// row is loaded (and widened to float32) once for the pair's query heads, and the softmax's
-// exp is a vector polynomial.
+// A whole sequence (every kv head) for head_dim HD known at compile time, in AVX-512
+// registers, in one pass over its rows, 16 at a time: each row (all heads' keys, then
+// values) is read once, in order, while it is in the cache. The softmax is online (a
+// running max and sum per query head, the accumulators rescaled when the max grows), as
+// in flash attention. Scores: each key's products with a query head are summed across
+// lanes for 16 keys at once (`sum_lanes16`, a transpose as it adds) rather than one
+// horizontal sum per key; with AVX512-BF16 a bfloat16 key is multiplied as it lies
+// (`dpbf16`: pairwise products, exact, summed in float32), otherwise the block's keys are
+// widened to float32 once for the group's query heads. Values, widened once per block and
+// head, are summed into each query head's accumulators, which stay in registers across
+// the block.
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const c10::BFloat16* p) {
   const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
@@ -107,96 +115,176 @@ inline __m512 load16(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
-// Softmax numerators of s[0..n) in place (exp(s - max)); returns their sum.
-inline float exp_shifted(float* s, int64_t n) {
-  __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  int64_t t = 0;
-  for (; t + 16 <= n; t += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(s + t));
-  float m = _mm512_reduce_max_ps(top);
-  for (; t < n; ++t) m = std::max(m, s[t]);
-  const __m512 shift = _mm512_set1_ps(m);
-  __m512 sum = _mm512_setzero_ps();
-  for (t = 0; t < n; t += 16) {
-    const __mmask16 live = n - t >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - t)) - 1);
-    const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, s + t), shift));
-    _mm512_mask_storeu_ps(s + t, live, e);
-    sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(live, e));
-  }
-  return _mm512_reduce_add_ps(sum);
+// Lane j of the result is the sum of v[j]'s 16 lanes: four rounds, each halving the vectors
+// by adding matched halves of two (256-bit, 128-bit, 64-bit, 32-bit), then one permute
+// puts the sums in order.
+inline __m512 sum_lanes16(const __m512 (&v)[16]) {
+  __m512 a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i)
+    a[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i)
+    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; ++i)
+    c[i] = _mm512_add_ps(_mm512_unpacklo_ps(b[2 * i], b[2 * i + 1]),
+                         _mm512_unpackhi_ps(b[2 * i], b[2 * i + 1]));
+  const __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(c[0]), _mm512_castps_pd(c[1]));
+  const __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(c[0]), _mm512_castps_pd(c[1]));
+  const __m512 mixed = _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));
+  // Lane 4k + m now holds v[k + 4m]'s sum.
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(order, mixed);
 }
 
+// Rows `rows[j] + offset`, j < m (HD values each), as float32 rows of `buf`, HD apart.
 template <typename T, int HD>
-void attend_pair_avx512(const T* q_pair, const T* k_rows, const T* v_rows, int64_t row_stride,
-                        const int64_t* seq_slots, int64_t n, int64_t group, float scale,
-                        Scratch& w, T* out) {
+inline void widen_block(const T* const (&rows)[16], int64_t offset, int m, float* buf) {
+  for (int j = 0; j < m; ++j)
+    for (int i = 0; i < HD / 16; ++i)
+      _mm512_storeu_ps(buf + j * HD + i * 16, load16(rows[j] + offset + i * 16));
+}
+
+#if defined(__AVX512BF16__)
+constexpr bool kPairwiseBF16 = true;
+#else
+constexpr bool kPairwiseBF16 = false;
+#endif
+
+template <typename T, int HD>
+void attend_seq_avx512(const T* q, const T* pool, int64_t row_stride, const int64_t* seq_slots,
+                       int64_t n, int64_t kv_heads, int64_t group, float scale, Scratch& w,
+                       T* out) {
   constexpr int V = HD / 16;
-  w.vec.resize(2 * group * V);
-  __m512* qv = w.vec.data();
-  __m512* acc = qv + group * V;
-  for (int64_t i = 0; i < group * V; ++i) {
-    qv[i] = _mm512_mul_ps(load16(q_pair + i * 16), _mm512_set1_ps(scale));
-    acc[i] = _mm512_setzero_ps();
-  }
-  w.scores.resize(group * n);
-  float* scores = w.scores.data();
-  for (int64_t t = 0; t < n; ++t) {
-    const T* k = k_rows + seq_slots[t] * row_stride;
-    __m512 kv[V];
-    for (int i = 0; i < V; ++i) kv[i] = load16(k + i * 16);
-    for (int64_t g = 0; g < group; ++g) {
-      __m512 dot = _mm512_mul_ps(qv[g * V], kv[0]);
-      for (int i = 1; i < V; ++i) dot = _mm512_fmadd_ps(qv[g * V + i], kv[i], dot);
-      scores[g * n + t] = _mm512_reduce_add_ps(dot);
+  constexpr bool pairwise = kPairwiseBF16 && std::is_same_v<T, c10::BFloat16>;
+  constexpr bool as_is = std::is_same_v<T, float>;  // rows read in place, not widened
+  constexpr int SETS = V >= 8 ? 1 : 2;  // two accumulator sets keep short rows' FMAs in flight
+  const int64_t heads = kv_heads * group;
+  const int64_t row_bytes = 2 * kv_heads * HD * static_cast<int64_t>(sizeof(T));
+  w.q.resize(heads * HD);
+  for (int64_t i = 0; i < heads * V; ++i) _mm512_storeu_ps(w.q.data() + i * 16, load16(q + i * 16));
+  w.acc.assign(heads * HD, 0.f);
+  w.top.assign(heads, -std::numeric_limits<float>::infinity());
+  w.sums.assign(heads, 0.f);
+  w.row.resize(2 * 16 * HD);
+  float* keys_f = w.row.data();
+  float* values_f = keys_f + 16 * HD;
+  const __m512 scale16 = _mm512_set1_ps(scale);
+  const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  alignas(64) float p[16];
+  for (int64_t t0 = 0; t0 < n; t0 += 16) {
+    const int m = static_cast<int>(std::min<int64_t>(16, n - t0));
+    const __mmask16 live = tail_mask(m);
+    const T* rows[16];  // past the end: the block's last row again (its score is masked)
+    for (int j = 0; j < 16; ++j) rows[j] = pool + seq_slots[t0 + std::min(j, m - 1)] * row_stride;
+    // The next block's rows lie on pages of their own: ask for them now, so that the memory
+    // system fetches them while this block computes (its prefetchers stop at page edges).
+    for (int64_t t = t0 + 16; t < std::min(n, t0 + 32); ++t) {
+      const char* row = reinterpret_cast<const char*>(pool + seq_slots[t] * row_stride);
+      for (int64_t at = 0; at < row_bytes; at += 64) _mm_prefetch(row + at, _MM_HINT_T2);
+    }
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      const int64_t k_at = h * HD, v_at = (kv_heads + h) * HD;
+      if constexpr (!pairwise && !as_is) widen_block<T, HD>(rows, k_at, 16, keys_f);
+      if constexpr (!as_is) widen_block<T, HD>(rows, v_at, m, values_f);
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t qh = h * group + g;
+        __m512 part[16];
+        if constexpr (pairwise) {
+#if defined(__AVX512BF16__)
+          __m512bh qv[HD / 32];
+          for (int i = 0; i < HD / 32; ++i)
+            qv[i] = (__m512bh)_mm512_loadu_si512(q + qh * HD + i * 32);
+          for (int j = 0; j < 16; ++j) {
+            __m512 dot = _mm512_setzero_ps();
+            for (int i = 0; i < HD / 32; ++i)
+              dot = _mm512_dpbf16_ps(dot, qv[i], (__m512bh)_mm512_loadu_si512(rows[j] + k_at + i * 32));
+            part[j] = dot;
+          }
+#endif
+        } else {
+          const float* qf = w.q.data() + qh * HD;
+          for (int j = 0; j < 16; ++j) {
+            const float* k = as_is ? reinterpret_cast<const float*>(rows[j] + k_at) : keys_f + j * HD;
+            __m512 dot = _mm512_mul_ps(_mm512_loadu_ps(qf), _mm512_loadu_ps(k));
+            for (int i = 1; i < V; ++i)
+              dot = _mm512_fmadd_ps(_mm512_loadu_ps(qf + i * 16), _mm512_loadu_ps(k + i * 16), dot);
+            part[j] = dot;
+          }
+        }
+        const __m512 s = _mm512_mask_mul_ps(minus_inf, live, sum_lanes16(part), scale16);
+        const float old = w.top[qh], top = std::max(old, _mm512_reduce_max_ps(s));
+        const __m512 e = exp16(_mm512_sub_ps(s, _mm512_set1_ps(top)));  // 0 in dead lanes
+        _mm512_store_ps(p, e);
+        const float shrink = std::exp(old - top);  // 0 on the first block, 1 mostly after
+        w.top[qh] = top;
+        w.sums[qh] = w.sums[qh] * shrink + _mm512_reduce_add_ps(e);
+        float* a = w.acc.data() + qh * HD;
+        __m512 acc[SETS][V];
+        for (int i = 0; i < V; ++i) {
+          acc[0][i] = _mm512_mul_ps(_mm512_loadu_ps(a + i * 16), _mm512_set1_ps(shrink));
+          if constexpr (SETS == 2) acc[1][i] = _mm512_setzero_ps();
+        }
+        for (int j = 0; j < m; ++j) {
+          const float* v = as_is ? reinterpret_cast<const float*>(rows[j] + v_at) : values_f + j * HD;
+          const __m512 pj = _mm512_set1_ps(p[j]);
+          for (int i = 0; i < V; ++i)
+            acc[j % SETS][i] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(v + i * 16), acc[j % SETS][i]);
+        }
+        for (int i = 0; i < V; ++i) {
+          __m512 sum = acc[0][i];
+          if constexpr (SETS == 2) sum = _mm512_add_ps(sum, acc[1][i]);
+          _mm512_storeu_ps(a + i * 16, sum);
+        }
+      }
     }
   }
-  w.sums.resize(group);
-  for (int64_t g = 0; g < group; ++g) w.sums[g] = exp_shifted(scores + g * n, n);
-  for (int64_t t = 0; t < n; ++t) {
-    const T* v = v_rows + seq_slots[t] * row_stride;
-    __m512 vv[V];
-    for (int i = 0; i < V; ++i) vv[i] = load16(v + i * 16);
-    for (int64_t g = 0; g < group; ++g) {
-      const __m512 p = _mm512_set1_ps(scores[g * n + t]);
-      for (int i = 0; i < V; ++i) acc[g * V + i] = _mm512_fmadd_ps(p, vv[i], acc[g * V + i]);
-    }
-  }
-  float row[HD];
-  for (int64_t g = 0; g < group; ++g) {
-    const __m512 inv = _mm512_set1_ps(1.f / w.sums[g]);
-    for (int i = 0; i < V; ++i) _mm512_storeu_ps(row + i * 16, _mm512_mul_ps(acc[g * V + i], inv));
-    for (int d = 0; d < HD; ++d) out[g * HD + d] = static_cast<T>(row[d]);
+  for (int64_t qh = 0; qh < heads; ++qh) {
+    const float inv = 1.f / w.sums[qh];
+    for (int d = 0; d < HD; ++d) out[qh * HD + d] = from_f<T>(w.acc[qh * HD + d] * inv);
   }
 }
 #endif
 
+// Every sequence's attention, on torch's intra-op threads. Sequences are taken longest
+// first from a shared counter, so that unequal lengths still share the threads evenly.
 template <typename T>
 void decode_attention(const T* q, const T* pool, int64_t row_stride, const int64_t* slots,
                       const int64_t* kv_lens, int64_t kv_max, T* out, int64_t num_seqs,
                       int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale,
                       int64_t window) {
   const int64_t group = num_heads / num_kv_heads;
-  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+  auto span = [&](int64_t b) {  // (first row, rows) of sequence b
+    const int64_t first = window > 0 ? std::max<int64_t>(0, kv_lens[b] - window) : 0;
+    return std::pair<int64_t, int64_t>(first, kv_lens[b] - first);
+  };
+  std::vector<int64_t> order(num_seqs);
+  for (int64_t b = 0; b < num_seqs; ++b) order[b] = b;
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t x, int64_t y) { return span(x).second > span(y).second; });
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     Scratch w;
-    for (int64_t pair = begin; pair < end; ++pair) {
-      const int64_t b = pair / num_kv_heads, h = pair % num_kv_heads;
-      const int64_t len = kv_lens[b];
-      const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-      const int64_t n = len - first;
+    for (int64_t i = next++; i < num_seqs; i = next++) {
+      const int64_t b = order[i];
+      const auto [first, n] = span(b);
       const int64_t* seq_slots = slots + b * kv_max + first;
-      const int64_t heads = (b * num_heads + h * group) * head_dim;  // the pair's, adjacent
-      const T* k_rows = pool + h * head_dim;
-      const T* v_rows = pool + (num_kv_heads + h) * head_dim;
+      const T* q_seq = q + b * num_heads * head_dim;
+      T* out_seq = out + b * num_heads * head_dim;
 #if defined(__AVX512F__)
       if (head_dim == 64 || head_dim == 128 || head_dim == 256) {
-        auto attend = head_dim == 64    ? attend_pair_avx512<T, 64>
-                      : head_dim == 128 ? attend_pair_avx512<T, 128>
-                                        : attend_pair_avx512<T, 256>;
-        attend(q + heads, k_rows, v_rows, row_stride, seq_slots, n, group, scale, w, out + heads);
+        auto attend = head_dim == 64    ? attend_seq_avx512<T, 64>
+                      : head_dim == 128 ? attend_seq_avx512<T, 128>
+                                        : attend_seq_avx512<T, 256>;
+        attend(q_seq, pool, row_stride, seq_slots, n, num_kv_heads, group, scale, w, out_seq);
         continue;
       }
 #endif
-      attend_pair(q + heads, k_rows, v_rows, row_stride, seq_slots, n, group, head_dim, scale, w,
-                  out + heads);
+      for (int64_t h = 0; h < num_kv_heads; ++h) {
+        const int64_t heads = h * group * head_dim;  // the kv head's query heads, adjacent
+        attend_pair(q_seq + heads, pool + h * head_dim, pool + (num_kv_heads + h) * head_dim,
+                    row_stride, seq_slots, n, group, head_dim, scale, w, out_seq + heads);
+      }
     }
   });
 }

@@ -42,6 +42,11 @@ inline float round_to(float x) {
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
+// Lanes [0, min(n, 16)) of a 16-lane mask.
+inline __mmask16 tail_mask(int64_t n) {
+  return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
+}
+
 // exp(x): 2^k exp(r), k = round(x / ln 2), |r| <= ln 2 / 2, exp(r) by its Taylor series to
 // r^7 (relative error under 3e-9, below float32's rounding); 0 from x = -104 down, inf
 // above 88.

@@ -140,13 +140,16 @@ def native_kernel() -> PagedDecode:
 @pytest.mark.parametrize(
     "dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)]
 )
-@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 4, 32)])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (8, 2, 128), (4, 4, 32)])
+@pytest.mark.parametrize("window", [None, 40])
 def test_native_decode_kernel_equals_sdpa_over_the_padded_copy(
-    dtype: torch.dtype, tol: float, heads: int, kv_heads: int, dim: int
+    dtype: torch.dtype, tol: float, heads: int, kv_heads: int, dim: int, window: int | None
 ) -> None:
-    """The kernel on realistic decode shapes (SmolLM2's grouped heads, and plain multi-head),
-    lengths 1..300, against SDPA in float32 over the same values: within `tol` (float32 to
-    rounding; the half types round their output once)."""
+    """The kernel on realistic decode shapes (SmolLM2's grouped heads, a head_dim of 128 with
+    4 query heads a kv head, and plain multi-head in the portable loops), lengths 1..300 (one
+    to 19 blocks of 16, partial blocks at the end), with and without a sliding window,
+    against SDPA in float32 over the same values: within `tol` (float32 to rounding; the half
+    types round their output once)."""
     g = torch.Generator().manual_seed(2)
     past_lens = [0, 299, 17, 64, 150, 3, 255, 100]
     q_lens = [1] * len(past_lens)
@@ -156,10 +159,10 @@ def test_native_decode_kernel_equals_sdpa_over_the_padded_copy(
     past_k, past_v = (torch.randn(past_total, kv_heads, dim, generator=g).to(dtype) for _ in "kv")
     pool, seq_slots = scattered_pool(k, v, past_k, past_v, q_lens, past_lens, g)
     cpu = torch.device("cpu")
-    paged = RaggedLayout.build(q_lens, past_lens, cpu, None, seq_slots)
+    paged = RaggedLayout.build(q_lens, past_lens, cpu, window, seq_slots)
     got = paged_attention(q, pool, lambda rows: rows, paged, (kv_heads, dim), native_kernel())
     assert got.dtype == dtype
-    packed = RaggedLayout.build(q_lens, past_lens, cpu)
+    packed = RaggedLayout.build(q_lens, past_lens, cpu, window)
     f32 = [x.float() for x in (q, k, v, past_k, past_v)]
     want = ragged_attention(*f32, packed)
     torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
