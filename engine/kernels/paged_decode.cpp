@@ -103,9 +103,11 @@ void attend_pair(const T* q_pair, const T* k_rows, const T* v_rows, int64_t row_
 // lanes for 16 keys at once (`sum_lanes16`, a transpose as it adds) rather than one
 // horizontal sum per key; with AVX512-BF16 a bfloat16 key is multiplied as it lies
 // (`dpbf16`: pairwise products, exact, summed in float32), otherwise the block's keys are
-// widened to float32 once for the group's query heads. Values, widened once per block and
-// head, are summed into each query head's accumulators, which stay in registers across
-// the block.
+// widened to float32 once for the group's query heads. Values are summed into each query
+// head's accumulators, which stay in registers across the block: with AVX512-BF16, two
+// bfloat16 rows at once, interleaved once per block and head, weighted by probabilities
+// rounded to bfloat16 (as SDPA's CPU kernel rounds them); otherwise widened to float32 once
+// per block and head.
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const c10::BFloat16* p) {
   const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
@@ -147,9 +149,30 @@ inline void widen_block(const T* const (&rows)[16], int64_t offset, int m, float
 
 #if defined(__AVX512BF16__)
 constexpr bool kPairwiseBF16 = true;
+
+// Rows 2i and 2i+1 of a block's 16 (HD bfloat16 values each, at `offset`) interleaved, for
+// `dpbf16`: out[i * HD/16 + z] holds 16 (row 2i, row 2i+1) pairs. The interleave works
+// within 128-bit lanes, so the 16 sums a pair vector feeds are dims in `pair_order`.
+template <int HD>
+inline void interleave_pairs(const c10::BFloat16* const (&rows)[16], int64_t offset, __m512bh* out) {
+  for (int i = 0; i < 8; ++i)
+    for (int c = 0; c < HD / 32; ++c) {
+      const __m512i a = _mm512_loadu_si512(rows[2 * i] + offset + c * 32);
+      const __m512i b = _mm512_loadu_si512(rows[2 * i + 1] + offset + c * 32);
+      out[i * (HD / 16) + 2 * c] = (__m512bh)_mm512_unpacklo_epi16(a, b);
+      out[i * (HD / 16) + 2 * c + 1] = (__m512bh)_mm512_unpackhi_epi16(a, b);
+    }
+}
 #else
 constexpr bool kPairwiseBF16 = false;
 #endif
+
+// Where dim d's sum lies in accumulators filled from `interleave_pairs`: 32 dims a 512-bit
+// chunk c; in 128-bit lane L, unpacklo takes dims 8L..8L+3, unpackhi 8L+4..8L+7.
+constexpr int pair_order(int d) {
+  const int c = d / 32, r = d % 32, lane = r / 8, within = r % 8;
+  return (2 * c + within / 4) * 16 + 4 * lane + within % 4;
+}
 
 template <typename T, int HD>
 void attend_seq_avx512(const T* q, const T* pool, int64_t row_stride, const int64_t* seq_slots,
@@ -172,6 +195,9 @@ void attend_seq_avx512(const T* q, const T* pool, int64_t row_stride, const int6
   const __m512 scale16 = _mm512_set1_ps(scale);
   const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   alignas(64) float p[16];
+#if defined(__AVX512BF16__)
+  __m512bh values_pairs[8 * V];  // (bfloat16 path) the block's values, two rows interleaved
+#endif
   for (int64_t t0 = 0; t0 < n; t0 += 16) {
     const int m = static_cast<int>(std::min<int64_t>(16, n - t0));
     const __mmask16 live = tail_mask(m);
@@ -186,7 +212,10 @@ void attend_seq_avx512(const T* q, const T* pool, int64_t row_stride, const int6
     for (int64_t h = 0; h < kv_heads; ++h) {
       const int64_t k_at = h * HD, v_at = (kv_heads + h) * HD;
       if constexpr (!pairwise && !as_is) widen_block<T, HD>(rows, k_at, 16, keys_f);
-      if constexpr (!as_is) widen_block<T, HD>(rows, v_at, m, values_f);
+#if defined(__AVX512BF16__)
+      if constexpr (pairwise) interleave_pairs<HD>(rows, v_at, values_pairs);
+#endif
+      if constexpr (!pairwise && !as_is) widen_block<T, HD>(rows, v_at, m, values_f);
       for (int64_t g = 0; g < group; ++g) {
         const int64_t qh = h * group + g;
         __m512 part[16];
@@ -225,11 +254,25 @@ void attend_seq_avx512(const T* q, const T* pool, int64_t row_stride, const int6
           acc[0][i] = _mm512_mul_ps(_mm512_loadu_ps(a + i * 16), _mm512_set1_ps(shrink));
           if constexpr (SETS == 2) acc[1][i] = _mm512_setzero_ps();
         }
-        for (int j = 0; j < m; ++j) {
-          const float* v = as_is ? reinterpret_cast<const float*>(rows[j] + v_at) : values_f + j * HD;
-          const __m512 pj = _mm512_set1_ps(p[j]);
-          for (int i = 0; i < V; ++i)
-            acc[j % SETS][i] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(v + i * 16), acc[j % SETS][i]);
+        if constexpr (pairwise) {
+#if defined(__AVX512BF16__)
+          // Probabilities rounded to bfloat16 (as SDPA's CPU kernel rounds them for its
+          // bfloat16 GEMM), two rows' weights a lane; accumulators in pair order.
+          alignas(32) uint32_t pp[8];
+          _mm256_store_si256(reinterpret_cast<__m256i*>(pp), (__m256i)_mm512_cvtneps_pbh(e));
+          for (int i = 0; i < (m + 1) / 2; ++i) {
+            const __m512bh pi = (__m512bh)_mm512_set1_epi32(static_cast<int>(pp[i]));
+            for (int z = 0; z < V; ++z)
+              acc[i % SETS][z] = _mm512_dpbf16_ps(acc[i % SETS][z], values_pairs[i * V + z], pi);
+          }
+#endif
+        } else {
+          for (int j = 0; j < m; ++j) {
+            const float* v = as_is ? reinterpret_cast<const float*>(rows[j] + v_at) : values_f + j * HD;
+            const __m512 pj = _mm512_set1_ps(p[j]);
+            for (int i = 0; i < V; ++i)
+              acc[j % SETS][i] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(v + i * 16), acc[j % SETS][i]);
+          }
         }
         for (int i = 0; i < V; ++i) {
           __m512 sum = acc[0][i];
@@ -241,7 +284,8 @@ void attend_seq_avx512(const T* q, const T* pool, int64_t row_stride, const int6
   }
   for (int64_t qh = 0; qh < heads; ++qh) {
     const float inv = 1.f / w.sums[qh];
-    for (int d = 0; d < HD; ++d) out[qh * HD + d] = from_f<T>(w.acc[qh * HD + d] * inv);
+    for (int d = 0; d < HD; ++d)
+      out[qh * HD + d] = from_f<T>(w.acc[qh * HD + (pairwise ? pair_order(d) : d)] * inv);
   }
 }
 #endif
