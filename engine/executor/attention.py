@@ -24,6 +24,7 @@ import torch
 from torch.nn.functional import scaled_dot_product_attention
 
 from engine.kernels import PagedDecode
+from engine.storage.kv_store import select_rows
 
 
 @dataclass(frozen=True, slots=True)
@@ -331,7 +332,7 @@ def _paged_group(
         return decode_kernel(q.contiguous(), rows, g.slots, g.kv_lens, kv_shape[0], scale, g.window)
     gqa = num_heads != kv_shape[0]
     if g.chunks is not None:
-        keys = decode(pool.index_select(0, g.slots)).view(-1, 2, *kv_shape)  # (sum L, 2, ...)
+        keys = decode(select_rows(pool, g.slots)).view(-1, 2, *kv_shape)  # (sum L, 2, ...)
         outs = []
         for c in g.chunks:
             kc = keys[c.kv_start : c.kv_start + c.kv_len].transpose(0, 2)  # (kvh, 2, L, hd)
@@ -346,7 +347,7 @@ def _paged_group(
             )  # (1, nh, t, hd)
             outs.append(out[0].transpose(0, 1))
         return torch.cat(outs)
-    kv = decode(pool.index_select(0, g.slots)).view(b, kv_max, 2, *kv_shape)
+    kv = decode(select_rows(pool, g.slots)).view(b, kv_max, 2, *kv_shape)
     k, v = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)  # (B, kvh, L, hd) views
     if q_max == 1:
         qp = q.view(b, 1, num_heads, head_dim).transpose(1, 2)  # (B, nh, 1, hd), no copy
