@@ -29,8 +29,9 @@ from engine.storage.kv_store import select_rows
 
 @dataclass(frozen=True, slots=True)
 class Chunk:
-    """One prefill chunk that attends alone (`PaddedGroup.chunks`): no padding, and with no
-    past the kernel's own causal mask, which skips the keys a query cannot see."""
+    """One prefill chunk that attends alone (`PaddedGroup.chunks`): no padding of keys, and
+    the kernel's own causal mask, which skips the keys a query cannot see, where the chunk
+    has no past or a past shorter than itself (`lead`)."""
 
     row: int
     """Its first row among the group's new rows."""
@@ -39,7 +40,12 @@ class Chunk:
     """Its first key among the group's gathered slots."""
     kv_len: int
     mask: torch.Tensor | None
-    """(q_len, kv_len) bool visibility when it has a past; None: causal from key 0."""
+    """(q_len, kv_len) bool visibility when it has a longer past than itself; None: causal."""
+    lead: int = 0
+    """Query rows put before the chunk's own so that the causal mask lines up with its keys
+    (its past, when shorter than itself): SDPA's causal mask starts at key 0 for query 0, and
+    (past + q)^2 / 2 products over those rows cost less than the q x (past + q) of a mask,
+    which skips nothing."""
 
 
 @dataclass(slots=True)
@@ -203,11 +209,13 @@ def _chunks(q_lens: list[int], past_lens: list[int], device: torch.device) -> li
     out, row, kv_start = [], 0, 0
     for q_len, past_len in zip(q_lens, past_lens, strict=True):
         kv_len = past_len + q_len
-        mask = None
-        if past_len:  # query t sees keys 0 .. past_len + t
+        mask, lead = None, 0
+        if past_len >= q_len:  # query t sees keys 0 .. past_len + t
             q_pos = past_len + torch.arange(q_len, device=device)[:, None]
             mask = torch.arange(kv_len, device=device)[None, :] <= q_pos
-        out.append(Chunk(row, q_len, kv_start, kv_len, mask))
+        else:
+            lead = past_len
+        out.append(Chunk(row, q_len, kv_start, kv_len, mask, lead))
         row, kv_start = row + q_len, kv_start + kv_len
     return out
 
@@ -336,16 +344,18 @@ def _paged_group(
         outs = []
         for c in g.chunks:
             kc = keys[c.kv_start : c.kv_start + c.kv_len].transpose(0, 2)  # (kvh, 2, L, hd)
-            qc = q[c.row : c.row + c.q_len].transpose(0, 1)  # (nh, t, hd)
+            qc = q[c.row : c.row + c.q_len]
+            if c.lead:
+                qc = torch.cat([qc.new_zeros(c.lead, *qc.shape[1:]), qc])
             out = scaled_dot_product_attention(
-                qc[None],
+                qc.transpose(0, 1)[None],  # (1, nh, lead + t, hd)
                 kc[None, :, 0],
                 kc[None, :, 1],
                 attn_mask=c.mask,
                 is_causal=c.mask is None,
                 enable_gqa=gqa,
-            )  # (1, nh, t, hd)
-            outs.append(out[0].transpose(0, 1))
+            )
+            outs.append(out[0, :, c.lead :].transpose(0, 1))
         return torch.cat(outs)
     kv = decode(select_rows(pool, g.slots)).view(b, kv_max, 2, *kv_shape)
     k, v = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)  # (B, kvh, L, hd) views

@@ -107,6 +107,7 @@ def scattered_pool(
         ([1, 1, 1], [5, 5, 5]),
         ([1, 1, 1], [2, 9, 4]),
         ([6, 2], [0, 3]),
+        ([6, 8, 3], [2, 3, 3]),  # a past shorter than the chunk, and as long
     ],
 )
 def test_paged_attention_reads_the_pool_in_place(
