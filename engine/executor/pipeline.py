@@ -116,7 +116,7 @@ class BlockPipeline:
         self._replaying = None
         if self.graphs is not None and GraphRunner.applies(batches):
             self._replaying = self.graphs.begin(batches[0])
-        if self.overlap:
+        if self.overlap and not self._moves_nothing(batches):
             return self._run_overlapped(batches)
         return self._run_sequential(batches)
 
@@ -194,6 +194,22 @@ class BlockPipeline:
         return logits
 
     # -- what has bytes to move ------------------------------------------------------------
+
+    def _moves_nothing(self, batches: list[GpuBatch]) -> bool:
+        """No load or store of the step has bytes to move (weights, activations and KV all
+        where they are used, no page moves): overlap has nothing to hide, and the overlapped
+        loop's hand-offs would only cost time, so the step runs in order."""
+        layers = range(self.model.num_layers)
+        return (
+            not self._moves
+            and all(not self._weights_move(j) for j in layers)
+            and all(
+                not b.act_rows
+                and not self._kv_store_moves(b)
+                and not any(self._past_moves(j, b) for j in layers)
+                for b in batches
+            )
+        )
 
     def _weights_move(self, j: int) -> bool:
         return not self.weights.is_resident(j)

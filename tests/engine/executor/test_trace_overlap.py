@@ -71,6 +71,26 @@ def test_loads_of_the_next_layer_run_while_this_layer_computes(
     assert overlapping(off_events, load_name)[0] == 0
 
 
+def test_a_step_that_moves_nothing_runs_in_order(tmp_path: Path) -> None:
+    """Everything resident, overlap on: no load has bytes to move, so the step runs layer
+    after layer (each weight load after the previous layer's compute), not through the
+    overlapped loop's look-ahead, which would start layer j+1's load before layer j computes.
+    With weights on disk the look-ahead stays."""
+    resident, events = traced_run(Policy(overlap=True), tmp_path / "resident.json")
+    assert resident == traced_run(Policy(overlap=False), tmp_path / "off.json")[0]
+    complete = sorted((e for e in events if e["ph"] == "X"), key=lambda e: e["ts"])
+    last_compute, checked = None, 0
+    for e in complete:
+        if e["cat"] == "compute":
+            last_compute = e["args"]["layer"]
+        elif e["name"] == "load_weight" and e["args"]["layer"] > 0:
+            assert last_compute == e["args"]["layer"] - 1, e  # the previous layer computed
+            checked += 1
+    assert checked > 10
+    _, disk = traced_run(Policy(weights_frac=(0.0, 0.0, 1.0)), tmp_path / "disk.json")
+    assert overlapping(disk, "load_weight")[0] > 0
+
+
 def test_trace_is_chrome_trace_event_json(tmp_path: Path) -> None:
     policy = Policy(weights_frac=(0.0, 0.5, 0.5), kv_frac=(0.0, 0.5, 0.5), act_frac=(0, 1, 0))
     _, events = traced_run(policy, tmp_path / "t.json")
