@@ -116,11 +116,17 @@ class RaggedLayout:
         past_lens: list[int],
         device: torch.device,
         sliding_window: int | None = None,
-        seq_slots: list[list[int]] | None = None,
+        seq_slots: torch.Tensor | list[list[int]] | None = None,
     ) -> RaggedLayout:
         """The layout of sequences with `q_lens` new tokens after `past_lens` past ones.
         `seq_slots`: per sequence, the KV pool slots of all its tokens, past and new, when
-        its attention reads them in place (on `device`); None: it gets them packed."""
+        its attention reads them in place (on `device`): a (B, W) table (`slot_table`; a
+        row past its sequence's length is never read) or one list per sequence; None: it
+        gets them packed."""
+        if isinstance(seq_slots, list):
+            width = max(map(len, seq_slots))
+            padded = [s + s[-1:] * (width - len(s)) for s in seq_slots]
+            seq_slots = torch.tensor(padded, dtype=torch.long, device=device)
         decodes = [i for i, q in enumerate(q_lens) if q == 1]
         chunks = [i for i, q in enumerate(q_lens) if q > 1]
         members = [m for m in (decodes, chunks) if m]
@@ -131,8 +137,12 @@ class RaggedLayout:
         past_starts = [0, *itertools.accumulate(past_lens)]
 
         def rows(starts: list[int], seqs: list[int]) -> torch.Tensor:
-            values = [r for i in seqs for r in range(starts[i], starts[i + 1])]
-            return torch.tensor(values, dtype=torch.long, device=device)
+            """Rows [starts[i], starts[i + 1]) of each sequence i of `seqs`, back to back."""
+            lens = torch.tensor([starts[i + 1] - starts[i] for i in seqs], device=device)
+            firsts = torch.tensor([starts[i] for i in seqs], device=device)
+            total = int(lens.sum())
+            shift = torch.repeat_interleave(firsts - (torch.cumsum(lens, 0) - lens), lens)
+            return shift + torch.arange(total, device=device)
 
         groups = [
             _padded(
@@ -142,7 +152,7 @@ class RaggedLayout:
                 sliding_window,
                 rows(new_starts, seqs),
                 rows(past_starts, seqs),
-                None if seq_slots is None else [seq_slots[i] for i in seqs],
+                None if seq_slots is None else seq_slots[torch.tensor(seqs, device=device)],
             )
             for seqs in members
         ]
@@ -156,7 +166,7 @@ def _padded(
     sliding_window: int | None,
     new_rows: torch.Tensor | None,
     past_rows: torch.Tensor | None,
-    seq_slots: list[list[int]] | None = None,
+    seq_slots: torch.Tensor | None = None,
 ) -> PaddedGroup:
     """The padding indices and mask of one group of sequences."""
     num_seqs, q_max = len(q_lens), max(q_lens)
@@ -197,7 +207,9 @@ def _padded(
         new_dest=seq_new * kv_max + past_t[seq_new] + t_new,
         past_dest=seq_past * kv_max + pos_past,
         mask=mask,
-        slots=None if seq_slots is None else _padded_slots(seq_slots, kv_max, chunks, device),
+        slots=None
+        if seq_slots is None
+        else _padded_slots(seq_slots, past_t + q_len_t, kv_max, chunks),
         chunks=chunks,
         kv_lens=past_t + q_len_t if seq_slots is not None and q_max == 1 else None,
         window=sliding_window or 0,
@@ -221,16 +233,15 @@ def _chunks(q_lens: list[int], past_lens: list[int], device: torch.device) -> li
 
 
 def _padded_slots(
-    seq_slots: list[list[int]], kv_max: int, chunks: list[Chunk] | None, device: torch.device
+    seq_slots: torch.Tensor, kv_lens: torch.Tensor, kv_max: int, chunks: list[Chunk] | None
 ) -> torch.Tensor:
     """(B * kv_max,) each sequence's slots, padded with its first slot (always masked); for
     chunks attending alone, not padded."""
-    flat: list[int] = []
-    for slots in seq_slots:
-        flat.extend(slots)
-        if chunks is None:
-            flat.extend(itertools.repeat(slots[0], kv_max - len(slots)))
-    return torch.tensor(flat, dtype=torch.long, device=device)
+    table = seq_slots[:, :kv_max]
+    live = torch.arange(kv_max, device=table.device)[None, :] < kv_lens[:, None]
+    if chunks is not None:
+        return table[live]  # row-major: sequence after sequence
+    return torch.where(live, table, table[:, :1]).reshape(-1)
 
 
 def ragged_attention(

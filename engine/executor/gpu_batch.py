@@ -31,8 +31,17 @@ class AttentionGroup:
     """(T_g,) batch rows of the group's new tokens on the compute device; None: every row."""
     layout: RaggedLayout
     """Padding indices and mask, on the device the group's attention runs on."""
-    past: dict[str, KVRows]
-    """Per tier: the slots of the group's past tokens and their rows in its packed past."""
+    build_past: Callable[[], dict[str, KVRows]]
+    """Builds `past`, on first use: a group read in place never gathers its past, and
+    listing every past token's slot each step costs as much as a layer's GEMMs."""
+    _past: dict[str, KVRows] | None = None
+
+    @property
+    def past(self) -> dict[str, KVRows]:
+        """Per tier: the slots of the group's past tokens and their rows in its packed past."""
+        if self._past is None:
+            self._past = self.build_past()
+        return self._past
 
 
 @dataclass(slots=True)
@@ -107,6 +116,19 @@ def add_slots(
         slots.extend(range(first, first + n))
         rows.extend(range(row, row + n))
         t, row = t + n, row + n
+
+
+def slot_table(
+    page_tables: list[list[int]], page_tokens: int, device: torch.device
+) -> torch.Tensor:
+    """(B, W) the pool slot of each token position of B sequences with these page tables
+    (W: the longest table's tokens; a shorter sequence's tail repeats its last page's slots,
+    never read)."""
+    width = max(map(len, page_tables))
+    padded = [table + table[-1:] * (width - len(table)) for table in page_tables]
+    pages = torch.tensor(padded, dtype=torch.long, device=device)
+    offsets = torch.arange(page_tokens, device=device)
+    return (pages[:, :, None] * page_tokens + offsets).view(len(page_tables), -1)
 
 
 class BatchBuilder:
@@ -198,11 +220,15 @@ class BatchBuilder:
             return None
         q_lens = [len(c.token_ids) for c, _, _ in members]
         past_lens = [c.start_pos for c, _, _ in members]
-        past: SlotsByTier = {}
-        packed = 0
-        for c, state, _ in members:  # a cached prefix may sit on other tiers than the home
-            add_slots(past, state.pages, 0, c.start_pos, self.page_tokens, packed)
-            packed += c.start_pos
+
+        def build_past() -> dict[str, KVRows]:
+            past: SlotsByTier = {}
+            packed = 0
+            for c, state, _ in members:  # a cached prefix may sit on other tiers than the home
+                add_slots(past, state.pages, 0, c.start_pos, self.page_tokens, packed)
+                packed += c.start_pos
+            return {tier: self._kv_rows(tier, *slots_dest) for tier, slots_dest in past.items()}
+
         rows = None
         if sum(q_lens) != num_rows:
             rows = self._index(
@@ -214,20 +240,20 @@ class BatchBuilder:
         return AttentionGroup(
             rows=rows,
             layout=RaggedLayout.build(q_lens, past_lens, where, self.sliding_window, seq_slots),
-            past={tier: self._kv_rows(tier, *slots_dest) for tier, slots_dest in past.items()},
+            build_past=build_past,
         )
 
-    def _gpu_slots(self, members: list[tuple[SeqChunk, SeqState, int]]) -> list[list[int]] | None:
-        """Per sequence, the gpu tier's pool slots of all its tokens (past and new); None when
-        any of them lives on another tier."""
-        out = []
+    def _gpu_slots(self, members: list[tuple[SeqChunk, SeqState, int]]) -> torch.Tensor | None:
+        """(B, W) per sequence, the gpu tier's pool slots of all its tokens (past and new),
+        from its page table, page by page; None when any of them lives on another tier."""
+        size = self.page_tokens
+        tables = []
         for c, state, _ in members:
-            by_tier: SlotsByTier = {}
-            add_slots(by_tier, state.pages, 0, c.start_pos + len(c.token_ids), self.page_tokens, 0)
-            if set(by_tier) != {"gpu"}:
+            pages = state.pages[: -(-(c.start_pos + len(c.token_ids)) // size)]
+            if any(tier != "gpu" for tier, _ in pages):
                 return None
-            out.append(by_tier["gpu"][0])
-        return out
+            tables.append([page for _, page in pages])
+        return slot_table(tables, size, self.device)
 
     def _kv_rows(self, tier: str, slots: list[int], rows: list[int]) -> KVRows:
         slot_index = (
