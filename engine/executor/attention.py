@@ -81,10 +81,27 @@ class PaddedGroup:
     reads `slots` up to each length); None otherwise."""
     window: int = 0
     """The sliding window (a decode sees its last `window` keys); 0: none."""
+    new_span: tuple[int, int] | None = None
+    """[start, stop) when `new_rows` are one run of rows (a slice, not a gather)."""
 
     @property
     def num_past(self) -> int:
         return int(self.past_dest.shape[0])
+
+    def take(self, x: torch.Tensor) -> torch.Tensor:
+        """The group's rows of a layout-wide (T, ...) tensor."""
+        if self.new_span is not None:
+            return x[self.new_span[0] : self.new_span[1]]
+        assert self.new_rows is not None
+        return x[self.new_rows]
+
+    def put(self, out: torch.Tensor, rows: torch.Tensor) -> None:
+        """Write the group's rows into a layout-wide (T, ...) tensor."""
+        if self.new_span is not None:
+            out[self.new_span[0] : self.new_span[1]] = rows
+        else:
+            assert self.new_rows is not None
+            out.index_copy_(0, self.new_rows, rows)
 
 
 @dataclass(slots=True)
@@ -144,8 +161,9 @@ class RaggedLayout:
             shift = torch.repeat_interleave(firsts - (torch.cumsum(lens, 0) - lens), lens)
             return shift + torch.arange(total, device=device)
 
-        groups = [
-            _padded(
+        groups = []
+        for seqs in members:
+            group = _padded(
                 [q_lens[i] for i in seqs],
                 [past_lens[i] for i in seqs],
                 device,
@@ -154,8 +172,9 @@ class RaggedLayout:
                 rows(past_starts, seqs),
                 None if seq_slots is None else seq_slots[torch.tensor(seqs, device=device)],
             )
-            for seqs in members
-        ]
+            if seqs[-1] - seqs[0] + 1 == len(seqs):  # one run of sequences, so of rows
+                group.new_span = (new_starts[seqs[0]], new_starts[seqs[-1] + 1])
+            groups.append(group)
         return cls(groups, sum(past_lens))
 
 
@@ -263,13 +282,12 @@ def ragged_attention(
         return _padded_attention(q, k, v, past_k, past_v, layout.groups[0])
     out = torch.empty_like(q)
     for g in layout.groups:
-        assert g.new_rows is not None and g.past_rows is not None
+        assert g.past_rows is not None
         pk = pv = None
         if past_k is not None and past_v is not None and g.num_past:
             pk, pv = past_k.index_select(0, g.past_rows), past_v.index_select(0, g.past_rows)
-        rows = g.new_rows
-        o = _padded_attention(q[rows], k[rows], v[rows], pk, pv, g)
-        out.index_copy_(0, rows, o)
+        o = _padded_attention(g.take(q), g.take(k), g.take(v), pk, pv, g)
+        g.put(out, o)
     return out
 
 
@@ -326,9 +344,7 @@ def paged_attention(
         return _paged_group(q, pool, decode, layout.groups[0], kv_shape, decode_kernel)
     out = torch.empty_like(q)
     for g in layout.groups:
-        assert g.new_rows is not None
-        o = _paged_group(q[g.new_rows], pool, decode, g, kv_shape, decode_kernel)
-        out.index_copy_(0, g.new_rows, o)
+        g.put(out, _paged_group(g.take(q), pool, decode, g, kv_shape, decode_kernel))
     return out
 
 

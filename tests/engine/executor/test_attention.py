@@ -41,6 +41,7 @@ def reference(
         ([1, 1, 1], [5, 5, 5]),  # decodes of one length: no mask at all
         ([1, 1, 1], [2, 9, 4]),  # decodes of several lengths
         ([6, 2], [0, 3]),  # prefill chunks only
+        ([1, 1, 5, 3], [4, 9, 0, 2]),  # decodes, then chunks: each group one run of rows
     ],
 )
 def test_each_row_equals_its_sequence_alone(
@@ -68,6 +69,9 @@ def test_decodes_are_padded_apart_from_prefill_chunks() -> None:
     layout = RaggedLayout.build(q_lens, past_lens, torch.device("cpu"))
     shapes = sorted((grp.num_seqs, grp.q_max, grp.kv_max) for grp in layout.groups)
     assert shapes == [(1, 64, 64), (3, 1, 101)]
+    assert [grp.new_span for grp in layout.groups] == [(0, 3), (3, 67)]  # slices, no gathers
+    mixed = RaggedLayout.build([1, 64, 1], [100, 0, 100], torch.device("cpu"))
+    assert [grp.new_span for grp in mixed.groups] == [None, (1, 65)]
     assert layout.q_max == 64 and layout.num_past == 300
     decodes = next(grp for grp in layout.groups if grp.q_max == 1)
     assert decodes.mask is None  # one length, every key visible
@@ -108,6 +112,7 @@ def scattered_pool(
         ([1, 1, 1], [2, 9, 4]),
         ([6, 2], [0, 3]),
         ([6, 8, 3], [2, 3, 3]),  # a past shorter than the chunk, and as long
+        ([1, 1, 5, 3], [4, 9, 0, 2]),  # decodes, then chunks: each group one run of rows
     ],
 )
 def test_paged_attention_reads_the_pool_in_place(
