@@ -72,6 +72,12 @@ class Sequence:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprobs] | None = None
     text: str = ""
+    _prefix_at: int = 0
+    """Incremental detokenizing: the token (in token_ids) from which the text of the tokens
+    after `_read_at` is decoded, so that a tokenizer that reads a token by its neighbours
+    (a leading space, a byte of a multi-byte character) sees the same ones."""
+    _read_at: int = -1
+    """The token (in token_ids) up to which `text` is decoded; -1: the prompt's end."""
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     slot: int = -1
@@ -149,19 +155,44 @@ class Sequence:
             self.logprobs.append(logprobs)
         is_eos = token_id in eos_token_ids and not self.sampling.ignore_eos
         if is_eos or token_id in self.sampling.stop_token_ids:
-            if detokenizer is not None:
-                self.text = detokenizer.decode(self.output_token_ids[:-1])
+            if detokenizer is not None:  # the stop token's own text is not output
+                self._detokenize(detokenizer, len(self.token_ids) - 1, final=True)
             self.finish("stop", None if is_eos else token_id)
             return
+        ends = (
+            self.num_generated >= self.sampling.max_tokens or len(self.token_ids) >= max_model_len
+        )
         if detokenizer is not None:
-            self.text = detokenizer.decode(self.output_token_ids)
-            if self._cut_at_stop_string():
+            searched_to = len(self.text)
+            self._detokenize(detokenizer, len(self.token_ids), final=ends)
+            if self._cut_at_stop_string(searched_to):
                 return
-        if self.num_generated >= self.sampling.max_tokens or len(self.token_ids) >= max_model_len:
+        if ends:
             self.finish("length")
 
-    def _cut_at_stop_string(self) -> bool:
-        hits = [(self.text.find(s), s) for s in self.sampling.stop]
+    def _detokenize(self, detokenizer: Detokenizer, upto: int, final: bool) -> None:
+        """Append the text of token_ids[_read_at:upto] (vLLM's and TGI's incremental
+        detokenizer: decode from `_prefix_at` with and without the new tokens and keep the
+        difference), O(new tokens) per call instead of decoding the whole output. Text that
+        ends inside a multi-byte character waits for the next token unless `final`."""
+        if self._read_at < 0:
+            self._prefix_at = self._read_at = self.num_prompt_tokens
+        if upto <= self._read_at:
+            return
+        seen = detokenizer.decode(self.token_ids[self._prefix_at : self._read_at])
+        text = detokenizer.decode(self.token_ids[self._prefix_at : upto])
+        if len(text) <= len(seen) or (text.endswith("\ufffd") and not final):
+            return  # nothing whole yet
+        self.text += text[len(seen) :]
+        self._prefix_at, self._read_at = self._read_at, upto
+
+    def _cut_at_stop_string(self, searched_to: int) -> bool:
+        """Cut the text at the first stop string; `text[:searched_to]` held none (a stop
+        string may still end in the new text and start before it)."""
+        if not self.sampling.stop:
+            return False
+        start = max(0, searched_to - max(map(len, self.sampling.stop)) + 1)
+        hits = [(self.text.find(s, start), s) for s in self.sampling.stop]
         hits = [(pos, s) for pos, s in hits if pos >= 0]
         if not hits:
             return False
