@@ -364,7 +364,9 @@ def _paged_group(
     if decode_kernel is not None and g.kv_lens is not None:
         rows = decode(pool)  # plain rows: a view of the whole pool
         scale = head_dim**-0.5  # SDPA's default
-        return decode_kernel(q.contiguous(), rows, g.slots, g.kv_lens, kv_shape[0], scale, g.window)
+        if q.stride()[1:] != (head_dim, 1):  # the kernel takes rows strided, heads adjacent
+            q = q.contiguous()
+        return decode_kernel(q, rows, g.slots, g.kv_lens, kv_shape[0], scale, g.window)
     gqa = num_heads != kv_shape[0]
     if g.chunks is not None:
         keys = decode(select_rows(pool, g.slots)).view(-1, 2, *kv_shape)  # (sum L, 2, ...)
@@ -397,6 +399,22 @@ def _paged_group(
     )  # (B, nh, Qm, hd)
     out = out.transpose(1, 2).reshape(b * q_max, num_heads, head_dim)
     return out if q_max == 1 else out[g.q_dest]
+
+
+def join_kv(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """k and v, each (T, num_kv_heads, head_dim), as (T, 2 * kv_dim) KV rows: a view where v
+    lies right after k in each row of one tensor (the model's rotary passes values through
+    beside the keys), else a copy."""
+    rows, kv_dim = k.shape[0], k.shape[1] * k.shape[2]
+    adjacent = (
+        k.stride() == v.stride()
+        and k.stride()[1:] == (k.shape[2], 1)
+        and v.data_ptr() == k.data_ptr() + kv_dim * k.element_size()
+        and k.untyped_storage().data_ptr() == v.untyped_storage().data_ptr()
+    )
+    if adjacent and rows:
+        return k.as_strided((rows, 2 * kv_dim), (k.stride(0), 1))
+    return torch.cat([k.reshape(rows, kv_dim), v.reshape(rows, kv_dim)], dim=1)
 
 
 def split_kv(

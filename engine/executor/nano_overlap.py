@@ -27,7 +27,7 @@ from contextlib import contextmanager
 
 import torch
 
-from engine.executor.attention import cpu_attention, ragged_attention, split_kv
+from engine.executor.attention import cpu_attention, join_kv, ragged_attention, split_kv
 from engine.executor.gpu_batch import GpuBatch
 from engine.executor.nano_batches import NanoAttention, NanoBatch
 from engine.executor.tasks import start
@@ -106,7 +106,7 @@ class NanoOverlap:
                 q, key, value = self.model.attention_inputs(
                     w, h[nano.rows], batch.positions[nano.rows]
                 )
-                new_kv.append(torch.cat([key.flatten(1), value.flatten(1)], dim=1))
+                new_kv.append(join_kv(key, value))
             ready = self.device.record() if self.overlap else None
             launched.append((q, self._launch(j, k, nano, past, (q, key, value), ready)))
         outs = []

@@ -24,7 +24,13 @@ from typing import Any, TypeVar
 import torch
 
 from engine.core.kv_pages import PageMove
-from engine.executor.attention import cpu_attention, paged_attention, ragged_attention, split_kv
+from engine.executor.attention import (
+    cpu_attention,
+    join_kv,
+    paged_attention,
+    ragged_attention,
+    split_kv,
+)
 from engine.executor.cuda_graphs import GraphRunner, StepGraphs
 from engine.executor.gpu_batch import AttentionGroup, GpuBatch
 from engine.executor.nano_overlap import NanoOverlap
@@ -350,7 +356,7 @@ class BlockPipeline:
                 q, k, v = graphs.q, graphs.k, graphs.v
             else:
                 q, k, v = self.model.attention_inputs(w, h, batch.positions)
-            new_kv = torch.cat([k.flatten(1), v.flatten(1)], dim=1)  # (T, 2 * kv_dim)
+            new_kv = join_kv(k, v)  # (T, 2 * kv_dim)
             o = self._attend(j, batch, past, q, k, v, new_kv)
             if graphs is not None:
                 graphs.o.copy_(o)

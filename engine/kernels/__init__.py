@@ -115,8 +115,9 @@ class DenseOps:
         [torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]
     ]
     """(h, delta, weight, eps) -> (h + delta, RMSNorm(h + delta))."""
-    rotary: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-    """(x (T, heads, D), cos, sin (T, 1, D)) -> x * cos + rotate_half(x) * sin."""
+    rotary: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
+    """(x (T, heads, D), cos, sin (T, 1, D), rotated) -> x * cos + rotate_half(x) * sin
+    for heads [0, rotated), the rest as they are: one contiguous (T, heads, D)."""
     silu_mul: Callable[[torch.Tensor], torch.Tensor]
     """(T, 2 I) gate then up -> SiLU(gate) * up (T, I)."""
 

@@ -12,6 +12,7 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <tuple>
@@ -108,13 +109,17 @@ void rotary_head(const T* in, const T* c, const T* s, int64_t half, T* dst) {
   }
 }
 
-// Rotary embedding of x (T, heads, D; rows may be strided, heads adjacent) with per-row
-// cos and sin tables (T, 1, D): x * cos + rotate_half(x) * sin, each product and the sum
-// rounded to T as the three torch ops round. Returns a contiguous (T, heads, D).
-at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+// Rotary embedding of heads [0, rotated) of x (T, heads, D; rows may be strided, heads
+// adjacent) with per-row cos and sin tables (T, 1, D): x * cos + rotate_half(x) * sin, each
+// product and the sum rounded to T as the three torch ops round; heads from `rotated` on
+// are copied as they are (a fused projection's values, so that keys and values come out
+// side by side, as a KV row lays them out). Returns a contiguous (T, heads, D).
+at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                  int64_t rotated) {
   TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2),
               "rotary: x (T, heads, D) with heads adjacent and D contiguous");
   const int64_t rows = x.size(0), heads = x.size(1), dim = x.size(2), half = dim / 2;
+  TORCH_CHECK(0 <= rotated && rotated <= heads, "rotary: 0 <= rotated <= heads");
   TORCH_CHECK(dim % 2 == 0 && cos.is_contiguous() && sin.is_contiguous() &&
                   cos.numel() == rows * dim && sin.numel() == rows * dim &&
                   cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(),
@@ -131,8 +136,10 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
       for (int64_t r = begin; r < end; ++r) {
         const T* c = cs + r * dim;
         const T* s = ss + r * dim;
-        for (int64_t h = 0; h < heads; ++h)
+        for (int64_t h = 0; h < rotated; ++h)
           rotary_head(xs + r * row_stride + h * dim, c, s, half, o + (r * heads + h) * dim);
+        std::copy_n(xs + r * row_stride + rotated * dim, (heads - rotated) * dim,
+                    o + (r * heads + rotated) * dim);
       }
     });
   });
@@ -175,7 +182,7 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
 TORCH_LIBRARY_FRAGMENT(nanoflex, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor h, Tensor delta, Tensor weight, float eps) -> (Tensor, Tensor)");
-  m.def("rotary(Tensor x, Tensor cos, Tensor sin) -> Tensor");
+  m.def("rotary(Tensor x, Tensor cos, Tensor sin, int rotated) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
 }
 

@@ -293,8 +293,9 @@ void attend_seq_avx512(const T* q, const T* pool, int64_t row_stride, const int6
 // Every sequence's attention, on torch's intra-op threads. Sequences are taken longest
 // first from a shared counter, so that unequal lengths still share the threads evenly.
 template <typename T>
-void decode_attention(const T* q, const T* pool, int64_t row_stride, const int64_t* slots,
-                      const int64_t* kv_lens, int64_t kv_max, T* out, int64_t num_seqs,
+void decode_attention(const T* q, int64_t q_stride, const T* pool, int64_t row_stride,
+                      const int64_t* slots, const int64_t* kv_lens, int64_t kv_max, T* out,
+                      int64_t num_seqs,
                       int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale,
                       int64_t window) {
   const int64_t group = num_heads / num_kv_heads;
@@ -313,7 +314,7 @@ void decode_attention(const T* q, const T* pool, int64_t row_stride, const int64
       const int64_t b = order[i];
       const auto [first, n] = span(b);
       const int64_t* seq_slots = slots + b * kv_max + first;
-      const T* q_seq = q + b * num_heads * head_dim;
+      const T* q_seq = q + b * q_stride;
       T* out_seq = out + b * num_heads * head_dim;
 #if defined(__AVX512F__)
       if (head_dim == 64 || head_dim == 128 || head_dim == 256) {
@@ -336,7 +337,8 @@ void decode_attention(const T* q, const T* pool, int64_t row_stride, const int64
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& pool, const at::Tensor& slots,
                         const at::Tensor& kv_lens, int64_t num_kv_heads, double scale,
                         int64_t window) {
-  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q: contiguous (B, num_heads, head_dim)");
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2),
+              "q: (B, num_heads, head_dim), heads adjacent (rows may be strided)");
   const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0, "num_heads % num_kv_heads");
   TORCH_CHECK(pool.dim() == 2 && pool.stride(1) == 1 && pool.scalar_type() == q.scalar_type() &&
@@ -347,13 +349,14 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& pool, const at::T
                   kv_lens.numel() == num_seqs && slots.numel() % std::max<int64_t>(num_seqs, 1) == 0,
               "slots: (B * kv_max,) int64; kv_lens: (B,) int64");
   const int64_t kv_max = num_seqs ? slots.numel() / num_seqs : 0;
-  auto out = at::empty_like(q);
+  auto out = at::empty({num_seqs, num_heads, head_dim}, q.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
     if constexpr (std::is_same_v<scalar_t, double>) {
       TORCH_CHECK(false, "paged_decode: float64 is not supported");
     } else {
-      decode_attention<scalar_t>(q.data_ptr<scalar_t>(), pool.data_ptr<scalar_t>(), pool.stride(0),
-                                 slots.data_ptr<int64_t>(), kv_lens.data_ptr<int64_t>(), kv_max,
+      decode_attention<scalar_t>(q.data_ptr<scalar_t>(), q.stride(0), pool.data_ptr<scalar_t>(),
+                                 pool.stride(0), slots.data_ptr<int64_t>(),
+                                 kv_lens.data_ptr<int64_t>(), kv_max,
                                  out.data_ptr<scalar_t>(), num_seqs, num_heads, num_kv_heads,
                                  head_dim, static_cast<float>(scale), window);
     }

@@ -67,8 +67,9 @@ def _add_rms_norm(
     return h, rms_norm(h, weight, eps)
 
 
-def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return x * cos + _rotate_half(x) * sin
+def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotated: int) -> torch.Tensor:
+    head = x[:, :rotated]
+    return torch.cat([head * cos + _rotate_half(head) * sin, x[:, rotated:]], dim=1)
 
 
 def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -114,13 +115,13 @@ class LlamaModel(Model):
         c, ops = self.config, self.dense_ops or TORCH_OPS
         x = ops.rms_norm(h.contiguous(), w["ln1.weight"], c.norm_eps)
         qkv = linear(x, w, "qkv")  # (T, (heads + 2 * kv_heads) * head_dim)
-        num_rotated = c.num_heads + c.num_kv_heads  # q and k rotate together: one pass
-        qk, v = qkv.split([num_rotated * c.head_dim, c.kv_dim], dim=-1)
-        qk = qk.view(-1, num_rotated, c.head_dim)
+        qkv = qkv.view(qkv.shape[0], -1, c.head_dim)
         cos, sin = positions.tables
-        qk = ops.rotary(qk, cos, sin)
-        q, k = qk.split([c.num_heads, c.num_kv_heads], dim=1)
-        return q, k, v.view(-1, c.num_kv_heads, c.head_dim)
+        # q and k rotate in one pass, v copied beside them: k and v come out adjacent in
+        # each row, as a KV row lays them out (`kv_rows` takes them as a view)
+        qkv = ops.rotary(qkv, cos, sin, c.num_heads + c.num_kv_heads)
+        q, k, v = qkv.split([c.num_heads, c.num_kv_heads, c.num_kv_heads], dim=1)
+        return q, k, v
 
     def attention_output(self, w: Weights, h: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
         ops, eps = self.dense_ops or TORCH_OPS, self.config.norm_eps

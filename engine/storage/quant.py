@@ -192,7 +192,8 @@ class KVRowCodec:
         if rows.ndim != 2 or rows.shape[1] != self.row_dim:
             raise ValueError(f"expected rows of shape (N, {self.row_dim}), got {tuple(rows.shape)}")
         if not self.compress:
-            return rows.to(self.dtype).contiguous().view(torch.uint8)
+            rows = rows.to(self.dtype)
+            return (rows if rows.stride(-1) == 1 else rows.contiguous()).view(torch.uint8)
         codes, scale, min_ = _quantize_groups(_to_groups(rows, 1, self.group_size))
         num_rows = rows.shape[0]
         return torch.cat(

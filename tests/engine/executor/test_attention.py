@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.nn.functional import scaled_dot_product_attention
 
-from engine.executor.attention import RaggedLayout, paged_attention, ragged_attention
+from engine.executor.attention import RaggedLayout, join_kv, paged_attention, ragged_attention
 from engine.kernels import PagedDecode, paged_decode
 
 HEADS, KV_HEADS, DIM = 4, 2, 8
@@ -172,3 +172,17 @@ def test_native_decode_kernel_equals_sdpa_over_the_padded_copy(
     f32 = [x.float() for x in (q, k, v, past_k, past_v)]
     want = ragged_attention(*f32, packed)
     torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+
+
+def test_join_kv_is_a_view_where_values_follow_keys() -> None:
+    """KV rows out of the model's rotary (keys, then values, in each row of one tensor) are
+    taken as they lie; keys and values apart are copied side by side. Same rows either way."""
+    qkv = torch.randn(5, 4 + 2 * KV_HEADS, DIM)
+    k, v = qkv[:, 4 : 4 + KV_HEADS], qkv[:, 4 + KV_HEADS :]
+    want = torch.cat([k.reshape(5, -1), v.reshape(5, -1)], dim=1)
+    joined = join_kv(k, v)
+    assert torch.equal(joined, want) and joined.data_ptr() == k.data_ptr()
+    apart = join_kv(k.clone(), v.clone())
+    assert torch.equal(apart, want) and apart.data_ptr() != k.data_ptr()
+    swapped = join_kv(v, k)  # v before k in the row: not a KV row, so a copy
+    assert torch.equal(swapped, torch.cat([v.reshape(5, -1), k.reshape(5, -1)], dim=1))

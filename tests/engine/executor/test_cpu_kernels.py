@@ -14,7 +14,7 @@ from torch.profiler import profile
 from engine import LLM, SamplingParams
 from engine.kernels import DenseOps, dense_ops
 from engine.models.base import linear, prepack
-from engine.models.llama import _rotate_half, rms_norm
+from engine.models.llama import TORCH_OPS, _rotate_half, rms_norm
 from tests.engine.tiny_models import MAX_TOKENS
 
 NATIVE = (
@@ -96,13 +96,19 @@ def test_fused_ops_equal_the_torch_ops_they_replace(dtype, rotary_tol, tol):
     close(total, h + delta, 0.0)
     close(normed, rms_norm(h + delta, weight, 1e-5), tol)
 
-    # rotary over q and k as the model passes them: a strided view of the fused projection
-    qkv = torch.randn(rows, (heads + 2) * dim, generator=g).to(dtype)
-    qk = qkv[:, : heads * dim].view(rows, heads, dim)
+    # rotary over q and k of the fused projection, values passed through beside them, and
+    # over a strided view of the rotated heads alone
+    qkv = torch.randn(rows, (heads + 2) * dim, generator=g).to(dtype).view(rows, heads + 2, dim)
     angles = torch.rand(rows, 1, dim // 2, generator=g) * 6.28
     angles = torch.cat([angles, angles], dim=-1)
     cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
-    close(ops.rotary(qk, cos, sin), qk * cos + _rotate_half(qk) * sin, rotary_tol)
+    qk = qkv[:, :heads]
+    want = qk * cos + _rotate_half(qk) * sin
+    got = ops.rotary(qkv, cos, sin, heads)
+    close(got[:, :heads], want, rotary_tol)
+    close(got[:, heads:], qkv[:, heads:], 0.0)
+    close(got, TORCH_OPS.rotary(qkv, cos, sin, heads), rotary_tol)
+    close(ops.rotary(qk, cos, sin, heads), want, rotary_tol)
 
     gate_up = (3 * torch.randn(rows, 2 * hidden, generator=g)).to(dtype)
     gate, up = gate_up.chunk(2, dim=-1)
