@@ -316,8 +316,10 @@ class Executor:
                     sample_rows.append(rows[-1:])
                     sampled.append(c)
                     state.has_sampled = True
+        whole = len(logits) == 1 and len(sample_rows) == logits[0].shape[0]
         token_ids, logprobs = self.sampler.sample(
-            torch.cat(sample_rows) if sampled else torch.empty(0),
+            # every row of the one batch, in order (a decode step): no copy
+            logits[0] if whole else torch.cat(sample_rows) if sampled else torch.empty(0),
             [self._seqs[c.seq_id].sampling for c in sampled],
             [c.num_sampled for c in sampled],
         )
