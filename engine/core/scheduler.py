@@ -340,11 +340,15 @@ class Scheduler:
 
     def _admit(self, budget: int) -> tuple[Sequence, int, list[PageRef]] | None:
         """Move the head of the queues into the block if its projected KV fits some tier.
-        With prefix caching its longest cached prefix is taken, not recomputed."""
+        With prefix caching its longest cached prefix is taken, not recomputed, unless it
+        wants its prompt's logprobs (as vLLM does): those need the logits at every prompt
+        position, which a cached prefix never computes."""
         seq = next((q[0] for q in self._queues()), None)
         if seq is None or seq.num_pending:
             return None
-        prefix = self._worth_loading(self.page_manager.match(seq.token_ids))
+        prefix: list[PageRef] = []
+        if not seq.wants_prompt_logprobs:  # those need every prompt position's logits
+            prefix = self._worth_loading(self.page_manager.match(seq.token_ids))
         num_cached = len(prefix) * self.config.page_tokens
         num_new = min(seq.num_tokens - num_cached, budget)
         counts = {t: 0 for t in TIERS}

@@ -104,6 +104,16 @@ class Sequence:
         return seqs
 
     @property
+    def wants_prompt_logprobs(self) -> bool:
+        """echo + logprobs, and its prompt's logprobs not computed yet (a recompute after
+        preemption keeps the first ones)."""
+        return (
+            self.sampling.echo
+            and self.sampling.logprobs is not None
+            and self.prompt_logprobs is None
+        )
+
+    @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
 
