@@ -14,7 +14,11 @@ from engine.core.sampling_params import SamplingParams
 from server.errors import APIError, invalid_request
 
 MAX_N = 16
-MAX_STOP = 4
+MAX_STOP = 64
+"""Stop strings a request may give. OpenAI takes 4; vLLM has no cap, and evaluation
+harnesses send every `until` string of a task plus the EOS text."""
+MAX_LOGPROBS = 20
+"""Completions' `logprobs`: OpenAI takes 5, vLLM 20 (as chat's `top_logprobs`)."""
 MAX_STOP_TOKEN_IDS = 64
 INT64 = 2**63
 
@@ -86,7 +90,7 @@ class CompletionRequest(_Sampling):
 
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(default=16, ge=1)
-    logprobs: int | None = Field(default=None, ge=0, le=5)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     best_of: int | None = Field(default=None, ge=1)
     suffix: None = None

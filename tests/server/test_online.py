@@ -104,6 +104,22 @@ def test_completion_stop_string(live: LiveServer, reference: Reference) -> None:
     assert choice.finish_reason == "stop"
 
 
+def test_many_stop_strings_and_twenty_logprobs(live: LiveServer, reference: Reference) -> None:
+    """What evaluation harnesses send: every `until` string of a task (more than OpenAI's 4)
+    and up to 20 logprobs (vLLM's cap)."""
+    full = reference.greedy(PROMPT, 16).text
+    stop = full[len(full) // 2 : len(full) // 2 + 3]
+    never = [f"<never {i}>" for i in range(9)]
+    result = live.openai().completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=16, stop=[*never, stop], temperature=0, logprobs=20
+    )
+    choice = result.choices[0]
+    assert choice.text == full[: full.index(stop)] and choice.finish_reason == "stop"
+    assert choice.logprobs is not None and choice.logprobs.top_logprobs
+    # 20 ranked ids; ids whose text is the same share one key of this dict (OpenAI's shape)
+    assert all(10 <= len(top) <= 20 for top in choice.logprobs.top_logprobs)
+
+
 def test_seeded_sampling_repeats(live: LiveServer) -> None:
     client = live.openai()
     runs = [
