@@ -439,9 +439,10 @@ def score_prompt(chunk: SeqChunk, state: SeqState, logits: torch.Tensor) -> None
     """Logprobs of a prompt chunk's tokens (echo + logprobs). logits: (q_len, vocab), row r
     predicting position start_pos + r + 1; the prediction for the chunk's first token was
     left by the previous chunk. Position 0 has no logprob, as in OpenAI's API."""
-    log_probs = torch.log_softmax(logits.float(), dim=-1).cpu()
-    for i, token_id in enumerate(chunk.token_ids):
-        row = state.pending_logprobs if i == 0 else log_probs[i - 1]
-        if row is not None:
-            state.prompt_logprobs.append(top_logprobs(row, token_id, state.sampling.logprobs))
-    state.pending_logprobs = log_probs[-1]
+    log_probs = torch.log_softmax(logits.float(), dim=-1)  # stays on the compute device
+    k = state.sampling.logprobs
+    if state.pending_logprobs is not None:
+        state.prompt_logprobs += top_logprobs(state.pending_logprobs, chunk.token_ids[:1], [k])
+    later = chunk.token_ids[1:]
+    state.prompt_logprobs += top_logprobs(log_probs[: len(later)], later, [k] * len(later))
+    state.pending_logprobs = log_probs[-1:]

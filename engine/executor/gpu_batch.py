@@ -90,7 +90,8 @@ class SeqState:
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
     """echo + logprobs: the prompt positions scored so far (position 0 has none)."""
     pending_logprobs: torch.Tensor | None = None
-    """(vocab,) log-probabilities predicting the next prompt chunk's first token."""
+    """(1, vocab) log-probabilities predicting the next prompt chunk's first token, on the
+    compute device."""
 
     @property
     def wants_prompt_logprobs(self) -> bool:

@@ -36,9 +36,12 @@ class Sampler:
         wanted = [row for row, p in enumerate(params) if p.logprobs is not None]
         if wanted:
             rows = torch.tensor(wanted, device=logits.device)
-            log_probs = torch.log_softmax(logits.index_select(0, rows), dim=-1).cpu()
-            for i, row in enumerate(wanted):
-                logprobs[row] = top_logprobs(log_probs[i], token_ids[row], params[row].logprobs)
+            log_probs = torch.log_softmax(logits.index_select(0, rows).float(), dim=-1)
+            ranked = top_logprobs(
+                log_probs, [token_ids[r] for r in wanted], [params[r].logprobs for r in wanted]
+            )
+            for row, entry in zip(wanted, ranked, strict=True):
+                logprobs[row] = entry
         return token_ids, logprobs
 
     def _draw(self, logits: torch.Tensor, p: SamplingParams, num_sampled: int) -> int:
@@ -61,10 +64,28 @@ class Sampler:
         return int(torch.multinomial(probs, 1, generator=rng).item())
 
 
-def top_logprobs(log_probs: torch.Tensor, token_id: int, k: int | None) -> TokenLogprobs:
-    """log_probs: (vocab,) of one position. The chosen token's logprob and the top k."""
-    top: list[tuple[int, float]] = []
+def top_logprobs(
+    log_probs: torch.Tensor, token_ids: list[int], ks: list[int | None]
+) -> list[TokenLogprobs]:
+    """log_probs: (n, vocab), one row per position, on the compute device. Row i's logprob
+    of token_ids[i] and its top ks[i], taken on the device (one gather, one top-k for the
+    largest k) and moved to the host once: never a vocab-wide row."""
+    rows = log_probs.shape[0]
+    if rows == 0:
+        return []
+    ids = torch.tensor(token_ids, device=log_probs.device)[:, None]
+    chosen = log_probs.gather(1, ids)[:, 0].tolist()
+    k = max((k or 0) for k in ks)
+    top_values: list[list[float]] = [[]] * rows
+    top_ids: list[list[int]] = [[]] * rows
     if k:
-        values, ids = torch.topk(log_probs, k)
-        top = list(zip(ids.tolist(), values.tolist(), strict=True))
-    return TokenLogprobs(token_id, float(log_probs[token_id]), top)
+        values, indices = torch.topk(log_probs, k, dim=-1)
+        top_values, top_ids = values.tolist(), indices.tolist()
+    return [
+        TokenLogprobs(
+            token_ids[i],
+            chosen[i],
+            list(zip(top_ids[i][: ks[i] or 0], top_values[i][: ks[i] or 0])),
+        )
+        for i in range(rows)
+    ]
