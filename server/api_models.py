@@ -210,3 +210,18 @@ class Ready(BaseModel):
 class NotReady(BaseModel):
     status: Literal["not_ready"]
     detail: str
+
+
+class Tokenized(BaseModel):
+    """POST /tokenize's answer (vLLM's shape)."""
+
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: None = None
+
+
+class Detokenized(BaseModel):
+    """POST /detokenize's answer (vLLM's shape)."""
+
+    prompt: str

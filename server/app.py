@@ -205,6 +205,16 @@ def _add_online_routes(app: FastAPI) -> None:
     async def chat_completions(request: Request) -> Response:
         return await _generate(request, CHAT)
 
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict[str, Any]:
+        serving, body = get_state(request).serving, decode_json(await read_body(request))
+        return await asyncio.to_thread(serving.tokenize, body)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict[str, Any]:
+        serving, body = get_state(request).serving, decode_json(await read_body(request))
+        return await asyncio.to_thread(serving.detokenize, body)
+
     @app.get("/v1/models")
     async def list_models(request: Request) -> dict[str, Any]:
         return {"object": "list", "data": [_model(get_state(request))]}

@@ -211,8 +211,8 @@ class CoreEngineClient(EngineClient):
     def eos_token_id(self) -> int | None:
         return self._loaded().eos_token_id
 
-    def encode(self, text: str) -> list[int]:
-        return self._loaded().encode(text)
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._loaded().encode(text, add_special_tokens)
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return self._loaded().decode(token_ids)

@@ -151,8 +151,9 @@ class EngineClient(abc.ABC):
         """End-of-sequence id (None if the model has none)."""
 
     @abc.abstractmethod
-    def encode(self, text: str) -> list[int]:
-        """Token ids for a completion prompt, with the model's usual special tokens (BOS)."""
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids for a completion prompt, with the model's usual special tokens (BOS)
+        unless `add_special_tokens` is False."""
 
     @abc.abstractmethod
     def decode(self, token_ids: Sequence[int]) -> str:

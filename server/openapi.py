@@ -17,7 +17,13 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from server import api_models as out
-from server.schemas import BatchCreateRequest, ChatCompletionRequest, CompletionRequest
+from server.schemas import (
+    BatchCreateRequest,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 
 REF = "#/components/schemas/{model}"
 
@@ -72,6 +78,8 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("get", "/v1/batches"): Operation(out.BatchList),
     ("get", "/v1/batches/{batch_id}"): Operation(out.Batch, errors=(404,)),
     ("post", "/v1/batches/{batch_id}/cancel"): Operation(out.Batch, errors=(404, 507)),
+    ("post", "/tokenize"): Operation(out.Tokenized, TokenizeRequest, (404, 415, 503)),
+    ("post", "/detokenize"): Operation(out.Detokenized, DetokenizeRequest, (404, 415, 503)),
     ("get", "/health"): Operation(out.Health, public=True),
     ("get", "/ready"): Operation(out.Ready, errors=(503,), public=True),
     ("get", "/metrics"): Operation("text/plain"),

@@ -191,3 +191,21 @@ def _param(loc: tuple[int | str, ...]) -> str:
             break
         parts.append(str(part))
     return ".".join(parts)
+
+
+class TokenizeRequest(_Strict):
+    """POST /tokenize (vLLM's): a completion prompt's text, or a chat's messages rendered
+    with the model's template and the generation prompt."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    """With `prompt`: the model's usual special tokens (BOS), as a completion prompt gets."""
+
+
+class DetokenizeRequest(_Strict):
+    """POST /detokenize (vLLM's): token ids to text, special tokens skipped."""
+
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0, lt=INT64)]]

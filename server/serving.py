@@ -29,7 +29,13 @@ from server.errors import APIError, engine_unavailable, invalid_request, not_fou
 from server.files import new_id, now
 from server.metrics import Metrics
 from server.responses import ChoiceState, chat_logprobs, completion_logprobs, envelope, usage
-from server.schemas import ChatCompletionRequest, CompletionRequest, parse_body
+from server.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    parse_body,
+)
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
@@ -141,6 +147,47 @@ class Serving:
             stream=req.stream,
             include_usage=req.include_usage(),
         )
+
+    # -- the served tokenizer (vLLM's /tokenize and /detokenize) ----------------------
+    def tokenize(self, body: Any) -> dict[str, Any]:
+        """A prompt's token ids as a completion or chat request would get them, so that a
+        harness counts and cuts with the served tokenizer instead of guessing one."""
+        try:
+            req = parse_body(TokenizeRequest, body)
+            if req.model is not None:
+                self._check_model(req.model)
+            if (req.prompt is None) == (req.messages is None):
+                raise invalid_request("give one of prompt or messages", param="prompt")
+            if req.messages is not None:
+                messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+                self._check_text_bytes([m["content"] for m in messages], "messages")
+                try:
+                    ids = self.engine.apply_chat_template(messages)
+                except UserError as e:
+                    raise invalid_request(str(e), param="messages") from e
+            else:
+                assert req.prompt is not None
+                self._check_text_bytes([req.prompt], "prompt")
+                ids = self.engine.encode(req.prompt, req.add_special_tokens)
+            return {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids}
+        except EngineDeadError as e:
+            raise engine_unavailable() from e
+
+    def detokenize(self, body: Any) -> dict[str, Any]:
+        """Token ids as text, special tokens skipped (as generated text is)."""
+        try:
+            req = parse_body(DetokenizeRequest, body)
+            if req.model is not None:
+                self._check_model(req.model)
+            bad = [t for t in req.tokens if t >= self.engine.vocab_size]
+            if bad:
+                raise invalid_request(
+                    f"token ids must be in [0, {self.engine.vocab_size}); got {bad[:5]}",
+                    param="tokens",
+                )
+            return {"prompt": self.engine.decode(req.tokens)}
+        except EngineDeadError as e:
+            raise engine_unavailable() from e
 
     def _precheck_prompt(self, body: Any) -> None:
         """The size checks on a completion body's raw `prompt`, before validation looks at

@@ -43,10 +43,10 @@ def like_demo(cls: type[CoreEngineClient]) -> Any:
 class FaultyEngine(CoreEngineClient):
     """Raises RuntimeError in `encode` or `generate` for marked prompts."""
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if FAIL_IN_TOKENIZER in text:
             raise RuntimeError("injected tokenizer failure")
-        return super().encode(text)
+        return super().encode(text, add_special_tokens)
 
     async def generate(
         self,
@@ -67,11 +67,11 @@ class BlockingEngine(CoreEngineClient):
     entered = threading.Event()
     release = threading.Event()
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if BLOCK in text:
             self.entered.set()
             assert self.release.wait(60), "the test never released the tokenizer"
-        return super().encode(text)
+        return super().encode(text, add_special_tokens)
 
 
 class Disk:

@@ -249,6 +249,8 @@ def test_openapi_schema_describes_the_real_api(live: LiveServer, client: httpx.C
         ("get", "/v1/batches"),
         ("get", "/v1/batches/{batch_id}"),
         ("post", "/v1/batches/{batch_id}/cancel"),
+        ("post", "/tokenize"),
+        ("post", "/detokenize"),
         ("get", "/health"),
         ("get", "/ready"),
         ("get", "/metrics"),

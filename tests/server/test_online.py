@@ -240,3 +240,40 @@ bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformer
 assert not bad, bad
 """
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, timeout=120)
+
+
+def test_tokenize_and_detokenize_use_the_served_tokenizer(
+    client: httpx.Client, reference: Reference
+) -> None:
+    """vLLM's /tokenize and /detokenize, so that a harness counts and cuts prompts with the
+    served tokenizer: the ids a completion or chat request gets, and their text back."""
+    ids = reference.tokenizer.encode(PROMPT)
+    got = client.post("/tokenize", json={"model": MODEL, "prompt": PROMPT}).json()
+    assert got["tokens"] == ids and got["count"] == len(ids) and got["max_model_len"] > 0
+    bare = client.post("/tokenize", json={"prompt": PROMPT, "add_special_tokens": False}).json()
+    assert bare["tokens"] == reference.tokenizer.encode(PROMPT, add_special_tokens=False)
+    messages = [{"role": "user", "content": "Hello there"}]
+    chat = client.post("/tokenize", json={"messages": messages}).json()
+    assert chat["tokens"] == reference.chat_ids(messages)
+    text = client.post("/detokenize", json={"model": MODEL, "tokens": ids}).json()
+    assert text == {"prompt": reference.tokenizer.decode(ids)}
+    completion = client.post(
+        "/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 1}
+    ).json()
+    assert completion["usage"]["prompt_tokens"] == got["count"]
+
+
+def test_tokenize_errors_are_openai_envelopes(client: httpx.Client) -> None:
+    cases = [
+        ("/tokenize", {"prompt": "x", "messages": [{"role": "user", "content": "y"}]}, 400),
+        ("/tokenize", {}, 400),
+        ("/tokenize", {"prompt": "x", "model": "no-such-model"}, 404),
+        ("/tokenize", {"prompt": 5}, 400),
+        ("/detokenize", {"tokens": [10**9]}, 400),
+        ("/detokenize", {"tokens": [-1]}, 400),
+        ("/detokenize", {"tokens": [1], "frobnicate": 1}, 400),
+    ]
+    for path, body, status in cases:
+        response = client.post(path, json=body)
+        assert response.status_code == status, (path, body, response.text)
+        assert response.json()["error"]["type"] in {"invalid_request_error", "not_found_error"}
