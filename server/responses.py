@@ -50,9 +50,13 @@ def completion_logprobs(
     text_offset: int,
     prompt_ids: Sequence[int] = (),
     prompt_entries: Sequence[Any] | None = None,
+    names: Decode | None = None,
 ) -> dict[str, Any]:
     """The legacy completions `logprobs` object. Echoed prompt tokens carry the engine's
-    prompt logprobs (`prompt_entries[i - 1]` for position i); position 0 has none (null)."""
+    prompt logprobs (`prompt_entries[i - 1]` for position i); position 0 has none (null).
+    `names` names the tokens and the top-logprob keys (default: their text, `decode`);
+    text offsets always count the text."""
+    name = names or decode
     tokens: list[str] = []
     token_logprobs: list[float | None] = []
     top_logprobs: list[dict[str, float] | None] = []
@@ -62,7 +66,7 @@ def completion_logprobs(
     def append(token_id: int, entry: Any) -> None:
         nonlocal offset
         piece = decode([token_id])
-        tokens.append(piece)
+        tokens.append(name([token_id]))
         offsets.append(offset)
         offset += len(piece)
         if entry is None:
@@ -71,7 +75,7 @@ def completion_logprobs(
             return
         chosen, top = _entry(token_id, entry)
         token_logprobs.append(chosen)
-        top_logprobs.append({decode([t]): lp for t, lp in top[:num_top]})
+        top_logprobs.append({name([t]): lp for t, lp in top[:num_top]})
 
     known = list(prompt_entries or [])
     for position, token_id in enumerate(prompt_ids):

@@ -51,6 +51,9 @@ class _Sampling(_Strict):
     stop_token_ids: list[Annotated[int, Field(ge=0, lt=INT64)]] | None = Field(
         default=None, max_length=MAX_STOP_TOKEN_IDS
     )
+    return_tokens_as_token_ids: bool = False
+    """vLLM's: logprobs name each token "token_id:<id>" instead of its text, so that two
+    tokens with the same text (pieces of one character, say) stay apart in `top_logprobs`."""
 
     def stop_strings(self) -> tuple[str, ...]:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

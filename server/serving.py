@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncGenerator, Iterable
+from collections.abc import AsyncGenerator, Callable, Iterable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, replace
 from typing import Any
@@ -59,6 +59,8 @@ class Prepared:
     num_logprobs: int | None
     stream: bool
     include_usage: bool
+    tokens_as_ids: bool = False
+    """Logprobs name tokens "token_id:<id>" (`return_tokens_as_token_ids`)."""
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -146,6 +148,7 @@ class Serving:
             num_logprobs=num_logprobs,
             stream=req.stream,
             include_usage=req.include_usage(),
+            tokens_as_ids=req.return_tokens_as_token_ids,
         )
 
     # -- the served tokenizer (vLLM's /tokenize and /detokenize) ----------------------
@@ -377,13 +380,19 @@ class Serving:
         body["usage"] = usage(prep.num_prompt_tokens, num_generated, cached)
         return body
 
+    def token_names(self, prep: Prepared) -> Callable[[Sequence[int]], str]:
+        """How logprobs name tokens: their text, or "token_id:<id>" when asked."""
+        if prep.tokens_as_ids:
+            return lambda ids: "".join(f"token_id:{t}" for t in ids)
+        return self.engine.decode
+
     def choice(self, prep: Prepared, state: ChoiceState) -> dict[str, Any]:
-        decode = self.engine.decode
+        decode, names = self.engine.decode, self.token_names(prep)
         entries = state.logprobs or []
         if prep.is_chat:
             logprobs = None
             if prep.num_logprobs is not None:
-                logprobs = chat_logprobs(decode, state.token_ids, entries, prep.num_logprobs)
+                logprobs = chat_logprobs(names, state.token_ids, entries, prep.num_logprobs)
             return {
                 "index": state.index,
                 "message": {"role": "assistant", "content": state.text},
@@ -402,6 +411,7 @@ class Serving:
                 0,
                 prompt_ids,
                 state.prompt_logprobs,
+                names,
             )
         return {
             "index": state.index,

@@ -15,7 +15,7 @@ def _delta_choice(
     serving: Serving, prep: Prepared, state: ChoiceState, finished: bool
 ) -> dict[str, Any] | None:
     """The chunk choice for what `state` gained since the last chunk (None: nothing new)."""
-    decode = serving.engine.decode
+    decode, names = serving.engine.decode, serving.token_names(prep)
     text = state.text[state.sent_text :]
     new_ids = state.token_ids[state.sent_tokens :]
     entries = (state.logprobs or [])[state.sent_tokens :]
@@ -32,7 +32,7 @@ def _delta_choice(
     if prep.is_chat:
         logprobs = None
         if prep.num_logprobs is not None and new_ids:
-            logprobs = chat_logprobs(decode, new_ids, entries, prep.num_logprobs)
+            logprobs = chat_logprobs(names, new_ids, entries, prep.num_logprobs)
         delta: dict[str, Any] = {"content": text} if text or not finished else {}
         return {
             "index": state.index,
@@ -43,7 +43,7 @@ def _delta_choice(
     completion_lp = None
     if prep.num_logprobs is not None:
         completion_lp = completion_logprobs(
-            decode, new_ids, entries, prep.num_logprobs, 0, prefix_ids, state.prompt_logprobs
+            decode, new_ids, entries, prep.num_logprobs, 0, prefix_ids, state.prompt_logprobs, names
         )
     return {
         "index": state.index,

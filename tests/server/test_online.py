@@ -277,3 +277,22 @@ def test_tokenize_errors_are_openai_envelopes(client: httpx.Client) -> None:
         response = client.post(path, json=body)
         assert response.status_code == status, (path, body, response.text)
         assert response.json()["error"]["type"] in {"invalid_request_error", "not_found_error"}
+
+
+def test_logprobs_can_name_tokens_by_id(live: LiveServer, reference: Reference) -> None:
+    """vLLM's `return_tokens_as_token_ids`: top logprobs keyed "token_id:<id>", so that tokens
+    with the same text no longer share a key: all 20 of them stay, the text does not change."""
+    client = live.openai()
+    ask = dict(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, logprobs=20)
+    by_text = client.completions.create(**ask).choices[0]  # type: ignore[call-overload]
+    by_id = client.completions.create(  # type: ignore[call-overload]
+        **ask, extra_body={"return_tokens_as_token_ids": True}
+    ).choices[0]
+    assert by_id.text == by_text.text == reference.greedy(PROMPT, 4).text
+    lp = by_id.logprobs
+    assert lp is not None and lp.tokens is not None and lp.top_logprobs is not None
+    ids = reference.greedy(PROMPT, 4).token_ids
+    assert lp.tokens == [f"token_id:{t}" for t in ids]
+    for token, top in zip(lp.tokens, lp.top_logprobs, strict=True):
+        assert len(top) == 20 and all(k.startswith("token_id:") for k in top)
+        assert token in top  # greedy took one of the top 20
