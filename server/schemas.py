@@ -10,15 +10,13 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
-from engine.core.sampling_params import SamplingParams
+from engine.core.sampling_params import MAX_LOGPROBS, SamplingParams
 from server.errors import APIError, invalid_request
 
 MAX_N = 16
 MAX_STOP = 64
 """Stop strings a request may give. OpenAI takes 4; vLLM has no cap, and evaluation
 harnesses send every `until` string of a task plus the EOS text."""
-MAX_LOGPROBS = 20
-"""Completions' `logprobs`: OpenAI takes 5, vLLM 20 (as chat's `top_logprobs`)."""
 MAX_STOP_TOKEN_IDS = 64
 INT64 = 2**63
 
@@ -125,7 +123,7 @@ class ChatCompletionRequest(_Sampling):
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     response_format: dict[str, Any] | None = None
     logit_bias: dict[str, float] | None = Field(default=None, max_length=0)
 

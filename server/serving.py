@@ -31,6 +31,7 @@ from server.metrics import Metrics
 from server.responses import ChoiceState, chat_logprobs, completion_logprobs, envelope, usage
 from server.schemas import (
     ChatCompletionRequest,
+    ChatMessage,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
@@ -116,12 +117,7 @@ class Serving:
             req.check_supported()
             self._check_model(req.model)
             self._check_num_seqs(1, req.n)
-            messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-            self._check_text_bytes([m["content"] for m in messages], "messages")
-            try:
-                prompts = [self.engine.apply_chat_template(messages)]
-            except UserError as e:
-                raise invalid_request(str(e), param="messages", code="chat_template_error") from e
+            prompts = [self._chat_ids(req.messages)]
             max_tokens = req.max_completion_tokens or req.max_tokens
             num_logprobs, echo = req.num_logprobs(), False
         else:
@@ -162,12 +158,7 @@ class Serving:
             if (req.prompt is None) == (req.messages is None):
                 raise invalid_request("give one of prompt or messages", param="prompt")
             if req.messages is not None:
-                messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-                self._check_text_bytes([m["content"] for m in messages], "messages")
-                try:
-                    ids = self.engine.apply_chat_template(messages)
-                except UserError as e:
-                    raise invalid_request(str(e), param="messages") from e
+                ids = self._chat_ids(req.messages)
             else:
                 assert req.prompt is not None
                 self._check_text_bytes([req.prompt], "prompt")
@@ -182,12 +173,7 @@ class Serving:
             req = parse_body(DetokenizeRequest, body)
             if req.model is not None:
                 self._check_model(req.model)
-            bad = [t for t in req.tokens if t >= self.engine.vocab_size]
-            if bad:
-                raise invalid_request(
-                    f"token ids must be in [0, {self.engine.vocab_size}); got {bad[:5]}",
-                    param="tokens",
-                )
+            self._check_token_ids(req.tokens, "tokens")
             return {"prompt": self.engine.decode(req.tokens)}
         except EngineDeadError as e:
             raise engine_unavailable() from e
@@ -258,15 +244,27 @@ class Serving:
                 raise invalid_request(
                     "prompt must not be empty", param="prompt", code="empty_prompt"
                 )
-            bad = [t for t in ids if not 0 <= t < self.engine.vocab_size]
-            if bad:
-                raise invalid_request(
-                    f"token ids must be in [0, {self.engine.vocab_size}); got {bad[:5]}",
-                    param="prompt",
-                    code="invalid_token_ids",
-                )
+            self._check_token_ids(ids, "prompt")
             prompts.append(ids)
         return prompts
+
+    def _check_token_ids(self, ids: list[int], param: str) -> None:
+        bad = [t for t in ids if not 0 <= t < self.engine.vocab_size]
+        if bad:
+            raise invalid_request(
+                f"token ids must be in [0, {self.engine.vocab_size}); got {bad[:5]}",
+                param=param,
+                code="invalid_token_ids",
+            )
+
+    def _chat_ids(self, messages: list[ChatMessage]) -> list[int]:
+        """A chat's token ids: its messages rendered with the model's template."""
+        chat = [{"role": m.role, "content": m.text()} for m in messages]
+        self._check_text_bytes([m["content"] for m in chat], "messages")
+        try:
+            return self.engine.apply_chat_template(chat)
+        except UserError as e:
+            raise invalid_request(str(e), param="messages", code="chat_template_error") from e
 
     def _check_num_tokens(self, num_tokens: int) -> None:
         if num_tokens > self.engine.max_model_len:

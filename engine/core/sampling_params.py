@@ -6,6 +6,9 @@ from dataclasses import dataclass, field
 
 from policy.errors import UserError
 
+MAX_LOGPROBS = 20
+"""The most top alternatives a position returns (vLLM's cap; OpenAI's completions take 5)."""
+
 
 class SamplingError(UserError, ValueError):
     """Sampling parameters that cannot be honoured (out of range, wrong type)."""
@@ -50,8 +53,8 @@ class SamplingParams:
             raise SamplingError(f"top_p must be in (0, 1], got {self.top_p}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise SamplingError(f"top_k must be -1, 0 or a positive integer, got {self.top_k!r}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise SamplingError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise SamplingError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         if not isinstance(self.n, int) or self.n < 1:
             raise SamplingError(f"n must be an integer >= 1, got {self.n!r}")
         if any(not s for s in self.stop):
@@ -60,3 +63,8 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def scores_prompt(self) -> bool:
+        """echo + logprobs: the prompt's positions get logprobs too."""
+        return self.echo and self.logprobs is not None

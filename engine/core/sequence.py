@@ -72,12 +72,12 @@ class Sequence:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprobs] | None = None
     text: str = ""
-    _prefix_at: int = 0
+    _prefix_at: int = field(init=False)
     """Incremental detokenizing: the token (in token_ids) from which the text of the tokens
     after `_read_at` is decoded, so that a tokenizer that reads a token by its neighbours
     (a leading space, a byte of a multi-byte character) sees the same ones."""
-    _read_at: int = -1
-    """The token (in token_ids) up to which `text` is decoded; -1: the prompt's end."""
+    _read_at: int = field(init=False)
+    """The token (in token_ids) up to which `text` is decoded."""
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     slot: int = -1
@@ -90,6 +90,9 @@ class Sequence:
     """Prompt tokens whose KV came from the prefix cache at its first admission."""
     epoch: int = 0
     """Times it was preempted (its KV dropped); plans made before that are stale for it."""
+
+    def __post_init__(self) -> None:
+        self._prefix_at = self._read_at = self.num_prompt_tokens
 
     @classmethod
     def expand(cls, request: Request, first_seq_id: int) -> list[Sequence]:
@@ -107,11 +110,7 @@ class Sequence:
     def wants_prompt_logprobs(self) -> bool:
         """echo + logprobs, and its prompt's logprobs not computed yet (a recompute after
         preemption keeps the first ones)."""
-        return (
-            self.sampling.echo
-            and self.sampling.logprobs is not None
-            and self.prompt_logprobs is None
-        )
+        return self.sampling.scores_prompt and self.prompt_logprobs is None
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -185,8 +184,6 @@ class Sequence:
         detokenizer: decode from `_prefix_at` with and without the new tokens and keep the
         difference), O(new tokens) per call instead of decoding the whole output. Text that
         ends inside a multi-byte character waits for the next token unless `final`."""
-        if self._read_at < 0:
-            self._prefix_at = self._read_at = self.num_prompt_tokens
         if upto <= self._read_at:
             return
         seen = detokenizer.decode(self.token_ids[self._prefix_at : self._read_at])

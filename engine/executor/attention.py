@@ -141,9 +141,7 @@ class RaggedLayout:
         row past its sequence's length is never read) or one list per sequence; None: it
         gets them packed."""
         if isinstance(seq_slots, list):
-            width = max(map(len, seq_slots))
-            padded = [s + s[-1:] * (width - len(s)) for s in seq_slots]
-            seq_slots = torch.tensor(padded, dtype=torch.long, device=device)
+            seq_slots = padded_table(seq_slots, device)
         decodes = [i for i, q in enumerate(q_lens) if q == 1]
         chunks = [i for i, q in enumerate(q_lens) if q > 1]
         members = [m for m in (decodes, chunks) if m]
@@ -176,6 +174,14 @@ class RaggedLayout:
                 group.new_span = (new_starts[seqs[0]], new_starts[seqs[-1] + 1])
             groups.append(group)
         return cls(groups, sum(past_lens))
+
+
+def padded_table(rows: list[list[int]], device: torch.device) -> torch.Tensor:
+    """(B, W) int64 of B lists of ids, each padded with its last id to the longest (W)."""
+    width = max(map(len, rows))
+    return torch.tensor(
+        [row + row[-1:] * (width - len(row)) for row in rows], dtype=torch.long, device=device
+    )
 
 
 def _padded(

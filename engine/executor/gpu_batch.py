@@ -15,7 +15,7 @@ import torch
 from engine.core.prefix_cache import PageRef
 from engine.core.protocol import SeqChunk, TokenLogprobs
 from engine.core.sampling_params import SamplingParams
-from engine.executor.attention import RaggedLayout
+from engine.executor.attention import RaggedLayout, padded_table
 from engine.models.base import Positions
 from engine.storage.kv_store import KVRows
 
@@ -95,7 +95,7 @@ class SeqState:
 
     @property
     def wants_prompt_logprobs(self) -> bool:
-        return self.sampling.echo and self.sampling.logprobs is not None and not self.has_sampled
+        return self.sampling.scores_prompt and not self.has_sampled
 
 
 SlotsByTier = dict[str, tuple[list[int], list[int]]]
@@ -125,9 +125,7 @@ def slot_table(
     """(B, W) the pool slot of each token position of B sequences with these page tables
     (W: the longest table's tokens; a shorter sequence's tail repeats its last page's slots,
     never read)."""
-    width = max(map(len, page_tables))
-    padded = [table + table[-1:] * (width - len(table)) for table in page_tables]
-    pages = torch.tensor(padded, dtype=torch.long, device=device)
+    pages = padded_table(page_tables, device)
     offsets = torch.arange(page_tokens, device=device)
     return (pages[:, :, None] * page_tokens + offsets).view(len(page_tables), -1)
 

@@ -184,8 +184,10 @@ void attend_seq_avx512(const T* q, const T* pool, int64_t row_stride, const int6
   constexpr int SETS = V >= 8 ? 1 : 2;  // two accumulator sets keep short rows' FMAs in flight
   const int64_t heads = kv_heads * group;
   const int64_t row_bytes = 2 * kv_heads * HD * static_cast<int64_t>(sizeof(T));
-  w.q.resize(heads * HD);
-  for (int64_t i = 0; i < heads * V; ++i) _mm512_storeu_ps(w.q.data() + i * 16, load16(q + i * 16));
+  if constexpr (!pairwise) {  // the float32 path multiplies float32 queries
+    w.q.resize(heads * HD);
+    for (int64_t i = 0; i < heads * V; ++i) _mm512_storeu_ps(w.q.data() + i * 16, load16(q + i * 16));
+  }
   w.acc.assign(heads * HD, 0.f);
   w.top.assign(heads, -std::numeric_limits<float>::infinity());
   w.sums.assign(heads, 0.f);

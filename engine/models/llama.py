@@ -118,7 +118,7 @@ class LlamaModel(Model):
         qkv = qkv.view(qkv.shape[0], -1, c.head_dim)
         cos, sin = positions.tables
         # q and k rotate in one pass, v copied beside them: k and v come out adjacent in
-        # each row, as a KV row lays them out (`kv_rows` takes them as a view)
+        # each row, as a KV row lays them out (`join_kv` takes them as a view)
         qkv = ops.rotary(qkv, cos, sin, c.num_heads + c.num_kv_heads)
         q, k, v = qkv.split([c.num_heads, c.num_kv_heads, c.num_kv_heads], dim=1)
         return q, k, v
