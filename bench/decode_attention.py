@@ -24,7 +24,7 @@ import torch
 
 from bench.common import Table, write_json
 from engine.executor.attention import RaggedLayout, paged_attention
-from engine.kernels import PagedDecode, paged_decode
+from engine.kernels import PagedKernels, paged_kernels
 
 HEADS, KV_HEADS, HEAD_DIM, LAYERS, PAGE = 9, 3, 64, 30, 16
 
@@ -48,12 +48,15 @@ def step_inputs(
 
 
 def time_layers(
-    q: torch.Tensor, pools: list[torch.Tensor], layout: RaggedLayout, kernel: PagedDecode | None
+    q: torch.Tensor,
+    pools: list[torch.Tensor],
+    layout: RaggedLayout,
+    kernels: PagedKernels | None,
 ) -> float:
     """Seconds per layer of `paged_attention`: the best of 3 rounds over every layer's pool."""
 
     def run(pool: torch.Tensor) -> None:
-        paged_attention(q, pool, lambda rows: rows, layout, (KV_HEADS, HEAD_DIM), kernel)
+        paged_attention(q, pool, lambda rows: rows, layout, (KV_HEADS, HEAD_DIM), kernels)
 
     for pool in pools[:2]:
         run(pool)
@@ -66,6 +69,24 @@ def time_layers(
     return best
 
 
+def add_rows(
+    table: Table,
+    results: list[dict[str, Any]],
+    dtype: torch.dtype,
+    times: dict[str, float],
+    work: float,
+    fmt: str,
+    lens: list[int],
+) -> None:
+    """One row per path of `times` (seconds per layer; "gather + SDPA" the baseline), with
+    `work` (GB or GFLOP a layer) over its seconds, in format `fmt`, and its speed-up."""
+    for path, seconds in times.items():
+        speedup = times["gather + SDPA"] / seconds
+        row = [str(dtype).removeprefix("torch."), path, f"{seconds * 1e3:.3f}"]
+        table.rows.append([*row, format(work / seconds, fmt), f"{speedup:.2f}x"])
+        results.append({"dtype": row[0], "path": path, "seconds": seconds, "lens": lens})
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seqs", type=int, default=32)
@@ -73,8 +94,8 @@ def main() -> int:
     parser.add_argument("--max-len", type=int, default=576)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    kernel = paged_decode()
-    if kernel is None:
+    kernels = paged_kernels()
+    if kernels is None:
         raise SystemExit("the native kernels did not build (see the warning above)")
     rng = random.Random(0)
     lens = [rng.randint(args.min_len, args.max_len) for _ in range(args.seqs)]
@@ -87,15 +108,11 @@ def main() -> int:
         )
         assert paged.groups[0].kv_lens is not None  # one decode group, read in place
         times = {
-            "native kernel": time_layers(q, pools, paged, kernel),
+            "native kernel": time_layers(q, pools, paged, kernels),
             "gather + SDPA": time_layers(q, pools, paged, None),
         }
         kv_bytes = sum(lens) * 2 * KV_HEADS * HEAD_DIM * pools[0].element_size()
-        for path, seconds in times.items():
-            speedup = times["gather + SDPA"] / seconds
-            row = [str(dtype).removeprefix("torch."), path, f"{seconds * 1e3:.3f}"]
-            table.rows.append([*row, f"{kv_bytes / seconds / 1e9:.1f}", f"{speedup:.2f}x"])
-            results.append({"dtype": row[0], "path": path, "seconds": seconds, "lens": lens})
+        add_rows(table, results, dtype, times, kv_bytes / 1e9, ".1f", lens)
     print(table.markdown("llrrr"))
     write_json(args.json, results, table)
     return 0

@@ -35,6 +35,7 @@ ATTENTION_OPS = (
     "aten::index_select",
     "aten::index_copy_",
     "nanoflex::paged_decode",
+    "nanoflex::paged_prefill",
 )
 
 
@@ -86,7 +87,7 @@ def profile_one(model: str | None, workload_name: str, dtype: str) -> dict[str, 
             flops += gemm_flops(event) * event.count
         elif event.key in ATTENTION_OPS:
             attention_s += self_s
-        elif event.key.startswith("aten::"):
+        elif event.key.startswith(("aten::", "nanoflex::")):
             other_s += self_s
     peak = peak_gflops(config.hidden_size, config.intermediate_size, getattr(torch, dtype))
     return {

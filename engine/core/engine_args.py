@@ -68,8 +68,9 @@ class EngineArgs:
     """Attention reads the gpu tier's KV pages in place, the new KV written first
     (engine/executor/attention.py); False gathers every past row into a packed copy first."""
     native_kernels: bool = True
-    """On the CPU, decode attention reads the KV pool in place with the native kernel,
-    compiled on first use (engine/kernels); False gathers a padded copy for SDPA."""
+    """On the CPU, decode and prefill attention read the KV pool in place with the native
+    kernels, and the norms, rotary and SiLU run fused, compiled on first use (engine/kernels);
+    False gathers the keys into a copy for SDPA and runs torch's own ops."""
     prepack_weights: bool = True
     """On the CPU, resident linear weights are stored prepacked for oneDNN's GEMM once at
     load (engine/models/base.py); False keeps them plain for `F.linear`."""

@@ -7,8 +7,8 @@ layer, with no loop over sequences:
   (plain, uncompressed rows): the layer's new KV is written to its pages first, then one
   gather reads every key and value of the group from the pool, in place, straight into
   the padded layout (vLLM's write-then-attend). A decode's query needs no padding at all.
-  On the CPU a decode group skips the gather: the native kernel
-  (`engine.kernels.paged_decode`) reads each key where it lies in the pool.
+  On the CPU no group gathers: the native kernels (`engine.kernels`, decode and prefill)
+  read each key where it lies in the pool.
 - `ragged_attention`, the general path: past KV that the copy threads gathered from any
   tier (and decoded) arrives packed by sequence, and it and the new rows are scattered
   into the padded tensors.
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn.functional import scaled_dot_product_attention
 
-from engine.kernels import PagedDecode
+from engine.kernels import PagedKernels
 from engine.storage.kv_store import select_rows
 
 
@@ -39,13 +39,28 @@ class Chunk:
     kv_start: int
     """Its first key among the group's gathered slots."""
     kv_len: int
-    mask: torch.Tensor | None
-    """(q_len, kv_len) bool visibility when it has a longer past than itself; None: causal."""
-    lead: int = 0
-    """Query rows put before the chunk's own so that the causal mask lines up with its keys
-    (its past, when shorter than itself): SDPA's causal mask starts at key 0 for query 0, and
-    (past + q)^2 / 2 products over those rows cost less than the q x (past + q) of a mask,
-    which skips nothing."""
+    window: int = 0
+    """The sliding window; 0: none."""
+
+    @property
+    def lead(self) -> int:
+        """Query rows put before the chunk's own so that SDPA's causal mask (key 0 for query
+        0) lines up with its keys, when its past is shorter than itself and there is no
+        window: (past + q)^2 / 2 products over those rows cost less than the q x (past + q)
+        of a mask, which skips nothing; 0 where it needs a mask."""
+        past = self.kv_len - self.q_len
+        return past if past < self.q_len and not self.window else 0
+
+    def mask(self, device: torch.device) -> torch.Tensor | None:
+        """(q_len, kv_len) bool visibility where the chunk needs one (a past as long as
+        itself, or a window); None: SDPA's causal mask after `lead` rows."""
+        past = self.kv_len - self.q_len
+        if past < self.q_len and not self.window:
+            return None
+        q_pos = past + torch.arange(self.q_len, device=device)[:, None]
+        k_pos = torch.arange(self.kv_len, device=device)[None, :]
+        visible = k_pos <= q_pos  # query t sees keys past + t - window < key <= past + t
+        return visible & (k_pos > q_pos - self.window) if self.window else visible
 
 
 @dataclass(slots=True)
@@ -79,6 +94,9 @@ class PaddedGroup:
     kv_lens: torch.Tensor | None = None
     """(B_g,) int64 keys per sequence, for a decode group read in place (the native kernel
     reads `slots` up to each length); None otherwise."""
+    starts: tuple[torch.Tensor, torch.Tensor] | None = None
+    """With `chunks`: (B_g + 1,) int64 where each sequence's rows begin among the group's new
+    rows, and among `slots` (the native prefill kernel's offsets); None otherwise."""
     window: int = 0
     """The sliding window (a decode sees its last `window` keys); 0: none."""
     new_span: tuple[int, int] | None = None
@@ -208,9 +226,11 @@ def _padded(
 
     seq_new, t_new = offsets(q_len_t, sum(q_lens))
     seq_past, pos_past = offsets(past_t, sum(past_lens))
-    chunks = None
-    if seq_slots is not None and q_max > 1 and sliding_window is None:
-        chunks = _chunks(q_lens, past_lens, device)
+    chunks = starts = None
+    if seq_slots is not None and q_max > 1:
+        chunks = _chunks(q_lens, past_lens, sliding_window)
+        kv_lens = [p + q for p, q in zip(past_lens, q_lens, strict=True)]
+        starts = (_starts(q_lens, device), _starts(kv_lens, device))
     mask = None
     if chunks is None and (q_max > 1 or len(set(past_lens)) > 1 or sliding_window is not None):
         # Absolute position of query t of sequence b is past_len_b + t.
@@ -237,22 +257,22 @@ def _padded(
         else _padded_slots(seq_slots, past_t + q_len_t, kv_max, chunks),
         chunks=chunks,
         kv_lens=past_t + q_len_t if seq_slots is not None and q_max == 1 else None,
+        starts=starts,
         window=sliding_window or 0,
     )
 
 
-def _chunks(q_lens: list[int], past_lens: list[int], device: torch.device) -> list[Chunk]:
+def _starts(lens: list[int], device: torch.device) -> torch.Tensor:
+    """(B + 1,) int64: 0, then the running sums of `lens`."""
+    return torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.long, device=device)
+
+
+def _chunks(q_lens: list[int], past_lens: list[int], sliding_window: int | None) -> list[Chunk]:
     """Each sequence as a `Chunk`, its keys right after the previous one's."""
     out, row, kv_start = [], 0, 0
     for q_len, past_len in zip(q_lens, past_lens, strict=True):
         kv_len = past_len + q_len
-        mask, lead = None, 0
-        if past_len >= q_len:  # query t sees keys 0 .. past_len + t
-            q_pos = past_len + torch.arange(q_len, device=device)[:, None]
-            mask = torch.arange(kv_len, device=device)[None, :] <= q_pos
-        else:
-            lead = past_len
-        out.append(Chunk(row, q_len, kv_start, kv_len, mask, lead))
+        out.append(Chunk(row, q_len, kv_start, kv_len, sliding_window or 0))
         row, kv_start = row + q_len, kv_start + kv_len
     return out
 
@@ -336,21 +356,21 @@ def paged_attention(
     decode: Callable[[torch.Tensor], torch.Tensor],
     layout: RaggedLayout,
     kv_shape: tuple[int, int],
-    decode_kernel: PagedDecode | None = None,
+    kernels: PagedKernels | None = None,
 ) -> torch.Tensor:
     """Causal attention of the new rows over every key of their sequences, read in place from
     one layer's KV pool (its new keys already written there), one call per group.
 
     q: (T, num_heads, head_dim); pool: (slots, row_bytes) encoded rows; `decode` turns
     gathered rows into (N, 2 * kv_dim) keys then values (a view for plain rows, and so of
-    the whole pool). `decode_kernel`: the native CPU kernel (`engine.kernels`),
-    which a decode group calls on the pool as it lies instead of gathering a padded copy.
+    the whole pool). `kernels`: the native CPU kernels (`engine.kernels`), which every group
+    calls on the pool as it lies instead of gathering a copy.
     Returns (T, num_heads, head_dim)."""
     if len(layout.groups) == 1:
-        return _paged_group(q, pool, decode, layout.groups[0], kv_shape, decode_kernel)
+        return _paged_group(q, pool, decode, layout.groups[0], kv_shape, kernels)
     out = torch.empty_like(q)
     for g in layout.groups:
-        g.put(out, _paged_group(g.take(q), pool, decode, g, kv_shape, decode_kernel))
+        g.put(out, _paged_group(g.take(q), pool, decode, g, kv_shape, kernels))
     return out
 
 
@@ -360,19 +380,23 @@ def _paged_group(
     decode: Callable[[torch.Tensor], torch.Tensor],
     g: PaddedGroup,
     kv_shape: tuple[int, int],
-    decode_kernel: PagedDecode | None,
+    kernels: PagedKernels | None,
 ) -> torch.Tensor:
-    """One group: the native kernel over the pool (decodes, when given one), or one gather
-    from the pool and one SDPA call. A decode group uses q as it is, without a padded copy."""
+    """One group: a native kernel over the pool (when given them), or one gather from the
+    pool and SDPA. A decode group uses q as it is, without a padded copy."""
     assert g.slots is not None
     b, q_max, kv_max = g.num_seqs, g.q_max, g.kv_max
     num_heads, head_dim = q.shape[1], q.shape[2]
-    if decode_kernel is not None and g.kv_lens is not None:
+    if kernels is not None and (g.kv_lens is not None or g.starts is not None):
         rows = decode(pool)  # plain rows: a view of the whole pool
         scale = head_dim**-0.5  # SDPA's default
-        if q.stride()[1:] != (head_dim, 1):  # the kernel takes rows strided, heads adjacent
+        if q.stride()[1:] != (head_dim, 1):  # the kernels take rows strided, heads adjacent
             q = q.contiguous()
-        return decode_kernel(q, rows, g.slots, g.kv_lens, kv_shape[0], scale, g.window)
+        if g.kv_lens is not None:
+            return kernels.decode(q, rows, g.slots, g.kv_lens, kv_shape[0], scale, g.window)
+        assert g.starts is not None
+        q_starts, kv_starts = g.starts
+        return kernels.prefill(q, rows, g.slots, q_starts, kv_starts, kv_shape[0], scale, g.window)
     gqa = num_heads != kv_shape[0]
     if g.chunks is not None:
         keys = decode(select_rows(pool, g.slots)).view(-1, 2, *kv_shape)  # (sum L, 2, ...)
@@ -382,12 +406,13 @@ def _paged_group(
             qc = q[c.row : c.row + c.q_len]
             if c.lead:
                 qc = torch.cat([qc.new_zeros(c.lead, *qc.shape[1:]), qc])
+            mask = c.mask(q.device)
             out = scaled_dot_product_attention(
                 qc.transpose(0, 1)[None],  # (1, nh, lead + t, hd)
                 kc[None, :, 0],
                 kc[None, :, 1],
-                attn_mask=c.mask,
-                is_causal=c.mask is None,
+                attn_mask=mask,
+                is_causal=mask is None,
                 enable_gqa=gqa,
             )
             outs.append(out[0, :, c.lead :].transpose(0, 1))

@@ -38,7 +38,7 @@ from engine.executor.nano_overlap import NanoOverlap
 from engine.executor.pipeline import BlockPipeline
 from engine.executor.sampler import Sampler, top_logprobs
 from engine.executor.trace import NoTracer, Tracer
-from engine.kernels import dense_ops, paged_decode
+from engine.kernels import dense_ops, paged_kernels
 from engine.loading.checkpoint import open_reader
 from engine.loading.generated import local_model_dir
 from engine.models import build_model
@@ -74,8 +74,8 @@ class Executor:
         written first (engine/executor/attention.py); False gathers a packed copy of every
         past row first, as other tiers and compressed KV always do.
     native_kernels: on the CPU, the native kernels (engine/kernels, built on first use) run
-        decode attention in place and the fused norm, rotary and SiLU ops; False gathers a
-        padded copy for SDPA and runs torch's own ops, as on CUDA.
+        decode and prefill attention in place and the fused norm, rotary and SiLU ops; False
+        gathers the keys into a copy for SDPA and runs torch's own ops, as on CUDA.
     prepack_weights: on the CPU, resident linear weights are stored in oneDNN's blocked
         layout once at load (engine/models/base.py: prepack); False keeps them plain for
         `F.linear`, which reorders them on every call.
@@ -177,7 +177,7 @@ class Executor:
             nano=NanoOverlap(self.model, self.device, overlap=nano_overlap, tracer=self.tracer)
             if policy.num_nano_batches > 1
             else None,
-            decode_kernel=paged_decode() if native else None,
+            kernels=paged_kernels() if native else None,
         )
         self.sampler = Sampler()
         self._closed = False

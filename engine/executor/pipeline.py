@@ -36,7 +36,7 @@ from engine.executor.gpu_batch import AttentionGroup, GpuBatch
 from engine.executor.nano_overlap import NanoOverlap
 from engine.executor.tasks import start
 from engine.executor.trace import NoTracer, Tracer
-from engine.kernels import PagedDecode
+from engine.kernels import PagedKernels
 from engine.models.base import Model, Weights
 from engine.storage.device import Device, Ready
 from engine.storage.disk import DiskFile, DiskIO
@@ -83,7 +83,7 @@ class BlockPipeline:
         tracer: Tracer | NoTracer | None = None,
         graphs: GraphRunner | None = None,
         nano: NanoOverlap | None = None,
-        decode_kernel: PagedDecode | None = None,
+        kernels: PagedKernels | None = None,
     ) -> None:
         self.model, self.weights, self.kv, self.device, self.disk = model, weights, kv, device, disk
         self.overlap, self.dtype = overlap, dtype
@@ -95,8 +95,8 @@ class BlockPipeline:
         self._moved: dict[int, Future[None]] = {}  # layer -> its page moves, when overlapped
         self.nano = nano
         """Runs the decoder layers of GPU batches cut into nano-batches (NanoFlow 4.3)."""
-        self.decode_kernel = decode_kernel
-        """The native CPU decode attention over the pool (`engine.kernels`), or None."""
+        self.kernels = kernels
+        """The native CPU attention over the pool (`engine.kernels`), or None."""
         c = model.config
         self._kv_shape = (c.num_kv_heads, c.head_dim)
         self._acts: dict[int, dict[str, torch.Tensor]] = {}  # GPU batch -> tier -> rows
@@ -415,8 +415,8 @@ class BlockPipeline:
         """Attention of the device group's rows: in place from the pool, or over packed past."""
         if in_place:
             pool = self.kv.pool("gpu", j - 1)
-            decode, kernel = self.kv.codec.decode, self.decode_kernel
-            return paged_attention(q, pool, decode, group.layout, self._kv_shape, kernel)
+            decode, kernels = self.kv.codec.decode, self.kernels
+            return paged_attention(q, pool, decode, group.layout, self._kv_shape, kernels)
         return ragged_attention(q, k, v, *self._split_kv(past.device), group.layout)
 
     def _cpu_attention(

@@ -19,7 +19,7 @@ from engine.executor.disk_profile import disk_bandwidth, io_interference
 from engine.executor.executor import Executor
 from engine.executor.nano_profile import nano_batch_overhead, nano_overlap
 from engine.executor.timing import Probe
-from engine.kernels import paged_decode
+from engine.kernels import paged_kernels
 from engine.storage.device import Device
 from engine.storage.disk import DiskIO
 from engine.storage.quant import dequantize, quantize
@@ -57,7 +57,8 @@ ATTENTION_SHAPE = (16, 4, 64)
 
 def _prefill_attention_flops(dtype: torch.dtype, device: Device, scale: int, probe: Probe) -> float:
     """FLOP/s of the engine's attention over prefill chunks (no past) read in place from a
-    pool (`paged_attention`), counted as the cost model counts them: 4 s^2 q per sequence."""
+    pool (`paged_attention`; on a CPU by the native kernel where it builds, as the engine
+    runs it by default), counted as the cost model counts them: 4 s^2 q per sequence."""
     heads, kv_heads, d = ATTENTION_SHAPE
     seqs, length = 4, 128 * scale
     on = device.device
@@ -66,9 +67,10 @@ def _prefill_attention_flops(dtype: torch.dtype, device: Device, scale: int, pro
     seq_slots = [slots[i * length : (i + 1) * length] for i in range(seqs)]
     layout = RaggedLayout.build([length] * seqs, [0] * seqs, on, seq_slots=seq_slots)
     q = torch.randn(seqs * length, heads, d, dtype=dtype, device=on)
+    kernels = None if device.is_cuda else paged_kernels()
     seconds = probe.seconds(
         "prefill_attention_flops",
-        lambda: paged_attention(q, pool, _plain, layout, (kv_heads, d)),
+        lambda: paged_attention(q, pool, _plain, layout, (kv_heads, d), kernels),
         device,
     )
     return seqs * 4 * length**2 * heads * d / seconds
@@ -87,10 +89,10 @@ def _device_attention_bw(dtype: torch.dtype, device: Device, scale: int, probe: 
     seq_slots = [slots[i * (past + 1) : (i + 1) * (past + 1)] for i in range(seqs)]
     layout = RaggedLayout.build([1] * seqs, [past] * seqs, on, seq_slots=seq_slots)
     q = torch.randn(seqs, heads, d, dtype=dtype, device=on)
-    kernel = None if device.is_cuda else paged_decode()
+    kernels = None if device.is_cuda else paged_kernels()
     seconds = probe.seconds(
         "device_attention_bw",
-        lambda: paged_attention(q, pool, _plain, layout, (kv_heads, d), kernel),
+        lambda: paged_attention(q, pool, _plain, layout, (kv_heads, d), kernels),
         device,
     )
     return seqs * (past + 1) * 2 * kv_heads * d * pool.element_size() / seconds

@@ -5,6 +5,9 @@
   scattered in a pool, so the portable path (`engine.executor.attention`) gathers them into
   a padded copy first; on a CPU, whose memory bandwidth is the limit in decode attention,
   that copy costs more than the attention itself.
+- `paged_prefill` (paged_prefill.cpp) is the prefill chunks' attention, also read from the
+  pool: flash attention with register-blocked products, where torch's CPU flash kernel
+  reaches about a quarter of the GEMM rate (measured in bench/prefill_attention.py).
 - `dense_ops` (dense_ops.cpp) are the small operations around a layer's GEMMs, one pass
   each: RMSNorm, residual add + RMSNorm, rotary, SiLU-and-multiply (vLLM has the same as
   CPU ops). They round where the torch ops they replace round.
@@ -33,7 +36,7 @@ import torch
 logger = logging.getLogger("nanoflex.engine")
 
 HERE = Path(__file__).parent
-SOURCES = (HERE / "paged_decode.cpp", HERE / "dense_ops.cpp")
+SOURCES = (HERE / "paged_decode.cpp", HERE / "paged_prefill.cpp", HERE / "dense_ops.cpp")
 HEADERS = (HERE / "vector_math.h",)
 CFLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-ffp-contract=off")
 """`-fopenmp` makes `at::parallel_for` run on torch's own OpenMP threads (the library
@@ -44,6 +47,12 @@ fused ones replace (explicit FMA intrinsics still fuse)."""
 PagedDecode = Callable[..., torch.Tensor]
 """(q (B, heads, head_dim), pool (slots, 2 * kv_dim), slots (B * kv_max,) int64,
 kv_lens (B,) int64, num_kv_heads, scale, window) -> (B, heads, head_dim)."""
+
+PagedPrefill = Callable[..., torch.Tensor]
+"""(q (T, heads, head_dim), pool (slots, 2 * kv_dim), slots (sum of kv_len,) int64: each
+sequence's keys back to back, q_starts and kv_starts (B + 1,) int64: where each sequence's
+rows of q and of slots begin, num_kv_heads, scale, window) -> (T, heads, head_dim); query t
+of a sequence sees its keys [0, kv_len - q_len + t] (the last `window` of them; 0: all)."""
 
 _lock = threading.Lock()
 
@@ -96,12 +105,24 @@ def _build() -> bool:
     return True
 
 
-def paged_decode() -> PagedDecode | None:
-    """The built `torch.ops.nanoflex.paged_decode`, or None where it cannot be built."""
+@dataclass(frozen=True, slots=True)
+class PagedKernels:
+    """Attention read in place from a layer's KV pool, on the CPU."""
+
+    decode: PagedDecode
+    """Decodes: one query token a sequence."""
+    prefill: PagedPrefill
+    """Prefill chunks: any number of query tokens a sequence, causal."""
+
+
+def paged_kernels() -> PagedKernels | None:
+    """The built `torch.ops.nanoflex.paged_decode` and `paged_prefill`, or None where the
+    library cannot be built."""
     with _lock:
         built = _build()
-    op: PagedDecode | None = torch.ops.nanoflex.paged_decode if built else None
-    return op
+    if not built:
+        return None
+    return PagedKernels(torch.ops.nanoflex.paged_decode, torch.ops.nanoflex.paged_prefill)
 
 
 @dataclass(frozen=True, slots=True)

@@ -108,14 +108,6 @@ void attend_pair(const T* q_pair, const T* k_rows, const T* v_rows, int64_t row_
 // bfloat16 rows at once, interleaved once per block and head, weighted by probabilities
 // rounded to bfloat16 (as SDPA's CPU kernel rounds them); otherwise widened to float32 once
 // per block and head.
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {
-  const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
-}
-inline __m512 load16(const c10::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
 
 // Lane j of the result is the sum of v[j]'s 16 lanes: four rounds, each halving the vectors
 // by adding matched halves of two (256-bit, 128-bit, 64-bit, 32-bit), then one permute

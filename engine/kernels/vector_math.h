@@ -47,6 +47,16 @@ inline __mmask16 tail_mask(int64_t n) {
   return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
 }
 
+// 16 values at p as float32 lanes.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
 // exp(x): 2^k exp(r), k = round(x / ln 2), |r| <= ln 2 / 2, exp(r) by its Taylor series to
 // r^7 (relative error under 3e-9, below float32's rounding); 0 from x = -104 down, inf
 // above 88.

@@ -8,7 +8,7 @@ import torch
 from torch.nn.functional import scaled_dot_product_attention
 
 from engine.executor.attention import RaggedLayout, join_kv, paged_attention, ragged_attention
-from engine.kernels import PagedDecode, paged_decode
+from engine.kernels import PagedKernels, paged_kernels
 
 HEADS, KV_HEADS, DIM = 4, 2, 8
 
@@ -119,7 +119,7 @@ def test_paged_attention_reads_the_pool_in_place(
     q_lens: list[int], past_lens: list[int], window: int | None, kernel: str
 ) -> None:
     """Keys scattered over a pool's slots, read in place (gathered for SDPA, or by the native
-    CPU decode kernel), give what the packed path gives."""
+    CPU kernels), give what the packed path gives."""
     g = torch.Generator().manual_seed(1)
     total, past_total = sum(q_lens), sum(past_lens)
     q = torch.randn(total, HEADS, DIM, generator=g)
@@ -131,16 +131,16 @@ def test_paged_attention_reads_the_pool_in_place(
     paged = RaggedLayout.build(q_lens, past_lens, cpu, window, seq_slots)
     assert paged.in_place and not packed.in_place
     want = ragged_attention(q, k, v, past_k, past_v, packed)
-    decode_kernel = native_kernel() if kernel == "native" else None
-    got = paged_attention(q, pool, lambda rows: rows, paged, (KV_HEADS, DIM), decode_kernel)
+    kernels = native_kernels() if kernel == "native" else None
+    got = paged_attention(q, pool, lambda rows: rows, paged, (KV_HEADS, DIM), kernels)
     torch.testing.assert_close(got, want)
 
 
-def native_kernel() -> PagedDecode:
-    """The native kernel, which the test set-up (a C++ compiler and ninja) must build."""
-    kernel = paged_decode()
-    assert kernel is not None, "the native CPU kernel did not build: see the log"
-    return kernel
+def native_kernels() -> PagedKernels:
+    """The native kernels, which the test set-up (a C++ compiler and ninja) must build."""
+    kernels = paged_kernels()
+    assert kernels is not None, "the native CPU kernels did not build: see the log"
+    return kernels
 
 
 @pytest.mark.parametrize(
@@ -156,22 +156,67 @@ def test_native_decode_kernel_equals_sdpa_over_the_padded_copy(
     to 19 blocks of 16, partial blocks at the end), with and without a sliding window,
     against SDPA in float32 over the same values: within `tol` (float32 to rounding; the half
     types round their output once)."""
-    g = torch.Generator().manual_seed(2)
     past_lens = [0, 299, 17, 64, 150, 3, 255, 100]
-    q_lens = [1] * len(past_lens)
-    total, past_total = len(q_lens), sum(past_lens)
+    kernel_equals_sdpa([1] * len(past_lens), past_lens, (heads, kv_heads, dim), window, dtype, tol)
+
+
+def kernel_equals_sdpa(
+    q_lens: list[int],
+    past_lens: list[int],
+    shape: tuple[int, int, int],
+    window: int | None,
+    dtype: torch.dtype,
+    tol: float,
+) -> list[bool]:
+    """The native kernels over a NaN-poisoned scattered pool give SDPA's float32 result over
+    the same values, within `tol`; returns which of the layout's groups are prefill chunks."""
+    heads, kv_heads, dim = shape
+    g = torch.Generator().manual_seed(2)
+    total, past_total = sum(q_lens), sum(past_lens)
     q = torch.randn(total, heads, dim, generator=g).to(dtype)
     k, v = (torch.randn(total, kv_heads, dim, generator=g).to(dtype) for _ in "kv")
     past_k, past_v = (torch.randn(past_total, kv_heads, dim, generator=g).to(dtype) for _ in "kv")
     pool, seq_slots = scattered_pool(k, v, past_k, past_v, q_lens, past_lens, g)
     cpu = torch.device("cpu")
     paged = RaggedLayout.build(q_lens, past_lens, cpu, window, seq_slots)
-    got = paged_attention(q, pool, lambda rows: rows, paged, (kv_heads, dim), native_kernel())
+    got = paged_attention(q, pool, lambda rows: rows, paged, (kv_heads, dim), native_kernels())
     assert got.dtype == dtype
     packed = RaggedLayout.build(q_lens, past_lens, cpu, window)
     f32 = [x.float() for x in (q, k, v, past_k, past_v)]
     want = ragged_attention(*f32, packed)
     torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+    return [grp.starts is not None for grp in paged.groups]
+
+
+@pytest.mark.parametrize(
+    "dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)]
+)
+@pytest.mark.parametrize(
+    "heads,kv_heads,dim", [(9, 3, 64), (8, 2, 128), (4, 1, 256), (6, 6, 64), (4, 4, 32)]
+)
+@pytest.mark.parametrize("window", [None, 40])
+def test_native_prefill_kernel_equals_sdpa_over_the_padded_copy(
+    dtype: torch.dtype, tol: float, heads: int, kv_heads: int, dim: int, window: int | None
+) -> None:
+    """The prefill kernel on realistic chunk shapes (SmolLM2's grouped heads, head_dims of 128
+    and 256, multi-head with 48 query rows an item, and a head_dim of 32 in the portable
+    loops): chunks with no past, a past shorter and longer than themselves, a chunk of one
+    row among longer ones, lengths that end inside a tile of 32 keys and a run of 48 query
+    rows, with and without a sliding window, read from a pool whose other slots are NaN,
+    against SDPA in float32 over the same values."""
+    q_lens, past_lens = [70, 5, 33, 1, 100, 17], [0, 30, 200, 7, 64, 3]
+    groups = kernel_equals_sdpa(q_lens, past_lens, (heads, kv_heads, dim), window, dtype, tol)
+    assert groups == [False, True]  # the one-row chunk is a decode, in a group of its own
+
+
+def test_prefill_kernel_refuses_offsets_that_do_not_fit() -> None:
+    kernels = native_kernels()
+    q, pool = torch.randn(4, 2, 8), torch.randn(10, 2 * 1 * 8)
+    slots = torch.arange(4)
+    with pytest.raises(RuntimeError, match="q_len <= kv_len"):
+        kernels.prefill(q, pool, slots[:3], torch.tensor([0, 4]), torch.tensor([0, 3]), 1, 1.0, 0)
+    with pytest.raises(RuntimeError, match="ends at q's rows"):
+        kernels.prefill(q, pool, slots, torch.tensor([0, 3]), torch.tensor([0, 4]), 1, 1.0, 0)
 
 
 def test_join_kv_is_a_view_where_values_follow_keys() -> None:

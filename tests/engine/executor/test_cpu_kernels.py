@@ -19,6 +19,7 @@ from tests.engine.tiny_models import MAX_TOKENS
 
 NATIVE = (
     "nanoflex::paged_decode",
+    "nanoflex::paged_prefill",
     "nanoflex::rms_norm",
     "nanoflex::add_rms_norm",
     "nanoflex::rotary",
