@@ -9,9 +9,10 @@
 //
 // Work is split over sequences, on torch's intra-op threads, longest first. Scores, softmax
 // and the weighted sum of values are in float32, as in SDPA's CPU kernel. With AVX-512 and a
-// head_dim of 64, 128 or 256 a sequence runs in vector registers in one pass over its rows
-// (`attend_seq_avx512`); otherwise each kv head's query heads (grouped-query attention) in
-// plain loops the compiler vectorizes (`attend_pair`).
+// head_dim of 64, 128 or 256 a sequence runs in vector registers, 256 keys at a time, each
+// read in two passes while it is in the cache: scores, then values (`attend_seq_avx512`);
+// otherwise each kv head's query heads (grouped-query attention) in plain loops the compiler
+// vectorizes (`attend_pair`).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -20,6 +21,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -44,7 +46,7 @@ inline const float* as_float(const T* src, float* buf, int64_t n) {
 
 // Per-thread buffers, reused across the sequences a thread takes.
 struct Scratch {
-  std::vector<float> q, acc, row, scores, sums, top;
+  std::vector<float> q, acc, row, scores, sums, top, shrink;
 };
 
 // One (sequence, kv head) pair, any head_dim: scores, softmax, weighted sum of values.
@@ -96,18 +98,27 @@ void attend_pair(const T* q_pair, const T* k_rows, const T* v_rows, int64_t row_
 
 #if defined(__AVX512F__)
 // A whole sequence (every kv head) for head_dim HD known at compile time, in AVX-512
-// registers, in one pass over its rows, 16 at a time: each row (all heads' keys, then
-// values) is read once, in order, while it is in the cache. The softmax is online (a
-// running max and sum per query head, the accumulators rescaled when the max grows), as
-// in flash attention. Scores: each key's products with a query head are summed across
-// lanes for 16 keys at once (`sum_lanes16`, a transpose as it adds) rather than one
-// horizontal sum per key; with AVX512-BF16 a bfloat16 key is multiplied as it lies
-// (`dpbf16`: pairwise products, exact, summed in float32), otherwise the block's keys are
-// widened to float32 once for the group's query heads. Values are summed into each query
-// head's accumulators, which stay in registers across the block: with AVX512-BF16, two
-// bfloat16 rows at once, interleaved once per block and head, weighted by probabilities
-// rounded to bfloat16 (as SDPA's CPU kernel rounds them); otherwise widened to float32 once
-// per block and head.
+// registers, a segment of up to 256 keys at a time, in two passes over the segment's rows:
+// 1. Scores of every query head, 16 keys at a time: each key's products with a query head
+//    are summed across lanes for 16 keys at once (`sum_lanes16`, a transpose as it adds)
+//    rather than one horizontal sum per key; with AVX512-BF16 a bfloat16 key is multiplied
+//    as it lies (`dpbf16`: pairwise products, exact, summed in float32). Only the keys'
+//    half of each row is read.
+// 2. The softmax of the segment's scores, each head's row at once (16 lanes a step, no
+//    chain from one block to the next), merged into the running max and sum of the
+//    segments before (flash decoding's rescale, once per segment).
+// 3. Values, read once for all the query heads of their kv head: the heads' accumulators
+//    stay in registers across the segment's keys. With AVX512-BF16, two bfloat16 rows at a
+//    time, interleaved, weighted by probabilities rounded to bfloat16 (as SDPA's CPU kernel
+//    rounds them for its bfloat16 GEMM); otherwise widened to float32 as they are loaded.
+// A segment's rows (256 x 2 x kv_dim values) stay in the core's cache between the passes.
+#if defined(__AVX512BF16__)
+constexpr bool kPairwiseBF16 = true;
+#else
+constexpr bool kPairwiseBF16 = false;
+#endif
+
+constexpr int64_t kSegment = 256;
 
 // Lane j of the result is the sum of v[j]'s 16 lanes: four rounds, each halving the vectors
 // by adding matched halves of two (256-bit, 128-bit, 64-bit, 32-bit), then one permute
@@ -131,39 +142,87 @@ inline __m512 sum_lanes16(const __m512 (&v)[16]) {
   return _mm512_permutexvar_ps(order, mixed);
 }
 
-// Rows `rows[j] + offset`, j < m (HD values each), as float32 rows of `buf`, HD apart.
-template <typename T, int HD>
-inline void widen_block(const T* const (&rows)[16], int64_t offset, int m, float* buf) {
-  for (int j = 0; j < m; ++j)
-    for (int i = 0; i < HD / 16; ++i)
-      _mm512_storeu_ps(buf + j * HD + i * 16, load16(rows[j] + offset + i * 16));
-}
-
+// Pass 1 for one query head: scores of `m` keys (rows at `rows[t] + k_at`, t < m), scaled,
+// into s[0, m); lanes past m in the last 16 hold scores of the last row again.
+template <typename T, int HD, bool PAIRWISE>
+void head_scores(const T* q, const float* qf, const T* const* rows, int64_t k_at, int64_t m,
+                 float scale, float* s) {
+  constexpr int V = HD / 16;
+  for (int64_t t0 = 0; t0 < m; t0 += 16) {
+    __m512 part[16];
+    for (int j = 0; j < 16; ++j) {
+      const T* k = rows[std::min<int64_t>(t0 + j, m - 1)] + k_at;
+      if constexpr (PAIRWISE) {
 #if defined(__AVX512BF16__)
-constexpr bool kPairwiseBF16 = true;
-
-// Rows 2i and 2i+1 of a block's 16 (HD bfloat16 values each, at `offset`) interleaved, for
-// `dpbf16`: out[i * HD/16 + z] holds 16 (row 2i, row 2i+1) pairs. The interleave works
-// within 128-bit lanes, so the 16 sums a pair vector feeds are dims in `pair_order`.
-template <int HD>
-inline void interleave_pairs(const c10::BFloat16* const (&rows)[16], int64_t offset, __m512bh* out) {
-  for (int i = 0; i < 8; ++i)
-    for (int c = 0; c < HD / 32; ++c) {
-      const __m512i a = _mm512_loadu_si512(rows[2 * i] + offset + c * 32);
-      const __m512i b = _mm512_loadu_si512(rows[2 * i + 1] + offset + c * 32);
-      out[i * (HD / 16) + 2 * c] = (__m512bh)_mm512_unpacklo_epi16(a, b);
-      out[i * (HD / 16) + 2 * c + 1] = (__m512bh)_mm512_unpackhi_epi16(a, b);
-    }
-}
-#else
-constexpr bool kPairwiseBF16 = false;
+        __m512 dot = _mm512_setzero_ps();
+        for (int i = 0; i < HD / 32; ++i)
+          dot = _mm512_dpbf16_ps(dot, (__m512bh)_mm512_loadu_si512(q + i * 32),
+                                 (__m512bh)_mm512_loadu_si512(k + i * 32));
+        part[j] = dot;
 #endif
+      } else {
+        __m512 dot = _mm512_mul_ps(_mm512_loadu_ps(qf), load16(k));
+        for (int i = 1; i < V; ++i) dot = _mm512_fmadd_ps(_mm512_loadu_ps(qf + i * 16), load16(k + i * 16), dot);
+        part[j] = dot;
+      }
+    }
+    _mm512_storeu_ps(s + t0, _mm512_mul_ps(sum_lanes16(part), _mm512_set1_ps(scale)));
+  }
+}
 
-// Where dim d's sum lies in accumulators filled from `interleave_pairs`: 32 dims a 512-bit
-// chunk c; in 128-bit lane L, unpacklo takes dims 8L..8L+3, unpackhi 8L+4..8L+7.
-constexpr int pair_order(int d) {
-  const int c = d / 32, r = d % 32, lane = r / 8, within = r % 8;
-  return (2 * c + within / 4) * 16 + 4 * lane + within % 4;
+// Pass 2 for GC query heads of one kv head: acc[g] (HD floats each, HD apart) times
+// rescale[g], plus the probabilities p[g] (kSegment apart; bfloat16 pairs when PAIRWISE)
+// times the values of `m` rows (at `rows[t] + v_at`).
+template <typename T, int HD, int GC, bool PAIRWISE>
+void head_values(const void* p, const float* rescale, const T* const* rows, int64_t v_at,
+                 int64_t m, float* acc_out) {
+  constexpr int V = HD / 16;
+  __m512 acc[GC][V];
+  for (int g = 0; g < GC; ++g)
+    for (int i = 0; i < V; ++i)
+      acc[g][i] = _mm512_mul_ps(_mm512_loadu_ps(acc_out + g * HD + i * 16), _mm512_set1_ps(rescale[g]));
+  if constexpr (PAIRWISE) {
+#if defined(__AVX512BF16__)
+    alignas(64) static const uint16_t order[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                                   8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+    const __m512i lo = _mm512_load_si512(order);
+    const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+    const auto* pw = static_cast<const uint32_t*>(p);  // (g, key pair) -> two bfloat16
+    for (int64_t jp = 0; jp < (m + 1) / 2; ++jp) {
+      const T* a = rows[2 * jp] + v_at;
+      const T* b = 2 * jp + 1 < m ? rows[2 * jp + 1] + v_at : nullptr;
+      __m512bh vp[V];
+      for (int c = 0; c < HD / 32; ++c) {
+        const __m512i va = _mm512_loadu_si512(a + c * 32);
+        const __m512i vb = b ? _mm512_loadu_si512(b + c * 32) : _mm512_setzero_si512();
+        vp[2 * c] = (__m512bh)_mm512_permutex2var_epi16(va, lo, vb);
+        vp[2 * c + 1] = (__m512bh)_mm512_permutex2var_epi16(va, hi, vb);
+      }
+      for (int g = 0; g < GC; ++g) {
+        const __m512bh pb = (__m512bh)_mm512_set1_epi32(static_cast<int>(pw[g * (kSegment / 2) + jp]));
+        for (int i = 0; i < V; ++i) acc[g][i] = _mm512_dpbf16_ps(acc[g][i], pb, vp[i]);
+      }
+    }
+#endif
+  } else {
+    const auto* pf = static_cast<const float*>(p);
+    for (int64_t t = 0; t < m; ++t) {
+      const T* v = rows[t] + v_at;
+      __m512 vv[V];
+      for (int i = 0; i < V; ++i) vv[i] = load16(v + i * 16);
+      for (int g = 0; g < GC; ++g) {
+        const __m512 pb = _mm512_set1_ps(pf[g * kSegment + t]);
+        for (int i = 0; i < V; ++i) acc[g][i] = _mm512_fmadd_ps(pb, vv[i], acc[g][i]);
+      }
+    }
+  }
+  for (int g = 0; g < GC; ++g)
+    for (int i = 0; i < V; ++i) _mm512_storeu_ps(acc_out + g * HD + i * 16, acc[g][i]);
+}
+
+template <typename T, int HD, bool PAIRWISE, size_t... I>
+constexpr auto head_values_table(std::index_sequence<I...>) {
+  return std::array{&head_values<T, HD, static_cast<int>(I) + 1, PAIRWISE>...};
 }
 
 template <typename T, int HD>
@@ -172,10 +231,9 @@ void attend_seq_avx512(const T* q, const T* pool, int64_t row_stride, const int6
                        T* out) {
   constexpr int V = HD / 16;
   constexpr bool pairwise = kPairwiseBF16 && std::is_same_v<T, c10::BFloat16>;
-  constexpr bool as_is = std::is_same_v<T, float>;  // rows read in place, not widened
-  constexpr int SETS = V >= 8 ? 1 : 2;  // two accumulator sets keep short rows' FMAs in flight
+  constexpr int GC = std::max(1, 24 / V);  // query heads whose accumulators fit registers
+  static constexpr auto values = head_values_table<T, HD, pairwise>(std::make_index_sequence<GC>());
   const int64_t heads = kv_heads * group;
-  const int64_t row_bytes = 2 * kv_heads * HD * static_cast<int64_t>(sizeof(T));
   if constexpr (!pairwise) {  // the float32 path multiplies float32 queries
     w.q.resize(heads * HD);
     for (int64_t i = 0; i < heads * V; ++i) _mm512_storeu_ps(w.q.data() + i * 16, load16(q + i * 16));
@@ -183,103 +241,56 @@ void attend_seq_avx512(const T* q, const T* pool, int64_t row_stride, const int6
   w.acc.assign(heads * HD, 0.f);
   w.top.assign(heads, -std::numeric_limits<float>::infinity());
   w.sums.assign(heads, 0.f);
-  w.row.resize(2 * 16 * HD);
-  float* keys_f = w.row.data();
-  float* values_f = keys_f + 16 * HD;
-  const __m512 scale16 = _mm512_set1_ps(scale);
-  const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  alignas(64) float p[16];
-#if defined(__AVX512BF16__)
-  __m512bh values_pairs[8 * V];  // (bfloat16 path) the block's values, two rows interleaved
-#endif
-  for (int64_t t0 = 0; t0 < n; t0 += 16) {
-    const int m = static_cast<int>(std::min<int64_t>(16, n - t0));
-    const __mmask16 live = tail_mask(m);
-    const T* rows[16];  // past the end: the block's last row again (its score is masked)
-    for (int j = 0; j < 16; ++j) rows[j] = pool + seq_slots[t0 + std::min(j, m - 1)] * row_stride;
-    // The next block's rows lie on pages of their own: ask for them now, so that the memory
-    // system fetches them while this block computes (its prefetchers stop at page edges).
-    for (int64_t t = t0 + 16; t < std::min(n, t0 + 32); ++t) {
-      const char* row = reinterpret_cast<const char*>(pool + seq_slots[t] * row_stride);
-      for (int64_t at = 0; at < row_bytes; at += 64) _mm_prefetch(row + at, _MM_HINT_T2);
-    }
-    for (int64_t h = 0; h < kv_heads; ++h) {
-      const int64_t k_at = h * HD, v_at = (kv_heads + h) * HD;
-      if constexpr (!pairwise && !as_is) widen_block<T, HD>(rows, k_at, 16, keys_f);
-#if defined(__AVX512BF16__)
-      if constexpr (pairwise) interleave_pairs<HD>(rows, v_at, values_pairs);
-#endif
-      if constexpr (!pairwise && !as_is) widen_block<T, HD>(rows, v_at, m, values_f);
-      for (int64_t g = 0; g < group; ++g) {
-        const int64_t qh = h * group + g;
-        __m512 part[16];
+  w.shrink.resize(heads);
+  w.scores.resize(heads * kSegment);
+  w.row.resize(heads * kSegment);  // probabilities: float32, or bfloat16 in the first half
+  thread_local std::vector<const T*> rows(kSegment);
+  for (int64_t t0 = 0; t0 < n; t0 += kSegment) {
+    const int64_t m = std::min(kSegment, n - t0);
+    for (int64_t t = 0; t < m; ++t) rows[t] = pool + seq_slots[t0 + t] * row_stride;
+    for (int64_t qh = 0; qh < heads; ++qh)
+      head_scores<T, HD, pairwise>(q + qh * HD, pairwise ? nullptr : w.q.data() + qh * HD,
+                                   rows.data(), (qh / group) * HD, m, scale,
+                                   w.scores.data() + qh * kSegment);
+    for (int64_t qh = 0; qh < heads; ++qh) {
+      float* s = w.scores.data() + qh * kSegment;
+      __m512 most = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+      for (int64_t t = 0; t < m; t += 16)
+        most = _mm512_mask_max_ps(most, tail_mask(m - t), most, _mm512_loadu_ps(s + t));
+      const float top = std::max(w.top[qh], _mm512_reduce_max_ps(most));
+      __m512 total = _mm512_setzero_ps();
+      float* p = w.row.data() + qh * kSegment;
+      for (int64_t t = 0; t < m; t += 16) {
+        const __m512 e = _mm512_maskz_mov_ps(tail_mask(m - t),
+                                             exp16(_mm512_sub_ps(_mm512_loadu_ps(s + t), _mm512_set1_ps(top))));
+        total = _mm512_add_ps(total, e);
         if constexpr (pairwise) {
 #if defined(__AVX512BF16__)
-          __m512bh qv[HD / 32];
-          for (int i = 0; i < HD / 32; ++i)
-            qv[i] = (__m512bh)_mm512_loadu_si512(q + qh * HD + i * 32);
-          for (int j = 0; j < 16; ++j) {
-            __m512 dot = _mm512_setzero_ps();
-            for (int i = 0; i < HD / 32; ++i)
-              dot = _mm512_dpbf16_ps(dot, qv[i], (__m512bh)_mm512_loadu_si512(rows[j] + k_at + i * 32));
-            part[j] = dot;
-          }
+          auto* pb = reinterpret_cast<c10::BFloat16*>(w.row.data()) + qh * kSegment;
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb + t), (__m256i)_mm512_cvtneps_pbh(e));
 #endif
         } else {
-          const float* qf = w.q.data() + qh * HD;
-          for (int j = 0; j < 16; ++j) {
-            const float* k = as_is ? reinterpret_cast<const float*>(rows[j] + k_at) : keys_f + j * HD;
-            __m512 dot = _mm512_mul_ps(_mm512_loadu_ps(qf), _mm512_loadu_ps(k));
-            for (int i = 1; i < V; ++i)
-              dot = _mm512_fmadd_ps(_mm512_loadu_ps(qf + i * 16), _mm512_loadu_ps(k + i * 16), dot);
-            part[j] = dot;
-          }
-        }
-        const __m512 s = _mm512_mask_mul_ps(minus_inf, live, sum_lanes16(part), scale16);
-        const float old = w.top[qh], top = std::max(old, _mm512_reduce_max_ps(s));
-        const __m512 e = exp16(_mm512_sub_ps(s, _mm512_set1_ps(top)));  // 0 in dead lanes
-        _mm512_store_ps(p, e);
-        const float shrink = std::exp(old - top);  // 0 on the first block, 1 mostly after
-        w.top[qh] = top;
-        w.sums[qh] = w.sums[qh] * shrink + _mm512_reduce_add_ps(e);
-        float* a = w.acc.data() + qh * HD;
-        __m512 acc[SETS][V];
-        for (int i = 0; i < V; ++i) {
-          acc[0][i] = _mm512_mul_ps(_mm512_loadu_ps(a + i * 16), _mm512_set1_ps(shrink));
-          if constexpr (SETS == 2) acc[1][i] = _mm512_setzero_ps();
-        }
-        if constexpr (pairwise) {
-#if defined(__AVX512BF16__)
-          // Probabilities rounded to bfloat16 (as SDPA's CPU kernel rounds them for its
-          // bfloat16 GEMM), two rows' weights a lane; accumulators in pair order.
-          alignas(32) uint32_t pp[8];
-          _mm256_store_si256(reinterpret_cast<__m256i*>(pp), (__m256i)_mm512_cvtneps_pbh(e));
-          for (int i = 0; i < (m + 1) / 2; ++i) {
-            const __m512bh pi = (__m512bh)_mm512_set1_epi32(static_cast<int>(pp[i]));
-            for (int z = 0; z < V; ++z)
-              acc[i % SETS][z] = _mm512_dpbf16_ps(acc[i % SETS][z], values_pairs[i * V + z], pi);
-          }
-#endif
-        } else {
-          for (int j = 0; j < m; ++j) {
-            const float* v = as_is ? reinterpret_cast<const float*>(rows[j] + v_at) : values_f + j * HD;
-            const __m512 pj = _mm512_set1_ps(p[j]);
-            for (int i = 0; i < V; ++i)
-              acc[j % SETS][i] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(v + i * 16), acc[j % SETS][i]);
-          }
-        }
-        for (int i = 0; i < V; ++i) {
-          __m512 sum = acc[0][i];
-          if constexpr (SETS == 2) sum = _mm512_add_ps(sum, acc[1][i]);
-          _mm512_storeu_ps(a + i * 16, sum);
+          _mm512_storeu_ps(p + t, e);
         }
       }
+      const float shrink = w.top[qh] == -std::numeric_limits<float>::infinity() ? 0.f : std::exp(w.top[qh] - top);
+      w.sums[qh] = w.sums[qh] * shrink + _mm512_reduce_add_ps(total);
+      w.top[qh] = top;
+      w.shrink[qh] = shrink;
     }
+    for (int64_t h = 0; h < kv_heads; ++h)
+      for (int64_t g0 = 0; g0 < group; g0 += GC) {
+        const int64_t gc = std::min<int64_t>(GC, group - g0);
+        const int64_t qh = h * group + g0;
+        const void* p = pairwise ? static_cast<const void*>(reinterpret_cast<const c10::BFloat16*>(w.row.data()) + qh * kSegment)
+                                 : static_cast<const void*>(w.row.data() + qh * kSegment);
+        values[gc - 1](p, w.shrink.data() + qh, rows.data(), (kv_heads + h) * HD, m,
+                       w.acc.data() + qh * HD);
+      }
   }
   for (int64_t qh = 0; qh < heads; ++qh) {
     const float inv = 1.f / w.sums[qh];
-    for (int d = 0; d < HD; ++d)
-      out[qh * HD + d] = from_f<T>(w.acc[qh * HD + (pairwise ? pair_order(d) : d)] * inv);
+    for (int d = 0; d < HD; ++d) out[qh * HD + d] = from_f<T>(w.acc[qh * HD + d] * inv);
   }
 }
 #endif
