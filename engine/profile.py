@@ -44,11 +44,11 @@ def main(args: argparse.Namespace) -> int:
         f"{t} threads {bw / gb:.1f} GB/s" for t, bw in spec.cpu_attention_throughput
     )
     print(f"cpu attention  {attention}")
-    knee = spec.dense_knee_rows()
-    print(f"dense step     knee at {knee} rows (discrete batch sizes start there):")
+    flat = spec.dense_flat_rows()
+    print(f"dense step     flat up to {flat} rows (padding up to there is free):")
     best = max(n / s for n, s in spec.dense_step_table)
     for rows, seconds in spec.dense_step_table:
-        mark = "  <- knee" if rows == knee else ""
+        mark = "  <- flat up to here" if rows == flat else ""
         print(
             f"  {rows:6d} rows {seconds * 1e3:9.3f} ms  {rows / seconds / best:6.1%} of best{mark}"
         )

@@ -35,8 +35,8 @@ UNFUSED_DEQUANT_PASSES = 16
 """Full-width memory passes of an unfused (unpack, scale, shift, reshape) dequantization."""
 CPU_ATTENTION_SATURATION_THREADS = 8
 """CPU attention stops scaling past ~8 intra-op threads (LM-Offload Fig. 5)."""
-KNEE_FRAC = 0.9
-"""A step size is efficient once its rows/s reach this share of the best measured."""
+FLAT_GROWTH = 0.1
+"""A dense step counts as flat (no dearer than the fastest) within this share of its time."""
 MAX_SPREAD = 0.25
 """A profile whose noisiest measurement spreads wider than this (interquartile range over
 median) is measured again: a constant known only within +-12% cannot hold a 25% prediction."""
@@ -87,7 +87,8 @@ class HardwareSpec:
     """Group-wise 4-bit dequantization on the compute device, elements/s."""
     dense_step_table: tuple[tuple[int, float], ...] = ()
     """Measured dense work of one step: (token rows, seconds) of a reference layer's matmuls
-    on the compute device; its knee sets the discrete batch sizes (NanoFlow 4.2)."""
+    on the compute device; how far it stays flat sets the discrete batch sizes (NanoFlow
+    4.2, `dense_flat_rows`)."""
     dense_step_params: int = 0
     """Parameters of the reference Llama layer `dense_step_table` timed (its dense operations
     through the engine's layer code: norms, projections, rotary, SwiGLU MLP, residuals); 0 =
@@ -265,14 +266,21 @@ class HardwareSpec:
             ref_seconds = t0 + (t1 - t0) * (rows - r0) / (r1 - r0)
         return ref_seconds * weight_elems / ref
 
-    def dense_knee_rows(self, frac: float = KNEE_FRAC) -> int | None:
-        """The fewest token rows per step whose rows/s reach `frac` of the best measured in
-        `dense_step_table` (None when not measured): below it the device idles, above it
-        time grows with the rows."""
+    def dense_flat_rows(self, growth: float = FLAT_GROWTH) -> int | None:
+        """The most token rows, counting up from the fewest measured, whose dense step
+        (`dense_step_table`) takes at most `growth` more than the fastest one (None when
+        not measured): up to it the device is under-used, so padding rows cost nothing;
+        beyond it time grows with the rows (a GPU stays flat to a hundred rows or more, a
+        CPU to a few)."""
         if not self.dense_step_table:
             return None
-        best = max(n / s for n, s in self.dense_step_table)
-        return next(n for n, s in self.dense_step_table if n / s >= frac * best)
+        fastest = min(s for _, s in self.dense_step_table)
+        flat = self.dense_step_table[0][0]
+        for rows, seconds in self.dense_step_table:
+            if seconds > (1 + growth) * fastest:
+                break
+            flat = rows
+        return flat
 
     # ---- JSON --------------------------------------------------------------------------
 

@@ -78,8 +78,9 @@ class EngineArgs:
     """With `Policy.num_nano_batches` > 1, overlap the nano-batches' operations; False runs
     them one after another (NanoFlow's nano-batch-only baseline, for ablations)."""
     batch_sizes: tuple[int, ...] | None = None
-    """The discrete sizes; None: from the knee of the cached hardware profile's dense step
-    table (`nanoflex profile`), or powers of two without one."""
+    """The discrete sizes; None: from the rows up to which the cached hardware profile's
+    dense step stays flat (`nanoflex profile`; `scheduler.discrete_sizes`), or as if it
+    never were without one."""
     async_scheduling: bool | None = None
     """Plan step i+1 while step i runs (NanoFlow 5.3); False is the synchronous reference.
     None: on, except where the step would run on a thread of this process with the CPU as
@@ -339,8 +340,8 @@ class EngineArgs:
             sizes = tuple(s for s in self.batch_sizes if s <= step_tokens)
         else:
             hardware = cached_hardware()
-            knee = None if hardware is None else hardware.dense_knee_rows()
-            sizes = discrete_sizes(step_tokens, knee, policy.block_size)
+            flat = None if hardware is None else hardware.dense_flat_rows()
+            sizes = discrete_sizes(step_tokens, flat, policy.block_size)
         return SchedulerConfig.from_policy(
             policy,
             page_tokens=info.page_tokens,

@@ -124,19 +124,23 @@ class SchedulerConfig:
         return cls(**shape, **fracs, **kwargs)  # type: ignore[arg-type]
 
 
-MAX_KNEE_MULTIPLES = 16
-"""Sizes at multiples of the knee go up to this many knees; powers of two beyond."""
+SIZES_PER_OCTAVE = 8
+"""Discrete sizes between a power of two and the next, above the flat rows."""
 
 
-def discrete_sizes(max_rows: int, knee: int | None, block_size: int) -> tuple[int, ...]:
-    """The dense batch sizes a step may run (NanoFlow 4.2): powers of two below the knee
-    (the device is under-used there, so padding up is nearly free), multiples of the knee
-    above it (time grows with rows, so sizes are close and padding small), the block size
-    (a full block's decodes run unpadded) and max_rows. knee None: powers of two."""
-    sizes = {1 << i for i in range(max_rows.bit_length()) if 1 << i <= max_rows}
-    if knee is not None and knee >= 1:
-        sizes = {s for s in sizes if s < knee or s > MAX_KNEE_MULTIPLES * knee}
-        sizes |= {knee * m for m in range(1, MAX_KNEE_MULTIPLES + 1) if knee * m <= max_rows}
+def discrete_sizes(max_rows: int, flat_rows: int | None, block_size: int) -> tuple[int, ...]:
+    """The dense batch sizes a step may run (NanoFlow 4.2): powers of two up to `flat_rows`,
+    the rows below which a dense step's time does not grow (the device is under-used, so
+    padding up is free); above them 8 sizes an octave, so that padding adds at most an
+    eighth of a step's rows where every row costs time; the block size (a full block's
+    decodes run unpadded) and max_rows. flat_rows None: 1 (every row costs)."""
+    flat = max(1, min(flat_rows or 1, max_rows))
+    base = 1 << (flat.bit_length() - 1)  # the largest power of two within the flat rows
+    sizes = {1 << i for i in range(base.bit_length())}
+    while base <= max_rows:
+        step = max(1, base // SIZES_PER_OCTAVE)
+        sizes |= set(range(base, min(2 * base, max_rows + 1), step))
+        base *= 2
     sizes |= {min(block_size, max_rows), max_rows}
     return tuple(sorted(sizes))
 

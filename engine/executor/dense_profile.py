@@ -1,6 +1,6 @@
 """The profile's dense step table: one reference Llama layer's dense operations through the
-engine's own layer code, timed at 1, 2, 4, ... token rows (NanoFlow 4.2's knee; the cost
-model's dense term)."""
+engine's own layer code, timed at 1, 2, 4, ... token rows (where it stays flat sets NanoFlow
+4.2's discrete sizes; the cost model's dense term)."""
 
 from __future__ import annotations
 
@@ -67,8 +67,8 @@ def dense_step_table(
 ) -> tuple[tuple[tuple[int, float], ...], int]:
     """((token rows, seconds), ...) of the reference layer's dense work (norms, QKV and output
     projections, rotary, MLP, residuals: all but attention, as the engine runs them) for
-    power-of-two row counts up to `max_rows`, and the layer's parameter count. Where rows/s
-    stops growing is the knee the discrete batch sizes start from (NanoFlow 4.2)."""
+    power-of-two row counts up to `max_rows`, and the layer's parameter count. Where its time
+    starts to grow with the rows sets the discrete batch sizes (NanoFlow 4.2)."""
     model, w = reference_layer(hidden, dtype, device.device)
     params = sum(t.numel() for t in w.values() if t.dim() == 2)
     heads = model.config.num_heads

@@ -305,7 +305,8 @@ def test_config_validation_and_from_policy() -> None:
         SchedulerConfig(kv_capacity_pages={"ssd": 3})
     config = SchedulerConfig.from_policy(Policy(gpu_batch_size=4, num_gpu_batches=3), page_tokens=8)
     assert (config.block_size, config.page_tokens) == (12, 8)
-    assert SchedulerConfig(max_step_tokens=48).batch_sizes == (1, 2, 4, 8, 16, 32, 48)
+    every_row_costs = (*range(1, 16), *range(16, 32, 2), *range(32, 49, 4))  # 1/8 at most
+    assert SchedulerConfig(max_step_tokens=48).batch_sizes == every_row_costs
 
 
 def test_result_that_does_not_answer_the_plan_is_rejected() -> None:
