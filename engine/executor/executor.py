@@ -46,6 +46,7 @@ from engine.models.config import ModelConfig, read_hf_config
 from engine.storage.device import Device
 from engine.storage.disk import DiskIO
 from engine.storage.disk_cache import DiskCacheIndex
+from engine.storage.host_memory import keep_freed_memory
 from engine.storage.kv_store import KVStore
 from engine.storage.quant import KVRowCodec
 from engine.storage.weight_store import WeightStore
@@ -115,6 +116,7 @@ class Executor:
             self.model.dense_ops = dense_ops()
         self.dtype = dtype or self.device.default_dtype(checkpoint_dtype(self.model_dir))
         self._apply_thread_counts()
+        keep_freed_memory()
         self._own_offload_dir = offload_dir is None
         self.offload_dir = Path(offload_dir or tempfile.mkdtemp(prefix="nanoflex-offload-"))
         self.offload_dir.mkdir(parents=True, exist_ok=True)
