@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from engine.executor.profiler import profile_hardware
+from engine.profiling.profiler import profile_hardware
 from policy.hardware import MAX_SPREAD, HardwareSpec, default_cache_path
 
 

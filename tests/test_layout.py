@@ -33,7 +33,17 @@ ALLOWED: dict[str, set[str]] = {
         "engine.core",
         "policy",
     },
+    "engine.profiling": {
+        "engine.executor",
+        "engine.storage",
+        "engine.models",
+        "engine.kernels",
+        "engine.loading",
+        "engine.core",
+        "policy",
+    },
     "engine": {
+        "engine.profiling",
         "engine.executor",
         "engine.storage",
         "engine.models",

@@ -75,7 +75,7 @@ def hardware_profile(device: str = "auto") -> HardwareSpec:
 def _measure_quick(device: str) -> HardwareSpec:
     with tempfile.TemporaryDirectory(prefix="nanoflex-profile-") as tmp:
         out = Path(tmp) / "hardware.json"
-        argv = [sys.executable, "-m", "engine.executor.profiler", device, str(out)]
+        argv = [sys.executable, "-m", "engine.profiling.profiler", device, str(out)]
         if subprocess.run(argv, check=False).returncode != 0 or not out.is_file():
             raise UserError("measuring a hardware profile failed; run `nanoflex profile`")
         return HardwareSpec.load(out)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -18,9 +17,6 @@ from engine.core.sampling_params import SamplingParams
 from engine.executor.attention import RaggedLayout, padded_table
 from engine.models.base import Positions
 from engine.storage.kv_store import KVRows
-
-if TYPE_CHECKING:
-    from engine.executor.nano_batches import NanoBatch
 
 
 @dataclass(slots=True)
@@ -42,6 +38,36 @@ class AttentionGroup:
         if self._past is None:
             self._past = self.build_past()
         return self._past
+
+
+@dataclass(slots=True)
+class NanoAttention:
+    """The part of one nano-batch's attention that runs on one device."""
+
+    rows: torch.Tensor | None
+    """(T_a,) rows of the nano-batch (0 = its first) attending here; None: all of its rows."""
+    layout: RaggedLayout
+    """Padding indices and mask of these sequences, on the device their attention runs on."""
+    past: slice
+    """Their rows in the attention group's packed past KV (`PastKV.device` or `PastKV.cpu`)."""
+
+
+@dataclass(slots=True)
+class NanoBatch:
+    """One nano-batch of a GPU batch: its rows and where each of its sequences attends."""
+
+    index: int
+    """0, 1, ... within its GPU batch (the trace's `nano_batch`)."""
+    rows: slice
+    """Its rows of the GPU batch: its sequences' tokens (the last nano-batch also the padding)."""
+    device: NanoAttention | None
+    """Its sequences attending on the compute device."""
+    cpu: NanoAttention | None
+    """Its decodes over host-homed KV attending on the CPU."""
+
+    @property
+    def num_rows(self) -> int:
+        return self.rows.stop - self.rows.start
 
 
 @dataclass(slots=True)
@@ -69,7 +95,7 @@ class GpuBatch:
     num_padding: int = 0
     """Rows after the chunks' rows that only pad the dense ops to the step's discrete size."""
     nano_batches: list[NanoBatch] = field(default_factory=list)
-    """Its nano-batches (engine/executor/nano_batches.py); empty: its layers run it whole."""
+    """Its nano-batches (cut by engine/executor/nano_batches.py); empty: its layers run it whole."""
 
     @property
     def num_tokens(self) -> int:

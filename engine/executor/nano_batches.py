@@ -16,44 +16,19 @@ gets one nano-batch per sequence; one sequence is not split at all.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from itertools import accumulate, pairwise
 
 import torch
 
 from engine.core.protocol import SeqChunk
 from engine.executor.attention import RaggedLayout
-from engine.executor.gpu_batch import BatchBuilder, GpuBatch, SeqState
-
-
-@dataclass(slots=True)
-class NanoAttention:
-    """The part of one nano-batch's attention that runs on one device."""
-
-    rows: torch.Tensor | None
-    """(T_a,) rows of the nano-batch (0 = its first) attending here; None: all of its rows."""
-    layout: RaggedLayout
-    """Padding indices and mask of these sequences, on the device their attention runs on."""
-    past: slice
-    """Their rows in the attention group's packed past KV (`PastKV.device` or `PastKV.cpu`)."""
-
-
-@dataclass(slots=True)
-class NanoBatch:
-    """One nano-batch of a GPU batch: its rows and where each of its sequences attends."""
-
-    index: int
-    """0, 1, ... within its GPU batch (the trace's `nano_batch`)."""
-    rows: slice
-    """Its rows of the GPU batch: its sequences' tokens (the last nano-batch also the padding)."""
-    device: NanoAttention | None
-    """Its sequences attending on the compute device."""
-    cpu: NanoAttention | None
-    """Its decodes over host-homed KV attending on the CPU."""
-
-    @property
-    def num_rows(self) -> int:
-        return self.rows.stop - self.rows.start
+from engine.executor.gpu_batch import (
+    BatchBuilder,
+    GpuBatch,
+    NanoAttention,
+    NanoBatch,
+    SeqState,
+)
 
 
 def balanced_cuts(weights: list[float], num_groups: int) -> list[int]:

@@ -28,8 +28,7 @@ from contextlib import contextmanager
 import torch
 
 from engine.executor.attention import cpu_attention, join_kv, ragged_attention, split_kv
-from engine.executor.gpu_batch import GpuBatch
-from engine.executor.nano_batches import NanoAttention, NanoBatch
+from engine.executor.gpu_batch import GpuBatch, NanoAttention, NanoBatch
 from engine.executor.tasks import start
 from engine.executor.trace import NoTracer, Tracer
 from engine.models.base import Model, Weights

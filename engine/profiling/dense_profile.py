@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.executor.timing import Probe
+from engine.profiling.timing import Probe
 from engine.kernels import dense_ops
 from engine.models.base import Positions, Weights, can_prepack, prepack
 from engine.models.config import ModelConfig

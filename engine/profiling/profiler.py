@@ -14,11 +14,11 @@ import torch
 
 from engine.core.model_files import DEMO_MODEL
 from engine.executor.attention import RaggedLayout, paged_attention, ragged_attention
-from engine.executor.dense_profile import dense_step_table
-from engine.executor.disk_profile import disk_bandwidth, io_interference
+from engine.profiling.dense_profile import dense_step_table
+from engine.profiling.disk_profile import disk_bandwidth, io_interference
 from engine.executor.executor import Executor
-from engine.executor.nano_profile import nano_batch_overhead, nano_overlap
-from engine.executor.timing import Probe
+from engine.profiling.nano_profile import nano_batch_overhead, nano_overlap
+from engine.profiling.timing import Probe
 from engine.kernels import paged_kernels
 from engine.storage.device import Device
 from engine.storage.disk import DiskIO
@@ -240,7 +240,7 @@ def profile_hardware(
 
 
 def main(argv: list[str]) -> int:
-    """`python -m engine.executor.profiler [DEVICE [OUT]]`: measure a quick profile and write it
+    """`python -m engine.profiling.profiler [DEVICE [OUT]]`: measure a quick profile and write it
     to OUT (default: the cache), as the planner does when it needs one."""
     device_name = argv[1] if len(argv) > 1 else "auto"
     out = Path(argv[2]) if len(argv) > 2 else default_cache_path()

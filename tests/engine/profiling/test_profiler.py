@@ -7,8 +7,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from engine.executor.nano_profile import _overlap_share, nano_batch_overhead, nano_overlap
-from engine.executor.timing import Probe
+from engine.profiling.nano_profile import _overlap_share, nano_batch_overhead, nano_overlap
+from engine.profiling.timing import Probe
 from engine.storage.device import Device
 
 CPU = Device(torch.device("cpu"))

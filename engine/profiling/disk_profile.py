@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from engine.executor.timing import Probe, measure
+from engine.profiling.timing import Probe, measure
 from engine.storage.device import Device
 from engine.storage.disk import DiskFile, DiskIO
 

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from engine.executor.timing import Probe, Timing, measure
+from engine.profiling.timing import Probe, Timing, measure
 from engine.storage.device import Device
 
 CPU = Device(torch.device("cpu"))

@@ -16,7 +16,7 @@ from engine.core.protocol import SeqChunk, StepPlan
 from engine.core.sampling_params import SamplingParams
 from engine.executor.attention import RaggedLayout, ragged_attention
 from engine.executor.executor import Executor
-from engine.executor.timing import Probe, best_seconds
+from engine.profiling.timing import Probe, best_seconds
 from engine.storage.device import Device
 from policy import Policy
 
