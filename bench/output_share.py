@@ -1,0 +1,209 @@
+"""How much of the daemon's time goes to detokenizing and output handling (docs/benchmarks.md).
+
+    python -m bench.output_share [--seqs 64] [--tokens 1024] [--rate 250] [--json FILE]
+
+Starts a real `nanoflex serve` process on loopback (the demo model, one block of `--seqs`
+sequences, the engine in its own process), warms it up, then sends `--seqs` concurrent
+completions of `--tokens` generated tokens each (EOS ignored), once streamed and once not,
+while py-spy (`pip install py-spy`) samples every thread of the daemon process (not the
+engine process). A sample counts as *output handling* when one of its frames is in
+`OUTPUT_FRAMES`: the incremental detokenizer and stop strings, the engine's output
+records, handing them from the engine thread to the event loop, the per-choice fan-in and
+accumulation, building the response body or chunk, and encoding it as JSON. The share is
+those samples over the samples of one busy thread for the whole run (rate x wall seconds):
+the daemon's Python runs under one GIL, so that is the share of the one core it can use.
+
+`--tree DIR` runs the daemon from another source tree (a checkout of an older commit:
+the "before" figure), with this script's own tree's load generator.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench.common import Table, write_json
+from bench.load import free_port
+from engine.core.model_files import DEMO_MODEL
+from policy import Policy
+
+REPO = Path(__file__).resolve().parents[1]
+OUTPUT_FRAMES: dict[str, set[str] | None] = {
+    # file (as py-spy names it, the path's tail) -> functions, None: every function
+    # before and after the issue-24 rework: the engine's side
+    "engine/core/sequence.py": {"_detokenize", "_cut_at_stop_string"},
+    "engine/core/detokenizer.py": None,
+    "engine/core/outputs.py": None,
+    "engine/core/parent_request.py": None,
+    "engine/core/scheduler.py": {"_output", "_delta"},
+    # handing outputs to the event loop and fanning them in
+    "server/core_client.py": {"generate", "_deliver", "_call_soon"},
+    "engine/runtime/core_client.py": {"generate", "_deliver", "_dispatch", "_call_soon"},
+    "server/serving.py": {"_drive", "outputs", "run_choices", "body", "choice", "token_names"},
+    "server/openai/serving.py": {"_drive", "outputs", "run_choices", "body", "choice"},
+    "server/streaming.py": None,
+    "server/openai/streaming.py": None,
+    "server/responses.py": None,
+    "server/openai/responses.py": None,
+    "server/openai/logprobs.py": None,
+    # encoding the answer
+    "starlette/responses.py": {"render"},
+}
+
+
+def is_output_frame(frame: str) -> bool:
+    """`frame` as py-spy's raw format writes it: 'function (path/to/file.py:line)'."""
+    name, _, where = frame.partition(" (")
+    path = where.rsplit(":", 1)[0]
+    for tail, functions in OUTPUT_FRAMES.items():
+        if path.endswith(tail) and (functions is None or name.strip() in functions):
+            return True
+    return False
+
+
+def start_daemon(data_dir: Path, tree: Path, seqs: int) -> tuple[subprocess.Popen[bytes], str]:
+    policy = data_dir / "policy.json"
+    data_dir.mkdir(parents=True, exist_ok=True)
+    policy.write_text(Policy(gpu_batch_size=seqs).to_json())
+    port = free_port()
+    argv = [sys.executable, "-m", "server.cli", "serve", "--model", DEMO_MODEL]
+    argv += ["--device", "cpu", "--policy", str(policy), "--port", str(port)]
+    argv += ["--data-dir", str(data_dir), "--max-queue", str(4 * seqs)]
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    log = open(data_dir / "daemon.log", "wb")  # noqa: SIM115 (closed with the process)
+    daemon = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=tree, env=env)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/ready", timeout=1).status_code == 200:
+                return daemon, url
+        except httpx.HTTPError:
+            pass
+        if daemon.poll() is not None:
+            break
+        time.sleep(0.2)
+    daemon.kill()
+    raise RuntimeError(f"the daemon did not become ready; see {data_dir / 'daemon.log'}")
+
+
+async def fire(url: str, seqs: int, tokens: int, stream: bool) -> tuple[float, int]:
+    """(wall seconds, generated tokens) of `seqs` concurrent completions."""
+
+    async def one(client: httpx.AsyncClient, i: int) -> int:
+        body = {
+            "model": DEMO_MODEL,
+            "prompt": f"Request {i}: once upon a time",
+            "max_tokens": tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": stream,
+        }
+        if stream:
+            body["stream_options"] = {"include_usage": True}
+            used = 0
+            async with client.stream("POST", "/v1/completions", json=body) as response:
+                response.raise_for_status()
+                async for line in response.aiter_lines():
+                    if line.startswith("data: {") and '"usage":{' in line:
+                        used = json.loads(line[6:])["usage"]["completion_tokens"]
+            return used
+        response = await client.post("/v1/completions", json=body)
+        response.raise_for_status()
+        return int(response.json()["usage"]["completion_tokens"])
+
+    limits = httpx.Limits(max_connections=seqs)
+    start = time.perf_counter()
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+        counts = await asyncio.gather(*(one(client, i) for i in range(seqs)))
+    return time.perf_counter() - start, sum(counts)
+
+
+def profiled_run(
+    url: str, pid: int, args: argparse.Namespace, stream: bool, out: Path
+) -> dict[str, Any]:
+    spy = shutil.which("py-spy")
+    if spy is None:
+        raise SystemExit("bench.output_share needs py-spy: pip install py-spy")
+    cmd = [spy, "record", "--pid", str(pid), "--rate", str(args.rate), "--format", "raw"]
+    cmd += ["--output", str(out), "--nonblocking", "--threads"]
+    recorder = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(1.0)  # py-spy attaches
+    wall, generated = asyncio.run(fire(url, args.seqs, args.tokens, stream))
+    recorder.send_signal(signal.SIGINT)
+    recorder.wait(timeout=60)
+    samples: Counter[str] = Counter()
+    for line in out.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        frames = stack.split(";")
+        kind = "output" if any(is_output_frame(f) for f in frames) else "other"
+        samples[kind] += int(count)
+    busy = samples["output"] + samples["other"]
+    one_core = args.rate * (wall + 1.0)  # the sampled window: the run and the attach second
+    return {
+        "stream": stream,
+        "wall_s": round(wall, 2),
+        "generated_tokens": generated,
+        "generated_tok_s": round(generated / wall, 1),
+        "samples_output": samples["output"],
+        "samples_busy": busy,
+        "output_share_of_one_core": round(samples["output"] / one_core, 4),
+        "output_share_of_busy": round(samples["output"] / max(busy, 1), 4),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--seqs", type=int, default=64)
+    parser.add_argument("--tokens", type=int, default=1024)
+    parser.add_argument("--rate", type=int, default=250, help="py-spy samples per second")
+    parser.add_argument("--tree", default=str(REPO), help="source tree the daemon runs from")
+    parser.add_argument("--label", default="", help="names the run in the table")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    results = []
+    with tempfile.TemporaryDirectory(prefix="nanoflex-output-") as tmp:
+        daemon, url = start_daemon(Path(tmp) / "data", Path(args.tree), args.seqs)
+        try:
+            asyncio.run(fire(url, args.seqs, 16, stream=False))  # warm-up: kernels, caches
+            for stream in (False, True):
+                out = Path(tmp) / f"profile-{int(stream)}.txt"
+                results.append(profiled_run(url, daemon.pid, args, stream, out))
+                print(json.dumps(results[-1]), file=sys.stderr)
+        finally:
+            os.kill(daemon.pid, signal.SIGTERM)
+            daemon.wait(timeout=60)
+    table = Table(
+        ["run", "mode", "wall s", "generated tok/s", "output handling, share of one core"]
+    )
+    for r in results:
+        table.rows.append(
+            [
+                args.label or "-",
+                "streamed" if r["stream"] else "not streamed",
+                f"{r['wall_s']:.1f}",
+                f"{r['generated_tok_s']:.0f}",
+                f"{100 * r['output_share_of_one_core']:.1f}%",
+            ]
+        )
+    print(table.markdown("llrrr"))
+    config = {"seqs": args.seqs, "tokens": args.tokens, "rate": args.rate, "label": args.label}
+    write_json(args.json, [{"config": config, "runs": results}], table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
