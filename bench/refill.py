@@ -62,13 +62,17 @@ def run(llm: LLM, items: list[tuple[list[int], int]], ignore_eos: bool) -> dict[
     num_steps = num_seq_steps = 0
     lengths: list[int] = []
     num_eos = 0
+    num_tokens: dict[str, int] = {}
     start = time.perf_counter()
     while llm.core.has_unfinished():
         num_seq_steps += len(llm.scheduler.running)
-        for out in llm.core.step():
-            if out.finished:
-                lengths.append(len(out.outputs[0].token_ids))
-                num_eos += out.outputs[0].finish_reason == "stop"
+        for delta in llm.core.step():
+            num_tokens[delta.request_id] = num_tokens.get(delta.request_id, 0) + len(
+                delta.new_token_ids
+            )
+            if delta.finished:
+                lengths.append(num_tokens[delta.request_id])
+                num_eos += delta.finish_reason == "stop"
         num_steps += 1
     seconds = time.perf_counter() - start
     block_size = llm.policy.block_size

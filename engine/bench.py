@@ -70,9 +70,9 @@ def run_bench(llm: LLM, prompt_len: int, gen_len: int, num_prompts: int) -> dict
     prefill_done = None
     steps = 0
     while llm.core.has_unfinished():
-        for out in llm.core.step():
-            if out.outputs[0].token_ids:
-                started.add(out.request_id)
+        for delta in llm.core.step():
+            if delta.new_token_ids:
+                started.add(delta.request_id)
         steps += 1
         if prefill_done is None and len(started) == num_prompts:
             prefill_done = time.perf_counter()

@@ -7,11 +7,12 @@ A failure there raises `EngineStartError` with one line; nothing is retried.
 
 One worker thread owns the `Scheduler` and `EngineCore` (neither is thread-safe)
 and steps them; the asyncio side talks to it only through a command queue and
-gets outputs back with `call_soon_threadsafe`. If the engine process dies, the
-client reports not-ready, restarts it with a fresh scheduler (back-off and a limit:
-server/restarts.py) and fails the requests that were in flight with `EngineDeadError`
-(batch work is retried by the batch runner, so batch jobs lose nothing; online
-callers see a 503). Past the limit it gives up and calls its fatal listeners.
+gets each step's deltas back in one `call_soon_threadsafe`. A request for n choices is
+fanned out here (`ParentRequest`): the engine runs each choice as a request of its own.
+If the engine process dies, the client reports not-ready, restarts it with a fresh
+scheduler (back-off and a limit: server/restarts.py) and fails the requests that were in
+flight with `EngineDeadError` (batch work is retried by the batch runner, so batch jobs
+lose nothing; online callers see a 503). Past the limit it gives up and calls its fatal listeners.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,8 @@ from tokenizers import Tokenizer as HFTokenizer
 from engine.core.engine_args import EngineArgs
 from engine.core.engine_core import EngineCore
 from engine.core.model_files import resolve_model_dir, served_model_name
-from engine.core.outputs import RequestOutput
+from engine.core.outputs import SequenceDelta
+from engine.core.parent_request import ParentRequest
 from engine.core.protocol import StepPlan, StepResult
 from engine.core.sampling_params import SamplingParams
 from engine.core.sequence import ONLINE_PRIORITY, Request
@@ -82,7 +84,10 @@ class CoreEngineClient(EngineClient):
         self._max_token_bytes = 0
         self._status = "waiting to start"
         self._commands: queue.Queue[tuple[str, Any]] = queue.Queue()
-        self._streams: dict[str, asyncio.Queue[RequestOutput | Exception]] = {}
+        self._streams: dict[str, asyncio.Queue[SequenceDelta | Exception]] = {}
+        """Engine request (child) id -> its parent's stream (touched on the event loop only)."""
+        self._children: dict[str, list[str]] = {}
+        """Parent request id -> its children's ids, while it runs."""
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
@@ -228,34 +233,39 @@ class CoreEngineClient(EngineClient):
         prompt_token_ids: list[int],
         params: SamplingParams,
         priority: int = ONLINE_PRIORITY,
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[SequenceDelta, None]:
         if not self.is_ready():
             raise EngineDeadError("the engine is not ready")
-        stream: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
-        self._streams[request_id] = stream
+        parent = ParentRequest(Request(request_id, list(prompt_token_ids), params, priority))
+        child_ids = [child.request_id for child in parent.children]
+        stream: asyncio.Queue[SequenceDelta | Exception] = asyncio.Queue()
+        for child_id in child_ids:
+            self._streams[child_id] = stream
+        self._children[request_id] = child_ids
         reply: asyncio.Future[Exception | None] = asyncio.get_running_loop().create_future()
-        request = Request(request_id, list(prompt_token_ids), params, priority)
-        self._commands.put(("add", (request, reply)))
-        finished = False
+        self._commands.put(("add", (parent.children, reply)))
+        unfinished = set(child_ids)
         try:
             error = await reply  # the scheduler's verdict on the request (e.g. too long)
             if error is not None:
+                unfinished.clear()  # none of them was queued
                 raise error
-            while True:
+            while unfinished:
                 item = await stream.get()
                 if isinstance(item, Exception):
                     raise item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
+                if item.finished:
+                    unfinished.discard(item.request_id)
+                yield parent.tag(item)
         finally:
-            self._streams.pop(request_id, None)
-            if not finished:
-                self._commands.put(("abort", request_id))
+            for child_id in child_ids:
+                self._streams.pop(child_id, None)
+            self._children.pop(request_id, None)
+            if unfinished:
+                self._commands.put(("abort", sorted(unfinished)))
 
     async def abort(self, request_id: str) -> None:
-        self._commands.put(("abort", request_id))
+        self._commands.put(("abort", self._children.get(request_id, [request_id])))
 
     # -- the worker thread -----------------------------------------------------------------
 
@@ -270,7 +280,7 @@ class CoreEngineClient(EngineClient):
                 continue
             start = time.perf_counter()
             try:
-                outputs = core.step()
+                deltas = core.step()
             except ExecutorDiedError as e:
                 if not self._recover(e):
                     break
@@ -284,8 +294,8 @@ class CoreEngineClient(EngineClient):
                 continue
             assert self._counter is not None
             self._emit(core, time.perf_counter() - start, self._counter.num_seqs)
-            for out in outputs:
-                self._deliver(out.request_id, out)
+            if deltas:
+                self._call_soon(self._dispatch, deltas)
         self._close_core()
 
     def _drain_commands(self, core: EngineCore, block: bool) -> None:
@@ -298,15 +308,21 @@ class CoreEngineClient(EngineClient):
         while True:
             kind, payload = command
             if kind == "add":
-                request, reply = payload
+                children, reply = payload
                 error: Exception | None = None
+                added: list[str] = []
                 try:
-                    core.add_request(request)
+                    for child in children:
+                        core.add_request(child)
+                        added.append(child.request_id)
                 except ValueError as e:  # PromptTooLongError, RequestError: the caller's 400
                     error = e
+                    for child_id in added:  # the choices run together or not at all
+                        core.abort(child_id)
                 self._call_soon(_resolve, reply, error)
             elif kind == "abort":
-                core.abort(payload)
+                for child_id in payload:
+                    core.abort(child_id)
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
@@ -317,8 +333,7 @@ class CoreEngineClient(EngineClient):
         start over clean. False: stopping, or the restart limit is reached (fatal)."""
         log.error("engine process died (%s)", _one_line(error))
         self._ready.clear()
-        for request_id in list(self._streams):
-            self._deliver(request_id, EngineDeadError("the engine process died; retry"))
+        self._call_soon(self._fail_all, EngineDeadError("the engine process died; retry"))
         assert self._executor is not None
         while not self._stopping.is_set():
             delay = self._restarts.next_delay(time.monotonic())
@@ -373,10 +388,17 @@ class CoreEngineClient(EngineClient):
             )
         )
 
-    def _deliver(self, request_id: str, item: RequestOutput | Exception) -> None:
-        stream = self._streams.get(request_id)
-        if stream is not None:
-            self._call_soon(stream.put_nowait, item)
+    def _dispatch(self, deltas: list[SequenceDelta]) -> None:
+        """On the event loop: one step's deltas to their requests' streams."""
+        for delta in deltas:
+            stream = self._streams.get(delta.request_id)
+            if stream is not None:
+                stream.put_nowait(delta)
+
+    def _fail_all(self, error: Exception) -> None:
+        """On the event loop: end every request in flight with `error`."""
+        for stream in {id(s): s for s in self._streams.values()}.values():
+            stream.put_nowait(error)
 
     def _call_soon(self, fn: Any, *args: Any) -> None:
         assert self._loop is not None

@@ -5,62 +5,28 @@ scheduler (`engine.core.EngineCore`) in the daemon and an executor in a child
 process (`server.engine_process.ExecutorProcess`), or in-process
 (`InProcessExecutor`) behind the same interface for tests.
 
-Contract of `generate`: it yields RequestOutput-like objects (vLLM's shape) for
-one request with exactly one completion (`outputs[0]`, n == 1: the daemon fans
-out n > 1 itself). Each yield is *cumulative*: `outputs[0].text` and
-`.token_ids` hold everything generated so far, already detokenized with stop
-strings removed; the last yield has `finished == True` and a `finish_reason`
-of "stop" or "length". If the engine dies mid-request, `generate` raises
+Contract of `generate`: it yields `SequenceDelta`s for one request of n choices, each
+saying what one choice (`delta.index`) gained: new token ids, new text (detokenized, stop
+strings cut, nothing ever taken back) and logprobs; a choice's last delta has its
+`finish_reason` ("stop" or "length"). The caller adds them up per choice
+(`ChoiceAccumulator`). If the engine dies mid-request, `generate` raises
 `EngineDeadError`; the daemon answers 503 (online) or re-queues (batch work).
 """
 
 from __future__ import annotations
 
 import abc
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
 
 from engine.core.kv_pages import CacheStats
+from engine.core.outputs import SequenceDelta
 from engine.core.sampling_params import SamplingParams
 from engine.core.sequence import ONLINE_PRIORITY
 
 
 class EngineDeadError(RuntimeError):
     """The engine process died or is restarting; the request did not finish. Retry later."""
-
-
-class CompletionOutputLike(Protocol):
-    """What the daemon reads from one completion (vLLM's `CompletionOutput`)."""
-
-    @property
-    def index(self) -> int: ...
-    @property
-    def text(self) -> str: ...
-    @property
-    def token_ids(self) -> Sequence[int]: ...
-    @property
-    def finish_reason(self) -> str | None: ...
-    @property
-    def logprobs(self) -> Any:
-        """None, or one entry per generated token: an `engine.core.protocol.TokenLogprobs`
-        (token_id, logprob, top) or vLLM's `dict[token_id, Logprob-with-.logprob]`."""
-
-
-class RequestOutputLike(Protocol):
-    """What the daemon reads from one yield of `generate` (vLLM's `RequestOutput`)."""
-
-    @property
-    def request_id(self) -> str: ...
-    @property
-    def prompt_token_ids(self) -> Sequence[int]: ...
-    @property
-    def outputs(self) -> Sequence[CompletionOutputLike]: ...
-    @property
-    def finished(self) -> bool: ...
-    @property
-    def num_cached_tokens(self) -> int | None:
-        """Prompt tokens whose KV came from the prefix cache."""
 
 
 @dataclass(slots=True)
@@ -171,15 +137,16 @@ class EngineClient(abc.ABC):
         prompt_token_ids: list[int],
         params: SamplingParams,
         priority: int = ONLINE_PRIORITY,
-    ) -> AsyncIterator[RequestOutputLike]:
-        """Queue one request (params.n == 1) and yield cumulative outputs until finished.
+    ) -> AsyncGenerator[SequenceDelta, None]:
+        """Queue one request of `params.n` choices and yield what each choice gains, until
+        every choice finished; leaving early aborts the rest.
 
         Lower `priority` runs first. Implement as an `async def ... yield`.
         """
 
     @abc.abstractmethod
     async def abort(self, request_id: str) -> None:
-        """Drop a request wherever it is (waiting or running) and free its KV. Idempotent."""
+        """Drop a request (every choice) wherever it is and free its KV. Idempotent."""
 
     # -- stats -----------------------------------------------------------------------
     def add_step_listener(self, listener: StepListener) -> None:

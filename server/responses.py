@@ -4,32 +4,9 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 Decode = Callable[[Sequence[int]], str]
-
-
-@dataclass(slots=True)
-class ChoiceState:
-    """What the daemon has seen of one choice so far (cumulative)."""
-
-    index: int
-    prompt_index: int
-    text: str = ""
-    token_ids: tuple[int, ...] = ()
-    logprobs: list[Any] | None = None
-    prompt_logprobs: list[Any] | None = None
-    """echo + logprobs: the engine's logprobs of prompt positions 1..n-1."""
-    finish_reason: str | None = None
-    num_cached_tokens: int = 0
-    """Prompt tokens of this choice whose KV came from the prefix cache."""
-    sent_text: int = 0
-    """Characters of `text` already streamed."""
-    sent_tokens: int = 0
-    """Logprob entries already streamed."""
-    started: bool = False
-    """The first chunk (role / echo) was streamed."""
 
 
 def _entry(token_id: int, entry: Any) -> tuple[float, list[tuple[int, float]]]:

@@ -71,8 +71,9 @@ class _Sampling(_Strict):
     def sampling_params(
         self, max_tokens: int, logprobs: int | None, echo: bool = False
     ) -> SamplingParams:
-        """One engine request's settings (n == 1: the daemon fans out n choices)."""
+        """One prompt's settings: its n choices are fanned out by the engine client."""
         return SamplingParams(
+            n=self.n,
             max_tokens=max_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,

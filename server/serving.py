@@ -1,9 +1,10 @@
 """`Serving`: turns OpenAI completion/chat requests into engine requests and back.
 
 Used by the online routes and by the batch runner alike, so a batch line gets
-exactly the body the online endpoint would return. Each choice (prompt i,
-sample j) is one engine request with n == 1; its id is `<request id>-<index>`.
-An unfinished engine request is aborted whenever its consumer goes away.
+exactly the body the online endpoint would return. Each prompt is one engine request
+of n choices (`<request id>-<prompt index>`, fanned out by the engine client); choice
+j of prompt i is the response's choice i * n + j, and one `ChoiceAccumulator` each adds
+up its deltas. An unfinished request is aborted whenever its consumer goes away.
 
 Hostile sizes are refused before any costly work: a request of more than
 `max_seqs_per_request` sequences (prompts x n) before tokenizing, a prompt text
@@ -19,16 +20,17 @@ import asyncio
 import time
 from collections.abc import AsyncGenerator, Callable, Iterable, Sequence
 from contextlib import aclosing
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
+from engine.core.outputs import ChoiceAccumulator, SequenceDelta
 from engine.core.sampling_params import SamplingError, SamplingParams
 from policy.errors import UserError
 from server.engine_client import EngineClient, EngineDeadError
 from server.errors import APIError, engine_unavailable, invalid_request, not_found
 from server.files import new_id, now
 from server.metrics import Metrics
-from server.responses import ChoiceState, chat_logprobs, completion_logprobs, envelope, usage
+from server.responses import chat_logprobs, completion_logprobs, envelope, usage
 from server.schemas import (
     ChatCompletionRequest,
     ChatMessage,
@@ -54,7 +56,7 @@ class Prepared:
     model: str
     prompts: list[list[int]]
     params: list[SamplingParams]
-    """One per prompt (chat's default max_tokens depends on the prompt length)."""
+    """One per prompt, with n (chat's default max_tokens depends on the prompt length)."""
     n: int
     echo: bool
     num_logprobs: int | None
@@ -67,10 +69,13 @@ class Prepared:
     def num_prompt_tokens(self) -> int:
         return sum(len(p) for p in self.prompts)
 
-    def num_cached_tokens(self, states: Iterable[ChoiceState]) -> int:
+    def num_cached_tokens(self, choices: Iterable[ChoiceAccumulator]) -> int:
         """Cached prompt tokens, counted like `num_prompt_tokens`: once per prompt (its first
         choice's; with n > 1 the other choices of a prompt usually hit the same pages)."""
-        return sum(s.num_cached_tokens for s in states if s.index % self.n == 0)
+        return sum(c.num_cached_tokens for c in choices if c.index % self.n == 0)
+
+    def prompt_index(self, choice: ChoiceAccumulator) -> int:
+        return choice.index // self.n
 
     @property
     def num_seqs(self) -> int:
@@ -290,91 +295,111 @@ class Serving:
         return max_tokens
 
     # -- running ---------------------------------------------------------------------
-    async def _drive(
-        self, prep: Prepared, priority: int, index: int, out: asyncio.Queue[Any]
-    ) -> None:
-        """Run choice `index` to the end, putting (index, output) items on `out`."""
-        prompt_index, sample = divmod(index, prep.n)
-        params = prep.params[prompt_index]
-        if params.seed is not None and sample:
-            params = replace(params, seed=params.seed + sample)
-        request_id = f"{prep.request_id}-{index}"
-        arrival, first, finished = time.monotonic(), True, False
+    async def _prompt_deltas(
+        self, prep: Prepared, priority: int, prompt_index: int
+    ) -> AsyncGenerator[SequenceDelta, None]:
+        """The deltas of prompt `prompt_index`'s n choices until each finished (its metrics
+        on the way); closing it early aborts the rest in the engine."""
+        request_id = f"{prep.request_id}-{prompt_index}"
+        arrival = time.monotonic()
+        num_tokens = [0] * prep.n
+        unfinished = set(range(prep.n))
+        generate = self.engine.generate(
+            request_id, prep.prompts[prompt_index], prep.params[prompt_index], priority
+        )
         try:
-            async for output in self.engine.generate(
-                request_id, prep.prompts[prompt_index], params, priority
-            ):
-                if first and output.outputs[0].token_ids:
-                    self.metrics.ttft.observe(time.monotonic() - arrival)
-                    first = False
-                finished = output.finished
-                await out.put((index, output))
-                if finished:
-                    completion = output.outputs[0]
-                    self.metrics.e2e.observe(time.monotonic() - arrival)
-                    self.metrics.generation_tokens.inc(len(completion.token_ids))
-                    self.metrics.requests_finished.labels(completion.finish_reason or "").inc()
-                    return
-            raise EngineDeadError(f"engine ended request {request_id} without finishing it")
-        except Exception as e:
-            self.metrics.requests_finished.labels("error").inc()
-            await out.put((index, e))
+            async with aclosing(generate) as deltas:
+                async for delta in deltas:
+                    if delta.new_token_ids:
+                        if not num_tokens[delta.index]:
+                            self.metrics.ttft.observe(time.monotonic() - arrival)
+                        num_tokens[delta.index] += len(delta.new_token_ids)
+                    if delta.finished:
+                        unfinished.discard(delta.index)
+                        self.metrics.e2e.observe(time.monotonic() - arrival)
+                        self.metrics.generation_tokens.inc(num_tokens[delta.index])
+                        self.metrics.requests_finished.labels(delta.finish_reason).inc()
+                    yield delta
+            if unfinished:
+                raise EngineDeadError(f"engine ended request {request_id} without finishing it")
+        except Exception:
+            self.metrics.requests_finished.labels("error").inc(len(unfinished))
+            raise
         finally:
-            if not finished:
-                self.metrics.requests_finished.labels("abort").inc()
-                await self.engine.abort(request_id)
+            if unfinished:
+                self.metrics.requests_finished.labels("abort").inc(len(unfinished))
 
-    async def outputs(
+    async def _merged(
         self, prep: Prepared, priority: int
-    ) -> AsyncGenerator[tuple[ChoiceState, bool], None]:
-        """Yield (choice state, finished now) as outputs arrive; abort all on early exit."""
-        num_choices = len(prep.prompts) * prep.n
-        states = [ChoiceState(index=i, prompt_index=i // prep.n) for i in range(num_choices)]
-        queue: asyncio.Queue[Any] = asyncio.Queue()
-        tasks = [
-            asyncio.create_task(self._drive(prep, priority, i, queue)) for i in range(num_choices)
-        ]
-        self.metrics.prompt_tokens.inc(prep.num_prompt_tokens)
+    ) -> AsyncGenerator[tuple[int, SequenceDelta], None]:
+        """(prompt index, delta) of every prompt's choices, as they come."""
+        if len(prep.prompts) == 1:  # no fan-in needed
+            async with aclosing(self._prompt_deltas(prep, priority, 0)) as deltas:
+                async for delta in deltas:
+                    yield 0, delta
+            return
+        queue: asyncio.Queue[tuple[int, SequenceDelta] | Exception | None] = asyncio.Queue()
+
+        async def pump(prompt_index: int) -> None:
+            try:
+                async with aclosing(self._prompt_deltas(prep, priority, prompt_index)) as deltas:
+                    async for delta in deltas:
+                        queue.put_nowait((prompt_index, delta))
+                queue.put_nowait(None)
+            except Exception as e:
+                queue.put_nowait(e)
+
+        tasks = [asyncio.create_task(pump(i)) for i in range(len(prep.prompts))]
         try:
-            remaining = num_choices
+            remaining = len(tasks)
             while remaining:
-                index, item = await queue.get()
-                if isinstance(item, Exception):
-                    raise _translate(item) from item
-                completion = item.outputs[0]
-                state = states[index]
-                state.text, state.token_ids = completion.text, tuple(completion.token_ids)
-                state.logprobs = list(completion.logprobs) if completion.logprobs else None
-                state.prompt_logprobs = item.prompt_logprobs
-                state.num_cached_tokens = item.num_cached_tokens or 0
-                if item.finished:
-                    state.finish_reason = completion.finish_reason or "stop"
+                item = await queue.get()
+                if item is None:
                     remaining -= 1
-                yield state, item.finished
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    yield item
         finally:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
+    async def outputs(
+        self, prep: Prepared, priority: int
+    ) -> AsyncGenerator[tuple[ChoiceAccumulator, SequenceDelta], None]:
+        """Yield (the choice so far, what it just gained) as deltas arrive; abort all on an
+        early exit. The choice's index is the response's (prompt index * n + sample)."""
+        choices = [ChoiceAccumulator(i) for i in range(prep.num_seqs)]
+        self.metrics.prompt_tokens.inc(prep.num_prompt_tokens)
+        try:
+            async with aclosing(self._merged(prep, priority)) as deltas:
+                async for prompt_index, delta in deltas:
+                    choice = choices[prompt_index * prep.n + delta.index]
+                    choice.add(delta)
+                    yield choice, delta
+        except Exception as e:
+            raise _translate(e) from e
+
     async def run(self, prep: Prepared, priority: int) -> dict[str, Any]:
         """The whole (non-streaming) response body."""
         return self.body(prep, await self.run_choices(prep, priority))
 
-    async def run_choices(self, prep: Prepared, priority: int) -> list[ChoiceState]:
+    async def run_choices(self, prep: Prepared, priority: int) -> list[ChoiceAccumulator]:
         """Every choice run to its end, in choice order (token ids included)."""
-        states: dict[int, ChoiceState] = {}
+        choices: dict[int, ChoiceAccumulator] = {}
         async with aclosing(self.outputs(prep, priority)) as outputs:
-            async for state, _ in outputs:
-                states[state.index] = state
-        return [states[i] for i in sorted(states)]
+            async for choice, _ in outputs:
+                choices[choice.index] = choice
+        return [choices[i] for i in sorted(choices)]
 
-    def body(self, prep: Prepared, states: list[ChoiceState]) -> dict[str, Any]:
+    def body(self, prep: Prepared, choices: list[ChoiceAccumulator]) -> dict[str, Any]:
         """The non-streaming response body of finished choices."""
-        choices = [self.choice(prep, state) for state in states]
+        rendered = [self.choice(prep, choice) for choice in choices]
         kind = "chat.completion" if prep.is_chat else "text_completion"
-        body = envelope(kind, prep.request_id, prep.created, prep.model, choices)
-        num_generated = sum(len(s.token_ids) for s in states)
-        cached = prep.num_cached_tokens(states)
+        body = envelope(kind, prep.request_id, prep.created, prep.model, rendered)
+        num_generated = sum(len(c.token_ids) for c in choices)
+        cached = prep.num_cached_tokens(choices)
         body["usage"] = usage(prep.num_prompt_tokens, num_generated, cached)
         return body
 
@@ -384,38 +409,38 @@ class Serving:
             return lambda ids: "".join(f"token_id:{t}" for t in ids)
         return self.engine.decode
 
-    def choice(self, prep: Prepared, state: ChoiceState) -> dict[str, Any]:
+    def choice(self, prep: Prepared, choice: ChoiceAccumulator) -> dict[str, Any]:
         decode, names = self.engine.decode, self.token_names(prep)
-        entries = state.logprobs or []
+        entries = choice.logprobs or []
         if prep.is_chat:
             logprobs = None
             if prep.num_logprobs is not None:
-                logprobs = chat_logprobs(names, state.token_ids, entries, prep.num_logprobs)
+                logprobs = chat_logprobs(names, choice.token_ids, entries, prep.num_logprobs)
             return {
-                "index": state.index,
-                "message": {"role": "assistant", "content": state.text},
+                "index": choice.index,
+                "message": {"role": "assistant", "content": choice.text},
                 "logprobs": logprobs,
-                "finish_reason": state.finish_reason,
+                "finish_reason": choice.finish_reason,
             }
-        prompt_ids = prep.prompts[state.prompt_index] if prep.echo else []
+        prompt_ids = prep.prompts[prep.prompt_index(choice)] if prep.echo else []
         prefix = decode(prompt_ids) if prep.echo else ""
         completion_lp = None
         if prep.num_logprobs is not None:
             completion_lp = completion_logprobs(
                 decode,
-                state.token_ids,
+                choice.token_ids,
                 entries,
                 prep.num_logprobs,
                 0,
                 prompt_ids,
-                state.prompt_logprobs,
+                choice.prompt_logprobs,
                 names,
             )
         return {
-            "index": state.index,
-            "text": prefix + state.text,
+            "index": choice.index,
+            "text": prefix + choice.text,
             "logprobs": completion_lp,
-            "finish_reason": state.finish_reason,
+            "finish_reason": choice.finish_reason,
         }
 
 

@@ -14,11 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from engine.core.detokenizer import Detokenizer
 from engine.core.model_files import DEFAULT_MODEL, context_length, eos_token_ids
 from engine.core.planning import DEFAULT_WORKLOAD, cached_hardware, resolve_policy
 from engine.core.protocol import EngineInfo
 from engine.core.scheduler import Scheduler, SchedulerConfig, discrete_sizes
-from engine.core.sequence import Detokenizer
 from policy import Policy, UserError
 from policy.specs import WorkloadSpec
 from policy.units import parse_bytes

@@ -5,6 +5,10 @@ mode (NanoFlow 5.3) builds plan i+1 while step i runs: the plan's decodes whose
 input is step i's token carry PENDING_TOKEN_ID until step i's result fills
 them in, and a sequence that stopped in step i but was already planned in step
 i+1 has that extra token dropped by the scheduler, never returned.
+
+The engine runs one choice per request and hands back deltas (`SequenceDelta`); `generate`
+is the synchronous front `LLM` uses: it fans out n (`ParentRequest`) and adds up each
+choice's deltas.
 """
 
 from __future__ import annotations
@@ -13,7 +17,8 @@ from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Protocol
 
-from engine.core.outputs import RequestOutput
+from engine.core.outputs import RequestOutput, SequenceDelta
+from engine.core.parent_request import ParentRequest
 from engine.core.protocol import StepPlan, StepResult
 from engine.core.scheduler import Scheduler
 from engine.core.sequence import Request
@@ -48,18 +53,19 @@ class EngineCore:
         self._stalled = False
 
     def add_request(self, request: Request) -> None:
-        """Queue a request. Raises a `UserError` subclass for one that can never run."""
+        """Queue a request of one choice (n == 1). Raises a `UserError` subclass for one that
+        can never run."""
         self.scheduler.add_request(request)
 
-    def abort(self, request_id: str) -> RequestOutput | None:
-        """Drop a request wherever it is; its final output ('abort'), or None if unknown."""
+    def abort(self, request_id: str) -> SequenceDelta | None:
+        """Drop a request wherever it is; its last delta ('abort'), or None if unknown."""
         return self.scheduler.abort_request(request_id)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._in_flight is not None
 
-    def step(self) -> list[RequestOutput]:
-        """Schedule, run, postprocess. Asynchronous: returns the previous step's outputs."""
+    def step(self) -> list[SequenceDelta]:
+        """Schedule, run, postprocess. Asynchronous: returns the previous step's deltas."""
         plan = self.scheduler.schedule()
         done = self._run(plan)
         self._stalled = plan is None and done is None and self.scheduler.has_unfinished()
@@ -90,8 +96,8 @@ class EngineCore:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="nanoflex-step")
         return self._pool.submit(self.executor.execute, plan)
 
-    def iter_outputs(self) -> Iterator[RequestOutput]:
-        """Step until every request finished, yielding each step's outputs."""
+    def iter_deltas(self) -> Iterator[SequenceDelta]:
+        """Step until every request finished, yielding each step's deltas."""
         while self.has_unfinished():
             yield from self.step()
             if self._stalled and self._in_flight is None:
@@ -99,18 +105,26 @@ class EngineCore:
                     f"{self.scheduler.num_waiting} sequence(s) wait but nothing can be scheduled"
                 )
 
-    def run_until_done(self) -> list[RequestOutput]:
-        """Final outputs of every request, in the order they finished."""
-        return [out for out in self.iter_outputs() if out.finished]
-
     def generate(self, requests: Iterable[Request]) -> list[RequestOutput]:
-        """Add `requests`, run them all, and return their final outputs in the same order."""
-        order = []
-        for request in requests:
-            self.add_request(request)
-            order.append(request.request_id)
-        final = {out.request_id: out for out in self.run_until_done()}
-        return [final[request_id] for request_id in order]
+        """Add `requests` (any n), run them all, and return their outputs in the same order."""
+        parents: list[ParentRequest] = []
+        by_child: dict[str, ParentRequest] = {}
+        try:
+            for request in requests:
+                parent = ParentRequest(request)
+                for child in parent.children:
+                    self.add_request(child)
+                    by_child[child.request_id] = parent
+                parents.append(parent)
+        except Exception:  # a request that can never run: none of them runs
+            for child_id in by_child:
+                self.abort(child_id)
+            raise
+        for delta in self.iter_deltas():
+            owner = by_child.get(delta.request_id)
+            if owner is not None:  # not a request someone else added
+                owner.add(delta)
+        return [parent.output() for parent in parents]
 
     def close(self) -> None:
         """Wait for the step in flight (its outputs are dropped) and stop the worker thread."""

@@ -4,7 +4,8 @@ Each `schedule()` refills the running block from priority queues, gives every
 running sequence its decode token and fills the rest of a discrete dense batch
 size with prefill chunks; KV admission uses projected peak pages per tier and,
 when a projection proves wrong, the newest sequence is preempted and later
-recomputed. `postprocess()` applies sampled tokens and reports request outputs.
+recomputed. `postprocess()` applies sampled tokens and hands back what each request
+gained (`SequenceDelta`). Every request has one choice: `ParentRequest` fans out n in front.
 Plans may be built one step ahead (asynchronous): a decode whose input token is
 still in flight carries PENDING_TOKEN_ID, and a token sampled for a sequence
 that has meanwhile finished is dropped.
@@ -17,11 +18,12 @@ import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
+from engine.core.detokenizer import Detokenizer
 from engine.core.kv_pages import PageManager, pick_tier
-from engine.core.outputs import RequestOutput, request_output
+from engine.core.outputs import SequenceDelta
 from engine.core.prefix_cache import PageRef
 from engine.core.protocol import PENDING_TOKEN_ID, SeqChunk, StepPlan, StepResult
-from engine.core.sequence import Detokenizer, Request, Sequence, SequenceStatus
+from engine.core.sequence import Request, Sequence, SequenceStatus
 from policy import TIERS, Policy, UserError
 from policy.policy import Triple
 
@@ -167,7 +169,7 @@ class Scheduler:
         """Queues per priority (lower first), FIFO; preempted sequences go back to the front."""
         self.running: list[Sequence] = []
         """Admission order: the last one is the newest (the first to preempt)."""
-        self.requests: dict[str, list[Sequence]] = {}
+        self.requests: dict[str, Sequence] = {}
         self._seqs: dict[int, Sequence] = {}
         self._free_slots = list(range(config.block_size))
         self._freed_seq_ids: list[int] = []
@@ -192,8 +194,13 @@ class Scheduler:
 
     # -- requests ----------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
-        """Queue a request's choices. Raises RequestError for one that can never run."""
+        """Queue a request. Raises RequestError for one that can never run."""
         num_prompt = len(request.prompt_token_ids)
+        if request.sampling.n != 1:
+            raise RequestError(
+                f"request {request.request_id!r} asks for n={request.sampling.n}; the engine "
+                "runs one choice per request (ParentRequest fans out n)"
+            )
         if request.request_id in self.requests:
             raise RequestError(f"request id {request.request_id!r} is already in use")
         if num_prompt == 0:
@@ -208,21 +215,20 @@ class Scheduler:
                 f"the prompt ({num_prompt} tokens) does not fit the largest KV pool "
                 f"({self.kv_tokens} tokens): give the KV cache more memory"
             )
-        seqs = Sequence.expand(request, self._next_seq_id)
-        self._next_seq_id += len(seqs)
-        self.requests[request.request_id] = seqs
-        self._seqs.update((s.seq_id, s) for s in seqs)
-        self.waiting.setdefault(request.priority, deque()).extend(seqs)
+        seq = Sequence.from_request(request, self._next_seq_id, self.detokenizer)
+        self._next_seq_id += 1
+        self.requests[request.request_id] = seq
+        self._seqs[seq.seq_id] = seq
+        self.waiting.setdefault(request.priority, deque()).append(seq)
 
-    def abort_request(self, request_id: str) -> RequestOutput | None:
-        """Drop a request wherever it is and free its KV; its final output, or None if unknown."""
-        if request_id not in self.requests:
+    def abort_request(self, request_id: str) -> SequenceDelta | None:
+        """Drop a request wherever it is and free its KV; its last delta ('abort'), or None
+        if unknown."""
+        seq = self.requests.pop(request_id, None)
+        if seq is None:
             return None
-        for seq in self.requests[request_id]:
-            if not seq.is_finished:
-                self._retire(seq)
-                seq.finish("abort")
-        return self._output(request_id)
+        self._retire(seq)
+        return seq.abort()
 
     def has_unfinished(self) -> bool:
         """Requests remain, or records the executor has not seen yet (pages newly cached on
@@ -436,46 +442,39 @@ class Scheduler:
         return [q for _, q in sorted(self.waiting.items()) if q]
 
     # -- postprocess -------------------------------------------------------------------
-    def postprocess(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
-        """Apply the sampled tokens; outputs of requests that produced a token or finished."""
+    def postprocess(self, plan: StepPlan, result: StepResult) -> list[SequenceDelta]:
+        """Apply the sampled tokens; what each request that produced a token gained, in plan
+        order (a request's last delta says how it finished)."""
         sampled = [c for c in plan.chunks if c.do_sample]
         if [c.seq_id for c in sampled] != result.seq_ids or len(result.token_ids) != len(sampled):
             raise EngineProtocolError(
                 f"step {plan.step_id}: result seq_ids {result.seq_ids} do not match the plan"
             )
+        scored: set[int] = set()  # sequences whose prompt logprobs came with this step
         for seq_id, prompt_logprobs in result.prompt_logprobs.items():
             seq = self._seqs.get(seq_id)
             if seq is not None and seq.prompt_logprobs is None:  # not again after a recompute
                 seq.prompt_logprobs = prompt_logprobs
+                scored.add(seq_id)
         epochs = self._plan_epochs.pop(plan.step_id, {})
         for chunk in plan.chunks:  # their KV is computed now: index the pages they filled
             seq = self._seqs.get(chunk.seq_id)
             if seq is not None and epochs.get(seq.seq_id) == seq.epoch:  # not preempted since
                 computed = chunk.start_pos + len(chunk.token_ids)
                 self.page_manager.commit(seq.seq_id, seq.token_ids, computed)
-        changed: dict[str, None] = {}  # request ids in first-change order
+        deltas: list[SequenceDelta] = []
         for chunk, token_id, logprobs in zip(sampled, result.token_ids, result.logprobs):
             seq = self._seqs.get(chunk.seq_id)
             if seq is None:  # finished or aborted after this plan was built: drop the token
                 continue
             seq.num_pending -= 1
-            seq.append_token(
-                token_id,
-                logprobs,
-                self.config.eos_token_ids,
-                self.max_len,
-                self.detokenizer,
-            )
+            delta = seq.append_token(token_id, logprobs, self.config.eos_token_ids, self.max_len)
+            if seq.seq_id in scored:
+                delta.prompt_logprobs = seq.prompt_logprobs
             if seq.is_finished:
                 self._finished_gen_tokens += seq.num_generated
                 self._num_finished += 1
                 self._retire(seq)
-            changed[seq.request.request_id] = None
-        return [self._output(request_id) for request_id in changed if request_id in self.requests]
-
-    def _output(self, request_id: str) -> RequestOutput:
-        """The request's cumulative output; forgets the request once every choice finished."""
-        output = request_output(self.requests[request_id])
-        if output.finished:
-            del self.requests[request_id]
-        return output
+                del self.requests[seq.request.request_id]
+            deltas.append(delta)
+        return deltas

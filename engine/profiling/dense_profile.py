@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import torch
 
-from engine.profiling.timing import Probe
 from engine.kernels import dense_ops
 from engine.models.base import Positions, Weights, can_prepack, prepack
 from engine.models.config import ModelConfig
 from engine.models.llama import LlamaModel
+from engine.profiling.timing import Probe
 from engine.storage.device import Device
 
 HEAD_DIM = 64

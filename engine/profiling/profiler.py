@@ -14,12 +14,12 @@ import torch
 
 from engine.core.model_files import DEMO_MODEL
 from engine.executor.attention import RaggedLayout, paged_attention, ragged_attention
+from engine.executor.executor import Executor
+from engine.kernels import paged_kernels
 from engine.profiling.dense_profile import dense_step_table
 from engine.profiling.disk_profile import disk_bandwidth, io_interference
-from engine.executor.executor import Executor
 from engine.profiling.nano_profile import nano_batch_overhead, nano_overlap
 from engine.profiling.timing import Probe
-from engine.kernels import paged_kernels
 from engine.storage.device import Device
 from engine.storage.disk import DiskIO
 from engine.storage.quant import dequantize, quantize

@@ -22,8 +22,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
+from engine.core.outputs import ChoiceAccumulator
 from server.errors import APIError, invalid_request
-from server.responses import ChoiceState
 from server.run_batch import batch_request_id
 from server.serving import CHAT, COMPLETIONS
 
@@ -114,7 +114,7 @@ def _batch_line(row: Mapping[str, Any]) -> RowRequest:
     return RowRequest(endpoint, body, request_id)
 
 
-def row_result(first: ChoiceState, body: dict[str, Any]) -> RowResult:
+def row_result(first: ChoiceAccumulator, body: dict[str, Any]) -> RowResult:
     """A request's result from its first choice and its response body."""
     choice = body["choices"][0]
     text = choice["message"]["content"] if "message" in choice else choice["text"]

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.core.outputs import RequestOutput, SequenceDelta
+from engine.core.parent_request import ParentRequest
 from engine.core.prefix_cache import PageRef
 from engine.core.protocol import PENDING_TOKEN_ID, StepPlan, StepResult, TokenLogprobs
 from engine.core.sampling_params import SamplingParams
+from engine.core.scheduler import Scheduler
 
 VOCAB = 50
 
@@ -112,3 +115,27 @@ class FakeDetokenizer:
 
     def decode(self, token_ids: list[int]) -> str:
         return "".join(chr(ord("a") + t % 26) for t in token_ids)
+
+
+class Outputs:
+    """The scheduler's deltas added up per request, as the engine's front does (a
+    `ParentRequest` with one accumulator per choice): `add` after each `postprocess`."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+        self.parents: dict[str, ParentRequest] = {}
+
+    def track(self) -> None:
+        """Start following the requests added since (call before `postprocess`)."""
+        for request_id, seq in self.scheduler.requests.items():
+            if request_id not in self.parents:
+                self.parents[request_id] = ParentRequest(seq.request)
+
+    def add(self, deltas: list[SequenceDelta]) -> list[RequestOutput]:
+        """Add one step's deltas; the outputs of the requests they changed, in their order."""
+        for delta in deltas:
+            self.parents[delta.request_id].add(delta)
+        return [self.parents[d.request_id].output() for d in deltas]
+
+    def final(self) -> dict[str, RequestOutput]:
+        return {rid: p.output() for rid, p in self.parents.items() if p.finished}

@@ -11,13 +11,13 @@ from __future__ import annotations
 import errno
 import subprocess
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from engine.core.outputs import RequestOutput
+from engine.core.outputs import SequenceDelta
 from engine.core.sampling_params import SamplingParams
 from engine.core.sequence import ONLINE_PRIORITY
 from server.core_client import CoreEngineClient
@@ -54,7 +54,7 @@ class FaultyEngine(CoreEngineClient):
         prompt_token_ids: list[int],
         params: SamplingParams,
         priority: int = ONLINE_PRIORITY,
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[SequenceDelta, None]:
         if FAIL_IN_ENGINE in self.decode(prompt_token_ids):
             raise RuntimeError("injected engine failure")
         async for output in super().generate(request_id, prompt_token_ids, params, priority):

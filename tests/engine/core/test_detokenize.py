@@ -1,8 +1,10 @@
-"""The incremental detokenizer (`Sequence._detokenize`) against decoding the whole output.
+"""The incremental detokenizer (`engine/core/detokenizer.py`) against decoding the whole output.
 
-Each sequence's text is built token by token from the last few tokens only; it must end
-equal to the tokenizer's decode of the whole output (for every stop reason), and at every
-step be a prefix of it (a character split over tokens waits for its last byte). Tokens are
+Each sequence's text is handed out piece by piece, each piece decoded from the last few
+tokens only; joined, the pieces must equal the tokenizer's decode of the whole output (for
+every stop reason), and at every step be a prefix of it (a character split over tokens waits
+for its last byte, a possible stop string for the token that rules it out): nothing handed
+out is taken back, which is what lets streaming send each piece as it comes. Tokens are
 drawn to stress the hard cases: pieces of multi-byte characters, leading spaces, special
 tokens, and stop strings that span tokens.
 """
@@ -14,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from engine.core.detokenizer import IncrementalDetokenizer
 from engine.core.sampling_params import SamplingParams
 from engine.core.sequence import Request, Sequence
 from engine.core.tokenizer import Tokenizer
@@ -44,13 +47,14 @@ def outputs(tokenizer: Tokenizer, rng: random.Random, length: int) -> list[int]:
 def run(
     tokenizer: Tokenizer, prompt: list[int], out: list[int], **sampling: object
 ) -> tuple[Sequence, list[str]]:
+    """The sequence after `out`, and its text after each token (the pieces joined)."""
     params = SamplingParams(ignore_eos=True, max_tokens=len(out), **sampling)  # type: ignore[arg-type]
     request = Request("r", prompt, params)
-    seq = Sequence.expand(request, 0)[0]
-    texts = []
+    seq = Sequence.from_request(request, 0, tokenizer)
+    texts, text = [], ""
     for token in out:
-        seq.append_token(token, None, (EOS,), MAX_LEN, tokenizer)
-        texts.append(seq.text)
+        text += seq.append_token(token, None, (EOS,), MAX_LEN).new_text
+        texts.append(text)
         if seq.is_finished:
             break
     return seq, texts
@@ -63,7 +67,7 @@ def test_incremental_text_equals_decoding_the_whole_output(tokenizer: Tokenizer,
     out = outputs(tokenizer, rng, 60)
     seq, texts = run(tokenizer, prompt, out)
     assert seq.finish_reason == "length"
-    assert seq.text == tokenizer.decode(out)
+    assert texts[-1] == tokenizer.decode(out)
     for i, text in enumerate(texts):
         assert tokenizer.decode(out[: i + 1]).startswith(text), i
 
@@ -75,13 +79,39 @@ def test_stop_strings_across_tokens_cut_as_on_the_whole_text(tokenizer: Tokenize
         full = tokenizer.decode(out)
         start = rng.randrange(len(full) - 6)
         stop = full[start : start + rng.randrange(2, 6)]
-        seq, _ = run(tokenizer, [1], out, stop=[stop, "never-there"])
+        seq, texts = run(tokenizer, [1], out, stop=[stop, "never-there"])
         assert seq.finish_reason == "stop" and seq.stop_reason == stop
-        assert seq.text == full[: full.find(stop)]
+        assert texts[-1] == full[: full.find(stop)]
+        for i, text in enumerate(texts):  # no piece of the stop string is ever handed out
+            assert full[: full.find(stop)].startswith(text), i
 
 
 def test_a_stop_token_ends_the_text_before_its_own(tokenizer: Tokenizer) -> None:
     out = tokenizer.encode("naïve 日本語 text")
-    seq, _ = run(tokenizer, [1], [*out, 999, 5], stop_token_ids=[999])
+    seq, texts = run(tokenizer, [1], [*out, 999, 5], stop_token_ids=[999])
     assert seq.finish_reason == "stop" and seq.stop_reason == 999
-    assert seq.text == tokenizer.decode(out)
+    assert texts[-1] == tokenizer.decode(out)
+
+
+def test_text_held_back_for_a_stop_string_comes_out_at_the_end(tokenizer: Tokenizer) -> None:
+    """A tail that starts like a stop string but never completes it is handed out when the
+    sequence ends (length, a stop token, an abort), never lost."""
+    out = tokenizer.encode("the end is near")
+    for stop_token in (False, True):
+        tokens = [*out, 999] if stop_token else out
+        seq, texts = run(tokenizer, [1], tokens, stop=["near and far"], stop_token_ids=[999])
+        assert texts[-1] == "the end is near" and seq.stop_reason == (999 if stop_token else None)
+        assert texts[-2] != texts[-1]  # the last characters waited: they may start the stop
+    seq = Sequence.from_request(Request("r", [1], SamplingParams(stop=["near!"])), 0, tokenizer)
+    pieces = [seq.append_token(t, None, (EOS,), MAX_LEN).new_text for t in out]
+    assert "".join(pieces) + seq.abort().new_text == "the end is near"
+
+
+def test_pieces_of_one_character_wait_for_its_last_byte(tokenizer: Tokenizer) -> None:
+    detokenizer = IncrementalDetokenizer(tokenizer)
+    ids = tokenizer.encode("🙂")
+    assert len(ids) > 1, "the emoji should take several byte tokens"
+    pieces = [detokenizer.add([t], final=False) for t in ids]
+    assert pieces[:-1] == [""] * (len(ids) - 1) and pieces[-1] == "🙂"
+    cut = IncrementalDetokenizer(tokenizer)
+    assert cut.add(ids[:1], final=False) == "" and cut.flush() == tokenizer.decode(ids[:1])

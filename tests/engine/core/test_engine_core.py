@@ -1,4 +1,4 @@
-"""EngineCore: sync vs async (one-step lag), streaming, generate, abort, executor `submit`."""
+"""EngineCore: sync vs async (one-step lag), deltas, generate (the n fan-out), abort, `submit`."""
 
 from __future__ import annotations
 
@@ -11,12 +11,13 @@ import pytest
 
 from engine.core.engine_core import EngineCore
 from engine.core.outputs import RequestOutput
+from engine.core.parent_request import ParentRequest
 from engine.core.protocol import PENDING_TOKEN_ID, StepPlan, StepResult
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import RequestError, Scheduler, SchedulerConfig
 from engine.core.sequence import BATCH_PRIORITY, ONLINE_PRIORITY, Request
 from policy import TIERS
-from tests.engine.fakes import VOCAB, FakeDetokenizer, FakeExecutor, reference
+from tests.engine.fakes import VOCAB, FakeDetokenizer, FakeExecutor, Outputs, reference
 
 EOS = 3
 
@@ -122,39 +123,50 @@ def test_async_fills_pending_tokens_before_the_engine_sees_them() -> None:
     result = fake.execute(first)
     ahead.fill_pending_tokens(result)
     assert ahead.chunks[0].token_ids == result.token_ids
-    assert scheduler.postprocess(first, result)[0].outputs[0].token_ids == result.token_ids
+    assert scheduler.postprocess(first, result)[0].new_token_ids == result.token_ids
 
 
-def test_streaming_outputs_are_cumulative_and_finish_once() -> None:
+def test_deltas_add_up_to_the_outputs_and_finish_once() -> None:
+    requests = [r for r in workload()[:6] if r.sampling.n == 1]
+    expected = {o.request_id: o.outputs[0] for o in make_core(True)[0].generate(requests)}
     core, _ = make_core(True)
-    for request in workload()[:5]:
+    for request in requests:
         core.add_request(request)
     seen: dict[str, list[list[int]]] = {}
+    texts: dict[str, str] = {}
     finished: list[str] = []
-    for out in core.iter_outputs():
-        seen.setdefault(out.request_id, []).append(out.outputs[0].token_ids)
-        if out.finished:
-            finished.append(out.request_id)
+    for delta in core.iter_deltas():
+        assert delta.request_id not in finished, "a delta after the last one"
+        assert len(delta.new_token_ids) == 1  # one token per step, stop tokens included
+        seen.setdefault(delta.request_id, []).append(delta.new_token_ids)
+        texts[delta.request_id] = texts.get(delta.request_id, "") + delta.new_text
+        if delta.finished:
+            finished.append(delta.request_id)
     core.close()
-    assert sorted(finished) == sorted(seen) == [f"r{i}" for i in range(5)]
-    for history in seen.values():
-        for before, after in itertools.pairwise(history):
-            assert after[: len(before)] == before
+    assert sorted(finished) == sorted(seen) == sorted(expected)
+    for request_id, pieces in seen.items():
+        assert list(itertools.chain(*pieces)) == expected[request_id].token_ids
+        assert texts[request_id] == expected[request_id].text
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_abort_mid_run(async_scheduling: bool) -> None:
     core, _ = make_core(async_scheduling)
     sampling = SamplingParams(max_tokens=30, ignore_eos=True)
+    outputs = Outputs(core.scheduler)
     for i in range(3):
         core.add_request(Request(f"r{i}", [i + 1, 5, 6], sampling))
+    outputs.track()
     for _ in range(4):
-        core.step()
+        outputs.add(core.step())
     aborted = core.abort("r1")
     assert aborted is not None and aborted.finished
-    assert aborted.outputs[0].finish_reason == "abort"
-    rest = core.run_until_done()
+    assert aborted.finish_reason == "abort"
+    for delta in core.iter_deltas():
+        assert delta.request_id != "r1"
+        outputs.add([delta])
     core.close()
+    rest = [o for o in outputs.final().values() if o.request_id != "r1"]
     assert sorted(o.request_id for o in rest) == ["r0", "r2"]
     assert all(o.outputs[0].token_ids == reference(o.prompt_token_ids, 30) for o in rest)
     assert core.scheduler.page_manager.num_used_pages("gpu") == 0
@@ -187,7 +199,12 @@ def test_add_request_errors_surface_from_core() -> None:
     with pytest.raises(RequestError):
         core.add_request(Request("x", [], SamplingParams()))
     assert core.abort("missing") is None
-    assert core.run_until_done() == []
+    assert list(core.iter_deltas()) == []
+    with pytest.raises(RequestError):  # one request that cannot run: none of them runs
+        core.generate(
+            [Request("ok", [1, 2], SamplingParams(n=2)), Request("y", [], SamplingParams())]
+        )
+    assert not core.has_unfinished()
 
 
 def random_run(seed: int, async_scheduling: bool) -> list[tuple]:
@@ -207,7 +224,7 @@ def random_run(seed: int, async_scheduling: bool) -> list[tuple]:
     )
     scheduler = Scheduler(config, FakeDetokenizer())
     core = EngineCore(scheduler, FakeExecutor(page_tokens), async_scheduling)
-    requests = {}
+    requests, parents = {}, {}
     for i in range(rng.randint(1, 12)):
         sampling = SamplingParams(
             max_tokens=rng.randint(1, 20),
@@ -218,10 +235,15 @@ def random_run(seed: int, async_scheduling: bool) -> list[tuple]:
         )
         prompt = [rng.randrange(VOCAB) for _ in range(rng.randint(1, 30))]
         request = Request(f"r{i}", prompt, sampling, rng.randint(0, 1))
+        parent = ParentRequest(request)
         with contextlib.suppress(RequestError):  # prompts beyond the context or every pool
-            core.add_request(request)
+            for child in parent.children:
+                core.add_request(child)
+                parents[child.request_id] = parent
             requests[request.request_id] = request
-    outputs = core.run_until_done()
+    for delta in core.iter_deltas():
+        parents[delta.request_id].add(delta)
+    outputs = [p.output() for p in {id(p): p for p in parents.values()}.values()]
     core.close()
     assert sorted(o.request_id for o in outputs) == sorted(requests)
     assert all(scheduler.page_manager.num_used_pages(t) == 0 for t in TIERS)

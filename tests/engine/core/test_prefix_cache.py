@@ -10,12 +10,13 @@ import pytest
 
 from engine.core.kv_pages import PageManager
 from engine.core.outputs import RequestOutput
+from engine.core.parent_request import ParentRequest
 from engine.core.prefix_cache import page_hashes
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler, SchedulerConfig
 from engine.core.sequence import Request
 from policy import TIERS
-from tests.engine.fakes import VOCAB, FakeExecutor, reference
+from tests.engine.fakes import VOCAB, FakeExecutor, Outputs, reference
 
 P = 4  # tokens per page: small, so pages fill and spill quickly
 
@@ -39,15 +40,16 @@ def run(
     """Submit one request per prompt, in order, each after the previous finished (the same
     fake executor, and so the same page contents, for every call on one scheduler)."""
     fake = FAKES.setdefault(sched, FakeExecutor(P))
-    final: dict[str, RequestOutput] = {}
+    outputs = Outputs(sched)
     for i, prompt in enumerate(prompts):
         sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **params)  # type: ignore[arg-type]
         sched.add_request(Request(f"r{i}", prompt, sp))
         while sched.has_unfinished():
             plan = sched.schedule()
             assert plan is not None
-            final.update((o.request_id, o) for o in sched.postprocess(plan, fake.execute(plan)))
-    return final
+            outputs.track()
+            outputs.add(sched.postprocess(plan, fake.execute(plan)))
+    return outputs.final()
 
 
 def assert_consistent(sched: Scheduler) -> None:
@@ -113,14 +115,17 @@ def test_n_choices_share_their_prompt_pages() -> None:
     run(sched, [prompt], max_tokens=1)
     fake = FAKES[sched]
     sp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, n=3)
-    sched.add_request(Request("n3", prompt, sp))
-    final = {}
+    parent = ParentRequest(Request("n3", prompt, sp))
+    for child in parent.children:
+        sched.add_request(child)
     while sched.has_unfinished():
         plan = sched.schedule()
         assert plan is not None
-        final.update((o.request_id, o) for o in sched.postprocess(plan, fake.execute(plan)))
-    assert final["n3"].num_cached_tokens == 3 * P
-    assert all(c.token_ids == reference(prompt, 4) for c in final["n3"].outputs)
+        for delta in sched.postprocess(plan, fake.execute(plan)):
+            parent.add(delta)
+    final = parent.output()
+    assert final.finished and final.num_cached_tokens == 3 * P
+    assert all(c.token_ids == reference(prompt, 4) for c in final.outputs)
 
 
 def test_lru_spills_down_the_tiers_and_hits_load_back_with_the_same_tokens() -> None:
@@ -164,12 +169,13 @@ def test_preemption_and_abort_while_pages_are_shared() -> None:
     for i, prompt in enumerate(prompts):
         sp = SamplingParams(max_tokens=3 * P, temperature=0.0, ignore_eos=True)
         sched.add_request(Request(f"r{i}", prompt, sp))
-    final: dict[str, RequestOutput] = {}
+    outputs = Outputs(sched)
+    outputs.track()
     steps = 0
     while sched.has_unfinished():
         plan = sched.schedule()
         assert plan is not None
-        final.update((o.request_id, o) for o in sched.postprocess(plan, fake.execute(plan)))
+        outputs.add(sched.postprocess(plan, fake.execute(plan)))
         steps += 1
         if steps == 2:  # a waiting one; later ones will hold the shared prefix
             aborted = sched.abort_request("r3")
@@ -178,6 +184,7 @@ def test_preemption_and_abort_while_pages_are_shared() -> None:
             assert "r2" in {s.request.request_id for s in sched.running}
             assert sched.abort_request("r2") is not None
     assert sched.num_preemptions > 0
+    final = outputs.final()
     for i in (0, 1):
         assert final[f"r{i}"].outputs[0].token_ids == reference(prompts[i], 3 * P)
     assert all(sched.page_manager.num_used_pages(t) == 0 for t in TIERS)
@@ -188,7 +195,7 @@ def test_random_workload_leaks_nothing() -> None:
     rng = random.Random(3)
     sched = make(kv_capacity_pages={"gpu": 24, "cpu": 10, "disk": 10}, gpu_batch_size=6)
     bases = [tokens(60 + i, rng.randint(P, 4 * P)) for i in range(5)]
-    fake = FakeExecutor(P)
+    fake, outputs = FakeExecutor(P), Outputs(sched)
     expected = {}
     for i in range(60):
         prompt = rng.choice(bases)[: rng.randint(1, 4 * P)] + tokens(100 + i, rng.randint(0, 6))
@@ -196,17 +203,18 @@ def test_random_workload_leaks_nothing() -> None:
         sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         sched.add_request(Request(f"r{i}", prompt, sp))
         expected[f"r{i}"] = reference(prompt, max_tokens)
+        outputs.track()
         for _ in range(rng.randint(0, 3)):
             plan = sched.schedule()
             if plan is not None:
-                for o in sched.postprocess(plan, fake.execute(plan)):
+                for o in outputs.add(sched.postprocess(plan, fake.execute(plan))):
                     if o.finished:
                         assert o.outputs[0].token_ids == expected[o.request_id]
             assert_consistent(sched)
     while sched.has_unfinished():
         plan = sched.schedule()
         assert plan is not None
-        for o in sched.postprocess(plan, fake.execute(plan)):
+        for o in outputs.add(sched.postprocess(plan, fake.execute(plan))):
             if o.finished:
                 assert o.outputs[0].token_ids == expected[o.request_id]
     assert all(sched.page_manager.num_used_pages(t) == 0 for t in TIERS)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from engine.core.detokenizer import Detokenizer
 from engine.core.outputs import RequestOutput
+from engine.core.parent_request import ParentRequest
 from engine.core.protocol import StepPlan, StepResult, TokenLogprobs
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import (
@@ -15,9 +17,9 @@ from engine.core.scheduler import (
     SchedulerConfig,
     SchedulerConfigError,
 )
-from engine.core.sequence import BATCH_PRIORITY, ONLINE_PRIORITY, Detokenizer, Request
+from engine.core.sequence import BATCH_PRIORITY, ONLINE_PRIORITY, Request
 from policy import TIERS, Policy, UserError
-from tests.engine.fakes import VOCAB, FakeDetokenizer, FakeExecutor, reference
+from tests.engine.fakes import VOCAB, FakeDetokenizer, FakeExecutor, Outputs, reference
 
 
 def prompt(i: int, length: int = 5) -> list[int]:
@@ -35,16 +37,20 @@ def make(detokenizer: Detokenizer | None = None, **config: object) -> Scheduler:
     return Scheduler(SchedulerConfig(**config), detokenizer)  # type: ignore[arg-type]
 
 
-def drive(sched: Scheduler, fake: FakeExecutor | None = None) -> dict[str, RequestOutput]:
-    """Synchronous loop; returns each request's final output."""
+def drive(
+    sched: Scheduler, fake: FakeExecutor | None = None, outputs: Outputs | None = None
+) -> dict[str, RequestOutput]:
+    """Synchronous loop; returns the final output of each request that finished (its deltas
+    added up, from `outputs` on if given)."""
     fake = fake or FakeExecutor(sched.config.page_tokens)
-    final: dict[str, RequestOutput] = {}
+    outputs = outputs or Outputs(sched)
     for _ in range(10_000):
         if not sched.has_unfinished():
-            return final
+            return outputs.final()
         plan = sched.schedule()
         assert plan is not None, "stalled"
-        final.update((o.request_id, o) for o in sched.postprocess(plan, fake.execute(plan)))
+        outputs.track()
+        outputs.add(sched.postprocess(plan, fake.execute(plan)))
     raise AssertionError("did not finish")
 
 
@@ -75,9 +81,9 @@ def test_continuous_refill_admits_waiting_the_step_after_a_finish() -> None:
         assert plan is not None and len(plan.chunks) <= 2
         for chunk in plan.chunks:
             first_chunk_at.setdefault(chunk.seq_id, plan.step_id)
-        for out in sched.postprocess(plan, fake.execute(plan)):
-            if out.finished:
-                finished_at[out.request_id] = plan.step_id
+        for delta in sched.postprocess(plan, fake.execute(plan)):
+            if delta.finished:
+                finished_at[delta.request_id] = plan.step_id
     assert first_chunk_at[0] == first_chunk_at[1] == 0
     assert first_chunk_at[2] == finished_at["r0"] + 1  # r0 left, r2 joined right away
     assert first_chunk_at[3] == min(finished_at["r1"], finished_at["r2"]) + 1
@@ -190,24 +196,28 @@ def test_abort_waiting_and_running_frees_kv() -> None:
     sched = make(gpu_batch_size=1)
     for i in range(3):
         sched.add_request(request(i, max_tokens=20))
-    fake = FakeExecutor()
+    fake, outputs = FakeExecutor(), Outputs(sched)
+    outputs.track()
     for _ in range(3):
         plan = sched.schedule()
         assert plan is not None
-        sched.postprocess(plan, fake.execute(plan))
-    waiting = sched.abort_request("r1")
-    assert waiting is not None and waiting.finished
+        outputs.add(sched.postprocess(plan, fake.execute(plan)))
+    aborted = sched.abort_request("r1")
+    assert aborted is not None and aborted.finished
+    waiting = outputs.add([aborted])[0]
     assert waiting.outputs[0].finish_reason == "abort" and waiting.outputs[0].token_ids == []
-    running = sched.abort_request("r0")
-    assert running is not None and running.outputs[0].finish_reason == "abort"
+    aborted = sched.abort_request("r0")
+    assert aborted is not None and aborted.new_token_ids == []
+    running = outputs.add([aborted])[0]
+    assert running.finished and running.outputs[0].finish_reason == "abort"
     assert running.outputs[0].token_ids == reference(prompt(0), 3)
     assert sched.page_manager.num_used_pages("gpu") == 0
     assert sched.abort_request("r0") is None and sched.abort_request("nope") is None
     plan = sched.schedule()
     assert plan is not None and plan.freed_seq_ids == [0]  # r1 never reached the engine
     assert [c.seq_id for c in plan.chunks] == [2]
-    sched.postprocess(plan, fake.execute(plan))
-    assert set(drive(sched, fake)) == {"r2"}
+    outputs.add(sched.postprocess(plan, fake.execute(plan)))
+    assert set(drive(sched, fake, outputs)) == {"r0", "r1", "r2"}
     assert_kv_empty(sched)
 
 
@@ -245,21 +255,30 @@ def test_stop_string_is_cut_and_nothing_after_it_is_returned() -> None:
     assert (out.finish_reason, out.stop_reason) == ("stop", stop)
 
 
-def test_n_choices_expand_to_seeded_sequences() -> None:
+def test_n_choices_fan_out_to_seeded_requests() -> None:
     sched = make()
-    sched.add_request(request(0, max_tokens=5, n=3, seed=7, logprobs=1))
-    outputs = []
+    parent = ParentRequest(request(0, max_tokens=5, n=3, seed=7, logprobs=1))
+    for child in parent.children:
+        sched.add_request(child)
     fake = FakeExecutor()
+    finished = []
     while sched.has_unfinished():
         plan = sched.schedule()
         assert plan is not None
         assert {c.sampling.seed for c in plan.chunks if c.sampling} <= {7, 8, 9}
-        outputs += sched.postprocess(plan, fake.execute(plan))
-    assert [o.finished for o in outputs].count(True) == 1 and outputs[-1].finished
-    final = outputs[-1].outputs
+        for delta in sched.postprocess(plan, fake.execute(plan)):
+            parent.add(delta)
+            finished.append(parent.finished)
+    assert finished.count(True) == 1 and finished[-1]
+    final = parent.output().outputs
     assert [c.index for c in final] == [0, 1, 2]
     assert [c.token_ids for c in final] == [reference(prompt(0), 5, 7 + i) for i in range(3)]
     assert all(c.logprobs is not None and len(c.logprobs) == 5 for c in final)
+
+
+def test_the_engine_takes_one_choice_per_request() -> None:
+    with pytest.raises(RequestError, match="n=2"):
+        make().add_request(request(0, n=2))
 
 
 def test_tiers_follow_fractions_and_batch_index_is_stable() -> None:

@@ -14,7 +14,7 @@ from engine.core.sampling_params import SamplingParams as Params
 from engine.core.scheduler import Scheduler, SchedulerConfig
 from engine.core.sequence import Request, Sequence
 from policy import Policy
-from tests.engine.fakes import FakeExecutor
+from tests.engine.fakes import FakeExecutor, Outputs
 from tests.engine.tiny_models import TINY_CONFIGS, hf_greedy, random_prompts
 
 NUM_PROMPTS = 44
@@ -86,15 +86,14 @@ def test_static_blocks_admit_only_into_an_empty_block() -> None:
         for i, max_tokens in enumerate([2, 6, 4, 3, 5]):
             prompt = [(i * 13 + j * 7 + 1) % 50 for j in range(5)]
             sched.add_request(Request(f"r{i}", prompt, Params(max_tokens=max_tokens)))
-        fake, outputs, running = FakeExecutor(), {}, []
+        fake, outputs, running = FakeExecutor(), Outputs(sched), []
         while sched.has_unfinished():
             plan = sched.schedule()
             assert plan is not None
             running.append(len(plan.chunks))
-            for out in sched.postprocess(plan, fake.execute(plan)):
-                if out.finished:
-                    outputs[out.request_id] = out.outputs[0].token_ids
-        return outputs, running
+            outputs.track()
+            outputs.add(sched.postprocess(plan, fake.execute(plan)))
+        return {rid: out.outputs[0].token_ids for rid, out in outputs.final().items()}, running
 
     refill, refill_sizes = run(False)
     static, static_sizes = run(True)

@@ -1,0 +1,81 @@
+"""`IncrementalDetokenizer`: a sequence's generated tokens as text, a piece per token (torch-free).
+
+vLLM's and TGI's method: each new token decodes a window of the last few tokens from a
+prefix offset, with and without the new ones, and keeps the difference, so a token costs
+the same at the thousandth as at the first, and a tokenizer that reads a token by its
+neighbours (a leading space, the bytes of one character) sees the same ones as a decode of
+the whole output. Text that ends inside a multi-byte character waits for its last byte.
+
+Stop strings are searched only where a new one can end, and the last `longest stop - 1`
+characters are held back until the next token shows they do not start one: so the pieces
+handed out, joined, are exactly the whole output's text cut before the first stop string,
+and nothing handed out is ever taken back (what streaming needs).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+
+class Detokenizer(Protocol):
+    """Turns generated token ids into text (the served tokenizer, skipping special tokens)."""
+
+    def decode(self, token_ids: list[int]) -> str: ...
+
+
+class IncrementalDetokenizer:
+    """The text of one sequence's output tokens, handed out piece by piece."""
+
+    def __init__(self, decoder: Detokenizer, stop: tuple[str, ...] = ()) -> None:
+        self.decoder = decoder
+        self.stop = stop
+        """Stop strings: the text ends before the first one."""
+        self.stop_hit: str | None = None
+        """The stop string that ended the text, once one has."""
+        self._hold = max(map(len, stop), default=1) - 1
+        """Characters kept back: the longest tail that may be the start of a stop string."""
+        self._window: list[int] = []
+        """Output tokens from the prefix offset on: the first `_num_read` are decoded, the
+        others wait (for the next token, or for the rest of a character)."""
+        self._num_read = 0
+        self._held = ""
+        """Decoded text not handed out yet (at most `_hold` characters)."""
+
+    def add(self, token_ids: list[int], final: bool) -> str:
+        """Take new tokens; the text that is now certain. `final`: no token follows, so
+        everything decoded is handed out (a character cut short decodes as U+FFFD)."""
+        if self.stop_hit is not None:
+            return ""
+        self._window += token_ids
+        text = self._held + self._decode(final)
+        hit = self._find_stop(text)
+        if hit is not None:
+            position, self.stop_hit = hit
+            self._held = ""
+            return text[:position]
+        keep = 0 if final else min(self._hold, len(text))
+        self._held = text[len(text) - keep :]
+        return text[: len(text) - keep]
+
+    def flush(self) -> str:
+        """Everything not handed out yet (the sequence ended for another reason)."""
+        return self.add([], final=True)
+
+    def _decode(self, final: bool) -> str:
+        """The text the unread tokens of the window add to what is decoded."""
+        if len(self._window) <= self._num_read:
+            return ""
+        seen = self.decoder.decode(self._window[: self._num_read])
+        text = self.decoder.decode(self._window)
+        if len(text) <= len(seen) or (text.endswith("\ufffd") and not final):
+            return ""  # nothing whole yet
+        # the next window starts at the tokens read before these: their neighbours
+        self._window = self._window[self._num_read :]
+        self._num_read = len(self._window)
+        return text[len(seen) :]
+
+    def _find_stop(self, text: str) -> tuple[int, str] | None:
+        """(position, stop string) of the first stop string in `text`, whose held-back start
+        held none (so a new one ends in what was just decoded)."""
+        hits = [(text.find(s), s) for s in self.stop]
+        return min(((pos, s) for pos, s in hits if pos >= 0), default=None)

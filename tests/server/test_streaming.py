@@ -1,0 +1,101 @@
+"""Streamed answers equal whole ones, over a real uvicorn server with the `openai` client.
+
+The engine hands out each choice's text piece by piece (its incremental detokenizer holds
+back a character until its last byte and a possible stop string until it is ruled out), and
+the daemon streams each piece as it comes: joined, the chunks must be exactly the text of
+the same request without `stream`, for every prompt, with stop strings that span tokens and
+outputs that hold multi-byte characters.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tests.server.live import MODEL, LiveServer, Reference
+
+PROMPTS = [
+    "The quick brown fox",
+    "naïve café, 日本語 and 🙂",
+    "Ωmega ümlaut ß",
+    "¿Qué tal? ñandú",
+    "Once upon a time",
+    "1 2 3 4",
+    "€100 → £",
+    "Zürich — Köln",
+]
+MAX_TOKENS = 24
+
+
+def spanning_stop(reference: Reference, prompt: str, text: str) -> str | None:
+    """A two-character stop string that starts in one token's text and ends in the next's,
+    and first occurs there; None if the output has no such place."""
+    ids = reference.greedy(prompt, MAX_TOKENS).token_ids
+    for k in range(1, len(ids)):
+        cut = len(reference.tokenizer.decode(ids[:k]))
+        if not text.startswith(reference.tokenizer.decode(ids[:k])) or not 0 < cut < len(text):
+            continue
+        stop = text[cut - 1 : cut + 1]
+        if stop.strip() and text.find(stop) == cut - 1:
+            return stop
+    return None
+
+
+def both(live: LiveServer, **body: Any) -> tuple[list[str], list[str]]:
+    """(texts without stream, texts of the joined chunks), by choice index."""
+    client = live.openai()
+    whole = client.completions.create(model=MODEL, **body)
+    texts = [c.text for c in sorted(whole.choices, key=lambda c: c.index)]
+    streamed = [""] * len(texts)
+    for chunk in client.completions.create(model=MODEL, stream=True, **body):
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.text
+    return texts, streamed
+
+
+def test_streamed_text_equals_the_whole_answer(live: LiveServer, reference: Reference) -> None:
+    num_stops, multibyte = 0, False
+    for prompt in PROMPTS:
+        full = reference.greedy(prompt, MAX_TOKENS).text
+        multibyte |= any(ord(c) > 127 for c in full)
+        stop = spanning_stop(reference, prompt, full)
+        for stops in ([], [stop] if stop else []):
+            num_stops += bool(stops)
+            texts, streamed = both(
+                live, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, stop=stops or None
+            )
+            expected = full[: full.find(stops[0])] if stops else full
+            assert texts == streamed == [expected], (prompt, stops)
+    assert num_stops >= 4, "too few outputs with a stop string across tokens"
+    assert multibyte, "no output held a multi-byte character"
+
+
+def test_streamed_choices_of_many_prompts_equal_the_whole_answer(live: LiveServer) -> None:
+    """n > 1 over several prompts, sampled with a seed: every choice's chunks join to its text."""
+    body = {"prompt": PROMPTS[:3], "n": 2, "max_tokens": 16, "seed": 5, "temperature": 0.9}
+    texts, streamed = both(live, **body, stop=["e ", "ü"])
+    assert texts == streamed and len(texts) == 6
+
+
+def test_streamed_chat_equals_the_whole_answer(live: LiveServer, reference: Reference) -> None:
+    client = live.openai()
+    messages = [{"role": "user", "content": "Sag mir etwas über Köln 🙂"}]
+    full = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=MAX_TOKENS, temperature=0
+    )
+    text = full.choices[0].message.content or ""
+    for stop in (None, text[len(text) // 2 : len(text) // 2 + 2] or None):
+        kwargs: dict[str, Any] = {"stop": [stop]} if stop else {}
+        whole = client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=MAX_TOKENS, temperature=0, **kwargs
+        )
+        chunks = client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            stream=True,
+            **kwargs,
+        )
+        streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert streamed == whole.choices[0].message.content
+        assert streamed == (text[: text.find(stop)] if stop else text)
