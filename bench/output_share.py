@@ -1,6 +1,7 @@
 """How much of the daemon's time goes to detokenizing and output handling (docs/benchmarks.md).
 
     python -m bench.output_share [--seqs 64] [--tokens 1024] [--rate 250] [--json FILE]
+                                 [--tree LABEL=DIR ...]
 
 Starts a real `nanoflex serve` process on loopback (the demo model, one block of `--seqs`
 sequences, the engine in its own process), warms it up, then sends `--seqs` concurrent
@@ -13,8 +14,9 @@ accumulation, building the response body or chunk, and encoding it as JSON. The 
 those samples over the samples of one busy thread for the whole run (rate x wall seconds):
 the daemon's Python runs under one GIL, so that is the share of the one core it can use.
 
-`--tree DIR` runs the daemon from another source tree (a checkout of an older commit:
-the "before" figure), with this script's own tree's load generator.
+`--tree LABEL=DIR` (repeatable) runs the daemon from each source tree in turn, in one sitting
+(a checkout of an older commit: the "before" figure; default: this tree), with this
+script's own load generator.
 """
 
 from __future__ import annotations
@@ -135,7 +137,8 @@ async def fire(url: str, seqs: int, tokens: int, stream: bool) -> tuple[float, i
 def profiled_run(
     url: str, pid: int, args: argparse.Namespace, stream: bool, out: Path
 ) -> dict[str, Any]:
-    spy = shutil.which("py-spy")
+    beside = Path(sys.executable).with_name("py-spy")
+    spy = str(beside) if beside.is_file() else shutil.which("py-spy")
     if spy is None:
         raise SystemExit("bench.output_share needs py-spy: pip install py-spy")
     cmd = [spy, "record", "--pid", str(pid), "--rate", str(args.rate), "--format", "raw"]
@@ -170,37 +173,46 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seqs", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=1024)
     parser.add_argument("--rate", type=int, default=250, help="py-spy samples per second")
-    parser.add_argument("--tree", default=str(REPO), help="source tree the daemon runs from")
-    parser.add_argument("--label", default="", help="names the run in the table")
+    parser.add_argument(
+        "--tree",
+        action="append",
+        default=[],
+        metavar="LABEL=DIR",
+        help="a source tree the daemon runs from, and its name in the table (repeatable; "
+        "default: this tree)",
+    )
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
+    trees = [tuple(t.split("=", 1)) for t in args.tree] or [("this tree", str(REPO))]
     results = []
-    with tempfile.TemporaryDirectory(prefix="nanoflex-output-") as tmp:
-        daemon, url = start_daemon(Path(tmp) / "data", Path(args.tree), args.seqs)
-        try:
-            asyncio.run(fire(url, args.seqs, 16, stream=False))  # warm-up: kernels, caches
-            for stream in (False, True):
-                out = Path(tmp) / f"profile-{int(stream)}.txt"
-                results.append(profiled_run(url, daemon.pid, args, stream, out))
-                print(json.dumps(results[-1]), file=sys.stderr)
-        finally:
-            os.kill(daemon.pid, signal.SIGTERM)
-            daemon.wait(timeout=60)
-    table = Table(
-        ["run", "mode", "wall s", "generated tok/s", "output handling, share of one core"]
-    )
+    for label, tree in trees:
+        with tempfile.TemporaryDirectory(prefix="nanoflex-output-") as tmp:
+            daemon, url = start_daemon(Path(tmp) / "data", Path(tree), args.seqs)
+            try:
+                asyncio.run(fire(url, args.seqs, 16, stream=False))  # warm-up: kernels, caches
+                for stream in (False, True):
+                    out = Path(tmp) / f"profile-{int(stream)}.txt"
+                    run = profiled_run(url, daemon.pid, args, stream, out)
+                    results.append({"tree": label, **run})
+                    print(json.dumps(results[-1]), file=sys.stderr)
+            finally:
+                os.kill(daemon.pid, signal.SIGTERM)
+                daemon.wait(timeout=60)
+    header = ["daemon", "mode", "wall s", "generated tok/s", "output handling, share of one core"]
+    table = Table([*header, "of the daemon's busy samples"])
     for r in results:
         table.rows.append(
             [
-                args.label or "-",
+                r["tree"],
                 "streamed" if r["stream"] else "not streamed",
                 f"{r['wall_s']:.1f}",
                 f"{r['generated_tok_s']:.0f}",
                 f"{100 * r['output_share_of_one_core']:.1f}%",
+                f"{100 * r['output_share_of_busy']:.1f}%",
             ]
         )
-    print(table.markdown("llrrr"))
-    config = {"seqs": args.seqs, "tokens": args.tokens, "rate": args.rate, "label": args.label}
+    print(table.markdown("llrrrr"))
+    config = {"seqs": args.seqs, "tokens": args.tokens, "rate": args.rate, "trees": trees}
     write_json(args.json, [{"config": config, "runs": results}], table)
     return 0
 

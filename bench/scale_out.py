@@ -23,10 +23,11 @@ from typing import Any
 from bench.common import Table, write_json
 from engine.core.engine_args import EngineArgs
 from engine.core.model_files import DEMO_MODEL, served_model_name
-from server.core_client import CoreEngineClient
-from server.metrics import Metrics
-from server.run_batch import BatchWork, Pending, answer_all, batch_request_id
-from server.serving import COMPLETIONS, Serving
+from engine.runtime.core_client import CoreEngineClient
+from server.batch.lines import BatchLine
+from server.offline.work import BatchWork, Pending, answer_all, line_id
+from server.openai.metrics import Metrics
+from server.openai.serving import COMPLETIONS, Serving
 
 
 def parse_args() -> argparse.Namespace:
@@ -51,7 +52,7 @@ def batch_work(args: argparse.Namespace) -> BatchWork:
             "temperature": 0,
             "ignore_eos": True,
         }
-        todo.append(Pending(batch_request_id(str(i), COMPLETIONS), str(i), json.dumps(body)))
+        todo.append(Pending(line_id(i, str(i)), BatchLine(i, str(i), body)))
     return BatchWork(COMPLETIONS, int(time.time()), todo)
 
 
@@ -99,7 +100,7 @@ async def local(engine_args: EngineArgs, work: BatchWork) -> dict[str, Any]:
 
 
 async def on_ray(ray: Any, engine_args: EngineArgs, work: BatchWork, n: int) -> dict[str, Any]:
-    from server.scale_out.pool import ReplicaPool
+    from server.offline.scale_out.pool import ReplicaPool
 
     pool = ReplicaPool(ray, engine_args, n)
     start = time.perf_counter()

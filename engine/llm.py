@@ -44,7 +44,7 @@ class LLM:
         self.args = args
         model_dir = local_model_dir(args.model)
         self.policy, self.plan = args.resolve_policy(model_dir)
-        self.executor = build_executor(**args.executor_kwargs(model_dir, self.policy))
+        self.executor = build_executor(args, str(model_dir), self.policy)
         self.tokenizer = Tokenizer(model_dir) if has_tokenizer(model_dir) else None
         self.scheduler = args.create_scheduler(
             self.policy, model_dir, self.executor.describe(), self.tokenizer

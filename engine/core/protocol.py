@@ -104,6 +104,9 @@ class StepResult:
     logprobs: list[TokenLogprobs | None]
     prompt_logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)
     """For sequences whose sampling asked for echo + logprobs: logprobs of the prompt tokens."""
+    bytes_per_tier: dict[str, int] = field(default_factory=dict)
+    """Bytes resident per tier after the step (weights, KV pools, activations), as they grow:
+    what /metrics reports; empty when the executor does not say."""
 
 
 @dataclass(frozen=True, slots=True)

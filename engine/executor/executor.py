@@ -9,11 +9,11 @@ import tempfile
 import weakref
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from engine.core.dtypes import checkpoint_dtype
+from engine.core.engine_args import EngineArgs
 from engine.core.kv_pages import PageManager
 from engine.core.protocol import (
     EngineInfo,
@@ -68,7 +68,7 @@ class Executor:
         (engine/executor/cuda_graphs.py); False runs every op eagerly.
     persist_kv_cache: keep the disk tier's cached KV pages in `offload_dir` with a verified
         index, for the next run to find (engine/storage/disk_cache.py).
-    nano_overlap: with `policy.num_nano_batches` > 1, overlap the nano-batches' operations
+    nano_batch_overlap: with `policy.num_nano_batches` > 1, overlap the nano-batches' operations
         (engine/executor/nano_overlap.py); False runs them one after another (NanoFlow's
         nano-batch-only ablation baseline).
     paged_attention: attention reads the gpu tier's KV pages in place, the layer's new KV
@@ -99,7 +99,7 @@ class Executor:
         trace: str | Path | None = None,
         cuda_graphs: bool = True,
         persist_kv_cache: bool = False,
-        nano_overlap: bool = True,
+        nano_batch_overlap: bool = True,
         paged_attention: bool = True,
         native_kernels: bool = True,
         prepack_weights: bool = True,
@@ -176,7 +176,9 @@ class Executor:
             num_store_threads=policy.num_store_threads,
             tracer=self.tracer,
             graphs=self._graph_runner() if cuda_graphs else None,
-            nano=NanoOverlap(self.model, self.device, overlap=nano_overlap, tracer=self.tracer)
+            nano=NanoOverlap(
+                self.model, self.device, overlap=nano_batch_overlap, tracer=self.tracer
+            )
             if policy.num_nano_batches > 1
             else None,
             kernels=paged_kernels() if native else None,
@@ -268,6 +270,10 @@ class Executor:
             dtype=str(self.dtype).removeprefix("torch."),
         )
 
+    def bytes_per_tier(self) -> dict[str, int]:
+        """Weights, KV pools and activations resident per tier now."""
+        return self.placement().bytes_per_tier()
+
     # -- one step ----------------------------------------------------------------------
 
     def execute(self, plan: StepPlan) -> StepResult:
@@ -277,7 +283,7 @@ class Executor:
                 self.kv.disk_pool.release_pages([p for tier, p in gone.pages if tier == "disk"])
         if not plan.chunks:  # records only: nothing runs
             self._record_cached_disk_pages(plan)
-            return StepResult(plan.step_id, [], [], [])
+            return StepResult(plan.step_id, [], [], [], bytes_per_tier=self.bytes_per_tier())
         by_batch: dict[int, list[SeqChunk]] = {}
         for chunk in plan.chunks:
             self._admit(chunk)
@@ -334,6 +340,7 @@ class Executor:
             [token_ids[i] for i in order],
             [logprobs[i] for i in order],
             prompt_logprobs=prompt_logprobs,
+            bytes_per_tier=self.bytes_per_tier(),
         )
 
     def _disk_pages_written(self, plan: StepPlan) -> list[int]:
@@ -424,17 +431,32 @@ class Executor:
 
 
 def build_executor(
-    model: str | None = None,
-    policy: dict[str, Any] | None = None,
-    dtype: str | None = None,
+    args: EngineArgs,
+    model_dir: str,
+    policy: Policy,
     on_progress: Callable[[int, int], None] | None = None,
-    **kwargs: Any,
 ) -> Executor:
-    """Factory for the engine process: the plain arguments of `EngineArgs.executor_kwargs`
-    (`dtype` by name, validated there), and the engine process's `on_progress`."""
-    torch_dtype = None if dtype is None else getattr(torch, dtype)
-    policy_record = Policy.from_dict(policy or {})
-    return Executor(model, policy_record, dtype=torch_dtype, on_progress=on_progress, **kwargs)
+    """The executor `args` describe, for the resolved model directory and policy: what `LLM`
+    and the engine process (`engine.runtime`) build, the record passed as it is."""
+    return Executor(
+        model_dir,
+        policy,
+        device=args.device,
+        offload_dir=args.offload_dir,
+        gpu_mem=args.gpu_mem,
+        cpu_mem=args.cpu_mem,
+        disk_mem=args.disk_mem,
+        dtype=None if args.dtype is None else getattr(torch, args.dtype),
+        show_progress=args.show_progress,
+        trace=args.trace,
+        cuda_graphs=args.cuda_graphs,
+        persist_kv_cache=args.persist_kv_cache,
+        nano_batch_overlap=args.nano_batch_overlap,
+        paged_attention=args.paged_attention,
+        native_kernels=args.native_kernels,
+        prepack_weights=args.prepack_weights,
+        on_progress=on_progress,
+    )
 
 
 def score_prompt(chunk: SeqChunk, state: SeqState, logits: torch.Tensor) -> None:

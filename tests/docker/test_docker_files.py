@@ -169,7 +169,7 @@ def test_health_check_hits_the_health_route(dockerfile: list[Instruction]) -> No
 
 def route_is_served(route: str) -> bool:
     """The daemon's app registers a GET handler for `route`."""
-    app = (ROOT / "server" / "app.py").read_text()
+    app = (ROOT / "server" / "http" / "app.py").read_text()
     return bool(re.search(rf"""\.get\(\s*["']{re.escape(route)}["']""", app))
 
 

@@ -109,8 +109,9 @@ RULES = (
     Rule(
         "cluster",
         "skip",
-        "needs a Ray cluster (boxes joined with `ray start`, or KubeRay); tests/server/scale_out "
-        "runs `run-batch --ray` and the Ray Data processor on a local Ray instead",
+        "needs a Ray cluster (boxes joined with `ray start`, or KubeRay); "
+        "tests/server/offline/scale_out runs `run-batch --ray` and the Ray Data processor on a "
+        "local Ray instead",
         _has("--ray", "ray start", "helm ", "kubectl ", "ray.data", "nanoflex[ray]"),
     ),
     Rule(

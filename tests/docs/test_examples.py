@@ -16,8 +16,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from server.core_client import build_engine_client
-from server.settings import ServerSettings
+from engine.runtime.core_client import build_engine_client
+from server.http.settings import ServerSettings
 from tests.docs.doc_examples import classify, examples, rule
 from tests.server.live import LiveServer, engine_args, start_server
 

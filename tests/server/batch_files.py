@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 import openai
 
-from server.json_body import JSONBodyError, loads_json
+from server.openai.json_body import JSONBodyError, loads_json
 from tests.server.live import MODEL
 
 URL: Literal["/v1/completions"] = "/v1/completions"

@@ -10,8 +10,8 @@ from typing import Any
 import httpx
 import pytest
 
-from server.engine_client import EngineClient
-from server.settings import ServerSettings
+from engine.runtime.engine_client import EngineClient
+from server.http.settings import ServerSettings
 from tests.server.live import LiveServer, Reference, ServerFactory, demo_engine, start_server
 
 

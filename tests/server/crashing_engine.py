@@ -9,9 +9,9 @@ import argparse
 
 from engine.core.engine_args import EngineArgs
 from engine.core.model_files import DEMO_MODEL
+from engine.runtime.core_client import CoreEngineClient
+from engine.runtime.restarts import RestartPolicy
 from policy import Policy
-from server.core_client import CoreEngineClient
-from server.restarts import RestartPolicy
 
 RESTARTS = RestartPolicy(max_restarts=2, window_s=120.0, first_backoff_s=0.5)
 
@@ -21,5 +21,5 @@ def build_engine_client(args: argparse.Namespace) -> CoreEngineClient:
         EngineArgs.from_cli_args(args, policy=Policy()),
         model_name=DEMO_MODEL,
         restarts=RESTARTS,
-        executor_factory="tests.server.toy_executor:build_crashing_executor",
+        executor_factory="tests.engine.runtime.toy_executor:build_crashing_executor",
     )

@@ -20,8 +20,8 @@ import pytest
 from engine.core.outputs import SequenceDelta
 from engine.core.sampling_params import SamplingParams
 from engine.core.sequence import ONLINE_PRIORITY
-from server.core_client import CoreEngineClient
-from server.state import AppState
+from engine.runtime.core_client import CoreEngineClient
+from server.http.state import AppState
 from tests.server.live import demo_engine
 
 FAIL_IN_ENGINE = "FAIL-IN-ENGINE"
@@ -108,7 +108,7 @@ class Disk:
 
 
 def _inject_enospc(state: AppState, is_full: Any) -> None:
-    from server.storage_faults import StorageError
+    from server.batch.storage_faults import StorageError
 
     def failing(method: Any, what: str) -> Any:
         def wrapper(*args: Any, **kwargs: Any) -> Any:

@@ -25,14 +25,14 @@ from engine.core.outputs import CompletionOutput
 from engine.core.sampling_params import SamplingParams
 from engine.core.tokenizer import Tokenizer
 from engine.loading.demo import demo_model_dir
+from engine.runtime.core_client import CoreEngineClient, build_engine_client
+from engine.runtime.engine_client import EngineClient
 from policy import Policy
-from server.app import create_app
 from server.cli import build_parser
-from server.core_client import CoreEngineClient, build_engine_client
-from server.engine_client import EngineClient
-from server.serve import uvicorn_config
-from server.settings import ServerSettings
-from server.state import AppState
+from server.http.app import create_app
+from server.http.serve import uvicorn_config
+from server.http.settings import ServerSettings
+from server.http.state import AppState
 
 API_KEY = "test-key"
 MODEL = DEMO_MODEL

@@ -15,10 +15,10 @@ import pytest
 
 from engine.core.engine_args import EngineArgs
 from engine.core.model_files import DEMO_MODEL
+from engine.runtime.core_client import build_engine_client
 from policy import Policy, UserError
 from server.cli import COMMANDS, DefaultsHelpFormatter, build_parser
-from server.core_client import build_engine_client
-from server.settings import ServerSettings
+from server.http.settings import ServerSettings
 from tests.server.live import engine_args, start_server
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -19,7 +19,7 @@ import psutil
 import pytest
 
 from policy import Policy
-from server.store import Store
+from server.batch.store import Store
 from tests.server.batch_files import (
     URL,
     assert_accounted,
@@ -60,7 +60,7 @@ def test_result_commit_is_atomic_and_once(tmp_path: Path) -> None:
     store.close()
     reopened = Store(tmp_path / "db.sqlite")
     batch = reopened.get_batch("batch_1")
-    assert batch is not None and batch["request_counts"] == {
+    assert batch is not None and batch.request_counts.model_dump() == {
         "total": 2,
         "completed": 1,
         "failed": 0,

@@ -19,8 +19,8 @@ from typing import Any
 
 import pytest
 
-from server.files import FileStorage
-from server.store import Store
+from server.batch.files import FileStorage
+from server.batch.store import Store
 from tests.server.batch_files import (
     URL,
     assert_accounted,

@@ -16,7 +16,7 @@ import pytest
 
 from policy.errors import UserError
 from server.cli import build_parser
-from server.settings import ServerSettings, api_key_from
+from server.http.settings import ServerSettings, api_key_from
 from tests.server.batch_files import URL, request_line, upload, wait_batch
 from tests.server.faults import BLOCK, BlockingEngine, like_demo
 from tests.server.live import MODEL, LiveServer, ServerFactory, engine_is_idle, wait_for

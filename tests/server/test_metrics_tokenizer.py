@@ -14,8 +14,8 @@ from engine.core.engine_args import EngineArgs
 from engine.core.model_files import resolve_model_dir
 from engine.core.tokenizer import Tokenizer
 from engine.loading.demo import demo_model_dir
+from engine.runtime.core_client import CoreEngineClient
 from policy import Policy
-from server.core_client import CoreEngineClient
 from tests.server.live import MODEL, LiveServer, Reference, ServerFactory
 
 

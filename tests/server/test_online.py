@@ -11,9 +11,9 @@ from pathlib import Path
 import httpx
 
 from engine.core.sampling_params import SamplingParams
+from engine.runtime.core_client import build_engine_client
 from policy import Policy
 from policy.search import GPU_BATCH_SIZES, NUM_GPU_BATCHES
-from server.core_client import build_engine_client
 from tests.server.live import MODEL, LiveServer, Reference, ServerFactory, engine_args
 
 REPO = Path(__file__).resolve().parents[2]
@@ -227,10 +227,10 @@ def test_daemon_never_imports_torch(tmp_path: Path) -> None:
     code = f"""
 import importlib, pkgutil, sys
 import server
-from server.app import create_app
+from server.http.app import create_app
 from server.cli import build_parser
-from server.core_client import build_engine_client
-from server.settings import ServerSettings
+from engine.runtime.core_client import build_engine_client
+from server.http.settings import ServerSettings
 for module in pkgutil.walk_packages(server.__path__, "server."):
     importlib.import_module(module.name)
 argv = ["serve", "--model", "nanoflex-demo", "--device", "cpu", "--policy", {str(policy)!r}]

@@ -12,8 +12,8 @@ import openai
 
 from engine.core.engine_args import EngineArgs
 from engine.core.model_files import resolve_model_dir
+from engine.runtime.core_client import CoreEngineClient
 from policy import Policy
-from server.core_client import CoreEngineClient
 from tests.server.batch_files import read_lines, upload, wait_batch
 from tests.server.live import MODEL, LiveServer, ServerFactory, engine_args
 

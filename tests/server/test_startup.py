@@ -18,7 +18,7 @@ import pytest
 
 from engine.core.model_files import DEMO_MODEL
 from policy import Policy
-from server.settings import ServerSettings
+from server.http.settings import ServerSettings
 from tests.server.live import engine_args, free_port, start_server
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -147,7 +147,7 @@ def test_an_engine_that_cannot_start_ends_the_daemon_with_one_line(
 def test_ready_shows_a_start_failure_as_one_line(tmp_path: Path) -> None:
     """Without a caller that exits (an embedding app), /ready reports the failure's line."""
     engine = engine_args(model=str(tmp_path / "missing"))
-    from server.core_client import build_engine_client
+    from engine.runtime.core_client import build_engine_client
 
     live = start_server(
         ServerSettings(data_dir=tmp_path / "data"), build_engine_client(engine), wait_ready=False

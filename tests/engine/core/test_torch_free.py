@@ -1,4 +1,5 @@
-"""engine/core is the torch-free half of the engine: what the daemon process may import."""
+"""engine/core and engine/runtime are the torch-free half of the engine: what the daemon
+process may import."""
 
 from __future__ import annotations
 
@@ -12,9 +13,10 @@ REPO = Path(__file__).resolve().parents[3]
 def test_every_core_module_imports_without_torch_or_numpy() -> None:
     code = """
 import importlib, pkgutil, sys
-import engine.core
+import engine.core, engine.runtime
 names = [m.name for m in pkgutil.walk_packages(engine.core.__path__, "engine.core.")]
-assert len(names) >= 8, names
+names += [m.name for m in pkgutil.walk_packages(engine.runtime.__path__, "engine.runtime.")]
+assert len(names) >= 12, names
 for name in names:
     importlib.import_module(name)
 heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "numpy", "transformers"))

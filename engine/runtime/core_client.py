@@ -1,0 +1,457 @@
+"""`CoreEngineClient`: the daemon's engine: the scheduler here, the executor in its own process.
+
+Building the client is cheap: `start()` resolves the model (building its directory on
+first use), plans the policy and loads the weights in the engine process, saying what it
+does in `status()` and the log, so the daemon can answer /health and /ready meanwhile.
+A failure there raises `EngineStartError` with one line; nothing is retried.
+
+One worker thread owns the `Scheduler` and `EngineCore` (neither is thread-safe)
+and steps them; the asyncio side talks to it only through a command queue and
+gets each step's deltas back in one `call_soon_threadsafe`. A request for n choices is
+fanned out here (`ParentRequest`): the engine runs each choice as a request of its own.
+If the engine process dies, the client reports not-ready, restarts it with a fresh
+scheduler (back-off and a limit: engine/runtime/restarts.py) and fails the requests that
+were in flight with `EngineDeadError` (batch work is retried by the batch runner, so batch
+jobs lose nothing; online callers see a 503). Past the limit it gives up and calls its
+fatal listeners.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import copy
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncGenerator, Sequence
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer as HFTokenizer
+
+from engine.core.engine_args import EngineArgs
+from engine.core.engine_core import EngineCore
+from engine.core.model_files import resolve_model_dir, served_model_name
+from engine.core.outputs import SequenceDelta
+from engine.core.parent_request import ParentRequest
+from engine.core.protocol import StepPlan, StepResult
+from engine.core.sampling_params import SamplingParams
+from engine.core.sequence import ONLINE_PRIORITY, Request
+from engine.core.tokenizer import Tokenizer
+from engine.runtime.engine_client import EngineClient, EngineDeadError, StepStats
+from engine.runtime.engine_process import ExecutorProcess
+from engine.runtime.executor_client import (
+    EXECUTOR_FACTORY,
+    ExecutorClient,
+    ExecutorDiedError,
+    InProcessExecutor,
+)
+from engine.runtime.restarts import RestartPolicy, RestartTracker
+from policy import TIERS, Policy
+from policy.errors import UserError
+
+log = logging.getLogger("nanoflex.engine")
+
+_IDLE_WAIT_S = 0.05
+
+
+class EngineStartError(UserError):
+    """The engine could not start (bad model, no device, out of memory at load); one line."""
+
+
+class CoreEngineClient(EngineClient):
+    """The scheduler in this process, the executor in the engine process (or in this one
+    with `in_process`). `model_dir` and `policy` are resolved by `start()` when None."""
+
+    def __init__(
+        self,
+        engine_args: EngineArgs,
+        model_dir: Path | None = None,
+        policy: Policy | None = None,
+        *,
+        model_name: str,
+        in_process: bool = False,
+        restarts: RestartPolicy | None = None,
+        executor_factory: str = EXECUTOR_FACTORY,
+    ) -> None:
+        super().__init__()
+        self.executor_factory = executor_factory
+        """'module:function' building the executor from the `EngineArgs` record, the model
+        directory and the policy (`engine.executor.executor.build_executor`)."""
+        self.engine_args, self.model_dir, self.policy = engine_args, model_dir, policy
+        self._model_name = model_name
+        self._in_process = in_process
+        self._restarts = RestartTracker(restarts or RestartPolicy())
+        self._tokenizer: Tokenizer | None = None
+        self._executor: ExecutorClient | None = None
+        self._max_model_len = 0
+        self._max_token_bytes = 0
+        self._status = "waiting to start"
+        self._commands: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self._streams: dict[str, asyncio.Queue[SequenceDelta | Exception]] = {}
+        """Engine request (child) id -> its parent's stream (touched on the event loop only)."""
+        self._children: dict[str, list[str]] = {}
+        """Parent request id -> its children's ids, while it runs."""
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
+        self._stopping = threading.Event()
+        self._loading = threading.Event()
+        self._core: EngineCore | None = None
+        self._preemptions_before = 0
+        self._counter: _StepCounter | None = None
+        self._reported_busy = False
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._loading.set()
+        try:
+            await asyncio.to_thread(self._load)
+        except UserError as e:
+            raise EngineStartError(str(e)) from e
+        finally:
+            self._loading.clear()
+        if self._stopping.is_set():
+            return
+        self._core = self._new_core()
+        self._thread = threading.Thread(target=self._run, name="nanoflex-core", daemon=True)
+        self._thread.start()
+        self._set_status("ready")
+        self._ready.set()
+
+    def _load(self) -> None:
+        """Resolve the model and the policy, read the tokenizer, start the executor."""
+        args = self.engine_args
+        if self.model_dir is None:
+            self._set_status(f"finding model {self._model_name} (built on first use)")
+            self.model_dir = resolve_model_dir(args.model)
+        if self.policy is None:
+            self._set_status("planning the policy (the first run on a machine profiles it)")
+            self.policy, plan = args.resolve_policy(self.model_dir)
+            log.info("policy %s%s", self.policy.to_json(), f" planned: {plan}" if plan else "")
+        self._set_status("reading the tokenizer")
+        tokenizer = Tokenizer(self.model_dir)
+        self._max_model_len = args.context_len(self.model_dir)
+        self._max_token_bytes = longest_token_bytes(self.model_dir)
+        self._tokenizer = tokenizer  # last: requests are prepared once it is set
+        kwargs = {"args": args, "model_dir": str(self.model_dir), "policy": self.policy}
+        self._executor = (
+            InProcessExecutor(self.executor_factory, kwargs, on_progress=self._set_status)
+            if self._in_process
+            else ExecutorProcess(self.executor_factory, kwargs, on_progress=self._set_status)
+        )
+        if self._stopping.is_set():
+            return
+        self._set_status(f"loading {self.model_dir.name} in the engine process")
+        try:
+            self._executor.start()
+        except Exception:
+            if self._stopping.is_set():  # shut down while loading: not a start failure
+                return
+            raise
+
+    async def shutdown(self) -> None:
+        self._stopping.set()
+        if self._loading.is_set() and self._executor is not None:
+            self._executor.abort_start()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
+        if self._executor is not None:
+            await asyncio.to_thread(self._executor.shutdown)
+        self._ready.clear()
+
+    def is_ready(self) -> bool:
+        return self._ready.is_set() and self._executor is not None and self._executor.is_alive
+
+    def status(self) -> str:
+        return self._status
+
+    def _set_status(self, text: str) -> None:
+        if text != self._status:
+            log.info("engine: %s", text)
+        self._status = text
+
+    def _new_core(self) -> EngineCore:
+        assert self.policy is not None and self.model_dir is not None and self._executor
+        scheduler = self.engine_args.create_scheduler(
+            self.policy, self.model_dir, self._executor.describe(), self._tokenizer
+        )
+        self._counter = _StepCounter(self._executor)
+        on_cpu_here = self._in_process and self._executor.describe().placement.device == "cpu"
+        return EngineCore(scheduler, self._counter, self.engine_args.plans_ahead(on_cpu_here))
+
+    def _close_core(self) -> None:
+        """Close the engine core (after a crash, or at the end), keeping its counts."""
+        core, self._core = self._core, None
+        if core is not None:
+            self._preemptions_before += core.scheduler.num_preemptions
+            with contextlib.suppress(Exception):  # the failed step's error: already handled
+                core.close()
+
+    def _loaded(self) -> Tokenizer:
+        """The tokenizer, once `start()` has read it; before, the engine is unavailable."""
+        if self._tokenizer is None:
+            raise EngineDeadError(f"the model is not loaded yet ({self._status})")
+        return self._tokenizer
+
+    # -- model and tokenizer ---------------------------------------------------------------
+
+    @property
+    def model_name(self) -> str:
+        return self._model_name
+
+    @property
+    def max_model_len(self) -> int:
+        self._loaded()
+        return self._max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self._loaded().vocab_size
+
+    @property
+    def max_token_bytes(self) -> int:
+        self._loaded()
+        return self._max_token_bytes
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self._loaded().eos_token_id
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._loaded().encode(text, add_special_tokens)
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return self._loaded().decode(token_ids)
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+        return self._loaded().apply_chat_template(messages)
+
+    # -- generation ------------------------------------------------------------------------
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = ONLINE_PRIORITY,
+    ) -> AsyncGenerator[SequenceDelta, None]:
+        if not self.is_ready():
+            raise EngineDeadError("the engine is not ready")
+        parent = ParentRequest(Request(request_id, list(prompt_token_ids), params, priority))
+        child_ids = [child.request_id for child in parent.children]
+        stream: asyncio.Queue[SequenceDelta | Exception] = asyncio.Queue()
+        for child_id in child_ids:
+            self._streams[child_id] = stream
+        self._children[request_id] = child_ids
+        reply: asyncio.Future[Exception | None] = asyncio.get_running_loop().create_future()
+        self._commands.put(("add", (parent.children, reply)))
+        unfinished = set(child_ids)
+        try:
+            error = await reply  # the scheduler's verdict on the request (e.g. too long)
+            if error is not None:
+                unfinished.clear()  # none of them was queued
+                raise error
+            while unfinished:
+                item = await stream.get()
+                if isinstance(item, Exception):
+                    raise item
+                if item.finished:
+                    unfinished.discard(item.request_id)
+                yield parent.tag(item)
+        finally:
+            for child_id in child_ids:
+                self._streams.pop(child_id, None)
+            self._children.pop(request_id, None)
+            if unfinished:
+                self._commands.put(("abort", sorted(unfinished)))
+
+    async def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", self._children.get(request_id, [request_id])))
+
+    # -- the worker thread -----------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            core = self._core
+            assert core is not None
+            self._drain_commands(core, block=not core.has_unfinished())
+            if not core.has_unfinished():
+                if self._reported_busy:  # drained by aborts, not by a step: zero the gauges
+                    self._emit(core, 0.0, batch_size=0)
+                continue
+            start = time.perf_counter()
+            try:
+                deltas = core.step()
+            except ExecutorDiedError as e:
+                if not self._recover(e):
+                    break
+                continue
+            except Exception as e:  # an engine bug: its state may no longer match the plan
+                log.exception("engine step failed")
+                assert self._executor is not None
+                self._executor.kill()
+                if not self._recover(e):
+                    break
+                continue
+            assert self._counter is not None
+            self._emit(core, time.perf_counter() - start, self._counter.num_seqs)
+            if deltas:
+                self._call_soon(self._dispatch, deltas)
+        self._close_core()
+
+    def _drain_commands(self, core: EngineCore, block: bool) -> None:
+        try:
+            command = (
+                self._commands.get(timeout=_IDLE_WAIT_S) if block else self._commands.get_nowait()
+            )
+        except queue.Empty:
+            return
+        while True:
+            kind, payload = command
+            if kind == "add":
+                children, reply = payload
+                error: Exception | None = None
+                added: list[str] = []
+                try:
+                    for child in children:
+                        core.add_request(child)
+                        added.append(child.request_id)
+                except ValueError as e:  # PromptTooLongError, RequestError: the caller's 400
+                    error = e
+                    for child_id in added:  # the choices run together or not at all
+                        core.abort(child_id)
+                self._call_soon(_resolve, reply, error)
+            elif kind == "abort":
+                for child_id in payload:
+                    core.abort(child_id)
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _recover(self, error: Exception) -> bool:
+        """The engine process died: fail what was in flight, restart it after a back-off and
+        start over clean. False: stopping, or the restart limit is reached (fatal)."""
+        log.error("engine process died (%s)", _one_line(error))
+        self._ready.clear()
+        self._call_soon(self._fail_all, EngineDeadError("the engine process died; retry"))
+        assert self._executor is not None
+        while not self._stopping.is_set():
+            delay = self._restarts.next_delay(time.monotonic())
+            if delay is None:
+                policy = self._restarts.policy
+                message = (
+                    f"the engine crashed {policy.max_restarts + 1} times within "
+                    f"{policy.window_s:.0f} s; giving up (last: {_one_line(error)})"
+                )
+                self._set_status(message)
+                self._close_core()
+                self.emit_fatal(message)
+                return False
+            self._set_status(
+                f"restarting the engine in {delay:.0f} s after a crash (restart "
+                f"{self._restarts.num_recent} of at most {self._restarts.policy.max_restarts})"
+            )
+            if self._stopping.wait(delay):
+                return False
+            try:
+                self._executor.restart()
+                break
+            except Exception as e:
+                log.error("engine restart failed: %s", _one_line(e))
+                error = e
+        self._close_core()
+        if self._stopping.is_set():
+            return False
+        self._core = self._new_core()
+        self._emit(self._core, 0.0, batch_size=0)
+        self._set_status("ready")
+        self._ready.set()
+        return True
+
+    def _emit(self, core: EngineCore, step_seconds: float, batch_size: int) -> None:
+        scheduler = core.scheduler
+        pages = scheduler.page_manager
+        assert self._executor is not None
+        info = self._executor.describe()
+        self._reported_busy = scheduler.has_unfinished()
+        self.emit_step(
+            StepStats(
+                step_seconds=step_seconds,
+                batch_size=batch_size,
+                num_waiting=scheduler.num_waiting,
+                num_running=len(scheduler.running),
+                bytes_per_tier=self._counter.bytes_per_tier if self._counter else {},
+                num_preemptions=self._preemptions_before + scheduler.num_preemptions,
+                prefix_cache=copy.deepcopy(pages.stats),
+                cached_pages={tier: pages.num_cached_pages(tier) for tier in TIERS},
+                page_bytes=info.page_bytes,
+            )
+        )
+
+    def _dispatch(self, deltas: list[SequenceDelta]) -> None:
+        """On the event loop: one step's deltas to their requests' streams."""
+        for delta in deltas:
+            stream = self._streams.get(delta.request_id)
+            if stream is not None:
+                stream.put_nowait(delta)
+
+    def _fail_all(self, error: Exception) -> None:
+        """On the event loop: end every request in flight with `error`."""
+        for stream in {id(s): s for s in self._streams.values()}.values():
+            stream.put_nowait(error)
+
+    def _call_soon(self, fn: Any, *args: Any) -> None:
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(fn, *args)
+
+
+class _StepCounter:
+    """The executor, remembering what the last step ran and left: the batch size (the
+    scheduler's running list no longer holds the ones that finished in the step) and the
+    bytes resident per tier (the pools grow as they fill: /metrics follows them)."""
+
+    def __init__(self, executor: ExecutorClient) -> None:
+        self.executor = executor
+        self.num_seqs = 0
+        self.bytes_per_tier = executor.describe().placement.bytes_per_tier()
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        self.num_seqs = len({chunk.seq_id for chunk in plan.chunks})
+        result = self.executor.execute(plan)
+        if result.bytes_per_tier:
+            self.bytes_per_tier = result.bytes_per_tier
+        return result
+
+
+def longest_token_bytes(model_dir: Path) -> int:
+    """The longest vocabulary entry (added tokens included) in UTF-8 bytes, as spelled in
+    tokenizer.json. A spelling is never shorter than the text it decodes to (byte-level
+    BPE spells a byte as one character, SentencePiece a space as '▁', a fallback byte as
+    '<0x41>'), so this bounds the bytes of text per token from above."""
+    vocab = HFTokenizer.from_file(str(model_dir / "tokenizer.json")).get_vocab(True)
+    return max((len(piece.encode()) for piece in vocab), default=1)
+
+
+def _resolve(future: asyncio.Future[Exception | None], error: Exception | None) -> None:
+    if not future.done():
+        future.set_result(error)
+
+
+def _one_line(e: Exception) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
+def build_engine_client(args: argparse.Namespace) -> CoreEngineClient:
+    """`nanoflex serve`'s engine, not started: nothing is loaded until `start()`."""
+    engine_args = EngineArgs.from_cli_args(args)
+    name = getattr(args, "served_model_name", None) or served_model_name(engine_args.model)
+    return CoreEngineClient(
+        engine_args, model_name=name, in_process=getattr(args, "in_process", False)
+    )

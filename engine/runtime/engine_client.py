@@ -1,0 +1,168 @@
+"""`EngineClient`: the one seam between the HTTP daemon and whatever generates tokens.
+
+The daemon talks only to this interface. A concrete client drives the torch-free
+scheduler (`engine.core.EngineCore`) in the daemon and an executor in a child
+process (`engine.runtime.engine_process.ExecutorProcess`), or in-process
+(`InProcessExecutor`) behind the same interface for tests.
+
+Contract of `generate`: it yields `SequenceDelta`s for one request of n choices, each
+saying what one choice (`delta.index`) gained: new token ids, new text (detokenized, stop
+strings cut, nothing ever taken back) and logprobs; a choice's last delta has its
+`finish_reason` ("stop" or "length"). The caller adds them up per choice
+(`ChoiceAccumulator`). If the engine dies mid-request, `generate` raises
+`EngineDeadError`; the daemon answers 503 (online) or re-queues (batch work).
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import AsyncGenerator, Callable, Sequence
+from dataclasses import dataclass, field
+
+from engine.core.kv_pages import CacheStats
+from engine.core.outputs import SequenceDelta
+from engine.core.sampling_params import SamplingParams
+from engine.core.sequence import ONLINE_PRIORITY
+
+
+class EngineDeadError(RuntimeError):
+    """The engine process died or is restarting; the request did not finish. Retry later."""
+
+
+@dataclass(slots=True)
+class StepStats:
+    """Per-step figures the engine reports to listeners (feeds /metrics)."""
+
+    step_seconds: float
+    batch_size: int
+    """Sequences that ran in this step; 0 when no step ran and only the queues changed
+    (requests aborted, engine restarted): then only the gauges are updated."""
+    num_waiting: int
+    num_running: int
+    bytes_per_tier: dict[str, int] = field(default_factory=dict)
+    """Bytes resident per tier ('gpu', 'cpu', 'disk'): weights + KV + activations."""
+    num_preemptions: int = 0
+    """Sequences preempted since the engine started (KV dropped, recomputed later)."""
+    prefix_cache: CacheStats = field(default_factory=CacheStats)
+    """Cumulative prefix-cache figures of the current scheduler (from 0 after a restart)."""
+    cached_pages: dict[str, int] = field(default_factory=dict)
+    """KV pages kept cached (held by no sequence), per tier."""
+    page_bytes: int = 0
+    """Bytes of one KV page over all layers (turns page counts into bytes)."""
+
+
+StepListener = Callable[[StepStats], None]
+FatalListener = Callable[[str], None]
+"""Called once with one line when the engine is gone for good (restarts exhausted)."""
+
+
+class EngineClient(abc.ABC):
+    """The daemon's view of the engine: lifecycle, tokenizer, generation, abort.
+
+    Lifecycle: `await start()` once (loads the model, may take minutes; the daemon serves
+    /health meanwhile and /ready shows `status()`), then `is_ready()` is True while the
+    engine steps; `await shutdown()` finishes the running step, frees the device and stops
+    the child process. The tokenizer and the model's limits may need the model loaded:
+    before that they raise `EngineDeadError` (the daemon's 503).
+    """
+
+    def __init__(self) -> None:
+        self._step_listeners: list[StepListener] = []
+        self._fatal_listeners: list[FatalListener] = []
+
+    # -- lifecycle -------------------------------------------------------------------
+    @abc.abstractmethod
+    async def start(self) -> None:
+        """Load the model and start stepping. Raises a `UserError` with a one-line message
+        for a failure that retrying does not change (bad model, no device, out of memory)."""
+
+    @abc.abstractmethod
+    async def shutdown(self) -> None:
+        """Stop accepting work, let the running step finish, release the engine."""
+
+    @abc.abstractmethod
+    def is_ready(self) -> bool:
+        """True when the model is loaded and the engine is stepping (GET /ready)."""
+
+    def status(self) -> str:
+        """What the engine is doing while not ready (GET /ready's detail), e.g. "loading
+        weights: layer 3/30"."""
+        return "engine starting or restarting"
+
+    # -- model and tokenizer ---------------------------------------------------------
+    @property
+    @abc.abstractmethod
+    def model_name(self) -> str:
+        """The id clients put in `model` and see in GET /v1/models."""
+
+    @property
+    @abc.abstractmethod
+    def max_model_len(self) -> int:
+        """Context window in tokens: prompt + generated tokens must fit."""
+
+    @property
+    @abc.abstractmethod
+    def vocab_size(self) -> int:
+        """Valid token ids are 0 <= id < vocab_size."""
+
+    @property
+    @abc.abstractmethod
+    def max_token_bytes(self) -> int:
+        """The most UTF-8 bytes of text one token stands for: a prompt text of more than
+        `max_model_len * max_token_bytes` bytes cannot fit the context window."""
+
+    @property
+    @abc.abstractmethod
+    def eos_token_id(self) -> int | None:
+        """End-of-sequence id (None if the model has none)."""
+
+    @abc.abstractmethod
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids for a completion prompt, with the model's usual special tokens (BOS)
+        unless `add_special_tokens` is False."""
+
+    @abc.abstractmethod
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """Text for token ids, skipping special tokens."""
+
+    @abc.abstractmethod
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of a chat rendered with the tokenizer's template plus the generation prompt."""
+
+    # -- generation ------------------------------------------------------------------
+    @abc.abstractmethod
+    def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = ONLINE_PRIORITY,
+    ) -> AsyncGenerator[SequenceDelta, None]:
+        """Queue one request of `params.n` choices and yield what each choice gains, until
+        every choice finished; leaving early aborts the rest.
+
+        Lower `priority` runs first. Implement as an `async def ... yield`.
+        """
+
+    @abc.abstractmethod
+    async def abort(self, request_id: str) -> None:
+        """Drop a request (every choice) wherever it is and free its KV. Idempotent."""
+
+    # -- stats -----------------------------------------------------------------------
+    def add_step_listener(self, listener: StepListener) -> None:
+        """Call `listener` after every engine step (used by /metrics)."""
+        self._step_listeners.append(listener)
+
+    def emit_step(self, stats: StepStats) -> None:
+        """Concrete clients call this once per finished step."""
+        for listener in self._step_listeners:
+            listener(stats)
+
+    def add_fatal_listener(self, listener: FatalListener) -> None:
+        """Call `listener` (from any thread) when the engine is gone for good."""
+        self._fatal_listeners.append(listener)
+
+    def emit_fatal(self, message: str) -> None:
+        """Concrete clients call this once when they give up restarting the engine."""
+        for listener in self._fatal_listeners:
+            listener(message)

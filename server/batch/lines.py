@@ -1,0 +1,191 @@
+"""The batch-line core, HTTP-free: one line of a Batch API input file parsed, answered through
+the serving layer, and written as OpenAI's output or error line with the id its caller gives.
+
+The daemon's Batch API (`server/batch/runner.py`: SQLite), `nanoflex run-batch`
+(`server/offline/run_batch.py`: JSONL files, resumable) and the Ray replicas
+(`server/offline/scale_out/`) all answer lines here and keep only their own durability.
+
+A valid line is `{"custom_id": str, "method": "POST", "url": <the batch's endpoint>,
+"body": {...}}`. Broken, duplicate and wrong-url lines become error lines, with OpenAI's
+codes, while the other lines run. Each line is decoded once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+from typing import Any
+
+from pydantic import BaseModel
+
+from server.openai.errors import APIError, invalid_request
+from server.openai.json_body import JSONBodyError, loads_json
+from server.openai.responses import new_id
+from server.openai.serving import CHAT, COMPLETIONS, Serving
+
+ENDPOINTS = (COMPLETIONS, CHAT)
+SERVER_ERROR = "server_error"
+"""Error-file code of a line the server failed on (an unexpected exception)."""
+
+
+@dataclass(frozen=True, slots=True)
+class BatchLine:
+    """A valid input line."""
+
+    index: int
+    """Its place among the file's non-blank lines, from 0."""
+    custom_id: str
+    body: dict[str, Any]
+    """The request body, as `POST <endpoint>` takes it."""
+    raw: bytes = b""
+    """The line as read (what a store keeps to answer it after a restart)."""
+
+
+@dataclass(frozen=True, slots=True)
+class LineProblem:
+    """An input line that cannot run, and why (OpenAI's batch error)."""
+
+    index: int
+    """Its place among the file's non-blank lines, from 0."""
+    line_number: int
+    """Its line in the file, from 1."""
+    custom_id: str | None
+    """The line's custom_id when it has a usable one."""
+    code: str
+    message: str
+
+    def error(self) -> dict[str, Any]:
+        """The entry of the batch's `errors` list."""
+        return {"code": self.code, "message": self.message, "param": None, "line": self.line_number}
+
+
+ParsedLine = BatchLine | LineProblem
+
+
+def parse_lines(raw_lines: Iterable[bytes], endpoint: str | None) -> tuple[str, list[ParsedLine]]:
+    """(the batch's endpoint, every non-blank line in file order, valid or not). `endpoint`
+    None: the url of the first line that names a supported one (`run-batch`, whose input
+    says it itself), else COMPLETIONS."""
+    decoded: list[tuple[int, bytes, Any, str | None]] = []  # (number, line, value, why not JSON)
+    for line_number, raw in enumerate(raw_lines, start=1):
+        if not raw.strip():
+            continue
+        try:
+            decoded.append((line_number, raw, loads_json(raw), None))
+        except JSONBodyError as e:
+            decoded.append((line_number, raw, None, f"Line {line_number} is not valid JSON: {e}."))
+    if endpoint is None:
+        urls = (v.get("url") for _, _, v, _ in decoded if isinstance(v, dict))
+        endpoint = next((url for url in urls if url in ENDPOINTS), COMPLETIONS)
+    seen: set[str] = set()
+    lines: list[ParsedLine] = []
+    for index, (line_number, raw, value, not_json) in enumerate(decoded):
+        problem = ("invalid_json_line", not_json) if not_json else _check(value, endpoint, seen)
+        custom_id = value.get("custom_id") if isinstance(value, dict) else None
+        custom_id = custom_id if isinstance(custom_id, str) else None
+        if problem is None:
+            assert custom_id is not None
+            seen.add(custom_id)
+            lines.append(BatchLine(index, custom_id, value["body"], raw))
+        else:
+            lines.append(LineProblem(index, line_number, custom_id, *problem))
+    return endpoint, lines
+
+
+def stored_line(index: int, custom_id: str, stored: str) -> BatchLine:
+    """A line a store kept as valid (a resumed batch's), decoded again: the raw line, or just
+    its body (what stores written before kept)."""
+    raw = stored.encode()
+    value = loads_json(raw)
+    body = value["body"] if "custom_id" in value and isinstance(value.get("body"), dict) else value
+    return BatchLine(index, custom_id, body, raw)
+
+
+def _check(value: Any, endpoint: str, seen: set[str]) -> tuple[str, str] | None:
+    """(code, message) of the first problem with a decoded line, None if it is valid."""
+    if not isinstance(value, dict):
+        return "invalid_request", "Each line must be a JSON object."
+    custom_id = value.get("custom_id")
+    if not isinstance(custom_id, str) or not custom_id:
+        return "missing_custom_id", "Each line needs a non-empty string 'custom_id'."
+    if custom_id in seen:
+        return (
+            "duplicate_custom_id",
+            f"custom_id {custom_id!r} is used by an earlier line; custom_ids must be unique.",
+        )
+    if value.get("method") != "POST":
+        return "invalid_method", "'method' must be 'POST'."
+    if value.get("url") != endpoint:
+        return (
+            "invalid_url",
+            f"'url' is {value.get('url')!r}, but this batch's endpoint is {endpoint!r}.",
+        )
+    if not isinstance(value.get("body"), dict):
+        return "invalid_body", "'body' must be a JSON object with the request."
+    return None
+
+
+# -- answering -----------------------------------------------------------------------------
+
+
+async def answer_line(
+    serving: Serving,
+    endpoint: str,
+    line: BatchLine,
+    line_id: str,
+    priority: int,
+    *,
+    request_id: str | None = None,
+    created: int | None = None,
+    in_order: bool = False,
+) -> tuple[bool, str]:
+    """(ran, output line with id `line_id`): the endpoint's answer (200), or its refusal
+    (4xx) with its error envelope, as OpenAI's batch output line. `request_id` and `created`:
+    the response's (default: fresh ones; a refusal then gets a fresh `req_` id). `in_order`:
+    tokenize on the event loop and let every line started with it tokenize too before any
+    reaches the engine, so that they reach it together and in order (what makes prefix-cache
+    hits, and so `cached_tokens`, repeat from run to run); else in a worker thread, so that a
+    long prompt does not stall the loop. A failure of the
+    server (a 5xx `APIError`, or any other exception) propagates: the caller retries or
+    records it."""
+    try:
+        if in_order:
+            prep = serving.prepare(endpoint, line.body)
+            await asyncio.sleep(0)  # the other lines started with this one tokenize now
+        else:
+            prep = await asyncio.to_thread(serving.prepare, endpoint, line.body)
+        if prep.stream:
+            raise invalid_request("stream is not supported in a batch", param="stream")
+        if request_id is not None:
+            prep = replace(prep, request_id=request_id)
+        if created is not None:
+            prep = replace(prep, created=created)
+        body = await serving.run(prep, priority)
+        return True, output_line(line_id, line.custom_id, prep.request_id, 200, body)
+    except APIError as e:
+        if e.status_code >= 500:
+            raise
+        refusal_id = request_id or new_id("req_")
+        return False, output_line(line_id, line.custom_id, refusal_id, e.status_code, e.body())
+
+
+def output_line(
+    line_id: str, custom_id: str, request_id: str, status_code: int, body: BaseModel
+) -> str:
+    """OpenAI's line for a request that ran (status 200) or was refused by the endpoint
+    (`body`: the response, or the error envelope)."""
+    response = {"status_code": status_code, "request_id": request_id, "body": body.model_dump()}
+    return json.dumps({"id": line_id, "custom_id": custom_id, "response": response, "error": None})
+
+
+def error_line(line_id: str, custom_id: str | None, code: str, message: str) -> str:
+    """OpenAI's line for a request that did not run (invalid, cancelled, server failure)."""
+    error = {"code": code, "message": message}
+    return json.dumps({"id": line_id, "custom_id": custom_id, "response": None, "error": error})
+
+
+def problem_line(line_id: str, problem: LineProblem) -> str:
+    """The error line of an input line that cannot run."""
+    return error_line(line_id, problem.custom_id, problem.code, problem.message)

@@ -1,0 +1,90 @@
+"""Every failure as OpenAI's error envelope: the handlers that turn `APIError` and every other
+exception into an answer. Invalid requests are 400 (FastAPI's default 422 never escapes),
+unknown routes 404, a full data directory 507."""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from engine.core.sampling_params import SamplingError
+from server.batch.storage_faults import StorageError
+from server.http.responses import error_response
+from server.openai.errors import APIError, invalid_request
+
+logger = logging.getLogger("nanoflex.server")
+
+
+def insufficient_storage(error: StorageError) -> APIError:
+    """507: the data directory cannot take the write (disk full, read-only); nothing was
+    stored, so the same request can be sent again once space is freed."""
+    return APIError(
+        507,
+        f"The server cannot store this request's data ({error}). Nothing was stored; "
+        "retry once the server's operator has freed space in its data directory.",
+        type="server_error",
+        code="insufficient_storage",
+    )
+
+
+def _validation_error(exc: RequestValidationError) -> APIError:
+    errors = exc.errors()
+    if not errors:
+        return invalid_request("Invalid request.")
+    first = errors[0]
+    loc = [str(part) for part in first.get("loc", ()) if part not in ("body", "query", "path")]
+    if first.get("type") == "json_invalid":
+        return invalid_request(
+            "The request body is not valid JSON; send a JSON object.", code="invalid_json"
+        )
+    param = ".".join(loc) or None
+    where = f" at '{param}'" if param else ""
+    return invalid_request(f"{first.get('msg', 'invalid value')}{where}.", param=param)
+
+
+_STATUS_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Route every exception through OpenAI's envelope."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> Response:
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> Response:
+        return error_response(_validation_error(exc))
+
+    @app.exception_handler(StorageError)
+    async def _storage(_: Request, exc: StorageError) -> Response:
+        logger.error("storage failure: %s", exc)
+        return error_response(insufficient_storage(exc))
+
+    @app.exception_handler(SamplingError)
+    async def _sampling(_: Request, exc: SamplingError) -> Response:
+        return error_response(invalid_request(str(exc)))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> Response:
+        status = exc.status_code
+        kind = "invalid_request_error" if status < 500 else "server_error"
+        err = APIError(status, str(exc.detail), type=kind, code=_STATUS_CODES.get(status))
+        err.headers = dict(exc.headers or {})
+        return error_response(err)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> Response:
+        logger.exception("unhandled error", exc_info=exc)
+        return error_response(
+            APIError(
+                500,
+                "Internal server error; the daemon log has the details.",
+                type="server_error",
+                code="internal_error",
+            )
+        )

@@ -1,0 +1,482 @@
+"""`Serving`: turns OpenAI completion/chat requests into engine requests and back.
+
+Used by the online routes and by the batch runner alike, so a batch line gets
+exactly the body the online endpoint would return. Each prompt is one engine request
+of n choices (`<request id>-<prompt index>`, fanned out by the engine client); choice
+j of prompt i is the response's choice i * n + j, and one `ChoiceAccumulator` each adds
+up its deltas. An unfinished request is aborted whenever its consumer goes away.
+
+Hostile sizes are refused before any costly work: a request of more than
+`max_seqs_per_request` sequences (prompts x n) before tokenizing, a prompt text
+longer than `max_prompt_bytes` (no such text fits the context window) before
+tokenizing it, a token-id prompt longer than the context before scanning it.
+`prepare` is synchronous and may take a while on a long prompt: callers run it in
+a worker thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncGenerator, Callable, Iterable, Sequence
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Any
+
+from engine.core.outputs import ChoiceAccumulator, SequenceDelta
+from engine.core.sampling_params import SamplingError, SamplingParams
+from engine.runtime.engine_client import EngineClient, EngineDeadError
+from policy.errors import UserError
+from server.openai.errors import APIError, engine_unavailable, invalid_request, not_found
+from server.openai.logprobs import chat_logprobs, completion_logprobs
+from server.openai.metrics import Metrics
+from server.openai.requests import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    parse_body,
+)
+from server.openai.responses import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletion,
+    Completion,
+    CompletionChoice,
+    Detokenized,
+    Tokenized,
+    new_id,
+    now,
+    usage,
+)
+
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+MAX_SEQS_PER_REQUEST = 256
+"""Most sequences (prompts x n) one request may ask for."""
+
+
+@dataclass(slots=True)
+class Prepared:
+    """A validated, tokenized request, ready to run."""
+
+    is_chat: bool
+    request_id: str
+    created: int
+    model: str
+    prompts: list[list[int]]
+    params: list[SamplingParams]
+    """One per prompt, with n (chat's default max_tokens depends on the prompt length)."""
+    n: int
+    echo: bool
+    num_logprobs: int | None
+    stream: bool
+    include_usage: bool
+    tokens_as_ids: bool = False
+    """Logprobs name tokens "token_id:<id>" (`return_tokens_as_token_ids`)."""
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+    def num_cached_tokens(self, choices: Iterable[ChoiceAccumulator]) -> int:
+        """Cached prompt tokens, counted like `num_prompt_tokens`: once per prompt (its first
+        choice's; with n > 1 the other choices of a prompt usually hit the same pages)."""
+        return sum(c.num_cached_tokens for c in choices if c.index % self.n == 0)
+
+    def prompt_index(self, choice: ChoiceAccumulator) -> int:
+        return choice.index // self.n
+
+    @property
+    def num_seqs(self) -> int:
+        """Engine requests this request becomes (prompts x n): what it takes of the queue."""
+        return len(self.prompts) * self.n
+
+
+class Serving:
+    """Prepare, run and format completion and chat requests against one engine."""
+
+    def __init__(
+        self,
+        engine: EngineClient,
+        model_name: str,
+        metrics: Metrics,
+        max_seqs_per_request: int = MAX_SEQS_PER_REQUEST,
+    ) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.metrics = metrics
+        self.max_seqs_per_request = max_seqs_per_request
+
+    @property
+    def max_prompt_bytes(self) -> int:
+        """The longest prompt text (UTF-8 bytes) that can fit the context window: no token
+        stands for more than `engine.max_token_bytes` bytes of text."""
+        return self.engine.max_model_len * self.engine.max_token_bytes
+
+    # -- preparation -----------------------------------------------------------------
+    def prepare(self, endpoint: str, body: Any) -> Prepared:
+        """Validate and tokenize; raises `APIError` (400 invalid, 404 unknown model, 503 while
+        the model is still loading)."""
+        try:
+            return self._prepare(endpoint, body)
+        except SamplingError as e:
+            raise invalid_request(str(e)) from e
+        except EngineDeadError as e:
+            raise engine_unavailable() from e
+
+    def _prepare(self, endpoint: str, body: Any) -> Prepared:
+        req: CompletionRequest | ChatCompletionRequest
+        if endpoint == CHAT:
+            req = parse_body(ChatCompletionRequest, body)
+            req.check_supported()
+            self._check_model(req.model)
+            self._check_num_seqs(1, req.n)
+            prompts = [self._chat_ids(req.messages)]
+            max_tokens = req.max_completion_tokens or req.max_tokens
+            num_logprobs, echo = req.num_logprobs(), False
+        else:
+            self._precheck_prompt(body)
+            req = parse_body(CompletionRequest, body)
+            if req.best_of not in (None, req.n):
+                raise invalid_request("best_of must equal n (or be omitted)", param="best_of")
+            self._check_model(req.model)
+            prompts = self._completion_prompts(req.prompt, req.n)
+            max_tokens, num_logprobs, echo = req.max_tokens, req.logprobs, req.echo
+        params = [
+            req.sampling_params(self._max_tokens(p, max_tokens), num_logprobs, echo)
+            for p in prompts
+        ]
+        return Prepared(
+            is_chat=endpoint == CHAT,
+            request_id=new_id("chatcmpl-" if endpoint == CHAT else "cmpl-"),
+            created=now(),
+            model=self.model_name,
+            prompts=prompts,
+            params=params,
+            n=req.n,
+            echo=echo,
+            num_logprobs=num_logprobs,
+            stream=req.stream,
+            include_usage=req.include_usage(),
+            tokens_as_ids=req.return_tokens_as_token_ids,
+        )
+
+    # -- the served tokenizer (vLLM's /tokenize and /detokenize) ----------------------
+    def tokenize(self, body: Any) -> Tokenized:
+        """A prompt's token ids as a completion or chat request would get them, so that a
+        harness counts and cuts with the served tokenizer instead of guessing one."""
+        try:
+            req = parse_body(TokenizeRequest, body)
+            if req.model is not None:
+                self._check_model(req.model)
+            if (req.prompt is None) == (req.messages is None):
+                raise invalid_request("give one of prompt or messages", param="prompt")
+            if req.messages is not None:
+                ids = self._chat_ids(req.messages)
+            else:
+                assert req.prompt is not None
+                self._check_text_bytes([req.prompt], "prompt")
+                ids = self.engine.encode(req.prompt, req.add_special_tokens)
+            return Tokenized(count=len(ids), max_model_len=self.engine.max_model_len, tokens=ids)
+        except EngineDeadError as e:
+            raise engine_unavailable() from e
+
+    def detokenize(self, body: Any) -> Detokenized:
+        """Token ids as text, special tokens skipped (as generated text is)."""
+        try:
+            req = parse_body(DetokenizeRequest, body)
+            if req.model is not None:
+                self._check_model(req.model)
+            self._check_token_ids(req.tokens, "tokens")
+            return Detokenized(prompt=self.engine.decode(req.tokens))
+        except EngineDeadError as e:
+            raise engine_unavailable() from e
+
+    def _precheck_prompt(self, body: Any) -> None:
+        """The size checks on a completion body's raw `prompt`, before validation looks at
+        each of its (possibly millions of) elements."""
+        prompt = body.get("prompt") if isinstance(body, dict) else None
+        if not isinstance(prompt, list) or not prompt:
+            return
+        n = body.get("n", 1)
+        n = n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else 1
+        if isinstance(prompt[0], int):
+            self._check_num_tokens(len(prompt))
+            return
+        self._check_num_seqs(len(prompt), n)
+        for item in prompt:
+            if isinstance(item, list):
+                self._check_num_tokens(len(item))
+
+    def _check_model(self, model: str) -> None:
+        if model != self.model_name:
+            raise not_found("model", model, param="model")
+
+    def _check_num_seqs(self, num_prompts: int, n: int) -> None:
+        if num_prompts * n > self.max_seqs_per_request:
+            raise invalid_request(
+                f"This request asks for {num_prompts * n} sequences ({num_prompts} prompts x "
+                f"n={n}); the limit is {self.max_seqs_per_request} per request. Split it.",
+                param="prompt" if num_prompts > 1 else "n",
+                code="too_many_sequences",
+            )
+
+    def _check_text_bytes(self, texts: list[str], param: str) -> None:
+        """Refuse a prompt text that cannot fit the context, before tokenizing it."""
+        limit = self.max_prompt_bytes
+        if 4 * sum(len(t) for t in texts) <= limit:  # a character is at most 4 bytes
+            return
+        num_bytes = sum(len(t.encode()) for t in texts)
+        if num_bytes > limit:
+            raise invalid_request(
+                f"The prompt is {num_bytes} bytes of text; no text over {limit} bytes fits "
+                f"this model's context of {self.engine.max_model_len} tokens. Shorten it.",
+                param=param,
+                code="context_length_exceeded",
+            )
+
+    def _completion_prompts(
+        self, prompt: str | list[str] | list[int] | list[list[int]], n: int
+    ) -> list[list[int]]:
+        items: list[Any]
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            items = [prompt]
+        else:
+            items = list(prompt)
+        if not items:
+            raise invalid_request("prompt must not be empty", param="prompt", code="empty_prompt")
+        self._check_num_seqs(len(items), n)
+        prompts: list[list[int]] = []
+        for item in items:
+            if isinstance(item, str):
+                self._check_text_bytes([item], "prompt")
+                ids = self.engine.encode(item)
+            else:
+                ids = list(item)
+                self._check_num_tokens(len(ids))
+            if not ids or item == "":
+                raise invalid_request(
+                    "prompt must not be empty", param="prompt", code="empty_prompt"
+                )
+            self._check_token_ids(ids, "prompt")
+            prompts.append(ids)
+        return prompts
+
+    def _check_token_ids(self, ids: list[int], param: str) -> None:
+        bad = [t for t in ids if not 0 <= t < self.engine.vocab_size]
+        if bad:
+            raise invalid_request(
+                f"token ids must be in [0, {self.engine.vocab_size}); got {bad[:5]}",
+                param=param,
+                code="invalid_token_ids",
+            )
+
+    def _chat_ids(self, messages: list[ChatMessage]) -> list[int]:
+        """A chat's token ids: its messages rendered with the model's template."""
+        chat = [{"role": m.role, "content": m.text()} for m in messages]
+        self._check_text_bytes([m["content"] for m in chat], "messages")
+        try:
+            return self.engine.apply_chat_template(chat)
+        except UserError as e:
+            raise invalid_request(str(e), param="messages", code="chat_template_error") from e
+
+    def _check_num_tokens(self, num_tokens: int) -> None:
+        if num_tokens > self.engine.max_model_len:
+            raise invalid_request(
+                f"This model's maximum context length is {self.engine.max_model_len} tokens; "
+                f"the prompt has {num_tokens}. Shorten it.",
+                param="prompt",
+                code="context_length_exceeded",
+            )
+
+    def _max_tokens(self, prompt: list[int], max_tokens: int | None) -> int:
+        limit = self.engine.max_model_len
+        if max_tokens is None:
+            max_tokens = limit - len(prompt)
+        if len(prompt) + max_tokens > limit or max_tokens < 1:
+            raise invalid_request(
+                f"This model's maximum context length is {limit} tokens; the request needs "
+                f"{len(prompt) + max(max_tokens, 1)} ({len(prompt)} in the prompt, "
+                f"{max(max_tokens, 1)} to generate). Shorten the prompt or lower max_tokens.",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+        return max_tokens
+
+    # -- running ---------------------------------------------------------------------
+    async def _prompt_deltas(
+        self, prep: Prepared, priority: int, prompt_index: int
+    ) -> AsyncGenerator[SequenceDelta, None]:
+        """The deltas of prompt `prompt_index`'s n choices until each finished (its metrics
+        on the way); closing it early aborts the rest in the engine."""
+        request_id = f"{prep.request_id}-{prompt_index}"
+        arrival = time.monotonic()
+        num_tokens = [0] * prep.n
+        unfinished = set(range(prep.n))
+        generate = self.engine.generate(
+            request_id, prep.prompts[prompt_index], prep.params[prompt_index], priority
+        )
+        try:
+            async with aclosing(generate) as deltas:
+                async for delta in deltas:
+                    if delta.new_token_ids:
+                        if not num_tokens[delta.index]:
+                            self.metrics.ttft.observe(time.monotonic() - arrival)
+                        num_tokens[delta.index] += len(delta.new_token_ids)
+                    if delta.finished:
+                        unfinished.discard(delta.index)
+                        self.metrics.e2e.observe(time.monotonic() - arrival)
+                        self.metrics.generation_tokens.inc(num_tokens[delta.index])
+                        self.metrics.requests_finished.labels(delta.finish_reason).inc()
+                    yield delta
+            if unfinished:
+                raise EngineDeadError(f"engine ended request {request_id} without finishing it")
+        except Exception:
+            self.metrics.requests_finished.labels("error").inc(len(unfinished))
+            raise
+        finally:
+            if unfinished:
+                self.metrics.requests_finished.labels("abort").inc(len(unfinished))
+
+    async def _merged(
+        self, prep: Prepared, priority: int
+    ) -> AsyncGenerator[tuple[int, SequenceDelta], None]:
+        """(prompt index, delta) of every prompt's choices, as they come."""
+        if len(prep.prompts) == 1:  # no fan-in needed
+            async with aclosing(self._prompt_deltas(prep, priority, 0)) as deltas:
+                async for delta in deltas:
+                    yield 0, delta
+            return
+        queue: asyncio.Queue[tuple[int, SequenceDelta] | Exception | None] = asyncio.Queue()
+
+        async def pump(prompt_index: int) -> None:
+            try:
+                async with aclosing(self._prompt_deltas(prep, priority, prompt_index)) as deltas:
+                    async for delta in deltas:
+                        queue.put_nowait((prompt_index, delta))
+                queue.put_nowait(None)
+            except Exception as e:
+                queue.put_nowait(e)
+
+        tasks = [asyncio.create_task(pump(i)) for i in range(len(prep.prompts))]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def outputs(
+        self, prep: Prepared, priority: int
+    ) -> AsyncGenerator[tuple[ChoiceAccumulator, SequenceDelta], None]:
+        """Yield (the choice so far, what it just gained) as deltas arrive; abort all on an
+        early exit. The choice's index is the response's (prompt index * n + sample)."""
+        choices = [ChoiceAccumulator(i) for i in range(prep.num_seqs)]
+        self.metrics.prompt_tokens.inc(prep.num_prompt_tokens)
+        try:
+            async with aclosing(self._merged(prep, priority)) as deltas:
+                async for prompt_index, delta in deltas:
+                    choice = choices[prompt_index * prep.n + delta.index]
+                    choice.add(delta)
+                    yield choice, delta
+        except Exception as e:
+            raise _translate(e) from e
+
+    async def run(self, prep: Prepared, priority: int) -> Completion | ChatCompletion:
+        """The whole (non-streaming) response body."""
+        return self.body(prep, await self.run_choices(prep, priority))
+
+    async def run_choices(self, prep: Prepared, priority: int) -> list[ChoiceAccumulator]:
+        """Every choice run to its end, in choice order (token ids included)."""
+        choices: dict[int, ChoiceAccumulator] = {}
+        async with aclosing(self.outputs(prep, priority)) as outputs:
+            async for choice, _ in outputs:
+                choices[choice.index] = choice
+        return [choices[i] for i in sorted(choices)]
+
+    def body(self, prep: Prepared, choices: list[ChoiceAccumulator]) -> Completion | ChatCompletion:
+        """The non-streaming response body of finished choices."""
+        num_generated = sum(len(c.token_ids) for c in choices)
+        total = usage(prep.num_prompt_tokens, num_generated, prep.num_cached_tokens(choices))
+        if prep.is_chat:
+            return ChatCompletion(
+                id=prep.request_id,
+                created=prep.created,
+                model=prep.model,
+                system_fingerprint=None,
+                object="chat.completion",
+                choices=[self.chat_choice(prep, choice) for choice in choices],
+                usage=total,
+            )
+        return Completion(
+            id=prep.request_id,
+            created=prep.created,
+            model=prep.model,
+            system_fingerprint=None,
+            object="text_completion",
+            choices=[self.choice(prep, choice) for choice in choices],
+            usage=total,
+        )
+
+    def token_names(self, prep: Prepared) -> Callable[[Sequence[int]], str]:
+        """How logprobs name tokens: their text, or "token_id:<id>" when asked."""
+        if prep.tokens_as_ids:
+            return lambda ids: "".join(f"token_id:{t}" for t in ids)
+        return self.engine.decode
+
+    def chat_choice(self, prep: Prepared, choice: ChoiceAccumulator) -> ChatChoice:
+        logprobs = None
+        if prep.num_logprobs is not None:
+            names, entries = self.token_names(prep), choice.logprobs or []
+            logprobs = chat_logprobs(names, choice.token_ids, entries, prep.num_logprobs)
+        return ChatChoice(
+            index=choice.index,
+            message=AssistantMessage(role="assistant", content=choice.text),
+            logprobs=logprobs,
+            finish_reason=choice.finish_reason,  # type: ignore[arg-type]
+        )
+
+    def choice(self, prep: Prepared, choice: ChoiceAccumulator) -> CompletionChoice:
+        decode, names = self.engine.decode, self.token_names(prep)
+        entries = choice.logprobs or []
+        prompt_ids = prep.prompts[prep.prompt_index(choice)] if prep.echo else []
+        prefix = decode(prompt_ids) if prep.echo else ""
+        completion_lp = None
+        if prep.num_logprobs is not None:
+            completion_lp = completion_logprobs(
+                decode,
+                choice.token_ids,
+                entries,
+                prep.num_logprobs,
+                0,
+                prompt_ids,
+                choice.prompt_logprobs,
+                names,
+            )
+        return CompletionChoice(
+            index=choice.index,
+            text=prefix + choice.text,
+            logprobs=completion_lp,
+            finish_reason=choice.finish_reason,  # type: ignore[arg-type]
+        )
+
+
+def _translate(e: Exception) -> APIError:
+    """Engine-side failures as API errors."""
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, EngineDeadError):
+        return engine_unavailable()
+    if isinstance(e, ValueError):  # the scheduler's RequestError: the caller's 400
+        return invalid_request(str(e))
+    return APIError(500, f"generation failed: {e}", type="server_error", code="internal_error")

@@ -1,0 +1,151 @@
+"""Server-sent events for `stream: true`: a chunk per delta, an optional usage chunk, `[DONE]`.
+
+Each chunk carries what one choice just gained (`SequenceDelta`): its new text, exactly as
+the engine handed it out, so the chunks of a choice join to the text the same request
+gets without `stream`. A choice's first chunk carries the chat role or the echoed prompt.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
+
+from engine.core.outputs import ChoiceAccumulator, SequenceDelta
+from server.openai.errors import APIError
+from server.openai.logprobs import chat_logprobs, completion_logprobs
+from server.openai.responses import (
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatDelta,
+    CompletionChoice,
+    CompletionChunk,
+    sse,
+    usage,
+)
+from server.openai.serving import Prepared, Serving
+
+
+class _Chunks:
+    """The chunks of one streamed request."""
+
+    def __init__(self, serving: Serving, prep: Prepared) -> None:
+        self.serving, self.prep = serving, prep
+        self.sent_chars: dict[int, int] = {}
+        """Per choice that has started: characters streamed (the echoed prompt included)."""
+
+    def head(self) -> dict[str, object]:
+        prep = self.prep
+        head: dict[str, object] = {"id": prep.request_id, "created": prep.created}
+        head |= {"model": prep.model, "system_fingerprint": None}
+        if prep.include_usage:
+            head["usage"] = None
+        return head
+
+    def chat(self, choice: ChoiceAccumulator, delta: SequenceDelta) -> list[bytes]:
+        """The chunks for what a chat choice gained: its role first, then its text."""
+        prep, out = self.prep, []
+        if choice.index not in self.sent_chars:
+            self.sent_chars[choice.index] = 0
+            role = ChatDelta(role="assistant", content="")
+            out.append(self._chat_chunk(choice.index, role, None, None))
+        logprobs = None
+        if prep.num_logprobs is not None and delta.new_token_ids:
+            names = self.serving.token_names(prep)
+            entries = delta.new_logprobs or []
+            logprobs = chat_logprobs(names, delta.new_token_ids, entries, prep.num_logprobs)
+        text = delta.new_text
+        content = ChatDelta(content=text) if text or not delta.finished else ChatDelta()
+        out.append(self._chat_chunk(choice.index, content, logprobs, delta.finish_reason))
+        return out
+
+    def _chat_chunk(
+        self, index: int, delta: ChatDelta, logprobs: object, finish_reason: str | None
+    ) -> bytes:
+        choice = ChatChunkChoice(
+            index=index,
+            delta=delta,
+            logprobs=logprobs,  # type: ignore[arg-type]
+            finish_reason=finish_reason,  # type: ignore[arg-type]
+        )
+        chunk = ChatCompletionChunk(
+            **self.head(),  # type: ignore[arg-type]
+            object="chat.completion.chunk",
+            choices=[choice],
+        )
+        return sse(chunk)
+
+    def completion(self, choice: ChoiceAccumulator, delta: SequenceDelta) -> list[bytes]:
+        """The chunk for what a completion choice gained (none when that is nothing)."""
+        prep, serving = self.prep, self.serving
+        offset = self.sent_chars.get(choice.index)
+        text, prompt_ids = delta.new_text, []
+        if offset is None:  # its first chunk: the echoed prompt, even without text
+            if prep.echo:
+                prompt_ids = prep.prompts[prep.prompt_index(choice)]
+                text = serving.engine.decode(prompt_ids) + text
+        elif not text and not delta.finished and not delta.new_token_ids:
+            return []
+        logprobs = None
+        if prep.num_logprobs is not None:
+            logprobs = completion_logprobs(
+                serving.engine.decode,
+                delta.new_token_ids,
+                delta.new_logprobs or [],
+                prep.num_logprobs,
+                offset or 0,
+                prompt_ids,
+                choice.prompt_logprobs if prompt_ids else None,
+                serving.token_names(prep),
+            )
+        self.sent_chars[choice.index] = (offset or 0) + len(text)
+        rendered = CompletionChoice(
+            index=choice.index,
+            text=text,
+            logprobs=logprobs,
+            finish_reason=delta.finish_reason,  # type: ignore[arg-type]
+        )
+        chunk = CompletionChunk(
+            **self.head(),  # type: ignore[arg-type]
+            object="text_completion",
+            choices=[rendered],
+        )
+        return [sse(chunk)]
+
+    def usage(self, choices: dict[int, ChoiceAccumulator]) -> bytes:
+        """The last chunk: no choice, the usage of all."""
+        prep = self.prep
+        generated = sum(len(c.token_ids) for c in choices.values())
+        total = usage(prep.num_prompt_tokens, generated, prep.num_cached_tokens(choices.values()))
+        head = {**self.head(), "usage": total}
+        chunk: CompletionChunk | ChatCompletionChunk
+        if prep.is_chat:
+            chunk = ChatCompletionChunk(**head, object="chat.completion.chunk", choices=[])  # type: ignore[arg-type]
+        else:
+            chunk = CompletionChunk(**head, object="text_completion", choices=[])  # type: ignore[arg-type]
+        return sse(chunk)
+
+
+async def stream_chunks(
+    serving: Serving, prep: Prepared, priority: int
+) -> AsyncGenerator[bytes, None]:
+    """SSE bytes for one request. Errors raised before the first chunk propagate as
+    `APIError`; later ones are sent as a final `data: {"error": ...}` event."""
+    chunks = _Chunks(serving, prep)
+    render = chunks.chat if prep.is_chat else chunks.completion
+    choices: dict[int, ChoiceAccumulator] = {}
+    sent_any = False
+    try:
+        async with aclosing(serving.outputs(prep, priority)) as outputs:
+            async for choice, delta in outputs:
+                choices[choice.index] = choice
+                for chunk in render(choice, delta):
+                    yield chunk
+                    sent_any = True
+    except APIError as e:
+        if not sent_any:
+            raise
+        yield sse(e.body())
+        return
+    if prep.include_usage:
+        yield chunks.usage(choices)
+    yield sse("[DONE]")

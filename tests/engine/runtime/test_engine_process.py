@@ -1,0 +1,136 @@
+"""The executor clients: `ExecutorProcess` (spawn, execute, health, crash detection, restart,
+shutdown) and `InProcessExecutor`, one surface (`ExecutorClient`)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from engine.core.engine_args import EngineArgs
+from engine.core.model_files import DEMO_MODEL
+from engine.core.protocol import SeqChunk, StepPlan
+from engine.loading.demo import demo_model_dir
+from engine.runtime.engine_process import ExecutorProcess
+from engine.runtime.executor_client import (
+    ExecutorClient,
+    ExecutorDiedError,
+    ExecutorStartError,
+    InProcessExecutor,
+)
+from policy import Policy
+
+FACTORY = "tests.engine.runtime.toy_executor:build_executor"
+
+
+def plan(step_id: int) -> StepPlan:
+    chunk = SeqChunk(
+        seq_id=7,
+        token_ids=[5, 9],
+        start_pos=0,
+        gpu_batch=0,
+        new_pages=[("gpu", 0)],
+        kv_tier="gpu",
+        act_tier="gpu",
+        do_sample=True,
+    )
+    return StepPlan(step_id=step_id, chunks=[chunk])
+
+
+def test_child_process_lifecycle() -> None:
+    executor = ExecutorProcess(FACTORY, start_timeout_s=60)
+    executor.start()
+    try:
+        assert executor.describe().placement.device == "toy"  # the child's own report
+        assert "tests.engine.runtime.toy_executor" not in sys.modules, (
+            "the parent must not import the factory"
+        )
+        result = executor.execute(plan(3))
+        assert (result.step_id, result.seq_ids, result.token_ids) == (3, [7], [10])
+        assert executor.health()
+        assert executor._process is not None and executor._process.pid
+        os.kill(executor._process.pid, signal.SIGKILL)
+        with pytest.raises(ExecutorDiedError):
+            executor.execute(plan(4))
+        assert not executor.health()
+        executor.restart()
+        assert executor.execute(plan(5)).token_ids == [10]
+    finally:
+        executor.shutdown(timeout_s=10)
+    assert not executor.is_alive
+
+
+def test_start_failure_reports_child_traceback() -> None:
+    executor = ExecutorProcess(FACTORY, {"fail": True}, start_timeout_s=60)
+    with pytest.raises(ExecutorStartError, match="toy executor asked to fail"):
+        executor.start()
+    assert not executor.is_alive
+
+
+def test_in_process_executor_has_same_surface() -> None:
+    executor = InProcessExecutor(FACTORY)
+    assert isinstance(executor, ExecutorClient) and issubclass(ExecutorProcess, ExecutorClient)
+    executor.start()
+    assert executor.health() and executor.execute(plan(1)).token_ids == [10]
+    executor.shutdown()
+    assert not executor.is_alive
+
+
+REAL_FACTORY = "engine.executor.executor:build_executor"
+
+
+def demo_kwargs() -> dict[str, object]:
+    """The real factory's arguments: the `EngineArgs` record as it is, the model directory
+    and the policy (KV on the disk tier, in a scratch directory)."""
+    args = EngineArgs(model=DEMO_MODEL, device="cpu")
+    return {"args": args, "model_dir": str(demo_model_dir()), "policy": Policy(kv_frac=(0, 0, 1))}
+
+
+def test_a_killed_engine_leaves_no_scratch_directory() -> None:
+    """The executor's temporary disk tier goes with it: removed at shutdown by the child,
+    and by the parent when the child was killed and could not."""
+    executor = ExecutorProcess(REAL_FACTORY, demo_kwargs(), start_timeout_s=120)
+    executor.start()
+    scratch = executor.describe().scratch_dir
+    assert scratch is not None and os.path.isdir(scratch)
+    assert executor._process is not None and executor._process.pid
+    os.kill(executor._process.pid, signal.SIGKILL)
+    executor.restart()  # kill() cleans up after the dead child, start() makes a new one
+    assert not os.path.exists(scratch)
+    second = executor.describe().scratch_dir
+    assert second is not None and os.path.isdir(second) and second != scratch
+    executor.shutdown(timeout_s=30)
+    assert not os.path.exists(second)
+
+
+def test_sigterm_to_a_command_removes_its_scratch_directory(tmp_path: Path) -> None:
+    policy = tmp_path / "policy.json"
+    policy.write_text('{"kv_frac": [0, 0, 1]}')
+    command = [sys.executable, "-m", "server.cli", "generate", "--model", "nanoflex-demo"]
+    command += [
+        "--prompt",
+        "hello",
+        "--max-tokens",
+        "2000",
+        "--device",
+        "cpu",
+        "--policy",
+        str(policy),
+    ]
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 60
+        while not list(tmp_path.glob("nanoflex-offload-*/kv-*.bin")):  # generating
+            assert process.poll() is None and time.monotonic() < deadline, "never got going"
+            time.sleep(0.05)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 128 + signal.SIGTERM
+    finally:
+        process.kill()
+    assert not list(tmp_path.glob("nanoflex-offload-*"))
