@@ -6,13 +6,15 @@
 Starts a real `nanoflex serve` process on loopback (the demo model, one block of `--seqs`
 sequences, the engine in its own process), warms it up, then sends `--seqs` concurrent
 completions of `--tokens` generated tokens each (EOS ignored), once streamed and once not,
-while py-spy (`pip install py-spy`) samples every thread of the daemon process (not the
-engine process). A sample counts as *output handling* when one of its frames is in
+while py-spy (`pip install py-spy`) samples the daemon process's thread that holds the GIL
+(not the engine process): its Python work, whichever thread does it (a thread that waits
+for the GIL or a syscall is not counted). A sample counts as *output handling* when one of
+its frames is in
 `OUTPUT_FRAMES`: the incremental detokenizer and stop strings, the engine's output
 records, handing them from the engine thread to the event loop, the per-choice fan-in and
 accumulation, building the response body or chunk, and encoding it as JSON. The share is
-those samples over the samples of one busy thread for the whole run (rate x wall seconds):
-the daemon's Python runs under one GIL, so that is the share of the one core it can use.
+those samples over the samples of the whole run (rate x wall seconds): the daemon's Python
+runs under one GIL, so that is the share of the one core it can use.
 
 `--tree LABEL=DIR` (repeatable) runs the daemon from each source tree in turn, in one sitting
 (a checkout of an older commit: the "before" figure; default: this tree), with this
@@ -46,7 +48,7 @@ REPO = Path(__file__).resolve().parents[1]
 OUTPUT_FRAMES: dict[str, set[str] | None] = {
     # file (as py-spy names it, the path's tail) -> functions, None: every function
     # before and after the issue-24 rework: the engine's side
-    "engine/core/sequence.py": {"_detokenize", "_cut_at_stop_string"},
+    "engine/core/sequence.py": {"append_token", "_detokenize", "_cut_at_stop_string", "delta"},
     "engine/core/detokenizer.py": None,
     "engine/core/outputs.py": None,
     "engine/core/parent_request.py": None,
@@ -55,7 +57,9 @@ OUTPUT_FRAMES: dict[str, set[str] | None] = {
     "server/core_client.py": {"generate", "_deliver", "_call_soon"},
     "engine/runtime/core_client.py": {"generate", "_deliver", "_dispatch", "_call_soon"},
     "server/serving.py": {"_drive", "outputs", "run_choices", "body", "choice", "token_names"},
-    "server/openai/serving.py": {"_drive", "outputs", "run_choices", "body", "choice"},
+    "server/openai/serving.py": {
+        *("_prompt_deltas", "_merged", "outputs", "run_choices", "body", "choice", "chat_choice")
+    },
     "server/streaming.py": None,
     "server/openai/streaming.py": None,
     "server/responses.py": None,
@@ -63,15 +67,18 @@ OUTPUT_FRAMES: dict[str, set[str] | None] = {
     "server/openai/logprobs.py": None,
     # encoding the answer
     "starlette/responses.py": {"render"},
+    "server/http/responses.py": {"json_response"},
 }
 
 
 def is_output_frame(frame: str) -> bool:
-    """`frame` as py-spy's raw format writes it: 'function (path/to/file.py:line)'."""
+    """`frame` as py-spy's raw format writes it: 'Class.function (path/to/file.py:line)' or
+    'function.<locals>.inner (...)'."""
     name, _, where = frame.partition(" (")
     path = where.rsplit(":", 1)[0]
+    parts = set(name.strip().split("."))
     for tail, functions in OUTPUT_FRAMES.items():
-        if path.endswith(tail) and (functions is None or name.strip() in functions):
+        if path.endswith(tail) and (functions is None or parts & functions):
             return True
     return False
 
@@ -142,18 +149,21 @@ def profiled_run(
     if spy is None:
         raise SystemExit("bench.output_share needs py-spy: pip install py-spy")
     cmd = [spy, "record", "--pid", str(pid), "--rate", str(args.rate), "--format", "raw"]
-    cmd += ["--output", str(out), "--nonblocking", "--threads"]
+    cmd += ["--output", str(out), "--nonblocking", "--threads", "--gil"]
     recorder = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     time.sleep(1.0)  # py-spy attaches
     wall, generated = asyncio.run(fire(url, args.seqs, args.tokens, stream))
     recorder.send_signal(signal.SIGINT)
     recorder.wait(timeout=60)
     samples: Counter[str] = Counter()
+    where: Counter[str] = Counter()  # output samples by their outermost output frame
     for line in out.read_text().splitlines():
         stack, _, count = line.rpartition(" ")
         frames = stack.split(";")
-        kind = "output" if any(is_output_frame(f) for f in frames) else "other"
-        samples[kind] += int(count)
+        hits = [f for f in frames if is_output_frame(f)]
+        samples["output" if hits else "other"] += int(count)
+        if hits:
+            where[hits[-1].split(" (")[0] + " " + hits[-1].rsplit("/", 1)[-1]] += int(count)
     busy = samples["output"] + samples["other"]
     one_core = args.rate * (wall + 1.0)  # the sampled window: the run and the attach second
     return {
@@ -165,6 +175,7 @@ def profiled_run(
         "samples_busy": busy,
         "output_share_of_one_core": round(samples["output"] / one_core, 4),
         "output_share_of_busy": round(samples["output"] / max(busy, 1), 4),
+        "output_samples_by_innermost_frame": dict(where.most_common(8)),
     }
 
 
@@ -182,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         "default: this tree)",
     )
     parser.add_argument("--json", default=None)
+    parser.add_argument("--profiles", default=None, help="keep py-spy's raw profiles here")
     args = parser.parse_args(argv)
     trees = [tuple(t.split("=", 1)) for t in args.tree] or [("this tree", str(REPO))]
     results = []
@@ -191,7 +203,10 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 asyncio.run(fire(url, args.seqs, 16, stream=False))  # warm-up: kernels, caches
                 for stream in (False, True):
-                    out = Path(tmp) / f"profile-{int(stream)}.txt"
+                    keep = Path(args.profiles or tmp)
+                    keep.mkdir(parents=True, exist_ok=True)
+                    name = "".join(c if c.isalnum() else "-" for c in label)
+                    out = keep / f"profile-{name}-{'stream' if stream else 'whole'}.txt"
                     run = profiled_run(url, daemon.pid, args, stream, out)
                     results.append({"tree": label, **run})
                     print(json.dumps(results[-1]), file=sys.stderr)

@@ -77,5 +77,7 @@ class IncrementalDetokenizer:
     def _find_stop(self, text: str) -> tuple[int, str] | None:
         """(position, stop string) of the first stop string in `text`, whose held-back start
         held none (so a new one ends in what was just decoded)."""
+        if not self.stop:
+            return None
         hits = [(text.find(s), s) for s in self.stop]
         return min(((pos, s) for pos, s in hits if pos >= 0), default=None)

@@ -9,6 +9,7 @@ records (vLLM's shape), built once a request is finished.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from engine.core.protocol import TokenLogprobs
@@ -21,8 +22,9 @@ class SequenceDelta:
     request_id: str
     """The engine request's id (a child's, `ParentRequest`, when the caller asked for n > 1)."""
     new_token_ids: list[int]
-    """Tokens sampled in this step (at most one; none when only the finish is news). A stop
-    token (EOS or a stop_token_id) is included, its text is not."""
+    """Tokens sampled in this step (at most one; none when only the finish is news; all of a
+    choice's in the one delta of a request that does not stream). A stop token (EOS or a
+    stop_token_id) is included, its text is not."""
     new_text: str
     """Text these tokens completed ("" without a detokenizer, or while a character or a
     possible stop string is incomplete); joined, the pieces are the choice's text."""
@@ -39,6 +41,9 @@ class SequenceDelta:
     """Prompt tokens whose KV came from the prefix cache (at the first admission)."""
     index: int = 0
     """The choice's index among its parent request's n (set in front by `ParentRequest`)."""
+    first_token_time: float | None = None
+    """A delta that sums a whole choice (a request that does not stream): when its first
+    token reached the front (`time.monotonic()`), for time-to-first-token figures."""
 
     @property
     def finished(self) -> bool:
@@ -101,9 +106,15 @@ class ChoiceAccumulator:
     num_cached_tokens: int = 0
     num_chars: int = 0
     """Characters of text so far (where the next piece starts)."""
+    first_token_time: float | None = None
+    """When its first token was added (`time.monotonic()`)."""
     _pieces: list[str] = field(default_factory=list)
 
     def add(self, delta: SequenceDelta) -> None:
+        if self.first_token_time is None:
+            self.first_token_time = delta.first_token_time
+            if self.first_token_time is None and delta.new_token_ids:
+                self.first_token_time = time.monotonic()
         self.token_ids += delta.new_token_ids
         if delta.new_logprobs is not None:
             if self.logprobs is None:
@@ -127,6 +138,21 @@ class ChoiceAccumulator:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def as_delta(self, request_id: str) -> SequenceDelta:
+        """Everything so far as one delta (what a caller that does not stream gets, once)."""
+        return SequenceDelta(
+            request_id,
+            self.token_ids,
+            self.text,
+            self.logprobs,
+            self.finish_reason,
+            self.stop_reason,
+            self.prompt_logprobs,
+            self.num_cached_tokens,
+            self.index,
+            self.first_token_time,
+        )
 
     def output(self, wants_logprobs: bool) -> CompletionOutput:
         """`LLM`'s record of this choice; `wants_logprobs`: logprobs as a list even if empty."""

@@ -91,7 +91,7 @@ class CoreEngineClient(EngineClient):
         self._max_token_bytes = 0
         self._status = "waiting to start"
         self._commands: queue.Queue[tuple[str, Any]] = queue.Queue()
-        self._streams: dict[str, asyncio.Queue[SequenceDelta | Exception]] = {}
+        self._streams: dict[str, _Stream] = {}
         """Engine request (child) id -> its parent's stream (touched on the event loop only)."""
         self._children: dict[str, list[str]] = {}
         """Parent request id -> its children's ids, while it runs."""
@@ -240,14 +240,16 @@ class CoreEngineClient(EngineClient):
         prompt_token_ids: list[int],
         params: SamplingParams,
         priority: int = ONLINE_PRIORITY,
+        *,
+        stream: bool = True,
     ) -> AsyncGenerator[SequenceDelta, None]:
         if not self.is_ready():
             raise EngineDeadError("the engine is not ready")
         parent = ParentRequest(Request(request_id, list(prompt_token_ids), params, priority))
         child_ids = [child.request_id for child in parent.children]
-        stream: asyncio.Queue[SequenceDelta | Exception] = asyncio.Queue()
+        deltas = _Stream(parent, stream)
         for child_id in child_ids:
-            self._streams[child_id] = stream
+            self._streams[child_id] = deltas
         self._children[request_id] = child_ids
         reply: asyncio.Future[Exception | None] = asyncio.get_running_loop().create_future()
         self._commands.put(("add", (parent.children, reply)))
@@ -258,7 +260,7 @@ class CoreEngineClient(EngineClient):
                 unfinished.clear()  # none of them was queued
                 raise error
             while unfinished:
-                item = await stream.get()
+                item = await deltas.queue.get()
                 if isinstance(item, Exception):
                     raise item
                 if item.finished:
@@ -396,20 +398,38 @@ class CoreEngineClient(EngineClient):
         )
 
     def _dispatch(self, deltas: list[SequenceDelta]) -> None:
-        """On the event loop: one step's deltas to their requests' streams."""
+        """On the event loop: one step's deltas to their requests' streams. A request that
+        does not stream adds them up here and hears once per choice, when it finished (no
+        task wakes per token)."""
         for delta in deltas:
             stream = self._streams.get(delta.request_id)
-            if stream is not None:
-                stream.put_nowait(delta)
+            if stream is None:
+                continue
+            if stream.is_streamed:
+                stream.queue.put_nowait(delta)
+                continue
+            choice = stream.parent.add(delta)
+            if delta.finished:
+                stream.queue.put_nowait(choice.as_delta(delta.request_id))
 
     def _fail_all(self, error: Exception) -> None:
         """On the event loop: end every request in flight with `error`."""
         for stream in {id(s): s for s in self._streams.values()}.values():
-            stream.put_nowait(error)
+            stream.queue.put_nowait(error)
 
     def _call_soon(self, fn: Any, *args: Any) -> None:
         assert self._loop is not None
         self._loop.call_soon_threadsafe(fn, *args)
+
+
+class _Stream:
+    """Where one request's deltas go, on the event loop."""
+
+    def __init__(self, parent: ParentRequest, is_streamed: bool) -> None:
+        self.parent = parent
+        self.is_streamed = is_streamed
+        """False: the choices' deltas are added up in `parent` and each choice is sent once."""
+        self.queue: asyncio.Queue[SequenceDelta | Exception] = asyncio.Queue()
 
 
 class _StepCounter:

@@ -137,9 +137,12 @@ class EngineClient(abc.ABC):
         prompt_token_ids: list[int],
         params: SamplingParams,
         priority: int = ONLINE_PRIORITY,
+        *,
+        stream: bool = True,
     ) -> AsyncGenerator[SequenceDelta, None]:
         """Queue one request of `params.n` choices and yield what each choice gains, until
-        every choice finished; leaving early aborts the rest.
+        every choice finished; leaving early aborts the rest. `stream` False: each choice is
+        yielded once, finished, its deltas added up (its `first_token_time` set).
 
         Lower `priority` runs first. Implement as an `async def ... yield`.
         """

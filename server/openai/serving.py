@@ -310,20 +310,21 @@ class Serving:
         self, prep: Prepared, priority: int, prompt_index: int
     ) -> AsyncGenerator[SequenceDelta, None]:
         """The deltas of prompt `prompt_index`'s n choices until each finished (its metrics
-        on the way); closing it early aborts the rest in the engine."""
+        on the way); closing it early aborts the rest in the engine. A request that does not
+        stream gets one delta per choice, its whole answer."""
         request_id = f"{prep.request_id}-{prompt_index}"
         arrival = time.monotonic()
         num_tokens = [0] * prep.n
         unfinished = set(range(prep.n))
-        generate = self.engine.generate(
-            request_id, prep.prompts[prompt_index], prep.params[prompt_index], priority
-        )
+        prompt, params = prep.prompts[prompt_index], prep.params[prompt_index]
+        generate = self.engine.generate(request_id, prompt, params, priority, stream=prep.stream)
         try:
             async with aclosing(generate) as deltas:
                 async for delta in deltas:
                     if delta.new_token_ids:
                         if not num_tokens[delta.index]:
-                            self.metrics.ttft.observe(time.monotonic() - arrival)
+                            first = delta.first_token_time or time.monotonic()
+                            self.metrics.ttft.observe(first - arrival)
                         num_tokens[delta.index] += len(delta.new_token_ids)
                     if delta.finished:
                         unfinished.discard(delta.index)
@@ -343,12 +344,7 @@ class Serving:
     async def _merged(
         self, prep: Prepared, priority: int
     ) -> AsyncGenerator[tuple[int, SequenceDelta], None]:
-        """(prompt index, delta) of every prompt's choices, as they come."""
-        if len(prep.prompts) == 1:  # no fan-in needed
-            async with aclosing(self._prompt_deltas(prep, priority, 0)) as deltas:
-                async for delta in deltas:
-                    yield 0, delta
-            return
+        """(prompt index, delta) of every prompt's choices, as they come (several prompts)."""
         queue: asyncio.Queue[tuple[int, SequenceDelta] | Exception | None] = asyncio.Queue()
 
         async def pump(prompt_index: int) -> None:
@@ -384,8 +380,15 @@ class Serving:
         choices = [ChoiceAccumulator(i) for i in range(prep.num_seqs)]
         self.metrics.prompt_tokens.inc(prep.num_prompt_tokens)
         try:
-            async with aclosing(self._merged(prep, priority)) as deltas:
-                async for prompt_index, delta in deltas:
+            if len(prep.prompts) == 1:  # no fan-in
+                async with aclosing(self._prompt_deltas(prep, priority, 0)) as deltas:
+                    async for delta in deltas:
+                        choice = choices[delta.index]
+                        choice.add(delta)
+                        yield choice, delta
+                return
+            async with aclosing(self._merged(prep, priority)) as merged:
+                async for prompt_index, delta in merged:
                     choice = choices[prompt_index * prep.n + delta.index]
                     choice.add(delta)
                     yield choice, delta

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
+from typing import Any
 
 from engine.core.outputs import ChoiceAccumulator, SequenceDelta
 from server.openai.errors import APIError
@@ -17,6 +18,7 @@ from server.openai.responses import (
     ChatChunkChoice,
     ChatCompletionChunk,
     ChatDelta,
+    ChatLogprobs,
     CompletionChoice,
     CompletionChunk,
     sse,
@@ -32,14 +34,13 @@ class _Chunks:
         self.serving, self.prep = serving, prep
         self.sent_chars: dict[int, int] = {}
         """Per choice that has started: characters streamed (the echoed prompt included)."""
-
-    def head(self) -> dict[str, object]:
-        prep = self.prep
-        head: dict[str, object] = {"id": prep.request_id, "created": prep.created}
+        head: dict[str, Any] = {"id": prep.request_id, "created": prep.created}
         head |= {"model": prep.model, "system_fingerprint": None}
         if prep.include_usage:
             head["usage"] = None
-        return head
+        self.head = head
+        """The fields every chunk starts with (written with `exclude_unset`, as every
+        answer is: a chunk leaves out what OpenAI's leave out)."""
 
     def chat(self, choice: ChoiceAccumulator, delta: SequenceDelta) -> list[bytes]:
         """The chunks for what a chat choice gained: its role first, then its text."""
@@ -54,24 +55,18 @@ class _Chunks:
             entries = delta.new_logprobs or []
             logprobs = chat_logprobs(names, delta.new_token_ids, entries, prep.num_logprobs)
         text = delta.new_text
-        content = ChatDelta(content=text) if text or not delta.finished else ChatDelta()
+        fields: dict[str, Any] = {"content": text} if text or not delta.finished else {}
+        content = ChatDelta(**fields)
         out.append(self._chat_chunk(choice.index, content, logprobs, delta.finish_reason))
         return out
 
     def _chat_chunk(
-        self, index: int, delta: ChatDelta, logprobs: object, finish_reason: str | None
+        self, index: int, delta: ChatDelta, logprobs: ChatLogprobs | None, finish_reason: Any
     ) -> bytes:
         choice = ChatChunkChoice(
-            index=index,
-            delta=delta,
-            logprobs=logprobs,  # type: ignore[arg-type]
-            finish_reason=finish_reason,  # type: ignore[arg-type]
+            index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason
         )
-        chunk = ChatCompletionChunk(
-            **self.head(),  # type: ignore[arg-type]
-            object="chat.completion.chunk",
-            choices=[choice],
-        )
+        chunk = ChatCompletionChunk(**self.head, object="chat.completion.chunk", choices=[choice])
         return sse(chunk)
 
     def completion(self, choice: ChoiceAccumulator, delta: SequenceDelta) -> list[bytes]:
@@ -104,11 +99,7 @@ class _Chunks:
             logprobs=logprobs,
             finish_reason=delta.finish_reason,  # type: ignore[arg-type]
         )
-        chunk = CompletionChunk(
-            **self.head(),  # type: ignore[arg-type]
-            object="text_completion",
-            choices=[rendered],
-        )
+        chunk = CompletionChunk(**self.head, object="text_completion", choices=[rendered])
         return [sse(chunk)]
 
     def usage(self, choices: dict[int, ChoiceAccumulator]) -> bytes:
@@ -116,12 +107,12 @@ class _Chunks:
         prep = self.prep
         generated = sum(len(c.token_ids) for c in choices.values())
         total = usage(prep.num_prompt_tokens, generated, prep.num_cached_tokens(choices.values()))
-        head = {**self.head(), "usage": total}
+        head = {**self.head, "usage": total}
         chunk: CompletionChunk | ChatCompletionChunk
         if prep.is_chat:
-            chunk = ChatCompletionChunk(**head, object="chat.completion.chunk", choices=[])  # type: ignore[arg-type]
+            chunk = ChatCompletionChunk(**head, object="chat.completion.chunk", choices=[])
         else:
-            chunk = CompletionChunk(**head, object="text_completion", choices=[])  # type: ignore[arg-type]
+            chunk = CompletionChunk(**head, object="text_completion", choices=[])
         return sse(chunk)
 
 

@@ -54,10 +54,13 @@ class FaultyEngine(CoreEngineClient):
         prompt_token_ids: list[int],
         params: SamplingParams,
         priority: int = ONLINE_PRIORITY,
+        *,
+        stream: bool = True,
     ) -> AsyncGenerator[SequenceDelta, None]:
         if FAIL_IN_ENGINE in self.decode(prompt_token_ids):
             raise RuntimeError("injected engine failure")
-        async for output in super().generate(request_id, prompt_token_ids, params, priority):
+        deltas = super().generate(request_id, prompt_token_ids, params, priority, stream=stream)
+        async for output in deltas:
             yield output
 
 
