@@ -23,11 +23,14 @@ class CompletionOutput:
     token_ids: list[int]
     """Generated token ids; the stop token (EOS or a stop_token_id) is the last one if any."""
     finish_reason: str | None
-    """'stop' (EOS, stop token, stop string), 'length' (max_tokens, context), 'abort' or None."""
+    """'stop' (EOS, stop token, stop string), 'length' (max_tokens, context), 'abort',
+    'error' (its sampling failed inside a step: `error` says how) or None."""
     logprobs: list[TokenLogprobs] | None = None
     """One entry per generated token when sampling.logprobs is set, else None."""
     stop_reason: int | str | None = None
     """The stop_token_id or stop string that ended the choice (None for EOS and length)."""
+    error: str | None = None
+    """With finish_reason 'error': what failed."""
 
     @property
     def is_finished(self) -> bool:
@@ -63,6 +66,7 @@ def request_output(seqs: list[Sequence]) -> RequestOutput:
             finish_reason=s.finish_reason,
             logprobs=list(s.logprobs) if s.sampling.logprobs is not None else None,
             stop_reason=s.stop_reason,
+            error=s.error,
         )
         for s in seqs
     ]

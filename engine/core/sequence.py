@@ -90,6 +90,8 @@ class Sequence:
     """Prompt tokens whose KV came from the prefix cache at its first admission."""
     epoch: int = 0
     """Times it was preempted (its KV dropped); plans made before that are stale for it."""
+    error: str | None = None
+    """Why it failed (finish_reason 'error'), else None."""
 
     def __post_init__(self) -> None:
         self._prefix_at = self._read_at = self.num_prompt_tokens
@@ -145,6 +147,11 @@ class Sequence:
         self.finish_reason = reason
         self.stop_reason = stop_reason
 
+    def fail(self, message: str) -> None:
+        """Finish with finish_reason 'error': its sampling failed inside a step."""
+        self.error = message
+        self.finish("error")
+
     def append_token(
         self,
         token_id: int,
@@ -159,18 +166,27 @@ class Sequence:
         context length. A stop token stays in token_ids but not in text; a stop
         string is cut from text together with everything after it.
         """
+        if self.sampling.max_tokens == 0:  # echo only: the prompt's logprobs, no output
+            self.finish("length")
+            return
         self.token_ids.append(token_id)
         if self.sampling.logprobs is not None and logprobs is not None:
             self.logprobs.append(logprobs)
+        ends = (
+            self.num_generated >= self.sampling.max_tokens or len(self.token_ids) >= max_model_len
+        )
+        if self.num_generated < self.sampling.min_tokens:  # only length ends it before then
+            if detokenizer is not None:
+                self._detokenize(detokenizer, len(self.token_ids), final=ends)
+            if ends:
+                self.finish("length")
+            return
         is_eos = token_id in eos_token_ids and not self.sampling.ignore_eos
         if is_eos or token_id in self.sampling.stop_token_ids:
             if detokenizer is not None:  # the stop token's own text is not output
                 self._detokenize(detokenizer, len(self.token_ids) - 1, final=True)
             self.finish("stop", None if is_eos else token_id)
             return
-        ends = (
-            self.num_generated >= self.sampling.max_tokens or len(self.token_ids) >= max_model_len
-        )
         if detokenizer is not None:
             searched_to = len(self.text)
             self._detokenize(detokenizer, len(self.token_ids), final=ends)
