@@ -41,14 +41,20 @@ def start_daemon(data_dir: Path, max_queue: int) -> tuple[subprocess.Popen[bytes
     policy = data_dir / "policy.json"
     data_dir.mkdir(parents=True, exist_ok=True)
     policy.write_text(Policy().to_json())
+    args = ["--model", DEMO_MODEL, "--device", "cpu", "--policy", str(policy)]
+    return launch(data_dir, [*args, "--max-queue", str(max_queue)])
+
+
+def launch(data_dir: Path, args: list[str]) -> tuple[subprocess.Popen[bytes], str]:
+    """`nanoflex serve ARGS` on a free loopback port with its data in `data_dir` and its log
+    in data_dir/daemon.log; returns it and its URL once /ready answers 200."""
+    data_dir.mkdir(parents=True, exist_ok=True)
     port = free_port()
-    argv = [str(NANOFLEX), "serve", "--model", DEMO_MODEL, "--device", "cpu"]
-    argv += ["--policy", str(policy), "--port", str(port), "--data-dir", str(data_dir)]
-    argv += ["--max-queue", str(max_queue)]
+    argv = [str(NANOFLEX), "serve", *args, "--port", str(port), "--data-dir", str(data_dir)]
     log = open(data_dir / "daemon.log", "wb")  # noqa: SIM115 (closed with the process)
     daemon = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
+    deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         try:
             if httpx.get(f"{url}/ready", timeout=1).status_code == 200:

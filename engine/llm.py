@@ -9,7 +9,7 @@ from typing import Any
 
 from engine.core.engine_args import EngineArgs
 from engine.core.engine_core import EngineCore
-from engine.core.model_files import ModelLoadError
+from engine.core.model_files import ModelLoadError, generation_defaults
 from engine.core.outputs import RequestOutput
 from engine.core.protocol import Placement
 from engine.core.sampling_params import SamplingError, SamplingParams
@@ -52,6 +52,7 @@ class LLM:
         plans_ahead = args.plans_ahead(not self.executor.device.is_cuda)
         self.core = EngineCore(self.scheduler, self.executor, plans_ahead)
         self._ids = itertools.count()
+        self._defaults = generation_defaults(model_dir)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLM:
@@ -71,8 +72,8 @@ class LLM:
         ):
             prompts = [prompts]
         prompt_list = list(prompts)
-        if sampling_params is None:
-            params = [SamplingParams()] * len(prompt_list)
+        if sampling_params is None:  # the model's own defaults, as vLLM's LLM
+            params = [SamplingParams(**self._defaults)] * len(prompt_list)  # type: ignore[arg-type]
         elif isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(prompt_list)
         else:
@@ -81,11 +82,13 @@ class LLM:
                 raise SamplingError(
                     f"got {len(params)} sampling params for {len(prompt_list)} prompts"
                 )
+        encode = None if self.tokenizer is None else self._encode_plain
+        vocab = self.executor.config.vocab_size
         requests = [
             Request(
                 request_id=str(next(self._ids)),
                 prompt_token_ids=self.encode(prompt),
-                sampling=p,
+                sampling=p.prepared(encode, vocab),
                 priority=priority,
             )
             for prompt, p in zip(prompt_list, params, strict=True)
@@ -104,6 +107,11 @@ class LLM:
         if bad:
             raise SamplingError(f"token ids must be integers in [0, {vocab}), got {bad[:5]}")
         return list(prompt)
+
+    def _encode_plain(self, text: str) -> list[int]:
+        """Text as token ids without the model's special tokens (bad words)."""
+        assert self.tokenizer is not None
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
     def placement(self) -> Placement:
         return self.executor.placement()

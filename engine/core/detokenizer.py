@@ -41,14 +41,16 @@ class IncrementalDetokenizer:
         self._held = ""
         """Decoded text not handed out yet (at most `_hold` characters)."""
 
-    def add(self, token_ids: list[int], final: bool) -> str:
+    def add(self, token_ids: list[int], final: bool, find_stop: bool = True) -> str:
         """Take new tokens; the text that is now certain. `final`: no token follows, so
-        everything decoded is handed out (a character cut short decodes as U+FFFD)."""
+        everything decoded is handed out (a character cut short decodes as U+FFFD).
+        `find_stop` False: stop strings do not end the text yet (min_tokens); what is held
+        back is searched with the next tokens'."""
         if self.stop_hit is not None:
             return ""
         self._window += token_ids
         text = self._held + self._decode(final)
-        hit = self._find_stop(text)
+        hit = self._find_stop(text) if find_stop else None
         if hit is not None:
             position, self.stop_hit = hit
             self._held = ""

@@ -219,6 +219,33 @@ def eos_token_ids(model_dir: Path) -> tuple[int, ...]:
     return tuple(ids)
 
 
+GENERATION_DEFAULTS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+    "max_new_tokens": "max_tokens",
+}
+"""generation_config.json field -> the SamplingParams field it sets a default for (vLLM's
+`--generation-config auto` reads the same ones)."""
+
+
+def generation_defaults(model_dir: Path) -> dict[str, float | int]:
+    """The model's own sampling defaults from generation_config.json, by SamplingParams
+    field: what a request that leaves a field out gets, as in vLLM (which, like this,
+    reads the values and not `do_sample`)."""
+    config = _read_json(model_dir / "generation_config.json")
+    out: dict[str, float | int] = {}
+    for name, field_name in GENERATION_DEFAULTS.items():
+        value = config.get(name)
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            out[field_name] = value
+    return out
+
+
 def context_length(model_dir: Path, default: int = 2048) -> int:
     """The model's context window: config.json's max_position_embeddings."""
     value = _read_json(model_dir / "config.json").get("max_position_embeddings")

@@ -31,8 +31,8 @@ class SequenceDelta:
     new_logprobs: list[TokenLogprobs] | None = None
     """One entry per new token when sampling asked for logprobs, else None."""
     finish_reason: str | None = None
-    """'stop' (EOS, stop token, stop string), 'length' (max_tokens, context) or 'abort' on the
-    choice's last delta; None before."""
+    """'stop' (EOS, stop token, stop string), 'length' (max_tokens, context), 'abort' or
+    'error' on the choice's last delta; None before."""
     stop_reason: int | str | None = None
     """The stop_token_id or stop string that ended the choice (None for EOS and length)."""
     prompt_logprobs: list[TokenLogprobs] | None = None
@@ -41,6 +41,9 @@ class SequenceDelta:
     """Prompt tokens whose KV came from the prefix cache (at the first admission)."""
     index: int = 0
     """The choice's index among its parent request's n (set in front by `ParentRequest`)."""
+    error: str | None = None
+    """With finish_reason 'error': what failed inside a step (its sampling: a token id outside
+    the vocabulary, a grammar error)."""
     first_token_time: float | None = None
     """A delta that sums a whole choice (a request that does not stream): when its first
     token reached the front (`time.monotonic()`), for time-to-first-token figures."""
@@ -61,11 +64,14 @@ class CompletionOutput:
     token_ids: list[int]
     """Generated token ids; the stop token (EOS or a stop_token_id) is the last one if any."""
     finish_reason: str | None
-    """'stop' (EOS, stop token, stop string), 'length' (max_tokens, context), 'abort' or None."""
+    """'stop' (EOS, stop token, stop string), 'length' (max_tokens, context), 'abort',
+    'error' (its sampling failed inside a step: `error` says how) or None."""
     logprobs: list[TokenLogprobs] | None = None
     """One entry per generated token when sampling.logprobs is set, else None."""
     stop_reason: int | str | None = None
     """The stop_token_id or stop string that ended the choice (None for EOS and length)."""
+    error: str | None = None
+    """With finish_reason 'error': what failed."""
 
     @property
     def is_finished(self) -> bool:
@@ -106,6 +112,7 @@ class ChoiceAccumulator:
     num_cached_tokens: int = 0
     num_chars: int = 0
     """Characters of text so far (where the next piece starts)."""
+    error: str | None = None
     first_token_time: float | None = None
     """When its first token was added (`time.monotonic()`)."""
     _pieces: list[str] = field(default_factory=list)
@@ -128,6 +135,7 @@ class ChoiceAccumulator:
         self.num_cached_tokens = delta.num_cached_tokens
         if delta.finish_reason is not None:
             self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
+            self.error = delta.error
 
     @property
     def text(self) -> str:
@@ -151,6 +159,7 @@ class ChoiceAccumulator:
             self.prompt_logprobs,
             self.num_cached_tokens,
             self.index,
+            self.error,
             self.first_token_time,
         )
 
@@ -164,4 +173,5 @@ class ChoiceAccumulator:
             self.finish_reason,
             logprobs,
             self.stop_reason,
+            self.error,
         )

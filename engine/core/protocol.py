@@ -48,6 +48,10 @@ class SeqChunk:
     """Sent with the first chunk of a sequence; the engine keeps it until the sequence is freed."""
     num_sampled: int = 0
     """Tokens this sequence has already generated (keys the per-request seeded RNG)."""
+    cached_token_ids: list[int] = field(default_factory=list)
+    """With the first chunk, for settings that read the sequence's tokens (penalties,
+    structured outputs: `SamplingParams.needs_history`): its tokens before `start_pos`,
+    whose KV came from the prefix cache."""
 
 
 @dataclass(slots=True)
@@ -107,6 +111,9 @@ class StepResult:
     bytes_per_tier: dict[str, int] = field(default_factory=dict)
     """Bytes resident per tier after the step (weights, KV pools, activations), as they grow:
     what /metrics reports; empty when the executor does not say."""
+    errors: dict[int, str] = field(default_factory=dict)
+    """Sequences whose sampling failed in this step (a token id outside the vocabulary, a
+    grammar error): they finish with this message; the rest of the step stands."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -324,6 +324,9 @@ class Scheduler:
             do_sample=do_sample,
             sampling=None if seq.is_sent else seq.sampling,
             num_sampled=seq.num_generated + seq.num_pending,
+            cached_token_ids=seq.token_ids[:start]
+            if not seq.is_sent and seq.sampling.needs_history
+            else [],
         )
         seq.is_sent = True
         seq.num_pending += int(do_sample)
@@ -468,7 +471,14 @@ class Scheduler:
             if seq is None:  # finished or aborted after this plan was built: drop the token
                 continue
             seq.num_pending -= 1
-            delta = seq.append_token(token_id, logprobs, self.config.eos_token_ids, self.max_len)
+            error = result.errors.get(seq.seq_id)
+            if error is not None:
+                seq.fail(error)
+                delta = seq.delta([], "", None)
+            else:
+                delta = seq.append_token(
+                    token_id, logprobs, self.config.eos_token_ids, self.max_len
+                )
             if seq.seq_id in scored:
                 delta.prompt_logprobs = seq.prompt_logprobs
             if seq.is_finished:

@@ -75,6 +75,8 @@ class Sequence:
     """Prompt tokens whose KV came from the prefix cache at its first admission."""
     epoch: int = 0
     """Times it was preempted (its KV dropped); plans made before that are stale for it."""
+    error: str | None = None
+    """Why it failed (finish_reason 'error'), else None."""
 
     @classmethod
     def from_request(
@@ -129,6 +131,11 @@ class Sequence:
         self.finish_reason = reason
         self.stop_reason = stop_reason
 
+    def fail(self, message: str) -> None:
+        """Finish with finish_reason 'error': its sampling failed inside a step."""
+        self.error = message
+        self.finish("error")
+
     def append_token(
         self,
         token_id: int,
@@ -143,26 +150,34 @@ class Sequence:
         context length. A stop token stays in token_ids but not in the text; a stop
         string ends the text before it.
         """
+        if self.sampling.max_tokens == 0:  # echo only: the prompt's logprobs, no output
+            self.finish("length")
+            return self.delta([], "", None)
         self.token_ids.append(token_id)
+        wants_logprobs = self.sampling.logprobs is not None
+        new_logprobs = [logprobs] if wants_logprobs and logprobs is not None else None
+        ends = (
+            self.num_generated >= self.sampling.max_tokens or len(self.token_ids) >= max_model_len
+        )
         text = ""
+        if self.num_generated < self.sampling.min_tokens:  # only length ends it before then
+            if self.detokenizer is not None:
+                text = self.detokenizer.add([token_id], final=ends, find_stop=False)
+            if ends:
+                self.finish("length")
+            return self.delta([token_id], text, new_logprobs)
         is_eos = token_id in eos_token_ids and not self.sampling.ignore_eos
         if is_eos or token_id in self.sampling.stop_token_ids:
             if self.detokenizer is not None:  # the stop token's own text is not output
                 text = self.detokenizer.flush()
             self.finish("stop", None if is_eos else token_id)
         else:
-            ends = (
-                self.num_generated >= self.sampling.max_tokens
-                or len(self.token_ids) >= max_model_len
-            )
             if self.detokenizer is not None:
                 text = self.detokenizer.add([token_id], final=ends)
                 if self.detokenizer.stop_hit is not None:
                     self.finish("stop", self.detokenizer.stop_hit)
             if ends and not self.is_finished:
                 self.finish("length")
-        wants_logprobs = self.sampling.logprobs is not None
-        new_logprobs = [logprobs] if wants_logprobs and logprobs is not None else None
         return self.delta([token_id], text, new_logprobs)
 
     def abort(self) -> SequenceDelta:
@@ -182,4 +197,5 @@ class Sequence:
             self.finish_reason,
             self.stop_reason,
             num_cached_tokens=self.num_cached_tokens or 0,
+            error=self.error,
         )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
 import sys
 import tempfile
@@ -36,9 +37,10 @@ from engine.executor.gpu_batch import BatchBuilder, SeqState
 from engine.executor.nano_batches import NanoBatcher
 from engine.executor.nano_overlap import NanoOverlap
 from engine.executor.pipeline import BlockPipeline
-from engine.executor.sampler import Sampler, top_logprobs
+from engine.executor.sampler import top_logprobs
+from engine.executor.step_sampler import StepSampler
 from engine.executor.trace import NoTracer, Tracer
-from engine.kernels import dense_ops, paged_kernels
+from engine.kernels import dense_ops, paged_kernels, token_mask
 from engine.loading.checkpoint import open_reader
 from engine.loading.generated import local_model_dir
 from engine.models import build_model
@@ -183,7 +185,13 @@ class Executor:
             else None,
             kernels=paged_kernels() if native else None,
         )
-        self.sampler = Sampler()
+        self.sampler = StepSampler(
+            self.model_dir,
+            self.config.vocab_size,
+            token_mask() if native else None,
+            # beside a GPU's forward pass the cores are free; on a CPU it needs them
+            grammar_threads=min(8, max(1, (os.cpu_count() or 2) - 1)) if self.device.is_cuda else 1,
+        )
         self._closed = False
         self._seqs: dict[int, SeqState] = {}
         self._builder = BatchBuilder(
@@ -278,6 +286,7 @@ class Executor:
 
     def execute(self, plan: StepPlan) -> StepResult:
         for seq_id in plan.freed_seq_ids:
+            self.sampler.drop(seq_id)
             gone = self._seqs.pop(seq_id, None)
             if gone is not None:  # drop what is staged for its partly written disk pages
                 self.kv.disk_pool.release_pages([p for tier, p in gone.pages if tier == "disk"])
@@ -302,6 +311,12 @@ class Executor:
         self.kv.disk_pool.begin_pages(moved_to_disk)
         if self.disk_cache is not None:  # pages about to get new contents
             self.disk_cache.forget(moved_to_disk + self._disk_pages_written(plan))
+        to_sample = [c for _, cs in sorted(by_batch.items()) for c in cs if c.do_sample]
+        self.sampler.prepare(  # grammar masks start now, while the layers run
+            to_sample,
+            [self._seqs[c.seq_id].sampling for c in to_sample],
+            [not self._seqs[c.seq_id].has_sampled for c in to_sample],
+        )
         logits = self.pipeline.run(batches, plan.page_moves)
         self._record_cached_disk_pages(plan)
         # Split each batch's logit rows by chunk: the row to sample from, and for echo +
@@ -325,11 +340,9 @@ class Executor:
                     sampled.append(c)
                     state.has_sampled = True
         whole = len(logits) == 1 and len(sample_rows) == logits[0].shape[0]
-        token_ids, logprobs = self.sampler.sample(
+        token_ids, logprobs, errors = self.sampler.sample(
             # every row of the one batch, in order (a decode step): no copy
-            logits[0] if whole else torch.cat(sample_rows) if sampled else torch.empty(0),
-            [self._seqs[c.seq_id].sampling for c in sampled],
-            [c.num_sampled for c in sampled],
+            logits[0] if whole else torch.cat(sample_rows) if sampled else torch.empty(0)
         )
         by_seq = {c.seq_id: i for i, c in enumerate(sampled)}
         order = [by_seq[c.seq_id] for c in plan.chunks if c.do_sample]
@@ -341,6 +354,7 @@ class Executor:
             [logprobs[i] for i in order],
             prompt_logprobs=prompt_logprobs,
             bytes_per_tier=self.bytes_per_tier(),
+            errors=errors,
         )
 
     def _disk_pages_written(self, plan: StepPlan) -> list[int]:
@@ -363,6 +377,8 @@ class Executor:
             state = self._seqs[chunk.seq_id] = SeqState(
                 chunk.kv_tier, chunk.act_tier, chunk.sampling
             )
+            self.sampler.admit(chunk.seq_id, chunk.sampling)
+        self.sampler.feed(chunk)
         state.pages.extend(chunk.new_pages)
         self.kv.reserve_pages(chunk.new_pages)
         # fresh disk pages start clean (a cached prefix page is full: nothing staged for it)
@@ -400,6 +416,7 @@ class Executor:
                 logits.append(self.pipeline.run([batch])[0].cpu())
             out.append(torch.cat(logits))
             self._seqs.pop(seq_id)
+            self.sampler.drop(seq_id)
             pages.free(seq_id)
         return out
 
@@ -425,6 +442,7 @@ class Executor:
         if self.disk_cache is not None:
             self.disk_cache.save(force=True)
         self.pipeline.close()
+        self.sampler.close()
         self.disk.close()
         if self._own_offload_dir:
             self._remove_scratch()

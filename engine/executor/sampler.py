@@ -1,6 +1,9 @@
-"""`Sampler`: next tokens from logits: greedy, temperature, top-k, top-p, seeds, logprobs."""
+"""`Sampler`: next tokens from logits: greedy, temperature, min-p, top-k, top-p, seeds,
+logprobs."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -21,31 +24,45 @@ class Sampler:
         self._rng = torch.Generator().manual_seed(seed)
 
     def sample(
-        self, logits: torch.Tensor, params: list[SamplingParams], num_sampled: list[int]
-    ) -> tuple[list[int], list[TokenLogprobs | None]]:
-        """logits: (S, vocab) float32. Returns S token ids and S logprob records (or None)."""
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        num_sampled: list[int],
+        process: Callable[[torch.Tensor], dict[int, str]] | None = None,
+    ) -> tuple[list[int], list[TokenLogprobs | None], dict[int, str]]:
+        """logits: (S, vocab) float32, changed in place by `process` (the logits stage,
+        engine/executor/logits.py, which returns errors by row). Returns S token ids, S
+        logprob records (or None) and the errors by row. Logprobs are those of the model's
+        own distribution, before the logits stage (vLLM's default, `raw_logprobs`); the
+        token is chosen after it, greedy rows by the same stage as sampled ones."""
         if not params:
-            return [], []
+            return [], [], {}
+        wanted = [row for row, p in enumerate(params) if p.logprobs is not None]
+        log_probs = None
+        if wanted:
+            rows = torch.tensor(wanted, device=logits.device)
+            log_probs = torch.log_softmax(logits.index_select(0, rows).float(), dim=-1)
+        errors = process(logits) if process is not None else {}
         # greedy rows are done here; `max` finds the same first maximum as `argmax`, which
         # on a CPU runs 2.5x slower over a vocabulary-wide row (one lane per row)
         token_ids = logits.max(dim=-1).indices.tolist()
         for row, p in enumerate(params):
-            if not p.is_greedy and p.temperature >= MIN_TEMPERATURE:
+            if not p.is_greedy and p.temperature >= MIN_TEMPERATURE and row not in errors:
                 token_ids[row] = self._draw(logits[row], p, num_sampled[row])
         logprobs: list[TokenLogprobs | None] = [None] * len(params)
-        wanted = [row for row, p in enumerate(params) if p.logprobs is not None]
-        if wanted:
-            rows = torch.tensor(wanted, device=logits.device)
-            log_probs = torch.log_softmax(logits.index_select(0, rows).float(), dim=-1)
+        if log_probs is not None:
             ranked = top_logprobs(
                 log_probs, [token_ids[r] for r in wanted], [params[r].logprobs for r in wanted]
             )
             for row, entry in zip(wanted, ranked, strict=True):
                 logprobs[row] = entry
-        return token_ids, logprobs
+        return token_ids, logprobs, errors
 
     def _draw(self, logits: torch.Tensor, p: SamplingParams, num_sampled: int) -> int:
         scores = logits.float() / p.temperature
+        if p.min_p > 0.0:  # below min_p of the likeliest token's probability: out
+            probs = torch.softmax(scores, dim=-1)
+            scores = scores.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
         if p.top_k > 0 and p.top_k < scores.shape[-1]:
             kth = torch.topk(scores, p.top_k).values[-1]
             scores = scores.masked_fill(scores < kth, float("-inf"))

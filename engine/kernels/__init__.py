@@ -8,6 +8,8 @@
 - `paged_prefill` (paged_prefill.cpp) is the prefill chunks' attention, also read from the
   pool: flash attention with register-blocked products, where torch's CPU flash kernel
   reaches about a quarter of the GEMM rate (measured in bench/prefill_attention.py).
+- `apply_token_bitmask` (token_mask.cpp) sets the logits of tokens a structured output's
+  grammar forbids to -inf, straight from llguidance's bits (engine/executor/logits.py).
 - `dense_ops` (dense_ops.cpp) are the small operations around a layer's GEMMs, one pass
   each: RMSNorm, residual add + RMSNorm, rotary, SiLU-and-multiply (vLLM has the same as
   CPU ops). They round where the torch ops they replace round.
@@ -36,7 +38,12 @@ import torch
 logger = logging.getLogger("nanoflex.engine")
 
 HERE = Path(__file__).parent
-SOURCES = (HERE / "paged_decode.cpp", HERE / "paged_prefill.cpp", HERE / "dense_ops.cpp")
+SOURCES = (
+    HERE / "paged_decode.cpp",
+    HERE / "paged_prefill.cpp",
+    HERE / "dense_ops.cpp",
+    HERE / "token_mask.cpp",
+)
 HEADERS = (HERE / "vector_math.h",)
 CFLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-ffp-contract=off")
 """`-fopenmp` makes `at::parallel_for` run on torch's own OpenMP threads (the library
@@ -151,3 +158,16 @@ def dense_ops() -> DenseOps | None:
         return None
     ops = torch.ops.nanoflex
     return DenseOps(ops.rms_norm, ops.add_rms_norm, ops.rotary, ops.silu_mul)
+
+
+TokenMask = Callable[[torch.Tensor, torch.Tensor], None]
+"""(logits (rows, vocab) float32, bits (rows, ceil(vocab / 32)) int32) -> None: in place."""
+
+
+def token_mask() -> TokenMask | None:
+    """The built `torch.ops.nanoflex.apply_token_bitmask`, or None where the library cannot
+    be built."""
+    with _lock:
+        built = _build()
+    op: TokenMask | None = torch.ops.nanoflex.apply_token_bitmask if built else None
+    return op

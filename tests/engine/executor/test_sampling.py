@@ -43,7 +43,7 @@ def test_greedy_takes_the_first_of_tied_maxima():
     """Greedy rows pick what `argmax` picks, ties included (the first maximal id)."""
     logits = torch.tensor([[1.0, 5.0, 5.0, 0.0], [2.0, 2.0, 2.0, 2.0], [0.0, -1.0, 3.0, 3.0]])
     greedy = [SamplingParams(temperature=0.0)] * 3
-    token_ids, _ = Sampler(seed=0).sample(logits, greedy, [0, 0, 0])
+    token_ids, _, _ = Sampler(seed=0).sample(logits, greedy, [0, 0, 0])
     assert token_ids == logits.argmax(dim=-1).tolist() == [1, 0, 2]
 
 

@@ -1,0 +1,115 @@
+"""Structured outputs: what a request constrains its output to, as an llguidance grammar.
+
+The grammar engine is llguidance (PyPI `llguidance`): Rust, no dependencies, no torch, so
+the torch-free daemon can check a request's grammar before it is accepted, and the engine
+process builds each sequence's matcher from the same text (`engine/executor/grammar.py`).
+It compiles lazily (no per-schema precomputation over the vocabulary, which xgrammar does
+and caches), so a new schema costs its first tokens a little, not a compile step, and it
+bounds the work of each token (`LLParserLimits`). xgrammar, the other engine vLLM ships,
+needs torch and triton.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+
+from policy.errors import UserError
+
+KINDS = ("json", "json_object", "regex", "choice", "grammar")
+"""vLLM's `structured_outputs` fields; OpenAI's `response_format` maps onto the first two."""
+CHECK_SECONDS = 10.0
+"""The most a request's grammar may take to build and check before it is refused."""
+MAX_CHOICES = 1024
+
+
+class StructuredOutputError(UserError, ValueError):
+    """A grammar, schema, regex or choice list that cannot be used (the request's fault)."""
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutput:
+    """One request's constraint: `kind` (KINDS) and its text: a JSON schema as JSON (json),
+    nothing (json_object: any JSON object), a regex, a JSON list of strings (choice), or a
+    Lark grammar (grammar; GBNF, as llama.cpp writes it, is converted)."""
+
+    kind: str
+    value: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise StructuredOutputError(f"structured output kind must be one of {KINDS}")
+
+    @property
+    def grammar(self) -> str:
+        """llguidance's grammar text for this constraint (checked by `check`)."""
+        return _grammar(self)
+
+
+@functools.lru_cache(maxsize=1024)
+def _grammar(spec: StructuredOutput) -> str:
+    from llguidance import LLMatcher
+
+    if spec.kind == "json":
+        try:
+            return LLMatcher.grammar_from_json_schema(spec.value)
+        except ValueError as e:
+            raise StructuredOutputError(f"the JSON schema is not a JSON object: {e}") from e
+    if spec.kind == "json_object":
+        return LLMatcher.grammar_from_json_schema('{"type": "object"}')
+    if spec.kind == "regex":
+        return LLMatcher.grammar_from_regex(spec.value)
+    if spec.kind == "choice":
+        try:
+            choices = json.loads(spec.value)
+        except ValueError as e:
+            raise StructuredOutputError(f"choice is not a JSON list: {e}") from e
+        if (
+            not isinstance(choices, list)
+            or not choices
+            or len(choices) > MAX_CHOICES
+            or not all(isinstance(c, str) and c for c in choices)
+        ):
+            raise StructuredOutputError(
+                f"choice must be a list of 1 to {MAX_CHOICES} non-empty strings"
+            )
+        lark = "start: " + " | ".join(json.dumps(c) for c in dict.fromkeys(choices))
+        return LLMatcher.grammar_from_lark(lark)
+    text = spec.value
+    if "::=" in text:  # GBNF (llama.cpp, xgrammar): llguidance's own converter
+        from llguidance.gbnf_to_lark import gbnf_to_lark
+
+        try:
+            text = gbnf_to_lark(text)
+        except Exception as e:  # the converter raises plain exceptions on bad input
+            raise StructuredOutputError(f"the GBNF grammar cannot be read: {e}") from e
+    return LLMatcher.grammar_from_lark(text)
+
+
+@functools.cache
+def _pool() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(2, thread_name_prefix="nanoflex-grammar")
+
+
+@functools.lru_cache(maxsize=1024)
+def _validate(spec: StructuredOutput) -> str:
+    from llguidance import LLMatcher
+
+    return LLMatcher.validate_grammar(spec.grammar)
+
+
+def check(spec: StructuredOutput, timeout: float = CHECK_SECONDS) -> None:
+    """Build and check `spec`'s grammar off the caller's thread, cached by spec, within
+    `timeout` seconds; StructuredOutputError saying what is wrong (or too slow)."""
+    future = _pool().submit(_validate, spec)
+    try:
+        error = future.result(timeout)
+    except FutureTimeout as e:
+        raise StructuredOutputError(
+            f"the {spec.kind} constraint took over {timeout:g} s to build; simplify it"
+        ) from e
+    if error:
+        raise StructuredOutputError(f"invalid {spec.kind} constraint: {error.strip()}")
