@@ -251,6 +251,8 @@ class BatchRunner:
     def _fail(
         self, batch_id: str, code: str, message: str, problems: list[dict[str, Any]] | None = None
     ) -> None:
+        if self._status(batch_id) == "cancelling":  # the caller's cancel wins: it finalizes
+            return
         data = problems or [{"code": code, "message": message, "param": None, "line": None}]
         errors = {"object": "list", "data": data[:100]}
         self.store.update_batch(batch_id, status="failed", failed_at=now(), errors=errors)
