@@ -7,7 +7,7 @@ the same weights: the same accuracy, the same loglikelihoods within a stated tol
 lm-eval lives in its own virtualenv, never a dependency of nanoflex:
 
     python3 -m venv /opt/venvs/lmeval
-    /opt/venvs/lmeval/bin/pip install torch==2.13.0 "lm-eval[api]" transformers gguf
+    /opt/venvs/lmeval/bin/pip install torch==2.13.0 "lm-eval[api]" transformers gguf accelerate
 
 Two small local tasks (bench/lm_eval_tasks.py writes their data and YAML): a multiple-choice
 task scored by loglikelihood with 3 few-shot examples, whose questions share that few-shot
@@ -55,6 +55,8 @@ def run_lm_eval(lm_eval: str, model: str, args: str, tasks_dir: Path, out: Path)
         "--log_samples",
         "--batch_size",
         "1",
+        "--device",
+        "cpu",
     ]
     subprocess.run(argv, check=True)
     return out
@@ -103,13 +105,13 @@ def main() -> int:
         reference = run_lm_eval(
             args.lm_eval,
             "hf",
-            f"pretrained={model_dir},dtype=float32,device=cpu",
+            f"pretrained={model_dir},dtype=float32",
             tasks_dir,
             scratch / "hf",
         )
         ours, our_samples = read_run(served)
         theirs, their_samples = read_run(reference)
-    table = Table(["task", "metric", "nanoflex", "hf", "max |loglikelihood diff|"])
+    table = Table(["task", "metric", "nanoflex", "hf", "largest loglikelihood difference (nats)"])
     rows: list[dict[str, Any]] = []
     for task, metric in TASKS.items():
         key = f"{metric},none"

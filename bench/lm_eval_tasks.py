@@ -65,7 +65,7 @@ generation_kwargs:
 filter_list:
   - name: none
     filter:
-      - function: strip
+      - function: remove_whitespace
       - function: take_first
 metric_list:
   - metric: exact_match
