@@ -63,6 +63,9 @@ class Tokenizer:
         self.bos_token = _token_text(config.get("bos_token"))
         self.eos_token = _token_text(config.get("eos_token"))
         self.add_bos_token = bool(config.get("add_bos_token", False))
+        self.pad_token = _token_text(config.get("pad_token"))
+        self.unk_token = _token_text(config.get("unk_token"))
+        self.tokenizer_class = str(config.get("tokenizer_class") or "PreTrainedTokenizerFast")
         template = config.get("chat_template")
         template_file = model_dir / "chat_template.jinja"
         if template is None and template_file.is_file():
@@ -75,6 +78,18 @@ class Tokenizer:
         env.globals["raise_exception"] = _raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         self._template = env.from_string(template) if template else None
+
+    def info(self) -> dict[str, Any]:
+        """What vLLM's GET /tokenizer_info tells: the class, special tokens, template."""
+        return {
+            "tokenizer_class": self.tokenizer_class,
+            "bos_token": self.bos_token,
+            "eos_token": self.eos_token,
+            "pad_token": self.pad_token,
+            "unk_token": self.unk_token,
+            "add_bos_token": self.add_bos_token,
+            "chat_template": self.chat_template,
+        }
 
     @property
     def vocab_size(self) -> int:

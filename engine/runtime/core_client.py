@@ -34,7 +34,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from engine.core.engine_args import EngineArgs
 from engine.core.engine_core import EngineCore
-from engine.core.model_files import resolve_model_dir, served_model_name
+from engine.core.model_files import generation_defaults, resolve_model_dir, served_model_name
 from engine.core.outputs import SequenceDelta
 from engine.core.parent_request import ParentRequest
 from engine.core.protocol import StepPlan, StepResult
@@ -89,6 +89,7 @@ class CoreEngineClient(EngineClient):
         self._executor: ExecutorClient | None = None
         self._max_model_len = 0
         self._max_token_bytes = 0
+        self._generation_defaults: dict[str, float | int] = {}
         self._status = "waiting to start"
         self._commands: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._streams: dict[str, _Stream] = {}
@@ -138,6 +139,7 @@ class CoreEngineClient(EngineClient):
         tokenizer = Tokenizer(self.model_dir)
         self._max_model_len = args.context_len(self.model_dir)
         self._max_token_bytes = longest_token_bytes(self.model_dir)
+        self._generation_defaults = generation_defaults(self.model_dir)
         self._tokenizer = tokenizer  # last: requests are prepared once it is set
         kwargs = {"args": args, "model_dir": str(self.model_dir), "policy": self.policy}
         self._executor = (
@@ -231,6 +233,14 @@ class CoreEngineClient(EngineClient):
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
         return self._loaded().apply_chat_template(messages)
+
+    @property
+    def generation_defaults(self) -> dict[str, float | int]:
+        self._loaded()
+        return self._generation_defaults
+
+    def tokenizer_info(self) -> dict[str, Any]:
+        return {**self._loaded().info(), "model_max_length": self.max_model_len}
 
     # -- generation ------------------------------------------------------------------------
 

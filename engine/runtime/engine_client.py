@@ -18,6 +18,7 @@ from __future__ import annotations
 import abc
 from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.core.kv_pages import CacheStats
 from engine.core.outputs import SequenceDelta
@@ -128,6 +129,17 @@ class EngineClient(abc.ABC):
     @abc.abstractmethod
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
         """Token ids of a chat rendered with the tokenizer's template plus the generation prompt."""
+
+    @property
+    def generation_defaults(self) -> dict[str, float | int]:
+        """The model's sampling defaults (generation_config.json) by SamplingParams field:
+        what a request that leaves a field out gets. None by default."""
+        return {}
+
+    @abc.abstractmethod
+    def tokenizer_info(self) -> dict[str, Any]:
+        """The served tokenizer's special tokens, chat template and limits (vLLM's GET
+        /tokenizer_info), so a harness can use it instead of guessing a hub id."""
 
     # -- generation ------------------------------------------------------------------
     @abc.abstractmethod

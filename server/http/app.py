@@ -3,10 +3,11 @@
 Online completions and chat run at priority 0, Batch API work at priority 1.
 A client that disconnects has its engine requests aborted.
 
-The engine starts in the background once the app serves: /health answers at once, /ready
-answers 503 with what the engine is doing until it is loaded. An engine that cannot start,
-or that crashes past its restart limit, calls `on_fatal` with one line (`nanoflex serve`
-then exits non-zero); /ready shows that line, never a traceback.
+The engine starts in the background once the app serves: /health answers at once
+(liveness), /ready answers 503 with what the engine is doing until it is loaded, and a
+request that arrives meanwhile waits for it (`--ready-wait`, then 503 with Retry-After).
+An engine that cannot start, or that crashes past its restart limit, calls `on_fatal` with
+one line (`nanoflex serve` then exits non-zero); /ready shows that line, never a traceback.
 """
 
 from __future__ import annotations
@@ -166,6 +167,7 @@ def _prepare(serving: Serving, endpoint: str, raw: bytes) -> Prepared:
 async def _generate(request: Request, endpoint: str) -> Response:
     state = get_state(request)
     raw = await read_body(request)
+    await state.wait_ready()
     prep = await asyncio.to_thread(_prepare, state.serving, endpoint, raw)
     if not state.engine.is_ready():
         raise engine_unavailable()
@@ -209,13 +211,21 @@ def _add_online_routes(app: FastAPI) -> None:
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
-        serving, body = get_state(request).serving, decode_json(await read_body(request))
-        return json_response(await asyncio.to_thread(serving.tokenize, body))
+        state, body = get_state(request), decode_json(await read_body(request))
+        await state.wait_ready()
+        return json_response(await asyncio.to_thread(state.serving.tokenize, body))
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:
-        serving, body = get_state(request).serving, decode_json(await read_body(request))
-        return json_response(await asyncio.to_thread(serving.detokenize, body))
+        state, body = get_state(request), decode_json(await read_body(request))
+        await state.wait_ready()
+        return json_response(await asyncio.to_thread(state.serving.detokenize, body))
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info(request: Request) -> Response:
+        state = get_state(request)
+        await state.wait_ready()
+        return json_response(state.serving.tokenizer_info())
 
     @app.get("/v1/models")
     async def list_models(request: Request) -> Response:

@@ -83,6 +83,7 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("post", "/v1/batches/{batch_id}/cancel"): Operation(objects.Batch, errors=(404, 507)),
     ("post", "/tokenize"): Operation(responses.Tokenized, TokenizeRequest, (404, 415, 503)),
     ("post", "/detokenize"): Operation(responses.Detokenized, DetokenizeRequest, (404, 415, 503)),
+    ("get", "/tokenizer_info"): Operation(responses.TokenizerInfo, errors=(503,)),
     ("get", "/health"): Operation(responses.Health, public=True),
     ("get", "/ready"): Operation(responses.Ready, errors=(503,), public=True),
     ("get", "/metrics"): Operation("text/plain"),

@@ -99,6 +99,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(default: %(default)s)",
     )
     parser.add_argument(
+        "--ready-wait",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="a request that arrives while the model loads or the engine restarts waits this "
+        "long for it, then gets 503 with Retry-After (0: at once) (default: %(default)s)",
+    )
+    parser.add_argument(
         "--allowed-hosts",
         default=None,
         help="comma-separated Host names accepted besides IP addresses and localhost ('*': any)"

@@ -41,6 +41,9 @@ class ServerSettings:
     """Batch requests handed to the engine at once (all batches together)."""
     storage_retry_s: float = 2.0
     """How often a batch paused on a full (or read-only) data directory tries again."""
+    ready_wait_s: float = 60.0
+    """A request that arrives while the engine is not ready (loading, restarting) waits at
+    most this long for it, then is answered 503 with Retry-After."""
     body_timeout_s: float = 30.0
     """A request body that stops arriving for this long is answered 408 and closed."""
     keep_alive_s: int = 5
@@ -62,6 +65,8 @@ class ServerSettings:
             raise UserError(f"max_seqs_per_request must be >= 1, got {self.max_seqs_per_request}")
         if self.batch_concurrency < 1:
             raise UserError(f"batch_concurrency must be >= 1, got {self.batch_concurrency}")
+        if self.ready_wait_s < 0:
+            raise UserError(f"--ready-wait must be >= 0, got {self.ready_wait_s}")
         if self.api_key is not None and not self.api_key:
             raise UserError("--api-key must not be empty; omit it to disable authentication")
 
@@ -86,6 +91,7 @@ class ServerSettings:
             data_dir=Path(args.data_dir),
             api_key=api_key_from(args.api_key, args.api_key_file, environ),
             max_queue=args.max_queue,
+            ready_wait_s=getattr(args, "ready_wait", 60.0),
             bind_host=args.host,
             allowed_hosts=_names(args.allowed_hosts),
             allowed_origins=_names(args.allowed_origins),

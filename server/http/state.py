@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
 from dataclasses import dataclass, field
 
 from fastapi import Request
@@ -11,7 +13,7 @@ from server.batch.files import FileStorage
 from server.batch.runner import BatchRunner
 from server.batch.store import Store
 from server.http.settings import ServerSettings
-from server.openai.errors import invalid_request, queue_full
+from server.openai.errors import engine_unavailable, invalid_request, queue_full
 from server.openai.metrics import Metrics
 from server.openai.serving import Serving
 
@@ -30,6 +32,16 @@ class AppState:
     settings.max_queue."""
     engine_error: str | None = field(default=None)
     """Why the engine failed to start, shown by GET /ready."""
+
+    async def wait_ready(self, poll_s: float = 0.05) -> None:
+        """Return once the engine is ready; while it loads or restarts, wait up to
+        `settings.ready_wait_s`, then raise 503 (with Retry-After). At once when it has
+        failed for good."""
+        deadline = time.monotonic() + self.settings.ready_wait_s
+        while not self.engine.is_ready():
+            if self.engine_error is not None or time.monotonic() >= deadline:
+                raise engine_unavailable()
+            await asyncio.sleep(poll_s)
 
     def admit(self, num_seqs: int) -> None:
         """Take `num_seqs` online slots, or refuse: 429 with Retry-After while the queue is

@@ -20,6 +20,19 @@ def _entry(token_id: int, entry: Any) -> tuple[float, list[tuple[int, float]]]:
     return chosen, top
 
 
+def _keyed(name: Decode, top: list[tuple[int, float]]) -> dict[str, float]:
+    """A completions `top_logprobs` entry: each alternative under its text, best first; one
+    whose text an alternative ranked above it already has (two pieces of one character,
+    say) under "token_id:<id>" (vLLM's spelling), so that no alternative is lost."""
+    keyed: dict[str, float] = {}
+    for token_id, logprob in top:
+        key = name([token_id])
+        if key in keyed:
+            key = f"token_id:{token_id}"
+        keyed[key] = logprob
+    return keyed
+
+
 def completion_logprobs(
     decode: Decode,
     token_ids: Sequence[int],
@@ -53,7 +66,7 @@ def completion_logprobs(
             return
         chosen, top = _entry(token_id, entry)
         token_logprobs.append(chosen)
-        top_logprobs.append({name([t]): lp for t, lp in top[:num_top]})
+        top_logprobs.append(_keyed(name, top[:num_top]))
 
     known = list(prompt_entries or [])
     for position, token_id in enumerate(prompt_ids):

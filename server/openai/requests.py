@@ -6,11 +6,13 @@ accepted-but-unsupported fields must hold their neutral value.
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
-from engine.core.sampling_params import MAX_LOGPROBS, SamplingParams
+from engine.core.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
+from engine.core.structured import StructuredOutput
 from server.openai.errors import APIError, invalid_request
 
 MAX_N = 16
@@ -18,7 +20,12 @@ MAX_STOP = 64
 """Stop strings a request may give. OpenAI takes 4; vLLM has no cap, and evaluation
 harnesses send every `until` string of a task plus the EOS text."""
 MAX_STOP_TOKEN_IDS = 64
+MAX_LOGIT_BIAS_ENTRIES = 1024
+"""Tokens one request may bias (OpenAI's cap is 300; vLLM has none)."""
+MAX_BAD_WORDS = 256
+MAX_ALLOWED_TOKEN_IDS = 1 << 20
 INT64 = 2**63
+TokenId = Annotated[int, Field(ge=0, lt=INT64)]
 
 
 class _Strict(BaseModel):
@@ -27,6 +34,35 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+
+
+class JsonSchema(BaseModel):
+    """`response_format.json_schema`: OpenAI's named schema."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
+    name: str = Field(default="response", max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+    """Accepted either way: the output always follows the schema (llguidance's JSON
+    grammar), as vLLM does."""
+
+
+class ResponseFormat(_Strict):
+    """OpenAI's `response_format`: text, any JSON object, or JSON following a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchema | None = None
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's `structured_outputs`: exactly one of these constrains the output."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 class _Sampling(_Strict):
@@ -41,14 +77,22 @@ class _Sampling(_Strict):
     stop: str | list[str] | None = None
     seed: int | None = Field(default=None, ge=-INT64, lt=INT64)
     user: str | None = None
-    presence_penalty: float | None = Field(default=None, ge=0.0, le=0.0)
-    frequency_penalty: float | None = Field(default=None, ge=0.0, le=0.0)
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = Field(default=None, max_length=MAX_LOGIT_BIAS_ENTRIES)
+    response_format: ResponseFormat | None = None
     # vLLM-style extensions
     top_k: int | None = Field(default=None, ge=-1, lt=INT64)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=100.0)
+    min_tokens: int = Field(default=0, ge=0, lt=INT64)
     ignore_eos: bool = False
-    stop_token_ids: list[Annotated[int, Field(ge=0, lt=INT64)]] | None = Field(
-        default=None, max_length=MAX_STOP_TOKEN_IDS
+    stop_token_ids: list[TokenId] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
+    bad_words: list[str] | None = Field(default=None, max_length=MAX_BAD_WORDS)
+    allowed_token_ids: list[TokenId] | None = Field(
+        default=None, min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS
     )
+    structured_outputs: StructuredOutputs | None = None
     return_tokens_as_token_ids: bool = False
     """vLLM's: logprobs name each token "token_id:<id>" instead of its text, so that two
     tokens with the same text (pieces of one character, say) stay apart in `top_logprobs`."""
@@ -68,35 +112,118 @@ class _Sampling(_Strict):
             )
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    def logit_biases(self) -> dict[int, float]:
+        """`logit_bias` by token id (OpenAI's keys are token ids written as strings)."""
+        biases: dict[int, float] = {}
+        for key, bias in (self.logit_bias or {}).items():
+            if not key.isdigit() or int(key) >= INT64:
+                raise invalid_request(
+                    f"logit_bias keys must be token ids, got {key!r}", param="logit_bias"
+                )
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise invalid_request(
+                    f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
+                    f"got {bias} for token {key}",
+                    param="logit_bias",
+                )
+            biases[int(key)] = bias
+        return biases
+
+    def structured(self) -> tuple[StructuredOutput | None, str]:
+        """The output constraint and the field that asked for it (`response_format` or
+        `structured_outputs`), which a 400 about it names."""
+        fmt, spec = self.response_format, self.structured_outputs
+        if fmt is not None and fmt.type != "text" and spec is not None:
+            raise invalid_request(
+                "give response_format or structured_outputs, not both",
+                param="structured_outputs",
+            )
+        if spec is not None:
+            return _structured_outputs(spec), "structured_outputs"
+        if fmt is None or fmt.type == "text":
+            return None, "response_format"
+        if fmt.type == "json_object":
+            return StructuredOutput("json_object"), "response_format"
+        if fmt.json_schema is None:
+            raise invalid_request(
+                "response_format of type json_schema needs its json_schema",
+                param="response_format",
+            )
+        schema = json.dumps(fmt.json_schema.schema_)
+        return StructuredOutput("json", schema), "response_format"
+
     def sampling_params(
-        self, max_tokens: int, logprobs: int | None, echo: bool = False
+        self,
+        max_tokens: int,
+        logprobs: int | None,
+        echo: bool = False,
+        defaults: dict[str, float | int] | None = None,
     ) -> SamplingParams:
-        """One prompt's settings: its n choices are fanned out by the engine client."""
+        """One prompt's settings: its n choices are fanned out by the engine client. A field
+        the request leaves out takes `defaults` (the model's generation_config.json), then
+        the neutral value."""
+        model = defaults or {}
+
+        def pick(name: str, neutral: float) -> Any:
+            value = getattr(self, name)
+            return value if value is not None else model.get(name, neutral)
+
+        structured, _ = self.structured()
         return SamplingParams(
             n=self.n,
             max_tokens=max_tokens,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=self.top_k or 0,
+            temperature=pick("temperature", 1.0),
+            top_p=pick("top_p", 1.0),
+            top_k=pick("top_k", 0),
+            min_p=pick("min_p", 0.0),
             seed=self.seed,
             stop=self.stop_strings(),
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
+            min_tokens=self.min_tokens,
+            presence_penalty=pick("presence_penalty", 0.0),
+            frequency_penalty=pick("frequency_penalty", 0.0),
+            repetition_penalty=pick("repetition_penalty", 1.0),
+            logit_bias=self.logit_biases(),
+            allowed_token_ids=(
+                None if self.allowed_token_ids is None else tuple(self.allowed_token_ids)
+            ),
+            bad_words=tuple(self.bad_words or ()),
+            structured=structured,
             logprobs=logprobs,
             echo=echo,  # with logprobs, the engine scores the prompt too
         )
+
+
+def _structured_outputs(spec: StructuredOutputs) -> StructuredOutput:
+    given = spec.model_dump(exclude_none=True, by_alias=True)
+    if given.get("json_object") is False:
+        del given["json_object"]
+    if len(given) != 1:
+        raise invalid_request(
+            "structured_outputs takes exactly one of json, regex, choice, grammar, json_object",
+            param="structured_outputs",
+        )
+    kind, value = next(iter(given.items()))
+    if kind == "json_object":
+        return StructuredOutput("json_object")
+    if kind == "choice":
+        return StructuredOutput("choice", json.dumps(value))
+    if kind == "json" and not isinstance(value, str):
+        value = json.dumps(value)
+    return StructuredOutput(kind, value)
 
 
 class CompletionRequest(_Sampling):
     """POST /v1/completions."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(default=16, ge=1)
+    max_tokens: int | None = Field(default=16, ge=0)
+    """0 only with `echo`: the prompt's logprobs, nothing generated (vLLM's)."""
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     best_of: int | None = Field(default=None, ge=1)
     suffix: None = None
-    logit_bias: dict[str, float] | None = Field(default=None, max_length=0)
 
 
 class TextPart(BaseModel):
@@ -125,21 +252,11 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    response_format: dict[str, Any] | None = None
-    logit_bias: dict[str, float] | None = Field(default=None, max_length=0)
 
     def num_logprobs(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
             raise invalid_request("top_logprobs requires logprobs to be true", param="top_logprobs")
         return (self.top_logprobs or 0) if self.logprobs else None
-
-    def check_supported(self) -> None:
-        fmt = (self.response_format or {}).get("type", "text")
-        if fmt != "text":
-            raise invalid_request(
-                f"response_format type {fmt!r} is not supported; use 'text'",
-                param="response_format",
-            )
 
 
 class BatchCreateRequest(_Strict):

@@ -146,6 +146,22 @@ class Tokenized(BaseModel):
     token_strs: None = None
 
 
+class TokenizerInfo(BaseModel):
+    """GET /tokenizer_info's answer (vLLM's shape): what a client needs to tokenize and
+    render chats as the server does."""
+
+    tokenizer_class: str
+    bos_token: str | None
+    eos_token: str | None
+    pad_token: str | None
+    unk_token: str | None
+    add_bos_token: bool
+    """Whether a completion prompt's text gets the BOS token."""
+    chat_template: str | None
+    model_max_length: int
+    """The served context window in tokens."""
+
+
 class Detokenized(BaseModel):
     """POST /detokenize's answer (vLLM's shape)."""
 

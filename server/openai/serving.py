@@ -25,6 +25,7 @@ from typing import Any
 
 from engine.core.outputs import ChoiceAccumulator, SequenceDelta
 from engine.core.sampling_params import SamplingError, SamplingParams
+from engine.core.structured import StructuredOutputError
 from engine.runtime.engine_client import EngineClient, EngineDeadError
 from policy.errors import UserError
 from server.openai.errors import APIError, engine_unavailable, invalid_request, not_found
@@ -46,6 +47,7 @@ from server.openai.responses import (
     CompletionChoice,
     Detokenized,
     Tokenized,
+    TokenizerInfo,
     new_id,
     now,
     usage,
@@ -130,7 +132,6 @@ class Serving:
         req: CompletionRequest | ChatCompletionRequest
         if endpoint == CHAT:
             req = parse_body(ChatCompletionRequest, body)
-            req.check_supported()
             self._check_model(req.model)
             self._check_num_seqs(1, req.n)
             prompts = [self._chat_ids(req.messages)]
@@ -144,10 +145,7 @@ class Serving:
             self._check_model(req.model)
             prompts = self._completion_prompts(req.prompt, req.n)
             max_tokens, num_logprobs, echo = req.max_tokens, req.logprobs, req.echo
-        params = [
-            req.sampling_params(self._max_tokens(p, max_tokens), num_logprobs, echo)
-            for p in prompts
-        ]
+        params = self._sampling_params(req, prompts, max_tokens, num_logprobs, echo)
         return Prepared(
             is_chat=endpoint == CHAT,
             request_id=new_id("chatcmpl-" if endpoint == CHAT else "cmpl-"),
@@ -162,6 +160,38 @@ class Serving:
             include_usage=req.include_usage(),
             tokens_as_ids=req.return_tokens_as_token_ids,
         )
+
+    def _sampling_params(
+        self,
+        req: CompletionRequest | ChatCompletionRequest,
+        prompts: list[list[int]],
+        max_tokens: int | None,
+        num_logprobs: int | None,
+        echo: bool,
+    ) -> list[SamplingParams]:
+        """Each prompt's settings, ready for the engine: the model's generation_config
+        defaults where the request is silent, bad words tokenized, token ids checked, a
+        structured output's grammar built and checked (cached by spec, time-limited)."""
+        if max_tokens == 0 and not (echo and num_logprobs is not None):
+            raise invalid_request(
+                "max_tokens may be 0 only with echo and logprobs (the prompt's logprobs)",
+                param="max_tokens",
+            )
+        defaults = self.engine.generation_defaults
+        _, structured_param = req.structured()
+        out = []
+        for prompt in prompts:
+            limit = self._max_tokens(prompt, max_tokens, defaults.get("max_tokens"))
+            params = req.sampling_params(limit, num_logprobs, echo, defaults)
+            try:
+                out.append(params.prepared(self._encode_plain, self.engine.vocab_size))
+            except StructuredOutputError as e:
+                raise invalid_request(str(e), param=structured_param) from e
+        return out
+
+    def _encode_plain(self, text: str) -> list[int]:
+        """Token ids without the model's special tokens (bad words)."""
+        return self.engine.encode(text, add_special_tokens=False)
 
     # -- the served tokenizer (vLLM's /tokenize and /detokenize) ----------------------
     def tokenize(self, body: Any) -> Tokenized:
@@ -180,6 +210,14 @@ class Serving:
                 self._check_text_bytes([req.prompt], "prompt")
                 ids = self.engine.encode(req.prompt, req.add_special_tokens)
             return Tokenized(count=len(ids), max_model_len=self.engine.max_model_len, tokens=ids)
+        except EngineDeadError as e:
+            raise engine_unavailable() from e
+
+    def tokenizer_info(self) -> TokenizerInfo:
+        """The served tokenizer's special tokens and chat template (vLLM's GET
+        /tokenizer_info: lm-eval's remote tokenizer reads it)."""
+        try:
+            return TokenizerInfo(**self.engine.tokenizer_info())
         except EngineDeadError as e:
             raise engine_unavailable() from e
 
@@ -291,10 +329,18 @@ class Serving:
                 code="context_length_exceeded",
             )
 
-    def _max_tokens(self, prompt: list[int], max_tokens: int | None) -> int:
+    def _max_tokens(
+        self, prompt: list[int], max_tokens: int | None, default: float | int | None = None
+    ) -> int:
+        """The request's max_tokens, checked against the context; when it gives none, the
+        rest of the context, capped by the model's `max_new_tokens` if it has one."""
         limit = self.engine.max_model_len
         if max_tokens is None:
             max_tokens = limit - len(prompt)
+            if default is not None:
+                max_tokens = max(1, min(max_tokens, int(default)))
+        if max_tokens == 0:  # echo only (checked by the caller)
+            return 0
         if len(prompt) + max_tokens > limit or max_tokens < 1:
             raise invalid_request(
                 f"This model's maximum context length is {limit} tokens; the request needs "
@@ -385,12 +431,14 @@ class Serving:
                     async for delta in deltas:
                         choice = choices[delta.index]
                         choice.add(delta)
+                        _check_failed(delta)
                         yield choice, delta
                 return
             async with aclosing(self._merged(prep, priority)) as merged:
                 async for prompt_index, delta in merged:
                     choice = choices[prompt_index * prep.n + delta.index]
                     choice.add(delta)
+                    _check_failed(delta)
                     yield choice, delta
         except Exception as e:
             raise _translate(e) from e
@@ -471,6 +519,16 @@ class Serving:
             text=prefix + choice.text,
             logprobs=completion_lp,
             finish_reason=choice.finish_reason,  # type: ignore[arg-type]
+        )
+
+
+def _check_failed(delta: SequenceDelta) -> None:
+    """A choice whose sampling failed inside a step (finish_reason 'error': a grammar the
+    matcher could not follow, say) fails its request with a 400; the engine and the other
+    requests go on. The request's other choices are aborted."""
+    if delta.finish_reason == "error":
+        raise invalid_request(
+            f"generation failed: {delta.error or 'sampling error'}", code="sampling_failed"
         )
 
 

@@ -48,7 +48,7 @@ def scratch(tmp_path: Path) -> Path:
     docs/api.md as `requests.jsonl` (README's run-batch example names it)."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     (tmp_path / ".venv").symlink_to(VENV)
-    (line,) = [code for _, lang, code in blocks(ROOT / "docs" / "api.md") if lang == "jsonl"]
+    line = next(code for _, lang, code in blocks(ROOT / "docs" / "api.md") if lang == "jsonl")
     (tmp_path / "requests.jsonl").write_text(line)
     return tmp_path
 
@@ -96,5 +96,7 @@ def test_long_examples_run_as_written(block: str, tmp_path: Path) -> None:
 
 
 def test_the_batch_input_of_the_docs_is_one_request() -> None:
-    (line,) = [code for _, lang, code in blocks(ROOT / "docs" / "api.md") if lang == "jsonl"]
+    """The first Batch API file of docs/api.md (the one the README's run-batch reads) is one
+    chat request; the others are its structured-output example."""
+    line = next(code for _, lang, code in blocks(ROOT / "docs" / "api.md") if lang == "jsonl")
     assert json.loads(line)["url"] == "/v1/chat/completions"

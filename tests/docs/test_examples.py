@@ -14,11 +14,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import jsonschema
 import pytest
 
 from engine.runtime.core_client import build_engine_client
 from server.http.settings import ServerSettings
 from tests.docs.doc_examples import classify, examples, rule
+from tests.server.batch_files import read_lines, wait_batch
 from tests.server.live import LiveServer, engine_args, start_server
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -117,7 +119,7 @@ def test_readme_first_examples_answer(live: LiveServer, tmp_path: Path) -> None:
 def test_api_doc_examples_run(live: LiveServer, tmp_path: Path) -> None:
     session = Session(live, tmp_path)
     found = blocks(ROOT / "docs" / "api.md")
-    (line,) = [code for lang, code in found if lang == "jsonl"]
+    line, *structured = [code for lang, code in found if lang == "jsonl"]
     request = json.loads(line)
     lines = [json.dumps({**request, "custom_id": f"q{i}"}) for i in range(NUM_BATCH_LINES)]
     (tmp_path / "requests.jsonl").write_text("\n".join(lines) + "\n")
@@ -145,7 +147,31 @@ def test_api_doc_examples_run(live: LiveServer, tmp_path: Path) -> None:
     assert all(json.loads(r)["response"]["status_code"] == 200 for r in results)
     other = getattr(session.namespace["other"], "id", "")
     with httpx.Client(base_url=live.base_url) as http:
-        assert http.get(f"/v1/batches/{other}").json()["status"] in ("cancelling", "cancelled")
+        got = http.get(f"/v1/batches/{other}").json()
+        assert got["status"] in ("cancelling", "cancelled"), got
+    assert structured, "api.md shows a Batch API file of structured-output lines"
+    for block in structured:
+        run_structured_batch(live, tmp_path, block)
+
+
+def run_structured_batch(live: LiveServer, tmp_path: Path, block: str) -> None:
+    """A doc's Batch API file whose lines ask for JSON: every line answers 200 and its
+    content validates against the line's schema."""
+    lines = [json.loads(raw) for raw in block.splitlines() if raw.strip()]
+    (tmp_path / "structured.jsonl").write_text(block)
+    client = live.openai()
+    with (tmp_path / "structured.jsonl").open("rb") as f:
+        file_id = client.files.create(file=f, purpose="batch").id
+    batch = client.batches.create(
+        input_file_id=file_id, endpoint=lines[0]["url"], completion_window="24h"
+    )
+    batch = wait_batch(client, batch.id, timeout_s=300)
+    assert batch.status == "completed" and batch.error_file_id is None, batch
+    outputs = {o["custom_id"]: o for o in read_lines(client, batch.output_file_id)}
+    for line in lines:
+        body = outputs[line["custom_id"]]["response"]["body"]
+        schema = line["body"]["response_format"]["json_schema"]["schema"]
+        jsonschema.validate(json.loads(body["choices"][0]["message"]["content"]), schema)
 
 
 def test_other_docs_http_examples_run(live: LiveServer, tmp_path: Path) -> None:

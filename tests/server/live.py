@@ -128,7 +128,7 @@ class Reference:
     ) -> list[CompletionOutput]:
         """Greedy outputs for token-id prompts (strings are encoded as the daemon does)."""
         ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
-        key = (tuple(map(tuple, ids)), max_tokens, tuple(sorted(params.items())))
+        key = (tuple(map(tuple, ids)), max_tokens, repr(sorted(params.items())))
         if key not in self._cache:
             sampling = SamplingParams(max_tokens=max_tokens, temperature=0, **params)
             outputs = self.llm.generate(ids, sampling)

@@ -50,7 +50,7 @@ def test_malformed_json_and_non_object(client: httpx.Client) -> None:
         ({"n": 0}, "n"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"logprobs": 21}, "logprobs"),
-        ({"presence_penalty": 1.0}, "presence_penalty"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
         ({"stop": [f"s{i}" for i in range(65)]}, "stop"),
         ({"stop": [""]}, "stop"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),

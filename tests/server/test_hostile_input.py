@@ -251,6 +251,7 @@ def test_openapi_schema_describes_the_real_api(live: LiveServer, client: httpx.C
         ("post", "/v1/batches/{batch_id}/cancel"),
         ("post", "/tokenize"),
         ("post", "/detokenize"),
+        ("get", "/tokenizer_info"),
         ("get", "/health"),
         ("get", "/ready"),
         ("get", "/metrics"),

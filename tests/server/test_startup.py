@@ -80,7 +80,8 @@ def test_health_answers_and_ready_says_what_loads_before_the_engine_is_ready(
     tmp_path: Path,
 ) -> None:
     port = free_port()
-    daemon = serve(tmp_path, DEMO_MODEL, "--port", str(port))  # the positional MODEL
+    # the positional MODEL; --ready-wait 0: a request sent while it loads is refused at once
+    daemon = serve(tmp_path, DEMO_MODEL, "--port", str(port), "--ready-wait", "0")
     url = f"http://127.0.0.1:{port}"
     details: list[str] = []
     try:
@@ -105,6 +106,8 @@ def test_health_answers_and_ready_says_what_loads_before_the_engine_is_ready(
                 f"{url}/v1/completions", json={"model": DEMO_MODEL, "prompt": "Hi"}, timeout=30
             )
             assert refused.status_code in (503, 200)  # 200 only if it became ready meanwhile
+            if refused.status_code == 503:
+                assert refused.headers["Retry-After"] == "1"
             time.sleep(0.02)
         assert any("loading" in d for d in details), details
         answer = httpx.post(
