@@ -94,6 +94,7 @@ TINY_CONFIGS: dict[str, dict[str, object]] = {
         sliding_window=12,
         max_window_layers=1,
         tie_word_embeddings=False,
+        initializer_range=0.2,
     ),
     # Qwen 3 as the small checkpoints ship: tied head, no window
     "qwen3-tied": dict(
@@ -107,6 +108,7 @@ TINY_CONFIGS: dict[str, dict[str, object]] = {
         head_dim=16,
         max_position_embeddings=256,
         tie_word_embeddings=True,
+        initializer_range=0.2,
     ),
     # Gemma 2: local and global layers alternating, score soft-capping (biting: q and k are
     # scaled up, SCALED_WEIGHTS), query_pre_attn_scalar != head_dim, final soft-capping
@@ -163,6 +165,7 @@ TINY_CONFIGS: dict[str, dict[str, object]] = {
             rope_type="longrope",
             short_factor=[1.0, 1.5, 2.0, 3.0, 4.0, 6.0],
             long_factor=[2.0, 3.0, 5.0, 8.0, 12.0, 16.0],
+            initializer_range=0.2,
         ),
         sliding_window=20,
         tie_word_embeddings=True,
@@ -197,13 +200,19 @@ TINY_CONFIGS: dict[str, dict[str, object]] = {
         num_key_value_heads=2,
         max_position_embeddings=256,
         tie_word_embeddings=False,
+        initializer_range=0.2,
     ),
 }
 NEW_FAMILIES = ("qwen3", "qwen3-tied", "gemma2", "gemma3", "phi3", "olmo2")
 """The tiny checkpoints of the families issue 27 added (phi3-long has tests of its own)."""
-SCALED_WEIGHTS: dict[str, dict[str, float]] = {"gemma2": {"q_proj": 12.0, "k_proj": 12.0}}
-"""kind -> {module name part: factor}: weights scaled up after init, so that attention scores
-are large enough for soft-capping to change them."""
+SCALED_WEIGHTS: dict[str, dict[str, float]] = {
+    "gemma2": {"q_proj": 12.0, "k_proj": 12.0},
+    "phi3": {"_proj": 10.0},
+}
+"""kind -> {name part: factor}: weights scaled up after init: Gemma 2's q and k, so that
+attention scores are large enough for soft-capping to change them; Phi-3's projections, so
+that the layers outweigh the tied embedding (a tied head with transformers' init otherwise
+echoes the last token, whatever attention does; the others get `initializer_range`)."""
 PROMPT_LENS: dict[str, tuple[int, int]] = {"phi3-long": (2, 32)}
 """kind -> (shortest, longest) reference prompt, where not (2, 40): LongRoPE's prompts stay at
 or under original_max_position_embeddings, where transformers' choice of factors per forward
