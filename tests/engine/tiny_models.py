@@ -226,20 +226,32 @@ in transformers' own forward with a cache as in nanoflex."""
 
 
 def build_tiny(kind: str, path: Path, seed: int = 0) -> Path:
+    return build_from_spec(TINY_CONFIGS[kind], path, seed, SCALED_WEIGHTS.get(kind, {}))
+
+
+def build_from_spec(
+    spec: dict[str, object],
+    path: Path,
+    seed: int = 0,
+    scaled: dict[str, float] | None = None,
+    **ids: int | None,
+) -> Path:
+    """A random checkpoint of transformers' config `spec` (with its model_type) saved at
+    `path`; `scaled`: {name part: factor} for weights to scale up after init; `ids`: bos, eos
+    and pad token ids (default 1, 2, 0)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    spec = dict(TINY_CONFIGS[kind])
-    model_type = spec.pop("model_type")
-    config = AutoConfig.for_model(
-        model_type, bos_token_id=1, eos_token_id=2, pad_token_id=0, **spec
-    )
+    spec = dict(spec)
+    model_type = str(spec.pop("model_type"))
+    ids = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, **ids}
+    config = AutoConfig.for_model(model_type, **ids, **spec)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # HF initializes biases and norms to constants; make them matter
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
-            for part, factor in SCALED_WEIGHTS.get(kind, {}).items():
+            for part, factor in (scaled or {}).items():
                 if part in name:
                     p.mul_(factor)
     model.save_pretrained(path)
