@@ -78,6 +78,20 @@ TINY_CONFIGS: dict[str, dict[str, object]] = {
         sliding_window=24,
         tie_word_embeddings=False,
     ),
+    # Mistral with an explicit head_dim (24, not hidden / heads: Mistral Nemo's kind)
+    "mistral-head-dim": dict(
+        model_type="mistral",
+        vocab_size=250,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=24,
+        max_position_embeddings=256,
+        sliding_window=16,
+        tie_word_embeddings=False,
+    ),
     # Qwen 3: q/k norms per head, head_dim 32 (not hidden / heads), the last two of three
     # layers with a sliding window, untied head
     "qwen3": dict(
