@@ -17,6 +17,7 @@ SUPPORTED_MODEL_TYPES = (
     "qwen3",
     "gemma2",
     "gemma3_text",
+    "gemma3",
     "phi3",
     "olmo2",
 )
@@ -32,7 +33,8 @@ class ModelConfig:
     """Architecture facts the layer-wise implementation needs; nothing else."""
 
     model_type: str
-    """'opt' or a Llama-family type (`SUPPORTED_MODEL_TYPES`)."""
+    """'opt' or a Llama-family type (`SUPPORTED_MODEL_TYPES`; a Gemma 3 checkpoint with a vision
+    tower is read as its language model, 'gemma3_text')."""
     vocab_size: int
     hidden_size: int
     intermediate_size: int

@@ -29,6 +29,15 @@ LOCAL_NAMES = {
     "post_feedforward_layernorm": "ln_post_mlp",
 }
 """Gemma's post_attention_layernorm follows attention (Llama's precedes the MLP: ln2)."""
+TEXT_PREFIXES = ("model.language_model.", "language_model.model.", "language_model.")
+"""Where a Gemma 3 checkpoint with a vision tower keeps its language model (transformers 5's
+names, then the hub's original ones, whose head is `language_model.lm_head`)."""
+VISION_PREFIXES = (
+    "vision_tower.",
+    "multi_modal_projector.",
+    "model.vision_tower.",
+    "model.multi_modal_projector.",
+)
 
 
 def gemma_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -49,6 +58,14 @@ def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
 
 class GemmaModel(LlamaModel):
     LOCAL_NAMES: ClassVar[dict[str, str]] = LOCAL_NAMES
+
+    def map_name(self, hf_name: str) -> tuple[int, str] | None:
+        """Llama's names, also under a vision checkpoint's language-model prefix; the vision
+        tower and its projector are not read."""
+        if hf_name.startswith(VISION_PREFIXES):
+            return None
+        prefix = next((p for p in TEXT_PREFIXES if hf_name.startswith(p)), "")
+        return super().map_name(hf_name.removeprefix(prefix))
 
     def _norm(self, x: torch.Tensor, w: Weights, name: str) -> torch.Tensor:
         return gemma_norm(x, w[f"{name}.weight"], self.config.norm_eps)

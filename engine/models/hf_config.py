@@ -112,9 +112,23 @@ def model_config_fields(hf: Any) -> dict[str, Any]:
             f"model type {model_type!r} is not supported; nanoflex runs "
             f"{', '.join(SUPPORTED_MODEL_TYPES)} checkpoints"
         )
+    if model_type == "gemma3":  # Gemma 3 4B and up: one checkpoint with a vision tower
+        hf = _text_config(hf)
+        model_type = hf.model_type
     honoured, read = _FAMILIES[model_type]
     refuse_unhonoured(hf, honoured)
     return read(hf)
+
+
+def _text_config(hf: Any) -> Any:
+    """The language model's config of a Gemma 3 checkpoint with a vision tower: nanoflex runs
+    its text (the image tokens are ordinary vocabulary it never sees in a text prompt)."""
+    text = getattr(hf, "text_config", None)
+    if text is None or getattr(text, "model_type", None) != "gemma3_text":
+        raise UnsupportedModelError(
+            "a gemma3 config without a Gemma 3 text_config is not supported"
+        )
+    return text
 
 
 def refuse_unhonoured(hf: Any, honoured: frozenset[str]) -> None:

@@ -10,11 +10,11 @@ from tests.engine.tiny_models import (
     MAX_TOKENS,
     PROMPT_LENS,
     STEPWISE,
-    TINY_CONFIGS,
     build_tiny,
     hf_greedy,
     hf_greedy_stepwise,
     random_prompts,
+    vocab_size,
 )
 
 
@@ -46,7 +46,7 @@ def references(tiny_model):
 
     def get(kind: str) -> tuple[list[list[int]], list[list[int]]]:
         if kind not in cache:
-            vocab = int(TINY_CONFIGS[kind]["vocab_size"])  # type: ignore[call-overload]
+            vocab = vocab_size(kind)
             shortest, longest = PROMPT_LENS.get(kind, (2, 40))
             prompts = random_prompts(6, vocab, shortest, longest, seed=len(kind))
             reference = hf_greedy_stepwise if kind in STEPWISE else hf_greedy

@@ -162,6 +162,36 @@ TINY_CONFIGS: dict[str, dict[str, object]] = {
         ),
         final_logit_softcapping=5.0,
     ),
+    # Gemma 3 4B and up ship with a vision tower: its language model runs (tiny SigLIP beside)
+    "gemma3-vision": dict(
+        model_type="gemma3",
+        text_config=dict(
+            vocab_size=300,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            max_position_embeddings=256,
+            query_pre_attn_scalar=32,
+            sliding_window=10,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        ),
+        vision_config=dict(
+            model_type="siglip_vision_model",
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            image_size=28,
+            patch_size=14,
+        ),
+        mm_tokens_per_image=4,
+        boi_token_index=290,
+        eoi_token_index=291,
+        image_token_index=292,
+    ),
     # Phi-4-mini's shape: fused qkv and gate_up, GQA, partial rotary (12 of 16 dims), LongRoPE
     # short factors, tied head, a window on every layer
     "phi3": dict(
@@ -270,6 +300,13 @@ def build_from_spec(
                     p.mul_(factor)
     model.save_pretrained(path)
     return path
+
+
+def vocab_size(kind: str) -> int:
+    """The vocabulary of TINY_CONFIGS[kind] (its text_config's, with a vision tower)."""
+    spec = TINY_CONFIGS[kind]
+    text = spec.get("text_config")
+    return int((text if isinstance(text, dict) else spec)["vocab_size"])  # type: ignore[call-overload]
 
 
 def hf_greedy(model_dir: Path, prompt: list[int], max_new_tokens: int) -> list[int]:

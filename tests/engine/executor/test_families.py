@@ -19,6 +19,7 @@ FAMILY_PLACEMENTS = [
     "weights-cpu-disk",
     "kv-cpu-cpu-attention",
     "kv-cpu-no-cpu-attention",
+    "kv-act-disk",
     "kv-act-mixed",
     "three-gpu-batches",
 ]
@@ -66,3 +67,15 @@ def test_longrope_switches_to_its_long_factors(tiny_model, references, tmp_path,
     assert max(map(len, prompts)) + len(expected[0]) > 32  # the switch is crossed
     policy = Policy(**PLACEMENTS[placement])  # type: ignore[arg-type]
     assert run(tiny_model("phi3-long"), prompts, policy, tmp_path) == expected
+
+
+@pytest.mark.parametrize("placement", ["all-on-device", "kv-act-mixed", "three-gpu-batches"])
+def test_gemma3_with_a_vision_tower_runs_its_language_model(
+    tiny_model, references, tmp_path, placement
+):
+    """Gemma 3 4B and larger ship as one checkpoint with a vision tower (model type gemma3):
+    its language model, read from under `model.language_model.`, gives the tokens
+    transformers' Gemma3ForConditionalGeneration gives for a text prompt."""
+    prompts, expected = references("gemma3-vision")
+    policy = Policy(**PLACEMENTS[placement])  # type: ignore[arg-type]
+    assert run(tiny_model("gemma3-vision"), prompts, policy, tmp_path) == expected

@@ -3,11 +3,14 @@ what the layer code does not honour."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
 from transformers import AutoConfig
 
+from engine.core.model_files import context_length
+from engine.models import build_model
 from engine.models.config import ModelConfig, UnsupportedModelError
 from engine.models.hf_config import refuse_unhonoured
 from tests.engine.tiny_models import TINY_CONFIGS
@@ -69,3 +72,30 @@ def test_any_field_off_its_default_that_no_family_reads_is_refused() -> None:
 def test_mixture_of_experts_and_other_types_are_refused_by_name(model_type: str) -> None:
     with pytest.raises(UnsupportedModelError, match=f"model type '{model_type}' is not supported"):
         ModelConfig.from_hf(AutoConfig.for_model(model_type))
+
+
+def test_a_gemma3_vision_checkpoint_reads_as_its_language_model() -> None:
+    """Its config is its text_config's; its tensors are found under either naming (the hub's
+    original, transformers 5's), the vision tower's are skipped."""
+    config = ModelConfig.from_hf(hf_config("gemma3-vision"))
+    assert config.model_type == "gemma3_text" and config.layer_windows == (10, 0, 10)
+    model = build_model(config)
+    head = model.num_layers - 1
+    for name, want in [
+        ("model.language_model.layers.1.self_attn.q_norm.weight", (2, "q_norm.weight")),
+        ("language_model.model.layers.0.mlp.up_proj.weight", (1, "up.weight")),
+        ("language_model.model.embed_tokens.weight", (0, "tok.weight")),
+        ("model.language_model.norm.weight", (head, "norm.weight")),
+        ("language_model.lm_head.weight", (head, "lm_head.weight")),
+        ("lm_head.weight", (head, "lm_head.weight")),
+        ("model.vision_tower.vision_model.embeddings.patch_embedding.weight", None),
+        ("multi_modal_projector.mm_input_projection_weight", None),
+    ]:
+        assert model.map_name(name) == want, name
+
+
+def test_a_gemma3_vision_checkpoints_context_is_its_language_models(tmp_path) -> None:
+    """config.json of Gemma 3 4B and up keeps max_position_embeddings in its text_config only."""
+    text = {"model_type": "gemma3_text", "max_position_embeddings": 131072}
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma3", "text_config": text}))
+    assert context_length(tmp_path) == 131072
