@@ -120,6 +120,7 @@ def build_terms(
     kv_elems_tok = 2 * kv_dim
     act_tok = model.hidden_bytes_per_token
     kv_mean, kv_end = s + n / 2, s + n
+    attended = model.attended_len(kv_mean)  # keys a decode reads: a local layer its window
 
     gpu_mem_bw = hardware.gpu_mem_bw_estimate
     dequant_rate = hardware.dequant_throughput_estimate(dtype)  # elements/s on the GPU
@@ -140,7 +141,7 @@ def build_terms(
         gbs * (s * weight_flops + head_flops), layer_full, layer_elems, hardware, num_nano
     )
     prefill_attention_flops = hardware.prefill_attention_flops or hardware.gpu_bmm_flops
-    attention_pre = bls * 4 * s * s * q_dim / prefill_attention_flops
+    attention_pre = bls * 8 * model.attention_pairs(s) * q_dim / prefill_attention_flops
     dequant_weights = layer_elems / dequant_rate if choice.compress_weights else 0.0
     quant_kv_pre = 2 * bls * s * kv_elems_tok / dequant_rate if choice.compress_kv else 0.0
     prefill = {
@@ -154,7 +155,7 @@ def build_terms(
 
     # ---- decode: one layer, one new token for each of the bls sequences ---------------
     act_gen = bls * act_tok
-    kv_read = bls * kv_mean * kv_tok  # bytes of old KV attended per step
+    kv_read = bls * attended * kv_tok  # bytes of old KV attended per step
     kv_new = bls * kv_tok
     dense_gen = num_batches * dense_seconds(
         gbs * (weight_flops + head_flops), layer_full, layer_elems, hardware, num_nano
@@ -162,13 +163,13 @@ def build_terms(
     # GPU attention over one unit of KV fraction: as measured through the engine's path, else
     # FLOP- or memory-bound, whichever is slower.
     if hardware.device_attention_bw:
-        gpu_attention = bls * kv_mean * kv_tok_full / hardware.device_attention_bw
+        gpu_attention = bls * attended * kv_tok_full / hardware.device_attention_bw
     else:
         gpu_attention = bls * max(
-            4 * kv_mean * q_dim / hardware.gpu_bmm_flops, kv_mean * kv_tok_full / gpu_mem_bw
+            4 * attended * q_dim / hardware.gpu_bmm_flops, attended * kv_tok_full / gpu_mem_bw
         )
     if choice.compress_kv:  # dequantize old KV, quantize the new token (LM-Offload Eqs. 6-7)
-        gpu_attention += bls * (kv_mean + 2) * kv_elems_tok / dequant_rate
+        gpu_attention += bls * (attended + 2) * kv_elems_tok / dequant_rate
     ctog = Affine.of(wc=layer_bytes, wd=layer_bytes, hc=act_gen, hd=act_gen)
     gtoc = Affine.of(hc=act_gen, hd=act_gen)
     if choice.cpu_attention:
@@ -176,9 +177,9 @@ def build_terms(
         qkv_bytes = bls * (q_dim + 2 * kv_dim) * dtype
         ctog += Affine.of(cc=bls * q_dim * dtype, cd=bls * q_dim * dtype)
         gtoc += Affine.of(cc=qkv_bytes, cd=qkv_bytes)
-        cpu_attention = bls * kv_mean * kv_tok_full / cpu_attention_bw
+        cpu_attention = bls * attended * kv_tok_full / cpu_attention_bw
         if choice.compress_kv:
-            cpu_attention += bls * (kv_mean + 2) * kv_elems_tok / cpu_dequant_rate
+            cpu_attention += bls * (attended + 2) * kv_elems_tok / cpu_dequant_rate
         gpu_attention_part = Affine.of(cg=gpu_attention)
         cpu_attention_part = Affine.of(cc=cpu_attention, cd=cpu_attention)
     else:
@@ -273,7 +274,8 @@ def _peak_memory(
     gbs, bls, layers = choice.gpu_batch_size, choice.block_size, model.num_layers
     dtype, h, f = model.dtype_bytes, model.hidden_size, model.intermediate_size
     q_dim, kv_dim, nh = model.num_heads * model.head_dim, model.kv_dim, model.num_heads
-    kv_home = bls * kv_end * kv_tok * layers
+    kv_home = bls * kv_end * kv_tok * layers  # every token's KV is kept, windows or not
+    kv_read = model.attended_len(kv_end)  # keys one layer's attention loads at the end
     act_home = bls * s * act_tok
 
     def home(w: str, c: str, a: str) -> Affine:
@@ -287,7 +289,9 @@ def _peak_memory(
     attention_pre = s * (q_dim + 2 * kv_dim) * dtype + nh * s * s * dtype
     mlp_width = f if model.arch == "opt" else 2 * f  # fc1 output, or SwiGLU's gate and up
     workspace_pre = gbs * (2 * s * h * dtype + max(attention_pre, s * mlp_width * dtype)) + logits
-    workspace_gen = gbs * (2 * h * dtype + max(2 * nh * kv_end * dtype, mlp_width * dtype)) + logits
+    workspace_gen = (
+        gbs * (2 * h * dtype + max(2 * nh * kv_read * dtype, mlp_width * dtype)) + logits
+    )
     gpu_common = home("wg", "cg", "hg") + weight_staging + Affine.of(dequantized_layer)
     gpu_prefill = gpu_common + Affine.of(
         workspace_pre + gbs * s * kv_tok_full,  # this batch's new KV before it is stored
@@ -295,14 +299,14 @@ def _peak_memory(
         hd=2 * gbs * s * act_tok,
     )
     gpu_decode = gpu_common + Affine.of(workspace_gen, hc=2 * gbs * act_tok, hd=2 * gbs * act_tok)
-    batch_kv = gbs * kv_end * kv_tok  # one GPU batch's KV for one layer
-    kv_full_copy = gbs * kv_end * kv_tok_full if choice.compress_kv else 0.0
+    batch_kv = gbs * kv_read * kv_tok  # one GPU batch's KV for one layer
+    kv_full_copy = gbs * kv_read * kv_tok_full if choice.compress_kv else 0.0
     cpu_decode = home("wc", "cc", "hc") + Affine.of(
         wd=2 * layer_bytes, cd=2 * batch_kv, hd=2 * gbs * act_tok
     )
     if choice.cpu_attention:
         gpu_decode += Affine.of(cg=kv_full_copy)
-        cpu_workspace = 2 * gbs * nh * kv_end * 4 + kv_full_copy  # fp32 scores and probs
+        cpu_workspace = 2 * gbs * nh * kv_read * 4 + kv_full_copy  # fp32 scores and probs
         cpu_decode += Affine.of(cc=cpu_workspace, cd=cpu_workspace)
     else:
         gpu_decode += Affine.of(kv_full_copy, cc=2 * batch_kv, cd=2 * batch_kv)

@@ -82,6 +82,16 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
+def _window_note(model: ModelSpec) -> str:
+    """How much of the KV a sliding window spares the attention."""
+    if not model.num_local_layers:
+        return ""
+    return (
+        f" ({model.num_local_layers} of {model.num_layers} layers attend over their last "
+        f"{model.sliding_window} tokens only)"
+    )
+
+
 def _triple(values: tuple[float, float, float]) -> str:
     return " / ".join(f"{100 * v:.1f}%" for v in values)
 
@@ -98,7 +108,7 @@ def format_report(
     lines = [
         f"model {model.name}: {model.total_params / 1e9:.2f}B parameters, "
         f"{format_bytes(model.total_weight_bytes)} of weights, "
-        f"{format_bytes(model.kv_bytes_per_token)} of KV per token",
+        f"{format_bytes(model.kv_bytes_per_token)} of KV per token{_window_note(model)}",
         f"workload: prompt {workload.prompt_len:g} tokens, generate {workload.gen_len:g}",
         "",
         "policy (gpu / cpu / disk):",

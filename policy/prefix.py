@@ -43,7 +43,7 @@ def recompute_seconds(num_tokens: int, model: ModelSpec, hardware: HardwareSpec)
     """Seconds to prefill `num_tokens` with the weights on the compute device."""
     q_dim = model.num_heads * model.head_dim
     dense = num_tokens * 2 * model.layer_params / hardware.gpu_flops
-    attention = 2 * num_tokens * num_tokens * q_dim / hardware.gpu_bmm_flops  # causal half
+    attention = 4 * model.attention_pairs(num_tokens) * q_dim / hardware.gpu_bmm_flops
     return model.num_layers * (dense + attention + hardware.layer_overhead_s)
 
 

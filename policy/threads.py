@@ -63,7 +63,10 @@ def io_volumes(model: ModelSpec, workload: WorkloadSpec, policy: Policy) -> dict
     act = (hc + hd) * bls * model.hidden_bytes_per_token
     return {
         "load_weight": (wc + wd) * layer_bytes,
-        "load_cache": moved_kv * bls * (workload.prompt_len + workload.gen_len / 2) * kv_tok,
+        "load_cache": moved_kv
+        * bls
+        * model.attended_len(workload.prompt_len + workload.gen_len / 2)
+        * kv_tok,
         "load_activation": act,
         "store_cache": moved_kv * bls * kv_tok,
         "store_activation": act,

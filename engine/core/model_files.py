@@ -247,6 +247,11 @@ def generation_defaults(model_dir: Path) -> dict[str, float | int]:
 
 
 def context_length(model_dir: Path, default: int = 2048) -> int:
-    """The model's context window: config.json's max_position_embeddings."""
-    value = _read_json(model_dir / "config.json").get("max_position_embeddings")
+    """The model's context window: config.json's max_position_embeddings (its text_config's,
+    in a checkpoint with a vision tower: Gemma 3)."""
+    config = _read_json(model_dir / "config.json")
+    text = config.get("text_config")
+    value = config.get("max_position_embeddings")
+    if value is None and isinstance(text, dict):
+        value = text.get("max_position_embeddings")
     return value if isinstance(value, int) and value > 0 else default

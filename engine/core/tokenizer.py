@@ -5,7 +5,9 @@ way offline and online.
 
 Loads `tokenizer.json` with the `tokenizers` library and renders the chat
 template from `tokenizer_config.json` (or `chat_template.jinja`) with jinja2's
-sandbox, the way transformers' `apply_chat_template` does.
+sandbox, the way transformers' `apply_chat_template` does: the same extensions (loop controls,
+the `{% generation %}` tag), `tojson` without HTML escaping, `raise_exception` and
+`strftime_now`, so the templates of Qwen, Gemma, Phi and OLMo render as they do there.
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from jinja2 import TemplateError
+from jinja2 import TemplateError, nodes
+from jinja2.ext import Extension, loopcontrols
+from jinja2.parser import Parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
@@ -36,6 +40,42 @@ def _token_text(value: Any) -> str | None:
 
 def _raise_exception(message: str) -> None:
     raise TemplateError(message)
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    """transformers' `tojson`: plain json.dumps (jinja's own escapes <, > and &)."""
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+class _Generation(Extension):
+    """`{% generation %}...{% endgeneration %}`: marks the assistant's tokens for training
+    masks in transformers; renders its body as it is."""
+
+    tags = {"generation"}  # noqa: RUF012 (jinja2 declares it a set)
+
+    def parse(self, parser: Parser) -> nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.Scope(body).set_lineno(lineno)
+
+
+def _environment() -> ImmutableSandboxedEnvironment:
+    """A sandbox configured as transformers configures the one it renders chat templates in."""
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
 
 
 def has_tokenizer(model_dir: Path) -> bool:
@@ -74,10 +114,7 @@ class Tokenizer:
             named = {t.get("name"): t.get("template") for t in template}
             template = named.get("default") or next(iter(named.values()), None)
         self.chat_template: str | None = template
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = _raise_exception
-        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-        self._template = env.from_string(template) if template else None
+        self._template = _environment().from_string(template) if template else None
 
     def info(self) -> dict[str, Any]:
         """What vLLM's GET /tokenizer_info tells: the class, special tokens, template."""

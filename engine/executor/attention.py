@@ -24,7 +24,11 @@ import torch
 from torch.nn.functional import scaled_dot_product_attention
 
 from engine.kernels import PagedKernels
+from engine.models.base import AttentionSpec
 from engine.storage.kv_store import select_rows
+
+FULL = AttentionSpec()
+"""Plain causal attention, scaled by head_dim ** -0.5."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -296,23 +300,25 @@ def ragged_attention(
     past_k: torch.Tensor | None,
     past_v: torch.Tensor | None,
     layout: RaggedLayout,
+    spec: AttentionSpec = FULL,
 ) -> torch.Tensor:
     """Causal attention of the new rows over each sequence's past and new keys, one padded
-    SDPA call per group of the layout.
+    SDPA call per group of the layout (whose mask carries the layer's window), scored as
+    `spec` says.
 
     q: (T, num_heads, head_dim); k, v: (T, num_kv_heads, head_dim) for the new tokens;
     past_k, past_v: (P, num_kv_heads, head_dim) packed in sequence order (None if P = 0).
     Returns (T, num_heads, head_dim).
     """
     if len(layout.groups) == 1:
-        return _padded_attention(q, k, v, past_k, past_v, layout.groups[0])
+        return _padded_attention(q, k, v, past_k, past_v, layout.groups[0], spec)
     out = torch.empty_like(q)
     for g in layout.groups:
         assert g.past_rows is not None
         pk = pv = None
         if past_k is not None and past_v is not None and g.num_past:
             pk, pv = past_k.index_select(0, g.past_rows), past_v.index_select(0, g.past_rows)
-        o = _padded_attention(g.take(q), g.take(k), g.take(v), pk, pv, g)
+        o = _padded_attention(g.take(q), g.take(k), g.take(v), pk, pv, g, spec)
         g.put(out, o)
     return out
 
@@ -324,6 +330,7 @@ def _padded_attention(
     past_k: torch.Tensor | None,
     past_v: torch.Tensor | None,
     g: PaddedGroup,
+    spec: AttentionSpec,
 ) -> torch.Tensor:
     """One group's rows scattered into padded tensors, one SDPA call, gathered back."""
     b, q_max, kv_max = g.num_seqs, g.q_max, g.kv_max
@@ -340,12 +347,8 @@ def _padded_attention(
     qp = q.new_zeros(b * q_max, num_heads, head_dim)
     qp.index_copy_(0, g.q_dest, q)
     qp = qp.view(b, q_max, num_heads, head_dim).transpose(1, 2)  # (B, nh, Qm, hd)
-    out = scaled_dot_product_attention(
-        qp,
-        padded_kv(k, past_k),
-        padded_kv(v, past_v),
-        attn_mask=g.mask,
-        enable_gqa=num_heads != num_kv_heads,
+    out = sdpa(
+        qp, padded_kv(k, past_k), padded_kv(v, past_v), g.mask, False, spec
     )  # (B, nh, Qm, hd)
     return out.transpose(1, 2).reshape(b * q_max, num_heads, head_dim)[g.q_dest]
 
@@ -357,9 +360,11 @@ def paged_attention(
     layout: RaggedLayout,
     kv_shape: tuple[int, int],
     kernels: PagedKernels | None = None,
+    spec: AttentionSpec = FULL,
 ) -> torch.Tensor:
     """Causal attention of the new rows over every key of their sequences, read in place from
-    one layer's KV pool (its new keys already written there), one call per group.
+    one layer's KV pool (its new keys already written there), one call per group, scored as
+    `spec` says (the layout's mask and `window` carry the layer's window).
 
     q: (T, num_heads, head_dim); pool: (slots, row_bytes) encoded rows; `decode` turns
     gathered rows into (N, 2 * kv_dim) keys then values (a view for plain rows, and so of
@@ -367,10 +372,10 @@ def paged_attention(
     calls on the pool as it lies instead of gathering a copy.
     Returns (T, num_heads, head_dim)."""
     if len(layout.groups) == 1:
-        return _paged_group(q, pool, decode, layout.groups[0], kv_shape, kernels)
+        return _paged_group(q, pool, decode, layout.groups[0], kv_shape, kernels, spec)
     out = torch.empty_like(q)
     for g in layout.groups:
-        g.put(out, _paged_group(g.take(q), pool, decode, g, kv_shape, kernels))
+        g.put(out, _paged_group(g.take(q), pool, decode, g, kv_shape, kernels, spec))
     return out
 
 
@@ -381,15 +386,18 @@ def _paged_group(
     g: PaddedGroup,
     kv_shape: tuple[int, int],
     kernels: PagedKernels | None,
+    spec: AttentionSpec,
 ) -> torch.Tensor:
-    """One group: a native kernel over the pool (when given them), or one gather from the
-    pool and SDPA. A decode group uses q as it is, without a padded copy."""
+    """One group: a native kernel over the pool (when given them; they do not soft-cap), or
+    one gather from the pool and SDPA. A decode group uses q as it is, without a padded copy."""
     assert g.slots is not None
     b, q_max, kv_max = g.num_seqs, g.q_max, g.kv_max
     num_heads, head_dim = q.shape[1], q.shape[2]
-    if kernels is not None and (g.kv_lens is not None or g.starts is not None):
+    native = kernels is not None and not spec.softcap
+    if native and (g.kv_lens is not None or g.starts is not None):
+        assert kernels is not None
         rows = decode(pool)  # plain rows: a view of the whole pool
-        scale = head_dim**-0.5  # SDPA's default
+        scale = head_dim**-0.5 if spec.scale is None else spec.scale
         if q.stride()[1:] != (head_dim, 1):  # the kernels take rows strided, heads adjacent
             q = q.contiguous()
         if g.kv_lens is not None:
@@ -397,7 +405,6 @@ def _paged_group(
         assert g.starts is not None
         q_starts, kv_starts = g.starts
         return kernels.prefill(q, rows, g.slots, q_starts, kv_starts, kv_shape[0], scale, g.window)
-    gqa = num_heads != kv_shape[0]
     if g.chunks is not None:
         keys = decode(select_rows(pool, g.slots)).view(-1, 2, *kv_shape)  # (sum L, 2, ...)
         outs = []
@@ -407,13 +414,13 @@ def _paged_group(
             if c.lead:
                 qc = torch.cat([qc.new_zeros(c.lead, *qc.shape[1:]), qc])
             mask = c.mask(q.device)
-            out = scaled_dot_product_attention(
+            out = sdpa(
                 qc.transpose(0, 1)[None],  # (1, nh, lead + t, hd)
                 kc[None, :, 0],
                 kc[None, :, 1],
-                attn_mask=mask,
-                is_causal=mask is None,
-                enable_gqa=gqa,
+                mask,
+                mask is None,
+                spec,
             )
             outs.append(out[0, :, c.lead :].transpose(0, 1))
         return torch.cat(outs)
@@ -425,9 +432,7 @@ def _paged_group(
         qp = q.new_zeros(b * q_max, num_heads, head_dim)
         qp.index_copy_(0, g.q_dest, q)
         qp = qp.view(b, q_max, num_heads, head_dim).transpose(1, 2)  # (B, nh, Qm, hd)
-    out = scaled_dot_product_attention(
-        qp, k, v, attn_mask=g.mask, enable_gqa=gqa
-    )  # (B, nh, Qm, hd)
+    out = sdpa(qp, k, v, g.mask, False, spec)  # (B, nh, Qm, hd)
     out = out.transpose(1, 2).reshape(b * q_max, num_heads, head_dim)
     return out if q_max == 1 else out[g.q_dest]
 
@@ -465,6 +470,7 @@ def cpu_attention(
     past: torch.Tensor | None,
     layout: RaggedLayout,
     kv_shape: tuple[int, int],
+    spec: AttentionSpec = FULL,
 ) -> torch.Tensor:
     """Decode attention on the CPU over host-homed past KV (FlexGen Sec. 4.2): (T, heads,
     head_dim) float32 on the CPU. Computes in float32 (CPU half matmuls are slow and less
@@ -475,4 +481,35 @@ def cpu_attention(
         v.to("cpu", torch.float32),
         *split_kv(past, kv_shape),
         layout,
+        spec,
     )
+
+
+def sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    is_causal: bool,
+    spec: AttentionSpec,
+) -> torch.Tensor:
+    """SDPA over q (B, nh, Q, hd) and k, v (B, kvh, L, hd) with `spec`'s scale; with a
+    soft-cap (which SDPA cannot apply), the same product in plain ops, as transformers'
+    eager attention computes it: scores scaled, capped, masked, softmax in float32."""
+    if not spec.softcap:
+        gqa = q.shape[1] != k.shape[1]
+        return scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=is_causal, scale=spec.scale, enable_gqa=gqa
+        )
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:  # query head h reads kv head h // groups
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scale = q.shape[-1] ** -0.5 if spec.scale is None else spec.scale
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # (B, nh, Q, L)
+    scores = torch.tanh(scores / spec.softcap) * spec.softcap
+    if is_causal:  # query i sees keys 0..i (SDPA's top-left causal mask)
+        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v)

@@ -102,8 +102,8 @@ class GraphRunner:
         for j in range(1, self.model.num_layers - 1):
             w = self.weights[j]
 
-            def before(w: Weights = w) -> None:
-                q, k, v = self.model.attention_inputs(w, g.h, tables)
+            def before(w: Weights = w, j: int = j) -> None:
+                q, k, v = self.model.attention_inputs(j, w, g.h, tables)
                 g.q.copy_(q)
                 g.k.copy_(k)
                 g.v.copy_(v)

@@ -198,7 +198,7 @@ class Executor:
             self.device.device,
             PAGE_TOKENS,
             cpu_attention=policy.cpu_attention,
-            sliding_window=self.config.sliding_window,
+            windows=self.config.windows,
             pool_device=self.kv.pool_device,
             positions=lambda ids: self.model.positions(ids, self.dtype),
             paged_attention=paged_attention and not policy.compress_kv,

@@ -25,12 +25,18 @@ class AttentionGroup:
 
     rows: torch.Tensor | None
     """(T_g,) batch rows of the group's new tokens on the compute device; None: every row."""
-    layout: RaggedLayout
-    """Padding indices and mask, on the device the group's attention runs on."""
+    layouts: dict[int, RaggedLayout]
+    """Per sliding window of the model's layers (0: none), the padding indices and mask, on
+    the device the group's attention runs on; they differ only in the mask."""
     build_past: Callable[[], dict[str, KVRows]]
     """Builds `past`, on first use: a group read in place never gathers its past, and
     listing every past token's slot each step costs as much as a layer's GEMMs."""
     _past: dict[str, KVRows] | None = None
+
+    @property
+    def layout(self) -> RaggedLayout:
+        """A layout of the group, for what every window shares (rows, lengths, slots)."""
+        return next(iter(self.layouts.values()))
 
     @property
     def past(self) -> dict[str, KVRows]:
@@ -46,8 +52,9 @@ class NanoAttention:
 
     rows: torch.Tensor | None
     """(T_a,) rows of the nano-batch (0 = its first) attending here; None: all of its rows."""
-    layout: RaggedLayout
-    """Padding indices and mask of these sequences, on the device their attention runs on."""
+    layouts: dict[int, RaggedLayout]
+    """Per sliding window of the model's layers (0: none), the padding indices and mask of
+    these sequences, on the device their attention runs on."""
     past: slice
     """Their rows in the attention group's packed past KV (`PastKV.device` or `PastKV.cpu`)."""
 
@@ -166,13 +173,18 @@ class BatchBuilder:
         page_tokens: int,
         *,
         cpu_attention: bool,
-        sliding_window: int | None,
+        windows: tuple[int, ...] = (0,),
         pool_device: Callable[[str], torch.device],
         positions: Callable[[torch.Tensor], Positions] = Positions,
         paged_attention: bool = False,
     ) -> None:
         self.device, self.page_tokens = device, page_tokens
-        self.cpu_attention, self.sliding_window = cpu_attention, sliding_window
+        self.cpu_attention = cpu_attention
+        self.windows = windows
+        """The distinct sliding windows of the model's layers (0: none): a layout for each."""
+        self.shared_window = windows[0] if len(windows) == 1 else 0
+        """The window of every layer, where they share one: then a sequence attends only over
+        its last window - 1 past tokens, and only those are gathered, read or loaded."""
         self.pool_device = pool_device
         self.positions = positions
         """(T,) positions -> `Positions` with the model's tables (`Model.positions`)."""
@@ -231,6 +243,30 @@ class BatchBuilder:
             num_padding=num_padding,
         )
 
+    def past_start(self, chunk: SeqChunk) -> int:
+        """The first past token the chunk's attention can see: the first the shared window
+        keeps for its first query, else 0."""
+        if not self.shared_window:
+            return 0
+        return max(0, chunk.start_pos - (self.shared_window - 1))
+
+    def past_len(self, chunk: SeqChunk) -> int:
+        """Past tokens the chunk attends over (and its attention group gathers)."""
+        return chunk.start_pos - self.past_start(chunk)
+
+    def layouts(
+        self,
+        q_lens: list[int],
+        past_lens: list[int],
+        where: torch.device,
+        seq_slots: torch.Tensor | None = None,
+    ) -> dict[int, RaggedLayout]:
+        """One `RaggedLayout` per window of the model's layers."""
+        return {
+            w: RaggedLayout.build(q_lens, past_lens, where, w or None, seq_slots)
+            for w in self.windows
+        }
+
     def attends_on_cpu(self, chunk: SeqChunk, state: SeqState) -> bool:
         """FlexGen Sec. 4.2: decode attention over host-homed KV (cpu, or disk read into host
         memory) runs on the CPU; only q and the new k, v cross PCIe."""
@@ -244,14 +280,15 @@ class BatchBuilder:
         if not members:
             return None
         q_lens = [len(c.token_ids) for c, _, _ in members]
-        past_lens = [c.start_pos for c, _, _ in members]
+        past_lens = [self.past_len(c) for c, _, _ in members]
 
         def build_past() -> dict[str, KVRows]:
             past: SlotsByTier = {}
             packed = 0
             for c, state, _ in members:  # a cached prefix may sit on other tiers than the home
-                add_slots(past, state.pages, 0, c.start_pos, self.page_tokens, packed)
-                packed += c.start_pos
+                first = self.past_start(c)
+                add_slots(past, state.pages, first, c.start_pos, self.page_tokens, packed)
+                packed += c.start_pos - first
             return {tier: self._kv_rows(tier, *slots_dest) for tier, slots_dest in past.items()}
 
         rows = None
@@ -264,21 +301,32 @@ class BatchBuilder:
             seq_slots = self._gpu_slots(members)
         return AttentionGroup(
             rows=rows,
-            layout=RaggedLayout.build(q_lens, past_lens, where, self.sliding_window, seq_slots),
+            layouts=self.layouts(q_lens, past_lens, where, seq_slots),
             build_past=build_past,
         )
 
     def _gpu_slots(self, members: list[tuple[SeqChunk, SeqState, int]]) -> torch.Tensor | None:
-        """(B, W) per sequence, the gpu tier's pool slots of all its tokens (past and new),
-        from its page table, page by page; None when any of them lives on another tier."""
+        """(B, W) per sequence, the gpu tier's pool slots of all the tokens it attends over
+        (past from `past_start`, and new), from its page table, page by page; None when any
+        of them lives on another tier."""
         size = self.page_tokens
-        tables = []
+        tables, offsets = [], []
         for c, state, _ in members:
-            pages = state.pages[: -(-(c.start_pos + len(c.token_ids)) // size)]
+            first = self.past_start(c)
+            pages = state.pages[first // size : -(-(c.start_pos + len(c.token_ids)) // size)]
             if any(tier != "gpu" for tier, _ in pages):
                 return None
             tables.append([page for _, page in pages])
-        return slot_table(tables, size, self.device)
+            offsets.append(first % size)
+        table = slot_table(tables, size, self.device)
+        if not any(offsets):
+            return table
+        # row b's tokens start offsets[b] slots into its first page (columns past its
+        # length are never read)
+        width = table.shape[1]
+        shift = torch.tensor(offsets, device=self.device)[:, None]
+        columns = (torch.arange(width, device=self.device)[None, :] + shift).clamp(max=width - 1)
+        return table.gather(1, columns)
 
     def _kv_rows(self, tier: str, slots: list[int], rows: list[int]) -> KVRows:
         slot_index = (

@@ -21,7 +21,6 @@ from itertools import accumulate, pairwise
 import torch
 
 from engine.core.protocol import SeqChunk
-from engine.executor.attention import RaggedLayout
 from engine.executor.gpu_batch import (
     BatchBuilder,
     GpuBatch,
@@ -65,8 +64,9 @@ class NanoBatcher:
         if len(chunks) < 2:
             return []
         q_lens = [len(c.token_ids) for c, _ in chunks]
-        window = self.builder.sliding_window
-        pairs = [attention_pairs(q, c.start_pos, window) for q, (c, _) in zip(q_lens, chunks)]
+        past_lens = [self.builder.past_len(c) for c, _ in chunks]
+        window = self.builder.shared_window or None
+        pairs = [attention_pairs(q, p, window) for q, p in zip(q_lens, past_lens, strict=True)]
         total_rows, total_pairs = batch.num_tokens, max(1, sum(pairs))
         weights = [q / total_rows + p / total_pairs for q, p in zip(q_lens, pairs)]
         weights[-1] += batch.num_padding / total_rows  # padding rows ride with the last chunk
@@ -83,7 +83,7 @@ class NanoBatcher:
             for cpu in (False, True):
                 members = [i for i in range(first, stop) if on_cpu[i] == cpu]
                 parts[cpu] = self._part(members, chunks, starts, first, num_rows, past_before[cpu])
-                past_before[cpu] += sum(chunks[i][0].start_pos for i in members)
+                past_before[cpu] += sum(past_lens[i] for i in members)
             rows = slice(starts[first], starts[first] + num_rows)
             out.append(NanoBatch(index, rows, parts[False], parts[True]))
         return out
@@ -102,7 +102,7 @@ class NanoBatcher:
         if not members:
             return None
         q_lens = [len(chunks[i][0].token_ids) for i in members]
-        past_lens = [chunks[i][0].start_pos for i in members]
+        past_lens = [self.builder.past_len(chunks[i][0]) for i in members]
         on_cpu = self.builder.attends_on_cpu(*chunks[members[0]])
         where = torch.device("cpu") if on_cpu else self.builder.device
         rows = None
@@ -112,6 +112,6 @@ class NanoBatcher:
             rows = torch.tensor(local, dtype=torch.long, device=self.builder.device)
         return NanoAttention(
             rows=rows,
-            layout=RaggedLayout.build(q_lens, past_lens, where, self.builder.sliding_window),
+            layouts=self.builder.layouts(q_lens, past_lens, where),
             past=slice(past_start, past_start + sum(past_lens)),
         )

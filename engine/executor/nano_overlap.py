@@ -103,7 +103,7 @@ class NanoOverlap:
         for nano in batch.nano_batches:
             with span("attention_inputs", "compute", j, k, nano.index):
                 q, key, value = self.model.attention_inputs(
-                    w, h[nano.rows], batch.positions[nano.rows]
+                    j, w, h[nano.rows], batch.positions[nano.rows]
                 )
                 new_kv.append(join_kv(key, value))
             ready = self.device.record() if self.overlap else None
@@ -156,7 +156,9 @@ class NanoOverlap:
             with self.tracer.span("attention", "compute", j, k, index):
                 past_rows = None if past is None else past[part.past]
                 past_k, past_v = split_kv(past_rows, self._kv_shape)
-                out = ragged_attention(q, key, value, past_k, past_v, part.layout)
+                spec = self.model.attention_spec(j)
+                layout = part.layouts[spec.window]
+                out = ragged_attention(q, key, value, past_k, past_v, layout, spec)
             return out, self.device.record() if self._attention_stream is not None else None
 
     def _to_host(
@@ -194,7 +196,9 @@ class NanoOverlap:
             copied.synchronize()
         with self.tracer.span("cpu_attention", "cpu_attention", j, k, index):
             past_rows = None if past is None else past[part.past]
-            out = cpu_attention(*qkv, past_rows, part.layout, self._kv_shape)
+            spec = self.model.attention_spec(j)
+            layout = part.layouts[spec.window]
+            out = cpu_attention(*qkv, past_rows, layout, self._kv_shape, spec)
         if not self.device.is_cuda:
             return out.to(dtype), None
         with (

@@ -355,7 +355,7 @@ class BlockPipeline:
                 graphs.before[j - 1].replay()
                 q, k, v = graphs.q, graphs.k, graphs.v
             else:
-                q, k, v = self.model.attention_inputs(w, h, batch.positions)
+                q, k, v = self.model.attention_inputs(j, w, h, batch.positions)
             new_kv = join_kv(k, v)  # (T, 2 * kv_dim)
             o = self._attend(j, batch, past, q, k, v, new_kv)
             if graphs is not None:
@@ -393,7 +393,7 @@ class BlockPipeline:
         if cpu is not None:
             rows = cpu.rows if cpu.rows is not None else slice(None)
             with self.tracer.span("cpu_attention", "cpu_attention", j, batch.index):
-                o[rows] = self._cpu_attention(cpu, past.cpu, q[rows], k[rows], v[rows])
+                o[rows] = self._cpu_attention(j, cpu, past.cpu, q[rows], k[rows], v[rows])
         return o
 
     def _in_place(self, batch: GpuBatch) -> bool:
@@ -413,14 +413,17 @@ class BlockPipeline:
         v: torch.Tensor,
     ) -> torch.Tensor:
         """Attention of the device group's rows: in place from the pool, or over packed past."""
+        spec = self.model.attention_spec(j)
+        layout = group.layouts[spec.window]
         if in_place:
             pool = self.kv.pool("gpu", j - 1)
             decode, kernels = self.kv.codec.decode, self.kernels
-            return paged_attention(q, pool, decode, group.layout, self._kv_shape, kernels)
-        return ragged_attention(q, k, v, *self._split_kv(past.device), group.layout)
+            return paged_attention(q, pool, decode, layout, self._kv_shape, kernels, spec)
+        return ragged_attention(q, k, v, *self._split_kv(past.device), layout, spec)
 
     def _cpu_attention(
         self,
+        j: int,
         group: AttentionGroup,
         past: torch.Tensor | None,
         q: torch.Tensor,
@@ -429,7 +432,8 @@ class BlockPipeline:
     ) -> torch.Tensor:
         """Decode attention on the CPU over host-homed KV (cpu or disk tier): only q and the
         new k, v cross PCIe."""
-        out = cpu_attention(q, k, v, past, group.layout, self._kv_shape)
+        spec = self.model.attention_spec(j)
+        out = cpu_attention(q, k, v, past, group.layouts[spec.window], self._kv_shape, spec)
         return out.to(q.device, q.dtype, non_blocking=True)
 
     # -- stores --------------------------------------------------------------------------

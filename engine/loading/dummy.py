@@ -56,7 +56,10 @@ def hf_config_dict(name: str) -> dict[str, Any]:
 
 
 def _config_from_spec(spec: Any) -> dict[str, Any]:
-    from transformers import LlamaConfig, OPTConfig
+    """The transformers config of a built-in shape: OPT, Llama (Llama 2/3, Qwen 2 and the demo
+    and default models have Llama's layout), or the family it names (Mistral, Qwen 3, Gemma,
+    Phi-3, OLMo 2) with its window, whose own config class places the local layers."""
+    from transformers import AutoConfig, LlamaConfig, OPTConfig
 
     config: Any
     if spec.arch == "opt":
@@ -72,7 +75,7 @@ def _config_from_spec(spec: Any) -> dict[str, Any]:
             dtype="float16",
         )
     else:
-        config = LlamaConfig(
+        shape = dict(
             vocab_size=spec.vocab_size,
             hidden_size=spec.hidden_size,
             intermediate_size=spec.intermediate_size,
@@ -81,10 +84,14 @@ def _config_from_spec(spec: Any) -> dict[str, Any]:
             num_key_value_heads=spec.num_kv_heads,
             head_dim=spec.head_dim,
             max_position_embeddings=8192,
-            attention_bias=spec.qkv_bias,
             tie_word_embeddings=spec.tie_word_embeddings,
             dtype="float16",
         )
+        if spec.model_type in ("llama", "qwen2"):
+            config = LlamaConfig(**shape, attention_bias=spec.qkv_bias)
+        else:
+            window = {"sliding_window": spec.sliding_window} if spec.num_local_layers else {}
+            config = AutoConfig.for_model(spec.model_type, pad_token_id=0, **shape, **window)
     config.architectures = [type(config).__name__.replace("Config", "ForCausalLM")]
     return dict(config.to_dict())
 

@@ -1,13 +1,14 @@
 """GGUF checkpoints: converted once into a float safetensors model directory in the cache.
 
 `gguf_model_dir(path)` returns `$NANOFLEX_CACHE/gguf/<file name>-<sha256 prefix>/`, building it
-on first use: config.json and the tokenizer (with its chat template) come from the GGUF metadata
-through transformers; every tensor is dequantized by the `gguf` package (llama.cpp's reference
-Python code) to float32, so the converted model is the GGUF's numbers exactly, and the
-engine's readers, placement and 4-bit compression treat it like any checkpoint. The cache key
-is the file's content hash, so a moved or copied file is not converted again and a changed one
-is. Tensors are read one at a time from the memory-mapped file and written in shards, so a
-conversion never holds more than one shard in memory.
+on first use: config.json comes from the GGUF metadata (through transformers for Llama and
+Qwen 2, through gguf_config.py for the families whose metadata transformers reads in part),
+the tokenizer (with its chat template) through transformers; every tensor is dequantized by the
+`gguf` package (llama.cpp's reference Python code) to float32, so the converted model is the
+GGUF's numbers exactly, and the engine's readers, placement and 4-bit compression treat it like
+any checkpoint. The cache key is the file's content hash, so a moved or copied file is not
+converted again and a changed one is. Tensors are read one at a time from the memory-mapped
+file and written in shards, so a conversion never holds more than one shard in memory.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import numpy as np
 
 from engine.core.cache import cache_root, publish_dir
 from engine.core.model_files import ModelLoadError
+from engine.loading.gguf_config import MODEL_TYPES, gguf_config
 from engine.loading.gguf_tensors import GgufTensors, open_gguf
 
 MANIFEST = "nanoflex-gguf.json"
@@ -77,7 +79,7 @@ def convert_gguf(path: Path, out_dir: Path, *, digest: str) -> None:
     """Write config.json, generation_config.json, the tokenizer (if the file has one),
     float32 safetensors shards and the manifest for the GGUF file at `path` into `out_dir`."""
     tensors = open_gguf(path)  # checks the architecture and every tensor type first
-    hf_config = _hf_config(path)
+    hf_config = gguf_config(tensors) if tensors.architecture in MODEL_TYPES else _hf_config(path)
     tensors.bind(hf_config)  # checks names and shapes against the model transformers builds
     hf_config.architectures = [tensors.model_class_name]
     hf_config.save_pretrained(out_dir)
@@ -130,10 +132,16 @@ def _write_generation_config(hf_config: Any, out_dir: Path) -> None:
 def _save_tokenizer(path: Path, out_dir: Path) -> None:
     """tokenizer.json and tokenizer_config.json (with the GGUF's chat template), converted by
     transformers from the GGUF's vocabulary and merges."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        except ValueError:  # an architecture transformers' GGUF config reader does not know:
+            # the tokenizer is built from the vocabulary alone, as for any other architecture
+            tokenizer = PreTrainedTokenizerFast.from_pretrained(
+                str(path.parent), gguf_file=path.name
+            )
     except (OSError, ValueError, KeyError, NotImplementedError) as e:
         raise ModelLoadError(f"transformers cannot read the tokenizer of {path.name}: {e}") from e
     tokenizer.save_pretrained(str(out_dir))

@@ -2,8 +2,9 @@
 
 GGUF names tensors llama.cpp's way (`blk.3.attn_q.weight`); transformers' names for the same
 model (`model.layers.3.self_attn.q_proj.weight`) come from the model class transformers builds
-for the file's config, mapped through gguf-py's own name table. llama.cpp stores the q and k
-rows of Llama-architecture files permuted for its rotary kernel; they are put back here.
+for the file's config, mapped through gguf-py's own name table. What llama.cpp's converter did
+to a tensor is undone here: the q and k rows of Llama-architecture files permuted for its
+rotary kernel, and Gemma's norm weights stored as 1 + w (its RMSNorm scales by 1 + w).
 """
 
 from __future__ import annotations
@@ -19,9 +20,15 @@ import torch
 from engine.core.model_files import ModelLoadError
 from engine.models.config import UnsupportedModelError
 
-PERMUTED_QK = {"llama": True, "qwen2": False}
-"""GGUF architectures nanoflex converts -> whether llama.cpp permuted their q/k rows (Llama
-and Mistral files are `llama`; Qwen2 keeps transformers' row order). OPT has no GGUF form."""
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "olmo2")
+"""GGUF architectures nanoflex converts (Llama and Mistral files are `llama`; Gemma 3's are the
+text model of either checkpoint). OPT has no GGUF form."""
+PERMUTED_QK = frozenset({"llama"})
+"""Architectures whose q/k rows llama.cpp permuted (the rest rotate halves, as transformers)."""
+NORMS_PLUS_ONE = frozenset({"gemma2", "gemma3"})
+"""Architectures whose `*norm.weight` tensors llama.cpp stored as 1 + w."""
+CONFIG_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
+"""Tensors that are config, not parameters: Phi-3's LongRoPE factors (gguf_config.py)."""
 
 
 def open_gguf(path: Path) -> GgufTensors:
@@ -57,11 +64,11 @@ class GgufTensors:
         self.architecture = (
             bytes(field.parts[field.data[0]]).decode() if field is not None else "unknown"
         )
-        if self.architecture not in PERMUTED_QK:
+        if self.architecture not in ARCHITECTURES:
             raise UnsupportedModelError(
                 f"{path.name} is a GGUF file of architecture {self.architecture!r}, which "
-                f"nanoflex cannot convert; it converts {', '.join(PERMUTED_QK)} GGUF files "
-                "(Llama, Mistral, Qwen2)"
+                f"nanoflex cannot convert; it converts {', '.join(ARCHITECTURES)} GGUF files "
+                "(Llama, Mistral, Qwen 2 and 3, Gemma 2 and 3, Phi-3 and 4, OLMo 2)"
             )
         self._gguf_names: dict[str, str] = {}  # transformers name -> GGUF name
         self._shapes: dict[str, tuple[int, ...]] = {}
@@ -88,6 +95,27 @@ class GgufTensors:
                     f"the installed gguf package cannot dequantize ({e}); try `pip install -U "
                     "gguf`, or use a file quantized as Q4_0, Q4_1, Q5_*, Q8_0, K-quants or float"
                 ) from e
+
+    @property
+    def reader(self) -> Any:
+        """The gguf package's `GGUFReader` of the file (its metadata fields)."""
+        return self._reader
+
+    def tensor_names(self) -> set[str]:
+        """Every tensor name in the file, llama.cpp's way."""
+        return set(self._by_gguf_name)
+
+    def raw_shape(self, gguf_name: str) -> tuple[int, ...]:
+        """A tensor's shape by its GGUF name, in torch's layout (ggml's order reversed)."""
+        return tuple(int(n) for n in reversed(self._by_gguf_name[gguf_name].shape.tolist()))
+
+    def raw(self, gguf_name: str) -> np.ndarray:
+        """A tensor by its GGUF name, dequantized, in torch's layout, nothing undone."""
+        from gguf import dequantize
+
+        tensor = self._by_gguf_name[gguf_name]
+        values = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
+        return values.reshape(self.raw_shape(gguf_name))
 
     @property
     def has_tokenizer(self) -> bool:
@@ -119,7 +147,7 @@ class GgufTensors:
                     f"{self.path.name} has no tensor for the model's {name} "
                     f"(GGUF name {gguf_name if gguf_module else '?'}); is the file complete?"
                 )
-            shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))  # ggml order is reversed
+            shape = self.raw_shape(gguf_name)
             if shape != tuple(param.shape):
                 raise ModelLoadError(
                     f"{self.path.name}: {gguf_name} has shape {shape}, the model's {name} "
@@ -128,14 +156,14 @@ class GgufTensors:
             self._gguf_names[name] = gguf_name
             self._shapes[name] = shape
         used = set(self._gguf_names.values())
-        self.skipped = [t for t in self._by_gguf_name if t not in used]
+        self.skipped = [t for t in self._by_gguf_name if t not in used and t not in CONFIG_TENSORS]
         if any(t.startswith("rope_freqs") for t in self.skipped):
             raise UnsupportedModelError(
                 f"{self.path.name} scales its rotary frequencies per dimension (rope_freqs, "
                 "Llama 3.1 and later), which its GGUF config does not describe; load the "
                 "original safetensors checkpoint instead"
             )
-        if PERMUTED_QK[self.architecture]:
+        if self.architecture in PERMUTED_QK:
             heads = hf_config.num_attention_heads
             kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
             for gguf_name in used:
@@ -150,15 +178,14 @@ class GgufTensors:
         return math.prod(self._shapes[name])
 
     def read(self, name: str) -> np.ndarray:
-        """The tensor `name` (transformers' name), dequantized to float32, in torch's layout."""
-        from gguf import dequantize
-
+        """The tensor `name` (transformers' name), dequantized to float32, in torch's layout,
+        with what llama.cpp's converter did to it undone."""
         gguf_name = self._gguf_names[name]
-        tensor = self._by_gguf_name[gguf_name]
-        values = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
-        values = values.reshape(self._shapes[name])
+        values = self.raw(gguf_name)
         if gguf_name in self._heads:
             values = _unpermute_rows(values, self._heads[gguf_name])
+        if self.architecture in NORMS_PLUS_ONE and gguf_name.endswith("norm.weight"):
+            values = values - np.float32(1.0)  # as transformers' Gemma2TensorProcessor does
         return np.ascontiguousarray(values)
 
 

@@ -1,4 +1,5 @@
-"""Layer-wise model implementations (OPT, Llama family) built for placement and offloading."""
+"""Layer-wise model implementations (OPT, the Llama family and the families built on it: Qwen 3,
+Gemma 2/3, Phi-3/4, OLMo 2), built for placement and offloading."""
 
 from engine.models.base import Model
 from engine.models.config import ModelConfig
@@ -10,6 +11,22 @@ def build_model(config: ModelConfig) -> Model:
         from engine.models.opt import OPTModel
 
         return OPTModel(config)
+    if config.model_type == "qwen3":
+        from engine.models.qwen3 import Qwen3Model
+
+        return Qwen3Model(config)
+    if config.model_type in ("gemma2", "gemma3_text"):
+        from engine.models.gemma import GemmaModel
+
+        return GemmaModel(config)
+    if config.model_type == "phi3":
+        from engine.models.phi3 import Phi3Model
+
+        return Phi3Model(config)
+    if config.model_type == "olmo2":
+        from engine.models.olmo2 import Olmo2Model
+
+        return Olmo2Model(config)
     from engine.models.llama import LlamaModel
 
     return LlamaModel(config)

@@ -39,6 +39,19 @@ class Positions:
         return int(self.ids.shape[0])
 
 
+@dataclass(frozen=True, slots=True)
+class AttentionSpec:
+    """How one decoder layer's attention scores its keys, beyond causality
+    (`Model.attention_spec`)."""
+
+    window: int = 0
+    """Sliding window: a query sees its last `window` keys, itself included; 0: all."""
+    scale: float | None = None
+    """Scores = q.k * scale; None: head_dim ** -0.5 (SDPA's default)."""
+    softcap: float = 0.0
+    """Scores become softcap * tanh(scores / softcap) before the mask (Gemma 2); 0: none."""
+
+
 class Model(ABC):
     """Stateless math over one layer at a time; weights and KV come from the caller."""
 
@@ -52,6 +65,11 @@ class Model(ABC):
     def num_layers(self) -> int:
         """Embedding + decoder layers + head."""
         return self.config.num_layers + 2
+
+    def attention_spec(self, j: int) -> AttentionSpec:
+        """Decoder layer j's window, score scale and soft-capping (from the config)."""
+        c = self.config
+        return AttentionSpec(c.window(j - 1), c.attn_scale, c.attn_softcap)
 
     def layer_kind(self, j: int) -> str:
         if j == 0:
@@ -100,10 +118,11 @@ class Model(ABC):
 
     @abstractmethod
     def attention_inputs(
-        self, w: Weights, h: torch.Tensor, positions: Positions
+        self, j: int, w: Weights, h: torch.Tensor, positions: Positions
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The dense ops before attention (norm, QKV projection, rotary): (T, hidden) states
-        -> q (T, num_heads, head_dim), k and v (T, num_kv_heads, head_dim)."""
+        """The dense ops before decoder layer j's attention (norm, QKV projection, rotary):
+        (T, hidden) states -> q (T, num_heads, head_dim), k and v (T, num_kv_heads,
+        head_dim)."""
 
     @abstractmethod
     def attention_output(self, w: Weights, h: torch.Tensor, o: torch.Tensor) -> torch.Tensor:

@@ -9,11 +9,23 @@ from typing import Any
 from engine.core.model_files import ModelLoadError
 from policy.errors import UserError
 
-SUPPORTED_MODEL_TYPES = ("opt", "llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = (
+    "opt",
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "gemma2",
+    "gemma3_text",
+    "gemma3",
+    "phi3",
+    "olmo2",
+)
 
 
 class UnsupportedModelError(UserError):
-    """The checkpoint's architecture is not one nanoflex implements."""
+    """The checkpoint's architecture, or a setting in its config, is not one nanoflex
+    implements."""
 
 
 @dataclass(frozen=True)
@@ -21,7 +33,8 @@ class ModelConfig:
     """Architecture facts the layer-wise implementation needs; nothing else."""
 
     model_type: str
-    """'opt' or a Llama-family type ('llama', 'mistral', 'qwen2')."""
+    """'opt' or a Llama-family type (`SUPPORTED_MODEL_TYPES`; a Gemma 3 checkpoint with a vision
+    tower is read as its language model, 'gemma3_text')."""
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -36,14 +49,31 @@ class ModelConfig:
     # Llama family
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] = field(default_factory=dict)
+    """The global layers' rotary scaling: {'rope_type': 'default' | 'linear' | 'llama3' |
+    'longrope', and that type's parameters}."""
+    rotary_dim: int = 0
+    """Dimensions of each head that rotate (Phi's partial rotary: the first ones); 0: all."""
+    local_rope_theta: float = 0.0
+    """Gemma 3: the rotary base of the sliding-window layers (default scaling); 0: the
+    global one."""
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
-    sliding_window: int | None = None
+    layer_windows: tuple[int, ...] = ()
+    """Per decoder layer, its sliding window (a query sees that many keys, itself
+    included); 0: the layer sees every key. Empty: no layer has one."""
+    attn_scale: float | None = None
+    """Attention scores' scale (Gemma's query_pre_attn_scalar ** -0.5); None: head_dim ** -0.5."""
+    attn_softcap: float = 0.0
+    """Gemma 2: scores become softcap * tanh(scores / softcap) before the mask; 0: none."""
+    logit_softcap: float = 0.0
+    """Gemma 2/3: the same on the final logits; 0: none."""
     # OPT
     do_layer_norm_before: bool = True
     word_embed_proj_dim: int = 0
     activation: str = "silu"
+    """The MLP's activation: 'relu' (OPT), 'silu' (SwiGLU) or 'gelu_pytorch_tanh' (Gemma's
+    GeGLU)."""
     enable_bias: bool = True
 
     @property
@@ -55,62 +85,28 @@ class ModelConfig:
         """Width of one token's K (or V) row: num_kv_heads * head_dim."""
         return self.num_kv_heads * self.head_dim
 
+    def window(self, layer: int) -> int:
+        """Decoder layer `layer`'s (0-based) sliding window; 0: none."""
+        return self.layer_windows[layer] if self.layer_windows else 0
+
+    @property
+    def windows(self) -> tuple[int, ...]:
+        """The distinct windows of the decoder layers, in layer order (0: full attention)."""
+        return tuple(dict.fromkeys(self.window(i) for i in range(self.num_layers)))
+
+    @property
+    def shared_window(self) -> int:
+        """The window every layer has (Mistral, Phi-3): then no layer reads keys older than it,
+        and a sequence's past is cut to it; 0 where any layer sees every key."""
+        return self.windows[0] if len(self.windows) == 1 else 0
+
     @classmethod
     def from_hf(cls, hf: Any) -> ModelConfig:
-        """Normalize a transformers `PretrainedConfig` (v4 or v5 field names)."""
-        model_type = getattr(hf, "model_type", None)
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise UnsupportedModelError(
-                f"model type {model_type!r} is not supported; nanoflex runs "
-                f"{', '.join(SUPPORTED_MODEL_TYPES)} checkpoints"
-            )
-        common: dict[str, Any] = dict(
-            model_type=model_type,
-            vocab_size=hf.vocab_size,
-            hidden_size=hf.hidden_size,
-            num_layers=hf.num_hidden_layers,
-            num_heads=hf.num_attention_heads,
-            max_position_embeddings=hf.max_position_embeddings,
-            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", True)),
-            bos_token_id=hf.bos_token_id,
-        )
-        if model_type == "opt":
-            return cls(
-                **common,
-                intermediate_size=hf.ffn_dim,
-                num_kv_heads=hf.num_attention_heads,
-                head_dim=hf.hidden_size // hf.num_attention_heads,
-                norm_eps=1e-5,
-                do_layer_norm_before=hf.do_layer_norm_before,
-                word_embed_proj_dim=hf.word_embed_proj_dim or hf.hidden_size,
-                activation=hf.activation_function,
-                enable_bias=getattr(hf, "enable_bias", True),
-            )
-        rope = dict(getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {})
-        theta = rope.pop("rope_theta", None) or getattr(hf, "rope_theta", None) or 10000.0
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", "linear", "llama3"):
-            raise UnsupportedModelError(f"rope scaling type {rope_type!r} is not supported")
-        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-        window = getattr(hf, "sliding_window", None)
-        if model_type == "qwen2" and not getattr(hf, "use_sliding_window", False):
-            window = None
-        attention_bias = bool(getattr(hf, "attention_bias", False))
-        if getattr(hf, "hidden_act", "silu") != "silu":
-            raise UnsupportedModelError(f"activation {hf.hidden_act!r} is not supported")
-        return cls(
-            **common,
-            intermediate_size=hf.intermediate_size,
-            num_kv_heads=getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
-            head_dim=head_dim,
-            norm_eps=hf.rms_norm_eps,
-            rope_theta=float(theta),
-            rope_scaling={**rope, "rope_type": rope_type},
-            qkv_bias=attention_bias or model_type == "qwen2",
-            o_bias=attention_bias,
-            mlp_bias=bool(getattr(hf, "mlp_bias", False)),
-            sliding_window=window,
-        )
+        """Normalize a transformers `PretrainedConfig` (v4 or v5 field names); a field the
+        implementation does not honour is refused by name (`engine.models.hf_config`)."""
+        from engine.models.hf_config import model_config_fields
+
+        return cls(**model_config_fields(hf))
 
 
 def read_hf_config(model_dir: Path) -> Any:

@@ -1,17 +1,27 @@
-"""The Llama family (Llama 2/3, Mistral, Qwen2): RMSNorm, RoPE with scaling, SwiGLU, GQA."""
+"""The Llama family (Llama 2/3, Mistral, Qwen2): RMSNorm, RoPE with scaling, SwiGLU, GQA.
+
+`LlamaModel` is also the base of the newer families, which override one step each: the q/k
+norms (`norm_qk`: Qwen 3, Gemma 3, OLMo 2), the norms around attention and MLP
+(`attention_output`: Gemma, OLMo 2), the checkpoint's names (`LOCAL_NAMES`: Phi-3's fused
+projections), the embedding and head (Gemma).
+"""
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
+from typing import ClassVar
 
 import torch
 
 from engine.kernels import DenseOps
 from engine.models.base import Model, Positions, Weights, linear
 from engine.models.config import ModelConfig
+from engine.models.rotary import Rope
 
-_LAYER = re.compile(r"^(?:model\.)?layers\.(\d+)\.(.+)$")
-_LOCAL = {
+LAYER_NAME = re.compile(r"^(?:model\.)?layers\.(\d+)\.(.+)$")
+"""A decoder layer's tensor name: groups (layer index, module.param)."""
+PROJECTION_NAMES = {
     "self_attn.q_proj": "q",
     "self_attn.k_proj": "k",
     "self_attn.v_proj": "v",
@@ -19,33 +29,11 @@ _LOCAL = {
     "mlp.gate_proj": "gate",
     "mlp.up_proj": "up",
     "mlp.down_proj": "down",
-    "input_layernorm": "ln1",
-    "post_attention_layernorm": "ln2",
 }
-
-
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """(head_dim/2,) float32 inverse frequencies with the config's scaling, in transformers' order
-    of float operations so the angles agree to the last bit."""
-    dim, theta = config.head_dim, config.rope_theta
-    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    scaling = config.rope_scaling
-    rope_type = scaling.get("rope_type", "default")
-    if rope_type == "linear":
-        return inv_freq / float(scaling["factor"])
-    if rope_type == "llama3":
-        # Llama 3.1: long wavelengths slowed by `factor`, short ones kept, the band between blended.
-        factor = float(scaling["factor"])
-        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
-        old_len = float(scaling["original_max_position_embeddings"])
-        low_wavelen, high_wavelen = old_len / low, old_len / high
-        wavelen = 2 * torch.pi / inv_freq
-        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-        smooth = (old_len / wavelen - low) / (high - low)
-        blended = (1 - smooth) * scaled / factor + smooth * scaled
-        is_mid = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
-        return torch.where(is_mid, blended, scaled)
-    return inv_freq
+"""Checkpoint module -> the layer's local name, for the projections every family has."""
+QK_NORM_NAMES = {"self_attn.q_norm": "q_norm", "self_attn.k_norm": "k_norm"}
+LOCAL_NAMES = {**PROJECTION_NAMES, "input_layernorm": "ln1", "post_attention_layernorm": "ln2"}
+"""Llama's names: ln1 before attention, ln2 before the MLP."""
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -53,6 +41,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x32.to(x.dtype)
+
+
+def rms_norm_f32(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0
+) -> torch.Tensor:
+    """Normalize and scale by (offset + weight) in float32, then cast back: Gemma's RMSNorm
+    (offset 1, weights stored as w - 1) and OLMo 2's (offset 0). In float32 it equals
+    `rms_norm` with weight offset + w; in half types it rounds once, where Llama's rounds
+    twice."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    scale = weight.float() + offset if offset else weight.float()
+    return (x32 * scale).to(x.dtype)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -72,6 +73,18 @@ def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotated: int)
     return torch.cat([head * cos + _rotate_half(head) * sin, x[:, rotated:]], dim=1)
 
 
+def partial_rotary(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotated: int
+) -> torch.Tensor:
+    """As `DenseOps.rotary`, where cos and sin (T, 1, d) cover only the first d < head_dim
+    dimensions of each head (Phi's partial rotary); the rest pass through."""
+    dim = cos.shape[-1]
+    out = x.contiguous().clone()
+    head = x[:, :rotated, :dim]
+    out[:, :rotated, :dim] = head * cos + _rotate_half(head) * sin
+    return out
+
+
 def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up
@@ -82,10 +95,14 @@ TORCH_OPS = DenseOps(rms_norm, _add_rms_norm, _rotary, _silu_mul)
 
 
 class LlamaModel(Model):
+    LOCAL_NAMES: ClassVar[dict[str, str]] = LOCAL_NAMES
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__(config)
-        self._inv_freq = rope_inv_freq(config)
-        self._inv_freq_by_device: dict[torch.device, torch.Tensor] = {}
+        self._ropes = [Rope.of(config)]
+        """The rotary variants: the global layers' first, then (Gemma 3) the local layers'."""
+        if config.local_rope_theta:
+            self._ropes.append(Rope.of(config, local=True))
 
     def map_name(self, hf_name: str) -> tuple[int, str] | None:
         name = hf_name.removeprefix("model.")
@@ -95,41 +112,70 @@ class LlamaModel(Model):
             return self.num_layers - 1, "norm.weight"
         if hf_name == "lm_head.weight":
             return self.num_layers - 1, "lm_head.weight"
-        return self.map_decoder_name(name, _LAYER, _LOCAL)
+        return self.map_decoder_name(name, LAYER_NAME, self.LOCAL_NAMES)
+
+    @property
+    def ops(self) -> DenseOps:
+        return self.dense_ops or TORCH_OPS
 
     def embed(self, w: Weights, token_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.embedding(token_ids, w["tok.weight"])
 
     def positions(self, ids: torch.Tensor, dtype: torch.dtype) -> Positions:
-        """Rotary cos and sin, each (T, 1, head_dim) in `dtype`, once per step."""
-        inv_freq = self._inv_freq_by_device.get(ids.device)
-        if inv_freq is None:
-            inv_freq = self._inv_freq_by_device[ids.device] = self._inv_freq.to(ids.device)
-        freqs = ids.float()[:, None] * inv_freq[None, :]  # (T, head_dim/2)
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # (T, 1, head_dim)
-        return Positions(ids, (emb.cos().to(dtype), emb.sin().to(dtype)))
+        """Rotary cos and sin of every variant, each (T, 1, rotary_dim) in `dtype`, once per
+        step."""
+        return Positions(ids, tuple(t for rope in self._ropes for t in rope.tables(ids, dtype)))
+
+    def rotary_tables(self, j: int, positions: Positions) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decoder layer j's (cos, sin): its own variant's (Gemma 3's local layers), else the
+        global one's."""
+        local = len(self._ropes) > 1 and self.config.window(j - 1) > 0
+        cos, sin = positions.tables[2 * local : 2 * local + 2]
+        return cos, sin
+
+    def input_norm(self, w: Weights, h: torch.Tensor) -> torch.Tensor:
+        """The norm before attention."""
+        return self.ops.rms_norm(h.contiguous(), w["ln1.weight"], self.config.norm_eps)
+
+    def norm_qk(self, w: Weights, qkv: torch.Tensor) -> torch.Tensor:
+        """Norms of q and k before rotary, on (T, heads + 2 kv_heads, head_dim); none here."""
+        return qkv
 
     def attention_inputs(
-        self, w: Weights, h: torch.Tensor, positions: Positions
+        self, j: int, w: Weights, h: torch.Tensor, positions: Positions
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        c, ops = self.config, self.dense_ops or TORCH_OPS
-        x = ops.rms_norm(h.contiguous(), w["ln1.weight"], c.norm_eps)
-        qkv = linear(x, w, "qkv")  # (T, (heads + 2 * kv_heads) * head_dim)
-        qkv = qkv.view(qkv.shape[0], -1, c.head_dim)
-        cos, sin = positions.tables
+        c = self.config
+        qkv = linear(self.input_norm(w, h), w, "qkv")  # (T, (heads + 2 kv_heads) * head_dim)
+        qkv = self.norm_qk(w, qkv.view(qkv.shape[0], -1, c.head_dim))
+        cos, sin = self.rotary_tables(j, positions)
         # q and k rotate in one pass, v copied beside them: k and v come out adjacent in
         # each row, as a KV row lays them out (`join_kv` takes them as a view)
-        qkv = ops.rotary(qkv, cos, sin, c.num_heads + c.num_kv_heads)
+        rotate = self.ops.rotary if cos.shape[-1] == c.head_dim else partial_rotary
+        qkv = rotate(qkv, cos, sin, c.num_heads + c.num_kv_heads)
         q, k, v = qkv.split([c.num_heads, c.num_kv_heads, c.num_kv_heads], dim=1)
         return q, k, v
 
     def attention_output(self, w: Weights, h: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
-        ops, eps = self.dense_ops or TORCH_OPS, self.config.norm_eps
+        ops, eps = self.ops, self.config.norm_eps
         attended = linear(o.reshape(o.shape[0], -1), w, "o")
         h, x = ops.add_rms_norm(h.contiguous(), attended, w["ln2.weight"], eps)
         return h + linear(ops.silu_mul(linear(x, w, "gate_up")), w, "down")
 
     def head(self, w: Weights, h: torch.Tensor) -> torch.Tensor:
-        ops = self.dense_ops or TORCH_OPS
-        x = ops.rms_norm(h.contiguous(), w["norm.weight"], self.config.norm_eps)
+        x = self.ops.rms_norm(h.contiguous(), w["norm.weight"], self.config.norm_eps)
         return linear(x, w, "lm_head").float()
+
+
+Norm = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+"""(x (N, width), weight (width,), eps) -> normalized x."""
+
+
+def norm_rows(
+    qkv: torch.Tensor, heads: slice, weight: torch.Tensor, eps: float, norm: Norm
+) -> None:
+    """Normalize the heads `heads` of qkv (T, n, head_dim) in place, over the width of
+    `weight`: each head alone (head_dim: Qwen 3, Gemma 3) or all of them together
+    (heads * head_dim: OLMo 2)."""
+    part = qkv[:, heads]
+    normed = norm(part.reshape(-1, weight.shape[0]).contiguous(), weight, eps)
+    qkv[:, heads] = normed.view(part.shape)

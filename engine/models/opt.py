@@ -52,7 +52,7 @@ class OPTModel(Model):
         )
 
     def attention_inputs(
-        self, w: Weights, h: torch.Tensor, positions: Positions
+        self, j: int, w: Weights, h: torch.Tensor, positions: Positions
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         x = self._norm(h, w, "ln1") if self.config.do_layer_norm_before else h
         return self.split_qkv(linear(x, w, "qkv"))

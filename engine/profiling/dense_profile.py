@@ -82,7 +82,7 @@ def dense_step_table(
         def layer(
             h: torch.Tensor = h, positions: Positions = positions, o: torch.Tensor = o
         ) -> torch.Tensor:
-            model.attention_inputs(w, h, positions)
+            model.attention_inputs(1, w, h, positions)
             return model.attention_output(w, h, o)
 
         table.append((rows, probe.seconds("dense_step_table", layer, device)))

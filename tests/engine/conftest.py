@@ -6,7 +6,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.engine.tiny_models import MAX_TOKENS, TINY_CONFIGS, build_tiny, hf_greedy, random_prompts
+from tests.engine.tiny_models import (
+    MAX_TOKENS,
+    PROMPT_LENS,
+    STEPWISE,
+    build_tiny,
+    hf_greedy,
+    hf_greedy_stepwise,
+    random_prompts,
+    vocab_size,
+)
 
 
 @pytest.fixture(scope="session")
@@ -37,9 +46,11 @@ def references(tiny_model):
 
     def get(kind: str) -> tuple[list[list[int]], list[list[int]]]:
         if kind not in cache:
-            vocab = int(TINY_CONFIGS[kind]["vocab_size"])  # type: ignore[call-overload]
-            prompts = random_prompts(6, vocab, 2, 40, seed=len(kind))
-            expected = [hf_greedy(tiny_model(kind), p, MAX_TOKENS) for p in prompts]
+            vocab = vocab_size(kind)
+            shortest, longest = PROMPT_LENS.get(kind, (2, 40))
+            prompts = random_prompts(6, vocab, shortest, longest, seed=len(kind))
+            reference = hf_greedy_stepwise if kind in STEPWISE else hf_greedy
+            expected = [reference(tiny_model(kind), p, MAX_TOKENS) for p in prompts]
             cache[kind] = (prompts, expected)
         return cache[kind]
 

@@ -78,25 +78,235 @@ TINY_CONFIGS: dict[str, dict[str, object]] = {
         sliding_window=24,
         tie_word_embeddings=False,
     ),
+    # Mistral with an explicit head_dim (24, not hidden / heads: Mistral Nemo's kind)
+    "mistral-head-dim": dict(
+        model_type="mistral",
+        vocab_size=250,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=24,
+        max_position_embeddings=256,
+        sliding_window=16,
+        tie_word_embeddings=False,
+    ),
+    # Qwen 3: q/k norms per head, head_dim 32 (not hidden / heads), the last two of three
+    # layers with a sliding window, untied head
+    "qwen3": dict(
+        model_type="qwen3",
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=256,
+        use_sliding_window=True,
+        sliding_window=12,
+        max_window_layers=1,
+        tie_word_embeddings=False,
+        initializer_range=0.2,
+    ),
+    # Qwen 3 as the small checkpoints ship: tied head, no window
+    "qwen3-tied": dict(
+        model_type="qwen3",
+        vocab_size=290,
+        hidden_size=64,
+        intermediate_size=80,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=16,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        initializer_range=0.2,
+    ),
+    # Gemma 2: local and global layers alternating, score soft-capping (biting: q and k are
+    # scaled up, SCALED_WEIGHTS), query_pre_attn_scalar != head_dim, final soft-capping
+    "gemma2": dict(
+        model_type="gemma2",
+        vocab_size=310,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        query_pre_attn_scalar=24,
+        sliding_window=10,
+        attn_logit_softcapping=3.0,
+        final_logit_softcapping=5.0,
+    ),
+    # Gemma 3 (text): q/k norms, local layers (their own rotary base) around one global
+    # layer (linear rope scaling), query_pre_attn_scalar != head_dim, final soft-capping
+    "gemma3": dict(
+        model_type="gemma3_text",
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        query_pre_attn_scalar=32,
+        sliding_window=10,
+        layer_types=["sliding_attention"] * 2 + ["full_attention", "sliding_attention"],
+        rope_parameters=dict(
+            full_attention=dict(rope_type="linear", factor=4.0, rope_theta=1000000.0),
+            sliding_attention=dict(rope_type="default", rope_theta=10000.0),
+        ),
+        final_logit_softcapping=5.0,
+    ),
+    # Gemma 3 4B and up ship with a vision tower: its language model runs (tiny SigLIP beside)
+    "gemma3-vision": dict(
+        model_type="gemma3",
+        text_config=dict(
+            vocab_size=300,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            max_position_embeddings=256,
+            query_pre_attn_scalar=32,
+            sliding_window=10,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        ),
+        vision_config=dict(
+            model_type="siglip_vision_model",
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            image_size=28,
+            patch_size=14,
+        ),
+        mm_tokens_per_image=4,
+        boi_token_index=290,
+        eoi_token_index=291,
+        image_token_index=292,
+    ),
+    # Phi-4-mini's shape: fused qkv and gate_up, GQA, partial rotary (12 of 16 dims), LongRoPE
+    # short factors, tied head, a window on every layer
+    "phi3": dict(
+        model_type="phi3",
+        vocab_size=330,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        original_max_position_embeddings=256,
+        partial_rotary_factor=0.75,
+        rope_scaling=dict(
+            rope_type="longrope",
+            short_factor=[1.0, 1.5, 2.0, 3.0, 4.0, 6.0],
+            long_factor=[2.0, 3.0, 5.0, 8.0, 12.0, 16.0],
+            initializer_range=0.2,
+        ),
+        sliding_window=20,
+        tie_word_embeddings=True,
+    ),
+    # LongRoPE switching to its long factors at position 32: prompts stay at or under it
+    # (PROMPT_LENS), generation crosses it (see STEPWISE); untied head, no window
+    "phi3-long": dict(
+        model_type="phi3",
+        vocab_size=270,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=128,
+        original_max_position_embeddings=32,
+        rope_scaling=dict(
+            rope_type="longrope",
+            short_factor=[1.0] * 8,
+            long_factor=[1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0],
+        ),
+        tie_word_embeddings=False,
+    ),
+    # OLMo 2: norms after attention and MLP, q/k norms over all heads
+    "olmo2": dict(
+        model_type="olmo2",
+        vocab_size=340,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        initializer_range=0.2,
+    ),
 }
+NEW_FAMILIES = ("qwen3", "qwen3-tied", "gemma2", "gemma3", "phi3", "olmo2")
+"""The tiny checkpoints of the families issue 27 added (phi3-long has tests of its own)."""
+SCALED_WEIGHTS: dict[str, dict[str, float]] = {
+    "gemma2": {"q_proj": 12.0, "k_proj": 12.0},
+    "phi3": {"_proj": 10.0},
+}
+"""kind -> {name part: factor}: weights scaled up after init: Gemma 2's q and k, so that
+attention scores are large enough for soft-capping to change them; Phi-3's projections, so
+that the layers outweigh the tied embedding (a tied head with transformers' init otherwise
+echoes the last token, whatever attention does; the others get `initializer_range`)."""
+PROMPT_LENS: dict[str, tuple[int, int]] = {"phi3-long": (2, 32)}
+"""kind -> (shortest, longest) reference prompt, where not (2, 40): LongRoPE's prompts stay at
+or under original_max_position_embeddings, where transformers' choice of factors per forward
+call and ours per position agree (engine/models/rotary.py)."""
+STEPWISE = frozenset({"phi3-long"})
+"""Kinds whose reference is transformers' model stepped token by token over its cache
+(`hf_greedy_stepwise`), not generate(): Phi-3's generate() throws the cache away and
+recomputes the whole sequence with the long factors once it grows past
+original_max_position_embeddings, where each position keeps the factors it was computed with,
+in transformers' own forward with a cache as in nanoflex."""
 
 
 def build_tiny(kind: str, path: Path, seed: int = 0) -> Path:
+    return build_from_spec(TINY_CONFIGS[kind], path, seed, SCALED_WEIGHTS.get(kind, {}))
+
+
+def build_from_spec(
+    spec: dict[str, object],
+    path: Path,
+    seed: int = 0,
+    scaled: dict[str, float] | None = None,
+    **ids: int | None,
+) -> Path:
+    """A random checkpoint of transformers' config `spec` (with its model_type) saved at
+    `path`; `scaled`: {name part: factor} for weights to scale up after init; `ids`: bos, eos
+    and pad token ids (default 1, 2, 0)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    spec = dict(TINY_CONFIGS[kind])
-    model_type = spec.pop("model_type")
-    config = AutoConfig.for_model(
-        model_type, bos_token_id=1, eos_token_id=2, pad_token_id=0, **spec
-    )
+    spec = dict(spec)
+    model_type = str(spec.pop("model_type"))
+    ids = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, **ids}
+    config = AutoConfig.for_model(model_type, **ids, **spec)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # HF initializes biases and norms to constants; make them matter
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
+            for part, factor in (scaled or {}).items():
+                if part in name:
+                    p.mul_(factor)
     model.save_pretrained(path)
     return path
+
+
+def vocab_size(kind: str) -> int:
+    """The vocabulary of TINY_CONFIGS[kind] (its text_config's, with a vision tower)."""
+    spec = TINY_CONFIGS[kind]
+    text = spec.get("text_config")
+    return int((text if isinstance(text, dict) else spec)["vocab_size"])  # type: ignore[call-overload]
 
 
 def hf_greedy(model_dir: Path, prompt: list[int], max_new_tokens: int) -> list[int]:
@@ -113,6 +323,25 @@ def hf_greedy(model_dir: Path, prompt: list[int], max_new_tokens: int) -> list[i
         pad_token_id=0,
     )
     return out[0, len(prompt) :].tolist()
+
+
+def hf_greedy_stepwise(model_dir: Path, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' own model, greedy: the prompt in one forward pass, then one token at a
+    time over its cache at explicit positions."""
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    out: list[int] = []
+    with torch.no_grad():
+        cache = DynamicCache(config=model.config)
+        ids = torch.tensor([prompt])
+        positions = torch.arange(len(prompt))[None]
+        for _ in range(max_new_tokens):
+            logits = model(ids, position_ids=positions, cache=cache, use_cache=True).logits
+            out.append(int(logits[0, -1].argmax()))
+            positions = positions[:, -1:] + 1
+            ids = torch.tensor([[out[-1]]])
+    return out
 
 
 def random_prompts(num: int, vocab: int, min_len: int, max_len: int, seed: int) -> list[list[int]]:

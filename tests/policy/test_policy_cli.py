@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 
+import policy.specs
 from policy.hardware import FLEXGEN_T4
 from policy.policy import Policy
 from server.cli import main
@@ -39,6 +40,39 @@ def test_plan_report(hardware_file: str, capsys: pytest.CaptureFixture[str]) -> 
     report = capsys.readouterr().out
     for needle in ("policy (gpu / cpu / disk):", "predicted throughput", "why:", "bottleneck"):
         assert needle in report
+
+
+@pytest.mark.parametrize(
+    ("hub_id", "first_line"),
+    [
+        ("Qwen/Qwen3-8B", "qwen3-8b: 8.19B parameters, 15.3 GiB of weights, 144 KiB"),
+        ("Qwen/Qwen3-32B", "qwen3-32b: 32.76B parameters, 61.0 GiB of weights, 256 KiB"),
+        ("google/gemma-3-12b-it", "gemma-3-12b: 11.77B parameters, 21.9 GiB of weights, 384 KiB"),
+        ("google/gemma-3-27b-it", "gemma-3-27b: 27.01B parameters, 50.3 GiB of weights, 496 KiB"),
+        (
+            "microsoft/Phi-4-mini-instruct",
+            "phi-4-mini: 3.84B parameters, 7.1 GiB of weights, 128 KiB",
+        ),
+    ],
+)
+def test_plan_knows_the_newer_families_without_a_download(
+    hardware_file: str,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    hub_id: str,
+    first_line: str,
+) -> None:
+    """The common sizes of Qwen 3, Gemma 3 and Phi-4-mini are built in (bf16 weights, KV per
+    token, windows); their hub ids never reach the hub."""
+
+    def no_download(name: str) -> None:
+        raise AssertionError(f"{name}'s config.json was downloaded")
+
+    monkeypatch.setattr(policy.specs, "_download_config", no_download)
+    assert main(["plan", "--model", hub_id, "--hardware", hardware_file]) == 0
+    report = capsys.readouterr().out
+    assert report.startswith(f"model {first_line} of KV per token")
+    assert ("layers attend over their last 1024 tokens only" in report) == ("gemma" in hub_id)
 
 
 def test_plan_errors_are_one_line(hardware_file: str, capsys: pytest.CaptureFixture[str]) -> None:

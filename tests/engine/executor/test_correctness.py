@@ -64,7 +64,7 @@ def test_opt_matches_transformers(tiny_model, references, tmp_path, placement, o
     assert run(tiny_model("opt"), prompts, policy, tmp_path) == expected
 
 
-@pytest.mark.parametrize("kind", ["llama3", "qwen2", "mistral"])
+@pytest.mark.parametrize("kind", ["llama3", "qwen2", "mistral", "mistral-head-dim"])
 def test_llama_family_variants(tiny_model, references, tmp_path, kind):
     prompts, expected = references(kind)
     policy = Policy(weights_frac=(0.0, 0.5, 0.5), kv_frac=(0.5, 0.5, 0.0), cpu_attention=True)

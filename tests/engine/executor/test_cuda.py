@@ -13,7 +13,7 @@ import torch
 from engine import LLM, SamplingParams
 from policy import Policy
 from tests.engine.executor.test_correctness import MAX_TOKENS, PLACEMENTS
-from tests.engine.tiny_models import TINY_CONFIGS, random_prompts
+from tests.engine.tiny_models import NEW_FAMILIES, TINY_CONFIGS, random_prompts, vocab_size
 
 pytestmark = [
     pytest.mark.gpu,
@@ -40,24 +40,43 @@ def hf_greedy_cuda(model_dir, prompts, dtype):
     return out
 
 
+def cuda_greedy(model_dir, prompts, policy, tmp_path, dtype, **options):
+    """nanoflex's greedy MAX_TOKENS tokens for each prompt on CUDA, EOS ignored."""
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    with LLM(
+        str(model_dir),
+        policy=policy,
+        offload_dir=tmp_path / "off",
+        device="cuda",
+        dtype=dtype,
+        **options,
+    ) as llm:
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 @pytest.mark.parametrize("overlap", [False, True], ids=["sequential", "overlap"])
 @pytest.mark.parametrize("placement", list(PLACEMENTS))
 @pytest.mark.parametrize("kind", ["llama", "opt"])
 def test_cuda_matches_transformers(tiny_model, tmp_path, kind, placement, overlap, dtype):
-    vocab = int(TINY_CONFIGS[kind]["vocab_size"])  # type: ignore[call-overload]
+    vocab = vocab_size(kind)
     prompts = random_prompts(6, vocab, 2, 40, seed=len(kind))
     expected = hf_greedy_cuda(tiny_model(kind), prompts, getattr(torch, dtype))
     policy = Policy(overlap=overlap, **PLACEMENTS[placement])  # type: ignore[arg-type]
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    with LLM(
-        str(tiny_model(kind)),
-        policy=policy,
-        offload_dir=tmp_path / "off",
-        device="cuda",
-        dtype=dtype,
-    ) as llm:
-        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert cuda_greedy(tiny_model(kind), prompts, policy, tmp_path, dtype) == expected
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "cuda-graphs"])
+@pytest.mark.parametrize("placement", ["all-on-device", "kv-act-mixed", "three-gpu-batches"])
+@pytest.mark.parametrize("kind", NEW_FAMILIES)
+def test_cuda_newer_families_match_transformers(tiny_model, tmp_path, kind, placement, graphs):
+    """Qwen 3, Gemma 2/3, Phi-3 and OLMo 2 in float32 on CUDA (windows, soft-caps, q/k norms,
+    partial rotary), with the decode steps' dense ops replayed as CUDA graphs or not."""
+    vocab = vocab_size(kind)
+    prompts = random_prompts(6, vocab, 2, 40, seed=len(kind))
+    expected = hf_greedy_cuda(tiny_model(kind), prompts, torch.float32)
+    policy = Policy(**PLACEMENTS[placement])  # type: ignore[arg-type]
+    got = cuda_greedy(tiny_model(kind), prompts, policy, tmp_path, "float32", cuda_graphs=graphs)
     assert got == expected
 
 
@@ -70,7 +89,7 @@ def test_gpu_mem_budget_is_enforced(tiny_model):
 def test_cuda_graphs_replay_decode_steps_with_identical_tokens(tiny_model, kind):
     """Discrete sizes + piecewise CUDA graphs (resident weights, one GPU batch): the decode
     steps go through the graphs and the tokens equal the eager path's."""
-    vocab = int(TINY_CONFIGS[kind]["vocab_size"])  # type: ignore[call-overload]
+    vocab = vocab_size(kind)
     prompts = random_prompts(10, vocab, 2, 40, seed=5)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     outputs = {}

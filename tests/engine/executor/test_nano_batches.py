@@ -37,7 +37,7 @@ def _builder(cpu_attention: bool, window: int | None = None) -> BatchBuilder:
         torch.device("cpu"),
         PAGE,
         cpu_attention=cpu_attention,
-        sliding_window=window,
+        windows=(window or 0,),
         pool_device=lambda tier: torch.device("cpu"),
     )
 
@@ -101,7 +101,8 @@ def test_nano_batches_attend_exactly_as_the_whole_batch(
             local = part.rows if part.rows is not None else slice(None)
             qn, kn, vn = (x[nano.rows][local] for x in (q, k, v))
             past = pasts[on_cpu][part.past]
-            got[local] = ragged_attention(qn, kn, vn, past[:, 0], past[:, 1], part.layout)
+            layout = part.layouts[window or 0]
+            got[local] = ragged_attention(qn, kn, vn, past[:, 0], past[:, 1], layout)
         torch.testing.assert_close(got, whole[nano.rows], rtol=1e-5, atol=1e-6)
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from policy import Policy
-from tests.engine.tiny_models import TINY_CONFIGS, hf_greedy, random_prompts
+from tests.engine.tiny_models import NEW_FAMILIES, TINY_CONFIGS, hf_greedy, random_prompts
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
@@ -34,7 +34,7 @@ def generate_one_by_one(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[i
     return out
 
 
-@pytest.mark.parametrize("kind", ["llama", "opt", "mistral"])
+@pytest.mark.parametrize("kind", ["llama", "opt", "mistral", *NEW_FAMILIES])
 def test_cached_prefixes_give_transformers_tokens(tiny_model, tmp_path: Path, kind: str) -> None:
     model = str(tiny_model(kind))
     prompts = prompts_sharing(kind)

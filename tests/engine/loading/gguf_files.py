@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -23,16 +24,9 @@ def write_gguf(hf_dir: Path, path: Path) -> Path:
     heads = config["num_attention_heads"]
     kv_heads = config.get("num_key_value_heads") or heads
     writer = GGUFWriter(str(path), arch)
-    writer.add_name(f"tiny {arch}")
-    writer.add_block_count(config["num_hidden_layers"])
-    writer.add_context_length(config["max_position_embeddings"])
-    writer.add_embedding_length(config["hidden_size"])
-    writer.add_feed_forward_length(config["intermediate_size"])
-    writer.add_head_count(heads)
-    writer.add_head_count_kv(kv_heads)
+    add_shape_keys(writer, arch, config)
     writer.add_rope_freq_base(float(config.get("rope_theta", 10000.0)))
     writer.add_rope_dimension_count(config["hidden_size"] // heads)
-    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_vocab_size(config["vocab_size"])
     writer.add_bos_token_id(config["bos_token_id"])
     writer.add_eos_token_id(config["eos_token_id"])
@@ -52,6 +46,19 @@ def write_gguf(hf_dir: Path, path: Path) -> Path:
     return path
 
 
+def add_shape_keys(writer: Any, arch: str, config: dict[str, Any]) -> None:
+    """The metadata every llama.cpp file carries: name, sizes, head counts, norm epsilon."""
+    heads = config["num_attention_heads"]
+    writer.add_name(f"tiny {arch}")
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(config.get("num_key_value_heads") or heads)
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+
+
 def permute_like_llama_cpp(values: np.ndarray, num_heads: int) -> np.ndarray:
     """llama.cpp's `LlamaModel.permute`: within each head, interleave the two rotary halves."""
     rows = values.shape[0]
@@ -63,12 +70,24 @@ RawTensors = dict[str, tuple[np.ndarray, int | None]]
 """GGUF name -> (array, raw ggml type id, or None for the array's own float type)."""
 
 
-def write_raw_gguf(path: Path, arch: str, tensors: RawTensors) -> Path:
-    """A GGUF holding only `general.architecture` and the given tensors: for files the
-    converter must refuse."""
+def write_raw_gguf(
+    path: Path, arch: str, tensors: RawTensors, metadata: dict[str, Any] | None = None
+) -> Path:
+    """A GGUF holding `general.architecture`, the given `<arch>.` metadata keys and tensors: for
+    files the converter must refuse, and for reading metadata alone."""
     from gguf import GGMLQuantizationType, GGUFWriter
 
     writer = GGUFWriter(str(path), arch)
+    for key, value in (metadata or {}).items():
+        name = f"{arch}.{key}"
+        if isinstance(value, bool):
+            writer.add_bool(name, value)
+        elif isinstance(value, int):
+            writer.add_uint32(name, value)
+        elif isinstance(value, float):
+            writer.add_float32(name, value)
+        else:
+            writer.add_array(name, value)
     for name, (array, raw_type) in tensors.items():
         raw = None if raw_type is None else GGMLQuantizationType(raw_type)
         writer.add_tensor(name, array, raw_dtype=raw)

@@ -64,7 +64,20 @@ def test_values_are_deterministic_small_and_norms_are_identity(tmp_path):
     assert not torch.equal(q0, q1) and not torch.equal(q0[0], q0[1])
 
 
-@pytest.mark.parametrize("name", ["facebook/opt-30b", "opt-6.7b", "llama-3-8b"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "facebook/opt-30b",
+        "opt-6.7b",
+        "llama-3-8b",
+        "mistral-7b",
+        "qwen3-8b",
+        "google/gemma-2-9b-it",
+        "gemma-3-27b",
+        "phi-4-mini",
+        "olmo-2-7b",
+    ],
+)
 def test_builtin_shapes_have_the_specs_parameter_count(name):
     spec = builtin_spec(name)
     assert spec is not None

@@ -1,0 +1,344 @@
+"""A transformers config -> `ModelConfig` fields, per family; what the layer code does not honour
+is refused by name.
+
+Every field transformers' config class defines is accounted for: a family reads the fields it
+implements (`_FAMILIES`), a few never change the numbers (`HARMLESS`: ids, dtypes, dropout,
+bookkeeping), and any other field whose value differs from the class's default is one the
+layer code would silently ignore, so loading stops with its name. A new transformers field or
+a bidirectional Gemma fails this way instead of giving wrong tokens. Keys the class does not
+define are ignored, as transformers' model ignores them (leftovers of remote code, such as
+Phi-4-mini's `full_attn_mod`), except the ones that change the weights (`REFUSED`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from engine.models.config import SUPPORTED_MODEL_TYPES, UnsupportedModelError
+
+HARMLESS = frozenset(
+    {
+        "architectures",
+        "auto_map",
+        "model_type",
+        "transformers_version",
+        "torch_dtype",
+        "dtype",
+        "_name_or_path",
+        "name_or_path",
+        "_model_name_or_path",
+        "use_cache",
+        "initializer_range",
+        "init_std",
+        "initializer_factor",
+        "eos_token_id",
+        "pad_token_id",
+        "sep_token_id",
+        "id2label",
+        "label2id",
+        "tokenizer_class",
+        "prefix",
+        "cache_implementation",
+        "pretraining_tp",  # Llama 2's sharded MLP: the same products, summed in pieces
+        "_attn_implementation_autoset",
+        "output_attentions",
+        "output_hidden_states",
+        "return_dict",
+        "_remove_final_layer_norm",  # OPT conversion bookkeeping
+        "unk_token_id",
+    }
+)
+"""Config fields that never change the numbers (besides dropout, which inference skips)."""
+REFUSED = frozenset({"quantization_config"})
+"""Keys outside the config class that change what the weights mean."""
+
+_COMMON = frozenset(
+    {
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "max_position_embeddings",
+        "rms_norm_eps",
+        "tie_word_embeddings",
+        "bos_token_id",
+        "rope_parameters",
+        "rope_scaling",
+        "rope_theta",
+        "partial_rotary_factor",
+        "hidden_act",
+    }
+)
+"""Fields every Llama-family reader honours (the rotary ones through `_rope`)."""
+
+_WINDOWS = frozenset({"sliding_window", "layer_types", "use_sliding_window", "max_window_layers"})
+"""Fields that say which layers have which sliding window (read through `layer_types`)."""
+
+_GEMMA = frozenset(
+    {
+        "hidden_activation",
+        "query_pre_attn_scalar",
+        "attn_logit_softcapping",
+        "final_logit_softcapping",
+        "use_bidirectional_attention",
+        "attention_bias",
+        "sliding_window_pattern",
+        "rope_local_base_freq",
+    }
+)
+
+ROPE_TYPES = {
+    "llama": ("default", "linear", "llama3"),
+    "mistral": ("default", "linear", "llama3"),
+    "qwen2": ("default", "linear", "llama3"),
+    "qwen3": ("default", "linear", "llama3"),
+    "olmo2": ("default", "linear", "llama3"),
+    "gemma2": ("default", "linear"),
+    "gemma3_text": ("default", "linear"),
+    "phi3": ("default", "longrope"),
+}
+"""Rotary scaling types each family implements (engine/models/rotary.py)."""
+
+
+def model_config_fields(hf: Any) -> dict[str, Any]:
+    """`ModelConfig` keyword arguments for the transformers config `hf`."""
+    model_type = getattr(hf, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModelError(
+            f"model type {model_type!r} is not supported; nanoflex runs "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)} checkpoints"
+        )
+    if model_type == "gemma3":  # Gemma 3 4B and up: one checkpoint with a vision tower
+        hf = _text_config(hf)
+        model_type = hf.model_type
+    honoured, read = _FAMILIES[model_type]
+    refuse_unhonoured(hf, honoured)
+    return read(hf)
+
+
+def _text_config(hf: Any) -> Any:
+    """The language model's config of a Gemma 3 checkpoint with a vision tower: nanoflex runs
+    its text (the image tokens are ordinary vocabulary it never sees in a text prompt)."""
+    text = getattr(hf, "text_config", None)
+    if text is None or getattr(text, "model_type", None) != "gemma3_text":
+        raise UnsupportedModelError(
+            "a gemma3 config without a Gemma 3 text_config is not supported"
+        )
+    return text
+
+
+def refuse_unhonoured(hf: Any, honoured: frozenset[str]) -> None:
+    """Raise `UnsupportedModelError` naming the first field of `hf` that is neither honoured,
+    harmless, nor at its default value."""
+    defaults = _defaults(type(hf))
+    for key, value in hf.to_dict().items():
+        if key in honoured or key in HARMLESS or "dropout" in key or key.endswith("pdrop"):
+            continue
+        if key == "layerdrop" or (key in defaults and defaults[key] == value):
+            continue
+        if defaults and key not in defaults and key not in REFUSED:
+            continue  # transformers' model never reads it either
+        shown = repr(value)
+        shown = shown if len(shown) <= 60 else shown[:57] + "..."
+        raise UnsupportedModelError(
+            f"{hf.model_type} config field {key}={shown} is not supported: nanoflex does not "
+            "implement it, and running without it would give other tokens than the model's"
+        )
+
+
+_DEFAULTS: dict[type, dict[str, Any]] = {}
+
+
+def _defaults(config_class: type) -> dict[str, Any]:
+    """The fields of a default instance of `config_class` (made once per class)."""
+    if config_class not in _DEFAULTS:
+        try:
+            _DEFAULTS[config_class] = dict(config_class().to_dict())
+        except (TypeError, ValueError):  # a class with required fields: every field counts
+            _DEFAULTS[config_class] = {}
+    return _DEFAULTS[config_class]
+
+
+def _require(hf: Any, key: str, allowed: tuple[Any, ...]) -> Any:
+    """hf.key, refused by name unless one of `allowed`."""
+    value = getattr(hf, key, None)
+    if value not in allowed:
+        raise UnsupportedModelError(
+            f"{hf.model_type} config field {key}={value!r} is not supported (nanoflex "
+            f"implements {', '.join(map(repr, allowed))})"
+        )
+    return value
+
+
+# -- readers -------------------------------------------------------------------------------
+
+
+def _opt(hf: Any) -> dict[str, Any]:
+    _require(hf, "activation_function", ("relu",))
+    _require(hf, "layer_norm_elementwise_affine", (True,))
+    return dict(
+        _shapes(hf),
+        intermediate_size=hf.ffn_dim,
+        num_kv_heads=hf.num_attention_heads,
+        head_dim=hf.hidden_size // hf.num_attention_heads,
+        norm_eps=1e-5,
+        do_layer_norm_before=hf.do_layer_norm_before,
+        word_embed_proj_dim=hf.word_embed_proj_dim or hf.hidden_size,
+        activation="relu",
+        enable_bias=getattr(hf, "enable_bias", True),
+    )
+
+
+def _llama(hf: Any) -> dict[str, Any]:
+    """The fields every Llama-family model has: shapes, norms, rotary, windows, biases."""
+    _require(hf, "hidden_act", ("silu",))
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    theta, scaling, rotary_dim = _rope(hf, _rope_parameters(hf), head_dim)
+    attention_bias = bool(getattr(hf, "attention_bias", False))
+    return dict(
+        _llama_shapes(hf, head_dim),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        rotary_dim=rotary_dim,
+        qkv_bias=attention_bias or hf.model_type == "qwen2",
+        o_bias=attention_bias,
+        mlp_bias=bool(getattr(hf, "mlp_bias", False)),
+        layer_windows=_layer_windows(hf),
+    )
+
+
+def _gemma(hf: Any) -> dict[str, Any]:
+    """Gemma 2 and 3: GeGLU, query_pre_attn_scalar, soft-capping, per-layer windows (and
+    Gemma 3's local rotary base)."""
+    _require(hf, "hidden_activation", ("gelu_pytorch_tanh",))
+    _require(hf, "use_bidirectional_attention", (None, False))
+    if hf.model_type == "gemma3_text":  # transformers' Gemma 3 never applies it
+        _require(hf, "attn_logit_softcapping", (None,))
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    rope = _rope_parameters(hf)
+    local_theta = 0.0
+    if "full_attention" in rope:  # Gemma 3: one rotary per layer type
+        local = dict(rope.get("sliding_attention") or {})
+        local_theta, local_scaling, _ = _rope(hf, local, head_dim)
+        if local_scaling["rope_type"] != "default":
+            raise UnsupportedModelError(
+                f"{hf.model_type}: rotary scaling {local_scaling['rope_type']!r} on the "
+                "sliding-window layers is not supported"
+            )
+        rope = dict(rope["full_attention"] or {})
+    theta, scaling, _ = _rope(hf, rope, head_dim)
+    return dict(
+        _llama_shapes(hf, head_dim),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        local_rope_theta=local_theta,
+        qkv_bias=bool(getattr(hf, "attention_bias", False)),
+        o_bias=bool(getattr(hf, "attention_bias", False)),
+        layer_windows=_layer_windows(hf),
+        attn_scale=float(hf.query_pre_attn_scalar) ** -0.5,
+        attn_softcap=float(getattr(hf, "attn_logit_softcapping", None) or 0.0),
+        logit_softcap=float(getattr(hf, "final_logit_softcapping", None) or 0.0),
+        activation="gelu_pytorch_tanh",
+    )
+
+
+def _shapes(hf: Any) -> dict[str, Any]:
+    """The fields every family has."""
+    return dict(
+        model_type=hf.model_type,
+        vocab_size=hf.vocab_size,
+        hidden_size=hf.hidden_size,
+        num_layers=hf.num_hidden_layers,
+        num_heads=hf.num_attention_heads,
+        max_position_embeddings=hf.max_position_embeddings,
+        tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", True)),
+        bos_token_id=hf.bos_token_id,
+    )
+
+
+def _llama_shapes(hf: Any, head_dim: int) -> dict[str, Any]:
+    return dict(
+        _shapes(hf),
+        intermediate_size=hf.intermediate_size,
+        num_kv_heads=getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
+        head_dim=head_dim,
+        norm_eps=hf.rms_norm_eps,
+    )
+
+
+def _rope_parameters(hf: Any) -> dict[str, Any]:
+    """The config's rotary parameters (v5 `rope_parameters`, v4 `rope_scaling` + fields)."""
+    return dict(getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {})
+
+
+def _rope(hf: Any, rope: dict[str, Any], head_dim: int) -> tuple[float, dict[str, Any], int]:
+    """(base, scaling with its 'rope_type', rotated dimensions per head) of one rotary
+    parameter set; a scaling type the family does not implement is refused by name."""
+    rope = dict(rope)
+    theta = rope.pop("rope_theta", None) or getattr(hf, "rope_theta", None) or 10000.0
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type in ("su", "yarn") and hf.model_type == "phi3":  # Phi-3's old names
+        rope_type = "longrope"
+    if rope_type not in ROPE_TYPES[hf.model_type]:
+        raise UnsupportedModelError(
+            f"{hf.model_type}: rope scaling type {rope_type!r} is not supported (nanoflex "
+            f"implements {', '.join(ROPE_TYPES[hf.model_type])} for this family)"
+        )
+    factor = rope.pop("partial_rotary_factor", None) or getattr(hf, "partial_rotary_factor", 1.0)
+    if rope_type == "longrope":
+        original = rope.get("original_max_position_embeddings") or getattr(
+            hf, "original_max_position_embeddings", None
+        )
+        rope["original_max_position_embeddings"] = original or hf.max_position_embeddings
+    return float(theta), {**rope, "rope_type": rope_type}, int(head_dim * float(factor))
+
+
+def _layer_windows(hf: Any) -> tuple[int, ...]:
+    """Each decoder layer's sliding window from `layer_types` (Qwen, Gemma), else the one
+    `sliding_window` of every layer (Mistral, Phi-3); () where none has one."""
+    window = int(getattr(hf, "sliding_window", None) or 0)
+    types = getattr(hf, "layer_types", None)
+    if types is None:
+        return (window,) * hf.num_hidden_layers if window else ()
+    for kind in types:
+        if kind not in ("full_attention", "sliding_attention"):
+            raise UnsupportedModelError(f"{hf.model_type}: layer type {kind!r} is not supported")
+    windows = tuple(window if kind == "sliding_attention" else 0 for kind in types)
+    return windows if any(windows) else ()
+
+
+_FAMILIES: dict[str, tuple[frozenset[str], Callable[[Any], dict[str, Any]]]] = {
+    "opt": (
+        frozenset(
+            {
+                "vocab_size",
+                "hidden_size",
+                "num_hidden_layers",
+                "ffn_dim",
+                "num_attention_heads",
+                "max_position_embeddings",
+                "do_layer_norm_before",
+                "word_embed_proj_dim",
+                "activation_function",
+                "enable_bias",
+                "layer_norm_elementwise_affine",
+                "tie_word_embeddings",
+                "bos_token_id",
+            }
+        ),
+        _opt,
+    ),
+    "llama": (_COMMON | {"attention_bias", "mlp_bias"}, _llama),
+    "mistral": (_COMMON | _WINDOWS, _llama),
+    "qwen2": (_COMMON | _WINDOWS, _llama),
+    "qwen3": (_COMMON | _WINDOWS | {"attention_bias"}, _llama),
+    "olmo2": (_COMMON | {"attention_bias"}, _llama),
+    "phi3": (_COMMON | _WINDOWS | {"original_max_position_embeddings"}, _llama),
+    "gemma2": (_COMMON | _WINDOWS | _GEMMA, _gemma),
+    "gemma3_text": (_COMMON | _WINDOWS | _GEMMA, _gemma),
+}
+"""model_type -> (the config fields its reader honours, the reader)."""

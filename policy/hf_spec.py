@@ -1,0 +1,133 @@
+"""A Hugging Face `config.json` (a plain dict: no transformers here) -> `ModelSpec` fields.
+
+Shapes only, per family: what the cost model needs to size every tensor the engine moves
+(the engine's own reading, engine/models/hf_config.py, decides what runs)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+FAMILIES: dict[str, str] = {
+    "opt": "opt",
+    "llama": "llama",
+    "mistral": "llama",
+    "qwen2": "llama",
+    "qwen3": "llama",
+    "gemma2": "llama",
+    "gemma3_text": "llama",
+    "phi3": "llama",
+    "olmo2": "llama",
+}
+"""HF `model_type` -> our architecture family (all but OPT: RMSNorm, RoPE, gated MLP)."""
+_TIED_BY_DEFAULT = frozenset({"gemma2", "gemma3_text"})
+"""Families whose config class ties the head to the embeddings unless told otherwise."""
+_DTYPE_BYTES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+
+
+def spec_fields(config: dict[str, Any], name: str | None) -> dict[str, Any]:
+    """`ModelSpec` keyword arguments for `config`; a `ModelSpecError` names what is wrong."""
+    from policy.specs import ModelSpecError
+
+    model_type = str(config.get("model_type", "")).lower()
+    if model_type == "gemma3" and isinstance(config.get("text_config"), dict):
+        # Gemma 3 4B and larger ship with a vision tower: its language model is Gemma 3 text
+        dtype = config.get("torch_dtype") or config.get("dtype")
+        config = {"torch_dtype": dtype, **config["text_config"], "model_type": "gemma3_text"}
+        model_type = "gemma3_text"
+    arch = FAMILIES.get(model_type)
+    if arch is None:
+        raise ModelSpecError(
+            f"unsupported model_type {model_type!r}; supported: {sorted(FAMILIES)}"
+        )
+    dtype = str(config.get("torch_dtype") or config.get("dtype") or "float16")
+    dtype = dtype.replace("torch.", "")
+    if dtype not in _DTYPE_BYTES:
+        raise ModelSpecError(f"unsupported torch_dtype {dtype!r} in config")
+    label = name or str(config.get("_name_or_path") or model_type)
+    try:
+        if arch == "opt":
+            return _opt(config, label, _DTYPE_BYTES[dtype])
+        return _llama_family(config, model_type, label, _DTYPE_BYTES[dtype])
+    except KeyError as e:
+        raise ModelSpecError(f"{model_type} config for {label} lacks {e.args[0]!r}") from e
+    except (TypeError, ValueError) as e:
+        raise ModelSpecError(f"bad value in {model_type} config for {label}: {e}") from e
+
+
+def _opt(config: dict[str, Any], label: str, dtype_bytes: int) -> dict[str, Any]:
+    hidden, num_heads = int(config["hidden_size"]), int(config["num_attention_heads"])
+    return dict(
+        name=label,
+        arch="opt",
+        model_type="opt",
+        num_layers=int(config["num_hidden_layers"]),
+        hidden_size=hidden,
+        intermediate_size=int(config["ffn_dim"]),
+        num_heads=num_heads,
+        num_kv_heads=num_heads,
+        head_dim=hidden // num_heads,
+        vocab_size=int(config["vocab_size"]),
+        dtype_bytes=dtype_bytes,
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", True)),
+        word_embed_dim=int(config.get("word_embed_proj_dim") or hidden),
+        # OPT's learned position table has 2 extra rows (offset).
+        max_position_embeddings=int(config.get("max_position_embeddings", 2048)) + 2,
+        qkv_bias=True,
+    )
+
+
+def _llama_family(
+    config: dict[str, Any], model_type: str, label: str, dtype_bytes: int
+) -> dict[str, Any]:
+    hidden, num_heads = int(config["hidden_size"]), int(config["num_attention_heads"])
+    num_kv_heads = int(config.get("num_key_value_heads") or num_heads)
+    head_dim = int(config.get("head_dim") or hidden // num_heads)
+    num_layers = int(config["num_hidden_layers"])
+    qk_norm_params = 0
+    if model_type in ("qwen3", "gemma3_text"):  # one head_dim-wide norm each for q and k
+        qk_norm_params = 2 * head_dim
+    elif model_type == "olmo2":  # norms over the whole q and k projections
+        qk_norm_params = (num_heads + num_kv_heads) * head_dim
+    window, num_local = _windows(config, model_type, num_layers)
+    return dict(
+        name=label,
+        arch="llama",
+        model_type=model_type,
+        num_layers=num_layers,
+        hidden_size=hidden,
+        intermediate_size=int(config["intermediate_size"]),
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        vocab_size=int(config["vocab_size"]),
+        dtype_bytes=dtype_bytes,
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", model_type in _TIED_BY_DEFAULT)),
+        qkv_bias=model_type == "qwen2" or bool(config.get("attention_bias", False)),
+        num_norms=4 if model_type in ("gemma2", "gemma3_text") else 2,
+        qk_norm_params=qk_norm_params,
+        sliding_window=window if num_local else 0,
+        num_local_layers=num_local,
+    )
+
+
+def _windows(config: dict[str, Any], model_type: str, num_layers: int) -> tuple[int, int]:
+    """(sliding window, number of layers that have it), as each family's config class
+    derives them: `layer_types` where given, else the family's own rule."""
+    default = 4096 if model_type in ("gemma2", "gemma3_text") else 0
+    window = int(config.get("sliding_window", default) or 0)
+    if not window:
+        return 0, 0
+    types = config.get("layer_types")
+    if isinstance(types, list):
+        return window, sum(1 for kind in types if kind == "sliding_attention")
+    if model_type in ("qwen2", "qwen3"):
+        if not config.get("use_sliding_window", False):
+            return 0, 0
+        first = int(config.get("max_window_layers", 28))
+        return window, max(0, num_layers - first)
+    if model_type == "gemma2":  # layers 0, 2, 4, ... are local
+        return window, (num_layers + 1) // 2
+    if model_type == "gemma3_text":  # every sliding_window_pattern-th layer is global
+        pattern = int(config.get("sliding_window_pattern", 6))
+        return window, num_layers - num_layers // pattern
+    return window, num_layers  # Mistral, Phi-3: every layer

@@ -1,0 +1,101 @@
+"""Reading a transformers config into `ModelConfig`: each family's fields, and refusal by name of
+what the layer code does not honour."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from transformers import AutoConfig
+
+from engine.core.model_files import context_length
+from engine.models import build_model
+from engine.models.config import ModelConfig, UnsupportedModelError
+from engine.models.hf_config import refuse_unhonoured
+from tests.engine.tiny_models import TINY_CONFIGS
+
+
+def hf_config(kind: str, **changes: Any) -> Any:
+    spec = {**TINY_CONFIGS[kind], **changes}
+    return AutoConfig.for_model(spec.pop("model_type"), **spec)
+
+
+def test_each_family_reads_its_own_fields() -> None:
+    qwen3 = ModelConfig.from_hf(hf_config("qwen3"))
+    assert (qwen3.head_dim, qwen3.layer_windows, qwen3.windows) == (32, (0, 12, 12), (0, 12))
+    assert qwen3.shared_window == 0 and not qwen3.qkv_bias
+    gemma2 = ModelConfig.from_hf(hf_config("gemma2"))
+    assert gemma2.layer_windows == (10, 0, 10, 0) and gemma2.attn_scale == 24**-0.5
+    assert (gemma2.attn_softcap, gemma2.logit_softcap) == (3.0, 5.0)
+    assert gemma2.activation == "gelu_pytorch_tanh" and gemma2.tie_word_embeddings
+    gemma3 = ModelConfig.from_hf(hf_config("gemma3"))
+    assert gemma3.layer_windows == (10, 10, 0, 10) and gemma3.attn_softcap == 0.0
+    assert gemma3.rope_theta == 1e6 and gemma3.local_rope_theta == 1e4
+    assert gemma3.rope_scaling == {"rope_type": "linear", "factor": 4.0}
+    phi3 = ModelConfig.from_hf(hf_config("phi3"))
+    assert (phi3.rotary_dim, phi3.layer_windows, phi3.shared_window) == (12, (20,) * 3, 20)
+    assert phi3.rope_scaling["rope_type"] == "longrope"
+    assert phi3.rope_scaling["original_max_position_embeddings"] == 256
+    olmo2 = ModelConfig.from_hf(hf_config("olmo2"))
+    assert olmo2.layer_windows == () and olmo2.windows == (0,)
+
+
+@pytest.mark.parametrize(
+    ("kind", "changes", "named"),
+    [
+        ("gemma2", dict(use_bidirectional_attention=True), "use_bidirectional_attention=True"),
+        ("gemma2", dict(hidden_activation="gelu"), "hidden_activation='gelu'"),
+        ("gemma3", dict(attn_logit_softcapping=20.0), "attn_logit_softcapping=20.0"),
+        ("qwen3", dict(rope_parameters=dict(rope_type="yarn", factor=4.0)), "'yarn'"),
+        ("olmo2", dict(hidden_act="gelu"), "hidden_act='gelu'"),
+        ("qwen3", dict(quantization_config={"quant_method": "awq"}), "quantization_config"),
+        ("gemma3", dict(layer_types=["chunked_attention"] * 4), "'chunked_attention'"),
+    ],
+)
+def test_what_is_not_honoured_is_refused_by_name(kind, changes, named) -> None:
+    with pytest.raises(UnsupportedModelError, match=named):
+        ModelConfig.from_hf(hf_config(kind, **changes))
+
+
+def test_any_field_off_its_default_that_no_family_reads_is_refused() -> None:
+    config = hf_config("llama", mlp_bias=True)
+    every_field = frozenset(config.to_dict())
+    refuse_unhonoured(config, every_field)
+    with pytest.raises(UnsupportedModelError, match=r"llama config field mlp_bias=True"):
+        refuse_unhonoured(config, every_field - {"mlp_bias"})
+    unknown = hf_config("qwen3", full_attn_mod=1)  # remote code's leftovers: transformers ignores
+    ModelConfig.from_hf(unknown)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "gemma3n_text"])
+def test_mixture_of_experts_and_other_types_are_refused_by_name(model_type: str) -> None:
+    with pytest.raises(UnsupportedModelError, match=f"model type '{model_type}' is not supported"):
+        ModelConfig.from_hf(AutoConfig.for_model(model_type))
+
+
+def test_a_gemma3_vision_checkpoint_reads_as_its_language_model() -> None:
+    """Its config is its text_config's; its tensors are found under either naming (the hub's
+    original, transformers 5's), the vision tower's are skipped."""
+    config = ModelConfig.from_hf(hf_config("gemma3-vision"))
+    assert config.model_type == "gemma3_text" and config.layer_windows == (10, 0, 10)
+    model = build_model(config)
+    head = model.num_layers - 1
+    for name, want in [
+        ("model.language_model.layers.1.self_attn.q_norm.weight", (2, "q_norm.weight")),
+        ("language_model.model.layers.0.mlp.up_proj.weight", (1, "up.weight")),
+        ("language_model.model.embed_tokens.weight", (0, "tok.weight")),
+        ("model.language_model.norm.weight", (head, "norm.weight")),
+        ("language_model.lm_head.weight", (head, "lm_head.weight")),
+        ("lm_head.weight", (head, "lm_head.weight")),
+        ("model.vision_tower.vision_model.embeddings.patch_embedding.weight", None),
+        ("multi_modal_projector.mm_input_projection_weight", None),
+    ]:
+        assert model.map_name(name) == want, name
+
+
+def test_a_gemma3_vision_checkpoints_context_is_its_language_models(tmp_path) -> None:
+    """config.json of Gemma 3 4B and up keeps max_position_embeddings in its text_config only."""
+    text = {"model_type": "gemma3_text", "max_position_embeddings": 131072}
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma3", "text_config": text}))
+    assert context_length(tmp_path) == 131072

@@ -1,0 +1,114 @@
+"""The newer families' shapes in the cost model: parameter counts equal transformers' models,
+the built-in sizes the published ones, and a sliding window prices what a local layer reads."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from policy import FLEXGEN_T4, Policy
+from policy.catalog import BUILTIN_MODELS
+from policy.cost_model import estimate
+from policy.plan import format_report
+from policy.specs import ModelSpec, WorkloadSpec
+from tests.engine.tiny_models import NEW_FAMILIES, TINY_CONFIGS
+
+
+@pytest.mark.parametrize("kind", [*NEW_FAMILIES, "mistral"])
+def test_parameters_equal_transformers_model(kind: str) -> None:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from engine.models.config import ModelConfig
+
+    spec = dict(TINY_CONFIGS[kind])
+    config = AutoConfig.for_model(spec.pop("model_type"), pad_token_id=0, **spec)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    ours = ModelSpec.from_hf_config(config.to_dict())
+    assert ours.total_params == sum(p.numel() for p in model.parameters())  # tied: once
+    windows = ModelConfig.from_hf(config).layer_windows  # as the engine reads them
+    assert ours.num_local_layers == sum(1 for w in windows if w)
+    assert ours.sliding_window == max(windows, default=0)
+
+
+@pytest.mark.parametrize(
+    ("name", "billions"),
+    [
+        ("qwen3-0.6b", 0.596),
+        ("qwen3-8b", 8.19),
+        ("qwen3-32b", 32.76),
+        ("gemma-2-9b", 9.24),
+        ("gemma-2-27b", 27.2),
+        ("gemma-3-1b", 1.0),
+        ("gemma-3-12b", 11.77),
+        ("gemma-3-27b", 27.0),
+        ("phi-3-mini-4k", 3.82),
+        ("phi-4-mini", 3.84),
+        ("olmo-2-7b", 7.30),
+    ],
+)
+def test_builtin_parameter_counts_match_published_sizes(name: str, billions: float) -> None:
+    assert BUILTIN_MODELS[name].total_params / 1e9 == pytest.approx(billions, rel=0.01)
+
+
+@pytest.mark.parametrize(
+    ("hub_id", "name", "local_layers", "window"),
+    [
+        ("Qwen/Qwen3-8B", "qwen3-8b", 0, 0),
+        ("google/gemma-2-9b-it", "gemma-2-9b", 21, 4096),
+        ("google/gemma-3-27b-it", "gemma-3-27b", 52, 1024),
+        ("microsoft/Phi-3-mini-4k-instruct", "phi-3-mini-4k", 32, 2047),
+        ("microsoft/Phi-4-mini-instruct", "phi-4-mini", 0, 0),
+        ("allenai/OLMo-2-1124-7B-Instruct", "olmo-2-7b", 0, 0),
+    ],
+)
+def test_hub_ids_name_builtin_shapes(hub_id, name, local_layers, window) -> None:
+    spec = ModelSpec.from_name_or_path(hub_id)
+    assert (spec.name, spec.num_local_layers, spec.sliding_window) == (name, local_layers, window)
+
+
+def test_gemma3_with_vision_reads_its_language_model() -> None:
+    text = {
+        "hidden_size": 3840,
+        "intermediate_size": 15360,
+        "num_hidden_layers": 48,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "head_dim": 256,
+        "vocab_size": 262208,
+        "sliding_window": 1024,
+    }
+    config = {"model_type": "gemma3", "torch_dtype": "bfloat16", "text_config": text}
+    spec = ModelSpec.from_hf_config(config, name="gemma-3-12b-it")
+    assert spec.total_params == BUILTIN_MODELS["gemma-3-12b"].total_params
+    assert spec.model_type == "gemma3_text" and spec.num_local_layers == 40
+
+
+def test_a_window_prices_what_local_layers_read() -> None:
+    """Gemma 3 27B at 8K tokens: 52 of 62 layers read 1024 keys, so decode reads and attends
+    over far less KV than the same shape without windows; its memory is the same (every
+    token's KV is kept)."""
+    gemma = BUILTIN_MODELS["gemma-3-27b"]
+    full = dataclasses.replace(gemma, sliding_window=0, num_local_layers=0)
+    assert gemma.attended_len(8192) == pytest.approx((10 * 8192 + 52 * 1024) / 62)
+    assert gemma.attended_len(512) == full.attended_len(512) == 512
+    local_pairs = 1024 * 1024 / 2 + (8192 - 1024) * 1024  # the window's triangle, then rows of it
+    assert gemma.attention_pairs(8192) == pytest.approx((10 * 8192**2 / 2 + 52 * local_pairs) / 62)
+    assert gemma.attention_pairs(1000) == full.attention_pairs(1000) == 500_000
+    workload = WorkloadSpec(prompt_len=8192, gen_len=64)
+    policy = Policy(weights_frac=(0.0, 1.0, 0.0), kv_frac=(0.0, 1.0, 0.0))
+    windowed = estimate(policy, gemma, workload, FLEXGEN_T4)
+    plain = estimate(policy, full, workload, FLEXGEN_T4)
+    assert windowed.decode_time < plain.decode_time and windowed.prefill_time < plain.prefill_time
+    assert windowed.peak_bytes["cpu"] == pytest.approx(plain.peak_bytes["cpu"], rel=0.01)
+
+
+def test_plan_report_names_the_window() -> None:
+    from policy.search import search
+
+    gemma = BUILTIN_MODELS["gemma-2-9b"]
+    workload = WorkloadSpec(prompt_len=512, gen_len=32)
+    report = format_report(gemma, workload, search(gemma, workload, FLEXGEN_T4), {})
+    assert "21 of 42 layers attend over their last 4096 tokens only" in report
