@@ -129,9 +129,9 @@ def analyze(case: Case, runs: dict[str, Any]) -> dict[str, Any]:
 
 
 def _model_spec(case: Case) -> Any:
-    from policy.specs import ModelSpec, builtin_spec
+    from policy.catalog import builtin_spec, resolve_model_spec
 
-    return builtin_spec(case.model) or ModelSpec.from_name_or_path(case.model)
+    return builtin_spec(case.model) or resolve_model_spec(case.model)
 
 
 def run_case(

@@ -30,16 +30,17 @@ STARTUP_S = 15.0
 
 def estimate_seconds(case: Case, systems: tuple[str, ...]) -> dict[str, float] | None:
     """Rough seconds per system (nanoflex: its `auto` policy), None without a cached profile."""
+    from policy.catalog import builtin_spec, resolve_model_spec
     from policy.cost_model import estimate, hardware_budgets
     from policy.hardware import HardwareSpec, default_cache_path
     from policy.policy import Policy
     from policy.search import PolicyInfeasible, search
-    from policy.specs import ModelSpec, WorkloadSpec, builtin_spec
+    from policy.specs import WorkloadSpec
 
     if not default_cache_path().is_file():
         return None
     hardware = HardwareSpec.load(default_cache_path())
-    spec = builtin_spec(case.model) or ModelSpec.from_name_or_path(case.model)
+    spec = builtin_spec(case.model) or resolve_model_spec(case.model)
     workload = WorkloadSpec(case.prompt_len, case.gen_len)
     budgets = hardware_budgets(hardware, case.gpu_mem, case.cpu_mem)
     setup = STARTUP_S + spec.total_weight_bytes / SETUP_BYTES_PER_S

@@ -34,11 +34,12 @@ def plan(variant: str, model_dir: Path, args: argparse.Namespace) -> Policy:
             raise ValueError("the flexgen-policy variant needs --flexgen-policy")
         return Policy.from_json(args.flexgen_policy)
     from engine.core.planning import hardware_profile
+    from policy.catalog import resolve_model_spec
     from policy.search import search
-    from policy.specs import ModelSpec, WorkloadSpec
+    from policy.specs import WorkloadSpec
 
     result = search(
-        ModelSpec.from_name_or_path(str(model_dir)),
+        resolve_model_spec(str(model_dir)),
         WorkloadSpec(args.prompt_len, args.gen_len),
         hardware_profile(args.device),
         gpu_mem=args.gpu_mem,

@@ -17,11 +17,12 @@ from typing import Any
 
 from bench.common import Table, write_json
 from policy import Policy
+from policy.catalog import BUILTIN_MODELS
 from policy.cost_model import estimate
 from policy.hardware import FLEXGEN_T4
 from policy.paper import FLEXGEN_TABLE15
 from policy.search import PlanResult, search
-from policy.specs import BUILTIN_MODELS, WorkloadSpec
+from policy.specs import WorkloadSpec
 
 WORKLOAD = WorkloadSpec(prompt_len=512, gen_len=32)
 FLEXGEN_REPORTED = {  # generation tok/s, FlexGen paper Table 15 (arXiv version)

@@ -1,10 +1,13 @@
-"""The built-in model shapes `nanoflex plan` and `dummy:` know without a download, and the hub ids
-that name them."""
+"""The built-in model shapes `nanoflex plan` and `dummy:` know without a download, the hub ids
+that name them, and resolving any model name or path to its `ModelSpec`."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
+from policy.errors import ModelSpecError
 from policy.specs import ModelSpec
 
 
@@ -234,3 +237,47 @@ def builtin_spec(name: str) -> ModelSpec | None:
     key = key.split("/")[1]
     key = _ALIASES.get(key, key)
     return BUILTIN_MODELS.get(key)
+
+
+def resolve_model_spec(name_or_path: str | None) -> ModelSpec:
+    """Resolve a model: None (the demo model), a built-in name or hub id, a local directory
+    or config.json file, or a hub id whose config.json is downloaded."""
+    if name_or_path is None:
+        return BUILTIN_MODELS["nanoflex-demo"]
+    spec = builtin_spec(name_or_path)
+    if spec is not None:
+        return spec
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        path = path / "config.json"
+    if path.is_file():
+        return ModelSpec.from_hf_config(_read_json(path), name=name_or_path)
+    if path.exists() or name_or_path.startswith((".", "/", "~")):
+        raise ModelSpecError(f"no config.json at {name_or_path}")
+    return ModelSpec.from_hf_config(_download_config(name_or_path), name=name_or_path)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except OSError as e:
+        raise ModelSpecError(f"cannot read {path}: {e.strerror}") from e
+    except json.JSONDecodeError as e:
+        raise ModelSpecError(f"{path} is not valid JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise ModelSpecError(f"{path} must hold a JSON object")
+    return data
+
+
+def _download_config(repo_id: str) -> dict[str, Any]:
+    """Fetch only config.json of a hub model (never weights, never transformers/torch)."""
+    try:
+        from huggingface_hub import hf_hub_download
+
+        local = hf_hub_download(repo_id, "config.json")
+    except Exception as e:  # network, auth, missing repo: all mean "cannot resolve"
+        raise ModelSpecError(
+            f"unknown model {repo_id!r}: not a built-in name, not a local directory, and "
+            f"its config.json could not be fetched from the hub ({type(e).__name__})"
+        ) from e
+    return _read_json(Path(local))

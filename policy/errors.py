@@ -3,3 +3,7 @@
 
 class UserError(Exception):
     """Bad input from a user, a file or a config. The CLI prints it as one line (exit 2)."""
+
+
+class ModelSpecError(UserError, ValueError):
+    """A model that cannot be described: unknown name, unreadable or unsupported config."""

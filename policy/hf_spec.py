@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from policy.errors import ModelSpecError
+
 FAMILIES: dict[str, str] = {
     "opt": "opt",
     "llama": "llama",
@@ -26,8 +28,6 @@ _DTYPE_BYTES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2, "floa
 
 def spec_fields(config: dict[str, Any], name: str | None) -> dict[str, Any]:
     """`ModelSpec` keyword arguments for `config`; a `ModelSpecError` names what is wrong."""
-    from policy.specs import ModelSpecError
-
     model_type = str(config.get("model_type", "")).lower()
     if model_type == "gemma3" and isinstance(config.get("text_config"), dict):
         # Gemma 3 4B and larger ship with a vision tower: its language model is Gemma 3 text

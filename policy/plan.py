@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from policy.catalog import resolve_model_spec
 from policy.hardware import HardwareSpec, load_cached
 from policy.prefix import break_even_tokens
 from policy.search import PlanResult, search
@@ -63,7 +64,7 @@ def add_length_args(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """Run the search for the parsed `nanoflex plan` arguments; print JSON or a report."""
-    model = ModelSpec.from_name_or_path(args.model)
+    model = resolve_model_spec(args.model)
     workload = WorkloadSpec(prompt_len=args.prompt_len, gen_len=args.gen_len)
     hardware = HardwareSpec.load(args.hardware) if args.hardware else load_cached()
     result = search(

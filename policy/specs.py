@@ -2,19 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from policy.errors import UserError
+from policy.errors import ModelSpecError, UserError
 
 ARCHS: tuple[str, str] = ("opt", "llama")
 _DTYPE_BYTES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
-
-
-class ModelSpecError(UserError, ValueError):
-    """A model that cannot be described: unknown name, unreadable or unsupported config."""
 
 
 @dataclass(frozen=True)
@@ -176,52 +170,6 @@ class ModelSpec:
 
         return cls(**spec_fields(config, name))
 
-    @classmethod
-    def from_name_or_path(cls, name_or_path: str | None) -> ModelSpec:
-        """Resolve a model: None (the demo model), a built-in name or hub id, a local
-        directory or config.json file, or a hub id whose config.json is downloaded."""
-        from policy.catalog import BUILTIN_MODELS, builtin_spec
-
-        if name_or_path is None:
-            return BUILTIN_MODELS["nanoflex-demo"]
-        spec = builtin_spec(name_or_path)
-        if spec is not None:
-            return spec
-        path = Path(name_or_path).expanduser()
-        if path.is_dir():
-            path = path / "config.json"
-        if path.is_file():
-            return cls.from_hf_config(_read_json(path), name=name_or_path)
-        if path.exists() or name_or_path.startswith((".", "/", "~")):
-            raise ModelSpecError(f"no config.json at {name_or_path}")
-        return cls.from_hf_config(_download_config(name_or_path), name=name_or_path)
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text())
-    except OSError as e:
-        raise ModelSpecError(f"cannot read {path}: {e.strerror}") from e
-    except json.JSONDecodeError as e:
-        raise ModelSpecError(f"{path} is not valid JSON: {e}") from e
-    if not isinstance(data, dict):
-        raise ModelSpecError(f"{path} must hold a JSON object")
-    return data
-
-
-def _download_config(repo_id: str) -> dict[str, Any]:
-    """Fetch only config.json of a hub model (never weights, never transformers/torch)."""
-    try:
-        from huggingface_hub import hf_hub_download
-
-        local = hf_hub_download(repo_id, "config.json")
-    except Exception as e:  # network, auth, missing repo: all mean "cannot resolve"
-        raise ModelSpecError(
-            f"unknown model {repo_id!r}: not a built-in name, not a local directory, and "
-            f"its config.json could not be fetched from the hub ({type(e).__name__})"
-        ) from e
-    return _read_json(Path(local))
-
 
 @dataclass(frozen=True)
 class WorkloadSpec:
@@ -240,12 +188,3 @@ class WorkloadSpec:
     def total_len(self) -> float:
         """Tokens per sequence at the end: prompt_len + gen_len."""
         return self.prompt_len + self.gen_len
-
-
-def __getattr__(name: str) -> Any:
-    """`BUILTIN_MODELS` and `builtin_spec` live in policy/catalog.py (still importable here)."""
-    if name in ("BUILTIN_MODELS", "builtin_spec"):
-        from policy import catalog
-
-        return getattr(catalog, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

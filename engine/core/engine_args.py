@@ -25,6 +25,7 @@ from engine.core.planning import DEFAULT_WORKLOAD, cached_hardware, resolve_poli
 from engine.core.protocol import EngineInfo
 from engine.core.scheduler import Scheduler, SchedulerConfig, discrete_sizes
 from policy import Policy, UserError
+from policy.catalog import resolve_model_spec
 from policy.specs import WorkloadSpec
 from policy.units import parse_bytes
 
@@ -315,9 +316,8 @@ class EngineArgs:
         if hardware is None or not self.enable_prefix_caching:
             return {}
         from policy.prefix import break_even_tokens  # the cost model imports numpy
-        from policy.specs import ModelSpec
 
-        model = ModelSpec.from_name_or_path(str(model_dir))
+        model = resolve_model_spec(str(model_dir))
         never = self.context_len(model_dir) + 1
         even = break_even_tokens(model, hardware, info.page_tokens, policy.compress_kv)
         return {tier: never if n is None else n for tier, n in even.items()}

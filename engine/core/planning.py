@@ -16,6 +16,7 @@ from typing import Any
 
 from engine.core.dtypes import checkpoint_dtype, default_dtype
 from policy import Policy, UserError
+from policy.catalog import resolve_model_spec
 from policy.hardware import MAX_SPREAD, HardwareSpec, default_cache_path
 from policy.machine import machine_key
 from policy.specs import ModelSpec, WorkloadSpec
@@ -30,7 +31,7 @@ DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 def model_spec(model_dir: Path, compute_device: str, dtype: str | None = None) -> ModelSpec:
     """The model's shape with the element size the engine will compute in: `dtype` if
     given, else the engine's default for this device and checkpoint (engine/core/dtypes.py)."""
-    spec = ModelSpec.from_name_or_path(str(model_dir))
+    spec = resolve_model_spec(str(model_dir))
     if dtype is None:
         dtype = default_dtype(compute_device, checkpoint_dtype(model_dir))
     return dataclasses.replace(spec, dtype_bytes=DTYPE_BYTES[dtype])

@@ -39,7 +39,7 @@ def is_dummy(model_dir: Path) -> bool:
 
 def hf_config_dict(name: str) -> dict[str, Any]:
     """A transformers config for a built-in shape (policy.specs) or a directory's config.json."""
-    from policy.specs import builtin_spec
+    from policy.catalog import builtin_spec
 
     path = Path(name).expanduser()
     if path.is_dir():

@@ -16,7 +16,7 @@ from typing import Any
 
 from engine.core.model_files import ModelLoadError
 from engine.loading.gguf_tensors import GgufTensors
-from engine.models.config import UnsupportedModelError
+from engine.models.hf_config import UnsupportedModelError
 
 MODEL_TYPES = {
     "qwen3": "qwen3",

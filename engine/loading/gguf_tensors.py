@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from engine.core.model_files import ModelLoadError
-from engine.models.config import UnsupportedModelError
+from engine.models.hf_config import UnsupportedModelError
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "olmo2")
 """GGUF architectures nanoflex converts (Llama and Mistral files are `llama`; Gemma 3's are the

@@ -7,25 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.core.model_files import ModelLoadError
-from policy.errors import UserError
-
-SUPPORTED_MODEL_TYPES = (
-    "opt",
-    "llama",
-    "mistral",
-    "qwen2",
-    "qwen3",
-    "gemma2",
-    "gemma3_text",
-    "gemma3",
-    "phi3",
-    "olmo2",
-)
-
-
-class UnsupportedModelError(UserError):
-    """The checkpoint's architecture, or a setting in its config, is not one nanoflex
-    implements."""
+from engine.models.hf_config import model_config_fields
 
 
 @dataclass(frozen=True)
@@ -104,8 +86,6 @@ class ModelConfig:
     def from_hf(cls, hf: Any) -> ModelConfig:
         """Normalize a transformers `PretrainedConfig` (v4 or v5 field names); a field the
         implementation does not honour is refused by name (`engine.models.hf_config`)."""
-        from engine.models.hf_config import model_config_fields
-
         return cls(**model_config_fields(hf))
 
 

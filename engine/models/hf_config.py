@@ -15,7 +15,26 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from engine.models.config import SUPPORTED_MODEL_TYPES, UnsupportedModelError
+from policy.errors import UserError
+
+SUPPORTED_MODEL_TYPES = (
+    "opt",
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "gemma2",
+    "gemma3_text",
+    "gemma3",
+    "phi3",
+    "olmo2",
+)
+
+
+class UnsupportedModelError(UserError):
+    """The checkpoint's architecture, or a setting in its config, is not one nanoflex
+    implements."""
+
 
 HARMLESS = frozenset(
     {

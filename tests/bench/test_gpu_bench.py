@@ -11,9 +11,10 @@ from bench.flexgen_run import FlexGenOutputError, build_tokenizer, parse_flexgen
 from bench.gpu_cases import CASES, FlexGenArgs, GiB
 from bench.gpu_report import BEGIN, END, comparison_table, points, report, update_docs
 from bench.roofline import best_roofline, max_block_size, roofline
+from policy.catalog import builtin_spec
 from policy.hardware import FLEXGEN_T4
 from policy.paper import FLEXGEN_TABLE15
-from policy.specs import WorkloadSpec, builtin_spec
+from policy.specs import WorkloadSpec
 
 # What `python -m flexgen.flex_opt --model facebook/opt-30b --path _DUMMY_ ...` prints at the
 # end of a run (flexgen 0.1.8, flexgen/utils.py write_benchmark_log), tab-separated.

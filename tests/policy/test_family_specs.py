@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from policy import FLEXGEN_T4, Policy
-from policy.catalog import BUILTIN_MODELS
+from policy.catalog import BUILTIN_MODELS, resolve_model_spec
 from policy.cost_model import estimate
 from policy.plan import format_report
 from policy.specs import ModelSpec, WorkloadSpec
@@ -65,7 +65,7 @@ def test_builtin_parameter_counts_match_published_sizes(name: str, billions: flo
     ],
 )
 def test_hub_ids_name_builtin_shapes(hub_id, name, local_layers, window) -> None:
-    spec = ModelSpec.from_name_or_path(hub_id)
+    spec = resolve_model_spec(hub_id)
     assert (spec.name, spec.num_local_layers, spec.sliding_window) == (name, local_layers, window)
 
 

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-import policy.specs
+import policy.catalog
 from policy.hardware import FLEXGEN_T4
 from policy.policy import Policy
 from server.cli import main
@@ -68,7 +68,7 @@ def test_plan_knows_the_newer_families_without_a_download(
     def no_download(name: str) -> None:
         raise AssertionError(f"{name}'s config.json was downloaded")
 
-    monkeypatch.setattr(policy.specs, "_download_config", no_download)
+    monkeypatch.setattr(policy.catalog, "_download_config", no_download)
     assert main(["plan", "--model", hub_id, "--hardware", hardware_file]) == 0
     report = capsys.readouterr().out
     assert report.startswith(f"model {first_line} of KV per token")

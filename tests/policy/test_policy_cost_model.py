@@ -4,11 +4,12 @@ import dataclasses
 
 import pytest
 
+from policy.catalog import BUILTIN_MODELS
 from policy.cost_model import compressed_bytes_per_element, estimate
 from policy.hardware import FLEXGEN_T4
 from policy.paper import FLEXGEN_TABLE15
 from policy.policy import Policy
-from policy.specs import BUILTIN_MODELS, WorkloadSpec
+from policy.specs import WorkloadSpec
 
 OPT_30B = BUILTIN_MODELS["opt-30b"]
 WORKLOAD = WorkloadSpec(prompt_len=512, gen_len=32)

@@ -6,13 +6,14 @@ import numpy as np
 import pytest
 
 from policy.affine import ZERO, Affine
+from policy.catalog import BUILTIN_MODELS
 from policy.cost_model import estimate
 from policy.hardware import FLEXGEN_T4, HardwareSpec
 from policy.nano_batching import dense_seconds, overlapped_compute
 from policy.paper import FLEXGEN_TABLE15
 from policy.plan import format_report
 from policy.search import search
-from policy.specs import BUILTIN_MODELS, WorkloadSpec
+from policy.specs import WorkloadSpec
 
 GiB = 1024**3
 X = np.zeros(9)

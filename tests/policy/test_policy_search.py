@@ -4,9 +4,10 @@ import dataclasses
 
 import pytest
 
+from policy.catalog import BUILTIN_MODELS, resolve_model_spec
 from policy.hardware import FLEXGEN_T4, HardwareSpec
 from policy.search import COMPRESSION_MIN_GAIN, MIN_GAIN, PolicyInfeasible, search
-from policy.specs import BUILTIN_MODELS, ModelSpec, WorkloadSpec
+from policy.specs import ModelSpec, WorkloadSpec
 
 GiB = 1024**3
 WORKLOAD = WorkloadSpec(prompt_len=512, gen_len=32)
@@ -33,7 +34,7 @@ def _throughput(model: ModelSpec, hardware: HardwareSpec, **kwargs: object) -> f
 
 
 def test_demo_model_fits_on_the_gpu() -> None:
-    result = search(ModelSpec.from_name_or_path(None), WORKLOAD, BOX)
+    result = search(resolve_model_spec(None), WORKLOAD, BOX)
     assert result.policy.weights_frac == (1.0, 0.0, 0.0)
     assert result.policy.kv_frac == (1.0, 0.0, 0.0)
     assert not (result.policy.compress_weights or result.policy.compress_kv)

@@ -5,8 +5,9 @@ from pathlib import Path
 
 import pytest
 
+from policy.catalog import BUILTIN_MODELS, resolve_model_spec
 from policy.errors import UserError
-from policy.specs import BUILTIN_MODELS, ModelSpec, WorkloadSpec
+from policy.specs import ModelSpec, WorkloadSpec
 
 
 @pytest.mark.parametrize(
@@ -40,7 +41,7 @@ def test_kv_bytes_are_gqa_aware() -> None:
 
 
 def test_demo_model_is_the_default() -> None:
-    demo = ModelSpec.from_name_or_path(None)
+    demo = resolve_model_spec(None)
     assert demo.name == "nanoflex-demo"
     assert (demo.vocab_size, demo.hidden_size, demo.intermediate_size) == (2048, 512, 1408)
     assert (demo.num_layers, demo.num_heads, demo.num_kv_heads, demo.head_dim) == (6, 8, 2, 64)
@@ -59,7 +60,7 @@ def test_demo_model_is_the_default() -> None:
     ],
 )
 def test_hub_ids_resolve_to_builtin_entries(hub_id: str, name: str) -> None:
-    assert ModelSpec.from_name_or_path(hub_id).name == name
+    assert resolve_model_spec(hub_id).name == name
 
 
 def test_from_hf_config_opt() -> None:
@@ -107,7 +108,7 @@ def test_local_directory_config(tmp_path: Path) -> None:
         "torch_dtype": "float32",
     }
     (tmp_path / "config.json").write_text(json.dumps(config))
-    spec = ModelSpec.from_name_or_path(str(tmp_path))
+    spec = resolve_model_spec(str(tmp_path))
     assert spec.num_kv_heads == 4 and spec.head_dim == 16 and spec.dtype_bytes == 4
 
 
@@ -132,9 +133,9 @@ def test_unknown_model_without_hub_is_a_user_error(monkeypatch: pytest.MonkeyPat
 
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", offline)
     with pytest.raises(UserError, match="unknown model"):
-        ModelSpec.from_name_or_path("someone/not-a-model")
+        resolve_model_spec("someone/not-a-model")
     with pytest.raises(UserError, match=r"no config\.json"):
-        ModelSpec.from_name_or_path("./does-not-exist")
+        resolve_model_spec("./does-not-exist")
 
 
 def test_workload_validation() -> None:

@@ -2,9 +2,10 @@
 
 import dataclasses
 
+from policy.catalog import BUILTIN_MODELS
 from policy.hardware import FLEXGEN_T4
 from policy.paper import FLEXGEN_TABLE15
-from policy.specs import BUILTIN_MODELS, WorkloadSpec
+from policy.specs import WorkloadSpec
 from policy.threads import LOAD_TASKS, choose_threads, io_volumes, plan_threads, split_threads
 
 OPT_30B = BUILTIN_MODELS["opt-30b"]

@@ -14,6 +14,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.core.tokenizer import Tokenizer
 from policy import Policy
+from policy.catalog import resolve_model_spec
 from policy.specs import ModelSpec
 from tests.engine.chats import CHATS
 
@@ -67,6 +68,6 @@ def test_the_planners_builtin_spec_is_the_converted_checkpoint(smollm2_dir: Path
     exactly what the converted checkpoint's config.json says (134,515,008 parameters)."""
     config = json.loads((smollm2_dir / "config.json").read_text())
     from_checkpoint = ModelSpec.from_hf_config(config, name="smollm2-135m-instruct")
-    assert ModelSpec.from_name_or_path("smollm2-135m-instruct") == from_checkpoint
-    assert ModelSpec.from_name_or_path("HuggingFaceTB/SmolLM2-135M-Instruct") == from_checkpoint
+    assert resolve_model_spec("smollm2-135m-instruct") == from_checkpoint
+    assert resolve_model_spec("HuggingFaceTB/SmolLM2-135M-Instruct") == from_checkpoint
     assert from_checkpoint.total_params == 134_515_008

@@ -13,7 +13,7 @@ from engine.loading.checkpoint import CheckpointReader, open_reader
 from engine.loading.dummy import INIT_SCALE, MARKER, DummyReader, dummy_model_dir
 from engine.loading.generated import local_model_dir
 from policy import Policy
-from policy.specs import builtin_spec
+from policy.catalog import builtin_spec
 from tests.engine.tiny_models import TINY_CONFIGS, hf_greedy
 
 

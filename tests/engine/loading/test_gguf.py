@@ -23,7 +23,7 @@ from engine.core.model_files import (
 from engine.core.tokenizer import Tokenizer
 from engine.loading.generated import local_model_dir
 from engine.loading.gguf_convert import MANIFEST, file_digest, gguf_model_dir
-from engine.models.config import UnsupportedModelError
+from engine.models.hf_config import UnsupportedModelError
 from policy import Policy
 from tests.engine.chats import CHATS
 from tests.engine.loading.gguf_files import write_gguf, write_raw_gguf

@@ -12,7 +12,7 @@ from engine import LLM, SamplingParams
 from engine.core.model_files import ModelLoadError
 from engine.executor.budgets import MemoryBudgetError
 from engine.loading.dummy import DummyReader
-from engine.models.config import UnsupportedModelError
+from engine.models.hf_config import UnsupportedModelError
 from policy import Policy, PolicyError
 from tests.engine.tiny_models import build_tiny, hf_greedy
 

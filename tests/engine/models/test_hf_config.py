@@ -11,8 +11,8 @@ from transformers import AutoConfig
 
 from engine.core.model_files import context_length
 from engine.models import build_model
-from engine.models.config import ModelConfig, UnsupportedModelError
-from engine.models.hf_config import refuse_unhonoured
+from engine.models.config import ModelConfig
+from engine.models.hf_config import UnsupportedModelError, refuse_unhonoured
 from tests.engine.tiny_models import TINY_CONFIGS
 
 
