@@ -28,7 +28,10 @@ from server.openai.serving import Prepared, Serving
 
 
 class _Chunks:
-    """The chunks of one streamed request."""
+    """The chunks of one streamed request, built with `model_construct`: their fields come
+    from the engine and the validated request, so validating each of a stream's thousands of
+    chunks again would only cost time (tests/server/test_fuzz.py checks them against the
+    schema)."""
 
     def __init__(self, serving: Serving, prep: Prepared) -> None:
         self.serving, self.prep = serving, prep
@@ -56,17 +59,19 @@ class _Chunks:
             logprobs = chat_logprobs(names, delta.new_token_ids, entries, prep.num_logprobs)
         text = delta.new_text
         fields: dict[str, Any] = {"content": text} if text or not delta.finished else {}
-        content = ChatDelta(**fields)
+        content = ChatDelta.model_construct(**fields)
         out.append(self._chat_chunk(choice.index, content, logprobs, delta.finish_reason))
         return out
 
     def _chat_chunk(
         self, index: int, delta: ChatDelta, logprobs: ChatLogprobs | None, finish_reason: Any
     ) -> bytes:
-        choice = ChatChunkChoice(
+        choice = ChatChunkChoice.model_construct(
             index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason
         )
-        chunk = ChatCompletionChunk(**self.head, object="chat.completion.chunk", choices=[choice])
+        chunk = ChatCompletionChunk.model_construct(
+            **self.head, object="chat.completion.chunk", choices=[choice]
+        )
         return sse(chunk)
 
     def completion(self, choice: ChoiceAccumulator, delta: SequenceDelta) -> list[bytes]:
@@ -93,13 +98,15 @@ class _Chunks:
                 serving.token_names(prep),
             )
         self.sent_chars[choice.index] = (offset or 0) + len(text)
-        rendered = CompletionChoice(
+        rendered = CompletionChoice.model_construct(
             index=choice.index,
             text=text,
             logprobs=logprobs,
-            finish_reason=delta.finish_reason,  # type: ignore[arg-type]
+            finish_reason=delta.finish_reason,
         )
-        chunk = CompletionChunk(**self.head, object="text_completion", choices=[rendered])
+        chunk = CompletionChunk.model_construct(
+            **self.head, object="text_completion", choices=[rendered]
+        )
         return [sse(chunk)]
 
     def usage(self, choices: dict[int, ChoiceAccumulator]) -> bytes:
