@@ -101,3 +101,19 @@ def engine_unavailable() -> APIError:
         code="engine_unavailable",
         headers={"Retry-After": "1"},
     )
+
+
+OFFLOAD_UNAVAILABLE = "offload_storage_unavailable"
+
+
+def offload_unavailable(reason: str) -> APIError:
+    """503: the engine's offload directory failed the request (disk full, I/O error); nothing
+    was wrong with the request."""
+    return APIError(
+        503,
+        f"The engine's offload storage is unavailable: {reason}. Nothing is wrong with the "
+        "request; retry shortly. See GET /ready.",
+        type="server_error",
+        code=OFFLOAD_UNAVAILABLE,
+        headers={"Retry-After": "2"},
+    )

@@ -25,9 +25,15 @@ from typing import Any
 
 from engine.core.outputs import ChoiceAccumulator, SequenceDelta
 from engine.core.sampling_params import SamplingError, SamplingParams
-from engine.runtime.engine_client import EngineClient, EngineDeadError
+from engine.runtime.engine_client import EngineClient, EngineDeadError, StorageUnavailableError
 from policy.errors import UserError
-from server.openai.errors import APIError, engine_unavailable, invalid_request, not_found
+from server.openai.errors import (
+    APIError,
+    engine_unavailable,
+    invalid_request,
+    not_found,
+    offload_unavailable,
+)
 from server.openai.logprobs import chat_logprobs, completion_logprobs
 from server.openai.metrics import Metrics
 from server.openai.requests import (
@@ -480,6 +486,8 @@ def _translate(e: Exception) -> APIError:
         return e
     if isinstance(e, EngineDeadError):
         return engine_unavailable()
+    if isinstance(e, StorageUnavailableError):
+        return offload_unavailable(str(e))
     if isinstance(e, ValueError):  # the scheduler's RequestError: the caller's 400
         return invalid_request(str(e))
     return APIError(500, f"generation failed: {e}", type="server_error", code="internal_error")
