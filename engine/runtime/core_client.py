@@ -194,6 +194,12 @@ class CoreEngineClient(EngineClient):
     def is_ready(self) -> bool:
         return self._is_up() and not self._storage_blocked()
 
+    def check_ready(self) -> None:
+        if not self._is_up():
+            raise EngineDeadError("the engine is not ready")
+        if self._storage_blocked():
+            raise StorageUnavailableError(self.status())
+
     def _is_up(self) -> bool:
         return self._ready.is_set() and self._executor is not None and self._executor.is_alive
 
@@ -330,10 +336,7 @@ class CoreEngineClient(EngineClient):
         *,
         stream: bool = True,
     ) -> AsyncGenerator[SequenceDelta, None]:
-        if not self._is_up():
-            raise EngineDeadError("the engine is not ready")
-        if self._storage_blocked():
-            raise StorageUnavailableError(self.status())
+        self.check_ready()
         parent = ParentRequest(Request(request_id, list(prompt_token_ids), params, priority))
         child_ids = [child.request_id for child in parent.children]
         deltas = _Stream(parent, stream)

@@ -104,6 +104,12 @@ class EngineClient(abc.ABC):
         weights: layer 3/30"."""
         return "engine starting or restarting"
 
+    def check_ready(self) -> None:
+        """Raise what a request would meet now if the engine cannot take one: by default
+        `EngineDeadError` unless `is_ready()`."""
+        if not self.is_ready():
+            raise EngineDeadError(self.status())
+
     # -- model and tokenizer ---------------------------------------------------------
     @property
     @abc.abstractmethod

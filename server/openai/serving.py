@@ -132,6 +132,14 @@ class Serving:
         except EngineDeadError as e:
             raise engine_unavailable() from e
 
+    def check_ready(self) -> None:
+        """Raise the 503 a request meets now if the engine cannot take it (loading,
+        restarting, its offload storage resting after a fault)."""
+        try:
+            self.engine.check_ready()
+        except Exception as e:
+            raise _translate(e) from e
+
     def _prepare(self, endpoint: str, body: Any) -> Prepared:
         req: CompletionRequest | ChatCompletionRequest
         if endpoint == CHAT:

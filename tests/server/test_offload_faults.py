@@ -233,9 +233,12 @@ def test_a_restarted_engine_keeps_the_budgets_it_announced(
         body = {"model": MODEL, "prompt": long_prompt, "max_tokens": 4, "temperature": 0}
         refused = http.post("/v1/completions", json=body)
         ready = http.get("/ready")  # no tier may take KV for the next second
+        meanwhile = http.post("/v1/completions", json={**body, "prompt": "short"})
     assert refused.status_code == 503, refused.text
     assert refused.json()["error"]["code"] == "offload_storage_unavailable"
     assert ready.status_code == 503 and "offload storage failed" in ready.json()["detail"]
+    assert meanwhile.status_code == 503 and meanwhile.headers["Retry-After"] == "2"
+    assert meanwhile.json()["error"]["code"] == "offload_storage_unavailable"
     offload_disk.free()
     wait_for(live.engine.is_ready, 10)  # the disk tier rests 1 s after a fault
     answer = client.completions.create(model=MODEL, prompt=long_prompt, max_tokens=4, temperature=0)

@@ -63,3 +63,17 @@ def build_crashing_executor(**engine_kwargs: Any) -> CrashingExecutor:
 
 def pid() -> int:
     return os.getpid()
+
+
+class SlowExecutor(ToyExecutor):
+    """A step that takes a minute: its process is mid-step whenever a test looks."""
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        import time
+
+        time.sleep(60)
+        return super().execute(plan)
+
+
+def build_slow_executor() -> SlowExecutor:
+    return SlowExecutor()
