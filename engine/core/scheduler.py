@@ -200,7 +200,8 @@ class Scheduler:
         """Sequences end ('length') at this many tokens, so a lone one always fits a pool."""
         self.clock: Callable[[], float] = time.monotonic
         self._paused_until: dict[str, float] = {}
-        """Tier -> when it may take new KV again after a storage fault (`clock` time)."""
+        """Tier -> when it may take new KV again after a storage fault (`clock` time); read
+        from the daemon's event loop too (`is_blocked_by_storage`)."""
         self.num_offload_faults = 0
         """Steps that failed on their offload storage so far."""
         self.last_offload_fault = ""
@@ -514,14 +515,15 @@ class Scheduler:
 
     # -- storage faults ----------------------------------------------------------------
     def paused_tiers(self) -> set[str]:
-        """Tiers that take no new KV now: their storage failed less than offload_retry_s ago."""
+        """Tiers that take no new KV now: their storage failed less than offload_retry_s ago.
+        Safe to call from another thread (it reads a copy, changes nothing)."""
         now = self.clock()
-        self._paused_until = {t: u for t, u in self._paused_until.items() if u > now}
-        return set(self._paused_until)
+        return {t for t, until in dict(self._paused_until).items() if until > now}
 
     def pause_left(self) -> float:
         """Seconds until the last paused tier may be tried again (0: none is paused)."""
-        return max((u - self.clock() for u in self._paused_until.values()), default=0.0)
+        now = self.clock()
+        return max([until - now for until in dict(self._paused_until).values()] + [0.0])
 
     def is_blocked_by_storage(self) -> bool:
         """No tier that holds a sequence of the longest length (`max_len`) may take KV now:

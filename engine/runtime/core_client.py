@@ -395,7 +395,8 @@ class CoreEngineClient(EngineClient):
                     break
                 continue
             assert self._counter is not None
-            self._emit(core, time.perf_counter() - start, self._counter.num_seqs)
+            ran = 0 if core.is_stalled else self._counter.num_seqs  # stalled: nothing ran
+            self._emit(core, time.perf_counter() - start, ran)
             if deltas:
                 self._call_soon(self._dispatch, deltas)
         self._close_core()
