@@ -595,7 +595,7 @@ class Scheduler:
         """End seq with an error that is not the request's: its storage failed again."""
         self._retire(seq)
         del self.requests[seq.request.request_id]
-        seq.fail(f"the engine's offload storage failed ({reason}); retry later", retryable=True)
+        seq.fail(f"the engine's offload storage failed ({reason})", retryable=True)
         return seq.delta([], "", None)
 
 

@@ -214,8 +214,8 @@ class CoreEngineClient(EngineClient):
         if self._is_up() and core is not None and self._storage_blocked():
             scheduler = core.scheduler
             return (
-                f"the offload storage failed ({scheduler.last_offload_fault}); trying it again "
-                f"in {scheduler.pause_left():.0f} s"
+                f"the engine's offload storage failed ({scheduler.last_offload_fault}); it is "
+                f"tried again in {scheduler.pause_left():.0f} s"
             )
         return self._status
 
