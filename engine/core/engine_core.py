@@ -120,7 +120,7 @@ class EngineCore:
         while self.has_unfinished():
             yield from self.step()
             if self._stalled and self._in_flight is None:
-                wait_s = self.scheduler.pause_left()
+                wait_s = self.scheduler.rest.left()
                 if wait_s > 0:  # a tier rests after a storage fault: try it again then
                     time.sleep(min(wait_s, 0.05))
                     continue

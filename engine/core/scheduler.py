@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.core.detokenizer import Detokenizer
@@ -28,6 +26,7 @@ from engine.core.outputs import SequenceDelta
 from engine.core.prefix_cache import PageRef
 from engine.core.protocol import PENDING_TOKEN_ID, SeqChunk, StepFailure, StepPlan, StepResult
 from engine.core.sequence import Request, Sequence, SequenceStatus
+from engine.core.tier_rest import TierRest, largest_pool_tokens, pool_tokens
 from policy import TIERS, Policy, UserError
 from policy.policy import Triple
 
@@ -198,14 +197,8 @@ class Scheduler:
         """Tokens the largest allowed KV pool holds: the most one sequence can ever have in KV."""
         self.max_len = min(config.max_model_len, self.kv_tokens + 1)
         """Sequences end ('length') at this many tokens, so a lone one always fits a pool."""
-        self.clock: Callable[[], float] = time.monotonic
-        self._paused_until: dict[str, float] = {}
-        """Tier -> when it may take new KV again after a storage fault (`clock` time); read
-        from the daemon's event loop too (`is_blocked_by_storage`)."""
-        self.num_offload_faults = 0
-        """Steps that failed on their offload storage so far."""
-        self.last_offload_fault = ""
-        """What the last one said."""
+        self.rest = TierRest(config.offload_retry_s)
+        """The tiers that rest after a storage fault (read from the daemon's event loop too)."""
 
     # -- requests ----------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -257,7 +250,7 @@ class Scheduler:
     # -- schedule ----------------------------------------------------------------------
     def schedule(self) -> StepPlan | None:
         """The next step's plan, or None when nothing can run now."""
-        self.page_manager.paused = self.paused_tiers()
+        self.page_manager.paused = self.rest.tiers()
         live = [s for s in self.running if not s.will_finish(self.max_len)]
         num_decodes = sum(1 for s in live if s.num_tokens - s.num_computed_tokens == 1)
         demand = sum(s.num_tokens - s.num_computed_tokens for s in live)
@@ -514,30 +507,17 @@ class Scheduler:
         return deltas
 
     # -- storage faults ----------------------------------------------------------------
-    def paused_tiers(self) -> set[str]:
-        """Tiers that take no new KV now: their storage failed less than offload_retry_s ago.
-        Safe to call from another thread (it reads a copy, changes nothing)."""
-        now = self.clock()
-        return {t for t, until in dict(self._paused_until).items() if until > now}
-
-    def pause_left(self) -> float:
-        """Seconds until the last paused tier may be tried again (0: none is paused)."""
-        now = self.clock()
-        return max([until - now for until in dict(self._paused_until).values()] + [0.0])
-
     def is_blocked_by_storage(self) -> bool:
         """No tier that holds a sequence of the longest length (`max_len`) may take KV now:
         requests wait until a paused tier is tried again."""
-        paused = self.paused_tiers()
-        if not paused:
-            return False
-        capacity = self.page_manager.capacity_pages
+        resting = self.rest.tiers()
+        capacity, page_tokens = self.page_manager.capacity_pages, self.config.page_tokens
         able = [
             t
             for t, f in zip(TIERS, self.config.kv_frac, strict=True)
-            if f > 0 and _pool_tokens(capacity[t], self.config.page_tokens) >= self.max_len - 1
+            if f > 0 and pool_tokens(capacity[t], page_tokens) >= self.max_len - 1
         ]
-        return all(t in paused for t in able)
+        return bool(resting) and all(t in resting for t in able)
 
     def recover(
         self, plan: StepPlan, failure: StepFailure, unrun: StepPlan | None = None
@@ -562,10 +542,8 @@ class Scheduler:
         bad = {("disk", page) for page in failure.bad_pages}
         pages.stats.failed_pages += sum(pages.forget_page(ref) for ref in sorted(bad))
         if failure.tier is not None:
-            self.num_offload_faults += 1
-            self.last_offload_fault = failure.message
-            self._paused_until[failure.tier] = self.clock() + self.config.offload_retry_s
-            pages.paused = self.paused_tiers()
+            self.rest.fault(failure.tier, failure.message)
+            pages.paused = self.rest.tiers()
         involved = {c.seq_id for p in plans for c in p.chunks}
         for seq_id in involved:  # their samples in flight will never come back
             seq = self._seqs.get(seq_id)
@@ -597,19 +575,3 @@ class Scheduler:
         del self.requests[seq.request.request_id]
         seq.fail(f"the engine's offload storage failed ({reason})", retryable=True)
         return seq.delta([], "", None)
-
-
-def _pool_tokens(capacity: int | None, page_tokens: int) -> int:
-    return 1 << 62 if capacity is None else capacity * page_tokens
-
-
-def largest_pool_tokens(
-    capacity_pages: dict[str, int | None], kv_frac: tuple[float, ...], page_tokens: int
-) -> int:
-    """Tokens the largest KV pool that `kv_frac` homes sequences on holds (None: unbounded):
-    the longest sequence the engine can keep in KV."""
-    return max(
-        _pool_tokens(capacity_pages.get(t), page_tokens)
-        for t, f in zip(TIERS, kv_frac, strict=True)
-        if f > 0
-    )

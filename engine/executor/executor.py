@@ -314,7 +314,7 @@ class Executor:
         if not plan.chunks:  # records only: nothing runs
             self.disk_cache.save()
             return StepResult(plan.step_id, [], [], [], bytes_per_tier=self.bytes_per_tier())
-        bad = self._failed_checks(plan)
+        bad = self.disk_cache.failed_checks(plan.page_moves, plan.disk_hits)
         if bad:
             message = f"{len(bad)} cached KV page(s) on disk failed verification"
             return self._failed(plan, StepFailure(message, bad_pages=bad))
@@ -455,21 +455,6 @@ class Executor:
             self.sampler.drop(seq_id)
             pages.free(seq_id)
         return out
-
-    def _failed_checks(self, plan: StepPlan) -> list[int]:
-        """The cached disk pages this plan reads (hits in place, sources of page moves) that
-        fail verification; a page an earlier move of the plan writes is fresh, not checked."""
-        fresh: set[int] = set()
-        claims: list[tuple[int, str]] = []
-        for move in plan.page_moves:
-            if move.src[0] == "disk" and move.src[1] not in fresh:
-                claims.append((move.src[1], move.hash))
-            if move.dst[0] == "disk":
-                fresh.add(move.dst[1])
-        claims += [(page, h) for page, h in plan.disk_hits if page not in fresh]
-        bad = sorted({page for page, h in claims if not self.disk_cache.verify(page, h)})
-        self.disk_cache.forget(bad)
-        return bad
 
     def _disk_users(self, plan: StepPlan) -> list[int]:
         """Sequences of the plan that use the disk tier: all of them when weights live there,

@@ -47,8 +47,8 @@ from engine.core.outputs import SequenceDelta
 from engine.core.parent_request import ParentRequest
 from engine.core.protocol import StepPlan, StepResult
 from engine.core.sampling_params import SamplingParams
-from engine.core.scheduler import largest_pool_tokens
 from engine.core.sequence import ONLINE_PRIORITY, Request
+from engine.core.tier_rest import largest_pool_tokens
 from engine.core.tokenizer import Tokenizer
 from engine.runtime.engine_client import (
     EngineClient,
@@ -214,8 +214,8 @@ class CoreEngineClient(EngineClient):
         if self._is_up() and core is not None and self._storage_blocked():
             scheduler = core.scheduler
             return (
-                f"the engine's offload storage failed ({scheduler.last_offload_fault}); it is "
-                f"tried again in {scheduler.pause_left():.0f} s"
+                f"the engine's offload storage failed ({scheduler.rest.last_fault}); it is "
+                f"tried again in {scheduler.rest.left():.0f} s"
             )
         return self._status
 
@@ -492,7 +492,7 @@ class CoreEngineClient(EngineClient):
                 page_bytes=info.page_bytes,
                 used_pages={tier: pages.num_used_pages(tier) for tier in TIERS},
                 capacity_pages=dict(pages.capacity_pages),
-                offload_faults=scheduler.num_offload_faults,
+                offload_faults=scheduler.rest.num_faults,
                 index_dropped=self._index_dropped,
                 num_restarts=self._num_restarts,
             )

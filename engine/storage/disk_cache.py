@@ -31,6 +31,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from engine.core.kv_pages import PageMove
 from engine.storage.disk_kv import DiskKVPool
 
 INDEX_NAME = "kv-cache-index.json"
@@ -175,6 +176,22 @@ class DiskCacheIndex:
         """Disk page `page` is recorded as the cached page `h` and its bytes still check out."""
         record = self._pages.get(page)
         return record is not None and record[0] == h and self._check(page, h, record[1])
+
+    def failed_checks(self, moves: list[PageMove], hits: list[tuple[int, str]]) -> list[int]:
+        """The cached disk pages a step reads (`hits` in place, the disk sources of `moves`)
+        that fail `verify`, now forgotten; a page an earlier move of the step writes is fresh,
+        not checked."""
+        fresh: set[int] = set()
+        claims: list[tuple[int, str]] = []
+        for move in moves:
+            if move.src[0] == "disk" and move.src[1] not in fresh:
+                claims.append((move.src[1], move.hash))
+            if move.dst[0] == "disk":
+                fresh.add(move.dst[1])
+        claims += [(page, h) for page, h in hits if page not in fresh]
+        bad = sorted({page for page, h in claims if not self.verify(page, h)})
+        self.forget(bad)
+        return bad
 
     def forget(self, pages: list[int]) -> None:
         """These disk pages get new contents (or failed): their records no longer hold."""

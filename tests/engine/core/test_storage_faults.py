@@ -108,7 +108,7 @@ def test_failed_steps_are_recomputed_to_the_same_tokens(
     assert texts(faulty) == texts(clean)
     assert all(o.outputs[0].finish_reason == "length" for o in faulty)
     scheduler = core.scheduler
-    assert scheduler.num_offload_faults == len(fake.failed)
+    assert scheduler.rest.num_faults == len(fake.failed)
     assert scheduler.num_preemptions == 0  # a recovery is not a preemption
     assert all(scheduler.page_manager.num_used_pages(t) == 0 for t in TIERS)
     # every sequence the executor saw was freed (the last ones with the next plan), none twice
@@ -148,7 +148,7 @@ def test_a_request_failed_by_storage_says_retryable_in_its_delta() -> None:
     assert plan is not None
     deltas = scheduler.recover(plan, StepFailure("EIO", "disk", [plan.chunks[0].seq_id]))
     assert [(d.request_id, d.finish_reason, d.retryable) for d in deltas] == [("a", "error", True)]
-    assert scheduler.paused_tiers() == {"disk"} and scheduler.is_blocked_by_storage()
+    assert scheduler.rest.tiers() == {"disk"} and scheduler.is_blocked_by_storage()
     assert scheduler.schedule() is None  # the only tier rests: nothing is admitted meanwhile
 
 
@@ -194,5 +194,5 @@ def test_cached_pages_that_fail_their_check_are_dropped_and_recomputed() -> None
     assert second.outputs[0].token_ids == first.outputs[0].token_ids
     assert second.num_cached_tokens == 0
     stats = scheduler.page_manager.stats
-    assert stats.failed_pages == 3 and scheduler.num_offload_faults == 0
-    assert not scheduler.paused_tiers()  # a bad page is a miss, not a storage fault
+    assert stats.failed_pages == 3 and scheduler.rest.num_faults == 0
+    assert not scheduler.rest.tiers()  # a bad page is a miss, not a storage fault

@@ -67,8 +67,8 @@ def test_a_full_disk_mid_step_is_a_recompute_not_a_wrong_answer(
         assert tokens(llm) == cold
         assert disk_faults.injected == 3
         scheduler = llm.scheduler
-        assert 1 <= scheduler.num_offload_faults <= 3
-        assert "No space left on device" in scheduler.last_offload_fault
+        assert 1 <= scheduler.rest.num_faults <= 3
+        assert "No space left on device" in scheduler.rest.last_fault
         assert all(scheduler.page_manager.num_used_pages(t) == 0 for t in ("gpu", "disk"))
         assert tokens(llm) == cold  # and it goes on serving
 
@@ -87,7 +87,7 @@ def test_a_disk_that_stays_full_fails_requests_retryably_then_recovers(
             assert choice.finish_reason == "error" and not choice.token_ids
             assert "offload storage failed" in (choice.error or "")
             assert "No space left on device" in (choice.error or "")
-        assert llm.scheduler.num_offload_faults == 2
+        assert llm.scheduler.rest.num_faults == 2
         disk_faults.clear()
         assert tokens(llm) == cold
 
@@ -104,7 +104,7 @@ def test_an_unreadable_cached_page_is_a_miss(
         assert out.outputs[0].token_ids == cold[0]
         assert disk_faults.injected == 1
         assert llm.scheduler.page_manager.stats.failed_pages >= 1
-        assert llm.scheduler.num_offload_faults == 0
+        assert llm.scheduler.rest.num_faults == 0
 
 
 def test_a_cached_page_changed_on_disk_is_verified_when_used(tmp_path: Path, cold: Tokens) -> None:
