@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,6 +21,7 @@ from engine.loading.generated import local_model_dir
 from policy import Policy, UserError
 
 Prompt = str | list[int]
+log = logging.getLogger("nanoflex.engine")
 
 
 class LLM:
@@ -45,6 +47,8 @@ class LLM:
         model_dir = local_model_dir(args.model)
         self.policy, self.plan = args.resolve_policy(model_dir)
         self.executor = build_executor(args, str(model_dir), self.policy)
+        for line in self.executor.describe().warnings:  # a damaged disk-cache index, say
+            log.warning("%s", line)
         self.tokenizer = Tokenizer(model_dir) if has_tokenizer(model_dir) else None
         self.scheduler = args.create_scheduler(
             self.policy, model_dir, self.executor.describe(), self.tokenizer

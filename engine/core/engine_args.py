@@ -174,6 +174,9 @@ class EngineArgs:
     the compute device (`plans_ahead`)."""
     static_blocks: bool = False
     """FlexGen-style baseline without refill (SchedulerConfig.static_blocks)."""
+    offload_retry_s: float = 2.0
+    """After the offload storage failed in a step, how long the disk tier rests before it is
+    tried again (SchedulerConfig.offload_retry_s)."""
     kv_capacity_pages: Mapping[str, int | None] | None = None
     """KV pages per tier, overriding what the budgets leave (tests force preemption with it)."""
     workload: WorkloadSpec = DEFAULT_WORKLOAD
@@ -298,6 +301,7 @@ class EngineArgs:
             page_tokens=info.page_tokens,
             kv_capacity_pages={**info.kv_capacity_pages, **(self.kv_capacity_pages or {})},
             static_blocks=self.static_blocks,
+            offload_retry_s=self.offload_retry_s,
             eos_token_ids=eos_token_ids(model_dir),
             max_model_len=self.context_len(model_dir),
             max_step_tokens=step_tokens,

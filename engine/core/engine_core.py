@@ -4,7 +4,9 @@ Synchronous mode is the reference: schedule, execute, postprocess. Asynchronous
 mode (NanoFlow 5.3) builds plan i+1 while step i runs: the plan's decodes whose
 input is step i's token carry PENDING_TOKEN_ID until step i's result fills
 them in, and a sequence that stopped in step i but was already planned in step
-i+1 has that extra token dropped by the scheduler, never returned.
+i+1 has that extra token dropped by the scheduler, never returned. A step the executor could
+not run (`StepResult.failure`: its offload storage failed) goes to `Scheduler.recover`, with
+the plan built after it, which then never runs.
 
 The engine runs one choice per request and hands back deltas (`SequenceDelta`); `generate`
 is the synchronous front `LLM` uses: it fans out n (`ParentRequest`) and adds up each
@@ -13,6 +15,7 @@ choice's deltas.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Protocol
@@ -51,6 +54,8 @@ class EngineCore:
         self._in_flight: tuple[StepPlan, Future[StepResult]] | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._stalled = False
+        self._unrun: StepPlan | None = None
+        """The plan built while a step that failed was running: not run (asynchronous)."""
 
     def add_request(self, request: Request) -> None:
         """Queue a request of one choice (n == 1). Raises a `UserError` subclass for one that
@@ -64,12 +69,24 @@ class EngineCore:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._in_flight is not None
 
+    @property
+    def is_stalled(self) -> bool:
+        """The last `step` ran and planned nothing while requests remain (they wait for a
+        tier that rests after a storage fault, or a bug)."""
+        return self._stalled
+
     def step(self) -> list[SequenceDelta]:
         """Schedule, run, postprocess. Asynchronous: returns the previous step's deltas."""
         plan = self.scheduler.schedule()
         done = self._run(plan)
         self._stalled = plan is None and done is None and self.scheduler.has_unfinished()
-        return self.scheduler.postprocess(*done) if done is not None else []
+        if done is None:
+            return []
+        failure = done[1].failure
+        if failure is not None:
+            unrun, self._unrun = self._unrun, None
+            return self.scheduler.recover(done[0], failure, unrun)
+        return self.scheduler.postprocess(*done)
 
     def _run(self, plan: StepPlan | None) -> tuple[StepPlan, StepResult] | None:
         """Run `plan`; the (plan, result) pair that is now complete, if any."""
@@ -80,7 +97,9 @@ class EngineCore:
             previous, future = self._in_flight
             done = (previous, future.result())
             self._in_flight = None
-        if plan is not None:
+        if plan is not None and done is not None and done[1].failure is not None:
+            self._unrun = plan  # built on a step that failed: recover() takes it back
+        elif plan is not None:
             if plan.has_pending_tokens:
                 assert done is not None, "pending tokens without a step in flight"
                 plan.fill_pending_tokens(done[1])
@@ -101,6 +120,10 @@ class EngineCore:
         while self.has_unfinished():
             yield from self.step()
             if self._stalled and self._in_flight is None:
+                wait_s = self.scheduler.rest.left()
+                if wait_s > 0:  # a tier rests after a storage fault: try it again then
+                    time.sleep(min(wait_s, 0.05))
+                    continue
                 raise EngineStalledError(
                     f"{self.scheduler.num_waiting} sequence(s) wait but nothing can be scheduled"
                 )

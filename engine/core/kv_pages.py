@@ -55,6 +55,9 @@ class CacheStats:
     """Pages loaded back up from each tier for a hit."""
     evicted_pages: int = 0
     """Cached pages dropped (from the last tier with room to spare)."""
+    failed_pages: int = 0
+    """Cached pages dropped because they failed verification or could not be read when used
+    (a miss: their tokens recomputed)."""
 
 
 class PageManager:
@@ -92,6 +95,9 @@ class PageManager:
         self._seqs: dict[int, SeqPages] = {}
         self._moves: list[PageMove] = []
         self._disk_cached: list[tuple[int, str]] = []
+        self._disk_hits: list[tuple[int, str]] = []
+        self.paused: set[str] = set()
+        """Tiers that take no new pages for now (their storage failed): nothing spills there."""
 
     # -- sizes -----------------------------------------------------------------------------
 
@@ -158,6 +164,8 @@ class PageManager:
                 self.stats.loaded_pages[ref[0]] += 1
                 self._return(ref)
                 ref = dst
+            elif ref[0] == "disk":  # read where it is: verified before the step reads it
+                self._disk_hits.append((ref[1], h))
             self._hold(ref)
             seq.pages.append(ref)
             seq.hashes.append(h)
@@ -194,6 +202,32 @@ class PageManager:
         """The (disk page, hash) pairs newly cached on disk since the last take."""
         cached, self._disk_cached = self._disk_cached, []
         return cached
+
+    def take_disk_hits(self) -> list[tuple[int, str]]:
+        """The (disk page, hash) of cached disk pages sequences started to read in place
+        since the last take (`StepPlan.disk_hits`)."""
+        hits, self._disk_hits = self._disk_hits, []
+        return hits
+
+    def requeue_records(self, cached: list[tuple[int, str]]) -> None:
+        """Records a plan that never ran carried: hand them out again (the pages still cached
+        under the same hash)."""
+        self._disk_cached[:0] = [
+            (page, h) for page, h in cached if self.cache.hash_of(("disk", page)) == h
+        ]
+
+    def forget_page(self, ref: PageRef, h: str | None = None) -> bool:
+        """The cached contents of `ref` cannot be trusted (a move that did not happen, a page
+        that failed verification): take it out of the cache (only if it is still cached as
+        `h`, when given). An unheld page becomes free; a held one is freed as any uncached
+        page once its holders are gone. True if it was cached."""
+        cached = self.cache.hash_of(ref)
+        if cached is None or (h is not None and cached != h):
+            return False
+        self.cache.remove(ref)
+        if ref not in self._refs:
+            self._free[ref[0]].append(ref[1])
+        return True
 
     def preload(self, tier: str, entries: list[tuple[str, int]]) -> None:
         """Cached pages that already exist on `tier` (the disk cache of an earlier run):
@@ -320,7 +354,7 @@ class PageManager:
     def _has_room(self, tier: str) -> bool:
         """Can `tier` take one more page (possibly by spilling or dropping its own LRU)?"""
         cap = self.capacity_pages[tier]
-        if cap == 0:
+        if cap == 0 or tier in self.paused:
             return False
         return self._can_take(tier) or self.cache.oldest(tier) is not None
 

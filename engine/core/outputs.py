@@ -43,10 +43,13 @@ class SequenceDelta:
     """The choice's index among its parent request's n (set in front by `ParentRequest`)."""
     error: str | None = None
     """With finish_reason 'error': what failed inside a step (its sampling: a token id outside
-    the vocabulary, a grammar error)."""
+    the vocabulary, a grammar error; or the engine's offload storage)."""
     first_token_time: float | None = None
     """A delta that sums a whole choice (a request that does not stream): when its first
     token reached the front (`time.monotonic()`), for time-to-first-token figures."""
+    retryable: bool = False
+    """With finish_reason 'error': the failure was the engine's storage, not the request's
+    (a full offload disk): the same request may succeed later."""
 
     @property
     def finished(self) -> bool:

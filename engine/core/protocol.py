@@ -69,6 +69,9 @@ class StepPlan:
     page_moves: list[PageMove] = field(default_factory=list)
     """Cached pages to copy between tiers, in order, before this step reads or writes any
     KV (a spill down, a load back up for a hit); the source page is free afterwards."""
+    disk_hits: list[tuple[int, str]] = field(default_factory=list)
+    """(disk page id, hash) of cached disk pages a sequence starts to read in place in this
+    step: the executor verifies them (and the disk sources of `page_moves`) first."""
     dense_size: int = 0
     """Token rows this step runs (NanoFlow's discrete batch size): num_tokens plus padding
     rows that go through the dense ops only; 0 means num_tokens."""
@@ -99,6 +102,24 @@ class TokenLogprobs:
 
 
 @dataclass(slots=True)
+class StepFailure:
+    """Why the executor could not run a plan: its offload storage failed (a full disk, an I/O
+    error), or a cached page failed verification. Nothing of the plan counts: the scheduler
+    recomputes its sequences (`Scheduler.recover`)."""
+
+    message: str
+    """One line: what failed ("writing kv-0003.bin in /offload failed: No space left on
+    device")."""
+    tier: str | None = None
+    """The tier whose storage failed ('disk'); None when only cached pages failed their check."""
+    seq_ids: list[int] = field(default_factory=list)
+    """Sequences of the plan that used the failed tier (their KV, activations or weights)."""
+    bad_pages: list[int] = field(default_factory=list)
+    """Disk pages whose cached contents cannot be trusted: unreadable, or failing their check
+    (the scheduler drops them from the prefix cache)."""
+
+
+@dataclass(slots=True)
 class StepResult:
     """What one step produced: a token per sampled chunk, in plan order."""
 
@@ -114,6 +135,8 @@ class StepResult:
     errors: dict[int, str] = field(default_factory=dict)
     """Sequences whose sampling failed in this step (a token id outside the vocabulary, a
     grammar error): they finish with this message; the rest of the step stands."""
+    failure: StepFailure | None = None
+    """The step did not run (or not to its end): no tokens, see `StepFailure`."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,3 +188,10 @@ class EngineInfo:
     scratch_dir: str | None = None
     """A temporary directory the executor made (the disk tier without --offload-dir): it
     removes it when closed; whoever outlives a killed executor removes it instead."""
+    budgets: dict[str, int] = field(default_factory=dict)
+    """The byte budget of each tier the executor ran under (given, or derived from the
+    machine): a restarted executor gets the same ones."""
+    disk_cache_dropped: int = 0
+    """Entries of the previous run's disk-cache index dropped at start (damaged, not ours)."""
+    warnings: list[str] = field(default_factory=list)
+    """Lines for the log: what went wrong while building, without stopping it."""

@@ -5,7 +5,9 @@ running sequence its decode token and fills the rest of a discrete dense batch
 size with prefill chunks; KV admission uses projected peak pages per tier and,
 when a projection proves wrong, the newest sequence is preempted and later
 recomputed. `postprocess()` applies sampled tokens and hands back what each request
-gained (`SequenceDelta`). Every request has one choice: `ParentRequest` fans out n in front.
+gained (`SequenceDelta`); `recover()` takes a step the executor could not run (its offload
+storage failed, a cached page failed verification) and recomputes its sequences. Every
+request has one choice: `ParentRequest` fans out n in front.
 Plans may be built one step ahead (asynchronous): a decode whose input token is
 still in flight carries PENDING_TOKEN_ID, and a token sampled for a sequence
 that has meanwhile finished is dropped.
@@ -22,8 +24,9 @@ from engine.core.detokenizer import Detokenizer
 from engine.core.kv_pages import PageManager, pick_tier
 from engine.core.outputs import SequenceDelta
 from engine.core.prefix_cache import PageRef
-from engine.core.protocol import PENDING_TOKEN_ID, SeqChunk, StepPlan, StepResult
+from engine.core.protocol import PENDING_TOKEN_ID, SeqChunk, StepFailure, StepPlan, StepResult
 from engine.core.sequence import Request, Sequence, SequenceStatus
+from engine.core.tier_rest import TierRest, largest_pool_tokens, pool_tokens
 from policy import TIERS, Policy, UserError
 from policy.policy import Triple
 
@@ -92,6 +95,12 @@ class SchedulerConfig:
     static_blocks: bool = False
     """FlexGen-style baseline: admit only into an empty block, so a block runs to completion
     before the next starts (no refill). False: continuous refill after every step."""
+    offload_retry_s: float = 2.0
+    """After a tier's storage failed in a step (a full disk, an I/O error), how long it takes
+    no new KV (no sequence homed there, no spill, no hit read there); then it is tried again."""
+    max_offload_faults: int = 2
+    """Storage faults a sequence goes through (recomputed after each); at this many it ends
+    with a retryable error instead (`SequenceDelta.retryable`)."""
 
     def __post_init__(self) -> None:
         for name in ("gpu_batch_size", "num_gpu_batches", "page_tokens", "max_step_tokens"):
@@ -182,15 +191,14 @@ class Scheduler:
         self._plan_epochs: dict[int, dict[int, int]] = {}
         """Per plan in flight: each sequence's epoch when planned (prefix caching indexes a
         sequence's pages after a step only if it was not preempted meanwhile)."""
-        caps = [
-            self.page_manager.capacity_pages[t]
-            for t, f in zip(TIERS, config.kv_frac, strict=True)
-            if f > 0
-        ]
-        self.kv_tokens = max(c * config.page_tokens if c is not None else 1 << 62 for c in caps)
+        self.kv_tokens = largest_pool_tokens(
+            self.page_manager.capacity_pages, config.kv_frac, config.page_tokens
+        )
         """Tokens the largest allowed KV pool holds: the most one sequence can ever have in KV."""
         self.max_len = min(config.max_model_len, self.kv_tokens + 1)
         """Sequences end ('length') at this many tokens, so a lone one always fits a pool."""
+        self.rest = TierRest(config.offload_retry_s)
+        """The tiers that rest after a storage fault (read from the daemon's event loop too)."""
 
     # -- requests ----------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -242,6 +250,7 @@ class Scheduler:
     # -- schedule ----------------------------------------------------------------------
     def schedule(self) -> StepPlan | None:
         """The next step's plan, or None when nothing can run now."""
+        self.page_manager.paused = self.rest.tiers()
         live = [s for s in self.running if not s.will_finish(self.max_len)]
         num_decodes = sum(1 for s in live if s.num_tokens - s.num_computed_tokens == 1)
         demand = sum(s.num_tokens - s.num_computed_tokens for s in live)
@@ -282,6 +291,7 @@ class Scheduler:
         chunks = [chunk for _, chunk in sorted(planned, key=lambda p: p[0])]
         plan = StepPlan(self._next_step_id, chunks, self._freed_seq_ids)
         plan.page_moves, plan.cached_disk_pages = self.page_manager.take_moves()
+        plan.disk_hits = self.page_manager.take_disk_hits()
         if self.config.enable_prefix_caching:
             self._plan_epochs[plan.step_id] = {c.seq_id: self._seqs[c.seq_id].epoch for c in chunks}
         discrete = self.config.discrete_batching
@@ -345,6 +355,9 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         """Free seq's KV and queue it at the front of its queue, to be recomputed later."""
         self.num_preemptions += 1
+        self._requeue(seq)
+
+    def _requeue(self, seq: Sequence) -> None:
         seq.epoch += 1
         self._release(seq)
         seq.status = SequenceStatus.WAITING
@@ -367,8 +380,9 @@ class Scheduler:
         counts = {t: 0 for t in TIERS}
         for s in self.running:
             counts[s.kv_tier] += 1
+        paused = self.page_manager.paused
         fracs = tuple(
-            f if f > 0 and self._kv_fits(seq, num_new, t) else 0.0
+            f if f > 0 and t not in paused and self._kv_fits(seq, num_new, t) else 0.0
             for t, f in zip(TIERS, self.config.kv_frac, strict=True)
         )
         if not any(fracs):
@@ -391,10 +405,11 @@ class Scheduler:
 
     def _worth_loading(self, prefix: list[PageRef]) -> list[PageRef]:
         """`prefix` cut before its first page on a tier where a hit this long loses to
-        recomputing (SchedulerConfig.min_hit_tokens)."""
+        recomputing (SchedulerConfig.min_hit_tokens), or whose storage rests after a fault."""
         num_tokens = len(prefix) * self.config.page_tokens
         for i, (tier, _) in enumerate(prefix):
-            if num_tokens < self.config.min_hit_tokens.get(tier, 0):
+            too_short = num_tokens < self.config.min_hit_tokens.get(tier, 0)
+            if too_short or tier in self.page_manager.paused:
                 return prefix[:i]
         return prefix
 
@@ -447,7 +462,9 @@ class Scheduler:
     # -- postprocess -------------------------------------------------------------------
     def postprocess(self, plan: StepPlan, result: StepResult) -> list[SequenceDelta]:
         """Apply the sampled tokens; what each request that produced a token gained, in plan
-        order (a request's last delta says how it finished)."""
+        order (a request's last delta says how it finished). A failed step goes to `recover`."""
+        if result.failure is not None:
+            return self.recover(plan, result.failure)
         sampled = [c for c in plan.chunks if c.do_sample]
         if [c.seq_id for c in sampled] != result.seq_ids or len(result.token_ids) != len(sampled):
             raise EngineProtocolError(
@@ -488,3 +505,73 @@ class Scheduler:
                 del self.requests[seq.request.request_id]
             deltas.append(delta)
         return deltas
+
+    # -- storage faults ----------------------------------------------------------------
+    def is_blocked_by_storage(self) -> bool:
+        """No tier that holds a sequence of the longest length (`max_len`) may take KV now:
+        requests wait until a paused tier is tried again."""
+        resting = self.rest.tiers()
+        capacity, page_tokens = self.page_manager.capacity_pages, self.config.page_tokens
+        able = [
+            t
+            for t, f in zip(TIERS, self.config.kv_frac, strict=True)
+            if f > 0 and pool_tokens(capacity[t], page_tokens) >= self.max_len - 1
+        ]
+        return bool(resting) and all(t in resting for t in able)
+
+    def recover(
+        self, plan: StepPlan, failure: StepFailure, unrun: StepPlan | None = None
+    ) -> list[SequenceDelta]:
+        """The executor did not run `plan` to its end (`failure`); `unrun`: the plan built after
+        it (asynchronous scheduling), which will not run either. Nothing they did counts: their
+        page moves are undone (the copies dropped from the cache), the pages that failed are
+        dropped, and their sequences (and any other that holds a failed page or is homed on
+        the failed tier) go back to the front of their queues to be recomputed. A failed tier
+        takes no new KV for offload_retry_s. A sequence that used the failed tier in
+        `max_offload_faults` failed steps ends with a retryable error instead; those last
+        deltas are returned."""
+        pages = self.page_manager
+        plans = [plan] if unrun is None else [plan, unrun]
+        for p in plans:
+            self._plan_epochs.pop(p.step_id, None)
+            for move in p.page_moves:
+                pages.forget_page(move.dst, move.hash)
+        if unrun is not None:  # it never reached the executor: its records go with the next
+            self._freed_seq_ids[:0] = unrun.freed_seq_ids
+            pages.requeue_records(unrun.cached_disk_pages)
+        bad = {("disk", page) for page in failure.bad_pages}
+        pages.stats.failed_pages += sum(pages.forget_page(ref) for ref in sorted(bad))
+        if failure.tier is not None:
+            self.rest.fault(failure.tier, failure.message)
+            pages.paused = self.rest.tiers()
+        involved = {c.seq_id for p in plans for c in p.chunks}
+        for seq_id in involved:  # their samples in flight will never come back
+            seq = self._seqs.get(seq_id)
+            if seq is not None:
+                seq.num_pending = 0
+                if not seq.num_generated:  # its first admission's hit did not count
+                    seq.num_cached_tokens = None
+        first_unrun = [c.seq_id for c in unrun.chunks if c.sampling is not None] if unrun else []
+        for seq_id in first_unrun:  # never reached the executor: nothing there to forget
+            seq = self._seqs.get(seq_id)
+            if seq is not None:
+                seq.is_sent = False
+        deltas = []
+        for seq in reversed(list(self.running)):  # newest first: the oldest ends up in front
+            holds_bad = bool(bad) and any(ref in bad for ref in pages.page_table(seq.seq_id))
+            on_tier = failure.tier is not None and seq.kv_tier == failure.tier
+            if seq.seq_id not in involved and not holds_bad and not on_tier:
+                continue
+            self._requeue(seq)
+            if seq.seq_id in failure.seq_ids:
+                seq.num_offload_faults += 1
+                if seq.num_offload_faults >= self.config.max_offload_faults:
+                    deltas.append(self._fail_retryable(seq, failure.message))
+        return deltas
+
+    def _fail_retryable(self, seq: Sequence, reason: str) -> SequenceDelta:
+        """End seq with an error that is not the request's: its storage failed again."""
+        self._retire(seq)
+        del self.requests[seq.request.request_id]
+        seq.fail(f"the engine's offload storage failed ({reason})", retryable=True)
+        return seq.delta([], "", None)

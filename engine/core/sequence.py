@@ -77,6 +77,10 @@ class Sequence:
     """Times it was preempted (its KV dropped); plans made before that are stale for it."""
     error: str | None = None
     """Why it failed (finish_reason 'error'), else None."""
+    retryable: bool = False
+    """It failed for the engine's storage, not for itself: the same request may succeed later."""
+    num_offload_faults: int = 0
+    """Steps of it that failed on the offload storage (each time it was recomputed)."""
 
     @classmethod
     def from_request(
@@ -131,9 +135,10 @@ class Sequence:
         self.finish_reason = reason
         self.stop_reason = stop_reason
 
-    def fail(self, message: str) -> None:
-        """Finish with finish_reason 'error': its sampling failed inside a step."""
-        self.error = message
+    def fail(self, message: str, retryable: bool = False) -> None:
+        """Finish with finish_reason 'error': its sampling failed inside a step, or (retryable)
+        the engine's storage failed it."""
+        self.error, self.retryable = message, retryable
         self.finish("error")
 
     def append_token(
@@ -198,4 +203,5 @@ class Sequence:
             self.stop_reason,
             num_cached_tokens=self.num_cached_tokens or 0,
             error=self.error,
+            retryable=self.retryable,
         )

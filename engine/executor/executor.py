@@ -16,10 +16,12 @@ import torch
 from engine.core.dtypes import checkpoint_dtype
 from engine.core.engine_args import EngineArgs
 from engine.core.kv_pages import PageManager
+from engine.core.offload_dir import OffloadDirError, OffloadDirLock, lock_offload_dir
 from engine.core.protocol import (
     EngineInfo,
     Placement,
     SeqChunk,
+    StepFailure,
     StepPlan,
     StepResult,
     TokenLogprobs,
@@ -46,7 +48,7 @@ from engine.loading.generated import local_model_dir
 from engine.models import build_model
 from engine.models.config import ModelConfig, read_hf_config
 from engine.storage.device import Device
-from engine.storage.disk import DiskIO
+from engine.storage.disk import DiskIO, OffloadIOError
 from engine.storage.disk_cache import DiskCacheIndex
 from engine.storage.host_memory import keep_freed_memory
 from engine.storage.kv_store import KVStore
@@ -63,13 +65,15 @@ class Executor:
     model: a model reference or directory (see engine.core.model_files).
     gpu_mem / cpu_mem / disk_mem: byte budgets per tier; gpu_mem also caps CUDA memory.
     dtype: compute dtype; None: float32 on the CPU, the checkpoint's half type on CUDA.
-    offload_dir: the disk tier's directory; None: a temporary one, removed by `close()`.
+    offload_dir: the disk tier's directory, locked for this executor's process while it runs
+        (engine/core/offload_dir.py); None: a temporary one, removed by `close()`.
     trace: write a Chrome trace of every step's loads, stores and compute to this path at
         `close()` (engine/executor/trace.py); None: no tracing.
     cuda_graphs: replay decode steps' dense ops as CUDA graphs where that is sound
         (engine/executor/cuda_graphs.py); False runs every op eagerly.
     persist_kv_cache: keep the disk tier's cached KV pages in `offload_dir` with a verified
-        index, for the next run to find (engine/storage/disk_cache.py).
+        index, for the next run to find (engine/storage/disk_cache.py). Cached disk pages are
+        verified whenever a step uses one, persistent or not.
     nano_batch_overlap: with `policy.num_nano_batches` > 1, overlap the nano-batches' operations
         (engine/executor/nano_overlap.py); False runs them one after another (NanoFlow's
         nano-batch-only ablation baseline).
@@ -122,6 +126,9 @@ class Executor:
         self._own_offload_dir = offload_dir is None
         self.offload_dir = Path(offload_dir or tempfile.mkdtemp(prefix="nanoflex-offload-"))
         self.offload_dir.mkdir(parents=True, exist_ok=True)
+        self._lock: OffloadDirLock | None = (
+            None if self._own_offload_dir else lock_offload_dir(self.offload_dir)
+        )
         self.budgets = derive_budgets(
             self.device, self.offload_dir, gpu_mem, cpu_mem, disk_mem, policy
         )
@@ -152,17 +159,23 @@ class Executor:
         if not policy.compress_weights:  # refuse before reading anything
             check_budgets(self.weights.planned_bytes(), self.budgets)
             check_host_memory(self.weights.planned_bytes(), self.device)
-        self.weights.read_all(on_progress or (self._print_progress if show_progress else None))
+        try:
+            self.weights.read_all(on_progress or (self._print_progress if show_progress else None))
+        except OffloadIOError as e:
+            raise OffloadDirError(
+                f"the weights placed on disk cannot be written ({e}); free space under "
+                f"{self.offload_dir}, or lower weights_frac[2]"
+            ) from e
         codec = KVRowCodec(2 * self.config.kv_dim, compress=policy.compress_kv, dtype=self.dtype)
         self.kv = KVStore(
             self.config.num_layers, PAGE_TOKENS, codec, self.device, self.disk, persist_kv_cache
         )
-        self.disk_cache: DiskCacheIndex | None = None
-        self._found_on_disk: list[tuple[str, int]] = []
-        if persist_kv_cache:
-            self.disk_cache = DiskCacheIndex(self.offload_dir, self.cache_salt(), self.kv.disk_pool)
-            self._found_on_disk = self.disk_cache.load()
-            self.kv.reserve_pages([("disk", page) for _, page in self._found_on_disk])
+        self.disk_cache = DiskCacheIndex(
+            self.offload_dir, self.cache_salt(), self.kv.disk_pool, persistent=persist_kv_cache
+        )
+        """What each cached disk page holds, verified when used (and kept on disk if persistent)."""
+        self._found_on_disk = self.disk_cache.load(self.kv_capacity_pages()["disk"])
+        self.kv.reserve_pages([("disk", page) for _, page in self._found_on_disk])
         check_budgets(self.weights.bytes_per_tier(), self.budgets)
         self.trace_path = None if trace is None else Path(trace)
         self.tracer = Tracer(cuda=self.device.is_cuda) if trace is not None else NoTracer()
@@ -253,6 +266,9 @@ class Executor:
             cache_salt=self.cache_salt(),
             disk_cache=list(self._found_on_disk),
             scratch_dir=scratch,
+            budgets=dict(self.budgets),
+            disk_cache_dropped=self.disk_cache.num_dropped,
+            warnings=[w for w in [self.disk_cache.warning] if w],
         )
 
     def cache_salt(self) -> str:
@@ -285,14 +301,32 @@ class Executor:
     # -- one step ----------------------------------------------------------------------
 
     def execute(self, plan: StepPlan) -> StepResult:
+        """Run one plan. A cached disk page that fails verification, or a read or write of the
+        offload directory that fails (a full disk, an I/O error), ends the step early with a
+        `StepFailure` instead of tokens: the scheduler recomputes its sequences."""
         for seq_id in plan.freed_seq_ids:
             self.sampler.drop(seq_id)
             gone = self._seqs.pop(seq_id, None)
             if gone is not None:  # drop what is staged for its partly written disk pages
                 self.kv.disk_pool.release_pages([p for tier, p in gone.pages if tier == "disk"])
+        for page, h in plan.cached_disk_pages:  # cached by earlier steps: record them
+            self.disk_cache.add(page, h)
         if not plan.chunks:  # records only: nothing runs
-            self._record_cached_disk_pages(plan)
+            self.disk_cache.save()
             return StepResult(plan.step_id, [], [], [], bytes_per_tier=self.bytes_per_tier())
+        bad = self.disk_cache.failed_checks(plan.page_moves, plan.disk_hits)
+        if bad:
+            message = f"{len(bad)} cached KV page(s) on disk failed verification"
+            return self._failed(plan, StepFailure(message, bad_pages=bad))
+        try:
+            return self._run(plan)
+        except OffloadIOError as e:
+            self.sampler.discard()
+            self.disk_cache.forget(e.pages)
+            failure = StepFailure(str(e), "disk", self._disk_users(plan), e.pages)
+            return self._failed(plan, failure)
+
+    def _run(self, plan: StepPlan) -> StepResult:
         by_batch: dict[int, list[SeqChunk]] = {}
         for chunk in plan.chunks:
             self._admit(chunk)
@@ -309,8 +343,7 @@ class Executor:
         self.kv.reserve_pages([m.dst for m in plan.page_moves])
         moved_to_disk = [m.dst[1] for m in plan.page_moves if m.dst[0] == "disk"]
         self.kv.disk_pool.begin_pages(moved_to_disk)
-        if self.disk_cache is not None:  # pages about to get new contents
-            self.disk_cache.forget(moved_to_disk + self._disk_pages_written(plan))
+        self.disk_cache.forget(moved_to_disk + self._disk_pages_written(plan))  # new contents
         to_sample = [c for _, cs in sorted(by_batch.items()) for c in cs if c.do_sample]
         self.sampler.prepare(  # grammar masks start now, while the layers run
             to_sample,
@@ -318,7 +351,10 @@ class Executor:
             [not self._seqs[c.seq_id].has_sampled for c in to_sample],
         )
         logits = self.pipeline.run(batches, plan.page_moves)
-        self._record_cached_disk_pages(plan)
+        for move in plan.page_moves:  # spilled to disk, or loaded up from there
+            if move.dst[0] == "disk":
+                self.disk_cache.add(move.dst[1], move.hash)
+        self.disk_cache.save()
         # Split each batch's logit rows by chunk: the row to sample from, and for echo +
         # logprobs requests the prompt positions. Rows follow batch order; results plan order.
         sample_rows: list[torch.Tensor] = []
@@ -420,16 +456,23 @@ class Executor:
             pages.free(seq_id)
         return out
 
-    def _record_cached_disk_pages(self, plan: StepPlan) -> None:
-        """Index the pages this plan left cached on disk (moved there, or filled there)."""
-        if self.disk_cache is None:
-            return
-        for move in plan.page_moves:
-            if move.dst[0] == "disk":
-                self.disk_cache.add(move.dst[1], move.hash)
-        for page, h in plan.cached_disk_pages:
-            self.disk_cache.add(page, h)
-        self.disk_cache.save()
+    def _disk_users(self, plan: StepPlan) -> list[int]:
+        """Sequences of the plan that use the disk tier: all of them when weights live there,
+        else those with KV pages or activations there."""
+        if "disk" in self.weights.tiers:
+            return [c.seq_id for c in plan.chunks]
+        out = []
+        for c in plan.chunks:
+            state = self._seqs.get(c.seq_id)
+            pages = state.pages if state is not None else c.new_pages
+            if c.act_tier == "disk" or c.kv_tier == "disk" or any(t == "disk" for t, _ in pages):
+                out.append(c.seq_id)
+        return out
+
+    def _failed(self, plan: StepPlan, failure: StepFailure) -> StepResult:
+        return StepResult(
+            plan.step_id, [], [], [], bytes_per_tier=self.bytes_per_tier(), failure=failure
+        )
 
     def close(self) -> None:
         """Write the trace, stop the copy threads, remove the scratch directory. Idempotent."""
@@ -439,13 +482,14 @@ class Executor:
         if isinstance(self.tracer, Tracer) and self.trace_path is not None:
             self.device.synchronize()
             self.tracer.save(self.trace_path)
-        if self.disk_cache is not None:
-            self.disk_cache.save(force=True)
+        self.disk_cache.save(force=True)
         self.pipeline.close()
         self.sampler.close()
         self.disk.close()
         if self._own_offload_dir:
             self._remove_scratch()
+        if self._lock is not None:
+            self._lock.release()
 
 
 def build_executor(

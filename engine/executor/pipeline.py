@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 
@@ -34,7 +34,7 @@ from engine.executor.attention import (
 from engine.executor.cuda_graphs import GraphRunner, StepGraphs
 from engine.executor.gpu_batch import AttentionGroup, GpuBatch
 from engine.executor.nano_overlap import NanoOverlap
-from engine.executor.tasks import start
+from engine.executor.tasks import start, wait_all
 from engine.executor.trace import NoTracer, Tracer
 from engine.kernels import PagedKernels
 from engine.models.base import Model, Weights
@@ -56,6 +56,12 @@ class PastKV:
 
 NO_PAST = PastKV(None, None)
 T = TypeVar("T")
+
+
+class Launch(Protocol):
+    """Starts a load or store: on a copy thread when it has bytes to move, else inline."""
+
+    def __call__(self, moves: bool, fn: Callable[..., T], *args: Any) -> Future[T]: ...
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:
@@ -146,17 +152,32 @@ class BlockPipeline:
         return logits
 
     def _run_overlapped(self, batches: list[GpuBatch]) -> list[torch.Tensor]:
-        num_layers, num_batches = self.model.num_layers, len(batches)
-        wait = self.device.wait
+        """The zig-zag loop with loads and stores on copy threads. If one fails, every task
+        already started is waited for before the error goes up: none of them may still
+        write into the KV pools when the next step (or a recompute) reuses their pages."""
+        started: list[Future[Any]] = []
 
         # A load or store with bytes to move goes to a copy thread; one without runs inline
         # (a hand-off would cost more than the nothing it does).
         def load(moves: bool, fn: Callable[..., T], *args: Any) -> Future[T]:
-            return start(self._loads if moves else None, fn, *args)
+            started.append(start(self._loads if moves else None, fn, *args))
+            return started[-1]
 
         def store(moves: bool, fn: Callable[..., T], *args: Any) -> Future[T]:
-            return start(self._stores if moves else None, fn, *args)
+            started.append(start(self._stores if moves else None, fn, *args))
+            return started[-1]
 
+        try:
+            return self._overlapped_layers(batches, load, store)
+        except BaseException:  # a failed load or store: let the others land before we return
+            wait_all(started)
+            raise
+
+    def _overlapped_layers(
+        self, batches: list[GpuBatch], load: Launch, store: Launch
+    ) -> list[torch.Tensor]:
+        num_layers, num_batches = self.model.num_layers, len(batches)
+        wait = self.device.wait
         if self._moves:  # first in the load queue: every KV load and store waits for its layer's
             self._moved = {j: load(True, self._move_pages, j) for j in range(1, num_layers - 1)}
         first = batches[0]

@@ -15,6 +15,7 @@ from engine.core.sampling_params import SamplingParams
 from engine.executor.grammar import GrammarBank, GrammarError
 from engine.executor.logits import LogitsProcessor, Masks, RowTokens
 from engine.executor.sampler import Sampler
+from engine.executor.tasks import wait_all
 from engine.kernels import TokenMask
 
 
@@ -130,6 +131,12 @@ class StepSampler:
         for i, message in advanced.items():
             failed[rows[ok[i]].seq_id] = message
         return token_ids, logprobs, failed
+
+    def discard(self) -> None:
+        """The prepared step will not be sampled (it failed): wait for its masks, drop them."""
+        if self._pending is not None:
+            wait_all([self._pending[2]])
+            self._pending = None
 
     def close(self) -> None:
         self._worker.shutdown(wait=False, cancel_futures=True)

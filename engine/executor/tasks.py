@@ -1,9 +1,10 @@
-"""`start`: run a task on a worker thread, or right here when there is none (or no need)."""
+"""`start`: run a task on a worker thread, or right here when there is none (or no need);
+`wait_all`: wait for tasks to end, failed or not."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -21,3 +22,8 @@ def start(thread: ThreadPoolExecutor | None, fn: Callable[..., T], *args: Any) -
     except BaseException as e:
         future.set_exception(e)
     return future
+
+
+def wait_all(futures: Iterable[Future[Any]]) -> None:
+    """Return once every one of `futures` has ended, whatever its outcome."""
+    wait(list(futures))

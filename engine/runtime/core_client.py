@@ -14,6 +14,13 @@ scheduler (back-off and a limit: engine/runtime/restarts.py) and fails the reque
 were in flight with `EngineDeadError` (batch work is retried by the batch runner, so batch
 jobs lose nothing; online callers see a 503). Past the limit it gives up and calls its
 fatal listeners.
+
+Capacity is fixed when the engine first starts: the budgets it derived (or was given) are
+passed to every restarted engine, and one that reports less KV capacity than the first is
+not taken. A first engine whose KV pools cannot hold one sequence of the context length does
+not start. A step that fails on the offload storage is no crash: the scheduler recomputes
+its sequences (`Scheduler.recover`); a request that keeps failing there ends with
+`StorageUnavailableError`, and while no tier can take KV the client is not ready.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import argparse
 import asyncio
 import contextlib
 import copy
+import dataclasses
 import logging
 import queue
 import threading
@@ -40,8 +48,14 @@ from engine.core.parent_request import ParentRequest
 from engine.core.protocol import StepPlan, StepResult
 from engine.core.sampling_params import SamplingParams
 from engine.core.sequence import ONLINE_PRIORITY, Request
+from engine.core.tier_rest import largest_pool_tokens
 from engine.core.tokenizer import Tokenizer
-from engine.runtime.engine_client import EngineClient, EngineDeadError, StepStats
+from engine.runtime.engine_client import (
+    EngineClient,
+    EngineDeadError,
+    StepStats,
+    StorageUnavailableError,
+)
 from engine.runtime.engine_process import ExecutorProcess
 from engine.runtime.executor_client import (
     EXECUTOR_FACTORY,
@@ -105,6 +119,11 @@ class CoreEngineClient(EngineClient):
         self._preemptions_before = 0
         self._counter: _StepCounter | None = None
         self._reported_busy = False
+        self._capacity: dict[str, int | None] = {}
+        """KV pages per tier of the first engine: no restarted one may have fewer."""
+        self._num_restarts = 0
+        self._index_dropped = 0
+        """Disk-cache index entries dropped at the starts so far."""
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -119,7 +138,14 @@ class CoreEngineClient(EngineClient):
             self._loading.clear()
         if self._stopping.is_set():
             return
+        try:
+            self._fix_capacity()
+        except UserError as e:
+            assert self._executor is not None
+            await asyncio.to_thread(self._executor.shutdown)
+            raise EngineStartError(str(e)) from e
         self._core = self._new_core()
+        self._emit(self._core, 0.0, batch_size=0)  # every series from the start
         self._thread = threading.Thread(target=self._run, name="nanoflex-core", daemon=True)
         self._thread.start()
         self._set_status("ready")
@@ -168,15 +194,82 @@ class CoreEngineClient(EngineClient):
         self._ready.clear()
 
     def is_ready(self) -> bool:
+        return self._is_up() and not self._storage_blocked()
+
+    def check_ready(self) -> None:
+        if not self._is_up():
+            raise EngineDeadError("the engine is not ready")
+        if self._storage_blocked():
+            raise StorageUnavailableError(self.status())
+
+    def _is_up(self) -> bool:
         return self._ready.is_set() and self._executor is not None and self._executor.is_alive
 
+    def _storage_blocked(self) -> bool:
+        """No KV tier that holds a longest sequence may be used now (its storage failed a
+        moment ago): read from any thread, a snapshot."""
+        core = self._core
+        return core is not None and core.scheduler.is_blocked_by_storage()
+
     def status(self) -> str:
+        core = self._core
+        if self._is_up() and core is not None and self._storage_blocked():
+            scheduler = core.scheduler
+            return (
+                f"the engine's offload storage failed ({scheduler.rest.last_fault}); it is "
+                f"tried again in {scheduler.rest.left():.0f} s"
+            )
         return self._status
 
     def _set_status(self, text: str) -> None:
         if text != self._status:
             log.info("engine: %s", text)
         self._status = text
+
+    def _fix_capacity(self) -> None:
+        """After the first start: refuse KV pools too small for one sequence of the context
+        length, and keep this engine's budgets for every restart."""
+        assert self._executor is not None and self.policy is not None
+        info = self._executor.describe()
+        self._took(info.warnings, info.disk_cache_dropped)
+        tokens = largest_pool_tokens(info.kv_capacity_pages, self.policy.kv_frac, info.page_tokens)
+        if tokens < self._max_model_len:
+            budgets = ", ".join(f"{t} {b / 2**20:.1f} MiB" for t, b in info.budgets.items())
+            raise UserError(
+                f"the KV cache can hold only {tokens} tokens per sequence under the policy's "
+                f"kv_frac {list(self.policy.kv_frac)} and the budgets ({budgets}), fewer than "
+                f"the context length {self._max_model_len}: give the KV tier more room "
+                "(--disk-mem, --cpu-mem, free space under --offload-dir) or lower --max-model-len"
+            )
+        self._capacity = dict(info.kv_capacity_pages)
+        if info.budgets:  # never derived again: a restart gets what the daemon announced
+            b = info.budgets
+            fixed = dataclasses.replace(
+                self.engine_args, gpu_mem=b["gpu"], cpu_mem=b["cpu"], disk_mem=b["disk"]
+            )
+            self._executor.kwargs["args"] = fixed
+
+    def _check_restarted(self) -> None:
+        """A restarted engine must have the capacity the first one announced."""
+        assert self._executor is not None
+        info = self._executor.describe()
+        self._took(info.warnings, info.disk_cache_dropped)
+        now = info.kv_capacity_pages
+        smaller = [
+            t
+            for t, first in self._capacity.items()
+            if (first is None and now.get(t) is not None) or (now.get(t) or 0) < (first or 0)
+        ]
+        if smaller:
+            raise RuntimeError(
+                f"the restarted engine has less KV capacity ({now}) than at start "
+                f"({self._capacity})"
+            )
+
+    def _took(self, warnings: list[str], index_dropped: int) -> None:
+        for line in warnings:
+            log.warning("%s", line)
+        self._index_dropped += index_dropped
 
     def _new_core(self) -> EngineCore:
         assert self.policy is not None and self.model_dir is not None and self._executor
@@ -253,8 +346,7 @@ class CoreEngineClient(EngineClient):
         *,
         stream: bool = True,
     ) -> AsyncGenerator[SequenceDelta, None]:
-        if not self.is_ready():
-            raise EngineDeadError("the engine is not ready")
+        self.check_ready()
         parent = ParentRequest(Request(request_id, list(prompt_token_ids), params, priority))
         child_ids = [child.request_id for child in parent.children]
         deltas = _Stream(parent, stream)
@@ -292,7 +384,8 @@ class CoreEngineClient(EngineClient):
         while not self._stopping.is_set():
             core = self._core
             assert core is not None
-            self._drain_commands(core, block=not core.has_unfinished())
+            # idle, or every request waits for a tier resting after a storage fault
+            self._drain_commands(core, block=not core.has_unfinished() or core.is_stalled)
             if not core.has_unfinished():
                 if self._reported_busy:  # drained by aborts, not by a step: zero the gauges
                     self._emit(core, 0.0, batch_size=0)
@@ -312,7 +405,8 @@ class CoreEngineClient(EngineClient):
                     break
                 continue
             assert self._counter is not None
-            self._emit(core, time.perf_counter() - start, self._counter.num_seqs)
+            ran = 0 if core.is_stalled else self._counter.num_seqs  # stalled: nothing ran
+            self._emit(core, time.perf_counter() - start, ran)
             if deltas:
                 self._call_soon(self._dispatch, deltas)
         self._close_core()
@@ -374,6 +468,8 @@ class CoreEngineClient(EngineClient):
                 return False
             try:
                 self._executor.restart()
+                self._num_restarts += 1
+                self._check_restarted()
                 break
             except Exception as e:
                 log.error("engine restart failed: %s", _one_line(e))
@@ -404,6 +500,11 @@ class CoreEngineClient(EngineClient):
                 prefix_cache=copy.deepcopy(pages.stats),
                 cached_pages={tier: pages.num_cached_pages(tier) for tier in TIERS},
                 page_bytes=info.page_bytes,
+                used_pages={tier: pages.num_used_pages(tier) for tier in TIERS},
+                capacity_pages=dict(pages.capacity_pages),
+                offload_faults=scheduler.rest.num_faults,
+                index_dropped=self._index_dropped,
+                num_restarts=self._num_restarts,
             )
         )
 
@@ -414,6 +515,9 @@ class CoreEngineClient(EngineClient):
         for delta in deltas:
             stream = self._streams.get(delta.request_id)
             if stream is None:
+                continue
+            if delta.retryable:  # the engine's storage failed it: not the request's answer
+                stream.queue.put_nowait(StorageUnavailableError(delta.error or "storage failed"))
                 continue
             if stream.is_streamed:
                 stream.queue.put_nowait(delta)

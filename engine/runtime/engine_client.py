@@ -30,6 +30,11 @@ class EngineDeadError(RuntimeError):
     """The engine process died or is restarting; the request did not finish. Retry later."""
 
 
+class StorageUnavailableError(RuntimeError):
+    """The engine's offload storage failed the request (a full disk, an I/O error) or rests
+    after such a fault; nothing is wrong with the request. Retry later."""
+
+
 @dataclass(slots=True)
 class StepStats:
     """Per-step figures the engine reports to listeners (feeds /metrics)."""
@@ -50,6 +55,16 @@ class StepStats:
     """KV pages kept cached (held by no sequence), per tier."""
     page_bytes: int = 0
     """Bytes of one KV page over all layers (turns page counts into bytes)."""
+    used_pages: dict[str, int] = field(default_factory=dict)
+    """KV pages held by running sequences, per tier (a leak shows as pages held while idle)."""
+    capacity_pages: dict[str, int | None] = field(default_factory=dict)
+    """KV pages each tier may hold (None: bounded only by the machine)."""
+    offload_faults: int = 0
+    """Steps that failed on the offload storage, since the engine (re)started."""
+    index_dropped: int = 0
+    """Disk-cache index entries dropped at the engine's starts so far (damaged, not ours)."""
+    num_restarts: int = 0
+    """Times the engine process was restarted after a crash."""
 
 
 StepListener = Callable[[StepStats], None]
@@ -89,6 +104,12 @@ class EngineClient(abc.ABC):
         """What the engine is doing while not ready (GET /ready's detail), e.g. "loading
         weights: layer 3/30"."""
         return "engine starting or restarting"
+
+    def check_ready(self) -> None:
+        """Raise what a request would meet now if the engine cannot take one: by default
+        `EngineDeadError` unless `is_ready()`."""
+        if not self.is_ready():
+            raise EngineDeadError(self.status())
 
     # -- model and tokenizer ---------------------------------------------------------
     @property

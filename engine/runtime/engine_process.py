@@ -18,21 +18,27 @@ The factory returns an executor with the surface of `engine.executor.executor.Ex
 `describe() -> EngineInfo` once built, `execute(plan)` per step, `close()` at shutdown.
 
 A dead child is detected on every call (`ExecutorDiedError`); `restart()`
-starts a fresh one.
+starts a fresh one. The child holds the parent's offload-directory locks (the same open
+files: engine/core/offload_dir.py) and exits as soon as its parent is gone, even in the
+middle of a step (a daemon killed with -9 leaves no engine behind on the directory).
 """
 
 from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import os
 import shutil
 import signal
+import threading
+import time
 import traceback
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
 
+from engine.core.offload_dir import InheritedLock, inherited_locks
 from engine.core.protocol import StepPlan, StepResult
 from engine.runtime.executor_client import (
     EXECUTOR_FACTORY,
@@ -46,14 +52,24 @@ from engine.runtime.executor_client import (
 log = logging.getLogger("nanoflex.engine")
 
 POLL_S = 0.1
-"""How often a waiting call checks that the child is still alive."""
+"""How often a waiting call checks that the child is still alive (and the child, that its
+parent is)."""
 
 
-def _child_main(conn: Connection, factory: str, kwargs: dict[str, Any]) -> None:
+def _child_main(
+    conn: Connection,
+    factory: str,
+    kwargs: dict[str, Any],
+    parent_pid: int = 0,
+    locks: list[InheritedLock] | None = None,
+) -> None:
     """The child's loop: build the executor, then answer messages until shutdown. The
     executor is closed (its scratch files removed) on shutdown, when the parent is gone,
-    and on SIGTERM."""
+    and on SIGTERM. `locks`: the parent's offload-directory locks, held here too (adopted
+    when they were unpickled)."""
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    if parent_pid:
+        _exit_with_parent(parent_pid)
     try:
         executor = build_from_path(factory, kwargs, lambda line: conn.send(("progress", line)))
         info = executor.describe()
@@ -91,6 +107,19 @@ def _exit_on_sigterm(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
 
 
+def _exit_with_parent(parent_pid: int) -> None:
+    """Watch the parent from a thread: once it is gone (the child is re-parented), SIGTERM
+    this process, which closes the executor and exits, releasing the offload directory."""
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(POLL_S)
+        log.warning("the daemon (pid %d) is gone: the engine process exits", parent_pid)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="nanoflex-parent-watch", daemon=True).start()
+
+
 class ExecutorProcess(ExecutorClient):
     """The executor in a 'spawn'ed child; calls block the calling thread (run them in a
     worker thread from asyncio). Not thread-safe: one caller at a time."""
@@ -119,7 +148,7 @@ class ExecutorProcess(ExecutorClient):
         parent_conn, child_conn = ctx.Pipe()
         process = ctx.Process(
             target=_child_main,
-            args=(child_conn, self.factory, self.kwargs),
+            args=(child_conn, self.factory, self.kwargs, os.getpid(), inherited_locks()),
             name="nanoflex-engine",
             daemon=True,
         )

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.storage.device import Device
-from engine.storage.disk import DiskFile, DiskIO
+from engine.storage.disk import DiskFile, DiskIO, OffloadIOError
 
 
 def runs(slots: list[int]) -> list[tuple[int, int]]:
@@ -45,9 +45,9 @@ class _StagedPage:
 
 
 class DiskKVPool:
-    """persistent: the layer files are kept across runs (the disk prefix cache), and every
-    page written whole gets a CRC-32 per layer, so a restarted engine can check what it
-    finds (engine/storage/disk_cache.py)."""
+    """Every page written whole gets a CRC-32 per layer, so that a cached page can be checked
+    when it is used again (engine/storage/disk_cache.py). persistent: the layer files are
+    kept across runs (the disk prefix cache)."""
 
     def __init__(
         self,
@@ -64,7 +64,7 @@ class DiskKVPool:
         self._staged: dict[int, _StagedPage] = {}
         self._lock = threading.Lock()
         self.page_crcs: dict[int, list[int | None]] = {}
-        """persistent: per page, the CRC-32 of each layer's bytes as last written whole."""
+        """Per page, the CRC-32 of each layer's bytes as last written whole."""
 
     @property
     def page_bytes(self) -> int:
@@ -91,9 +91,9 @@ class DiskKVPool:
 
     def _written(self, layer: int, page: int, rows: torch.Tensor) -> None:
         """A whole page of `layer` reached the disk: remember its checksum."""
-        if self.persistent:
-            crcs = self.page_crcs.setdefault(page, [None] * self.num_layers)
-            crcs[layer] = zlib.crc32(rows.contiguous().numpy().tobytes())
+        crc = zlib.crc32(rows.contiguous().numpy().data)
+        with self._lock:
+            self.page_crcs.setdefault(page, [None] * self.num_layers)[layer] = crc
 
     @property
     def staged_bytes(self) -> int:
@@ -183,7 +183,12 @@ class DiskKVPool:
         if start is not None:
             slot, i = start
             assert stop_slot - slot == stop - i
-            self.disk.read(self._files[layer], slot * self.row_bytes, out[i:stop])
+            try:
+                self.disk.read(self._files[layer], slot * self.row_bytes, out[i:stop])
+            except OffloadIOError as e:  # these pages' bytes are suspect now
+                p = self.page_tokens
+                e.pages = list(range(slot // p, (stop_slot - 1) // p + 1))
+                raise
 
     def close(self) -> None:
         self._staged.clear()

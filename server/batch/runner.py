@@ -8,8 +8,9 @@ transaction; on start every unfinished batch resumes from its pending requests.
 The invariant: a batch reaches a final state only when every line of its input is in
 its output file or its error file, exactly once (`Store.finalize_batch` checks it in
 the closing transaction). A line the server fails on becomes a `server_error` line. A
-batch that cannot make progress (data directory full or read-only, engine down)
-pauses: its `errors` say why while it waits, and it resumes by itself.
+batch that cannot make progress (data directory full or read-only, engine down, the
+engine's offload directory full or failing) pauses: its `errors` say why while it waits,
+and it resumes by itself; its lines are retried, never charged to the caller.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from server.batch.lines import (
 from server.batch.objects import Batch, BatchError, BatchErrors
 from server.batch.storage_faults import StorageError
 from server.batch.store import Store
-from server.openai.errors import APIError, invalid_request
+from server.openai.errors import OFFLOAD_UNAVAILABLE, APIError, invalid_request
 from server.openai.responses import new_id, now
 from server.openai.serving import Serving
 
@@ -42,6 +43,7 @@ logger = logging.getLogger("nanoflex.batches")
 ENGINE_RETRY_S = 0.5
 STORAGE_PAUSED = "storage_unavailable"
 ENGINE_PAUSED = "engine_unavailable"
+OFFLOAD_PAUSED = OFFLOAD_UNAVAILABLE
 SERVER_PAUSED = "server_error"
 
 
@@ -309,8 +311,18 @@ class BatchRunner:
             try:
                 answer = await answer_line(self.serving, endpoint, line, line_id, BATCH_PRIORITY)
                 self._resume(batch_id, ENGINE_PAUSED)
+                self._resume(batch_id, OFFLOAD_PAUSED)
                 return answer
             except APIError as e:
+                if e.code == OFFLOAD_PAUSED:  # the engine's disk: run it again once it works
+                    self._pause(
+                        batch_id,
+                        OFFLOAD_PAUSED,
+                        f"Paused: {e.message} No line is lost; the batch resumes by itself "
+                        "once the offload directory takes writes again.",
+                    )
+                    await asyncio.sleep(self.config.storage_retry_s)
+                    continue
                 if e.status_code == 503:
                     self._pause(batch_id, ENGINE_PAUSED, f"Paused: {e.message}")
                     await asyncio.sleep(ENGINE_RETRY_S)  # engine restarting: run it again

@@ -37,7 +37,7 @@ from server.http.request_body import decode_json, read_body
 from server.http.responses import json_response
 from server.http.settings import ServerSettings
 from server.http.state import AppState, get_state
-from server.openai.errors import engine_unavailable, not_found
+from server.openai.errors import not_found
 from server.openai.metrics import CONTENT_TYPE, Metrics
 from server.openai.responses import Health, Model, ModelList, NotReady, Ready, now
 from server.openai.serving import CHAT, COMPLETIONS, Prepared, Serving
@@ -169,8 +169,7 @@ async def _generate(request: Request, endpoint: str) -> Response:
     raw = await read_body(request)
     await state.wait_ready()
     prep = await asyncio.to_thread(_prepare, state.serving, endpoint, raw)
-    if not state.engine.is_ready():
-        raise engine_unavailable()
+    state.serving.check_ready()
     state.admit(prep.num_seqs)
     if not prep.stream:
         try:

@@ -8,11 +8,13 @@ stop accepting, finish in-flight responses, stop batch work (pending requests
 stay in the store), shut the engine down, close the store.
 
 Start-up order: the port is bound first (a port already in use ends the command at once),
-then the data directory is checked, then uvicorn serves while the engine loads in the
+then the `--offload-dir` is locked (one daemon per directory: engine/core/offload_dir.py;
+the engine process holds the lock with it), then the data directory is checked, then
+uvicorn serves while the engine loads in the
 background (/health 200, /ready 503 with the loading step). Anything that cannot work
-(a port in use, a damaged data directory, a model that cannot load, no device, out of
-memory, an engine that keeps crashing) ends the command with one
-`nanoflex serve: error: ...` line and exit status 2.
+(a port in use, an offload directory another daemon uses, a damaged data directory, a
+model that cannot load, no device, out of memory, an engine that keeps crashing) ends the
+command with one `nanoflex serve: error: ...` line and exit status 2.
 """
 
 from __future__ import annotations
@@ -24,11 +26,13 @@ import logging
 import os
 import socket
 from collections.abc import Callable
+from pathlib import Path
 
 import uvicorn
 from fastapi import FastAPI
 
 from engine.core.engine_args import EngineArgs
+from engine.core.offload_dir import lock_offload_dir
 from engine.runtime.engine_client import EngineClient
 from policy.errors import UserError
 from server.batch.data_dir import check_data_dir
@@ -165,6 +169,8 @@ def main(args: argparse.Namespace) -> int:
     settings = ServerSettings.from_args(args)
     sock = bind_socket(settings.bind_host, args.port)
     try:
+        if args.offload_dir is not None:  # held until exit, by this process and its engine
+            lock_offload_dir(Path(args.offload_dir))
         check_data_dir(settings.data_dir)
         failures: list[str] = []
         server: uvicorn.Server | None = None

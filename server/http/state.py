@@ -13,7 +13,7 @@ from server.batch.files import FileStorage
 from server.batch.runner import BatchRunner
 from server.batch.store import Store
 from server.http.settings import ServerSettings
-from server.openai.errors import engine_unavailable, invalid_request, queue_full
+from server.openai.errors import APIError, invalid_request, queue_full
 from server.openai.metrics import Metrics
 from server.openai.serving import Serving
 
@@ -34,13 +34,19 @@ class AppState:
     """Why the engine failed to start, shown by GET /ready."""
 
     async def wait_ready(self, poll_s: float = 0.05) -> None:
-        """Return once the engine is ready; while it loads or restarts, wait up to
-        `settings.ready_wait_s`, then raise 503 (with Retry-After). At once when it has
-        failed for good."""
+        """Return once the engine can take a request; while it loads or restarts, wait up to
+        `settings.ready_wait_s`, then raise its 503 (with Retry-After). At once when it has
+        failed for good, or when its offload storage rests after a fault (a 503 of its own:
+        the client retries after it)."""
         deadline = time.monotonic() + self.settings.ready_wait_s
-        while not self.engine.is_ready():
-            if self.engine_error is not None or time.monotonic() >= deadline:
-                raise engine_unavailable()
+        while True:
+            try:
+                self.serving.check_ready()
+                return
+            except APIError as e:
+                waits = e.code == "engine_unavailable" and self.engine_error is None
+                if not waits or time.monotonic() >= deadline:
+                    raise
             await asyncio.sleep(poll_s)
 
     def admit(self, num_seqs: int) -> None:

@@ -101,3 +101,18 @@ def engine_unavailable() -> APIError:
         code="engine_unavailable",
         headers={"Retry-After": "1"},
     )
+
+
+OFFLOAD_UNAVAILABLE = "offload_storage_unavailable"
+
+
+def offload_unavailable(reason: str) -> APIError:
+    """503: the engine's offload directory failed the request (disk full, I/O error), or rests
+    after such a failure; `reason` says which. Nothing was wrong with the request."""
+    return APIError(
+        503,
+        f"{reason[:1].upper()}{reason[1:]}. Nothing is wrong with the request; retry shortly.",
+        type="server_error",
+        code=OFFLOAD_UNAVAILABLE,
+        headers={"Retry-After": "2"},
+    )

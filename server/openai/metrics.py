@@ -12,6 +12,7 @@ from prometheus_client import (
 )
 
 from engine.runtime.engine_client import EngineClient, StepStats
+from policy import TIERS
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 STEP_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
@@ -121,6 +122,42 @@ class Metrics:
             "Cached KV pages dropped from the last tier with room (LRU).",
             registry=r,
         )
+        self.used_pages = Gauge(
+            "nanoflex_kv_used_pages",
+            "KV pages held by running requests, per tier (0 when idle; more is a leak).",
+            ["tier"],
+            registry=r,
+        )
+        self.capacity_pages = Gauge(
+            "nanoflex_kv_capacity_pages",
+            "KV pages each tier may hold (fixed at start, kept across engine restarts); "
+            "absent for a tier bounded only by the machine.",
+            ["tier"],
+            registry=r,
+        )
+        self.failed_pages = Counter(
+            "nanoflex_kv_cache_failed_pages",
+            "Cached KV pages on disk that failed verification or could not be read when "
+            "used: dropped, their tokens recomputed.",
+            registry=r,
+        )
+        self.index_dropped = Counter(
+            "nanoflex_kv_cache_index_dropped_entries",
+            "Entries of the offload directory's disk-cache index dropped at engine start "
+            "(damaged, malformed, of another model, failing their checksum).",
+            registry=r,
+        )
+        self.offload_faults = Counter(
+            "nanoflex_offload_faults",
+            "Engine steps that failed on the offload directory (disk full, I/O error): their "
+            "requests were recomputed, not lost.",
+            registry=r,
+        )
+        self.engine_restarts = Counter(
+            "nanoflex_engine_restarts",
+            "Times the engine process was restarted after a crash.",
+            registry=r,
+        )
         self._follow = _Follower()
         self.tier_bytes = Gauge(
             "nanoflex_tier_bytes", "Bytes resident per memory tier.", ["tier"], registry=r
@@ -137,6 +174,11 @@ class Metrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        for tier in TIERS:  # every series from the start, before the first step
+            for labelled in (self.cache_hit_pages, self.spilled_bytes, self.loaded_bytes):
+                labelled.labels(tier=tier)
+            for gauge in (self.cached_pages, self.used_pages, self.tier_bytes):
+                gauge.labels(tier=tier).set(0)
         engine.add_step_listener(self.on_step)
 
     def on_step(self, stats: StepStats) -> None:
@@ -148,12 +190,21 @@ class Metrics:
         follow(self.cache_queries, cache.query_tokens)
         follow(self.cache_hits, cache.hit_tokens)
         follow(self.evicted_pages, cache.evicted_pages)
+        follow(self.failed_pages, cache.failed_pages)
+        follow(self.offload_faults, stats.offload_faults)
+        follow(self.index_dropped, stats.index_dropped)
+        follow(self.engine_restarts, stats.num_restarts)
         for tier in cache.hit_pages:
             follow(self.cache_hit_pages, cache.hit_pages[tier], tier)
             follow(self.spilled_bytes, cache.spilled_pages[tier] * stats.page_bytes, tier)
             follow(self.loaded_bytes, cache.loaded_pages[tier] * stats.page_bytes, tier)
         for tier, num_pages in stats.cached_pages.items():
             self.cached_pages.labels(tier=tier).set(num_pages)
+        for tier, num_pages in stats.used_pages.items():
+            self.used_pages.labels(tier=tier).set(num_pages)
+        for tier, capacity in stats.capacity_pages.items():
+            if capacity is not None:
+                self.capacity_pages.labels(tier=tier).set(capacity)
         self.requests_waiting.set(stats.num_waiting)
         self.requests_running.set(stats.num_running)
         for tier, num_bytes in stats.bytes_per_tier.items():

@@ -26,9 +26,15 @@ from typing import Any
 from engine.core.outputs import ChoiceAccumulator, SequenceDelta
 from engine.core.sampling_params import SamplingError, SamplingParams
 from engine.core.structured import StructuredOutputError
-from engine.runtime.engine_client import EngineClient, EngineDeadError
+from engine.runtime.engine_client import EngineClient, EngineDeadError, StorageUnavailableError
 from policy.errors import UserError
-from server.openai.errors import APIError, engine_unavailable, invalid_request, not_found
+from server.openai.errors import (
+    APIError,
+    engine_unavailable,
+    invalid_request,
+    not_found,
+    offload_unavailable,
+)
 from server.openai.logprobs import chat_logprobs, completion_logprobs
 from server.openai.metrics import Metrics
 from server.openai.requests import (
@@ -127,6 +133,14 @@ class Serving:
             raise invalid_request(str(e)) from e
         except EngineDeadError as e:
             raise engine_unavailable() from e
+
+    def check_ready(self) -> None:
+        """Raise the 503 a request meets now if the engine cannot take it (loading,
+        restarting, its offload storage resting after a fault)."""
+        try:
+            self.engine.check_ready()
+        except Exception as e:
+            raise _translate(e) from e
 
     def _prepare(self, endpoint: str, body: Any) -> Prepared:
         req: CompletionRequest | ChatCompletionRequest
@@ -538,6 +552,8 @@ def _translate(e: Exception) -> APIError:
         return e
     if isinstance(e, EngineDeadError):
         return engine_unavailable()
+    if isinstance(e, StorageUnavailableError):
+        return offload_unavailable(str(e))
     if isinstance(e, ValueError):  # the scheduler's RequestError: the caller's 400
         return invalid_request(str(e))
     return APIError(500, f"generation failed: {e}", type="server_error", code="internal_error")

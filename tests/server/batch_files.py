@@ -22,6 +22,22 @@ def request_line(custom_id: str, prompt: str, max_tokens: int = 3, **extra: Any)
     return json.dumps({"custom_id": custom_id, "method": "POST", "url": URL, "body": body})
 
 
+def greedy_lines(prompts: list[str], max_tokens: int) -> list[str]:
+    """Lines c0, c1, ... of exactly `max_tokens` greedy tokens each (EOS ignored)."""
+    return [
+        request_line(f"c{i}", p, max_tokens=max_tokens, ignore_eos=True)
+        for i, p in enumerate(prompts)
+    ]
+
+
+def wait_completed(client: openai.OpenAI, batch_id: str, num_lines: int) -> None:
+    """Until at least `num_lines` lines of the batch are done (a fault is due mid-batch)."""
+    deadline = time.monotonic() + 60
+    while client.batches.retrieve(batch_id).request_counts.completed < num_lines:  # type: ignore[union-attr]
+        assert time.monotonic() < deadline, "the batch made no progress"
+        time.sleep(0.02)
+
+
 def upload(client: openai.OpenAI, lines: list[str]) -> str:
     data = ("\n".join(lines) + "\n").encode()
     return client.files.create(file=("input.jsonl", io.BytesIO(data)), purpose="batch").id

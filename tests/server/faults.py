@@ -1,9 +1,11 @@
 """Fault injection for the server tests: engine clients that fail or block on marked prompts,
-and a data directory on a small tmpfs that can be filled to the last byte.
+and a data directory or an offload directory on a small tmpfs that can be filled to the last
+byte.
 
 The engines are the real `CoreEngineClient` on the demo model with one method overridden; the
 full disk is a real tmpfs mount when this machine allows mounting (root in CI), else the
-store's and the file storage's writes raise ENOSPC while the disk is "full".
+store's and the file storage's writes (or the engine's disk-tier writes) raise ENOSPC while
+the disk is "full".
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import errno
 import subprocess
 import threading
 from collections.abc import AsyncGenerator, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -96,14 +99,8 @@ class Disk:
 
     def fill(self) -> None:
         self._full = True
-        if self.mounted:  # write until the kernel says no
-            with open(self._filler, "wb") as f:
-                try:
-                    while True:
-                        f.write(b"\0" * (1 << 16))
-                        f.flush()
-                except OSError as e:
-                    assert e.errno == errno.ENOSPC, e
+        if self.mounted:
+            fill_to_the_last_byte(self._filler)
 
     def free(self) -> None:
         self._full = False
@@ -128,14 +125,37 @@ def _inject_enospc(state: AppState, is_full: Any) -> None:
         setattr(storage, name, failing(getattr(storage, name), "writing a file"))
 
 
+def fill_to_the_last_byte(filler: Path) -> None:
+    """Write `filler` until the kernel says the disk is full (unbuffered: no write is left
+    pending for the close to retry)."""
+    block = b"\0" * (1 << 16)
+    with open(filler, "wb", buffering=0) as f:
+        try:
+            while True:
+                while block:  # the last write may take part of a block
+                    block = block[f.write(block) :]
+                block = b"\0" * (1 << 16)
+        except OSError as e:
+            assert e.errno == errno.ENOSPC, e
+
+
+@contextmanager
+def tmpfs(directory: Path, size: str) -> Iterator[bool]:
+    """`directory` (made) on a tmpfs of `size` while inside; False where mounting is not
+    allowed (not root): then it is a plain directory."""
+    directory.mkdir(parents=True, exist_ok=True)
+    mount = ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(directory)]
+    mounted = subprocess.run(mount, capture_output=True).returncode == 0
+    try:
+        yield mounted
+    finally:
+        if mounted:
+            subprocess.run(["umount", "-l", str(directory)], check=True)
+
+
 @pytest.fixture
 def small_disk(tmp_path: Path) -> Iterator[Disk]:
     """A 16 MiB tmpfs for the data directory (or, where mounting is not allowed, a plain
     directory with injected ENOSPC)."""
-    data_dir = tmp_path / "data"
-    data_dir.mkdir()
-    mount = ["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(data_dir)]
-    mounted = subprocess.run(mount, capture_output=True).returncode == 0
-    yield Disk(data_dir, mounted)
-    if mounted:
-        subprocess.run(["umount", "-l", str(data_dir)], check=True)
+    with tmpfs(tmp_path / "data", "16m") as mounted:
+        yield Disk(tmp_path / "data", mounted)

@@ -3,22 +3,16 @@ kill -9 of a `nanoflex serve` daemon mid-batch, kill -9 of its engine process, S
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
 import psutil
-import pytest
 
-from policy import Policy
 from server.batch.store import Store
 from tests.server.batch_files import (
     URL,
@@ -28,10 +22,9 @@ from tests.server.batch_files import (
     upload,
     wait_batch,
 )
+from tests.server.daemon import Daemon
+from tests.server.daemon import daemons as daemons  # a fixture
 from tests.server.live import MODEL, Reference, ServerFactory, free_port, wait_for
-
-REPO = Path(__file__).resolve().parents[2]
-NANOFLEX = Path(sys.executable).parent / "nanoflex"
 
 
 def _batch_record(batch_id: str) -> dict[str, Any]:
@@ -118,67 +111,6 @@ def test_graceful_restart_resumes(make_server: ServerFactory, reference: Referen
 
 
 # -- a real `nanoflex serve` process ---------------------------------------------------------
-
-
-class Daemon:
-    """`nanoflex serve` on the demo model (CPU, engine in its child process) on loopback."""
-
-    def __init__(self, data_dir: Path, port: int, log: Path) -> None:
-        self.data_dir, self.port, self.log = data_dir, port, log
-        self.url = f"http://127.0.0.1:{port}"
-        policy = data_dir.parent / "policy.json"
-        policy.write_text(Policy().to_json())  # fixed: the reference runs the same policy
-        env = {k: v for k, v in os.environ.items() if k != "NANOFLEX_ENGINE_CLIENT"}
-        argv = [
-            str(NANOFLEX),
-            "serve",
-            "--model",
-            MODEL,
-            "--port",
-            str(port),
-            "--data-dir",
-            str(data_dir),
-        ]
-        argv += ["--device", "cpu", "--policy", str(policy)]
-        with open(log, "ab") as out:
-            self.process = subprocess.Popen(argv, env=env, cwd=REPO, stdout=out, stderr=out)
-        self.wait_ready()
-
-    def wait_ready(self, timeout_s: float = 120) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not self.is_ready():
-            assert self.process.poll() is None, f"daemon exited:\n{self.log.read_text()}"
-            assert time.monotonic() < deadline, "daemon did not become ready"
-            time.sleep(0.05)
-
-    def is_ready(self) -> bool:
-        try:
-            return httpx.get(f"{self.url}/ready", timeout=2).status_code == 200
-        except httpx.TransportError:
-            return False
-
-    def openai(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="x", max_retries=0)
-
-    def engine_process(self) -> psutil.Process:
-        """The executor child (multiprocessing 'spawn'), not its resource tracker."""
-        children = psutil.Process(self.process.pid).children(recursive=True)
-        engines = [c for c in children if "spawn_main" in " ".join(c.cmdline())]
-        assert len(engines) == 1, [c.cmdline() for c in children]
-        return engines[0]
-
-    def kill(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-        self.process.wait(timeout=30)
-
-
-@pytest.fixture
-def daemons(tmp_path: Path) -> Iterator[list[Daemon]]:
-    started: list[Daemon] = []
-    yield started
-    for daemon in started:
-        daemon.kill()
 
 
 def test_kill_9_mid_batch_then_resume_then_sigterm(

@@ -24,10 +24,12 @@ from server.batch.store import Store
 from tests.server.batch_files import (
     URL,
     assert_accounted,
+    greedy_lines,
     read_lines,
     request_line,
     upload,
     wait_batch,
+    wait_completed,
 )
 from tests.server.faults import (
     FAIL_IN_ENGINE,
@@ -111,14 +113,11 @@ def test_full_disk_pauses_the_batch_and_resumes(
     client = live.openai()
     n, max_tokens = 12, 30
     prompts = [f"Item {i} of the list:" for i in range(n)]
-    lines = [
-        request_line(f"c{i}", p, max_tokens=max_tokens, ignore_eos=True)
-        for i, p in enumerate(prompts)
-    ]
+    lines = greedy_lines(prompts, max_tokens)
     batch = client.batches.create(
         input_file_id=upload(client, lines), endpoint=URL, completion_window="24h"
     )
-    wait_for(lambda: client.batches.retrieve(batch.id).request_counts.completed >= 1, 60)  # type: ignore[union-attr]
+    wait_completed(client, batch.id, 1)
     small_disk.fill()
     num_files = len(client.files.list().data)
     with live.http() as http:  # an upload on a full disk: 507, nothing half-written

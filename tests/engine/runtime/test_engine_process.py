@@ -134,3 +134,53 @@ def test_sigterm_to_a_command_removes_its_scratch_directory(tmp_path: Path) -> N
     finally:
         process.kill()
     assert not list(tmp_path.glob("nanoflex-offload-*"))
+
+
+_DAEMON = """
+import sys, threading, time
+from pathlib import Path
+from engine.core.offload_dir import lock_offload_dir
+from engine.runtime.engine_process import ExecutorProcess
+from tests.engine.runtime.test_engine_process import plan
+lock_offload_dir(Path(sys.argv[1]))
+executor = ExecutorProcess("tests.engine.runtime.toy_executor:build_slow_executor")
+executor.start()
+threading.Thread(target=executor.execute, args=(plan(1),), daemon=True).start()
+print(executor._process.pid, flush=True)
+time.sleep(120)
+"""
+
+
+def test_the_engine_process_holds_the_offload_lock_and_dies_with_its_daemon(
+    tmp_path: Path,
+) -> None:
+    """A stand-in daemon locks an offload directory and starts its engine process, which
+    inherits the lock (the same open file); the daemon is killed with -9 while the engine is
+    in the middle of a step: the engine exits within a second or two, and the directory is
+    free again."""
+    import psutil
+
+    from engine.core.offload_dir import LOCK_NAME, OffloadDirError, lock_offload_dir
+
+    daemon = subprocess.Popen(
+        [sys.executable, "-c", _DAEMON, str(tmp_path)],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).resolve().parents[3],
+    )
+    try:
+        assert daemon.stdout is not None
+        engine = psutil.Process(int(daemon.stdout.readline()))
+        lock_file = str(tmp_path / LOCK_NAME)
+        assert any(f.path == lock_file for f in engine.open_files()), "lock not inherited"
+        with pytest.raises(OffloadDirError, match="in use by another nanoflex process"):
+            lock_offload_dir(tmp_path, wait_s=0)
+        daemon.kill()
+        daemon.wait()
+        start = time.monotonic()
+        psutil.wait_procs([engine], timeout=10)
+        assert not engine.is_running(), "the engine process outlived its daemon"
+        assert time.monotonic() - start < 5
+        lock_offload_dir(tmp_path, wait_s=5).release()
+    finally:
+        daemon.kill()

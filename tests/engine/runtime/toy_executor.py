@@ -16,7 +16,7 @@ from engine.core.protocol import EngineInfo, Placement, StepPlan, StepResult
 NO_BYTES = {"gpu": 0, "cpu": 0, "disk": 0}
 INFO = EngineInfo(
     page_tokens=16,
-    kv_capacity_pages={"gpu": 64, "cpu": None, "disk": None},
+    kv_capacity_pages={"gpu": 128, "cpu": None, "disk": None},  # the demo model's context
     placement=Placement(
         (1.0, 0.0, 0.0), (1.0, 0.0, 0.0), NO_BYTES, NO_BYTES, NO_BYTES, (), "toy", "none"
     ),
@@ -63,3 +63,17 @@ def build_crashing_executor(**engine_kwargs: Any) -> CrashingExecutor:
 
 def pid() -> int:
     return os.getpid()
+
+
+class SlowExecutor(ToyExecutor):
+    """A step that takes a minute: its process is mid-step whenever a test looks."""
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        import time
+
+        time.sleep(60)
+        return super().execute(plan)
+
+
+def build_slow_executor() -> SlowExecutor:
+    return SlowExecutor()
