@@ -74,11 +74,26 @@ class Sampler:
             drop = sorted_probs.cumsum(dim=-1) - sorted_probs >= p.top_p
             drop[0] = False
             scores = scores.scatter(0, order, sorted_scores.masked_fill(drop, float("-inf")))
-        probs = torch.softmax(scores, dim=-1).cpu()
+        probs = torch.softmax(scores, dim=-1)
         rng = self._rng
         if p.seed is not None:
             rng = torch.Generator().manual_seed((p.seed * _SEED_STRIDE + num_sampled) % 2**63)
-        return int(torch.multinomial(probs, 1, generator=rng).item())
+        return draw(probs, float(torch.rand((), generator=rng)))
+
+
+def draw(probs: torch.Tensor, u: float) -> int:
+    """The token whose probability interval holds `u` (uniform in [0, 1)): the inverse of
+    the cumulative distribution, one cumulative sum and one binary search. torch.multinomial
+    draws an exponential variate for every token of the vocabulary instead, 1.5 ms a row on
+    a 49k vocabulary on a CPU core. A token of probability 0 is never drawn: the sums do not
+    grow there and the search takes the first sum above `u` of the total."""
+    cdf = probs.cumsum(dim=-1)
+    target = cdf[-1:] * u
+    index = int(torch.searchsorted(cdf, target, right=True).item())
+    index = min(index, probs.shape[-1] - 1)
+    while index > 0 and float(probs[index]) == 0.0:  # u * total rounded up to the total
+        index -= 1
+    return index
 
 
 def top_logprobs(
