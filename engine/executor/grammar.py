@@ -13,6 +13,7 @@ again its output so far is replayed into a new one before its next mask.
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
@@ -22,6 +23,8 @@ import torch
 
 from engine.core.structured import StructuredOutput
 
+MAX_TEMPLATES = 256
+"""Constraints whose fresh matcher is kept for the next sequence that asks for them."""
 BUILD_SECONDS = 30.0
 """The most the first sampling of a sequence waits for its matcher (then it fails alone)."""
 
@@ -46,6 +49,9 @@ class GrammarBank:
         self._lock = threading.Lock()
         self._tokenizer: Future[Any] | None = None
         self._matchers: dict[int, Future[Any]] = {}
+        self._templates: OrderedDict[StructuredOutput, Future[Any]] = OrderedDict()
+        """A fresh matcher per constraint (the most recent `MAX_TEMPLATES`): a sequence's
+        own is a copy of it, which costs far less than building one from the grammar."""
         self._parallel: Any = None  # llguidance.LLExecutor, made on first use
 
     def _llm_tokenizer(self) -> Any:
@@ -55,12 +61,20 @@ class GrammarBank:
         return LLTokenizer(text, n_vocab=self.vocab_size, eos_token=self._eos_ids or None)
 
     def add(self, seq_id: int, spec: StructuredOutput) -> None:
-        """Start building the matcher of a newly admitted sequence."""
+        """Start building the matcher of a newly admitted sequence: a copy of its
+        constraint's fresh matcher, built the first time the constraint is seen."""
         with self._lock:
             if self._tokenizer is None:  # about a second, once: on the same build thread
                 self._tokenizer = self._builds.submit(self._llm_tokenizer)
-            tokenizer = self._tokenizer
-        self._matchers[seq_id] = self._builds.submit(self._build, tokenizer, spec)
+            template = self._templates.get(spec)
+            if template is None:
+                template = self._builds.submit(self._build, self._tokenizer, spec)
+                self._templates[spec] = template
+                if len(self._templates) > MAX_TEMPLATES:
+                    self._templates.popitem(last=False)
+            else:
+                self._templates.move_to_end(spec)
+        self._matchers[seq_id] = self._builds.submit(_copy, template)
 
     @staticmethod
     def _build(tokenizer: Future[Any], spec: StructuredOutput) -> Any:
@@ -122,3 +136,9 @@ class GrammarBank:
 
     def close(self) -> None:
         self._builds.shutdown(wait=False, cancel_futures=True)
+
+
+def _copy(template: Future[Any]) -> Any:
+    """A sequence's own matcher: a copy of its constraint's fresh one (which never consumes
+    a token), or the error that building it raised."""
+    return template.result().deep_copy()

@@ -80,10 +80,12 @@ class LogitsProcessor:
                     errors[r] = failed[seq_id]
                 elif seq_id in bits:
                     apply_bits(logits[r : r + 1], bits[seq_id], self.token_mask)
-        for r in range(len(rows)):
-            live = rows[r].params.processes_logits and r not in errors
-            if live and not bool(torch.isfinite(logits[r]).any()):
-                errors[r] = "no token is allowed (the constraints exclude every token)"
+        live = [r for r, row in enumerate(rows) if row.params.processes_logits and r not in errors]
+        if live:  # one pass over the rows, not a call per row
+            best = logits.amax(dim=-1).tolist()
+            for r in live:
+                if best[r] == _MINUS_INF:
+                    errors[r] = "no token is allowed (the constraints exclude every token)"
         return errors
 
     def _apply_row(self, x: torch.Tensor, row: RowTokens) -> None:
