@@ -204,6 +204,7 @@ class Executor:
             token_mask() if native else None,
             # beside a GPU's forward pass the cores are free; on a CPU it needs them
             grammar_threads=min(8, max(1, (os.cpu_count() or 2) - 1)) if self.device.is_cuda else 1,
+            overlap_masks=self.device.is_cuda,
         )
         self._closed = False
         self._seqs: dict[int, SeqState] = {}

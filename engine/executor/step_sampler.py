@@ -4,6 +4,7 @@ sequence (its tokens, for penalties and structured outputs; its grammar matcher)
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -27,7 +28,9 @@ class StepSampler:
 
     `prepare` starts the step's grammar masks on a worker thread before the layers run
     (they depend only on the tokens sampled before), so that on a GPU they cost the step
-    nothing; `sample` waits for them. `grammar_threads`: llguidance's threads for them."""
+    nothing; `sample` waits for them. `overlap_masks` False: `sample` computes them itself,
+    after the layers (on a CPU the worker would take a core from the forward pass's
+    threads, which then wait for each other). `grammar_threads`: llguidance's threads."""
 
     def __init__(
         self,
@@ -35,6 +38,7 @@ class StepSampler:
         vocab_size: int,
         token_mask: TokenMask | None,
         grammar_threads: int = 1,
+        overlap_masks: bool = True,
     ) -> None:
         eos = eos_token_ids(model_dir)
         tokenizer = model_dir / "tokenizer.json"
@@ -47,6 +51,7 @@ class StepSampler:
         self.sampler = Sampler()
         self._tokens: dict[int, list[int]] = {}
         """Sequence id -> every token it has fed, for those whose settings read them."""
+        self.overlap_masks = overlap_masks
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="nanoflex-masks")
         self._pending: tuple[list[RowTokens], list[int], Future[Masks]] | None = None
         self.mask_seconds = 0.0
@@ -88,7 +93,12 @@ class StepSampler:
             if is_first and chunk.num_sampled and row.params.structured is not None
         ]
         num_sampled = [c.num_sampled for c in chunks]
-        self._pending = (rows, num_sampled, self._worker.submit(self._masks, rows, replays))
+        masks: Future[Masks]
+        if self.overlap_masks:
+            masks = self._worker.submit(self._masks, rows, replays)
+        else:  # computed when `sample` asks for them
+            masks = _Deferred(lambda: self._masks(rows, replays))
+        self._pending = (rows, num_sampled, masks)
 
     def _masks(self, rows: list[RowTokens], replays: list[RowTokens]) -> Masks:
         start = time.perf_counter()
@@ -135,6 +145,7 @@ class StepSampler:
     def discard(self) -> None:
         """The prepared step will not be sampled (it failed): wait for its masks, drop them."""
         if self._pending is not None:
+            self._pending[2].cancel()  # not started (or deferred): it never runs
             wait_all([self._pending[2]])
             self._pending = None
 
@@ -142,3 +153,19 @@ class StepSampler:
         self._worker.shutdown(wait=False, cancel_futures=True)
         if self.grammars is not None:
             self.grammars.close()
+
+
+class _Deferred(Future[Masks]):
+    """Masks computed on the caller's thread when their result is asked for."""
+
+    def __init__(self, compute: Callable[[], Masks]) -> None:
+        super().__init__()
+        self._compute = compute
+
+    def result(self, timeout: float | None = None) -> Masks:
+        if not self.done():
+            try:
+                self.set_result(self._compute())
+            except Exception as e:
+                self.set_exception(e)
+        return super().result(timeout)

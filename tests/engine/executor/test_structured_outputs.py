@@ -80,6 +80,25 @@ def test_json_schema_outputs_parse_and_validate(llm, temperature):
         jsonschema.validate(json.loads(choice.text), PERSON)
 
 
+def test_masks_beside_the_layers_give_the_same_tokens(llm):
+    """The GPU's setting (masks built on a worker while the layers run) and the CPU's (built
+    after them, on the step's thread) give the same tokens; the first overlaps, the second
+    waits for every mask it builds."""
+    sampler = llm.executor.sampler
+    params = [json_params(temperature=0.0, max_tokens=40) for _ in ASKS]
+    prompts = [chat(llm, a) for a in ASKS]
+    texts = {}
+    for overlap in (False, True):
+        sampler.overlap_masks = overlap
+        sampler.mask_seconds = sampler.mask_wait_seconds = 0.0
+        texts[overlap] = [out.outputs[0].text for out in llm.generate(prompts, params)]
+        assert sampler.mask_seconds > 0
+        if not overlap:  # every mask is built while the step waits for it
+            assert sampler.mask_wait_seconds >= sampler.mask_seconds
+    sampler.overlap_masks = False
+    assert texts[True] == texts[False]
+
+
 def test_json_survives_preemption_and_recompute(smollm2_dir):
     """Short requests first teach admission that outputs are 2 tokens long (NanoFlow's
     estimate); then four long constrained ones join on 20 KV pages and outgrow them: some
@@ -113,8 +132,11 @@ def test_regex_choice_and_grammar(llm):
 
 
 def test_json_object_gives_an_object(llm):
-    params = SamplingParams(max_tokens=120, structured=StructuredOutput("json_object"))
+    # greedy: an open object sampled at temperature 1 may well outrun any max_tokens
+    spec = StructuredOutput("json_object")
+    params = SamplingParams(max_tokens=120, temperature=0.0, structured=spec)
     out = llm.generate([chat(llm, "Any JSON, please.")], params)[0].outputs[0]
+    assert out.finish_reason == "stop", out.text
     assert isinstance(json.loads(out.text), dict)
 
 
