@@ -144,10 +144,14 @@ class StepSampler:
 
     def discard(self) -> None:
         """The prepared step will not be sampled (it failed): wait for its masks, drop them."""
-        if self._pending is not None:
-            self._pending[2].cancel()  # not started (or deferred): it never runs
-            wait_all([self._pending[2]])
-            self._pending = None
+        if self._pending is None:
+            return
+        masks = self._pending[2]
+        self._pending = None
+        if isinstance(masks, _Deferred):  # computed only when asked for: never, now
+            return
+        masks.cancel()  # still queued: it never runs
+        wait_all([masks])
 
     def close(self) -> None:
         self._worker.shutdown(wait=False, cancel_futures=True)
