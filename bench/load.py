@@ -45,14 +45,22 @@ def start_daemon(data_dir: Path, max_queue: int) -> tuple[subprocess.Popen[bytes
     return launch(data_dir, [*args, "--max-queue", str(max_queue)])
 
 
-def launch(data_dir: Path, args: list[str]) -> tuple[subprocess.Popen[bytes], str]:
+def launch(
+    data_dir: Path, args: list[str], tree: Path | None = None
+) -> tuple[subprocess.Popen[bytes], str]:
     """`nanoflex serve ARGS` on a free loopback port with its data in `data_dir` and its log
-    in data_dir/daemon.log; returns it and its URL once /ready answers 200."""
+    in data_dir/daemon.log; returns it and its URL once /ready answers 200. `tree`: run the
+    daemon from that source tree (another checkout) with this interpreter."""
     data_dir.mkdir(parents=True, exist_ok=True)
     port = free_port()
-    argv = [str(NANOFLEX), "serve", *args, "--port", str(port), "--data-dir", str(data_dir)]
+    serve = [str(NANOFLEX), "serve"]
+    env = None
+    if tree is not None:
+        serve = [sys.executable, "-m", "server.cli", "serve"]
+        env = {**os.environ, "PYTHONPATH": str(tree)}
+    argv = [*serve, *args, "--port", str(port), "--data-dir", str(data_dir)]
     log = open(data_dir / "daemon.log", "wb")  # noqa: SIM115 (closed with the process)
-    daemon = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+    daemon = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=tree, env=env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:

@@ -40,7 +40,7 @@ from typing import Any
 import httpx
 
 from bench.common import Table, write_json
-from bench.load import free_port
+from bench.load import launch
 from engine.core.model_files import DEMO_MODEL
 from policy import Policy
 
@@ -87,26 +87,8 @@ def start_daemon(data_dir: Path, tree: Path, seqs: int) -> tuple[subprocess.Pope
     policy = data_dir / "policy.json"
     data_dir.mkdir(parents=True, exist_ok=True)
     policy.write_text(Policy(gpu_batch_size=seqs).to_json())
-    port = free_port()
-    argv = [sys.executable, "-m", "server.cli", "serve", "--model", DEMO_MODEL]
-    argv += ["--device", "cpu", "--policy", str(policy), "--port", str(port)]
-    argv += ["--data-dir", str(data_dir), "--max-queue", str(4 * seqs)]
-    env = {**os.environ, "PYTHONPATH": str(tree)}
-    log = open(data_dir / "daemon.log", "wb")  # noqa: SIM115 (closed with the process)
-    daemon = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=tree, env=env)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/ready", timeout=1).status_code == 200:
-                return daemon, url
-        except httpx.HTTPError:
-            pass
-        if daemon.poll() is not None:
-            break
-        time.sleep(0.2)
-    daemon.kill()
-    raise RuntimeError(f"the daemon did not become ready; see {data_dir / 'daemon.log'}")
+    args = ["--model", DEMO_MODEL, "--device", "cpu", "--policy", str(policy)]
+    return launch(data_dir, [*args, "--max-queue", str(4 * seqs)], tree)
 
 
 async def fire(url: str, seqs: int, tokens: int, stream: bool) -> tuple[float, int]:
