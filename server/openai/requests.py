@@ -158,17 +158,17 @@ class _Sampling(_Strict):
         logprobs: int | None,
         echo: bool = False,
         defaults: dict[str, float | int] | None = None,
+        structured: StructuredOutput | None = None,
     ) -> SamplingParams:
         """One prompt's settings: its n choices are fanned out by the engine client. A field
         the request leaves out takes `defaults` (the model's generation_config.json), then
-        the neutral value."""
+        the neutral value. `structured`: the constraint `structured()` read."""
         model = defaults or {}
 
         def pick(name: str, neutral: float) -> Any:
             value = getattr(self, name)
             return value if value is not None else model.get(name, neutral)
 
-        structured, _ = self.structured()
         return SamplingParams(
             n=self.n,
             max_tokens=max_tokens,

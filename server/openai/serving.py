@@ -20,7 +20,7 @@ import asyncio
 import time
 from collections.abc import AsyncGenerator, Callable, Iterable, Sequence
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from engine.core.outputs import ChoiceAccumulator, SequenceDelta
@@ -192,16 +192,14 @@ class Serving:
                 param="max_tokens",
             )
         defaults = self.engine.generation_defaults
-        _, structured_param = req.structured()
-        out = []
-        for prompt in prompts:
-            limit = self._max_tokens(prompt, max_tokens, defaults.get("max_tokens"))
-            params = req.sampling_params(limit, num_logprobs, echo, defaults)
-            try:
-                out.append(params.prepared(self._encode_plain, self.engine.vocab_size))
-            except StructuredOutputError as e:
-                raise invalid_request(str(e), param=structured_param) from e
-        return out
+        limits = [self._max_tokens(p, max_tokens, defaults.get("max_tokens")) for p in prompts]
+        structured, structured_param = req.structured()
+        params = req.sampling_params(limits[0], num_logprobs, echo, defaults, structured)
+        try:  # once per request: the prompts differ only in their max_tokens
+            params = params.prepared(self._encode_plain, self.engine.vocab_size)
+        except StructuredOutputError as e:
+            raise invalid_request(str(e), param=structured_param) from e
+        return [params if n == params.max_tokens else replace(params, max_tokens=n) for n in limits]
 
     def _encode_plain(self, text: str) -> list[int]:
         """Token ids without the model's special tokens (bad words)."""
