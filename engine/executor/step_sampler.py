@@ -4,7 +4,6 @@ sequence (its tokens, for penalties and structured outputs; its grammar matcher)
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -53,7 +52,11 @@ class StepSampler:
         """Sequence id -> every token it has fed, for those whose settings read them."""
         self.overlap_masks = overlap_masks
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="nanoflex-masks")
-        self._pending: tuple[list[RowTokens], list[int], Future[Masks]] | None = None
+        self._pending: tuple[list[RowTokens], list[int], list[RowTokens], bool] | None = None
+        """The prepared step: its rows, tokens sampled per row, rows to replay into a new
+        matcher, whether any row is constrained (needs masks)."""
+        self._masks_ahead: Future[Masks] | None = None
+        """The pending step's masks, building on the worker (`overlap_masks`)."""
         self.mask_seconds = 0.0
         """Time spent building grammar masks, on the worker (bench/structured_outputs.py)."""
         self.mask_wait_seconds = 0.0
@@ -93,12 +96,10 @@ class StepSampler:
             if is_first and chunk.num_sampled and row.params.structured is not None
         ]
         num_sampled = [c.num_sampled for c in chunks]
-        masks: Future[Masks]
-        if self.overlap_masks:
-            masks = self._worker.submit(self._masks, rows, replays)
-        else:  # computed when `sample` asks for them
-            masks = _Deferred(lambda: self._masks(rows, replays))
-        self._pending = (rows, num_sampled, masks)
+        constrained = any(row.params.structured is not None for row in rows)
+        self._pending = (rows, num_sampled, replays, constrained)
+        if constrained and self.overlap_masks:
+            self._masks_ahead = self._worker.submit(self._masks, rows, replays)
 
     def _masks(self, rows: list[RowTokens], replays: list[RowTokens]) -> Masks:
         start = time.perf_counter()
@@ -124,10 +125,15 @@ class StepSampler:
         """Tokens for the prepared rows from `logits` (one row each, changed in place), their
         logprob records, and the sequences that failed (id -> message)."""
         assert self._pending is not None, "sample() without prepare()"
-        rows, num_sampled, pending = self._pending
-        self._pending = None
+        rows, num_sampled, replays, constrained = self._pending
+        ahead, self._pending, self._masks_ahead = self._masks_ahead, None, None
         start = time.perf_counter()
-        masks = pending.result()
+        if ahead is not None:
+            masks = ahead.result()
+        elif constrained:
+            masks = self._masks(rows, replays)
+        else:
+            masks = ({}, {})
         self.mask_wait_seconds += time.perf_counter() - start
         token_ids, logprobs, errors = self.sampler.sample(
             logits,
@@ -144,32 +150,12 @@ class StepSampler:
 
     def discard(self) -> None:
         """The prepared step will not be sampled (it failed): wait for its masks, drop them."""
-        if self._pending is None:
-            return
-        masks = self._pending[2]
-        self._pending = None
-        if isinstance(masks, _Deferred):  # computed only when asked for: never, now
-            return
-        masks.cancel()  # still queued: it never runs
-        wait_all([masks])
+        ahead, self._pending, self._masks_ahead = self._masks_ahead, None, None
+        if ahead is not None:
+            ahead.cancel()  # still queued: it never runs
+            wait_all([ahead])
 
     def close(self) -> None:
         self._worker.shutdown(wait=False, cancel_futures=True)
         if self.grammars is not None:
             self.grammars.close()
-
-
-class _Deferred(Future[Masks]):
-    """Masks computed on the caller's thread when their result is asked for."""
-
-    def __init__(self, compute: Callable[[], Masks]) -> None:
-        super().__init__()
-        self._compute = compute
-
-    def result(self, timeout: float | None = None) -> Masks:
-        if not self.done():
-            try:
-                self.set_result(self._compute())
-            except Exception as e:
-                self.set_exception(e)
-        return super().result(timeout)
