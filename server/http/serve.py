@@ -105,7 +105,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--ready-wait",
         type=float,
-        default=60.0,
+        default=ServerSettings.ready_wait_s,
         metavar="SECONDS",
         help="a request that arrives while the model loads or the engine restarts waits this "
         "long for it, then gets 503 with Retry-After (0: at once) (default: %(default)s)",

@@ -91,7 +91,7 @@ class ServerSettings:
             data_dir=Path(args.data_dir),
             api_key=api_key_from(args.api_key, args.api_key_file, environ),
             max_queue=args.max_queue,
-            ready_wait_s=getattr(args, "ready_wait", 60.0),
+            ready_wait_s=args.ready_wait,
             bind_host=args.host,
             allowed_hosts=_names(args.allowed_hosts),
             allowed_origins=_names(args.allowed_origins),
