@@ -37,6 +37,9 @@ class StepGraphs:
     k: torch.Tensor  # (T, num_kv_heads, head_dim)
     v: torch.Tensor  # (T, num_kv_heads, head_dim)
     o: torch.Tensor  # (T, num_heads, head_dim): attention output, written eagerly
+    tables: Positions | None = None
+    """The positions' rotary tables the graphs read: held here, since a graph keeps no tensor
+    alive, and freed tables would be handed to other tensors while replays still use them."""
     embed: Any = None  # the embedding and the positions' tables
     before: list[Any] = field(default_factory=list)  # per decoder layer
     after: list[Any] = field(default_factory=list)  # per decoder layer
@@ -89,7 +92,7 @@ class GraphRunner:
         )
         embed = self.weights[0]
         made = self.model.positions(g.positions, dtype)
-        tables = Positions(g.positions, tuple(torch.zeros_like(t) for t in made.tables))
+        tables = g.tables = Positions(g.positions, tuple(torch.zeros_like(t) for t in made.tables))
 
         def embed_step() -> None:
             g.h.copy_(self.model.embed(embed, g.token_ids, g.positions))

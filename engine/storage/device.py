@@ -28,6 +28,10 @@ class Device:
     On the CPU every method degrades to plain tensor operations."""
 
     def __init__(self, device: torch.device) -> None:
+        if device.type == "cuda" and device.index is None:
+            # An indexed device: torch's memory and stream calls refuse a bare "cuda", and a
+            # tensor's device (cuda:0) compares unequal to it.
+            device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
         self.is_cuda = device.type == "cuda"
         self._local = threading.local()

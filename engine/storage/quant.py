@@ -245,7 +245,10 @@ def _quantize_groups(groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, 
     """(..., group_size) float32 -> codes (..., group_size) uint8, scale and min (...,) float16."""
     lo, hi = groups.amin(dim=-1), groups.amax(dim=-1)
     min16 = _round_half(lo, up=False)  # min16 <= lo
-    scale16 = _round_half((hi - min16.float()) / MAX_CODE, up=True)  # min16 + 15 * scale16 >= hi
+    # divided by a tensor, not a Python number: CUDA turns division by a host scalar into
+    # multiplication by its reciprocal, which rounds differently from the CPU's division
+    max_code = torch.full((), float(MAX_CODE), device=groups.device)
+    scale16 = _round_half((hi - min16.float()) / max_code, up=True)  # min16 + 15 * scale16 >= hi
     scale = scale16.float()
     inv_scale = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
     codes = torch.round((groups - min16.float().unsqueeze(-1)) * inv_scale.unsqueeze(-1))
