@@ -48,7 +48,9 @@ REPO = Path(__file__).resolve().parents[1]
 OUTPUT_FRAMES: dict[str, set[str] | None] = {
     # file (as py-spy names it, the path's tail) -> functions, None: every function
     # before and after the issue-24 rework: the engine's side
-    "engine/core/sequence.py": {"append_token", "_detokenize", "_cut_at_stop_string", "delta"},
+    "engine/core/sequence.py": {
+        *("append_token", "_detokenize", "_cut_at_stop_string", "delta", "report")
+    },
     "engine/core/detokenizer.py": None,
     "engine/core/outputs.py": None,
     "engine/core/parent_request.py": None,
@@ -58,7 +60,8 @@ OUTPUT_FRAMES: dict[str, set[str] | None] = {
     "engine/runtime/core_client.py": {"generate", "_deliver", "_dispatch", "_call_soon"},
     "server/serving.py": {"_drive", "outputs", "run_choices", "body", "choice", "token_names"},
     "server/openai/serving.py": {
-        *("_prompt_deltas", "_merged", "outputs", "run_choices", "body", "choice", "chat_choice")
+        *("_prompt_deltas", "_prompt_choices", "_merged", "outputs", "run_choices"),
+        *("body", "choice", "chat_choice"),
     },
     "server/streaming.py": None,
     "server/openai/streaming.py": None,

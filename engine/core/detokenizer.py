@@ -50,7 +50,7 @@ class IncrementalDetokenizer:
             return ""
         self._window += token_ids
         text = self._held + self._decode(final)
-        hit = self._find_stop(text) if find_stop else None
+        hit = self._find_stop(text) if find_stop and self.stop else None
         if hit is not None:
             position, self.stop_hit = hit
             self._held = ""

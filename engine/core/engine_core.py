@@ -15,6 +15,7 @@ choice's deltas.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -133,8 +134,8 @@ class EngineCore:
         parents: list[ParentRequest] = []
         by_child: dict[str, ParentRequest] = {}
         try:
-            for request in requests:
-                parent = ParentRequest(request)
+            for request in requests:  # only their ends are read here
+                parent = ParentRequest(dataclasses.replace(request, final_only=True))
                 for child in parent.children:
                     self.add_request(child)
                     by_child[child.request_id] = parent

@@ -489,20 +489,23 @@ class Scheduler:
                 continue
             seq.num_pending -= 1
             error = result.errors.get(seq.seq_id)
+            delta: SequenceDelta | None
             if error is not None:
                 seq.fail(error)
-                delta = seq.delta([], "", None)
+                delta = seq.report([], "", None)
             else:
                 delta = seq.append_token(
                     token_id, logprobs, self.config.eos_token_ids, self.max_len
                 )
-            if seq.seq_id in scored:
-                delta.prompt_logprobs = seq.prompt_logprobs
             if seq.is_finished:
                 self._finished_gen_tokens += seq.num_generated
                 self._num_finished += 1
                 self._retire(seq)
                 del self.requests[seq.request.request_id]
+            if delta is None:  # a final-only request, not finished
+                continue
+            if seq.seq_id in scored:
+                delta.prompt_logprobs = seq.prompt_logprobs
             deltas.append(delta)
         return deltas
 

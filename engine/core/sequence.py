@@ -38,6 +38,10 @@ class Request:
     """Lower runs first: ONLINE_PRIORITY (0) before BATCH_PRIORITY (1); FIFO within one."""
     arrival_time: float = field(default_factory=time.monotonic)
     """When the request arrived (monotonic seconds), for latency figures."""
+    final_only: bool = False
+    """Its caller reads only the finished choice (an answer that does not stream, `LLM`'s
+    outputs; vLLM's RequestOutputKind.FINAL_ONLY): the engine hands out no delta until the
+    choice ends, then one with all of it, and without stop strings decodes its text once."""
 
 
 class SequenceStatus(enum.Enum):
@@ -81,6 +85,15 @@ class Sequence:
     """It failed for the engine's storage, not for itself: the same request may succeed later."""
     num_offload_faults: int = 0
     """Steps of it that failed on the offload storage (each time it was recomputed)."""
+    decodes_at_end: bool = False
+    """Final-only and no stop strings: nothing needs the text before the end, so it is
+    decoded once then (by the same detokenizer, so the same text)."""
+    first_token_time: float | None = None
+    """When its first token was sampled (final-only requests: the delta carries it)."""
+    _pieces: list[str] = field(default_factory=list)
+    """Final-only: the text handed out so far (with stop strings, decoded per token)."""
+    _logprobs: list[TokenLogprobs] | None = None
+    """Final-only: the logprobs of the tokens so far, when its sampling asks for them."""
 
     @classmethod
     def from_request(
@@ -90,7 +103,9 @@ class Sequence:
         text = None
         if detokenizer is not None:
             text = IncrementalDetokenizer(detokenizer, request.sampling.stop)
-        return cls(seq_id, request, prompt, len(prompt), text)
+        seq = cls(seq_id, request, prompt, len(prompt), text)
+        seq.decodes_at_end = request.final_only and not request.sampling.stop
+        return seq
 
     @property
     def sampling(self) -> SamplingParams:
@@ -147,43 +162,68 @@ class Sequence:
         logprobs: TokenLogprobs | None,
         eos_token_ids: tuple[int, ...],
         max_model_len: int,
-    ) -> SequenceDelta:
+    ) -> SequenceDelta | None:
         """Record one sampled token, finish the sequence if a stop condition holds, and say
-        what is new.
+        what is new (`report`: None for a final-only request that goes on).
 
         Order: EOS (unless ignore_eos), stop_token_ids, stop strings, max_tokens,
         context length. A stop token stays in token_ids but not in the text; a stop
         string ends the text before it.
         """
-        if self.sampling.max_tokens == 0:  # echo only: the prompt's logprobs, no output
+        sampling = self.request.sampling
+        if sampling.max_tokens == 0:  # echo only: the prompt's logprobs, no output
             self.finish("length")
-            return self.delta([], "", None)
+            return self.report([], "", None)
         self.token_ids.append(token_id)
-        wants_logprobs = self.sampling.logprobs is not None
-        new_logprobs = [logprobs] if wants_logprobs and logprobs is not None else None
-        ends = (
-            self.num_generated >= self.sampling.max_tokens or len(self.token_ids) >= max_model_len
-        )
+        if self.first_token_time is None:
+            self.first_token_time = time.monotonic()
+        new_logprobs = [logprobs] if sampling.logprobs is not None and logprobs else None
+        num_generated = len(self.token_ids) - self.num_prompt_tokens
+        ends = num_generated >= sampling.max_tokens or len(self.token_ids) >= max_model_len
+        detokenizer = None if self.decodes_at_end else self.detokenizer
         text = ""
-        if self.num_generated < self.sampling.min_tokens:  # only length ends it before then
-            if self.detokenizer is not None:
-                text = self.detokenizer.add([token_id], final=ends, find_stop=False)
+        if num_generated < sampling.min_tokens:  # only length ends it before then
+            if detokenizer is not None:
+                text = detokenizer.add([token_id], final=ends, find_stop=False)
             if ends:
                 self.finish("length")
-            return self.delta([token_id], text, new_logprobs)
-        is_eos = token_id in eos_token_ids and not self.sampling.ignore_eos
-        if is_eos or token_id in self.sampling.stop_token_ids:
-            if self.detokenizer is not None:  # the stop token's own text is not output
-                text = self.detokenizer.flush()
+            return self.report([token_id], text, new_logprobs)
+        is_eos = token_id in eos_token_ids and not sampling.ignore_eos
+        if is_eos or token_id in sampling.stop_token_ids:
+            if detokenizer is not None:  # the stop token's own text is not output
+                text = detokenizer.flush()
             self.finish("stop", None if is_eos else token_id)
         else:
-            if self.detokenizer is not None:
-                text = self.detokenizer.add([token_id], final=ends)
-                if self.detokenizer.stop_hit is not None:
-                    self.finish("stop", self.detokenizer.stop_hit)
+            if detokenizer is not None:
+                text = detokenizer.add([token_id], final=ends)
+                if detokenizer.stop_hit is not None:
+                    self.finish("stop", detokenizer.stop_hit)
             if ends and not self.is_finished:
                 self.finish("length")
-        return self.delta([token_id], text, new_logprobs)
+        return self.report([token_id], text, new_logprobs)
+
+    def report(
+        self, token_ids: list[int], text: str, logprobs: list[TokenLogprobs] | None
+    ) -> SequenceDelta | None:
+        """What this step hands out: its delta; for a final-only request nothing until the
+        choice ends, then all of it as one delta (tokens, text, logprobs, prompt logprobs,
+        first token time)."""
+        if not self.request.final_only:
+            return self.delta(token_ids, text, logprobs)
+        if text:
+            self._pieces.append(text)
+        if logprobs:
+            self._logprobs = [*(self._logprobs or []), *logprobs]
+        if not self.is_finished:
+            return None
+        output = self.output_token_ids
+        if self.decodes_at_end and self.detokenizer is not None:
+            stopped = self.finish_reason == "stop"  # by EOS or a stop token: not in the text
+            self._pieces.append(self.detokenizer.add(output[:-1] if stopped else output, True))
+        delta = self.delta(output, "".join(self._pieces), self._logprobs)
+        delta.prompt_logprobs = self.prompt_logprobs
+        delta.first_token_time = self.first_token_time
+        return delta
 
     def abort(self) -> SequenceDelta:
         """End it unfinished ('abort'); its last delta (the text held back, no token)."""

@@ -96,6 +96,9 @@ class Tokenizer:
                 "(save one with transformers' tokenizer.save_pretrained)."
             )
         self._tokenizer = HFTokenizer.from_file(str(path))
+        self._one: dict[int, str] = {}
+        """The text of single tokens, decoded once each (at most the vocabulary): the
+        incremental detokenizer decodes the token it read last on its own at every step."""
         config_path = model_dir / "tokenizer_config.json"
         config: dict[str, Any] = {}
         if config_path.is_file():
@@ -152,6 +155,11 @@ class Tokenizer:
         return ids
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        if len(token_ids) == 1 and skip_special_tokens:
+            text = self._one.get(token_ids[0])
+            if text is None:
+                text = self._one[token_ids[0]] = str(self._tokenizer.decode(list(token_ids)))
+            return text
         return str(self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
 
     def render_chat(

@@ -347,7 +347,10 @@ class CoreEngineClient(EngineClient):
         stream: bool = True,
     ) -> AsyncGenerator[SequenceDelta, None]:
         self.check_ready()
-        parent = ParentRequest(Request(request_id, list(prompt_token_ids), params, priority))
+        request = Request(
+            request_id, list(prompt_token_ids), params, priority, final_only=not stream
+        )
+        parent = ParentRequest(request)
         child_ids = [child.request_id for child in parent.children]
         deltas = _Stream(parent, stream)
         for child_id in child_ids:
@@ -361,13 +364,14 @@ class CoreEngineClient(EngineClient):
             if error is not None:
                 unfinished.clear()  # none of them was queued
                 raise error
+            tag = parent.tag if len(child_ids) > 1 else None  # n == 1: its index is 0
             while unfinished:
-                item = await deltas.queue.get()
-                if isinstance(item, Exception):
-                    raise item
-                if item.finished:
-                    unfinished.discard(item.request_id)
-                yield parent.tag(item)
+                for item in await deltas.take():
+                    if isinstance(item, Exception):
+                        raise item
+                    if item.finished:
+                        unfinished.discard(item.request_id)
+                    yield item if tag is None else tag(item)
         finally:
             for child_id in child_ids:
                 self._streams.pop(child_id, None)
@@ -517,19 +521,19 @@ class CoreEngineClient(EngineClient):
             if stream is None:
                 continue
             if delta.retryable:  # the engine's storage failed it: not the request's answer
-                stream.queue.put_nowait(StorageUnavailableError(delta.error or "storage failed"))
+                stream.put(StorageUnavailableError(delta.error or "storage failed"))
                 continue
             if stream.is_streamed:
-                stream.queue.put_nowait(delta)
+                stream.put(delta)
                 continue
             choice = stream.parent.add(delta)
             if delta.finished:
-                stream.queue.put_nowait(choice.as_delta(delta.request_id))
+                stream.put(choice.as_delta(delta.request_id))
 
     def _fail_all(self, error: Exception) -> None:
         """On the event loop: end every request in flight with `error`."""
         for stream in {id(s): s for s in self._streams.values()}.values():
-            stream.queue.put_nowait(error)
+            stream.put(error)
 
     def _call_soon(self, fn: Any, *args: Any) -> None:
         assert self._loop is not None
@@ -537,13 +541,32 @@ class CoreEngineClient(EngineClient):
 
 
 class _Stream:
-    """Where one request's deltas go, on the event loop."""
+    """Where one request's deltas go, on the event loop: a list and the future its reader
+    waits on (an `asyncio.Queue` does more per item than a stream of one item a step needs:
+    task counting, a deque of getters)."""
+
+    __slots__ = ("_items", "_waiter", "is_streamed", "parent")
 
     def __init__(self, parent: ParentRequest, is_streamed: bool) -> None:
         self.parent = parent
         self.is_streamed = is_streamed
         """False: the choices' deltas are added up in `parent` and each choice is sent once."""
-        self.queue: asyncio.Queue[SequenceDelta | Exception] = asyncio.Queue()
+        self._items: list[SequenceDelta | Exception] = []
+        self._waiter: asyncio.Future[None] | None = None
+
+    def put(self, item: SequenceDelta | Exception) -> None:
+        self._items.append(item)
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None and not waiter.done():  # done: its reader was cancelled
+            waiter.set_result(None)
+
+    async def take(self) -> list[SequenceDelta | Exception]:
+        """Every item put since the last call, once there is one."""
+        while not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            await self._waiter
+        items, self._items = self._items, []
+        return items
 
 
 class _StepCounter:

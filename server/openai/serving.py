@@ -364,16 +364,17 @@ class Serving:
         return max_tokens
 
     # -- running ---------------------------------------------------------------------
-    async def _prompt_deltas(
-        self, prep: Prepared, priority: int, prompt_index: int
-    ) -> AsyncGenerator[SequenceDelta, None]:
-        """The deltas of prompt `prompt_index`'s n choices until each finished (its metrics
-        on the way); closing it early aborts the rest in the engine. A request that does not
-        stream gets one delta per choice, its whole answer."""
+    async def _prompt_choices(
+        self, prep: Prepared, priority: int, prompt_index: int, choices: list[ChoiceAccumulator]
+    ) -> AsyncGenerator[tuple[ChoiceAccumulator, SequenceDelta], None]:
+        """(the choice so far, what it just gained) for prompt `prompt_index`'s n choices
+        until each finished (its metrics on the way); closing it early aborts the rest in the
+        engine. A request that does not stream gets one delta per choice, its whole answer."""
         request_id = f"{prep.request_id}-{prompt_index}"
         arrival = time.monotonic()
         num_tokens = [0] * prep.n
         unfinished = set(range(prep.n))
+        first = prompt_index * prep.n
         prompt, params = prep.prompts[prompt_index], prep.params[prompt_index]
         generate = self.engine.generate(request_id, prompt, params, priority, stream=prep.stream)
         try:
@@ -381,35 +382,42 @@ class Serving:
                 async for delta in deltas:
                     if delta.new_token_ids:
                         if not num_tokens[delta.index]:
-                            first = delta.first_token_time or time.monotonic()
-                            self.metrics.ttft.observe(first - arrival)
+                            start = delta.first_token_time or time.monotonic()
+                            self.metrics.ttft.observe(start - arrival)
                         num_tokens[delta.index] += len(delta.new_token_ids)
                     if delta.finished:
                         unfinished.discard(delta.index)
                         self.metrics.e2e.observe(time.monotonic() - arrival)
                         self.metrics.generation_tokens.inc(num_tokens[delta.index])
                         self.metrics.requests_finished.labels(delta.finish_reason).inc()
-                    yield delta
+                    choice = choices[first + delta.index]
+                    choice.add(delta)
+                    _check_failed(delta)
+                    yield choice, delta
             if unfinished:
                 raise EngineDeadError(f"engine ended request {request_id} without finishing it")
-        except Exception:
-            self.metrics.requests_finished.labels("error").inc(len(unfinished))
+        except APIError:  # the request's own (a choice failed): the others end as aborted
             raise
+        except Exception as e:
+            self.metrics.requests_finished.labels("error").inc(len(unfinished))
+            raise _translate(e) from e
         finally:
             if unfinished:
                 self.metrics.requests_finished.labels("abort").inc(len(unfinished))
 
     async def _merged(
-        self, prep: Prepared, priority: int
-    ) -> AsyncGenerator[tuple[int, SequenceDelta], None]:
-        """(prompt index, delta) of every prompt's choices, as they come (several prompts)."""
-        queue: asyncio.Queue[tuple[int, SequenceDelta] | Exception | None] = asyncio.Queue()
+        self, prep: Prepared, priority: int, choices: list[ChoiceAccumulator]
+    ) -> AsyncGenerator[tuple[ChoiceAccumulator, SequenceDelta], None]:
+        """Every prompt's (choice, delta) pairs, as they come (several prompts)."""
+        Item = tuple[ChoiceAccumulator, SequenceDelta]
+        queue: asyncio.Queue[Item | Exception | None] = asyncio.Queue()
 
         async def pump(prompt_index: int) -> None:
             try:
-                async with aclosing(self._prompt_deltas(prep, priority, prompt_index)) as deltas:
-                    async for delta in deltas:
-                        queue.put_nowait((prompt_index, delta))
+                pairs = self._prompt_choices(prep, priority, prompt_index, choices)
+                async with aclosing(pairs) as items:
+                    async for item in items:
+                        queue.put_nowait(item)
                 queue.put_nowait(None)
             except Exception as e:
                 queue.put_nowait(e)
@@ -430,30 +438,17 @@ class Serving:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def outputs(
+    def outputs(
         self, prep: Prepared, priority: int
     ) -> AsyncGenerator[tuple[ChoiceAccumulator, SequenceDelta], None]:
-        """Yield (the choice so far, what it just gained) as deltas arrive; abort all on an
-        early exit. The choice's index is the response's (prompt index * n + sample)."""
+        """(the choice so far, what it just gained) as deltas arrive; abort all on an early
+        exit (close it). The choice's index is the response's (prompt index * n + sample).
+        One prompt's pairs come straight from its own generator: no layer between."""
         choices = [ChoiceAccumulator(i) for i in range(prep.num_seqs)]
         self.metrics.prompt_tokens.inc(prep.num_prompt_tokens)
-        try:
-            if len(prep.prompts) == 1:  # no fan-in
-                async with aclosing(self._prompt_deltas(prep, priority, 0)) as deltas:
-                    async for delta in deltas:
-                        choice = choices[delta.index]
-                        choice.add(delta)
-                        _check_failed(delta)
-                        yield choice, delta
-                return
-            async with aclosing(self._merged(prep, priority)) as merged:
-                async for prompt_index, delta in merged:
-                    choice = choices[prompt_index * prep.n + delta.index]
-                    choice.add(delta)
-                    _check_failed(delta)
-                    yield choice, delta
-        except Exception as e:
-            raise _translate(e) from e
+        if len(prep.prompts) == 1:
+            return self._prompt_choices(prep, priority, 0, choices)
+        return self._merged(prep, priority, choices)
 
     async def run(self, prep: Prepared, priority: int) -> Completion | ChatCompletion:
         """The whole (non-streaming) response body."""

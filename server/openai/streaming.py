@@ -7,8 +7,9 @@ gets without `stream`. A choice's first chunk carries the chat role or the echoe
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
+from json.encoder import encode_basestring
 from typing import Any
 
 from engine.core.outputs import ChoiceAccumulator, SequenceDelta
@@ -21,10 +22,15 @@ from server.openai.responses import (
     ChatLogprobs,
     CompletionChoice,
     CompletionChunk,
+    CompletionLogprobs,
     sse,
     usage,
 )
 from server.openai.serving import Prepared, Serving
+
+_PLACEHOLDER = "\ue000text\ue000"
+"""Text no chunk carries verbatim in its other fields (private-use characters)."""
+_PLACEHOLDER_JSON = encode_basestring(_PLACEHOLDER).encode()
 
 
 class _Chunks:
@@ -44,6 +50,26 @@ class _Chunks:
         self.head = head
         """The fields every chunk starts with (written with `exclude_unset`, as every
         answer is: a chunk leaves out what OpenAI's leave out)."""
+        self._text_only: dict[int, tuple[bytes, bytes]] = {}
+        """Per choice: the bytes around the text of a chunk that carries text alone (no
+        logprobs, no finish reason), the chunk most of a stream's are."""
+
+    def _text_chunk(self, index: int, text: str, render: Callable[[int, str], bytes]) -> bytes:
+        """A text-only chunk of choice `index`: the choice's chunk rendered once with a
+        placeholder, then only the text encoded per chunk (the placeholder's JSON string
+        swapped for the text's)."""
+        around = self._text_only.get(index)
+        if around is None:
+            before, found, after = render(index, _PLACEHOLDER).partition(_PLACEHOLDER_JSON)
+            assert found, "the placeholder is in the rendered chunk"
+            around = self._text_only[index] = (before, after)
+        return around[0] + encode_basestring(text).encode() + around[1]
+
+    def _chat_text(self, index: int, text: str) -> bytes:
+        return self._chat_chunk(index, ChatDelta.model_construct(content=text), None, None)
+
+    def _completion_text(self, index: int, text: str) -> bytes:
+        return self._completion_chunk(index, text, None, None)
 
     def chat(self, choice: ChoiceAccumulator, delta: SequenceDelta) -> list[bytes]:
         """The chunks for what a chat choice gained: its role first, then its text."""
@@ -52,12 +78,14 @@ class _Chunks:
             self.sent_chars[choice.index] = 0
             role = ChatDelta(role="assistant", content="")
             out.append(self._chat_chunk(choice.index, role, None, None))
+        text = delta.new_text
+        if prep.num_logprobs is None and not delta.finished:
+            return [*out, self._text_chunk(choice.index, text, self._chat_text)]
         logprobs = None
         if prep.num_logprobs is not None and delta.new_token_ids:
             names = self.serving.token_names(prep)
             entries = delta.new_logprobs or []
             logprobs = chat_logprobs(names, delta.new_token_ids, entries, prep.num_logprobs)
-        text = delta.new_text
         fields: dict[str, Any] = {"content": text} if text or not delta.finished else {}
         content = ChatDelta.model_construct(**fields)
         out.append(self._chat_chunk(choice.index, content, logprobs, delta.finish_reason))
@@ -85,6 +113,9 @@ class _Chunks:
                 text = serving.engine.decode(prompt_ids) + text
         elif not text and not delta.finished and not delta.new_token_ids:
             return []
+        elif prep.num_logprobs is None and not delta.finished:
+            self.sent_chars[choice.index] = offset + len(text)
+            return [self._text_chunk(choice.index, text, self._completion_text)]
         logprobs = None
         if prep.num_logprobs is not None:
             logprobs = completion_logprobs(
@@ -98,16 +129,18 @@ class _Chunks:
                 serving.token_names(prep),
             )
         self.sent_chars[choice.index] = (offset or 0) + len(text)
+        return [self._completion_chunk(choice.index, text, logprobs, delta.finish_reason)]
+
+    def _completion_chunk(
+        self, index: int, text: str, logprobs: CompletionLogprobs | None, finish_reason: Any
+    ) -> bytes:
         rendered = CompletionChoice.model_construct(
-            index=choice.index,
-            text=text,
-            logprobs=logprobs,
-            finish_reason=delta.finish_reason,
+            index=index, text=text, logprobs=logprobs, finish_reason=finish_reason
         )
         chunk = CompletionChunk.model_construct(
             **self.head, object="text_completion", choices=[rendered]
         )
-        return [sse(chunk)]
+        return sse(chunk)
 
     def usage(self, choices: dict[int, ChoiceAccumulator]) -> bytes:
         """The last chunk: no choice, the usage of all."""

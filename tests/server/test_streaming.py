@@ -99,3 +99,30 @@ def test_streamed_chat_equals_the_whole_answer(live: LiveServer, reference: Refe
         streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         assert streamed == whole.choices[0].message.content
         assert streamed == (text[: text.find(stop)] if stop else text)
+
+
+def test_text_only_chunks_equal_their_rendered_models() -> None:
+    """A chunk that carries text alone is encoded from bytes rendered once per choice (the
+    text swapped in): byte for byte the chunk pydantic renders, for text that JSON escapes."""
+    from server.openai.responses import ChatDelta
+    from server.openai.serving import Prepared
+    from server.openai.streaming import _Chunks
+
+    texts = ['say "hi"', "back\\slash", "line\nbreak\ttab\r", "\x00\x1f\x7f", "日本語 🙂", ""]
+    for is_chat, include_usage in [(False, False), (False, True), (True, False), (True, True)]:
+        prep = Prepared(
+            *(is_chat, "cmpl-1", 1700000000, 'm "q"', [[1]], [], 1, False, None, True),
+            include_usage=include_usage,
+        )
+        chunks = _Chunks(None, prep)  # type: ignore[arg-type]
+        for index in (0, 3):
+            for text in texts:
+                if is_chat:
+                    fast = chunks._text_chunk(index, text, chunks._chat_text)
+                    whole = chunks._chat_chunk(
+                        index, ChatDelta.model_construct(content=text), None, None
+                    )
+                else:
+                    fast = chunks._text_chunk(index, text, chunks._completion_text)
+                    whole = chunks._completion_chunk(index, text, None, None)
+                assert fast == whole, (is_chat, include_usage, index, text)

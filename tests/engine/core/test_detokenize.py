@@ -115,3 +115,56 @@ def test_pieces_of_one_character_wait_for_its_last_byte(tokenizer: Tokenizer) ->
     assert pieces[:-1] == [""] * (len(ids) - 1) and pieces[-1] == "🙂"
     cut = IncrementalDetokenizer(tokenizer)
     assert cut.add(ids[:1], final=False) == "" and cut.flush() == tokenizer.decode(ids[:1])
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        {},  # length
+        {"ignore_eos": False},  # EOS: its text is not output
+        {"stop_token_ids": [999]},
+        {"stop": ["ö", "語 🙂"]},  # stop strings: decoded per token, handed out at the end
+        {"logprobs": 0},
+    ],
+    ids=["length", "eos", "stop-token", "stop-strings", "logprobs"],
+)
+def test_a_final_only_request_hands_out_its_whole_choice_once(
+    tokenizer: Tokenizer, sampling: dict[str, object]
+) -> None:
+    """A final-only request (an answer that does not stream) gets no delta until its choice
+    ends, then one with all its tokens, its text (decoded once at the end when it has no stop
+    strings) and logprobs: the same as the joined deltas of the request streamed."""
+    rng = random.Random(7)
+    for _ in range(8):
+        out = outputs(tokenizer, rng, 12)
+        if sampling.get("ignore_eos") is False:
+            out.insert(rng.randrange(1, len(out)), EOS)
+        if "stop_token_ids" in sampling:
+            out.insert(rng.randrange(1, len(out)), 999)
+        params = SamplingParams(**{"ignore_eos": True, "max_tokens": len(out), **sampling})  # type: ignore[arg-type]
+        ends = []
+        for final_only in (False, True):
+            seq = Sequence.from_request(
+                Request("r", [1], params, final_only=final_only), 0, tokenizer
+            )
+            deltas = []
+            for token in out:
+                delta = seq.append_token(token, {token: -0.5}, (EOS,), MAX_LEN)  # type: ignore[arg-type]
+                if delta is not None:
+                    deltas.append(delta)
+                if seq.is_finished:
+                    break
+            ends.append(
+                (
+                    [t for d in deltas for t in d.new_token_ids],
+                    "".join(d.new_text for d in deltas),
+                    [lp for d in deltas for lp in d.new_logprobs or []],
+                    deltas[-1].finish_reason,
+                    deltas[-1].stop_reason,
+                )
+            )
+            if final_only:
+                assert len(deltas) == 1 and deltas[0].first_token_time is not None
+            else:
+                assert len(deltas) == len(ends[0][0])
+        assert ends[0] == ends[1]
