@@ -208,7 +208,7 @@ def _stage_line(model: ModelSpec, name: str, stage: ExpertStage, policy: Policy)
     copied = 1.0 - policy.experts_frac[0] - (policy.experts_frac[1] if stage.cpu_compute else 0)
     grouped = "the block" if stage.num_groups == 1 else f"each of {stage.num_groups} GPU batches"
     return (
-        f"  {name}: {stage.num_tokens:g} tokens per layer touch {stage.distinct_experts:.2f} "
+        f"  {name}: {stage.num_tokens:.0f} tokens per layer touch {stage.distinct_experts:.2f} "
         f"of {model.num_experts} experts, {format_bytes(stage.expert_bytes)} of experts per "
         f"layer per block ({format_bytes(copied * stage.expert_bytes)} of it loaded from "
         f"cpu/disk); grouped over {grouped}: {stage.tokens_per_expert:.1f} tokens per expert"
