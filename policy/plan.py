@@ -31,7 +31,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         default=DEFAULT_MODEL,
-        help="path, hub id or built-in name (nanoflex-demo, opt-30b, llama-3-8b, ...)",
+        help="path, hub id or built-in name (nanoflex-demo, opt-30b, llama-3-8b, mixtral-8x7b, "
+        "qwen3-30b-a3b, ...)",
     )
     add_length_args(parser)
     parser.add_argument("--gpu-mem", default=None, help="GPU budget, e.g. 16GiB")
