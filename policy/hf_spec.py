@@ -19,6 +19,10 @@ FAMILIES: dict[str, str] = {
     "gemma3_text": "llama",
     "phi3": "llama",
     "olmo2": "llama",
+    "mixtral": "llama",
+    "qwen2_moe": "llama",
+    "qwen3_moe": "llama",
+    "olmoe": "llama",
 }
 """HF `model_type` -> our architecture family (all but OPT: RMSNorm, RoPE, gated MLP)."""
 _TIED_BY_DEFAULT = frozenset({"gemma2", "gemma3_text"})
@@ -84,11 +88,14 @@ def _llama_family(
     head_dim = int(config.get("head_dim") or hidden // num_heads)
     num_layers = int(config["num_hidden_layers"])
     qk_norm_params = 0
-    if model_type in ("qwen3", "gemma3_text"):  # one head_dim-wide norm each for q and k
+    if model_type in ("qwen3", "qwen3_moe", "gemma3_text"):  # one head_dim-wide norm for q, k
         qk_norm_params = 2 * head_dim
-    elif model_type == "olmo2":  # norms over the whole q and k projections
+    elif model_type in ("olmo2", "olmoe"):  # norms over the whole q and k projections
         qk_norm_params = (num_heads + num_kv_heads) * head_dim
     window, num_local = _windows(config, model_type, num_layers)
+    qkv_bias = bool(config.get("attention_bias", False))
+    if model_type in ("qwen2", "qwen2_moe"):  # Qwen2's biases (qwen2_moe: unless qkv_bias says)
+        qkv_bias = model_type == "qwen2" or bool(config.get("qkv_bias", True))
     return dict(
         name=label,
         arch="llama",
@@ -102,11 +109,46 @@ def _llama_family(
         vocab_size=int(config["vocab_size"]),
         dtype_bytes=dtype_bytes,
         tie_word_embeddings=bool(config.get("tie_word_embeddings", model_type in _TIED_BY_DEFAULT)),
-        qkv_bias=model_type == "qwen2" or bool(config.get("attention_bias", False)),
+        qkv_bias=qkv_bias,
         num_norms=4 if model_type in ("gemma2", "gemma3_text") else 2,
         qk_norm_params=qk_norm_params,
         sliding_window=window if num_local else 0,
         num_local_layers=num_local,
+        **_experts(config, model_type, num_layers),
+    )
+
+
+def _experts(config: dict[str, Any], model_type: str, num_layers: int) -> dict[str, Any]:
+    """The MoE fields, as each family's config class names them; {} for a dense family.
+    The expert count may be spelled num_experts or num_local_experts (transformers 5 writes
+    Qwen3-MoE's under the latter)."""
+    if model_type not in ("mixtral", "olmoe", "qwen2_moe", "qwen3_moe"):
+        return {}
+    key = "num_local_experts" if "num_local_experts" in config else "num_experts"
+    num_experts = int(config[key])
+    if model_type in ("mixtral", "olmoe"):  # every layer; experts as wide as intermediate_size
+        width = int(config["intermediate_size"])
+        layers = list(range(num_layers))
+    else:
+        # transformers: layer i is sparse unless listed in mlp_only_layers, when
+        # (i + 1) % decoder_sparse_step == 0 and num_experts > 0.
+        width = int(config["moe_intermediate_size"])
+        dense = {int(i) for i in config.get("mlp_only_layers") or ()}
+        step = int(config.get("decoder_sparse_step", 1) or 1)
+        layers = [
+            i for i in range(num_layers) if i not in dense and num_experts and (i + 1) % step == 0
+        ]
+    if not num_experts or not layers:
+        return {}  # an MoE family configured dense
+    shared = 0
+    if model_type == "qwen2_moe":
+        shared = int(config.get("shared_expert_intermediate_size") or 0)
+    return dict(
+        num_experts=num_experts,
+        num_experts_per_tok=int(config["num_experts_per_tok"]),
+        moe_intermediate_size=width,
+        shared_expert_intermediate_size=shared,
+        moe_layer_ids=tuple(layers),
     )
 
 
@@ -120,7 +162,7 @@ def _windows(config: dict[str, Any], model_type: str, num_layers: int) -> tuple[
     types = config.get("layer_types")
     if isinstance(types, list):
         return window, sum(1 for kind in types if kind == "sliding_attention")
-    if model_type in ("qwen2", "qwen3"):
+    if model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
         if not config.get("use_sliding_window", False):
             return 0, 0
         first = int(config.get("max_window_layers", 28))
@@ -130,4 +172,4 @@ def _windows(config: dict[str, Any], model_type: str, num_layers: int) -> tuple[
     if model_type == "gemma3_text":  # every sliding_window_pattern-th layer is global
         pattern = int(config.get("sliding_window_pattern", 6))
         return window, num_layers - num_layers // pattern
-    return window, num_layers  # Mistral, Phi-3: every layer
+    return window, num_layers  # Mistral, Mixtral, Phi-3: every layer

@@ -7,6 +7,8 @@ import json
 
 from policy.catalog import resolve_model_spec
 from policy.hardware import HardwareSpec, load_cached
+from policy.moe import ExpertStage, experts_per_tier
+from policy.policy import Policy
 from policy.prefix import break_even_tokens
 from policy.search import PlanResult, search
 from policy.specs import ModelSpec, WorkloadSpec
@@ -29,7 +31,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         default=DEFAULT_MODEL,
-        help="path, hub id or built-in name (nanoflex-demo, opt-30b, llama-3-8b, ...)",
+        help="path, hub id or built-in name (nanoflex-demo, opt-30b, llama-3-8b, mixtral-8x7b, "
+        "qwen3-30b-a3b, ...)",
     )
     add_length_args(parser)
     parser.add_argument("--gpu-mem", default=None, help="GPU budget, e.g. 16GiB")
@@ -77,7 +80,10 @@ def main(args: argparse.Namespace) -> int:
     )
     break_even = break_even_tokens(model, hardware, compress_kv=result.policy.compress_kv)
     if args.json:
-        print(json.dumps({**result.to_dict(), "prefix_break_even_tokens": break_even}, indent=2))
+        out = {**result.to_dict(), "prefix_break_even_tokens": break_even}
+        if model.is_moe:
+            out["moe"] = moe_summary(model, result)
+        print(json.dumps(out, indent=2))
     else:
         print(format_report(model, workload, result, break_even))
     return 0
@@ -106,8 +112,9 @@ def format_report(
     """A readable plan: the policy, the prediction, and the reasons behind each choice."""
     policy, est = result.policy, result.estimate
     stage, _, task = result.bottleneck.partition(" ")[0].partition(":")
+    active = f" ({model.active_params / 1e9:.2f}B active per token)" if model.is_moe else ""
     lines = [
-        f"model {model.name}: {model.total_params / 1e9:.2f}B parameters, "
+        f"model {model.name}: {model.total_params / 1e9:.2f}B parameters{active}, "
         f"{format_bytes(model.total_weight_bytes)} of weights, "
         f"{format_bytes(model.kv_bytes_per_token)} of KV per token{_window_note(model)}",
         f"workload: prompt {workload.prompt_len:g} tokens, generate {workload.gen_len:g}",
@@ -115,7 +122,9 @@ def format_report(
         "policy (gpu / cpu / disk):",
         f"  block           {policy.gpu_batch_size} x {policy.num_gpu_batches} GPU batches "
         f"= {policy.block_size} sequences",
-        f"  weights         {_triple(policy.weights_frac)}",
+        f"  weights         {_triple(policy.weights_frac)}"
+        + (" (all but the routed experts)" if model.is_moe else ""),
+        *_expert_rows(model, policy),
         f"  KV cache        {_triple(policy.kv_frac)}",
         f"  activations     {_triple(policy.act_frac)}",
         f"  cpu attention   {'on' if policy.cpu_attention else 'off'}",
@@ -146,6 +155,7 @@ def format_report(
     per_layer = ", ".join(f"{t} {1e3 * v:.1f} ms" for t, v in terms.items())
     lines.append(f"  per-layer {stage} times: {per_layer}")
     lines += _nano_reasons(result)
+    lines += _moe_reasons(model, result)
     best = result.predicted["generation_throughput"]
     for combo, throughput in sorted(result.alternatives.items(), key=lambda kv: -kv[1]):
         lines.append(f"  best with {combo}: {throughput:.2f} tok/s ({throughput / best:.0%})")
@@ -181,3 +191,96 @@ def _nano_reasons(result: PlanResult) -> list[str]:
         for n, est in sorted(result.nano_estimates.items())
     )
     return [head, f"  nano-batches, same placement: {others}"]
+
+
+def _expert_rows(model: ModelSpec, policy: Policy) -> list[str]:
+    """The routed experts' placement, per MoE layer, for the policy block of the report."""
+    if not model.is_moe:
+        return []
+    gpu, cpu, disk = experts_per_tier(model, policy)
+    return [
+        f"  routed experts  {_triple(policy.experts_frac)}: {gpu} / {cpu} / {disk} of "
+        f"{model.num_experts} per MoE layer",
+        f"  cpu experts     {'on' if policy.cpu_experts else 'off'}",
+    ]
+
+
+def _stage_line(model: ModelSpec, name: str, stage: ExpertStage, policy: Policy) -> str:
+    copied = 1.0 - policy.experts_frac[0] - (policy.experts_frac[1] if stage.cpu_compute else 0)
+    grouped = "the block" if stage.num_groups == 1 else f"each of {stage.num_groups} GPU batches"
+    return (
+        f"  {name}: {stage.num_tokens:.0f} tokens per layer touch {stage.distinct_experts:.2f} "
+        f"of {model.num_experts} experts, {format_bytes(stage.expert_bytes)} of experts per "
+        f"layer per block ({format_bytes(copied * stage.expert_bytes)} of it loaded from "
+        f"cpu/disk); grouped over {grouped}: {stage.tokens_per_expert:.1f} tokens per expert"
+    )
+
+
+def _moe_reasons(model: ModelSpec, result: PlanResult) -> list[str]:
+    """Why the experts sit where they do: what a block touches and loads, and whether the CPU
+    computes its experts (docs/policy.md, Mixture-of-experts)."""
+    if not model.is_moe:
+        return []
+    policy, (prefill, decode) = result.policy, result.estimate.experts
+    moe_layers = f"{model.num_moe_layers} of {model.num_layers} layers"
+    stored = decode.expert_bytes / decode.distinct_experts
+    size = format_bytes(model.expert_weight_bytes)
+    if policy.compress_weights:
+        size += f" ({format_bytes(stored)} at 4 bits)"
+    lines = [
+        f"  mixture of experts: {model.num_experts} routed experts in {moe_layers}, top-"
+        f"{model.num_experts_per_tok}, {size} each; "
+        f"{model.active_params / 1e9:.2f}B of {model.total_params / 1e9:.2f}B parameters "
+        "active per token; uniform routing assumed",
+        _stage_line(model, "decode step", decode, policy),
+        _stage_line(model, "prefill", prefill, policy),
+    ]
+    break_even = result.expert_break_even
+    if not break_even:
+        why = "never: the CPU reads an expert's weights more slowly than PCIe copies them"
+    else:
+        why = f"{break_even} tokens (fewer run on the CPU, more are copied)"
+    if policy.cpu_experts:
+        where = ", ".join(
+            f"{name} {'on the CPU' if stage.cpu_compute else 'copied'}"
+            for name, stage in (("decode", decode), ("prefill", prefill))
+        )
+        chosen = f"chosen; CPU-homed experts: {where}"
+    else:
+        chosen = (
+            f"not chosen ({decode.tokens_per_expert:.1f} tokens per expert in decode)"
+            if break_even
+            else "not chosen"
+        )
+    lines.append(f"  cpu expert compute: break-even {why}; {chosen}")
+    return lines
+
+
+def moe_summary(model: ModelSpec, result: PlanResult) -> dict[str, object]:
+    """The MoE numbers of a plan, for `nanoflex plan --json` and bench/results."""
+    policy, (prefill, decode) = result.policy, result.estimate.experts
+    gpu, cpu, disk = experts_per_tier(model, policy)
+
+    def stage(s: ExpertStage) -> dict[str, object]:
+        return {
+            "tokens_per_layer": s.num_tokens,
+            "distinct_experts": s.distinct_experts,
+            "expert_bytes_per_layer": s.expert_bytes,
+            "tokens_per_expert": s.tokens_per_expert,
+            "cpu_compute": s.cpu_compute,
+        }
+
+    # "expert_bytes": one expert as the plan stores and moves it (4-bit with compress_weights)
+    return {
+        "num_experts": model.num_experts,
+        "num_experts_per_tok": model.num_experts_per_tok,
+        "num_moe_layers": model.num_moe_layers,
+        "total_params": model.total_params,
+        "active_params": model.active_params,
+        "expert_bytes": decode.expert_bytes / decode.distinct_experts,
+        "experts_per_layer": {"gpu": gpu, "cpu": cpu, "disk": disk},
+        "cpu_experts": policy.cpu_experts,
+        "cpu_expert_break_even_tokens": result.expert_break_even,
+        "decode": stage(decode),
+        "prefill": stage(prefill),
+    }

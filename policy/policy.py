@@ -53,6 +53,13 @@ class Policy:
     """Fraction of sequences whose KV cache is homed on each tier."""
     act_frac: Triple = (1.0, 0.0, 0.0)
     """Fraction of sequences whose between-layer activations are homed on each tier."""
+    experts_frac: Triple = (1.0, 0.0, 0.0)
+    """MoE models: fraction of each MoE layer's routed experts homed on each tier, the
+    most-routed first on the GPU (weights_frac then places everything else: attention,
+    router, shared expert, embeddings). Dense models: (1, 0, 0), unused."""
+    cpu_experts: bool = False
+    """MoE models: a routed expert homed on the CPU is computed there when fewer tokens are
+    routed to it than the cost model's break-even (`policy.moe.cpu_expert_break_even`)."""
     cpu_attention: bool = False
     """Decode attention over CPU-homed KV runs on the CPU (only q and new k, v move)."""
     compress_weights: bool = False
@@ -75,7 +82,7 @@ class Policy:
     """torch intra-op threads for CPU compute; 0 keeps torch's default."""
 
     def __post_init__(self) -> None:
-        for name in ("weights_frac", "kv_frac", "act_frac"):
+        for name in ("weights_frac", "kv_frac", "act_frac", "experts_frac"):
             object.__setattr__(self, name, _as_triple(name, getattr(self, name)))
         positive = ("gpu_batch_size", "num_gpu_batches", "num_nano_batches")
         threads = ("num_load_threads", "num_store_threads", "num_copy_threads")

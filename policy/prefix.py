@@ -40,9 +40,10 @@ def load_seconds(
 
 
 def recompute_seconds(num_tokens: int, model: ModelSpec, hardware: HardwareSpec) -> float:
-    """Seconds to prefill `num_tokens` with the weights on the compute device."""
+    """Seconds to prefill `num_tokens` with the weights on the compute device (an MoE model
+    computes its active parameters only)."""
     q_dim = model.num_heads * model.head_dim
-    dense = num_tokens * 2 * model.layer_params / hardware.gpu_flops
+    dense = num_tokens * 2 * model.active_layer_params / hardware.gpu_flops
     attention = 4 * model.attention_pairs(num_tokens) * q_dim / hardware.gpu_bmm_flops
     return model.num_layers * (dense + attention + hardware.layer_overhead_s)
 

@@ -1,9 +1,9 @@
 """Policy search: enumerate the discrete choices, solve the placement LP for each (cvxpy).
 
 For each (gpu_batch_size, num_gpu_batches, num_nano_batches, compress_weights, compress_kv,
-cpu_attention) the nine fractions (wg, wc, wd, cg, cc, cd, hg, hc, hd) are the LP's
-variables; the max over overlapped tasks (and over the rows of an overlapped compute task)
-is linearized with epigraph variables t_pre and t_gen.
+cpu_attention, and for MoE models cpu_experts) the twelve fractions (wg, wc, wd, cg, cc, cd,
+hg, hc, hd, eg, ec, ed) are the LP's variables; the max over overlapped tasks (and over the
+rows of an overlapped compute task) is linearized with epigraph variables t_pre and t_gen.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 import cvxpy as cp
 import numpy as np
 
-from policy.affine import VARS
+from policy.affine import NUM_TRIPLES, VARS
 from policy.cost_model import (
     TASKS,
     CostTerms,
@@ -28,6 +28,7 @@ from policy.cost_model import (
 )
 from policy.errors import UserError
 from policy.hardware import HardwareSpec
+from policy.moe import cpu_expert_break_even
 from policy.nano_batching import MAX_COMPUTE_ROWS
 from policy.policy import NUM_NANO_BATCHES, Policy
 from policy.specs import ModelSpec, WorkloadSpec
@@ -73,6 +74,9 @@ class PlanResult:
     """The chosen policy's prediction with each possible num_nano_batches (same placement)."""
     num_solved: int
     """LPs solved during the search."""
+    expert_break_even: int = 0
+    """MoE models: `policy.moe.cpu_expert_break_even` at the CPU threads the search priced
+    CPU compute with (max_compute_threads) and the plan's weight format; 0 for dense ones."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -102,6 +106,7 @@ class PlacementLP:
             cp.sum(self.x[0:3]) == 1,  # wg + wc + wd
             cp.sum(self.x[3:6]) == 1,  # cg + cc + cd
             cp.sum(self.x[6:9]) == 1,  # hg + hc + hd
+            cp.sum(self.x[9:12]) == 1,  # eg + ec + ed
         ]
         # Tie-break among equally fast placements (FlexGen A.3's regularization): a tiny
         # weight on the *sum* of all tasks prefers placements that move fewer bytes.
@@ -150,7 +155,7 @@ class PlacementLP:
 
 def _normalized(x: np.ndarray) -> np.ndarray:
     """Clip solver noise below 0 and make each triple sum to 1."""
-    triples = np.clip(x, 0.0, None).reshape(3, 3)
+    triples = np.clip(x, 0.0, None).reshape(NUM_TRIPLES, 3)
     return (triples / triples.sum(axis=1, keepdims=True)).reshape(-1)
 
 
@@ -158,7 +163,7 @@ def _tidy(x: np.ndarray, snap: bool) -> np.ndarray:
     """Fractions with 4 decimals: gpu and cpu rounded down, the rest on disk, so the two
     faster tiers never gain bytes. With `snap`, slivers under 0.1% first move to the
     triple's largest entry."""
-    triples = _normalized(x).reshape(3, 3)
+    triples = _normalized(x).reshape(NUM_TRIPLES, 3)
     tidy = np.zeros_like(triples)
     for row, triple in enumerate(triples):
         if snap:
@@ -176,6 +181,7 @@ def _with_fractions(choice: Policy, x: np.ndarray) -> Policy:
         weights_frac=(float(x[0]), float(x[1]), float(x[2])),
         kv_frac=(float(x[3]), float(x[4]), float(x[5])),
         act_frac=(float(x[6]), float(x[7]), float(x[8])),
+        experts_frac=(float(x[9]), float(x[10]), float(x[11])),
     )
 
 
@@ -205,13 +211,16 @@ def search(
     # search then tries one nano-batch only, which is exact, not a shortcut.
     overlaps = hardware.nano_overlap_device_estimate or hardware.nano_overlap_host_estimate
     nano_counts = NUM_NANO_BATCHES if overlaps else (1,)
-    for compress_weights, compress_kv, cpu_attention in itertools.product(
-        flag_values, flag_values, attention_values
+    expert_values = (False, True) if model.is_moe else (False,)
+    for compress_weights, compress_kv, cpu_attention, cpu_experts in itertools.product(
+        flag_values, flag_values, attention_values, expert_values
     ):
         penalty = 1 + COMPRESSION_MIN_GAIN * (compress_weights + compress_kv)
         combo = f"compress_weights={compress_weights} compress_kv={compress_kv} " + (
             f"cpu_attention={cpu_attention}"
         )
+        if model.is_moe:
+            combo += f" cpu_experts={cpu_experts}"
         for num_gpu_batches in NUM_GPU_BATCHES:
             fitted_any = False
             for gpu_batch_size in GPU_BATCH_SIZES:
@@ -226,6 +235,7 @@ def search(
                         cpu_attention=cpu_attention,
                         compress_weights=compress_weights,
                         compress_kv=compress_kv,
+                        cpu_experts=cpu_experts,
                         num_cpu_threads=max_compute_threads(hardware),
                     )
                     nano_penalty = penalty + NANO_MIN_GAIN * (num_nano > 1)
@@ -238,6 +248,8 @@ def search(
                     if x is None:
                         fits = False  # memory does not depend on the nano-batches
                         break
+                    if not model.is_moe:  # no routed experts: their triple means nothing
+                        x[9:12] = (1.0, 0.0, 0.0)
                     fitted_any = True
                     policy, result = _finish(choice, x, terms)
                     throughput = result.generation_throughput
@@ -268,6 +280,9 @@ def search(
         alternatives=alternatives,
         nano_estimates=nano_estimates,
         num_solved=num_solved,
+        expert_break_even=cpu_expert_break_even(
+            model, hardware, max_compute_threads(hardware), policy.compress_weights
+        ),
     )
 
 

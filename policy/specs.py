@@ -9,6 +9,13 @@ from policy.errors import ModelSpecError, UserError
 
 ARCHS: tuple[str, str] = ("opt", "llama")
 _DTYPE_BYTES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+GROUP_SIZE = 64
+"""Group-wise 4-bit quantization: one (scale, min) pair per 64 elements."""
+
+
+def compressed_bytes_per_element(dtype_bytes: int) -> float:
+    """4 bits per element plus a (scale, min) pair in the model dtype per group."""
+    return 0.5 + 2 * dtype_bytes / GROUP_SIZE  # fp16: 0.5625 B = 0.28x of 2 B
 
 
 @dataclass(frozen=True)
@@ -53,6 +60,18 @@ class ModelSpec:
     """Layers with that window (all: Mistral, Phi-3; every other: Gemma 2; 5 of 6: Gemma 3).
     The engine keeps every token's KV (a page holds all layers), but a local layer reads,
     loads and attends over its window only."""
+    num_experts: int = 0
+    """Routed experts in each MoE layer (Mixtral's num_local_experts); 0: a dense model."""
+    num_experts_per_tok: int = 0
+    """Experts each token is routed to (top-k)."""
+    moe_intermediate_size: int = 0
+    """Width of one routed expert's SwiGLU MLP (Mixtral and OLMoE: their intermediate_size)."""
+    shared_expert_intermediate_size: int = 0
+    """Width of the always-on shared expert of each MoE layer, which has a sigmoid gate
+    (hidden -> 1) of its own (Qwen2-MoE); 0: none."""
+    moe_layer_ids: tuple[int, ...] = ()
+    """Layers whose MLP is the MoE block; the others have a dense MLP of intermediate_size
+    (Qwen MoE's decoder_sparse_step and mlp_only_layers; every layer in Mixtral, OLMoE)."""
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:
@@ -74,22 +93,114 @@ class ModelSpec:
             raise ModelSpecError(f"num_local_layers must be in [0, {self.num_layers}]")
         if self.num_local_layers and self.sliding_window < 1:
             raise ModelSpecError("local layers need a sliding_window >= 1")
+        self._check_experts()
+
+    def _check_experts(self) -> None:
+        object.__setattr__(self, "moe_layer_ids", tuple(sorted(set(self.moe_layer_ids))))
+        if not self.num_experts:
+            if self.moe_layer_ids or self.num_experts_per_tok:
+                raise ModelSpecError("MoE layers or experts per token need num_experts >= 1")
+            return
+        if self.arch != "llama":
+            raise ModelSpecError("routed experts are SwiGLU MLPs: arch must be 'llama'")
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ModelSpecError(
+                f"num_experts_per_tok must be in [1, {self.num_experts}], "
+                f"got {self.num_experts_per_tok}"
+            )
+        if self.moe_intermediate_size < 1 or self.shared_expert_intermediate_size < 0:
+            raise ModelSpecError("an MoE model needs moe_intermediate_size >= 1")
+        if not self.moe_layer_ids or not all(0 <= i < self.num_layers for i in self.moe_layer_ids):
+            raise ModelSpecError(f"moe_layer_ids must be layers in [0, {self.num_layers})")
 
     # ---- parameter counts (elements) -------------------------------------------------
 
     @property
-    def layer_params(self) -> int:
-        """Parameters in one transformer layer: attention, MLP, norms (and biases)."""
+    def attention_params(self) -> int:
+        """Parameters of one layer outside its MLP: q, k, v, o projections (and biases), norms."""
         h, q_dim, kv_dim = self.hidden_size, self.num_heads * self.head_dim, self.kv_dim
         attention = h * q_dim + 2 * h * kv_dim + q_dim * h
-        if self.arch == "opt":
-            # fc1 (h -> f) and fc2 (f -> h) with biases; q,k,v,o biases; two LayerNorms.
-            mlp = 2 * h * self.intermediate_size + self.intermediate_size + h
-            return attention + (q_dim + 2 * kv_dim + h) + mlp + 4 * h
-        # gate and up (h -> f), down (f -> h); RMSNorm weights.
-        mlp = 3 * h * self.intermediate_size
+        if self.arch == "opt":  # q,k,v,o biases; two LayerNorms (weight and bias)
+            return attention + (q_dim + 2 * kv_dim + h) + 4 * h
         bias = q_dim + 2 * kv_dim if self.qkv_bias else 0
-        return attention + bias + mlp + self.num_norms * h + self.qk_norm_params
+        return attention + bias + self.num_norms * h + self.qk_norm_params
+
+    @property
+    def dense_mlp_params(self) -> int:
+        """The MLP of a layer without experts: OPT's fc1, fc2 with biases, or SwiGLU's gate,
+        up (h -> f) and down (f -> h)."""
+        h, f = self.hidden_size, self.intermediate_size
+        return 2 * h * f + f + h if self.arch == "opt" else 3 * h * f
+
+    @property
+    def expert_params(self) -> int:
+        """One routed expert: a SwiGLU MLP of width moe_intermediate_size (0 when dense)."""
+        return 3 * self.hidden_size * self.moe_intermediate_size
+
+    @property
+    def moe_always_params(self) -> int:
+        """The parts of an MoE block every token uses: the router (hidden -> num_experts) and
+        the shared expert with its sigmoid gate (hidden -> 1)."""
+        h, shared = self.hidden_size, self.shared_expert_intermediate_size
+        return h * self.num_experts + (3 * h * shared + h if shared else 0)
+
+    @property
+    def num_moe_layers(self) -> int:
+        return len(self.moe_layer_ids)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_moe_layers > 0
+
+    @property
+    def moe_layer_share(self) -> float:
+        """Share of the layers that are MoE layers (1 for Mixtral, Qwen3-MoE, OLMoE)."""
+        return self.num_moe_layers / self.num_layers
+
+    @property
+    def expert_layer_params(self) -> int:
+        """Routed expert parameters in one MoE layer: all num_experts of them."""
+        return self.num_experts * self.expert_params
+
+    @property
+    def total_expert_params(self) -> int:
+        """Routed expert parameters of the whole model."""
+        return self.num_moe_layers * self.expert_layer_params
+
+    @property
+    def layers_params(self) -> int:
+        """Parameters of all layers, every routed expert counted."""
+        dense_layers = self.num_layers - self.num_moe_layers
+        moe_layer = self.attention_params + self.moe_always_params + self.expert_layer_params
+        return dense_layers * (self.attention_params + self.dense_mlp_params) + (
+            self.num_moe_layers * moe_layer
+        )
+
+    @property
+    def layer_params(self) -> float:
+        """Parameters in one transformer layer: attention, MLP, norms (and biases); averaged
+        over the layers, every routed expert counted (an int for a dense model)."""
+        if not self.is_moe:
+            return self.attention_params + self.dense_mlp_params
+        return self.layers_params / self.num_layers
+
+    @property
+    def active_layer_params(self) -> float:
+        """Parameters one token computes with in one layer, averaged over the layers: in an
+        MoE layer attention, router, shared expert and num_experts_per_tok routed experts."""
+        if not self.is_moe:
+            return self.layer_params
+        routed = self.num_experts_per_tok * self.expert_params
+        moe_layer = self.attention_params + self.moe_always_params + routed
+        dense_layer = self.attention_params + self.dense_mlp_params
+        dense_layers = self.num_layers - self.num_moe_layers
+        return (self.num_moe_layers * moe_layer + dense_layers * dense_layer) / self.num_layers
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token computes with: the layers' active ones plus embeddings and
+        head (Mixtral-8x7B: 12.9B of 46.7B)."""
+        return round(self.active_layer_params * self.num_layers) + self.embedding_params
 
     @property
     def embedding_params(self) -> int:
@@ -106,7 +217,7 @@ class ModelSpec:
 
     @property
     def total_params(self) -> int:
-        return self.num_layers * self.layer_params + self.embedding_params
+        return self.layers_params + self.embedding_params
 
     # ---- byte sizes ------------------------------------------------------------------
 
@@ -116,9 +227,15 @@ class ModelSpec:
         return self.num_kv_heads * self.head_dim
 
     @property
-    def layer_weight_bytes(self) -> int:
-        """Bytes of one transformer layer's weights (FlexGen's 8*h1^2 + 4*h1*h2 for OPT fp16)."""
+    def layer_weight_bytes(self) -> float:
+        """Bytes of one transformer layer's weights (FlexGen's 8*h1^2 + 4*h1*h2 for OPT fp16),
+        averaged over the layers, every routed expert counted."""
         return self.layer_params * self.dtype_bytes
+
+    @property
+    def expert_weight_bytes(self) -> int:
+        """Bytes of one routed expert (the unit the engine places and loads)."""
+        return self.expert_params * self.dtype_bytes
 
     @property
     def embedding_weight_bytes(self) -> int:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from policy.cost_model import compressed_bytes_per_element, estimate
 from policy.hardware import HardwareSpec
+from policy.moe import cpu_expert_break_even, expected_distinct_experts
 from policy.policy import Policy
 from policy.specs import ModelSpec, WorkloadSpec
 
@@ -48,12 +49,19 @@ class ThreadPlan:
         return cls(intra_op, load, sum(io_threads[t] for t in STORE_TASKS), io_threads)
 
 
-def io_volumes(model: ModelSpec, workload: WorkloadSpec, policy: Policy) -> dict[str, float]:
-    """Bytes each load/store task moves per layer per decode step (tier crossings only)."""
+def io_volumes(
+    model: ModelSpec,
+    workload: WorkloadSpec,
+    policy: Policy,
+    hardware: HardwareSpec | None = None,
+) -> dict[str, float]:
+    """Bytes each load/store task moves per layer per decode step (tier crossings only);
+    `hardware` sets the CPU expert break-even of an MoE model (None: experts are copied)."""
     bls, dtype = policy.block_size, model.dtype_bytes
     packed = compressed_bytes_per_element(dtype) / dtype
-    layer_bytes = model.total_weight_bytes / model.num_layers
-    layer_bytes *= packed if policy.compress_weights else 1.0
+    ratio = packed if policy.compress_weights else 1.0
+    expert_bytes = model.total_expert_params * dtype
+    layer_bytes = (model.total_weight_bytes - expert_bytes) / model.num_layers * ratio
     kv_tok = model.kv_bytes_per_token_per_layer * (packed if policy.compress_kv else 1.0)
     _, wc, wd = policy.weights_frac
     _, cc, cd = policy.kv_frac
@@ -61,8 +69,21 @@ def io_volumes(model: ModelSpec, workload: WorkloadSpec, policy: Policy) -> dict
     # With CPU attention the CPU-homed cache never crosses PCIe; disk-homed still loads.
     moved_kv = cd if policy.cpu_attention else cc + cd
     act = (hc + hd) * bls * model.hidden_bytes_per_token
+    # Routed experts: those a decode step's block touches, unless homed on the GPU or computed
+    # on the CPU below the break-even (policy/moe.py).
+    _, ec, ed = policy.experts_frac
+    tokens = bls * model.num_experts_per_tok
+    distinct = expected_distinct_experts(model.num_experts, model.num_experts_per_tok, bls)
+    on_cpu = (
+        hardware is not None
+        and policy.cpu_experts
+        and model.is_moe
+        and tokens / distinct
+        <= cpu_expert_break_even(model, hardware, policy.num_cpu_threads, policy.compress_weights)
+    )
+    experts = model.moe_layer_share * distinct * model.expert_weight_bytes * ratio
     return {
-        "load_weight": (wc + wd) * layer_bytes,
+        "load_weight": (wc + wd) * layer_bytes + (ed + (0.0 if on_cpu else ec)) * experts,
         "load_cache": moved_kv
         * bls
         * model.attended_len(workload.prompt_len + workload.gen_len / 2)
@@ -106,7 +127,7 @@ def choose_threads(
     threads); our CPU attention is one fused SDPA call, so there is nothing to run beside
     it and compute is a single task of `intra_op` threads."""
     max_threads = hardware.cpu_cores
-    volumes = io_volumes(model, workload, policy)
+    volumes = io_volumes(model, workload, policy, hardware)
     uses_disk = policy.weights_frac[2] + policy.kv_frac[2] + policy.act_frac[2] > 0
     if hardware.compute_device == "cpu" or max_threads < 1 + len(IO_TASKS):
         # Too few cores to reserve one per load/store task (or the CPU does all the compute):

@@ -5,7 +5,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from policy.affine import ZERO, Affine
+from policy.affine import VARS, ZERO, Affine
 from policy.catalog import BUILTIN_MODELS
 from policy.cost_model import estimate
 from policy.hardware import FLEXGEN_T4, HardwareSpec
@@ -16,7 +16,7 @@ from policy.search import search
 from policy.specs import WorkloadSpec
 
 GiB = 1024**3
-X = np.zeros(9)
+X = np.zeros(len(VARS))
 MEASURED_T4 = dataclasses.replace(FLEXGEN_T4, nano_overlap_device=1.0, nano_overlap_host=1.0)
 # A resident-weights box (H100-like numbers) whose profile measured the overlap.
 H100 = HardwareSpec(
@@ -55,7 +55,7 @@ def test_three_lanes_and_serial_work() -> None:
     lane takes 4 + 2 - 1 = 5, beside the CPU's 6 it takes 6 + 5/2; serial work adds on."""
     gpu, cpu = Affine.of(cg=2.0), Affine.of(cc=6.0)
     task = overlapped_compute(4.0, gpu, cpu, Affine.of(1.0), 2, MEASURED_T4)
-    x = np.array([0, 0, 0, 1.0, 1.0, 0, 0, 0, 0])  # cg = cc = 1 picks both attentions
+    x = np.array([0, 0, 0, 1.0, 1.0, 0, 0, 0, 0, 0, 0, 0])  # cg = cc = 1 picks both attentions
     assert task(x) == pytest.approx(1.0 + 6.0 + 5.0 / 2)
     half = dataclasses.replace(MEASURED_T4, nano_overlap_device=0.5, nano_overlap_host=0.5)
     assert overlapped_compute(4.0, gpu, cpu, ZERO, 2, half)(x) == pytest.approx(
