@@ -103,9 +103,14 @@ class Model(ABC):
         out = dict(values)
         for fused, parts in FUSED.items():
             for param in ("weight", "bias"):
-                names = [f"{part}.{param}" for part in parts]
-                if all(n in out for n in names):
-                    out[f"{fused}.{param}"] = torch.cat([out.pop(n) for n in names])
+                first = f"{parts[0]}.{param}"
+                # each module's own projections: '<prefix>gate.weight' with '' or an expert's
+                # 'experts.3.' as prefix
+                prefixes = [n[: -len(first)] for n in out if n.endswith(first)]
+                for prefix in prefixes:
+                    names = [f"{prefix}{part}.{param}" for part in parts]
+                    if (not prefix or prefix.endswith(".")) and all(n in out for n in names):
+                        out[f"{prefix}{fused}.{param}"] = torch.cat([out.pop(n) for n in names])
         return out
 
     def positions(self, ids: torch.Tensor, dtype: torch.dtype) -> Positions:
