@@ -232,3 +232,47 @@ def test_moe_gguf_generates_what_transformers_generates(tmp_path, monkeypatch, k
     with LLM(str(path), policy=policy, device="cpu", offload_dir=tmp_path / "off") as llm:
         got = [out.outputs[0].token_ids for out in llm.generate(prompts, params)]
     assert got == [hf_greedy(checkpoint, p, MAX_TOKENS) for p in prompts]
+
+
+def test_each_active_expert_runs_once_over_all_its_rows(monkeypatch):
+    """Grouped, not per token: a MoE layer runs one SwiGLU (a gate_up and a down GEMM) per
+    expert that has rows, over all of them at once, and none for the others; the result is
+    each row's weighted sum over its experts, as a loop over rows computes it."""
+    from transformers import AutoConfig
+
+    from engine.models import build_model, moe
+    from engine.models.config import ModelConfig
+
+    spec = dict(TINY_CONFIGS["qwen3_moe"])
+    config = ModelConfig.from_hf(AutoConfig.for_model(spec.pop("model_type"), **spec))
+    model = build_model(config)
+    hidden, width = config.hidden_size, config.moe_intermediate_size
+    torch.manual_seed(0)
+    w = {"router.weight": torch.randn(config.num_experts, hidden)}
+    for e in range(config.num_experts):
+        w[f"experts.{e}.gate_up.weight"] = torch.randn(2 * width, hidden) * 0.1
+        w[f"experts.{e}.down.weight"] = torch.randn(hidden, width) * 0.1
+    x = torch.randn(10, hidden)
+    runs: list[tuple[str, int]] = []
+    real = moe.swiglu
+
+    def counted(ops, weights, rows, prefix=""):
+        runs.append((prefix, rows.shape[0]))
+        return real(ops, weights, rows, prefix)
+
+    monkeypatch.setattr(moe, "swiglu", counted)
+    got = model.mlp(w, x)
+    weights, ids = route(torch.nn.functional.linear(x, w["router.weight"]), 4, True)
+    per_expert = torch.bincount(ids.flatten(), minlength=config.num_experts).tolist()
+    assert runs == [(f"experts.{e}.", n) for e, n in enumerate(per_expert) if n]
+    assert len(runs) < x.shape[0] * 4  # experts shared by rows ran once for all of them
+    want = torch.stack(
+        [
+            sum(
+                weights[t, j] * real(model.ops, w, x[t : t + 1], f"experts.{int(e)}.")[0]
+                for j, e in enumerate(ids[t])
+            )
+            for t in range(x.shape[0])
+        ]
+    )
+    torch.testing.assert_close(got, want)
