@@ -61,6 +61,10 @@ class Model(ABC):
         """Fused CPU ops for the work around the GEMMs (`engine.kernels`), set where the
         model computes on a CPU with native kernels on; None: torch's own ops."""
 
+    can_capture = True
+    """The ops around attention run the same kernels on the same shapes every step at a given
+    row count, so CUDA graphs may capture them (`engine/executor/cuda_graphs.py`)."""
+
     @property
     def num_layers(self) -> int:
         """Embedding + decoder layers + head."""

@@ -91,6 +91,9 @@ class MoeModel(LlamaModel):
 
     ROUTER_WEIGHTS_F32 = False
     """Mixtral scales the experts' outputs by float32 router weights (then casts back)."""
+    can_capture = False
+    """The routing decides each step which experts run over how many rows (read back to the
+    host), which a CUDA graph cannot replay."""
 
     def map_name(self, hf_name: str) -> tuple[int, str] | None:
         match = LAYER_NAME.match(hf_name.removeprefix("model."))
