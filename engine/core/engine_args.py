@@ -26,6 +26,7 @@ from engine.core.protocol import EngineInfo
 from engine.core.scheduler import Scheduler, SchedulerConfig, discrete_sizes
 from policy import Policy, UserError
 from policy.catalog import resolve_model_spec
+from policy.errors import ModelSpecError
 from policy.specs import WorkloadSpec
 from policy.units import parse_bytes
 
@@ -321,7 +322,10 @@ class EngineArgs:
             return {}
         from policy.prefix import break_even_tokens  # the cost model imports numpy
 
-        model = resolve_model_spec(str(model_dir))
+        try:
+            model = resolve_model_spec(str(model_dir))
+        except ModelSpecError:  # a family the cost model cannot size yet (mixture of experts):
+            return {}  # every cached prefix is loaded, as without a profile
         never = self.context_len(model_dir) + 1
         even = break_even_tokens(model, hardware, info.page_tokens, policy.compress_kv)
         return {tier: never if n is None else n for tier, n in even.items()}

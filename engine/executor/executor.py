@@ -239,11 +239,12 @@ class Executor:
     def _graph_runner(self) -> GraphRunner | None:
         """CUDA graphs where they are sound: on CUDA, with every layer's weights resident and
         uncompressed, one GPU batch, activations on the device, no nano-batches (their
-        streams and per-nano-batch pieces are not captured)."""
+        streams and per-nano-batch pieces are not captured), a model whose dense ops have the
+        same shapes every step (`Model.can_capture`)."""
         p = self.policy
         resident = all(tier == "gpu" for tier in self.weights.tiers) and not p.compress_weights
         one_batch = p.num_gpu_batches == 1 and p.num_nano_batches == 1
-        if not (self.device.is_cuda and resident and one_batch):
+        if not (self.device.is_cuda and resident and one_batch and self.model.can_capture):
             return None
         if p.act_frac[0] < 1.0:
             return None

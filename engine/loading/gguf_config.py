@@ -1,7 +1,7 @@
 """A GGUF file's metadata -> a transformers config, for the families whose metadata transformers'
 GGUF reader leaves out or cannot read: Qwen 3's head size, Gemma 2's soft-caps and score
 scale, Gemma 3's window pattern, local rotary base and rope scaling, Phi-3's partial rotary,
-window and LongRoPE factors, OLMo 2 at all.
+window and LongRoPE factors, OLMo 2, OLMoE and Mixtral at all; Qwen2/3-MoE's expert width.
 
 Keys are the ones llama.cpp's converter writes (`<arch>.attention.head_count`, ...). Where
 llama.cpp's runtime assumes a value no key states (src/llama-model.cpp: Gemma's window pattern
@@ -24,8 +24,15 @@ MODEL_TYPES = {
     "gemma3": "gemma3_text",
     "phi3": "phi3",
     "olmo2": "olmo2",
+    "qwen2moe": "qwen2_moe",
+    "qwen3moe": "qwen3_moe",
+    "olmoe": "olmoe",
 }
-"""GGUF architectures read here -> transformers model type (Llama and Qwen 2: transformers)."""
+"""GGUF architectures read here -> transformers model type (Llama and Qwen 2: transformers;
+a `llama` file with experts is Mixtral, `is_read_here`)."""
+NORMED_TOP_K = {"qwen2moe": False, "qwen3moe": True, "olmoe": False, "llama": True}
+"""Whether llama.cpp renormalises each architecture's top-k router weights where the file has
+no `expert_weights_norm` key (its src/models/*.cpp)."""
 GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 """llama.cpp scales the 27B models' queries by (hidden / heads) ** -0.5, the others' by
 head_dim ** -0.5; it knows them by their number of layers."""
@@ -52,13 +59,28 @@ class Metadata:
         return value
 
 
+def is_read_here(tensors: GgufTensors) -> bool:
+    """The file's config is read by `gguf_config`, not by transformers' GGUF reader."""
+    return tensors.architecture in MODEL_TYPES or _is_mixtral(tensors)
+
+
+def _is_mixtral(tensors: GgufTensors) -> bool:
+    """llama.cpp writes Mixtral as a `llama` file with stacked experts."""
+    return tensors.architecture == "llama" and "blk.0.ffn_gate_exps.weight" in (
+        tensors.tensor_names()
+    )
+
+
 def gguf_config(tensors: GgufTensors) -> Any:
-    """The transformers config of the GGUF file behind `tensors` (architecture in MODEL_TYPES)."""
+    """The transformers config of the GGUF file behind `tensors` (`is_read_here`)."""
     from transformers import AutoConfig
 
     meta = Metadata(tensors)
     names = tensors.tensor_names()
     fields = _common(meta, tensors, names)
+    if _is_mixtral(tensors):
+        fields.update(_mixtral(meta, tensors, fields))
+        return AutoConfig.for_model("mixtral", **fields)
     fields.update(_FAMILY[meta.arch](meta, tensors, fields))
     return AutoConfig.for_model(MODEL_TYPES[meta.arch], **fields)
 
@@ -103,6 +125,56 @@ def _qwen3(meta: Metadata, tensors: GgufTensors, fields: dict[str, Any]) -> dict
 
 def _olmo2(meta: Metadata, tensors: GgufTensors, fields: dict[str, Any]) -> dict[str, Any]:
     return dict(rope_parameters=_rope(meta))
+
+
+def _experts(meta: Metadata) -> dict[str, Any]:
+    """The router's fields: experts, top-k, whether the top-k weights are renormalised."""
+    norm = meta.get("expert_weights_norm", NORMED_TOP_K[meta.arch])
+    return dict(
+        num_experts=int(meta["expert_count"]),
+        num_experts_per_tok=int(meta["expert_used_count"]),
+        norm_topk_prob=bool(norm),
+    )
+
+
+def _mixtral(meta: Metadata, tensors: GgufTensors, fields: dict[str, Any]) -> dict[str, Any]:
+    """Experts as wide as feed_forward_length, top-k always renormalised (transformers'
+    Mixtral; a file saying otherwise is refused)."""
+    experts = _experts(meta)
+    if not experts["norm_topk_prob"]:
+        raise UnsupportedModelError(
+            f"{meta.path.name}: a llama-architecture MoE without renormalised top-k weights "
+            "is not Mixtral, and nanoflex does not convert it"
+        )
+    return dict(
+        rope_parameters=_rope(meta),
+        num_local_experts=experts["num_experts"],
+        num_experts_per_tok=experts["num_experts_per_tok"],
+        sliding_window=int(meta.get("attention.sliding_window", 0)) or None,
+    )
+
+
+def _qwen_moe(meta: Metadata, tensors: GgufTensors, fields: dict[str, Any]) -> dict[str, Any]:
+    """Qwen2/3-MoE: every layer sparse (llama.cpp has no dense ones), the experts' width from
+    expert_feed_forward_length; Qwen2-MoE's shared expert and qkv bias, Qwen3-MoE's head size
+    (in `_common`) and optional attention bias."""
+    out = dict(
+        _experts(meta),
+        rope_parameters=_rope(meta),
+        moe_intermediate_size=int(meta["expert_feed_forward_length"]),
+    )
+    bias = "blk.0.attn_q.bias" in tensors.tensor_names()
+    if meta.arch == "qwen2moe":
+        shared = int(meta.get("expert_shared_feed_forward_length", 0))
+        out.update(shared_expert_intermediate_size=shared, qkv_bias=bias)
+    else:
+        out.update(attention_bias=bias)
+    return out
+
+
+def _olmoe(meta: Metadata, tensors: GgufTensors, fields: dict[str, Any]) -> dict[str, Any]:
+    """OLMoE: experts as wide as feed_forward_length."""
+    return dict(_experts(meta), rope_parameters=_rope(meta))
 
 
 def _query_pre_attn_scalar(meta: Metadata, fields: dict[str, Any]) -> int:
@@ -176,4 +248,13 @@ def _phi3(meta: Metadata, tensors: GgufTensors, fields: dict[str, Any]) -> dict[
     )
 
 
-_FAMILY = {"qwen3": _qwen3, "gemma2": _gemma2, "gemma3": _gemma3, "phi3": _phi3, "olmo2": _olmo2}
+_FAMILY = {
+    "qwen3": _qwen3,
+    "gemma2": _gemma2,
+    "gemma3": _gemma3,
+    "phi3": _phi3,
+    "olmo2": _olmo2,
+    "qwen2moe": _qwen_moe,
+    "qwen3moe": _qwen_moe,
+    "olmoe": _olmoe,
+}

@@ -25,7 +25,7 @@ import numpy as np
 
 from engine.core.cache import cache_root, publish_dir
 from engine.core.model_files import ModelLoadError
-from engine.loading.gguf_config import MODEL_TYPES, gguf_config
+from engine.loading.gguf_config import gguf_config, is_read_here
 from engine.loading.gguf_tensors import GgufTensors, open_gguf
 
 MANIFEST = "nanoflex-gguf.json"
@@ -79,7 +79,7 @@ def convert_gguf(path: Path, out_dir: Path, *, digest: str) -> None:
     """Write config.json, generation_config.json, the tokenizer (if the file has one),
     float32 safetensors shards and the manifest for the GGUF file at `path` into `out_dir`."""
     tensors = open_gguf(path)  # checks the architecture and every tensor type first
-    hf_config = gguf_config(tensors) if tensors.architecture in MODEL_TYPES else _hf_config(path)
+    hf_config = gguf_config(tensors) if is_read_here(tensors) else _hf_config(path)
     tensors.bind(hf_config)  # checks names and shapes against the model transformers builds
     hf_config.architectures = [tensors.model_class_name]
     hf_config.save_pretrained(out_dir)

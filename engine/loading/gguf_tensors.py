@@ -4,12 +4,16 @@ GGUF names tensors llama.cpp's way (`blk.3.attn_q.weight`); transformers' names 
 model (`model.layers.3.self_attn.q_proj.weight`) come from the model class transformers builds
 for the file's config, mapped through gguf-py's own name table. What llama.cpp's converter did
 to a tensor is undone here: the q and k rows of Llama-architecture files permuted for its
-rotary kernel, and Gemma's norm weights stored as 1 + w (its RMSNorm scales by 1 + w).
+rotary kernel, and Gemma's norm weights stored as 1 + w (its RMSNorm scales by 1 + w). A
+mixture-of-experts file stacks each layer's experts (`blk.N.ffn_{gate,up,down}_exps.weight`,
+(experts, out, in)); they become transformers' stacked `mlp.experts.gate_up_proj` (gate then
+up, along the output dimension) and `mlp.experts.down_proj`.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -20,9 +24,24 @@ import torch
 from engine.core.model_files import ModelLoadError
 from engine.models.hf_config import UnsupportedModelError
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "olmo2")
-"""GGUF architectures nanoflex converts (Llama and Mistral files are `llama`; Gemma 3's are the
-text model of either checkpoint). OPT has no GGUF form."""
+ARCHITECTURES = (
+    "llama",
+    "qwen2",
+    "qwen3",
+    "gemma2",
+    "gemma3",
+    "phi3",
+    "olmo2",
+    "qwen2moe",
+    "qwen3moe",
+    "olmoe",
+)
+"""GGUF architectures nanoflex converts (Llama, Mistral and Mixtral files are `llama`; Gemma 3's
+are the text model of either checkpoint). OPT has no GGUF form."""
+STACKED_EXPERTS = re.compile(r"^(?:model\.)?layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
+"""transformers' stacked experts of a layer: groups (layer, tensor)."""
+EXPERT_SOURCES = {"gate_up_proj": ("ffn_gate_exps", "ffn_up_exps"), "down_proj": ("ffn_down_exps",)}
+"""A stacked expert tensor -> the GGUF tensors it concatenates (along the output dimension)."""
 PERMUTED_QK = frozenset({"llama"})
 """Architectures whose q/k rows llama.cpp permuted (the rest rotate halves, as transformers)."""
 NORMS_PLUS_ONE = frozenset({"gemma2", "gemma3"})
@@ -68,9 +87,10 @@ class GgufTensors:
             raise UnsupportedModelError(
                 f"{path.name} is a GGUF file of architecture {self.architecture!r}, which "
                 f"nanoflex cannot convert; it converts {', '.join(ARCHITECTURES)} GGUF files "
-                "(Llama, Mistral, Qwen 2 and 3, Gemma 2 and 3, Phi-3 and 4, OLMo 2)"
+                "(Llama, Mistral, Mixtral, Qwen 2 and 3, Qwen2/3-MoE, Gemma 2 and 3, Phi-3 and 4, "
+                "OLMo 2, OLMoE)"
             )
-        self._gguf_names: dict[str, str] = {}  # transformers name -> GGUF name
+        self._gguf_names: dict[str, tuple[str, ...]] = {}  # transformers name -> GGUF names
         self._shapes: dict[str, tuple[int, ...]] = {}
         self._heads: dict[str, int] = {}  # GGUF name of a q/k tensor -> heads to un-permute
         self.model_class_name = ""
@@ -138,24 +158,22 @@ class GgufTensors:
         arch = next(k for k, v in MODEL_ARCH_NAMES.items() if v == self.architecture)
         table = get_tensor_name_map(arch, hf_config.num_hidden_layers)
         for name, param in model.named_parameters():  # tied parameters appear once
-            module, _, suffix = name.rpartition(".")
-            gguf_module = table.get_name(module)
-            gguf_name = f"{gguf_module}.{suffix}"
-            tensor = self._by_gguf_name.get(gguf_name)
-            if gguf_module is None or tensor is None:
-                raise ModelLoadError(
-                    f"{self.path.name} has no tensor for the model's {name} "
-                    f"(GGUF name {gguf_name if gguf_module else '?'}); is the file complete?"
-                )
-            shape = self.raw_shape(gguf_name)
+            sources = self._sources(table, name)
+            shapes = [self.raw_shape(g) for g in sources]
+            if len(shapes) > 1:  # stacked experts, concatenated along their output dimension
+                shape = (shapes[0][0], sum(s[1] for s in shapes), *shapes[0][2:])
+            elif param.dim() == 2 and param.shape[0] == 1 and shapes[0] == param.shape[1:]:
+                shape = (1, *shapes[0])  # a (1, n) matrix stored as (n,): a shared expert's gate
+            else:
+                shape = shapes[0]
             if shape != tuple(param.shape):
                 raise ModelLoadError(
-                    f"{self.path.name}: {gguf_name} has shape {shape}, the model's {name} "
-                    f"needs {tuple(param.shape)}"
+                    f"{self.path.name}: {' + '.join(sources)} has shape {shape}, the model's "
+                    f"{name} needs {tuple(param.shape)}"
                 )
-            self._gguf_names[name] = gguf_name
+            self._gguf_names[name] = sources
             self._shapes[name] = shape
-        used = set(self._gguf_names.values())
+        used = {g for sources in self._gguf_names.values() for g in sources}
         self.skipped = [t for t in self._by_gguf_name if t not in used and t not in CONFIG_TENSORS]
         if any(t.startswith("rope_freqs") for t in self.skipped):
             raise UnsupportedModelError(
@@ -170,6 +188,25 @@ class GgufTensors:
                 if ".attn_q." in gguf_name or ".attn_k." in gguf_name:
                     self._heads[gguf_name] = heads if ".attn_q." in gguf_name else kv_heads
 
+    def _sources(self, table: Any, name: str) -> tuple[str, ...]:
+        """The GGUF tensors that make transformers' parameter `name`: one, found through gguf-py's
+        name table, or a layer's stacked experts (`EXPERT_SOURCES`)."""
+        stacked = STACKED_EXPERTS.match(name)
+        if stacked is not None:
+            block, tensor = stacked.groups()
+            sources = tuple(f"blk.{block}.{part}.weight" for part in EXPERT_SOURCES[tensor])
+        else:
+            module, _, suffix = name.rpartition(".")
+            gguf_module = table.get_name(module)
+            sources = (f"{gguf_module}.{suffix}",) if gguf_module is not None else ("?",)
+        missing = [g for g in sources if g not in self._by_gguf_name]
+        if missing:
+            raise ModelLoadError(
+                f"{self.path.name} has no tensor for the model's {name} (GGUF name "
+                f"{missing[0]}); is the file complete?"
+            )
+        return sources
+
     @property
     def names(self) -> list[str]:
         return list(self._gguf_names)
@@ -180,13 +217,16 @@ class GgufTensors:
     def read(self, name: str) -> np.ndarray:
         """The tensor `name` (transformers' name), dequantized to float32, in torch's layout,
         with what llama.cpp's converter did to it undone."""
-        gguf_name = self._gguf_names[name]
+        sources = self._gguf_names[name]
+        if len(sources) > 1:  # stacked experts: gate and up along the output dimension
+            return np.concatenate([self.raw(g) for g in sources], axis=1)
+        gguf_name = sources[0]
         values = self.raw(gguf_name)
         if gguf_name in self._heads:
             values = _unpermute_rows(values, self._heads[gguf_name])
         if self.architecture in NORMS_PLUS_ONE and gguf_name.endswith("norm.weight"):
             values = values - np.float32(1.0)  # as transformers' Gemma2TensorProcessor does
-        return np.ascontiguousarray(values)
+        return np.ascontiguousarray(values.reshape(self._shapes[name]))
 
 
 def _unpermute_rows(values: np.ndarray, num_heads: int) -> np.ndarray:

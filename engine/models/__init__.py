@@ -1,5 +1,6 @@
 """Layer-wise model implementations (OPT, the Llama family and the families built on it: Qwen 3,
-Gemma 2/3, Phi-3/4, OLMo 2), built for placement and offloading."""
+Gemma 2/3, Phi-3/4, OLMo 2, and the mixture-of-experts Mixtral, Qwen2/3-MoE and OLMoE), built
+for placement and offloading."""
 
 from engine.models.base import Model
 from engine.models.config import ModelConfig
@@ -27,6 +28,15 @@ def build_model(config: ModelConfig) -> Model:
         from engine.models.olmo2 import Olmo2Model
 
         return Olmo2Model(config)
+    if config.model_type in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe"):
+        from engine.models import moe
+
+        return {
+            "mixtral": moe.MixtralModel,
+            "qwen2_moe": moe.MoeModel,
+            "qwen3_moe": moe.Qwen3MoeModel,
+            "olmoe": moe.OlmoeModel,
+        }[config.model_type](config)
     from engine.models.llama import LlamaModel
 
     return LlamaModel(config)

@@ -61,6 +61,10 @@ class Model(ABC):
         """Fused CPU ops for the work around the GEMMs (`engine.kernels`), set where the
         model computes on a CPU with native kernels on; None: torch's own ops."""
 
+    can_capture = True
+    """The ops around attention run the same kernels on the same shapes every step at a given
+    row count, so CUDA graphs may capture them (`engine/executor/cuda_graphs.py`)."""
+
     @property
     def num_layers(self) -> int:
         """Embedding + decoder layers + head."""
@@ -103,9 +107,14 @@ class Model(ABC):
         out = dict(values)
         for fused, parts in FUSED.items():
             for param in ("weight", "bias"):
-                names = [f"{part}.{param}" for part in parts]
-                if all(n in out for n in names):
-                    out[f"{fused}.{param}"] = torch.cat([out.pop(n) for n in names])
+                first = f"{parts[0]}.{param}"
+                # each module's own projections: '<prefix>gate.weight' with '' or an expert's
+                # 'experts.3.' as prefix
+                prefixes = [n[: -len(first)] for n in out if n.endswith(first)]
+                for prefix in prefixes:
+                    names = [f"{prefix}{part}.{param}" for part in parts]
+                    if (not prefix or prefix.endswith(".")) and all(n in out for n in names):
+                        out[f"{prefix}{fused}.{param}"] = torch.cat([out.pop(n) for n in names])
         return out
 
     def positions(self, ids: torch.Tensor, dtype: torch.dtype) -> Positions:

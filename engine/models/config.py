@@ -57,6 +57,29 @@ class ModelConfig:
     """The MLP's activation: 'relu' (OPT), 'silu' (SwiGLU) or 'gelu_pytorch_tanh' (Gemma's
     GeGLU)."""
     enable_bias: bool = True
+    # Mixture of experts (Mixtral, Qwen2/3-MoE, OLMoE)
+    num_experts: int = 0
+    """Routed experts per MoE layer; 0: a dense model."""
+    num_experts_per_tok: int = 0
+    """Experts each token is routed to (the router's top-k)."""
+    moe_intermediate_size: int = 0
+    """Each routed expert's SwiGLU width."""
+    norm_topk_prob: bool = False
+    """The top-k router weights are renormalised to sum to 1 (Mixtral always does)."""
+    shared_expert_intermediate_size: int = 0
+    """Qwen2-MoE: the width of the shared expert every token also runs, scaled by a sigmoid
+    gate; 0: none."""
+    dense_layers: tuple[int, ...] = ()
+    """Decoder layers (0-based) of an MoE model with a dense MLP of `intermediate_size`
+    instead of experts (Qwen's `mlp_only_layers` and `decoder_sparse_step`)."""
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Decoder layer `layer` (0-based) routes its tokens to experts."""
+        return self.is_moe and layer not in self.dense_layers
 
     @property
     def is_opt(self) -> bool:

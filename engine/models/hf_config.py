@@ -28,7 +28,17 @@ SUPPORTED_MODEL_TYPES = (
     "gemma3",
     "phi3",
     "olmo2",
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+    "olmoe",
 )
+REFUSED_MODEL_TYPES = {
+    "deepseek_v2": "DeepSeek-V2's multi-head latent attention and grouped top-k routing",
+    "deepseek_v3": "DeepSeek-V3's multi-head latent attention and biased, grouped top-k routing",
+    "gpt_oss": "gpt-oss's attention sinks, biased clamped-SwiGLU experts and MXFP4 weights",
+}
+"""Mixture-of-experts types refused by name, with what nanoflex does not implement of each."""
 
 
 class UnsupportedModelError(UserError):
@@ -97,6 +107,23 @@ _COMMON = frozenset(
 _WINDOWS = frozenset({"sliding_window", "layer_types", "use_sliding_window", "max_window_layers"})
 """Fields that say which layers have which sliding window (read through `layer_types`)."""
 
+_MOE = frozenset(
+    {
+        "num_experts",
+        "num_local_experts",
+        "num_experts_per_tok",
+        "norm_topk_prob",
+        "moe_intermediate_size",
+        # training only: the router's auxiliary loss and its jitter noise
+        "output_router_logits",
+        "router_aux_loss_coef",
+        "router_jitter_noise",
+    }
+)
+"""Fields every mixture-of-experts reader honours (`_moe`)."""
+_QWEN_MOE = frozenset({"decoder_sparse_step", "mlp_only_layers", "shared_expert_intermediate_size"})
+"""Qwen2/3-MoE: which layers are dense, the shared expert (`_moe`)."""
+
 _GEMMA = frozenset(
     {
         "hidden_activation",
@@ -119,6 +146,10 @@ ROPE_TYPES = {
     "gemma2": ("default", "linear"),
     "gemma3_text": ("default", "linear"),
     "phi3": ("default", "longrope"),
+    "mixtral": ("default", "linear", "llama3"),
+    "qwen2_moe": ("default", "linear", "llama3"),
+    "qwen3_moe": ("default", "linear", "llama3"),
+    "olmoe": ("default", "linear", "llama3"),
 }
 """Rotary scaling types each family implements (engine/models/rotary.py)."""
 
@@ -126,6 +157,12 @@ ROPE_TYPES = {
 def model_config_fields(hf: Any) -> dict[str, Any]:
     """`ModelConfig` keyword arguments for the transformers config `hf`."""
     model_type = getattr(hf, "model_type", None)
+    if model_type in REFUSED_MODEL_TYPES:
+        raise UnsupportedModelError(
+            f"model type {model_type!r} is not supported: nanoflex does not implement "
+            f"{REFUSED_MODEL_TYPES[model_type]}; its mixture-of-experts families are "
+            "mixtral, qwen2_moe, qwen3_moe and olmoe"
+        )
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise UnsupportedModelError(
             f"model type {model_type!r} is not supported; nanoflex runs "
@@ -223,10 +260,31 @@ def _llama(hf: Any) -> dict[str, Any]:
         rope_theta=theta,
         rope_scaling=scaling,
         rotary_dim=rotary_dim,
-        qkv_bias=attention_bias or hf.model_type == "qwen2",
+        qkv_bias=attention_bias or hf.model_type == "qwen2" or bool(getattr(hf, "qkv_bias", 0)),
         o_bias=attention_bias,
         mlp_bias=bool(getattr(hf, "mlp_bias", False)),
         layer_windows=_layer_windows(hf),
+    )
+
+
+def _moe(hf: Any) -> dict[str, Any]:
+    """A Llama-family layer whose MLP routes each token to its top-k experts: Mixtral (experts
+    as wide as `intermediate_size`, top-k always renormalised), OLMoE (the same width), Qwen2/3-
+    MoE (`moe_intermediate_size`, dense MLPs on the layers `mlp_only_layers` and
+    `decoder_sparse_step` leave out, Qwen2-MoE's shared expert)."""
+    num_experts = getattr(hf, "num_local_experts", None) or getattr(hf, "num_experts", None)
+    step = int(getattr(hf, "decoder_sparse_step", 1) or 1)
+    only_mlp = set(getattr(hf, "mlp_only_layers", None) or ())
+    dense = [i for i in range(hf.num_hidden_layers) if i in only_mlp or (i + 1) % step]
+    width = getattr(hf, "moe_intermediate_size", None) or hf.intermediate_size
+    return dict(
+        _llama(hf),
+        num_experts=int(num_experts or 0),
+        num_experts_per_tok=int(hf.num_experts_per_tok),
+        moe_intermediate_size=int(width),
+        norm_topk_prob=hf.model_type == "mixtral" or bool(getattr(hf, "norm_topk_prob", False)),
+        shared_expert_intermediate_size=int(getattr(hf, "shared_expert_intermediate_size", 0)),
+        dense_layers=tuple(dense),
     )
 
 
@@ -357,6 +415,10 @@ _FAMILIES: dict[str, tuple[frozenset[str], Callable[[Any], dict[str, Any]]]] = {
     "qwen3": (_COMMON | _WINDOWS | {"attention_bias"}, _llama),
     "olmo2": (_COMMON | {"attention_bias"}, _llama),
     "phi3": (_COMMON | _WINDOWS | {"original_max_position_embeddings"}, _llama),
+    "mixtral": (_COMMON | _WINDOWS | _MOE, _moe),
+    "qwen2_moe": (_COMMON | _WINDOWS | _MOE | _QWEN_MOE | {"qkv_bias"}, _moe),
+    "qwen3_moe": (_COMMON | _WINDOWS | _MOE | _QWEN_MOE | {"attention_bias"}, _moe),
+    "olmoe": (_COMMON | _MOE | {"attention_bias"}, _moe),
     "gemma2": (_COMMON | _WINDOWS | _GEMMA, _gemma),
     "gemma3_text": (_COMMON | _WINDOWS | _GEMMA, _gemma),
 }

@@ -90,6 +90,12 @@ def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(gate) * up
 
 
+def swiglu(ops: DenseOps, w: Weights, x: torch.Tensor, prefix: str = "") -> torch.Tensor:
+    """down(silu(gate(x)) * up(x)) over x (T, hidden), the projections named `<prefix>gate_up`
+    (fused, `Model.fuse`) and `<prefix>down`: the layer's own ('') or an expert's."""
+    return linear(ops.silu_mul(linear(x, w, f"{prefix}gate_up")), w, f"{prefix}down")
+
+
 TORCH_OPS = DenseOps(rms_norm, _add_rms_norm, _rotary, _silu_mul)
 """The ops around the GEMMs in torch, where no native ones are set (`Model.dense_ops`)."""
 
@@ -159,7 +165,12 @@ class LlamaModel(Model):
         ops, eps = self.ops, self.config.norm_eps
         attended = linear(o.reshape(o.shape[0], -1), w, "o")
         h, x = ops.add_rms_norm(h.contiguous(), attended, w["ln2.weight"], eps)
-        return h + linear(ops.silu_mul(linear(x, w, "gate_up")), w, "down")
+        return h + self.mlp(w, x)
+
+    def mlp(self, w: Weights, x: torch.Tensor) -> torch.Tensor:
+        """The layer's MLP over normed states x (T, hidden) -> (T, hidden); mixture-of-experts
+        models route it (`engine.models.moe`)."""
+        return swiglu(self.ops, w, x)
 
     def head(self, w: Weights, h: torch.Tensor) -> torch.Tensor:
         x = self.ops.rms_norm(h.contiguous(), w["norm.weight"], self.config.norm_eps)

@@ -45,8 +45,7 @@ class Olmo2Model(LlamaModel):
 
     def attention_output(self, w: Weights, h: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
         h = h + self._norm(linear(o.reshape(o.shape[0], -1), w, "o"), w, "ln_post_attn")
-        mlp = linear(self.ops.silu_mul(linear(h, w, "gate_up")), w, "down")
-        return h + self._norm(mlp, w, "ln_post_mlp")
+        return h + self._norm(self.mlp(w, h), w, "ln_post_mlp")
 
     def head(self, w: Weights, h: torch.Tensor) -> torch.Tensor:
         return linear(self._norm(h, w, "norm"), w, "lm_head").float()

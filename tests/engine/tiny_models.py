@@ -8,6 +8,18 @@ import torch
 
 MAX_TOKENS = 8
 """Greedy tokens generated per prompt in the correctness tests."""
+_MOE_SHAPE: dict[str, object] = dict(
+    hidden_size=64,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    num_experts_per_tok=2,
+    tie_word_embeddings=False,
+    initializer_range=0.1,
+)
+"""What the tiny mixture-of-experts checkpoints share: GQA, an untied head, weights large
+enough that the layers, not the embedding, decide the tokens."""
 TINY_CONFIGS: dict[str, dict[str, object]] = {
     # OPT: pre-norm, ReLU, learned positions, tied embeddings, head_dim 12
     "opt": dict(
@@ -246,7 +258,45 @@ TINY_CONFIGS: dict[str, dict[str, object]] = {
         tie_word_embeddings=False,
         initializer_range=0.2,
     ),
+    # Mixtral: 8 experts, top-2 (always renormalised)
+    "mixtral": dict(
+        _MOE_SHAPE, model_type="mixtral", vocab_size=256, intermediate_size=48, num_local_experts=8
+    ),
+    # Qwen2-MoE: qkv bias, top-2 of 8 unnormalised, a shared expert behind its sigmoid gate,
+    # layer 1 dense (mlp_only_layers)
+    "qwen2_moe": dict(
+        _MOE_SHAPE,
+        model_type="qwen2_moe",
+        vocab_size=270,
+        intermediate_size=80,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        num_experts=8,
+        norm_topk_prob=False,
+        mlp_only_layers=[1],
+    ),
+    # Qwen3-MoE: per-head q/k norms, head_dim 32, 16 small experts, top-4 renormalised, every
+    # second layer sparse (decoder_sparse_step 2: layers 1 and 3)
+    "qwen3_moe": dict(
+        _MOE_SHAPE,
+        model_type="qwen3_moe",
+        vocab_size=290,
+        intermediate_size=96,
+        moe_intermediate_size=24,
+        num_hidden_layers=4,
+        head_dim=32,
+        num_experts=16,
+        num_experts_per_tok=4,
+        norm_topk_prob=True,
+        decoder_sparse_step=2,
+    ),
+    # OLMoE: q/k norms over the whole projections, top-2 of 8 unnormalised
+    "olmoe": dict(
+        _MOE_SHAPE, model_type="olmoe", vocab_size=300, intermediate_size=40, num_experts=8
+    ),
 }
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+"""The tiny mixture-of-experts checkpoints (tests/engine/executor/test_moe.py)."""
 NEW_FAMILIES = ("qwen3", "qwen3-tied", "gemma2", "gemma3", "phi3", "olmo2")
 """The tiny checkpoints of the families issue 27 added (phi3-long has tests of its own)."""
 SCALED_WEIGHTS: dict[str, dict[str, float]] = {

@@ -113,12 +113,17 @@ families' tiny checkpoints (docs/compression.md gives the figures: top-1 agreeme
 little on their nearly flat, soft-capped logits)."""
 
 
+def assert_four_bit_within_tolerance(model_dir: Path, kind: str, compressed: str) -> None:
+    """The `compressed` path's mean KL divergence from the float32 path within its bound."""
+    policy, max_kl = COMPRESSED[compressed]
+    prompts = _prompts(kind)
+    base = _score(model_dir, prompts)
+    kl, err = divergence(base, _score(model_dir, prompts, **policy))
+    assert kl <= max_kl, f"mean KL divergence {kl:.4f}"
+    assert err > 0.0  # the compressed path ran
+
+
 @pytest.mark.parametrize("compressed", list(COMPRESSED))
 @pytest.mark.parametrize("kind", NEW_FAMILIES)
 def test_four_bit_within_tolerance(tiny_model, kind, compressed):
-    policy, max_kl = COMPRESSED[compressed]
-    prompts = _prompts(kind)
-    base = _score(tiny_model(kind), prompts)
-    kl, err = divergence(base, _score(tiny_model(kind), prompts, **policy))
-    assert kl <= max_kl, f"mean KL divergence {kl:.4f}"
-    assert err > 0.0  # the compressed path ran
+    assert_four_bit_within_tolerance(tiny_model(kind), kind, compressed)

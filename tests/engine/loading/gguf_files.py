@@ -3,47 +3,97 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2"}
-"""Model type of a tiny checkpoint -> the GGUF architecture llama.cpp writes for it."""
+GGUF_ARCH = {
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "mixtral": "llama",
+    "qwen2_moe": "qwen2moe",
+    "qwen3_moe": "qwen3moe",
+    "olmoe": "olmoe",
+}
+"""Model type of a tiny checkpoint -> the GGUF architecture llama.cpp writes for it (Mixtral is a
+`llama` file with experts)."""
+EXPERT_PARTS = {"gate_up_proj": ("ffn_gate_exps", "ffn_up_exps"), "down_proj": ("ffn_down_exps",)}
+"""transformers' stacked expert tensor -> the GGUF tensors llama.cpp splits it into."""
 
 
 def write_gguf(hf_dir: Path, path: Path) -> Path:
     """A float32 GGUF of the checkpoint in `hf_dir` (config.json + model.safetensors): llama.cpp's
-    metadata keys and tensor names, q/k rows permuted as llama.cpp does for Llama, no tokenizer."""
+    metadata keys and tensor names, q/k rows permuted as llama.cpp does for Llama, no tokenizer.
+    A mixture of experts as llama.cpp writes it: each layer's experts stacked
+    (`blk.N.ffn_{gate,up,down}_exps.weight`, (experts, out, in)), the router `ffn_gate_inp`,
+    Qwen2-MoE's shared expert gate a vector, expert counts and widths in the metadata."""
     from gguf import MODEL_ARCH_NAMES, GGUFWriter, get_tensor_name_map
-    from safetensors.torch import load_file
 
     config = json.loads((hf_dir / "config.json").read_text())
     arch = GGUF_ARCH[config["model_type"]]
     heads = config["num_attention_heads"]
     kv_heads = config.get("num_key_value_heads") or heads
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    rope = config.get("rope_parameters") or {}
     writer = GGUFWriter(str(path), arch)
     add_shape_keys(writer, arch, config)
-    writer.add_rope_freq_base(float(config.get("rope_theta", 10000.0)))
-    writer.add_rope_dimension_count(config["hidden_size"] // heads)
+    writer.add_rope_freq_base(float(rope.get("rope_theta", config.get("rope_theta", 10000.0))))
+    writer.add_rope_dimension_count(head_dim)
     writer.add_vocab_size(config["vocab_size"])
     writer.add_bos_token_id(config["bos_token_id"])
     writer.add_eos_token_id(config["eos_token_id"])
+    if "num_experts_per_tok" in config:
+        _add_expert_keys(writer, config, head_dim)
     arch_id = next(k for k, v in MODEL_ARCH_NAMES.items() if v == arch)
     table = get_tensor_name_map(arch_id, config["num_hidden_layers"])
-    for name, tensor in load_file(hf_dir / "model.safetensors").items():
+    for name, tensor in _checkpoint_tensors(hf_dir, "num_experts_per_tok" in config):
         module, _, suffix = name.rpartition(".")
-        gguf_name = f"{table.get_name(module)}.{suffix}"
         values = tensor.to(torch.float32).numpy()
+        if module.endswith("mlp.experts"):  # (experts, out, in), gate and up one tensor
+            parts = EXPERT_PARTS[suffix]
+            for part, chunk in zip(parts, np.split(values, len(parts), axis=1), strict=True):
+                writer.add_tensor(f"blk.{module.split('.')[2]}.{part}.weight", chunk.copy())
+            continue
+        gguf_name = f"{table.get_name(module)}.{suffix}"
         if arch == "llama" and (".attn_q." in gguf_name or ".attn_k." in gguf_name):
             values = permute_like_llama_cpp(values, heads if ".attn_q." in gguf_name else kv_heads)
+        if gguf_name.endswith("ffn_gate_inp_shexp.weight"):
+            values = values[0]  # llama.cpp stores the (1, hidden) gate as a vector
         writer.add_tensor(gguf_name, np.ascontiguousarray(values))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def _checkpoint_tensors(hf_dir: Path, is_moe: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors by transformers' name: as saved, or, for a mixture of experts,
+    as transformers 5 holds them in memory (each layer's experts stacked)."""
+    if not is_moe:
+        from safetensors.torch import load_file
+
+        yield from load_file(hf_dir / "model.safetensors").items()
+        return
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    yield from model.state_dict().items()
+
+
+def _add_expert_keys(writer: Any, config: dict[str, Any], head_dim: int) -> None:
+    """The metadata llama.cpp writes for a mixture of experts (its head size too)."""
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_expert_count(config.get("num_local_experts") or config["num_experts"])
+    writer.add_expert_used_count(config["num_experts_per_tok"])
+    if "moe_intermediate_size" in config:
+        writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    if "shared_expert_intermediate_size" in config:
+        writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
 
 
 def add_shape_keys(writer: Any, arch: str, config: dict[str, Any]) -> None:

@@ -51,6 +51,8 @@ def test_each_family_reads_its_own_fields() -> None:
         ("olmo2", dict(hidden_act="gelu"), "hidden_act='gelu'"),
         ("qwen3", dict(quantization_config={"quant_method": "awq"}), "quantization_config"),
         ("gemma3", dict(layer_types=["chunked_attention"] * 4), "'chunked_attention'"),
+        ("olmoe", dict(clip_qkv=8.0), "olmoe config field clip_qkv=8.0"),
+        ("mixtral", dict(hidden_act="gelu"), "hidden_act='gelu'"),
     ],
 )
 def test_what_is_not_honoured_is_refused_by_name(kind, changes, named) -> None:
@@ -68,10 +70,74 @@ def test_any_field_off_its_default_that_no_family_reads_is_refused() -> None:
     ModelConfig.from_hf(unknown)
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "gemma3n_text"])
-def test_mixture_of_experts_and_other_types_are_refused_by_name(model_type: str) -> None:
+@pytest.mark.parametrize("model_type", ["gemma3n_text", "dbrx"])
+def test_other_types_are_refused_by_name(model_type: str) -> None:
     with pytest.raises(UnsupportedModelError, match=f"model type '{model_type}' is not supported"):
         ModelConfig.from_hf(AutoConfig.for_model(model_type))
+
+
+@pytest.mark.parametrize(
+    ("model_type", "why"),
+    [
+        ("deepseek_v2", "multi-head latent attention"),
+        ("deepseek_v3", "multi-head latent attention"),
+        ("gpt_oss", "attention sinks"),
+    ],
+)
+def test_unimplemented_mixtures_of_experts_are_refused_in_one_line(model_type, why) -> None:
+    one_line = rf"^model type '{model_type}' is not supported: [^\n]*{why}[^\n]*olmoe$"
+    with pytest.raises(UnsupportedModelError, match=one_line):
+        ModelConfig.from_hf(AutoConfig.for_model(model_type))
+
+
+def test_mixture_of_experts_families_read_their_fields() -> None:
+    mixtral = ModelConfig.from_hf(hf_config("mixtral"))
+    assert (mixtral.num_experts, mixtral.num_experts_per_tok) == (8, 2)
+    assert mixtral.moe_intermediate_size == 48 and mixtral.norm_topk_prob
+    assert mixtral.dense_layers == () and mixtral.shared_expert_intermediate_size == 0
+    qwen2 = ModelConfig.from_hf(hf_config("qwen2_moe"))
+    assert (qwen2.moe_intermediate_size, qwen2.shared_expert_intermediate_size) == (32, 48)
+    assert qwen2.dense_layers == (1,) and qwen2.qkv_bias and not qwen2.norm_topk_prob
+    assert [qwen2.is_moe_layer(i) for i in range(3)] == [True, False, True]
+    qwen3 = ModelConfig.from_hf(hf_config("qwen3_moe"))
+    assert qwen3.dense_layers == (0, 2) and qwen3.norm_topk_prob and qwen3.head_dim == 32
+    both = ModelConfig.from_hf(hf_config("qwen3_moe", mlp_only_layers=[1]))
+    assert both.dense_layers == (0, 1, 2)
+    olmoe = ModelConfig.from_hf(hf_config("olmoe"))
+    assert (olmoe.num_experts, olmoe.moe_intermediate_size, olmoe.norm_topk_prob) == (8, 40, False)
+
+
+def test_mixture_of_experts_tensor_names() -> None:
+    """Per-expert names (transformers' save_pretrained, Mixtral's w1/w3/w2) and stacked ones
+    (transformers 5 in memory) map to the layer's local names; dense layers keep the MLP's."""
+    mixtral = build_model(ModelConfig.from_hf(hf_config("mixtral")))
+    qwen2 = build_model(ModelConfig.from_hf(hf_config("qwen2_moe")))
+    for model, name, want in [
+        (mixtral, "model.layers.0.block_sparse_moe.gate.weight", (1, "router.weight")),
+        (
+            mixtral,
+            "model.layers.2.block_sparse_moe.experts.7.w1.weight",
+            (3, "experts.7.gate.weight"),
+        ),
+        (
+            mixtral,
+            "model.layers.0.block_sparse_moe.experts.0.w3.weight",
+            (1, "experts.0.up.weight"),
+        ),
+        (
+            mixtral,
+            "model.layers.0.block_sparse_moe.experts.0.w2.weight",
+            (1, "experts.0.down.weight"),
+        ),
+        (mixtral, "model.layers.1.mlp.experts.gate_up_proj", (2, "experts.gate_up_proj")),
+        (mixtral, "model.layers.1.mlp.experts.down_proj", (2, "experts.down_proj")),
+        (qwen2, "model.layers.0.mlp.experts.3.gate_proj.weight", (1, "experts.3.gate.weight")),
+        (qwen2, "model.layers.0.mlp.shared_expert.up_proj.weight", (1, "shared.up.weight")),
+        (qwen2, "model.layers.0.mlp.shared_expert_gate.weight", (1, "shared_gate.weight")),
+        (qwen2, "model.layers.1.mlp.gate_proj.weight", (2, "gate.weight")),
+        (qwen2, "model.layers.0.mlp.experts.3.unknown.weight", None),
+    ]:
+        assert model.map_name(name) == want, name
 
 
 def test_a_gemma3_vision_checkpoint_reads_as_its_language_model() -> None:

@@ -1,0 +1,167 @@
+"""Mixture-of-experts layers (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE): the Llama layer whose MLP
+routes each token to its top-k experts, computed as one GEMM pair per expert over all the rows
+routed to it.
+
+A MoE layer's `Weights` hold the router and each routed expert as its own tensors, so that an
+expert can be placed, moved and compressed alone:
+
+    router.weight               (num_experts, hidden)      kept in full precision
+    experts.<e>.gate_up.weight  (2 * moe_intermediate, hidden), gate rows then up rows
+    experts.<e>.down.weight     (hidden, moe_intermediate)
+    shared.gate_up.weight       Qwen2-MoE's shared expert, every token through it
+    shared.down.weight
+    shared_gate.weight          (1, hidden), its sigmoid gate, kept in full precision
+
+Checkpoints name experts one by one (`mlp.experts.<e>.gate_proj`, Mixtral's
+`block_sparse_moe.experts.<e>.w1/w3/w2`) or stacked as transformers 5 holds them in memory
+(`mlp.experts.gate_up_proj` (E, 2I, H), `mlp.experts.down_proj` (E, H, I)); `fuse` makes both
+the layout above. A layer without a router (Qwen's `mlp_only_layers`) has the dense MLP.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from engine.models.base import Weights, linear
+from engine.models.llama import LAYER_NAME, LlamaModel, swiglu
+from engine.models.qwen3 import Qwen3Model
+
+MOE_MODULE = re.compile(r"^(?:mlp|block_sparse_moe)\.(.+)$")
+"""A decoder layer's MLP tensor (module.param after the layer prefix): group 1, the rest."""
+EXPERT_TENSOR = re.compile(r"^(experts\.\d+|shared_expert)\.(\w+)\.weight$")
+"""One expert's projection: groups (expert module, projection)."""
+EXPERT_PROJECTIONS = {
+    "gate_proj": "gate",
+    "up_proj": "up",
+    "down_proj": "down",
+    "w1": "gate",  # Mixtral's names
+    "w3": "up",
+    "w2": "down",
+}
+MOE_TENSORS = {
+    "gate.weight": "router.weight",
+    "shared_expert_gate.weight": "shared_gate.weight",
+    "experts.gate_up_proj": "experts.gate_up_proj",
+    "experts.down_proj": "experts.down_proj",
+}
+"""The MLP's other tensors -> local names (the last two stacked over experts, split by `fuse`)."""
+STACKED = {"experts.gate_up_proj": "gate_up", "experts.down_proj": "down"}
+"""Stacked (E, out, in) tensors -> each expert's projection."""
+FULL_PRECISION = frozenset({"router.weight", "shared_gate.weight"})
+"""Routing weights never compressed: a 4-bit error flips which experts a token picks, and
+they are a few rows beside each expert's matrices."""
+
+
+def expert_prefix(e: int) -> str:
+    """Expert e's tensors are named `<prefix>gate_up.weight` and `<prefix>down.weight`."""
+    return f"experts.{e}."
+
+
+def moe_local_name(module_param: str) -> str | None:
+    """A decoder layer's 'module.param' -> its local MoE name, or None if not a MoE tensor."""
+    match = MOE_MODULE.match(module_param)
+    if match is None:
+        return None
+    rest = match.group(1)
+    if rest in MOE_TENSORS:
+        return MOE_TENSORS[rest]
+    expert = EXPERT_TENSOR.match(rest)
+    if expert is None or expert.group(2) not in EXPERT_PROJECTIONS:
+        return None
+    module = "shared" if expert.group(1) == "shared_expert" else expert.group(1)
+    return f"{module}.{EXPERT_PROJECTIONS[expert.group(2)]}.weight"
+
+
+def route(logits: torch.Tensor, top_k: int, renormalise: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits (T, num_experts) -> (weights, expert ids), each (T, top_k) in
+    `torch.topk`'s order (largest first; ties as topk breaks them): softmax in float32, the
+    top k, renormalised to sum to 1 if asked. Weights stay float32."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalise:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+class MoeModel(LlamaModel):
+    """Qwen2-MoE, and the base of the other families: router weights cast to the model's dtype
+    before they scale the experts' outputs."""
+
+    ROUTER_WEIGHTS_F32 = False
+    """Mixtral scales the experts' outputs by float32 router weights (then casts back)."""
+    can_capture = False
+    """The routing decides each step which experts run over how many rows (read back to the
+    host), which a CUDA graph cannot replay."""
+
+    def map_name(self, hf_name: str) -> tuple[int, str] | None:
+        match = LAYER_NAME.match(hf_name.removeprefix("model."))
+        local = None if match is None else moe_local_name(match.group(2))
+        if match is not None and local is not None:
+            return int(match.group(1)) + 1, local
+        return super().map_name(hf_name)
+
+    def fuse(self, values: Weights) -> Weights:
+        """Stacked experts split into one tensor set per expert (each its own storage), then
+        every gate and up projection fused (`Model.fuse`)."""
+        out = dict(values)
+        for stacked, projection in STACKED.items():
+            if stacked in out:
+                for e, tensor in enumerate(out.pop(stacked).unbind(0)):
+                    out[f"{expert_prefix(e)}{projection}.weight"] = tensor.clone()
+        return super().fuse(out)
+
+    def is_compressible(self, j: int, name: str, tensor: torch.Tensor) -> bool:
+        return name not in FULL_PRECISION and super().is_compressible(j, name, tensor)
+
+    def mlp(self, w: Weights, x: torch.Tensor) -> torch.Tensor:
+        if "router.weight" not in w:
+            return super().mlp(w, x)  # a dense layer
+        c = self.config
+        weights, ids = route(linear(x, w, "router"), c.num_experts_per_tok, c.norm_topk_prob)
+        if not self.ROUTER_WEIGHTS_F32:
+            weights = weights.to(x.dtype)
+        out = self.experts(w, x, weights, ids)
+        if "shared_gate.weight" in w:
+            shared = swiglu(self.ops, w, x, "shared.")
+            out = out + torch.sigmoid(linear(x, w, "shared_gate")) * shared
+        return out
+
+    def experts(
+        self, w: Weights, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+    ) -> torch.Tensor:
+        """sum over each token's k experts of weight * expert(x), (T, hidden). The T * k
+        (token, expert) pairs are sorted by expert, so each expert with tokens runs once, as
+        one GEMM pair over all its rows; the results scaled and added back per token, in
+        expert order (as transformers adds them)."""
+        num_slots = ids.shape[1]
+        flat = ids.flatten()  # (T * k,) the expert of each (token, slot)
+        order = torch.argsort(flat, stable=True)  # slots grouped by expert, tokens in order
+        rows = order // num_slots  # (T * k,) each grouped slot's token row
+        counts = torch.bincount(flat, minlength=self.config.num_experts).tolist()
+        grouped = x[rows]  # (T * k, hidden)
+        out = torch.empty_like(grouped)
+        start = 0
+        for e, count in enumerate(counts):
+            if count:
+                end = start + count
+                out[start:end] = swiglu(self.ops, w, grouped[start:end], expert_prefix(e))
+                start = end
+        scaled = (out * weights.flatten()[order, None]).to(x.dtype)
+        return torch.zeros_like(x).index_add_(0, rows, scaled)
+
+
+class MixtralModel(MoeModel):
+    """Mixtral: top-2 of 8 experts, always renormalised (the config reader says so)."""
+
+    ROUTER_WEIGHTS_F32 = True
+
+
+class Qwen3MoeModel(MoeModel, Qwen3Model):
+    """Qwen3-MoE: Qwen 3's per-head q/k norms, many small experts."""
+
+
+class OlmoeModel(MoeModel, Qwen3Model):
+    """OLMoE: RMSNorms over the whole q and k projections, Llama-style (cast, then scale).
+    Qwen 3's `norm_qk` reads each norm's width from its weight, which here spans all heads."""

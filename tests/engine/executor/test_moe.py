@@ -1,0 +1,279 @@
+"""Mixture-of-experts models (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE): greedy tokens equal
+transformers' under every weight placement, nano-batches and the prefix cache; logits equal its
+full forward pass; 4-bit experts within a stated tolerance; the router's top-k and
+renormalisation as transformers computes them, ties included; both checkpoint layouts of the
+experts (one tensor set per expert, transformers 5's stacked tensors)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from engine.executor.executor import Executor
+from engine.models.moe import route
+from engine.storage.quant import QuantizedTensor
+from policy import Policy
+from tests.engine.executor.test_correctness import PLACEMENTS, run
+from tests.engine.executor.test_family_features import (
+    _prompts,
+    _score,
+    assert_four_bit_within_tolerance,
+)
+from tests.engine.executor.test_nano_batches import SHAPE
+from tests.engine.executor.test_nano_batches import run as run_nano
+from tests.engine.executor.test_prefix_caching import generate_one_by_one, prompts_sharing
+from tests.engine.tiny_models import (
+    MAX_TOKENS,
+    MOE_FAMILIES,
+    TINY_CONFIGS,
+    build_from_spec,
+    hf_greedy,
+    random_prompts,
+)
+
+MOE_PLACEMENTS = {
+    "all-on-device": {},
+    "weights-cpu": dict(weights_frac=(0.0, 1.0, 0.0)),
+    "weights-disk": dict(weights_frac=(0.0, 0.0, 1.0)),
+}
+SLOW_PLACEMENTS = ("weights-split-3", "three-gpu-batches", "kv-act-mixed")
+"""Placements of the dense families' tests also run here under `-m slow` (the MoE layer reads
+nothing of the KV or the batch shape: it sees each GPU batch's rows)."""
+
+
+def _placements() -> list[object]:
+    slow = [pytest.param(p, marks=pytest.mark.slow) for p in SLOW_PLACEMENTS]
+    return [*MOE_PLACEMENTS, *slow]
+
+
+@pytest.mark.parametrize("placement", _placements())
+@pytest.mark.parametrize("kind", MOE_FAMILIES)
+def test_moe_matches_transformers(tiny_model, references, tmp_path, kind, placement):
+    prompts, expected = references(kind)
+    policy = Policy(**{**MOE_PLACEMENTS, **PLACEMENTS}[placement])  # type: ignore[arg-type]
+    assert run(tiny_model(kind), prompts, policy, tmp_path) == expected
+
+
+@pytest.mark.parametrize("kind", MOE_FAMILIES)
+def test_moe_with_nano_batches(tiny_model, references, tmp_path, kind):
+    prompts, expected = references(kind)
+    policy = Policy(**SHAPE, weights_frac=(0.0, 0.5, 0.5), num_nano_batches=4)
+    tokens, layers_run = run_nano(tiny_model(kind), prompts, policy, tmp_path)
+    assert tokens == expected and layers_run > 0
+
+
+@pytest.mark.parametrize("kind", MOE_FAMILIES)
+def test_moe_with_prefix_cache(tiny_model, kind):
+    from engine import LLM
+
+    model = tiny_model(kind)
+    prompts = prompts_sharing(kind)
+    with LLM(str(model), policy=Policy(), device="cpu", enable_prefix_caching=True) as llm:
+        results = generate_one_by_one(llm, prompts)
+    assert [tokens for tokens, _ in results] == [hf_greedy(model, p, 6) for p in prompts]
+    assert all(hits >= 32 for _, hits in results[1:])  # the shared prefix was read back
+
+
+@pytest.mark.parametrize("kind", MOE_FAMILIES)
+def test_routing_varies_and_logits_equal_transformers(tiny_model, kind):
+    """Teacher-forced: transformers' forward pass over each sequence against our prefill of 12
+    tokens and one decode per token after. In every MoE layer the tokens of each prompt pick at
+    least 4 different expert sets (13-29 in the first layers; later ones of a random model route
+    more alike), so the test would see a wrong expert, order or weight."""
+    from transformers import AutoModelForCausalLM
+
+    prompts = _prompts(kind)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model(kind), dtype=torch.float32)
+    top_k = model.config.num_experts_per_tok
+    ours = _score(tiny_model(kind), prompts)
+    for prompt, got in zip(prompts, ours, strict=True):
+        with torch.no_grad():
+            out = model(torch.tensor([prompt]), output_router_logits=True)
+        torch.testing.assert_close(got, out.logits[0], rtol=0, atol=2e-5)
+        for logits in out.router_logits:  # (T, num_experts) per MoE layer
+            chosen = {tuple(sorted(row)) for row in logits.topk(top_k).indices.tolist()}
+            assert len(chosen) >= 4
+
+
+@pytest.mark.parametrize(
+    "compressed", ["weights", pytest.param("kv", marks=pytest.mark.slow)]
+)  # 4-bit KV is the dense families' code path, tested there
+@pytest.mark.parametrize("kind", MOE_FAMILIES)
+def test_four_bit_within_tolerance(tiny_model, kind, compressed):
+    """4-bit weights (every expert's matrices; the router's kept) or KV: the mean KL divergence
+    of the next-token distribution from the float32 path per position stays within the dense
+    families' bounds (docs/compression.md gives the measured figures)."""
+    assert_four_bit_within_tolerance(tiny_model(kind), kind, compressed)
+
+
+def test_each_expert_is_its_own_tensor_set_and_compressed(tiny_model):
+    """A MoE layer's weights: the router (full precision), then per expert a fused gate_up and
+    a down matrix of its own, each 4-bit under compression; Qwen2-MoE's shared expert beside
+    them and its dense layer (mlp_only_layers) without a router."""
+    policy = Policy(compress_weights=True)
+    executor = Executor(str(tiny_model("qwen2_moe")), policy, device="cpu")
+    try:
+        layers = executor.weights.layers
+        sparse, dense = layers[1].values, layers[2].values
+        assert isinstance(sparse["router.weight"], torch.Tensor)
+        assert isinstance(sparse["shared_gate.weight"], torch.Tensor)
+        for e in range(8):
+            gate_up = sparse[f"experts.{e}.gate_up.weight"]
+            down = sparse[f"experts.{e}.down.weight"]
+            assert isinstance(gate_up, QuantizedTensor) and gate_up.shape == (64, 64)
+            assert isinstance(down, QuantizedTensor) and down.shape == (64, 32)
+        assert isinstance(sparse["shared.gate_up.weight"], QuantizedTensor)
+        assert "router.weight" not in dense and "gate_up.weight" in dense
+        assert not executor.model.can_capture  # routing picks each step's shapes: no CUDA graphs
+    finally:
+        executor.close()
+
+
+def test_stacked_experts_checkpoint(tiny_model, references, tmp_path):
+    """transformers 5 holds experts stacked (`mlp.experts.gate_up_proj` (E, 2I, H)); a checkpoint
+    saved that way loads to the same tokens as the one saved per expert."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    source = tiny_model("qwen3_moe")
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    stacked = tmp_path / "stacked"
+    stacked.mkdir()
+    shutil.copy(source / "config.json", stacked / "config.json")
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    assert any(k.endswith("mlp.experts.gate_up_proj") for k in state)
+    save_file(state, str(stacked / "model.safetensors"))
+    prompts, expected = references("qwen3_moe")
+    assert run(stacked, prompts, Policy(weights_frac=(0.0, 0.5, 0.5)), tmp_path) == expected
+
+
+def test_router_top_k_and_ties_match_transformers():
+    """Near-ties: experts 1 and 5 have the same router row (equal logits, topk keeps the order
+    torch gives), experts 2 and 6 rows one float32 step apart; our weights and ids equal
+    transformers' routers' (Mixtral: always renormalised; Qwen3-MoE with and without)."""
+    from transformers import AutoConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+
+    torch.manual_seed(0)
+    hidden, num_experts = 16, 8
+    weight = torch.randn(num_experts, hidden)
+    weight[5] = weight[1]
+    weight[6] = torch.nextafter(weight[2], weight[2] + 1)
+    x = torch.randn(64, hidden)
+    x[:32] = weight[1] * 3  # rows that favour the tied pair
+    logits = torch.nn.functional.linear(x, weight)
+    assert torch.equal(logits[:, 1], logits[:, 5])
+    routers = [("mixtral", 2, True), ("qwen3_moe", 3, True), ("qwen3_moe", 2, False)]
+    for name, top_k, norm in routers:
+        config = AutoConfig.for_model(
+            name,
+            hidden_size=hidden,
+            num_local_experts=num_experts,
+            num_experts=num_experts,
+            num_experts_per_tok=top_k,
+            norm_topk_prob=norm,
+        )
+        router = (MixtralTopKRouter if name == "mixtral" else Qwen3MoeTopKRouter)(config)
+        with torch.no_grad():
+            router.weight.copy_(weight)
+            _, want_weights, want_ids = router(x)
+        got_weights, got_ids = route(logits, top_k, norm)
+        assert torch.equal(got_ids, want_ids)
+        assert torch.equal(got_weights, want_weights)
+        assert torch.allclose(got_weights.sum(-1), torch.ones(64)) == norm
+
+
+@pytest.mark.parametrize(
+    ("kind", "field", "value"),
+    [
+        ("mixtral", "num_experts_per_tok", 1),
+        ("qwen2_moe", "norm_topk_prob", True),
+        ("qwen3_moe", "norm_topk_prob", False),
+        ("olmoe", "num_experts_per_tok", 3),
+    ],
+)
+def test_each_routing_setting_changes_transformers_tokens(
+    tiny_model, references, tmp_path, kind, field, value
+):
+    """The settings the model reads change transformers' own tokens on the test prompts, so the
+    greedy tests above would catch one ignored."""
+    prompts, expected = references(kind)
+    changed = tmp_path / "changed"
+    shutil.copytree(tiny_model(kind), changed)
+    config = json.loads((changed / "config.json").read_text())
+    config[field] = value
+    (changed / "config.json").write_text(json.dumps(config))
+    theirs = [hf_greedy(changed, p, MAX_TOKENS) for p in prompts]
+    assert theirs != expected
+    assert run(changed, prompts, Policy(), tmp_path) == theirs
+
+
+@pytest.mark.parametrize("kind", MOE_FAMILIES)
+def test_moe_gguf_generates_what_transformers_generates(tmp_path, monkeypatch, kind):
+    """A float GGUF written as llama.cpp writes each family (experts stacked per layer; Mixtral
+    as a `llama` file, its q/k rows permuted) converts back to the checkpoint it came from:
+    greedy tokens equal transformers' on that checkpoint. Every layer sparse: llama.cpp's
+    Qwen-MoE files have no dense layers."""
+    from engine import LLM, SamplingParams
+    from tests.engine.loading.gguf_files import write_gguf
+
+    monkeypatch.setenv("NANOFLEX_CACHE", str(tmp_path / "cache"))
+    spec = dict(TINY_CONFIGS[kind])
+    if kind.startswith("qwen"):
+        spec.update(mlp_only_layers=[], decoder_sparse_step=1)
+    checkpoint = build_from_spec(spec, tmp_path / "hf")
+    path = write_gguf(checkpoint, tmp_path / f"{kind}.gguf")
+    prompts = random_prompts(2, int(spec["vocab_size"]), 6, 20, seed=3)  # type: ignore[call-overload]
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    policy = Policy(weights_frac=(0.0, 0.5, 0.5))
+    with LLM(str(path), policy=policy, device="cpu", offload_dir=tmp_path / "off") as llm:
+        got = [out.outputs[0].token_ids for out in llm.generate(prompts, params)]
+    assert got == [hf_greedy(checkpoint, p, MAX_TOKENS) for p in prompts]
+
+
+def test_each_active_expert_runs_once_over_all_its_rows(monkeypatch):
+    """Grouped, not per token: a MoE layer runs one SwiGLU (a gate_up and a down GEMM) per
+    expert that has rows, over all of them at once, and none for the others; the result is
+    each row's weighted sum over its experts, as a loop over rows computes it."""
+    from transformers import AutoConfig
+
+    from engine.models import build_model, moe
+    from engine.models.config import ModelConfig
+
+    spec = dict(TINY_CONFIGS["qwen3_moe"])
+    config = ModelConfig.from_hf(AutoConfig.for_model(spec.pop("model_type"), **spec))
+    model = build_model(config)
+    hidden, width = config.hidden_size, config.moe_intermediate_size
+    torch.manual_seed(0)
+    w = {"router.weight": torch.randn(config.num_experts, hidden)}
+    for e in range(config.num_experts):
+        w[f"experts.{e}.gate_up.weight"] = torch.randn(2 * width, hidden) * 0.1
+        w[f"experts.{e}.down.weight"] = torch.randn(hidden, width) * 0.1
+    x = torch.randn(10, hidden)
+    runs: list[tuple[str, int]] = []
+    real = moe.swiglu
+
+    def counted(ops, weights, rows, prefix=""):
+        runs.append((prefix, rows.shape[0]))
+        return real(ops, weights, rows, prefix)
+
+    monkeypatch.setattr(moe, "swiglu", counted)
+    got = model.mlp(w, x)
+    weights, ids = route(torch.nn.functional.linear(x, w["router.weight"]), 4, True)
+    per_expert = torch.bincount(ids.flatten(), minlength=config.num_experts).tolist()
+    assert runs == [(f"experts.{e}.", n) for e, n in enumerate(per_expert) if n]
+    assert len(runs) < x.shape[0] * 4  # experts shared by rows ran once for all of them
+    want = torch.stack(
+        [
+            sum(
+                weights[t, j] * real(model.ops, w, x[t : t + 1], f"experts.{int(e)}.")[0]
+                for j, e in enumerate(ids[t])
+            )
+            for t in range(x.shape[0])
+        ]
+    )
+    torch.testing.assert_close(got, want)
