@@ -32,12 +32,14 @@ def derive_budgets(
     cpu_mem: int | None,
     disk_mem: int | None,
     policy: Policy,
+    moe: bool = False,
 ) -> dict[str, int]:
     """Each tier's byte budget: as given, else derived from the machine so that KV
     admission is never unbounded: the device's free memory (on CUDA), a share of the
     available RAM, a share of the free disk under the offload directory. On a CPU-only box
     the "gpu" tier is host memory too: the two memory tiers split one RAM share in
-    proportion to how much of the weights, KV and activations the policy puts on each."""
+    proportion to how much of the weights, KV and activations (and, for a MoE model, `moe`,
+    the routed experts) the policy puts on each."""
     import psutil
 
     ram = int(psutil.virtual_memory().available * RAM_SHARE)
@@ -45,7 +47,9 @@ def derive_budgets(
         free, _ = torch.cuda.mem_get_info(device.device)
         derived_gpu, derived_cpu = int(free * DEVICE_SHARE), ram
     else:
-        fracs = (policy.weights_frac, policy.kv_frac, policy.act_frac)
+        fracs = [policy.weights_frac, policy.kv_frac, policy.act_frac]
+        if moe:
+            fracs.append(policy.experts_frac)
         on_gpu, on_cpu = sum(f[0] for f in fracs), sum(f[1] for f in fracs)
         derived_gpu = int(ram * on_gpu / (on_gpu + on_cpu)) if on_gpu + on_cpu else ram // 2
         derived_cpu = ram - derived_gpu

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import shutil
 import sys
@@ -117,6 +118,11 @@ class Executor:
         hf_config = read_hf_config(self.model_dir)
         self.config = ModelConfig.from_hf(hf_config)
         self.model = build_model(self.config)
+        if policy.cpu_experts and self.config.is_moe:
+            logging.getLogger("nanoflex.engine").warning(
+                "cpu_experts: computing CPU-homed experts on the CPU is not implemented yet; "
+                "every expert runs on the compute device"
+            )
         native = native_kernels and not self.device.is_cuda
         if native:
             self.model.dense_ops = dense_ops()
@@ -130,7 +136,13 @@ class Executor:
             None if self._own_offload_dir else lock_offload_dir(self.offload_dir)
         )
         self.budgets = derive_budgets(
-            self.device, self.offload_dir, gpu_mem, cpu_mem, disk_mem, policy
+            self.device,
+            self.offload_dir,
+            gpu_mem,
+            cpu_mem,
+            disk_mem,
+            policy,
+            moe=self.model.config.is_moe,
         )
         """Byte budget per tier, given or derived from the machine (see _budgets)."""
         if show_progress or None in (gpu_mem, cpu_mem, disk_mem):
@@ -150,6 +162,7 @@ class Executor:
             self.model,
             open_reader(self.model_dir),
             weights_frac=policy.weights_frac,
+            experts_frac=policy.experts_frac,
             compress=policy.compress_weights,
             dtype=self.dtype,
             device=self.device,

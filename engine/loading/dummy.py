@@ -91,9 +91,31 @@ def _config_from_spec(spec: Any) -> dict[str, Any]:
             config = LlamaConfig(**shape, attention_bias=spec.qkv_bias)
         else:
             window = {"sliding_window": spec.sliding_window} if spec.num_local_layers else {}
-            config = AutoConfig.for_model(spec.model_type, pad_token_id=0, **shape, **window)
+            experts = _moe_fields(spec)
+            if spec.num_experts and spec.model_type in ("mixtral", "olmoe"):
+                shape["intermediate_size"] = spec.moe_intermediate_size  # their experts' width
+            config = AutoConfig.for_model(
+                spec.model_type, pad_token_id=0, **shape, **window, **experts
+            )
     config.architectures = [type(config).__name__.replace("Config", "ForCausalLM")]
     return dict(config.to_dict())
+
+
+def _moe_fields(spec: Any) -> dict[str, Any]:
+    """A MoE shape's expert fields in its family's config names (none for a dense model)."""
+    if not spec.num_experts:
+        return {}
+    fields: dict[str, Any] = {"num_experts_per_tok": spec.num_experts_per_tok}
+    if spec.model_type == "mixtral":
+        return {**fields, "num_local_experts": spec.num_experts}
+    fields["num_experts"] = spec.num_experts
+    if spec.model_type in ("qwen2_moe", "qwen3_moe"):
+        dense = [j for j in range(spec.num_layers) if j not in spec.moe_layer_ids]
+        fields |= {"moe_intermediate_size": spec.moe_intermediate_size}
+        fields |= {"decoder_sparse_step": 1, "mlp_only_layers": dense}
+        if spec.model_type == "qwen2_moe":
+            fields["shared_expert_intermediate_size"] = spec.shared_expert_intermediate_size
+    return fields
 
 
 def dummy_model_dir(name: str, seed: int = DEFAULT_SEED) -> Path:

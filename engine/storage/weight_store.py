@@ -76,6 +76,27 @@ def assign_tiers(sizes: list[int], fracs: tuple[float, float, float]) -> list[st
     return tiers
 
 
+EXPERTS_PREFIX = "experts."
+"""A MoE layer's routed experts (engine/models/moe.py): `experts.<e>.gate_up.weight`, ..."""
+
+
+def layer_fracs(
+    weights_frac: tuple[float, float, float],
+    experts_frac: tuple[float, float, float] | None,
+    expert_bytes: int,
+    total_bytes: int,
+) -> tuple[float, float, float]:
+    """The split of whole layers across tiers that homes the bytes the policy asks for: its
+    weights_frac of the non-expert bytes plus, for a MoE model, its experts_frac of the routed
+    experts' bytes (experts move with their layer: placing each expert on its own tier is not
+    done yet, so a layer's experts share its tier)."""
+    if experts_frac is None or not expert_bytes or not total_bytes:
+        return weights_frac
+    share = expert_bytes / total_bytes
+    mixed = [(1 - share) * w + share * e for w, e in zip(weights_frac, experts_frac, strict=True)]
+    return (mixed[0], mixed[1], mixed[2])
+
+
 class WeightStore:
     """Reads a checkpoint layer by layer, casts, optionally compresses, and homes each layer."""
 
@@ -85,6 +106,7 @@ class WeightStore:
         reader: TensorReader,
         *,
         weights_frac: tuple[float, float, float],
+        experts_frac: tuple[float, float, float] | None = None,
         compress: bool,
         dtype: torch.dtype,
         device: Device,
@@ -116,7 +138,15 @@ class WeightStore:
         sizes = [
             sum(reader.numel(n) for n in names.values()) * dtype.itemsize for names in by_layer
         ]
-        self.tiers = assign_tiers(sizes, weights_frac)
+        expert_bytes = sum(
+            reader.numel(n) * dtype.itemsize
+            for names in by_layer
+            for name, n in names.items()
+            if name.startswith(EXPERTS_PREFIX)
+        )
+        self.tiers = assign_tiers(
+            sizes, layer_fracs(weights_frac, experts_frac, expert_bytes, sum(sizes))
+        )
         self._sizes, self._by_layer = sizes, by_layer
         self.layers: list[StoredLayer] = []
         self._staging: queue.Queue[torch.Tensor] = queue.Queue()

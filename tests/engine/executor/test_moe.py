@@ -38,6 +38,7 @@ MOE_PLACEMENTS = {
     "all-on-device": {},
     "weights-cpu": dict(weights_frac=(0.0, 1.0, 0.0)),
     "weights-disk": dict(weights_frac=(0.0, 0.0, 1.0)),
+    "experts-cpu": dict(experts_frac=(0.0, 1.0, 0.0)),  # the policy's expert split
 }
 SLOW_PLACEMENTS = ("weights-split-3", "three-gpu-batches", "kv-act-mixed")
 """Placements of the dense families' tests also run here under `-m slow` (the MoE layer reads
@@ -277,3 +278,32 @@ def test_each_active_expert_runs_once_over_all_its_rows(monkeypatch):
         ]
     )
     torch.testing.assert_close(got, want)
+
+
+def test_layers_are_split_to_home_the_experts_where_the_policy_says(tiny_model):
+    """Experts move with their layer: the layers' split across tiers homes weights_frac of the
+    other bytes plus experts_frac of the routed experts' bytes, to layer granularity."""
+    budgets = dict(gpu_mem=1 << 30, cpu_mem=1 << 30)
+    placed = {}
+    for name, experts_frac in [("gpu", (1.0, 0.0, 0.0)), ("cpu", (0.0, 1.0, 0.0))]:
+        policy = Policy(weights_frac=(1.0, 0.0, 0.0), experts_frac=experts_frac)
+        executor = Executor(str(tiny_model("mixtral")), policy, device="cpu", **budgets)
+        try:
+            store = executor.weights
+            planned = store.planned_bytes()
+            experts = sum(
+                store.reader.numel(n)
+                for layer in store._by_layer
+                for k, n in layer.items()
+                if k.startswith("experts.")
+            )
+            placed[name] = (planned, experts * store.dtype.itemsize)
+        finally:
+            executor.close()
+    (on_gpu, _), (split, expert_bytes) = placed["gpu"], placed["cpu"]
+    assert on_gpu["cpu"] == 0
+    total = sum(split.values())
+    # the cpu tier holds about the experts' share: within one layer of it
+    largest_layer = max(executor.weights._sizes)
+    assert abs(split["cpu"] - expert_bytes) <= largest_layer and split["gpu"] > 0
+    assert expert_bytes > total / 2  # the experts are most of a MoE model's bytes

@@ -125,3 +125,27 @@ def test_torch_free_resolution_builds_in_a_child(tmp_path):
     assert local_model_dir("dummy:opt-125m") == model_dir
     with pytest.raises(ModelLoadError, match="built-in model name"):
         resolve_model_dir("dummy:facebook/opt-7b")  # the child's error, in one line
+
+
+def test_moe_shapes_carry_their_experts() -> None:
+    """`dummy:` MoE shapes: the config says how many experts, how many a token picks and their
+    width (the engine reads them back into the same shape), and the small one generates."""
+    from transformers import AutoConfig
+
+    from engine.loading.dummy import hf_config_dict
+    from engine.models.config import ModelConfig
+
+    for name in ("mixtral-8x7b", "qwen3-30b-a3b", "tiny-mixtral"):
+        spec = builtin_spec(name)
+        assert spec is not None
+        fields = hf_config_dict(name)
+        config = ModelConfig.from_hf(AutoConfig.for_model(**fields))
+        assert (config.num_experts, config.num_experts_per_tok) == (
+            spec.num_experts,
+            spec.num_experts_per_tok,
+        )
+        assert config.moe_intermediate_size == spec.moe_intermediate_size
+        assert not config.dense_layers
+    with LLM("dummy:tiny-mixtral", device="cpu") as llm:
+        params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        assert len(llm.generate([[1, 2, 3, 4]], params)[0].outputs[0].token_ids) == 4
