@@ -307,3 +307,33 @@ def test_layers_are_split_to_home_the_experts_where_the_policy_says(tiny_model):
     largest_layer = max(executor.weights._sizes)
     assert abs(split["cpu"] - expert_bytes) <= largest_layer and split["gpu"] > 0
     assert expert_bytes > total / 2  # the experts are most of a MoE model's bytes
+
+
+def test_expert_weights_load_once_per_block_and_layer_beside_compute(
+    tiny_model, references, tmp_path
+):
+    """Weights on disk, three GPU batches: each layer's weights, its experts with them, are
+    loaded once per step for the whole block (never per GPU batch), and with overlap on the
+    next layer's load runs while this layer computes (the trace; none with it off); tokens
+    as transformers'."""
+    from engine import LLM, SamplingParams
+    from tests.engine.executor.test_trace_overlap import overlapping
+
+    prompts, expected = references("mixtral")
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    hits = {}
+    for overlap in (True, False):
+        path = tmp_path / f"trace-{overlap}.json"
+        policy = Policy(
+            weights_frac=(0.0, 0.0, 1.0), gpu_batch_size=2, num_gpu_batches=3, overlap=overlap
+        )
+        with LLM(str(tiny_model("mixtral")), policy=policy, device="cpu", trace=str(path)) as llm:
+            assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
+        events = [e for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "X"]
+        for j in {e["args"]["layer"] for e in events if e["cat"] == "compute"}:
+            loads = sum(e["name"] == "load_weight" and e["args"]["layer"] == j for e in events)
+            computes = sum(e["cat"] == "compute" and e["args"]["layer"] == j for e in events)
+            assert loads > 0 and computes == 3 * loads, (j, loads, computes)
+        hits[overlap], total = overlapping(events, "load_weight")
+        assert total > 10
+    assert hits[True] > 0 and hits[False] == 0, hits
