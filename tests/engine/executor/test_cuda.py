@@ -206,7 +206,11 @@ def test_cuda_trace_shows_nano_batches_overlapping(tmp_path, placement, attentio
     path = tmp_path / "trace.json"
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     policy = Policy(num_nano_batches=2, **placement)  # type: ignore[arg-type]
-    with LLM(str(model), policy=policy, device="cuda", trace=str(path)) as llm:
+    # every prefill in one step: a step that holds one sequence's prefill chunk alone is not
+    # cut into nano-batches, and its CPU attention runs on the step thread (seen on the
+    # first H100 run; reproduced on the CPU with planning ahead)
+    steps = {"max_step_tokens": 16384} if attention == "cpu_attention" else {}
+    with LLM(str(model), policy=policy, device="cuda", trace=str(path), **steps) as llm:
         llm.generate(prompts, params)
     events = json.loads(path.read_text())["traceEvents"]
     tracks = {e["tid"]: e["args"]["name"] for e in events if e["ph"] == "M"}
