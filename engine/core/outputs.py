@@ -150,22 +150,6 @@ class ChoiceAccumulator:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def as_delta(self, request_id: str) -> SequenceDelta:
-        """Everything so far as one delta (what a caller that does not stream gets, once)."""
-        return SequenceDelta(
-            request_id,
-            self.token_ids,
-            self.text,
-            self.logprobs,
-            self.finish_reason,
-            self.stop_reason,
-            self.prompt_logprobs,
-            self.num_cached_tokens,
-            self.index,
-            self.error,
-            self.first_token_time,
-        )
-
     def output(self, wants_logprobs: bool) -> CompletionOutput:
         """`LLM`'s record of this choice; `wants_logprobs`: logprobs as a list even if empty."""
         logprobs = (self.logprobs or []) if wants_logprobs else None

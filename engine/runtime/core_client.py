@@ -352,7 +352,7 @@ class CoreEngineClient(EngineClient):
         )
         parent = ParentRequest(request)
         child_ids = [child.request_id for child in parent.children]
-        deltas = _Stream(parent, stream)
+        deltas = _Stream()
         for child_id in child_ids:
             self._streams[child_id] = deltas
         self._children[request_id] = child_ids
@@ -514,8 +514,8 @@ class CoreEngineClient(EngineClient):
 
     def _dispatch(self, deltas: list[SequenceDelta]) -> None:
         """On the event loop: one step's deltas to their requests' streams. A request that
-        does not stream adds them up here and hears once per choice, when it finished (no
-        task wakes per token)."""
+        does not stream is final-only in the engine: it hears once per choice, with all of
+        it (no task wakes per token)."""
         for delta in deltas:
             stream = self._streams.get(delta.request_id)
             if stream is None:
@@ -523,12 +523,7 @@ class CoreEngineClient(EngineClient):
             if delta.retryable:  # the engine's storage failed it: not the request's answer
                 stream.put(StorageUnavailableError(delta.error or "storage failed"))
                 continue
-            if stream.is_streamed:
-                stream.put(delta)
-                continue
-            choice = stream.parent.add(delta)
-            if delta.finished:
-                stream.put(choice.as_delta(delta.request_id))
+            stream.put(delta)
 
     def _fail_all(self, error: Exception) -> None:
         """On the event loop: end every request in flight with `error`."""
@@ -545,12 +540,9 @@ class _Stream:
     waits on (an `asyncio.Queue` does more per item than a stream of one item a step needs:
     task counting, a deque of getters)."""
 
-    __slots__ = ("_items", "_waiter", "is_streamed", "parent")
+    __slots__ = ("_items", "_waiter")
 
-    def __init__(self, parent: ParentRequest, is_streamed: bool) -> None:
-        self.parent = parent
-        self.is_streamed = is_streamed
-        """False: the choices' deltas are added up in `parent` and each choice is sent once."""
+    def __init__(self) -> None:
         self._items: list[SequenceDelta | Exception] = []
         self._waiter: asyncio.Future[None] | None = None
 
