@@ -37,6 +37,7 @@ from engine.runtime.engine_client import EngineClient
 from policy.errors import UserError
 from server.batch.data_dir import check_data_dir
 from server.http.app import create_app
+from server.http.memory import keep_heaps_trimmed
 from server.http.settings import API_KEY_ENV, ServerSettings
 
 DEFAULT_ENGINE_CLIENT = "engine.runtime.core_client:build_engine_client"
@@ -166,6 +167,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
 def main(args: argparse.Namespace) -> int:
     """Entry point of `nanoflex serve`."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    keep_heaps_trimmed()
     settings = ServerSettings.from_args(args)
     sock = bind_socket(settings.bind_host, args.port)
     try:

@@ -172,8 +172,8 @@ def test_large_bodies_are_refused_and_memory_returned(
 ) -> None:
     """Four concurrent 15 MiB prompts (text, then token ids) on a real `nanoflex serve`: each
     is a 400 that names the limit, /health keeps answering, and the daemon's resident memory
-    ends within 80 MB of where it stood before them, once it settles (it grew by 2 GB before
-    the limits)."""
+    ends within 20 MB of where it stood before them, once it settles (it grew by 2 GB before
+    the limits, and by 25-80 MB while worker threads had heap arenas of their own)."""
     daemon = Daemon(tmp_path / "data", free_port(), tmp_path / "daemon.log")
     daemons.append(daemon)
     rss = psutil.Process(daemon.process.pid).memory_info
@@ -204,6 +204,6 @@ def test_large_bodies_are_refused_and_memory_returned(
     # Memory is freed (and the heap trimmed) after each response has gone out, so the size
     # read right after the last answer can still hold a request's parse: let it settle.
     deadline = time.monotonic() + 10
-    while rss().rss - start >= 80 * 2**20 and time.monotonic() < deadline:
+    while rss().rss - start >= 20 * 2**20 and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert rss().rss - start < 80 * 2**20, (start >> 20, rss().rss >> 20)
+    assert rss().rss - start < 20 * 2**20, (start >> 20, rss().rss >> 20)
