@@ -161,6 +161,7 @@ def profiled_run(
         "samples_busy": busy,
         "output_share_of_one_core": round(samples["output"] / one_core, 4),
         "output_share_of_busy": round(samples["output"] / max(busy, 1), 4),
+        "output_us_per_token": round(1e6 * samples["output"] / args.rate / max(generated, 1), 2),
         "output_samples_by_innermost_frame": dict(where.most_common(8)),
     }
 
@@ -200,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
                 os.kill(daemon.pid, signal.SIGTERM)
                 daemon.wait(timeout=60)
     header = ["daemon", "mode", "wall s", "generated tok/s", "output handling, share of one core"]
-    table = Table([*header, "of the daemon's busy samples"])
+    table = Table([*header, "of the daemon's busy samples", "output handling, us per token"])
     for r in results:
         table.rows.append(
             [
@@ -210,9 +211,10 @@ def main(argv: list[str] | None = None) -> int:
                 f"{r['generated_tok_s']:.0f}",
                 f"{100 * r['output_share_of_one_core']:.1f}%",
                 f"{100 * r['output_share_of_busy']:.1f}%",
+                f"{r['output_us_per_token']:.1f}",
             ]
         )
-    print(table.markdown("llrrrr"))
+    print(table.markdown("llrrrrr"))
     config = {"seqs": args.seqs, "tokens": args.tokens, "rate": args.rate, "trees": trees}
     write_json(args.json, [{"config": config, "runs": results}], table)
     return 0

@@ -5,6 +5,10 @@ prefix offset, with and without the new ones, and keeps the difference, so a tok
 the same at the thousandth as at the first, and a tokenizer that reads a token by its
 neighbours (a leading space, the bytes of one character) sees the same ones as a decode of
 the whole output. Text that ends inside a multi-byte character waits for its last byte.
+A decoder that offers a `stepper` (the served tokenizer: tokenizers' `DecodeStream`, the
+same method in Rust, 0.6 against 1.4 us a token) decodes with it; a stepper that fails
+(tokenizers refuses a prefix it cannot extend) hands over to the window, which then starts
+from every output token read so far.
 
 Stop strings are searched only where a new one can end, and the last `longest stop - 1`
 characters are held back until the next token shows they do not start one: so the pieces
@@ -14,11 +18,17 @@ and nothing handed out is ever taken back (what streaming needs).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
+
+Stepper = Callable[[int], "str | None"]
+"""One output's incremental decode: a token's text once it is whole (None while a character
+is cut short), joined equal to a prefix of decoding all the tokens given so far."""
 
 
 class Detokenizer(Protocol):
-    """Turns generated token ids into text (the served tokenizer, skipping special tokens)."""
+    """Turns generated token ids into text (the served tokenizer, skipping special tokens).
+    It may also have `stepper() -> Stepper`: a new incremental decode of one output."""
 
     def decode(self, token_ids: list[int]) -> str: ...
 
@@ -40,6 +50,17 @@ class IncrementalDetokenizer:
         self._num_read = 0
         self._held = ""
         """Decoded text not handed out yet (at most `_hold` characters)."""
+        new_stepper: Callable[[], Stepper] | None = getattr(decoder, "stepper", None)
+        self._step = new_stepper() if new_stepper is not None else None
+        """The decoder's stepper, while there is one that has not failed."""
+        self._steps = self._step is not None
+        """This output is decoded by the stepper (or, once it failed, whole each time)."""
+        self._tokens: list[int] = []
+        """With a stepper: every token read, and `_num_chars` the characters handed out for
+        them."""
+        self._num_chars = 0
+        self._cut = False
+        """With a stepper: the last token read is part of a character not whole yet."""
 
     def add(self, token_ids: list[int], final: bool, find_stop: bool = True) -> str:
         """Take new tokens; the text that is now certain. `final`: no token follows, so
@@ -48,9 +69,15 @@ class IncrementalDetokenizer:
         back is searched with the next tokens'."""
         if self.stop_hit is not None:
             return ""
-        self._window += token_ids
-        text = self._held + self._decode(final)
-        hit = self._find_stop(text) if find_stop and self.stop else None
+        if self._steps:
+            text = self._step_through(token_ids, final)
+        else:
+            self._window += token_ids
+            text = self._decode(final)
+        if not self.stop:  # nothing held back
+            return text
+        text = self._held + text
+        hit = self._find_stop(text) if find_stop else None
         if hit is not None:
             position, self.stop_hit = hit
             self._held = ""
@@ -62,6 +89,35 @@ class IncrementalDetokenizer:
     def flush(self) -> str:
         """Everything not handed out yet (the sequence ended for another reason)."""
         return self.add([], final=True)
+
+    def _step_through(self, token_ids: list[int], final: bool) -> str:
+        """The text `token_ids` add, by the stepper; `final`: a character cut short at the
+        end is decoded as the whole output's decode has it (U+FFFD). After the stepper
+        failed, each call decodes every token read (exact, for the rest of this output)."""
+        if final and not self._tokens:  # a whole output at once (final-only): one decode
+            self._tokens += token_ids
+            text = self.decoder.decode(token_ids)
+            self._num_chars += len(text)
+            return text
+        self._tokens += token_ids
+        text, step = "", self._step
+        if step is not None:
+            try:
+                for token_id in token_ids:
+                    piece = step(token_id)
+                    self._cut = piece is None
+                    if piece:
+                        text += piece
+            except Exception:  # tokenizers refused to extend its prefix
+                self._step = step = None
+        if step is None:
+            text = self.decoder.decode(self._tokens)[self._num_chars :]
+            if text.endswith("\ufffd") and not final:
+                return ""  # nothing whole yet
+        elif final and self._cut:
+            text += self.decoder.decode(self._tokens)[self._num_chars + len(text) :]
+        self._num_chars += len(text)
+        return text
 
     def _decode(self, final: bool) -> str:
         """The text the unread tokens of the window add to what is decoded."""

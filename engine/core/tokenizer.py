@@ -12,6 +12,7 @@ the `{% generation %}` tag), `tojson` without HTML escaping, `raise_exception` a
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Sequence
 from datetime import datetime
@@ -23,7 +24,9 @@ from jinja2.ext import Extension, loopcontrols
 from jinja2.parser import Parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
+from tokenizers.decoders import DecodeStream
 
+from engine.core.detokenizer import Stepper
 from policy.errors import UserError
 
 
@@ -161,6 +164,11 @@ class Tokenizer:
                 text = self._one[token_ids[0]] = str(self._tokenizer.decode(list(token_ids)))
             return text
         return str(self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
+
+    def stepper(self) -> Stepper:
+        """A new incremental decode of one output, skipping special tokens (tokenizers'
+        `DecodeStream`, in Rust)."""
+        return functools.partial(DecodeStream(skip_special_tokens=True).step, self._tokenizer)
 
     def render_chat(
         self, messages: list[dict[str, str]], add_generation_prompt: bool = True

@@ -6,17 +6,20 @@ every stop reason), and at every step be a prefix of it (a character split over 
 for its last byte, a possible stop string for the token that rules it out): nothing handed
 out is taken back, which is what lets streaming send each piece as it comes. Tokens are
 drawn to stress the hard cases: pieces of multi-byte characters, leading spaces, special
-tokens, and stop strings that span tokens.
+tokens, and stop strings that span tokens. Each test runs on the three ways a sequence is
+decoded: the tokenizer's stepper (tokenizers' `DecodeStream`), the detokenizer's own window
+(a decoder without a stepper), and a stepper that fails part-way (the rest decoded whole).
 """
 
 from __future__ import annotations
 
+import itertools
 import random
 from pathlib import Path
 
 import pytest
 
-from engine.core.detokenizer import IncrementalDetokenizer
+from engine.core.detokenizer import IncrementalDetokenizer, Stepper
 from engine.core.sampling_params import SamplingParams
 from engine.core.sequence import Request, Sequence
 from engine.core.tokenizer import Tokenizer
@@ -25,9 +28,35 @@ EOS = 2
 MAX_LEN = 10_000
 
 
-@pytest.fixture(scope="module")
-def tokenizer(smollm2_dir: Path) -> Tokenizer:
-    return Tokenizer(smollm2_dir)
+class WindowTokenizer(Tokenizer):
+    """The served tokenizer without a stepper: the detokenizer decodes its own windows."""
+
+    stepper = None  # type: ignore[assignment]
+
+
+class FailingStepperTokenizer(Tokenizer):
+    """A stepper that fails at its fourth token, as tokenizers' does on a prefix it cannot
+    extend."""
+
+    def stepper(self) -> Stepper:
+        step, count = super().stepper(), itertools.count()
+
+        def failing(token_id: int) -> str | None:
+            if next(count) == 3:
+                raise RuntimeError("Invalid prefix encountered")
+            return step(token_id)
+
+        return failing
+
+
+@pytest.fixture(
+    scope="module",
+    params=[Tokenizer, WindowTokenizer, FailingStepperTokenizer],
+    ids=["stepper", "window", "stepper-fails"],
+)
+def tokenizer(smollm2_dir: Path, request: pytest.FixtureRequest) -> Tokenizer:
+    cls: type[Tokenizer] = request.param
+    return cls(smollm2_dir)
 
 
 def outputs(tokenizer: Tokenizer, rng: random.Random, length: int) -> list[int]:
