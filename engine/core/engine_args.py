@@ -158,6 +158,14 @@ class EngineArgs:
     )
     """On the CPU, resident linear weights are stored prepacked for oneDNN's GEMM once at
     load (engine/models/base.py); False keeps them plain for `F.linear`."""
+    hot_experts: bool = cli(
+        True,
+        "home a mixture-of-experts model's most-picked experts on the fastest tier first "
+        "(the router's counts, kept with the model's cache); off homes them in index order "
+        "(default: on)",
+    )
+    """A MoE model's routed experts are homed most-picked first (engine/storage/
+    expert_picks.py); False keeps index order (the ablation)."""
     nano_batch_overlap: bool = cli(
         True,
         "with num_nano_batches > 1, overlap the nano-batches' operations; off runs "

@@ -51,6 +51,7 @@ from engine.models.config import ModelConfig, read_hf_config
 from engine.storage.device import Device
 from engine.storage.disk import DiskIO, OffloadIOError
 from engine.storage.disk_cache import DiskCacheIndex
+from engine.storage.expert_picks import ExpertPicks, picks_path
 from engine.storage.host_memory import keep_freed_memory
 from engine.storage.kv_store import KVStore
 from engine.storage.quant import KVRowCodec
@@ -87,6 +88,9 @@ class Executor:
     prepack_weights: on the CPU, resident linear weights are stored in oneDNN's blocked
         layout once at load (engine/models/base.py: prepack); False keeps them plain for
         `F.linear`, which reorders them on every call.
+    hot_experts: a MoE model's routed experts are homed most-picked first (the router's
+        counts, kept with the model's cache: engine/storage/expert_picks.py), so the fastest
+        tier holds the experts used most; False homes them in index order.
     on_progress: called with (layers loaded, layers) while the weights load (the engine
         process reports it to the daemon); None: `show_progress` decides.
     """
@@ -110,6 +114,7 @@ class Executor:
         paged_attention: bool = True,
         native_kernels: bool = True,
         prepack_weights: bool = True,
+        hot_experts: bool = True,
         on_progress: Callable[[int, int], None] | None = None,
     ) -> None:
         self.policy = policy
@@ -168,6 +173,8 @@ class Executor:
             device=self.device,
             disk=self.disk,
             prepack=prepack_weights,
+            picks=self._expert_picks(),
+            hot_experts=hot_experts,
         )
         if not policy.compress_weights:  # refuse before reading anything
             check_budgets(self.weights.planned_bytes(), self.budgets)
@@ -249,13 +256,22 @@ class Executor:
         if done == total:
             print(file=sys.stderr)
 
+    def _expert_picks(self) -> ExpertPicks | None:
+        """A MoE model's router counts, from the model's cache (empty the first time)."""
+        c = self.config
+        if not c.is_moe:
+            return None
+        layers = [j + 1 for j in range(c.num_layers) if c.is_moe_layer(j)]
+        return ExpertPicks(picks_path(self.model_dir), layers, c.num_experts)
+
     def _graph_runner(self) -> GraphRunner | None:
         """CUDA graphs where they are sound: on CUDA, with every layer's weights resident and
         uncompressed, one GPU batch, activations on the device, no nano-batches (their
         streams and per-nano-batch pieces are not captured), a model whose dense ops have the
         same shapes every step (`Model.can_capture`)."""
         p = self.policy
-        resident = all(tier == "gpu" for tier in self.weights.tiers) and not p.compress_weights
+        on_device = not self.weights.uses_tier("cpu") and not self.weights.uses_tier("disk")
+        resident = on_device and not p.compress_weights
         one_batch = p.num_gpu_batches == 1 and p.num_nano_batches == 1
         if not (self.device.is_cuda and resident and one_batch and self.model.can_capture):
             return None
@@ -474,7 +490,7 @@ class Executor:
     def _disk_users(self, plan: StepPlan) -> list[int]:
         """Sequences of the plan that use the disk tier: all of them when weights live there,
         else those with KV pages or activations there."""
-        if "disk" in self.weights.tiers:
+        if self.weights.uses_tier("disk"):
             return [c.seq_id for c in plan.chunks]
         out = []
         for c in plan.chunks:
@@ -498,6 +514,8 @@ class Executor:
             self.device.synchronize()
             self.tracer.save(self.trace_path)
         self.disk_cache.save(force=True)
+        if self.weights.picks is not None:
+            self.weights.picks.save()
         self.pipeline.close()
         self.sampler.close()
         self.disk.close()
@@ -532,6 +550,7 @@ def build_executor(
         paged_attention=args.paged_attention,
         native_kernels=args.native_kernels,
         prepack_weights=args.prepack_weights,
+        hot_experts=args.hot_experts,
         on_progress=on_progress,
     )
 

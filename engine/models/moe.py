@@ -11,6 +11,8 @@ expert can be placed, moved and compressed alone:
     shared.gate_up.weight       Qwen2-MoE's shared expert, every token through it
     shared.down.weight
     shared_gate.weight          (1, hidden), its sigmoid gate, kept in full precision
+    router.picks                (num_experts,) int64 in host memory, when the weight store
+                                counts: each batch adds the rows routed to each expert
 
 Checkpoints name experts one by one (`mlp.experts.<e>.gate_proj`, Mixtral's
 `block_sparse_moe.experts.<e>.w1/w3/w2`) or stacked as transformers 5 holds them in memory
@@ -49,6 +51,9 @@ MOE_TENSORS = {
 """The MLP's other tensors -> local names (the last two stacked over experts, split by `fuse`)."""
 STACKED = {"experts.gate_up_proj": "gate_up", "experts.down_proj": "down"}
 """Stacked (E, out, in) tensors -> each expert's projection."""
+PICKS = "router.picks"
+"""The counter of routed rows per expert that travels with a MoE layer's weights, when the
+weight store keeps one (engine/storage/expert_picks.py)."""
 FULL_PRECISION = frozenset({"router.weight", "shared_gate.weight"})
 """Routing weights never compressed: a 4-bit error flips which experts a token picks, and
 they are a few rows beside each expert's matrices."""
@@ -139,7 +144,11 @@ class MoeModel(LlamaModel):
         flat = ids.flatten()  # (T * k,) the expert of each (token, slot)
         order = torch.argsort(flat, stable=True)  # slots grouped by expert, tokens in order
         rows = order // num_slots  # (T * k,) each grouped slot's token row
-        counts = torch.bincount(flat, minlength=self.config.num_experts).tolist()
+        per_expert = torch.bincount(flat, minlength=self.config.num_experts)
+        picks = w.get(PICKS)
+        if picks is not None:  # the router's counts, for placing the most-picked experts
+            picks += per_expert.to(picks.device)
+        counts = per_expert.tolist()
         grouped = x[rows]  # (T * k, hidden)
         out = torch.empty_like(grouped)
         start = 0

@@ -1,4 +1,12 @@
-"""`WeightStore`: each layer homed on one tier, loaded onto the compute device on demand."""
+"""`WeightStore`: each layer homed on one tier, and each routed expert of a MoE layer on its own,
+loaded onto the compute device on demand.
+
+A MoE layer is stored as units: its other tensors (attention, norms, the router, a shared
+expert) on the layer's tier, and every routed expert (`experts.<e>.*`) on the tier its place
+in the experts' order gives it. The policy's weights_frac splits the layers' other bytes and
+its experts_frac the experts' bytes, each to unit granularity. The experts' order is the
+most-picked first (`ExpertPicks`, counted as the engine runs), so the GPU's share goes to the
+experts the router uses most; `hot_experts=False` keeps index order (the ablation)."""
 
 from __future__ import annotations
 
@@ -12,8 +20,10 @@ import torch
 
 from engine.core.model_files import ModelLoadError
 from engine.models.base import Model, Weights, can_prepack, prepack
+from engine.models.moe import PICKS
 from engine.storage.device import Device, Ready
 from engine.storage.disk import DiskFile, DiskIO
+from engine.storage.expert_picks import ExpertPicks
 from engine.storage.quant import QuantizedTensor, dequantize, quantize
 from policy import TIERS
 
@@ -54,13 +64,22 @@ def nbytes_of(value: Stored) -> int:
 
 @dataclass(slots=True)
 class StoredLayer:
+    """One unit of storage: a layer, or a MoE layer's other tensors with `experts` beside."""
+
     tier: str
     values: dict[str, Stored] = field(default_factory=dict)
     """gpu tier: on the compute device; cpu tier: host memory; disk tier: meta-only templates."""
     file: DiskFile | None = None
     offsets: list[int] = field(default_factory=list)
-    """Disk tier: byte offset of each part, in `values` order then part order."""
+    """Disk tier: byte offset of each part from `start`, in `values` order then part order."""
     nbytes: int = 0
+    start: int = 0
+    """Disk tier: where the unit begins in `file` (a layer's units share its file)."""
+    experts: dict[int, StoredLayer] = field(default_factory=dict)
+    """A MoE layer's routed experts, each its own unit, by expert index."""
+
+    def units(self) -> list[StoredLayer]:
+        return [self, *self.experts.values()]
 
 
 def assign_tiers(sizes: list[int], fracs: tuple[float, float, float]) -> list[str]:
@@ -80,25 +99,18 @@ EXPERTS_PREFIX = "experts."
 """A MoE layer's routed experts (engine/models/moe.py): `experts.<e>.gate_up.weight`, ..."""
 
 
-def layer_fracs(
-    weights_frac: tuple[float, float, float],
-    experts_frac: tuple[float, float, float] | None,
-    expert_bytes: int,
-    total_bytes: int,
-) -> tuple[float, float, float]:
-    """The split of whole layers across tiers that homes the bytes the policy asks for: its
-    weights_frac of the non-expert bytes plus, for a MoE model, its experts_frac of the routed
-    experts' bytes (experts move with their layer: placing each expert on its own tier is not
-    done yet, so a layer's experts share its tier)."""
-    if experts_frac is None or not expert_bytes or not total_bytes:
-        return weights_frac
-    share = expert_bytes / total_bytes
-    mixed = [(1 - share) * w + share * e for w, e in zip(weights_frac, experts_frac, strict=True)]
-    return (mixed[0], mixed[1], mixed[2])
+def expert_of(local: str) -> int | None:
+    """The routed expert a local tensor name belongs to (`experts.<e>.<...>`), or None
+    (stacked `experts.gate_up_proj` belongs to all: `fuse` splits it)."""
+    if not local.startswith(EXPERTS_PREFIX):
+        return None
+    index = local[len(EXPERTS_PREFIX) :].split(".", 1)[0]
+    return int(index) if index.isdigit() else None
 
 
 class WeightStore:
-    """Reads a checkpoint layer by layer, casts, optionally compresses, and homes each layer."""
+    """Reads a checkpoint layer by layer, casts, optionally compresses, and homes each layer
+    (and each routed expert)."""
 
     def __init__(
         self,
@@ -112,11 +124,15 @@ class WeightStore:
         device: Device,
         disk: DiskIO,
         prepack: bool = False,
+        picks: ExpertPicks | None = None,
+        hot_experts: bool = True,
     ) -> None:
-        """Plans where each layer goes (nothing is read yet: `planned_bytes` can be checked
-        against the budgets first); `read_all` then reads and homes every layer.
+        """Plans where each layer and expert goes (nothing is read yet: `planned_bytes` can
+        be checked against the budgets first); `read_all` then reads and homes every layer.
         `prepack`: the compute device's uncompressed linear weights are stored prepacked
-        for the CPU's GEMM (`engine.models.base.prepack`), where the CPU computes."""
+        for the CPU's GEMM (`engine.models.base.prepack`), where the CPU computes.
+        `picks`: a MoE model's router counts, handed to each MoE layer's computation with
+        its weights; with `hot_experts` the most-picked experts are homed first."""
         self.model, self.device, self.disk, self.dtype = model, device, disk, dtype
         self.reader, self.compress = reader, compress
         self.prepack = prepack and not compress and can_prepack(device.device, dtype)
@@ -138,25 +154,43 @@ class WeightStore:
         sizes = [
             sum(reader.numel(n) for n in names.values()) * dtype.itemsize for names in by_layer
         ]
-        expert_bytes = sum(
-            reader.numel(n) * dtype.itemsize
+        expert_bytes = [
+            sum(reader.numel(n) for k, n in names.items() if k.startswith(EXPERTS_PREFIX))
+            * dtype.itemsize
             for names in by_layer
-            for name, n in names.items()
-            if name.startswith(EXPERTS_PREFIX)
-        )
+        ]
+        self.num_experts = model.config.num_experts
         self.tiers = assign_tiers(
-            sizes, layer_fracs(weights_frac, experts_frac, expert_bytes, sum(sizes))
+            [s - e for s, e in zip(sizes, expert_bytes, strict=True)], weights_frac
         )
+        """Each layer's home (a MoE layer's: of its tensors other than the routed experts)."""
+        moe_layers = [j for j, e in enumerate(expert_bytes) if e]
+        self.picks = picks
+        order = [(j, e) for j in moe_layers for e in range(self.num_experts)]
+        if picks is not None and hot_experts:
+            order = [u for u in picks.hottest_first() if u[0] in set(moe_layers)]
+        self._expert_bytes = {j: expert_bytes[j] // max(self.num_experts, 1) for j in moe_layers}
+        homes = assign_tiers(
+            [self._expert_bytes[j] for j, _ in order], experts_frac or weights_frac
+        )
+        self.expert_tiers: list[dict[int, str]] = [{} for _ in by_layer]
+        """Each MoE layer's routed experts' homes, by expert index."""
+        for (j, e), tier in zip(order, homes, strict=True):
+            self.expert_tiers[j][e] = tier
         self._sizes, self._by_layer = sizes, by_layer
         self.layers: list[StoredLayer] = []
         self._staging: queue.Queue[torch.Tensor] = queue.Queue()
         self._staging_bytes = 0
+        self._files: dict[int, tuple[DiskFile, int]] = {}
+        """Per layer with units on disk: its file and where the next unit goes."""
 
     def planned_bytes(self) -> dict[str, int]:
         """Bytes each tier will hold once loaded, uncompressed (an upper bound with 4-bit)."""
         out = dict.fromkeys(TIERS, 0)
-        for tier, size in zip(self.tiers, self._sizes, strict=True):
-            out[tier] += size
+        for j, (tier, size) in enumerate(zip(self.tiers, self._sizes, strict=True)):
+            out[tier] += size - self._expert_bytes.get(j, 0) * len(self.expert_tiers[j])
+            for expert_tier in self.expert_tiers[j].values():
+                out[expert_tier] += self._expert_bytes[j]
         if self._shares_head():
             out[self.tiers[-1]] -= self._sizes[-1] - self._head_only_bytes()
         return out
@@ -194,7 +228,12 @@ class WeightStore:
                 else t
                 for local, t in model.fuse(read).items()
             }
-            layer = self._home(j, self.tiers[j], values)
+            layer = self._home(
+                j, self.tiers[j], {k: v for k, v in values.items() if expert_of(k) is None}
+            )
+            for e, tier in sorted(self.expert_tiers[j].items()):
+                mine = {k: v for k, v in values.items() if expert_of(k) == e}
+                layer.experts[e] = self._home(j, tier, mine)
             if j == len(self._by_layer) - 1 and self._shares_head():
                 layer.values[head_name] = self.layers[embed_j].values[embed_name]
             self.layers.append(layer)
@@ -224,48 +263,66 @@ class WeightStore:
                     parts.append(host.copy_(p))
                 pinned[k] = _rebuild(v, parts)
             return StoredLayer(tier, pinned, nbytes=sum(nbytes_of(v) for v in pinned.values()))
-        f = self.disk.open(f"weights-{j:04d}.bin")
+        if j not in self._files:  # a layer's units on disk share one file
+            self._files[j] = (self.disk.open(f"weights-{j:04d}.bin"), 0)
+        f, start = self._files[j]
         offsets, offset, end = [], 0, 0
         for v in values.values():
             for p in _parts(v):
                 offsets.append(offset)
-                self.disk.write(f, offset, p)
+                self.disk.write(f, start + offset, p)
                 end = offset + p.numel() * p.element_size()
                 offset = -(-end // _ALIGN) * _ALIGN
         f.drop_cache()
+        self._files[j] = (f, start + -(-end // _ALIGN) * _ALIGN)
         meta = {k: _rebuild(v, [p.to("meta") for p in _parts(v)]) for k, v in values.items()}
         self._staging_bytes = max(self._staging_bytes, end)
-        return StoredLayer(tier, meta, f, offsets, end)
+        return StoredLayer(tier, meta, f, offsets, end, start)
 
     def is_resident(self, j: int) -> bool:
-        """Layer j is used where it lies: on the compute device, uncompressed (its `load`
-        moves and decodes nothing)."""
-        return self.tiers[j] == "gpu" and not self.compress
+        """Layer j is used where it lies: on the compute device, uncompressed, its experts
+        too (its `load` moves and decodes nothing)."""
+        on_device = self.tiers[j] == "gpu" and all(
+            tier == "gpu" for tier in self.expert_tiers[j].values()
+        )
+        return on_device and not self.compress
+
+    def uses_tier(self, tier: str) -> bool:
+        """Some layer or expert is homed on `tier`."""
+        return tier in self.tiers or any(tier in homes.values() for homes in self.expert_tiers)
 
     def bytes_per_tier(self) -> dict[str, int]:
         out = dict.fromkeys(TIERS, 0)
         for layer in self.layers:
-            out[layer.tier] += layer.nbytes
+            for unit in layer.units():
+                out[unit.tier] += unit.nbytes
         return out
 
     def load(self, j: int) -> Ready[Weights]:
-        """Layer j's weights on the compute device, dequantized. Runs on a copy thread; on CUDA
-        the copies go on this thread's side stream and the returned event fences them."""
+        """Layer j's weights on the compute device, dequantized (a MoE layer's with its
+        router counter, `PICKS`). Runs on a copy thread; on CUDA the copies go on this
+        thread's side stream and the returned event fences them."""
         layer = self.layers[j]
         with self.device.on_copy_stream():
-            if layer.tier == "gpu":
-                values = layer.values
-            elif layer.tier == "cpu":
-                values = {
-                    k: _rebuild(v, [self.device.to_device(p) for p in _parts(v)])
-                    for k, v in layer.values.items()
-                }
-            else:
-                values = self._load_disk(layer)
+            values: dict[str, Stored] = {}
+            for unit in layer.units():
+                values.update(self._on_device(unit))
             weights = {
                 k: dequantize(v) if isinstance(v, QuantizedTensor) else v for k, v in values.items()
             }
+            if layer.experts and self.picks is not None:
+                weights[PICKS] = self.picks.counts[j]
             return Ready(weights, self.device.record())
+
+    def _on_device(self, unit: StoredLayer) -> dict[str, Stored]:
+        if unit.tier == "gpu":
+            return unit.values
+        if unit.tier == "cpu":
+            return {
+                k: _rebuild(v, [self.device.to_device(p) for p in _parts(v)])
+                for k, v in unit.values.items()
+            }
+        return self._load_disk(unit)
 
     def _load_disk(self, layer: StoredLayer) -> dict[str, Stored]:
         assert layer.file is not None
@@ -277,7 +334,7 @@ class WeightStore:
         else:
             staging = torch.empty(layer.nbytes, dtype=torch.uint8)
         buf = staging[: layer.nbytes]
-        self.disk.read(layer.file, 0, buf)
+        self.disk.read(layer.file, layer.start, buf)
         values, i = {}, 0
         for k, template in layer.values.items():
             parts = []

@@ -112,8 +112,9 @@ def test_four_bit_within_tolerance(tiny_model, kind, compressed):
 
 def test_each_expert_is_its_own_tensor_set_and_compressed(tiny_model):
     """A MoE layer's weights: the router (full precision), then per expert a fused gate_up and
-    a down matrix of its own, each 4-bit under compression; Qwen2-MoE's shared expert beside
-    them and its dense layer (mlp_only_layers) without a router."""
+    a down matrix of its own (a unit of storage of its own), each 4-bit under compression;
+    Qwen2-MoE's shared expert beside them and its dense layer (mlp_only_layers) without a
+    router."""
     policy = Policy(compress_weights=True)
     executor = Executor(str(tiny_model("qwen2_moe")), policy, device="cpu")
     try:
@@ -121,9 +122,12 @@ def test_each_expert_is_its_own_tensor_set_and_compressed(tiny_model):
         sparse, dense = layers[1].values, layers[2].values
         assert isinstance(sparse["router.weight"], torch.Tensor)
         assert isinstance(sparse["shared_gate.weight"], torch.Tensor)
+        assert sorted(layers[1].experts) == list(range(8)) and not layers[2].experts
         for e in range(8):
-            gate_up = sparse[f"experts.{e}.gate_up.weight"]
-            down = sparse[f"experts.{e}.down.weight"]
+            expert = layers[1].experts[e].values
+            assert sorted(expert) == [f"experts.{e}.down.weight", f"experts.{e}.gate_up.weight"]
+            gate_up = expert[f"experts.{e}.gate_up.weight"]
+            down = expert[f"experts.{e}.down.weight"]
             assert isinstance(gate_up, QuantizedTensor) and gate_up.shape == (64, 64)
             assert isinstance(down, QuantizedTensor) and down.shape == (64, 32)
         assert isinstance(sparse["shared.gate_up.weight"], QuantizedTensor)
@@ -250,7 +254,8 @@ def test_each_active_expert_runs_once_over_all_its_rows(monkeypatch):
     model = build_model(config)
     hidden, width = config.hidden_size, config.moe_intermediate_size
     torch.manual_seed(0)
-    w = {"router.weight": torch.randn(config.num_experts, hidden)}
+    picks = torch.zeros(config.num_experts, dtype=torch.int64)
+    w = {"router.weight": torch.randn(config.num_experts, hidden), moe.PICKS: picks}
     for e in range(config.num_experts):
         w[f"experts.{e}.gate_up.weight"] = torch.randn(2 * width, hidden) * 0.1
         w[f"experts.{e}.down.weight"] = torch.randn(hidden, width) * 0.1
@@ -267,6 +272,7 @@ def test_each_active_expert_runs_once_over_all_its_rows(monkeypatch):
     weights, ids = route(torch.nn.functional.linear(x, w["router.weight"]), 4, True)
     per_expert = torch.bincount(ids.flatten(), minlength=config.num_experts).tolist()
     assert runs == [(f"experts.{e}.", n) for e, n in enumerate(per_expert) if n]
+    assert picks.tolist() == per_expert  # the router's counts, for placing hot experts
     assert len(runs) < x.shape[0] * 4  # experts shared by rows ran once for all of them
     want = torch.stack(
         [
@@ -280,33 +286,79 @@ def test_each_active_expert_runs_once_over_all_its_rows(monkeypatch):
     torch.testing.assert_close(got, want)
 
 
-def test_layers_are_split_to_home_the_experts_where_the_policy_says(tiny_model):
-    """Experts move with their layer: the layers' split across tiers homes weights_frac of the
-    other bytes plus experts_frac of the routed experts' bytes, to layer granularity."""
-    budgets = dict(gpu_mem=1 << 30, cpu_mem=1 << 30)
-    placed = {}
-    for name, experts_frac in [("gpu", (1.0, 0.0, 0.0)), ("cpu", (0.0, 1.0, 0.0))]:
-        policy = Policy(weights_frac=(1.0, 0.0, 0.0), experts_frac=experts_frac)
-        executor = Executor(str(tiny_model("mixtral")), policy, device="cpu", **budgets)
+def test_each_expert_is_homed_on_its_own_tier_as_the_policy_splits_them(
+    tiny_model, references, tmp_path
+):
+    """Experts are units of placement: with weights_frac all on the device and experts_frac
+    split in quarters, the layers' other tensors stay on the device and the experts are
+    homed a half, a quarter and a quarter, expert by expert (the byte split exact); a
+    layer's experts on disk share its file; tokens as transformers'."""
+    prompts, expected = references("mixtral")
+    policy = Policy(weights_frac=(1.0, 0.0, 0.0), experts_frac=(0.5, 0.25, 0.25))
+    executor = Executor(
+        str(tiny_model("mixtral")), policy, device="cpu", offload_dir=tmp_path / "o"
+    )
+    try:
+        store = executor.weights
+        assert set(store.tiers) == {"gpu"}
+        homes = [tier for layer in store.expert_tiers for tier in layer.values()]
+        assert len(homes) == 8 * executor.config.num_layers
+        assert [homes.count(t) / len(homes) for t in ("gpu", "cpu", "disk")] == [0.5, 0.25, 0.25]
+        units = [u for layer in store.layers for u in layer.experts.values()]
+        expert_bytes = {
+            t: sum(u.nbytes for u in units if u.tier == t) for t in ("gpu", "cpu", "disk")
+        }
+        assert expert_bytes["gpu"] == 2 * expert_bytes["cpu"] == 2 * expert_bytes["disk"]
+        on_disk = [
+            (j, u)
+            for j, layer in enumerate(store.layers)
+            for u in layer.experts.values()
+            if u.tier == "disk"
+        ]
+        for j, unit in on_disk:
+            assert unit.file is not None and unit.file.path.name == f"weights-{j:04d}.bin"
+        assert len({(j, u.start) for j, u in on_disk}) == len(on_disk)  # one region each
+    finally:
+        executor.close()
+    assert run(tiny_model("mixtral"), prompts, policy, tmp_path) == expected
+
+
+def test_the_most_picked_experts_are_homed_on_the_device_first(
+    tiny_model, references, tmp_path, monkeypatch
+):
+    """The router's counts are kept with the model's cache when the engine closes (the rows
+    routed to each expert, every layer's summing to top-k per row it computed); the next
+    load homes the most-picked experts on the device (6 of the 24, a quarter, by experts_frac),
+    and with hot_experts off the first ones by index. Tokens as transformers' each time."""
+    from engine import LLM, SamplingParams
+    from engine.storage.expert_picks import picks_path
+
+    monkeypatch.setenv("NANOFLEX_CACHE", str(tmp_path / "cache"))
+    model = tiny_model("mixtral")
+    prompts, expected = references("mixtral")
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    with LLM(str(model), policy=Policy(), device="cpu") as llm:
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
+    saved = json.loads(picks_path(model).read_text())["counts"]
+    counts = {int(j): row for j, row in saved.items()}
+    assert sorted(counts) == [1, 2, 3] and all(
+        sum(r) > 0 and sum(r) % 2 == 0 for r in counts.values()
+    )
+    assert len({sum(r) for r in counts.values()}) == 1  # every layer saw the same rows, top-2
+    ranked = sorted(((j, e) for j in counts for e in range(8)), key=lambda u: -counts[u[0]][u[1]])
+    assert set(ranked[:6]) != {(1, e) for e in range(6)}  # hot is not simply the first ones
+    policy = Policy(experts_frac=(0.25, 0.75, 0.0))
+    for hot, want in [(True, set(ranked[:6])), (False, {(1, e) for e in range(6)})]:
+        executor = Executor(str(model), policy, device="cpu", hot_experts=hot)
         try:
-            store = executor.weights
-            planned = store.planned_bytes()
-            experts = sum(
-                store.reader.numel(n)
-                for layer in store._by_layer
-                for k, n in layer.items()
-                if k.startswith("experts.")
-            )
-            placed[name] = (planned, experts * store.dtype.itemsize)
+            homes = executor.weights.expert_tiers
+            on_device = {
+                (j, e) for j, row in enumerate(homes) for e, t in row.items() if t == "gpu"
+            }
+            assert on_device == want, hot
         finally:
             executor.close()
-    (on_gpu, _), (split, expert_bytes) = placed["gpu"], placed["cpu"]
-    assert on_gpu["cpu"] == 0
-    total = sum(split.values())
-    # the cpu tier holds about the experts' share: within one layer of it
-    largest_layer = max(executor.weights._sizes)
-    assert abs(split["cpu"] - expert_bytes) <= largest_layer and split["gpu"] > 0
-    assert expert_bytes > total / 2  # the experts are most of a MoE model's bytes
+    assert run(model, prompts, policy, tmp_path) == expected
 
 
 def test_expert_weights_load_once_per_block_and_layer_beside_compute(
