@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import torch
 
@@ -33,11 +33,13 @@ from engine.executor.attention import (
 )
 from engine.executor.cuda_graphs import GraphRunner, StepGraphs
 from engine.executor.gpu_batch import AttentionGroup, GpuBatch
+from engine.executor.moe_block import BlockExperts
 from engine.executor.nano_overlap import NanoOverlap
-from engine.executor.tasks import start, wait_all
+from engine.executor.tasks import Launch, inline, start, wait_all
 from engine.executor.trace import NoTracer, Tracer
 from engine.kernels import PagedKernels
 from engine.models.base import Model, Weights
+from engine.models.moe import MoeModel
 from engine.storage.device import Device, Ready
 from engine.storage.disk import DiskFile, DiskIO
 from engine.storage.kv_store import KVRows, KVStore
@@ -56,12 +58,6 @@ class PastKV:
 
 NO_PAST = PastKV(None, None)
 T = TypeVar("T")
-
-
-class Launch(Protocol):
-    """Starts a load or store: on a copy thread when it has bytes to move, else inline."""
-
-    def __call__(self, moves: bool, fn: Callable[..., T], *args: Any) -> Future[T]: ...
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:
@@ -111,6 +107,8 @@ class BlockPipeline:
         self._stores = ThreadPoolExecutor(num_store_threads, thread_name_prefix="nanoflex-store")
         self.act_bytes = {"gpu": 0, "cpu": 0, "disk": 0}
         """Peak bytes of between-layer activations homed on each tier."""
+        self._moe = model if isinstance(model, MoeModel) else None
+        self._grouped = False
 
     def close(self) -> None:
         self._loads.shutdown(wait=True)
@@ -125,6 +123,9 @@ class BlockPipeline:
         `moves` (cached pages spilled down or loaded back up) are applied layer by layer
         before that layer's KV is read or written."""
         self._moves = list(moves)
+        self._grouped = self._moe is not None and not any(b.nano_batches for b in batches)
+        """This step groups each MoE layer's rows per expert over the whole block (with
+        nano-batches each one's MLP routes its own rows, its experts loaded with the layer)."""
         self._replaying = None
         if self.graphs is not None and GraphRunner.applies(batches):
             self._replaying = self.graphs.begin(batches[0])
@@ -138,6 +139,16 @@ class BlockPipeline:
         for j in range(self.model.num_layers):
             w = wait(self._load_weights(j))
             self._move_pages(j)
+            if self._groups_experts(j):
+                mids = []
+                for batch in batches:
+                    past = wait(self._load_past(j, batch))
+                    h = wait(self._load_act(j, batch, None))
+                    mids.append(self._before_experts(j, w, h, past, batch))
+                    self._store_kv(j, batch, mids[-1][2], self.device.record())
+                for batch, out in zip(batches, self._experts(j, w, mids, inline), strict=True):
+                    self._store_act(j, batch, out, self.device.record(), None)
+                continue
             for batch in batches:
                 past = wait(self._load_past(j, batch))
                 h = wait(self._load_act(j, batch, None))
@@ -191,6 +202,10 @@ class BlockPipeline:
             if j + 1 < num_layers:
                 weights[j + 1] = load(self._weights_move(j + 1), self._load_weights, j + 1)
             w = wait(weights.pop(j).result())
+            if self._groups_experts(j):
+                zigzag = (pasts, acts, act_stored, kv_stores)
+                self._overlapped_moe_layer(j, w, batches, load, store, *zigzag)
+                continue
             for k, batch in enumerate(batches):
                 nxt = (j, k + 1) if k + 1 < num_batches else (j + 1, 0)
                 if nxt[0] < num_layers:  # past KV never depends on this step's stores
@@ -219,6 +234,88 @@ class BlockPipeline:
         for fut in (*kv_stores, *act_stored.values()):
             fut.result()
         return logits
+
+    def _overlapped_moe_layer(
+        self,
+        j: int,
+        w: Weights,
+        batches: list[GpuBatch],
+        load: Launch,
+        store: Launch,
+        pasts: dict[tuple[int, int], Future[Ready[PastKV]]],
+        acts: dict[tuple[int, int], Future[Ready[torch.Tensor | None]]],
+        act_stored: dict[int, Future[None]],
+        kv_stores: list[Future[None]],
+    ) -> None:
+        """MoE layer j of the overlapped loop: each GPU batch's attention (the next one's past
+        and activations loading meanwhile, its new KV stored behind), then the block's rows
+        per expert (`_experts`), then each batch's output stored; the next layer's first
+        activations load after their store, as the zig-zag needs."""
+        num_layers, num_batches = self.model.num_layers, len(batches)
+        wait = self.device.wait
+        mids = []
+        for k, batch in enumerate(batches):
+            nxt = (j, k + 1) if k + 1 < num_batches else (j + 1, 0)
+            if nxt[0] < num_layers:
+                jn, bn = nxt[0], batches[nxt[1]]
+                pasts[nxt] = load(self._past_moves(jn, bn), self._load_past, jn, bn)
+                if jn == j:  # this layer's input: the previous layer's store of that batch
+                    after = act_stored.get(nxt[1])
+                    acts[nxt] = load(self._acts_move(jn, bn), self._load_act, jn, bn, after)
+            past = wait(pasts.pop((j, k)).result())
+            h = wait(acts.pop((j, k)).result())
+            mids.append(self._before_experts(j, w, h, past, batch))
+            moves, done = self._kv_store_moves(batch), self.device.record()
+            kv_stores.append(store(moves, self._store_kv, j, batch, mids[-1][2], done))
+        outs = self._experts(j, w, mids, load)
+        for k, (batch, out) in enumerate(zip(batches, outs, strict=True)):
+            done = self.device.record()
+            act_stored[k] = store(
+                bool(batch.act_rows), self._store_act, j, batch, out, done, act_stored.get(k)
+            )
+        if j + 1 < num_layers:
+            first = batches[0]
+            acts[(j + 1, 0)] = load(
+                self._acts_move(j + 1, first), self._load_act, j + 1, first, act_stored[0]
+            )
+
+    def _groups_experts(self, j: int) -> bool:
+        """Layer j is a MoE layer whose rows this step groups per expert over the block."""
+        return (
+            self._grouped
+            and self.model.layer_kind(j) == "decoder"
+            and self.model.config.is_moe_layer(j - 1)
+        )
+
+    def _before_experts(
+        self, j: int, w: Weights, h: torch.Tensor | None, past: PastKV, batch: GpuBatch
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """MoE layer j over one batch up to its MLP: (the residual stream, its normed rows,
+        the new (T, 2 * kv_dim) KV rows)."""
+        assert self._moe is not None and h is not None
+        with self.tracer.span("compute", "compute", j, batch.index):
+            q, k, v = self._moe.attention_inputs(j, w, h, batch.positions)
+            new_kv = join_kv(k, v)
+            o = self._attend(j, batch, past, q, k, v, new_kv)
+            h, x = self._moe.before_mlp(w, h, o)
+            return h, x, new_kv
+
+    def _experts(
+        self,
+        j: int,
+        w: Weights,
+        mids: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+        launch: Launch,
+    ) -> list[torch.Tensor]:
+        """MoE layer j's MLP over every GPU batch's rows at once, each expert run once for
+        the block (engine/executor/moe_block.py): each batch's layer output."""
+        assert self._moe is not None
+        source = BlockExperts(j, w, self.weights, launch, self.device, self.tracer)
+        try:
+            outs = self._moe.block_mlp(w, [x for _, x, _ in mids], source)
+        finally:
+            wait_all(source.pending())
+        return [h + out for (h, _, _), out in zip(mids, outs, strict=True)]
 
     # -- what has bytes to move ------------------------------------------------------------
 
@@ -285,7 +382,7 @@ class BlockPipeline:
 
     def _load_weights(self, j: int) -> Ready[Weights]:
         with self._copy_task("load_weight", "load", j):
-            return self.weights.load(j)
+            return self.weights.load(j, experts=not self._groups_experts(j))
 
     def _load_act(
         self, j: int, batch: GpuBatch, after: Future[None] | None

@@ -5,9 +5,20 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 T = TypeVar("T")
+
+
+class Launch(Protocol):
+    """Starts a load or store: on a copy thread when it has bytes to move, else inline."""
+
+    def __call__(self, moves: bool, fn: Callable[..., T], *args: Any) -> Future[T]: ...
+
+
+def inline(moves: bool, fn: Callable[..., T], *args: Any) -> Future[T]:
+    """The `Launch` of the sequential loop: everything here, now."""
+    return start(None, fn, *args)
 
 
 def start(thread: ThreadPoolExecutor | None, fn: Callable[..., T], *args: Any) -> Future[T]:

@@ -67,12 +67,16 @@ class Tracer:
         gpu_batch: int = 0,
         nano_batch: int = 0,
         host: bool = False,
+        expert: int | None = None,
     ) -> Iterator[None]:
         """Time the body as one event: on CUDA, device time on the current stream, unless
         `host` (work the CPU does itself, such as CPU attention) or the category is
-        cpu_attention; elsewhere the host clock."""
+        cpu_attention; elsewhere the host clock. `expert`: a MoE layer's routed expert the
+        event is about."""
         assert cat in CATEGORIES, cat
         args = {"layer": layer, "gpu_batch": gpu_batch, "nano_batch": nano_batch}
+        if expert is not None:
+            args["expert"] = expert
         on_device = self.cuda and not host and cat != "cpu_attention"
         if on_device:
             stream = torch.cuda.current_stream()
@@ -139,5 +143,6 @@ class NoTracer:
         gpu_batch: int = 0,
         nano_batch: int = 0,
         host: bool = False,
+        expert: int | None = None,
     ) -> AbstractContextManager[None]:
         return self._NULL

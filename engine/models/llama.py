@@ -162,10 +162,17 @@ class LlamaModel(Model):
         return q, k, v
 
     def attention_output(self, w: Weights, h: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
-        ops, eps = self.ops, self.config.norm_eps
-        attended = linear(o.reshape(o.shape[0], -1), w, "o")
-        h, x = ops.add_rms_norm(h.contiguous(), attended, w["ln2.weight"], eps)
+        h, x = self.before_mlp(w, h, o)
         return h + self.mlp(w, x)
+
+    def before_mlp(
+        self, w: Weights, h: torch.Tensor, o: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The attention's output projected and added to the residual stream: (the stream,
+        its normed rows for the MLP)."""
+        attended = linear(o.reshape(o.shape[0], -1), w, "o")
+        eps = self.config.norm_eps
+        return self.ops.add_rms_norm(h.contiguous(), attended, w["ln2.weight"], eps)
 
     def mlp(self, w: Weights, x: torch.Tensor) -> torch.Tensor:
         """The layer's MLP over normed states x (T, hidden) -> (T, hidden); mixture-of-experts

@@ -23,6 +23,8 @@ the layout above. A layer without a router (Qwen's `mlp_only_layers`) has the de
 from __future__ import annotations
 
 import re
+from contextlib import AbstractContextManager, nullcontext
+from typing import Protocol
 
 import torch
 
@@ -90,6 +92,39 @@ def route(logits: torch.Tensor, top_k: int, renormalise: bool) -> tuple[torch.Te
     return weights, ids
 
 
+class ExpertSource(Protocol):
+    """Where a MoE layer's computation gets its routed experts' weights: the layer's own
+    (every expert loaded with it), or loads started once the rows are routed
+    (engine/executor/moe_block.py)."""
+
+    def start(self, active: list[int]) -> None:
+        """The experts with rows, in the order they will run: begin fetching them."""
+
+    def weights(self, e: int) -> Weights:
+        """Expert e's weights (waits for its fetch)."""
+        ...
+
+    def computing(self, e: int) -> AbstractContextManager[None]:
+        """Around expert e's computation (a trace span)."""
+        ...
+
+
+class _WithLayer:
+    """The experts loaded with the layer's weights."""
+
+    def __init__(self, w: Weights) -> None:
+        self.w = w
+
+    def start(self, active: list[int]) -> None:
+        pass
+
+    def weights(self, e: int) -> Weights:
+        return self.w
+
+    def computing(self, e: int) -> AbstractContextManager[None]:
+        return nullcontext()
+
+
 class MoeModel(LlamaModel):
     """Qwen2-MoE, and the base of the other families: router weights cast to the model's dtype
     before they scale the experts' outputs."""
@@ -123,23 +158,44 @@ class MoeModel(LlamaModel):
     def mlp(self, w: Weights, x: torch.Tensor) -> torch.Tensor:
         if "router.weight" not in w:
             return super().mlp(w, x)  # a dense layer
+        return self.routed_mlp(w, x, _WithLayer(w))
+
+    def block_mlp(
+        self, w: Weights, xs: list[torch.Tensor], source: ExpertSource
+    ) -> list[torch.Tensor]:
+        """The MLP over several GPU batches' normed rows at once: a MoE layer groups all of
+        them per expert (each expert runs once for the block, its weights from `source`);
+        a dense layer runs each batch."""
+        if "router.weight" not in w:
+            return [super().mlp(w, x) for x in xs]
+        out = self.routed_mlp(w, torch.cat(xs) if len(xs) > 1 else xs[0], source)
+        return list(out.split([x.shape[0] for x in xs]))
+
+    def routed_mlp(self, w: Weights, x: torch.Tensor, source: ExpertSource) -> torch.Tensor:
         c = self.config
         weights, ids = route(linear(x, w, "router"), c.num_experts_per_tok, c.norm_topk_prob)
         if not self.ROUTER_WEIGHTS_F32:
             weights = weights.to(x.dtype)
-        out = self.experts(w, x, weights, ids)
+        out = self.experts(w, x, weights, ids, source)
         if "shared_gate.weight" in w:
             shared = swiglu(self.ops, w, x, "shared.")
             out = out + torch.sigmoid(linear(x, w, "shared_gate")) * shared
         return out
 
     def experts(
-        self, w: Weights, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+        self,
+        w: Weights,
+        x: torch.Tensor,
+        weights: torch.Tensor,
+        ids: torch.Tensor,
+        source: ExpertSource | None = None,
     ) -> torch.Tensor:
         """sum over each token's k experts of weight * expert(x), (T, hidden). The T * k
         (token, expert) pairs are sorted by expert, so each expert with tokens runs once, as
         one GEMM pair over all its rows; the results scaled and added back per token, in
-        expert order (as transformers adds them)."""
+        expert order (as transformers adds them). `source`: where each expert's weights
+        come from (default: `w`, the layer's)."""
+        source = source or _WithLayer(w)
         num_slots = ids.shape[1]
         flat = ids.flatten()  # (T * k,) the expert of each (token, slot)
         order = torch.argsort(flat, stable=True)  # slots grouped by expert, tokens in order
@@ -149,13 +205,16 @@ class MoeModel(LlamaModel):
         if picks is not None:  # the router's counts, for placing the most-picked experts
             picks += per_expert.to(picks.device)
         counts = per_expert.tolist()
+        source.start([e for e, count in enumerate(counts) if count])
         grouped = x[rows]  # (T * k, hidden)
         out = torch.empty_like(grouped)
         start = 0
         for e, count in enumerate(counts):
             if count:
                 end = start + count
-                out[start:end] = swiglu(self.ops, w, grouped[start:end], expert_prefix(e))
+                expert = source.weights(e)
+                with source.computing(e):
+                    out[start:end] = swiglu(self.ops, expert, grouped[start:end], expert_prefix(e))
                 start = end
         scaled = (out * weights.flatten()[order, None]).to(x.dtype)
         return torch.zeros_like(x).index_add_(0, rows, scaled)

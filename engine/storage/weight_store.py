@@ -58,6 +58,10 @@ def _rebuild(template: Stored, parts: list[torch.Tensor]) -> Stored:
     return parts[0]
 
 
+def _decoded(values: dict[str, Stored]) -> Weights:
+    return {k: dequantize(v) if isinstance(v, QuantizedTensor) else v for k, v in values.items()}
+
+
 def nbytes_of(value: Stored) -> int:
     return sum(p.numel() * p.element_size() for p in _parts(value))
 
@@ -298,21 +302,33 @@ class WeightStore:
                 out[unit.tier] += unit.nbytes
         return out
 
-    def load(self, j: int) -> Ready[Weights]:
+    def load(self, j: int, experts: bool = True) -> Ready[Weights]:
         """Layer j's weights on the compute device, dequantized (a MoE layer's with its
-        router counter, `PICKS`). Runs on a copy thread; on CUDA the copies go on this
-        thread's side stream and the returned event fences them."""
+        router counter, `PICKS`). `experts` False: of a MoE layer's routed experts only those
+        homed on the device (`load_expert` fetches the others). Runs on a copy thread; on
+        CUDA the copies go on this thread's side stream and the returned event fences them."""
         layer = self.layers[j]
+        units = layer.units() if experts else [layer, *self.resident_experts(j).values()]
         with self.device.on_copy_stream():
             values: dict[str, Stored] = {}
-            for unit in layer.units():
+            for unit in units:
                 values.update(self._on_device(unit))
-            weights = {
-                k: dequantize(v) if isinstance(v, QuantizedTensor) else v for k, v in values.items()
-            }
+            weights = _decoded(values)
             if layer.experts and self.picks is not None:
                 weights[PICKS] = self.picks.counts[j]
             return Ready(weights, self.device.record())
+
+    def resident_experts(self, j: int) -> dict[int, StoredLayer]:
+        """Layer j's routed experts homed on the device, uncompressed (used where they lie)."""
+        if self.compress:
+            return {}
+        return {e: u for e, u in self.layers[j].experts.items() if u.tier == "gpu"}
+
+    def load_expert(self, j: int, e: int) -> Ready[Weights]:
+        """Routed expert e of layer j on the compute device, dequantized (as `load`)."""
+        with self.device.on_copy_stream():
+            values = self._on_device(self.layers[j].experts[e])
+            return Ready(_decoded(values), self.device.record())
 
     def _on_device(self, unit: StoredLayer) -> dict[str, Stored]:
         if unit.tier == "gpu":

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
+from collections import Counter
 
 import pytest
 import torch
@@ -36,9 +38,11 @@ from tests.engine.tiny_models import (
 
 MOE_PLACEMENTS = {
     "all-on-device": {},
-    "weights-cpu": dict(weights_frac=(0.0, 1.0, 0.0)),
-    "weights-disk": dict(weights_frac=(0.0, 0.0, 1.0)),
+    "weights-cpu": dict(weights_frac=(0.0, 1.0, 0.0), experts_frac=(0.0, 1.0, 0.0)),
+    "weights-disk": dict(weights_frac=(0.0, 0.0, 1.0), experts_frac=(0.0, 0.0, 1.0)),
     "experts-cpu": dict(experts_frac=(0.0, 1.0, 0.0)),  # the policy's expert split
+    "experts-disk": dict(experts_frac=(0.0, 0.0, 1.0)),
+    "experts-split-3": dict(weights_frac=(0.0, 1.0, 0.0), experts_frac=(0.4, 0.3, 0.3)),
 }
 SLOW_PLACEMENTS = ("weights-split-3", "three-gpu-batches", "kv-act-mixed")
 """Placements of the dense families' tests also run here under `-m slow` (the MoE layer reads
@@ -361,31 +365,61 @@ def test_the_most_picked_experts_are_homed_on_the_device_first(
     assert run(model, prompts, policy, tmp_path) == expected
 
 
-def test_expert_weights_load_once_per_block_and_layer_beside_compute(
-    tiny_model, references, tmp_path
+def test_the_block_runs_each_expert_once_loading_only_the_routed_ones(
+    tiny_model, references, tmp_path, monkeypatch
 ):
-    """Weights on disk, three GPU batches: each layer's weights, its experts with them, are
-    loaded once per step for the whole block (never per GPU batch), and with overlap on the
-    next layer's load runs while this layer computes (the trace; none with it off); tokens
-    as transformers'."""
+    """Weights and experts on disk, three GPU batches: each layer's other weights load once
+    per step for the whole block and each batch's attention runs on them; then each expert
+    that some row of the block routes to is loaded once and runs once, over all the block's
+    rows routed to it (never per GPU batch), and an expert no row routes to is not loaded.
+    With overlap on, the next layer's weights load while this layer computes, and an
+    expert's load runs while another expert computes (disk reads slowed so that a load
+    outlasts a tiny expert's GEMMs); with it off, neither. Tokens as transformers'."""
     from engine import LLM, SamplingParams
+    from engine.storage.disk import DiskIO
     from tests.engine.executor.test_trace_overlap import overlapping
 
+    read = DiskIO.read
+
+    def slow_read(self, f, offset, out):  # type: ignore[no-untyped-def]
+        time.sleep(0.004)
+        return read(self, f, offset, out)
+
+    monkeypatch.setattr(DiskIO, "read", slow_read)
     prompts, expected = references("mixtral")
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     hits = {}
     for overlap in (True, False):
         path = tmp_path / f"trace-{overlap}.json"
         policy = Policy(
-            weights_frac=(0.0, 0.0, 1.0), gpu_batch_size=2, num_gpu_batches=3, overlap=overlap
+            weights_frac=(0.0, 0.0, 1.0),
+            experts_frac=(0.0, 0.0, 1.0),
+            gpu_batch_size=2,
+            num_gpu_batches=3,
+            overlap=overlap,
         )
         with LLM(str(tiny_model("mixtral")), policy=policy, device="cpu", trace=str(path)) as llm:
             assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
         events = [e for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "X"]
-        for j in {e["args"]["layer"] for e in events if e["cat"] == "compute"}:
-            loads = sum(e["name"] == "load_weight" and e["args"]["layer"] == j for e in events)
-            computes = sum(e["cat"] == "compute" and e["args"]["layer"] == j for e in events)
-            assert loads > 0 and computes == 3 * loads, (j, loads, computes)
-        hits[overlap], total = overlapping(events, "load_weight")
-        assert total > 10
-    assert hits[True] > 0 and hits[False] == 0, hits
+        steps = sum(e["name"] == "load_weight" and e["args"]["layer"] == 0 for e in events)
+        assert steps > 3
+        for j in range(1, 4):  # the MoE layers
+            mine = [e for e in events if e["args"]["layer"] == j]
+            assert sum(e["name"] == "load_weight" for e in mine) == steps
+            assert sum(e["name"] == "compute" for e in mine) == 3 * steps  # attention per batch
+            loads = Counter(e["args"]["expert"] for e in mine if e["name"] == "load_expert")
+            runs = Counter(e["args"]["expert"] for e in mine if e["name"] == "expert")
+            assert loads == runs and max(runs.values()) <= steps  # once a step, when routed
+            assert sum(runs.values()) < 8 * steps  # some step's block left an expert out
+        overlap_hits = 0
+        for run_ in (e for e in events if e["name"] == "expert"):
+            overlap_hits += any(
+                e["name"] == "load_expert"
+                and e["args"]["layer"] == run_["args"]["layer"]
+                and e["args"]["expert"] != run_["args"]["expert"]
+                and e["ts"] < run_["ts"] + run_["dur"]
+                and run_["ts"] < e["ts"] + e["dur"]
+                for e in events
+            )
+        hits[overlap] = (overlapping(events, "load_weight")[0], overlap_hits)
+    assert hits[True][0] > 0 and hits[True][1] > 0 and hits[False] == (0, 0), hits

@@ -1,0 +1,63 @@
+"""`BlockExperts`: where one MoE layer's routed experts come from when the whole block's rows
+are grouped per expert (`BlockPipeline`, engine/executor/pipeline.py).
+
+The block schedule at expert granularity (MoE-Gen's module-based batching, FlexGen's zig-zag
+block): every GPU batch of the step runs the layer's attention first; then the block's rows,
+all of them, are routed and grouped by expert, and each expert with rows runs once, one GEMM
+pair over every row of the block routed to it. Experts homed on the compute device are used
+where they lie; each other expert with rows is loaded once for the block, on a load thread,
+in the order the experts run, so the next expert's load runs while this one computes; an
+expert no row of the block routes to is not loaded at all. (The layer's other weights,
+attention and router, load with the layer, beside the previous layer's compute, as a dense
+layer's do.)
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from contextlib import AbstractContextManager
+
+from engine.executor.tasks import Launch
+from engine.executor.trace import NoTracer, Tracer
+from engine.models.base import Weights
+from engine.storage.device import Device, Ready
+from engine.storage.weight_store import WeightStore
+
+
+class BlockExperts:
+    """The `ExpertSource` of MoE layer `j` in one step (engine/models/moe.py)."""
+
+    def __init__(
+        self,
+        j: int,
+        w: Weights,
+        store: WeightStore,
+        launch: Launch,
+        device: Device,
+        tracer: Tracer | NoTracer,
+    ) -> None:
+        self.j, self.w, self.store, self.device, self.tracer = j, w, store, device, tracer
+        self.launch = launch
+        self._loads: dict[int, Future[Ready[Weights]]] = {}
+
+    def start(self, active: list[int]) -> None:
+        resident = self.store.resident_experts(self.j)
+        for e in active:
+            if e not in resident:
+                self._loads[e] = self.launch(True, self._load, e)
+
+    def _load(self, e: int) -> Ready[Weights]:
+        span = self.tracer.span("load_expert", "load", self.j, expert=e)
+        with self.device.on_copy_stream(), span:
+            return self.store.load_expert(self.j, e)
+
+    def weights(self, e: int) -> Weights:
+        load = self._loads.pop(e, None)
+        return self.w if load is None else self.device.wait(load.result())
+
+    def computing(self, e: int) -> AbstractContextManager[None]:
+        return self.tracer.span("expert", "compute", self.j, expert=e)
+
+    def pending(self) -> list[Future[Ready[Weights]]]:
+        """Loads started and not used (a failure part-way): waited for before the step ends."""
+        return list(self._loads.values())
