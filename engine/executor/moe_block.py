@@ -10,6 +10,11 @@ in the order the experts run, so the next expert's load runs while this one comp
 expert no row of the block routes to is not loaded at all. (The layer's other weights,
 attention and router, load with the layer, beside the previous layer's compute, as a dense
 layer's do.)
+
+When the block has so many rows that it will route to nearly every expert anyway (the
+expected distinct experts, `E (1 - (1 - k/E)^T)` for T rows, at least `LOAD_ALL_SHARE` of
+them), the experts load with the layer instead: all of them, beside the previous layer's
+compute, which hides more of the transfer than the loads within the layer can.
 """
 
 from __future__ import annotations
@@ -20,8 +25,21 @@ from contextlib import AbstractContextManager
 from engine.executor.tasks import Launch
 from engine.executor.trace import NoTracer, Tracer
 from engine.models.base import Weights
+from engine.models.config import ModelConfig
+from engine.models.moe import expert_prefix
 from engine.storage.device import Device, Ready
 from engine.storage.weight_store import WeightStore
+from policy.moe import expected_distinct_experts
+
+LOAD_ALL_SHARE = 0.9
+"""A block expected to route to at least this share of a layer's experts loads them all with
+the layer (before routing, beside the previous layer's compute)."""
+
+
+def loads_all_experts(config: ModelConfig, num_rows: int) -> bool:
+    """A block of `num_rows` rows loads every expert with its layer (see the module)."""
+    e, k = config.num_experts, config.num_experts_per_tok
+    return expected_distinct_experts(e, k, num_rows) >= LOAD_ALL_SHARE * e
 
 
 class BlockExperts:
@@ -41,9 +59,8 @@ class BlockExperts:
         self._loads: dict[int, Future[Ready[Weights]]] = {}
 
     def start(self, active: list[int]) -> None:
-        resident = self.store.resident_experts(self.j)
         for e in active:
-            if e not in resident:
+            if f"{expert_prefix(e)}down.weight" not in self.w:  # not resident, not loaded
                 self._loads[e] = self.launch(True, self._load, e)
 
     def _load(self, e: int) -> Ready[Weights]:

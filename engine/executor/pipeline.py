@@ -33,7 +33,7 @@ from engine.executor.attention import (
 )
 from engine.executor.cuda_graphs import GraphRunner, StepGraphs
 from engine.executor.gpu_batch import AttentionGroup, GpuBatch
-from engine.executor.moe_block import BlockExperts
+from engine.executor.moe_block import BlockExperts, loads_all_experts
 from engine.executor.nano_overlap import NanoOverlap
 from engine.executor.tasks import Launch, inline, start, wait_all
 from engine.executor.trace import NoTracer, Tracer
@@ -108,7 +108,7 @@ class BlockPipeline:
         self.act_bytes = {"gpu": 0, "cpu": 0, "disk": 0}
         """Peak bytes of between-layer activations homed on each tier."""
         self._moe = model if isinstance(model, MoeModel) else None
-        self._grouped = False
+        self._grouped = self._routed_loads = False
 
     def close(self) -> None:
         self._loads.shutdown(wait=True)
@@ -126,6 +126,10 @@ class BlockPipeline:
         self._grouped = self._moe is not None and not any(b.nano_batches for b in batches)
         """This step groups each MoE layer's rows per expert over the whole block (with
         nano-batches each one's MLP routes its own rows, its experts loaded with the layer)."""
+        num_rows = sum(b.num_tokens for b in batches)
+        self._routed_loads = self._grouped and not loads_all_experts(self.model.config, num_rows)
+        """This step loads a MoE layer's experts off the device once routed, only those with
+        rows (else all of them with the layer: engine/executor/moe_block.py)."""
         self._replaying = None
         if self.graphs is not None and GraphRunner.applies(batches):
             self._replaying = self.graphs.begin(batches[0])
@@ -382,7 +386,8 @@ class BlockPipeline:
 
     def _load_weights(self, j: int) -> Ready[Weights]:
         with self._copy_task("load_weight", "load", j):
-            return self.weights.load(j, experts=not self._groups_experts(j))
+            routed_later = self._routed_loads and self._groups_experts(j)
+            return self.weights.load(j, experts=not routed_later)
 
     def _load_act(
         self, j: int, batch: GpuBatch, after: Future[None] | None
