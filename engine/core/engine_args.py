@@ -173,6 +173,10 @@ class EngineArgs:
     )
     """With `Policy.num_nano_batches` > 1, overlap the nano-batches' operations; False runs
     them one after another (NanoFlow's nano-batch-only baseline, for ablations)."""
+    cpu_expert_rows: int | None = None
+    """With `Policy.cpu_experts`: the most rows of a block for which a MoE expert homed in
+    host memory runs on the CPU; None: the cost model's break-even on the cached hardware
+    profile (engine/executor/moe_block.py)."""
     batch_sizes: tuple[int, ...] | None = None
     """The discrete sizes; None: from the rows up to which the cached hardware profile's
     dense step stays flat (`nanoflex profile`; `scheduler.discrete_sizes`), or as if it

@@ -18,6 +18,7 @@ from engine.core.dtypes import checkpoint_dtype
 from engine.core.engine_args import EngineArgs
 from engine.core.kv_pages import PageManager
 from engine.core.offload_dir import OffloadDirError, OffloadDirLock, lock_offload_dir
+from engine.core.planning import cached_hardware, model_spec
 from engine.core.protocol import (
     EngineInfo,
     Placement,
@@ -57,6 +58,7 @@ from engine.storage.kv_store import KVStore
 from engine.storage.quant import KVRowCodec
 from engine.storage.weight_store import WeightStore
 from policy import TIERS, Policy
+from policy.moe import cpu_expert_break_even
 from policy.prefix import PAGE_TOKENS
 from policy.units import format_bytes
 
@@ -91,6 +93,10 @@ class Executor:
     hot_experts: a MoE model's routed experts are homed most-picked first (the router's
         counts, kept with the model's cache: engine/storage/expert_picks.py), so the fastest
         tier holds the experts used most; False homes them in index order.
+    cpu_expert_rows: with `policy.cpu_experts`, a MoE expert homed in host memory that at
+        most this many rows of a block route to runs on the CPU instead of being copied
+        (engine/executor/moe_block.py); None: the cost model's break-even on the cached
+        hardware profile (`nanoflex profile`; without one, never).
     on_progress: called with (layers loaded, layers) while the weights load (the engine
         process reports it to the daemon); None: `show_progress` decides.
     """
@@ -115,6 +121,7 @@ class Executor:
         native_kernels: bool = True,
         prepack_weights: bool = True,
         hot_experts: bool = True,
+        cpu_expert_rows: int | None = None,
         on_progress: Callable[[int, int], None] | None = None,
     ) -> None:
         self.policy = policy
@@ -123,11 +130,6 @@ class Executor:
         hf_config = read_hf_config(self.model_dir)
         self.config = ModelConfig.from_hf(hf_config)
         self.model = build_model(self.config)
-        if policy.cpu_experts and self.config.is_moe:
-            logging.getLogger("nanoflex.engine").warning(
-                "cpu_experts: computing CPU-homed experts on the CPU is not implemented yet; "
-                "every expert runs on the compute device"
-            )
         native = native_kernels and not self.device.is_cuda
         if native:
             self.model.dense_ops = dense_ops()
@@ -217,6 +219,7 @@ class Executor:
             if policy.num_nano_batches > 1
             else None,
             kernels=paged_kernels() if native else None,
+            cpu_expert_rows=self._cpu_expert_rows(cpu_expert_rows),
         )
         self.sampler = StepSampler(
             self.model_dir,
@@ -255,6 +258,23 @@ class Executor:
         print(f"\rloading {self.model_dir.name}: layer {done}/{total}", end="", file=sys.stderr)
         if done == total:
             print(file=sys.stderr)
+
+    def _cpu_expert_rows(self, given: int | None) -> int:
+        """The most rows for which a CPU-homed expert runs on the CPU (0: never)."""
+        if not (self.policy.cpu_experts and self.config.is_moe):
+            return 0
+        if given is not None:
+            return given
+        hardware = cached_hardware()
+        if hardware is None:
+            logging.getLogger("nanoflex.engine").warning(
+                "cpu_experts: no hardware profile to weigh CPU compute against copies "
+                "(run `nanoflex profile`); every expert runs on the compute device"
+            )
+            return 0
+        spec = model_spec(self.model_dir, str(self.device.device), str(self.dtype)[6:])
+        threads = self.policy.num_cpu_threads
+        return cpu_expert_break_even(spec, hardware, threads, self.policy.compress_weights)
 
     def _expert_picks(self) -> ExpertPicks | None:
         """A MoE model's router counts, from the model's cache (empty the first time)."""
@@ -551,6 +571,7 @@ def build_executor(
         native_kernels=args.native_kernels,
         prepack_weights=args.prepack_weights,
         hot_experts=args.hot_experts,
+        cpu_expert_rows=args.cpu_expert_rows,
         on_progress=on_progress,
     )
 

@@ -15,18 +15,25 @@ When the block has so many rows that it will route to nearly every expert anyway
 expected distinct experts, `E (1 - (1 - k/E)^T)` for T rows, at least `LOAD_ALL_SHARE` of
 them), the experts load with the layer instead: all of them, beside the previous layer's
 compute, which hides more of the transfer than the loads within the layer can.
+
+An expert homed in host memory that few rows route to runs on the CPU, where it lies,
+instead of crossing PCIe (KTransformers, Fiddler, llama.cpp's `--n-cpu-moe`): when its rows
+are at most the break-even of the cost model (`policy.moe.cpu_expert_break_even`: the CPU's
+time for them against the copy's), with `Policy.cpu_experts` on. Its rows go to the host
+and its output back; on a CPU-only box both paths run on the same memory.
 """
 
 from __future__ import annotations
 
 from concurrent.futures import Future
-from contextlib import AbstractContextManager
+
+import torch
 
 from engine.executor.tasks import Launch
 from engine.executor.trace import NoTracer, Tracer
 from engine.models.base import Weights
 from engine.models.config import ModelConfig
-from engine.models.moe import expert_prefix
+from engine.models.moe import ExpertFn, expert_prefix
 from engine.storage.device import Device, Ready
 from engine.storage.weight_store import WeightStore
 from policy.moe import expected_distinct_experts
@@ -43,7 +50,9 @@ def loads_all_experts(config: ModelConfig, num_rows: int) -> bool:
 
 
 class BlockExperts:
-    """The `ExpertSource` of MoE layer `j` in one step (engine/models/moe.py)."""
+    """The `ExpertSource` of MoE layer `j` in one step (engine/models/moe.py). `cpu_rows`: an
+    expert homed in host memory with at most this many rows runs there, on the CPU, instead
+    of being copied to the compute device (0: never)."""
 
     def __init__(
         self,
@@ -53,27 +62,36 @@ class BlockExperts:
         launch: Launch,
         device: Device,
         tracer: Tracer | NoTracer,
+        cpu_rows: int = 0,
     ) -> None:
         self.j, self.w, self.store, self.device, self.tracer = j, w, store, device, tracer
-        self.launch = launch
+        self.launch, self.cpu_rows = launch, cpu_rows
         self._loads: dict[int, Future[Ready[Weights]]] = {}
+        self._on_cpu: set[int] = set()
 
-    def start(self, active: list[int]) -> None:
-        for e in active:
-            if f"{expert_prefix(e)}down.weight" not in self.w:  # not resident, not loaded
-                self._loads[e] = self.launch(True, self._load, e)
+    def start(self, active: dict[int, int]) -> None:
+        homes = self.store.layers[self.j].experts
+        for e, rows in active.items():
+            if f"{expert_prefix(e)}down.weight" in self.w:  # resident, or loaded with the layer
+                continue
+            if homes[e].tier == "cpu" and rows <= self.cpu_rows:
+                self._on_cpu.add(e)  # fewer rows than the copy is worth: computed where it lies
+                continue
+            self._loads[e] = self.launch(True, self._load, e)
 
     def _load(self, e: int) -> Ready[Weights]:
         span = self.tracer.span("load_expert", "load", self.j, expert=e)
         with self.device.on_copy_stream(), span:
             return self.store.load_expert(self.j, e)
 
-    def weights(self, e: int) -> Weights:
+    def run(self, e: int, x: torch.Tensor, fn: ExpertFn) -> torch.Tensor:
+        if e in self._on_cpu:
+            with self.tracer.span("cpu_expert", "cpu_expert", self.j, expert=e):
+                return fn(self.store.host_expert(self.j, e), x.cpu()).to(x.device)
         load = self._loads.pop(e, None)
-        return self.w if load is None else self.device.wait(load.result())
-
-    def computing(self, e: int) -> AbstractContextManager[None]:
-        return self.tracer.span("expert", "compute", self.j, expert=e)
+        w = self.w if load is None else self.device.wait(load.result())
+        with self.tracer.span("expert", "compute", self.j, expert=e):
+            return fn(w, x)
 
     def pending(self) -> list[Future[Ready[Weights]]]:
         """Loads started and not used (a failure part-way): waited for before the step ends."""

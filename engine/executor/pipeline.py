@@ -86,6 +86,7 @@ class BlockPipeline:
         graphs: GraphRunner | None = None,
         nano: NanoOverlap | None = None,
         kernels: PagedKernels | None = None,
+        cpu_expert_rows: int = 0,
     ) -> None:
         self.model, self.weights, self.kv, self.device, self.disk = model, weights, kv, device, disk
         self.overlap, self.dtype = overlap, dtype
@@ -107,6 +108,9 @@ class BlockPipeline:
         self._stores = ThreadPoolExecutor(num_store_threads, thread_name_prefix="nanoflex-store")
         self.act_bytes = {"gpu": 0, "cpu": 0, "disk": 0}
         """Peak bytes of between-layer activations homed on each tier."""
+        self.cpu_expert_rows = cpu_expert_rows
+        """A MoE expert homed in host memory with at most this many rows in a block runs on
+        the CPU (engine/executor/moe_block.py); 0: never."""
         self._moe = model if isinstance(model, MoeModel) else None
         self._grouped = self._routed_loads = False
 
@@ -314,7 +318,9 @@ class BlockPipeline:
         """MoE layer j's MLP over every GPU batch's rows at once, each expert run once for
         the block (engine/executor/moe_block.py): each batch's layer output."""
         assert self._moe is not None
-        source = BlockExperts(j, w, self.weights, launch, self.device, self.tracer)
+        source = BlockExperts(
+            j, w, self.weights, launch, self.device, self.tracer, self.cpu_expert_rows
+        )
         try:
             outs = self._moe.block_mlp(w, [x for _, x, _ in mids], source)
         finally:
@@ -386,8 +392,10 @@ class BlockPipeline:
 
     def _load_weights(self, j: int) -> Ready[Weights]:
         with self._copy_task("load_weight", "load", j):
-            routed_later = self._routed_loads and self._groups_experts(j)
-            return self.weights.load(j, experts=not routed_later)
+            grouped = self._groups_experts(j)
+            with_layer = not (grouped and self._routed_loads)
+            host_later = grouped and self.cpu_expert_rows > 0  # may run on the CPU
+            return self.weights.load(j, experts=with_layer, host_experts=not host_later)
 
     def _load_act(
         self, j: int, batch: GpuBatch, after: Future[None] | None

@@ -21,7 +21,9 @@ from typing import Any
 
 import torch
 
-CATEGORIES = ("load", "store", "compute", "cpu_attention")
+CATEGORIES = ("load", "store", "compute", "cpu_attention", "cpu_expert")
+HOST_CATEGORIES = ("cpu_attention", "cpu_expert")
+"""Work the CPU does itself: timed on the host clock, on CUDA too."""
 
 
 @dataclass(slots=True)
@@ -70,14 +72,14 @@ class Tracer:
         expert: int | None = None,
     ) -> Iterator[None]:
         """Time the body as one event: on CUDA, device time on the current stream, unless
-        `host` (work the CPU does itself, such as CPU attention) or the category is
-        cpu_attention; elsewhere the host clock. `expert`: a MoE layer's routed expert the
+        `host` (work the CPU does itself, such as CPU attention) or the category is one of
+        `HOST_CATEGORIES`; elsewhere the host clock. `expert`: a MoE layer's routed expert the
         event is about."""
         assert cat in CATEGORIES, cat
         args = {"layer": layer, "gpu_batch": gpu_batch, "nano_batch": nano_batch}
         if expert is not None:
             args["expert"] = expert
-        on_device = self.cuda and not host and cat != "cpu_attention"
+        on_device = self.cuda and not host and cat not in HOST_CATEGORIES
         if on_device:
             stream = torch.cuda.current_stream()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -23,7 +23,7 @@ the layout above. A layer without a router (Qwen's `mlp_only_layers`) has the de
 from __future__ import annotations
 
 import re
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -92,37 +92,34 @@ def route(logits: torch.Tensor, top_k: int, renormalise: bool) -> tuple[torch.Te
     return weights, ids
 
 
+ExpertFn = Callable[[Weights, torch.Tensor], torch.Tensor]
+"""One expert's computation: (its weights, its rows) -> its output rows."""
+
+
 class ExpertSource(Protocol):
-    """Where a MoE layer's computation gets its routed experts' weights: the layer's own
-    (every expert loaded with it), or loads started once the rows are routed
-    (engine/executor/moe_block.py)."""
+    """Where a MoE layer's routed experts run and get their weights: with the layer's own
+    (every expert loaded with it), or as engine/executor/moe_block.py decides once the rows
+    are routed (loaded then, or run on the CPU where they lie)."""
 
-    def start(self, active: list[int]) -> None:
-        """The experts with rows, in the order they will run: begin fetching them."""
+    def start(self, active: dict[int, int]) -> None:
+        """The experts with rows (expert -> rows), in the order they will run."""
 
-    def weights(self, e: int) -> Weights:
-        """Expert e's weights (waits for its fetch)."""
-        ...
-
-    def computing(self, e: int) -> AbstractContextManager[None]:
-        """Around expert e's computation (a trace span)."""
+    def run(self, e: int, x: torch.Tensor, fn: ExpertFn) -> torch.Tensor:
+        """Expert e's output rows for its rows x."""
         ...
 
 
 class _WithLayer:
-    """The experts loaded with the layer's weights."""
+    """The experts loaded with the layer's weights, run where the layer runs."""
 
     def __init__(self, w: Weights) -> None:
         self.w = w
 
-    def start(self, active: list[int]) -> None:
+    def start(self, active: dict[int, int]) -> None:
         pass
 
-    def weights(self, e: int) -> Weights:
-        return self.w
-
-    def computing(self, e: int) -> AbstractContextManager[None]:
-        return nullcontext()
+    def run(self, e: int, x: torch.Tensor, fn: ExpertFn) -> torch.Tensor:
+        return fn(self.w, x)
 
 
 class MoeModel(LlamaModel):
@@ -205,16 +202,19 @@ class MoeModel(LlamaModel):
         if picks is not None:  # the router's counts, for placing the most-picked experts
             picks += per_expert.to(picks.device)
         counts = per_expert.tolist()
-        source.start([e for e, count in enumerate(counts) if count])
+        source.start({e: count for e, count in enumerate(counts) if count})
         grouped = x[rows]  # (T * k, hidden)
         out = torch.empty_like(grouped)
         start = 0
         for e, count in enumerate(counts):
             if count:
                 end = start + count
-                expert = source.weights(e)
-                with source.computing(e):
-                    out[start:end] = swiglu(self.ops, expert, grouped[start:end], expert_prefix(e))
+                prefix = expert_prefix(e)
+
+                def expert(w: Weights, rows: torch.Tensor, prefix: str = prefix) -> torch.Tensor:
+                    return swiglu(self.ops, w, rows, prefix)
+
+                out[start:end] = source.run(e, grouped[start:end], expert)
                 start = end
         scaled = (out * weights.flatten()[order, None]).to(x.dtype)
         return torch.zeros_like(x).index_add_(0, rows, scaled)

@@ -302,13 +302,16 @@ class WeightStore:
                 out[unit.tier] += unit.nbytes
         return out
 
-    def load(self, j: int, experts: bool = True) -> Ready[Weights]:
+    def load(self, j: int, experts: bool = True, host_experts: bool = True) -> Ready[Weights]:
         """Layer j's weights on the compute device, dequantized (a MoE layer's with its
         router counter, `PICKS`). `experts` False: of a MoE layer's routed experts only those
-        homed on the device (`load_expert` fetches the others). Runs on a copy thread; on
+        homed on the device; `host_experts` False: all but those homed in host memory
+        (`load_expert` fetches the others, or they run on the CPU). Runs on a copy thread; on
         CUDA the copies go on this thread's side stream and the returned event fences them."""
         layer = self.layers[j]
-        units = layer.units() if experts else [layer, *self.resident_experts(j).values()]
+        units = [layer, *self.resident_experts(j).values()]
+        if experts:
+            units = [layer, *(u for u in layer.experts.values() if host_experts or u.tier != "cpu")]
         with self.device.on_copy_stream():
             values: dict[str, Stored] = {}
             for unit in units:
@@ -329,6 +332,13 @@ class WeightStore:
         with self.device.on_copy_stream():
             values = self._on_device(self.layers[j].experts[e])
             return Ready(_decoded(values), self.device.record())
+
+    def host_expert(self, j: int, e: int) -> Weights:
+        """Routed expert e of layer j, homed in host memory, as it lies there (dequantized
+        on the CPU if compressed): for running it on the CPU."""
+        unit = self.layers[j].experts[e]
+        assert unit.tier == "cpu", unit.tier
+        return _decoded(unit.values)
 
     def _on_device(self, unit: StoredLayer) -> dict[str, Stored]:
         if unit.tier == "gpu":

@@ -436,3 +436,46 @@ def test_the_block_runs_each_expert_once_loading_only_the_routed_ones(
             )
         hits[overlap] = (overlapping(events, "load_weight")[0], overlap_hits)
     assert hits[True][0] > 0 and hits[True][1] > 0 and hits[False] == (0, 0), hits
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe"])
+def test_experts_homed_on_the_cpu_run_there_when_few_rows_reach_them(
+    tiny_model, references, tmp_path, kind
+):
+    """Experts homed in host memory, cpu_experts on: an expert that at most `cpu_expert_rows`
+    rows of a block route to runs on the CPU where it lies (a cpu_expert span, no load); one
+    with more is loaded and run on the compute device. Every expert on the CPU, none, and a
+    threshold between (both kinds in one run), and cpu_experts off (the switch: never, however
+    high the threshold) all give transformers' tokens."""
+    from engine import LLM, SamplingParams
+
+    prompts, expected = references(kind)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    cases = [(True, 10**6), (True, 0), (True, 2), (False, 10**6)]
+    for cpu_experts, rows in cases:
+        path = tmp_path / f"trace-{cpu_experts}-{rows}.json"
+        policy = Policy(
+            experts_frac=(0.0, 1.0, 0.0),
+            cpu_experts=cpu_experts,
+            gpu_batch_size=2,
+            num_gpu_batches=3,
+        )
+        with LLM(
+            str(tiny_model(kind)),
+            policy=policy,
+            device="cpu",
+            trace=str(path),
+            cpu_expert_rows=rows,
+        ) as llm:
+            got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        assert got == expected, (cpu_experts, rows)
+        events = [e for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "X"]
+        on_cpu = sum(e["name"] == "cpu_expert" for e in events)
+        on_device = sum(e["name"] == "expert" for e in events)
+        loaded = sum(e["name"] == "load_expert" for e in events)
+        if not cpu_experts or rows == 0:
+            assert on_cpu == 0 and on_device > 0, (cpu_experts, rows)
+        elif rows == 10**6:
+            assert on_cpu > 0 and on_device == loaded == 0
+        else:
+            assert on_cpu > 0 and on_device > 0 and loaded > 0
