@@ -166,6 +166,15 @@ class EngineArgs:
     )
     """A MoE model's routed experts are homed most-picked first (engine/storage/
     expert_picks.py); False keeps index order (the ablation)."""
+    group_experts: bool = cli(
+        True,
+        "group a mixture-of-experts layer's rows per expert over the whole block, loading "
+        "only the routed experts; off routes each GPU batch's rows alone, every expert "
+        "loaded with its layer (default: on)",
+    )
+    """A MoE layer's rows grouped per expert over the whole block, each expert off the
+    device loaded once routed (engine/executor/moe_block.py); False: each GPU batch routes
+    its own rows, the layer's experts loaded with it (the ablation)."""
     nano_batch_overlap: bool = cli(
         True,
         "with num_nano_batches > 1, overlap the nano-batches' operations; off runs "

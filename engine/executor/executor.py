@@ -93,6 +93,9 @@ class Executor:
     hot_experts: a MoE model's routed experts are homed most-picked first (the router's
         counts, kept with the model's cache: engine/storage/expert_picks.py), so the fastest
         tier holds the experts used most; False homes them in index order.
+    group_experts: a MoE layer's rows are grouped per expert over the whole block, each
+        expert off the device loaded once routed (engine/executor/moe_block.py); False: each
+        GPU batch routes its own rows, the layer's experts loaded with it.
     cpu_expert_rows: with `policy.cpu_experts`, a MoE expert homed in host memory that at
         most this many rows of a block route to runs on the CPU instead of being copied
         (engine/executor/moe_block.py); None: the cost model's break-even on the cached
@@ -121,6 +124,7 @@ class Executor:
         native_kernels: bool = True,
         prepack_weights: bool = True,
         hot_experts: bool = True,
+        group_experts: bool = True,
         cpu_expert_rows: int | None = None,
         on_progress: Callable[[int, int], None] | None = None,
     ) -> None:
@@ -220,6 +224,7 @@ class Executor:
             else None,
             kernels=paged_kernels() if native else None,
             cpu_expert_rows=self._cpu_expert_rows(cpu_expert_rows),
+            group_experts=group_experts,
         )
         self.sampler = StepSampler(
             self.model_dir,
@@ -571,6 +576,7 @@ def build_executor(
         native_kernels=args.native_kernels,
         prepack_weights=args.prepack_weights,
         hot_experts=args.hot_experts,
+        group_experts=args.group_experts,
         cpu_expert_rows=args.cpu_expert_rows,
         on_progress=on_progress,
     )

@@ -87,6 +87,7 @@ class BlockPipeline:
         nano: NanoOverlap | None = None,
         kernels: PagedKernels | None = None,
         cpu_expert_rows: int = 0,
+        group_experts: bool = True,
     ) -> None:
         self.model, self.weights, self.kv, self.device, self.disk = model, weights, kv, device, disk
         self.overlap, self.dtype = overlap, dtype
@@ -111,6 +112,8 @@ class BlockPipeline:
         self.cpu_expert_rows = cpu_expert_rows
         """A MoE expert homed in host memory with at most this many rows in a block runs on
         the CPU (engine/executor/moe_block.py); 0: never."""
+        self.group_experts = group_experts
+        """MoE layers group the whole block's rows per expert (else each GPU batch's alone)."""
         self._moe = model if isinstance(model, MoeModel) else None
         self._grouped = self._routed_loads = False
 
@@ -127,7 +130,11 @@ class BlockPipeline:
         `moves` (cached pages spilled down or loaded back up) are applied layer by layer
         before that layer's KV is read or written."""
         self._moves = list(moves)
-        self._grouped = self._moe is not None and not any(b.nano_batches for b in batches)
+        self._grouped = (
+            self._moe is not None
+            and self.group_experts
+            and not any(b.nano_batches for b in batches)
+        )
         """This step groups each MoE layer's rows per expert over the whole block (with
         nano-batches each one's MLP routes its own rows, its experts loaded with the layer)."""
         num_rows = sum(b.num_tokens for b in batches)

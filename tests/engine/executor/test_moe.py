@@ -479,3 +479,25 @@ def test_experts_homed_on_the_cpu_run_there_when_few_rows_reach_them(
             assert on_cpu > 0 and on_device == loaded == 0
         else:
             assert on_cpu > 0 and on_device > 0 and loaded > 0
+
+
+def test_grouping_per_expert_off_routes_each_gpu_batch_alone(tiny_model, references, tmp_path):
+    """The ablation's switch: group_experts off, each GPU batch's rows are routed and grouped
+    alone, the layer's experts loaded with it (no expert loads or expert spans of their own
+    in the trace); tokens as transformers'."""
+    from engine import LLM, SamplingParams
+
+    prompts, expected = references("mixtral")
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    path = tmp_path / "trace.json"
+    policy = Policy(experts_frac=(0.0, 0.0, 1.0), gpu_batch_size=2, num_gpu_batches=3)
+    with LLM(
+        str(tiny_model("mixtral")),
+        policy=policy,
+        device="cpu",
+        trace=str(path),
+        group_experts=False,
+    ) as llm:
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
+    names = {e["name"] for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "X"}
+    assert "load_weight" in names and not names & {"expert", "load_expert", "cpu_expert"}
