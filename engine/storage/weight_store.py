@@ -171,8 +171,9 @@ class WeightStore:
         moe_layers = [j for j, e in enumerate(expert_bytes) if e]
         self.picks = picks
         order = [(j, e) for j in moe_layers for e in range(self.num_experts)]
-        if picks is not None and hot_experts:
-            order = [u for u in picks.hottest_first() if u[0] in set(moe_layers)]
+        if picks is not None and hot_experts:  # most picked first; uncounted ones last
+            rank = {unit: i for i, unit in enumerate(picks.hottest_first())}
+            order.sort(key=lambda unit: rank.get(unit, len(rank)))
         self._expert_bytes = {j: expert_bytes[j] // max(self.num_experts, 1) for j in moe_layers}
         homes = assign_tiers(
             [self._expert_bytes[j] for j, _ in order], experts_frac or weights_frac
