@@ -6,9 +6,9 @@ the same at the thousandth as at the first, and a tokenizer that reads a token b
 neighbours (a leading space, the bytes of one character) sees the same ones as a decode of
 the whole output. Text that ends inside a multi-byte character waits for its last byte.
 A decoder that offers a `stepper` (the served tokenizer: tokenizers' `DecodeStream`, the
-same method in Rust, 0.6 against 1.4 us a token) decodes with it; a stepper that fails
-(tokenizers refuses a prefix it cannot extend) hands over to the window, which then starts
-from every output token read so far.
+same method in Rust, 0.6 against 1.4 us a token) decodes with it; after a stepper fails
+(tokenizers refuses a prefix it cannot extend), that output is decoded whole at each call
+from then on, exact but O(n) a token. A decoder without a stepper uses the window.
 
 Stop strings are searched only where a new one can end, and the last `longest stop - 1`
 characters are held back until the next token shows they do not start one: so the pieces

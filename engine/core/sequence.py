@@ -212,8 +212,10 @@ class Sequence:
             return self.delta(token_ids, text, logprobs)
         if text:
             self._pieces.append(text)
-        if logprobs:
-            self._logprobs = [*(self._logprobs or []), *logprobs]
+        if logprobs:  # appended in place: a copy per token would cost O(n^2) over a choice
+            if self._logprobs is None:
+                self._logprobs = []
+            self._logprobs.extend(logprobs)
         if not self.is_finished:
             return None
         output = self.output_token_ids

@@ -100,8 +100,8 @@ class Tokenizer:
             )
         self._tokenizer = HFTokenizer.from_file(str(path))
         self._one: dict[int, str] = {}
-        """The text of single tokens, decoded once each (at most the vocabulary): the
-        incremental detokenizer decodes the token it read last on its own at every step."""
+        """The text of single tokens, decoded once each (at most the vocabulary): logprobs
+        name each sampled and top candidate token on its own."""
         config_path = model_dir / "tokenizer_config.json"
         config: dict[str, Any] = {}
         if config_path.is_file():

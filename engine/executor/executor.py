@@ -277,7 +277,9 @@ class Executor:
                 "(run `nanoflex profile`); every expert runs on the compute device"
             )
             return 0
-        spec = model_spec(self.model_dir, str(self.device.device), str(self.dtype)[6:])
+        spec = model_spec(
+            self.model_dir, str(self.device.device), str(self.dtype).removeprefix("torch.")
+        )
         threads = self.policy.num_cpu_threads
         return cpu_expert_break_even(spec, hardware, threads, self.policy.compress_weights)
 

@@ -160,11 +160,8 @@ class MoeModel(LlamaModel):
     def block_mlp(
         self, w: Weights, xs: list[torch.Tensor], source: ExpertSource
     ) -> list[torch.Tensor]:
-        """The MLP over several GPU batches' normed rows at once: a MoE layer groups all of
-        them per expert (each expert runs once for the block, its weights from `source`);
-        a dense layer runs each batch."""
-        if "router.weight" not in w:
-            return [super().mlp(w, x) for x in xs]
+        """The MoE MLP over several GPU batches' normed rows at once, grouped per expert
+        (each expert runs once for the block, as `source` says)."""
         out = self.routed_mlp(w, torch.cat(xs) if len(xs) > 1 else xs[0], source)
         return list(out.split([x.shape[0] for x in xs]))
 
@@ -185,14 +182,13 @@ class MoeModel(LlamaModel):
         x: torch.Tensor,
         weights: torch.Tensor,
         ids: torch.Tensor,
-        source: ExpertSource | None = None,
+        source: ExpertSource,
     ) -> torch.Tensor:
         """sum over each token's k experts of weight * expert(x), (T, hidden). The T * k
         (token, expert) pairs are sorted by expert, so each expert with tokens runs once, as
         one GEMM pair over all its rows; the results scaled and added back per token, in
-        expert order (as transformers adds them). `source`: where each expert's weights
-        come from (default: `w`, the layer's)."""
-        source = source or _WithLayer(w)
+        expert order (as transformers adds them). `source`: where each expert runs and
+        gets its weights."""
         num_slots = ids.shape[1]
         flat = ids.flatten()  # (T * k,) the expert of each (token, slot)
         order = torch.argsort(flat, stable=True)  # slots grouped by expert, tokens in order
