@@ -5,10 +5,11 @@ prefix offset, with and without the new ones, and keeps the difference, so a tok
 the same at the thousandth as at the first, and a tokenizer that reads a token by its
 neighbours (a leading space, the bytes of one character) sees the same ones as a decode of
 the whole output. Text that ends inside a multi-byte character waits for its last byte.
-A decoder that offers a `stepper` (the served tokenizer: tokenizers' `DecodeStream`, the
-same method in Rust, 0.6 against 1.4 us a token) decodes with it; after a stepper fails
-(tokenizers refuses a prefix it cannot extend), that output is decoded whole at each call
-from then on, exact but O(n) a token. A decoder without a stepper uses the window.
+A decoder that offers a `stepper` (the served tokenizer: its byte-level vocabulary's table,
+`byte_level_stepper`, or else tokenizers' `DecodeStream`, the window's method in Rust)
+decodes with it; after a stepper fails (tokenizers refuses a prefix it cannot extend), that
+output is decoded whole at each call from then on, exact but O(n) a token. A decoder without
+a stepper uses the window.
 
 Stop strings are searched only where a new one can end, and the last `longest stop - 1`
 characters are held back until the next token shows they do not start one: so the pieces
@@ -18,12 +19,43 @@ and nothing handed out is ever taken back (what streaming needs).
 
 from __future__ import annotations
 
+from codecs import utf_8_decode
 from collections.abc import Callable
 from typing import Protocol
 
 Stepper = Callable[[int], "str | None"]
 """One output's incremental decode: a token's text once it is whole (None while a character
 is cut short), joined equal to a prefix of decoding all the tokens given so far."""
+
+
+def byte_level_stepper(texts: list[str | None], partial: dict[int, bytes]) -> Stepper:
+    """A stepper for a byte-level vocabulary (GPT-2's, Llama 3's, Qwen's: a token is bytes,
+    the text is their UTF-8), read from its table: `texts[id]` is a token's text when its
+    bytes are whole characters ("" for a special token, which is skipped), None when they
+    are not; `partial[id]` the bytes of those. A token after whole characters is a look-up;
+    bytes that end inside a character wait, as tokenizers' `DecodeStream` waits, and invalid
+    ones decode to U+FFFD as a whole decode has them. An id past the table raises (the
+    detokenizer then decodes whole)."""
+    pending = b""
+
+    def step(token_id: int) -> str | None:
+        nonlocal pending
+        if not pending:
+            text = texts[token_id]
+            if text is not None:
+                return text
+            data = partial[token_id]
+        else:
+            piece = partial.get(token_id)
+            data = pending + ((texts[token_id] or "").encode() if piece is None else piece)
+        text, used = utf_8_decode(data, "replace", False)
+        if used < len(data):  # it ends inside a character: nothing until that is whole
+            pending = data
+            return None
+        pending = b""
+        return text
+
+    return step
 
 
 class Detokenizer(Protocol):
@@ -86,6 +118,24 @@ class IncrementalDetokenizer:
         self._held = text[len(text) - keep :]
         return text[: len(text) - keep]
 
+    def add_token(self, token_id: int) -> str:
+        """`add([token_id], final=False)`: a decode's usual step (one token, more to come),
+        straight to the stepper when nothing is held back for stop strings."""
+        step = self._step
+        if step is None or self.stop:
+            return self.add([token_id], False)
+        self._tokens.append(token_id)
+        try:
+            piece = step(token_id)
+        except Exception:  # tokenizers refused to extend its prefix: whole decodes from now
+            self._step = None
+            return self._decode_whole(False)
+        self._cut = piece is None
+        if not piece:
+            return ""
+        self._num_chars += len(piece)
+        return piece
+
     def flush(self) -> str:
         """Everything not handed out yet (the sequence ended for another reason)."""
         return self.add([], final=True)
@@ -111,11 +161,18 @@ class IncrementalDetokenizer:
             except Exception:  # tokenizers refused to extend its prefix
                 self._step = step = None
         if step is None:
-            text = self.decoder.decode(self._tokens)[self._num_chars :]
-            if text.endswith("\ufffd") and not final:
-                return ""  # nothing whole yet
-        elif final and self._cut:
+            return self._decode_whole(final)
+        if final and self._cut:
             text += self.decoder.decode(self._tokens)[self._num_chars + len(text) :]
+        self._num_chars += len(text)
+        return text
+
+    def _decode_whole(self, final: bool) -> str:
+        """After the stepper failed: the text of every token read past what was handed out
+        (nothing while it ends in a cut character and more tokens come)."""
+        text = self.decoder.decode(self._tokens)[self._num_chars :]
+        if text.endswith("\ufffd") and not final:
+            return ""  # nothing whole yet
         self._num_chars += len(text)
         return text
 

@@ -364,6 +364,9 @@ class EngineArgs:
         detokenizer: Detokenizer | None,
     ) -> Scheduler:
         scheduler = Scheduler(self.scheduler_config(policy, model_dir, info), detokenizer)
+        stepper = getattr(detokenizer, "stepper", None)
+        if stepper is not None:  # the tokenizer's byte table is built now, not at a request
+            stepper()
         if self.enable_prefix_caching:
             scheduler.page_manager.preload("disk", info.disk_cache)
         return scheduler

@@ -17,7 +17,8 @@ from engine.core.protocol import TokenLogprobs
 
 @dataclass(slots=True)
 class SequenceDelta:
-    """What one engine request (one choice) gained in one step."""
+    """What one engine request (one choice) gained in one step. `Sequence.delta` builds one
+    a token with positional arguments, in this order (keywords take half as long again)."""
 
     request_id: str
     """The engine request's id (a child's, `ParentRequest`, when the caller asked for n > 1)."""

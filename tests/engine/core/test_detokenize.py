@@ -6,13 +6,15 @@ every stop reason), and at every step be a prefix of it (a character split over 
 for its last byte, a possible stop string for the token that rules it out): nothing handed
 out is taken back, which is what lets streaming send each piece as it comes. Tokens are
 drawn to stress the hard cases: pieces of multi-byte characters, leading spaces, special
-tokens, and stop strings that span tokens. Each test runs on the three ways a sequence is
-decoded: the tokenizer's stepper (tokenizers' `DecodeStream`), the detokenizer's own window
+tokens, and stop strings that span tokens. Each test runs on the four ways a sequence is
+decoded: the served tokenizer's stepper (SmolLM2's vocabulary is byte-level: its byte table),
+tokenizers' `DecodeStream` (the stepper of any other tokenizer), the detokenizer's own window
 (a decoder without a stepper), and a stepper that fails part-way (the rest decoded whole).
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import random
 from pathlib import Path
@@ -22,10 +24,18 @@ import pytest
 from engine.core.detokenizer import IncrementalDetokenizer, Stepper
 from engine.core.sampling_params import SamplingParams
 from engine.core.sequence import Request, Sequence
-from engine.core.tokenizer import Tokenizer
+from engine.core.tokenizer import Tokenizer, byte_level_table
 
 EOS = 2
 MAX_LEN = 10_000
+
+
+class DecodeStreamTokenizer(Tokenizer):
+    """The served tokenizer as one that is not byte-level: tokenizers' `DecodeStream` steps."""
+
+    def __init__(self, model_dir: str | Path) -> None:
+        super().__init__(model_dir)
+        self._byte_table = None
 
 
 class WindowTokenizer(Tokenizer):
@@ -51,8 +61,8 @@ class FailingStepperTokenizer(Tokenizer):
 
 @pytest.fixture(
     scope="module",
-    params=[Tokenizer, WindowTokenizer, FailingStepperTokenizer],
-    ids=["stepper", "window", "stepper-fails"],
+    params=[Tokenizer, DecodeStreamTokenizer, WindowTokenizer, FailingStepperTokenizer],
+    ids=["byte-table", "decode-stream", "window", "stepper-fails"],
 )
 def tokenizer(smollm2_dir: Path, request: pytest.FixtureRequest) -> Tokenizer:
     cls: type[Tokenizer] = request.param
@@ -197,3 +207,64 @@ def test_a_final_only_request_hands_out_its_whole_choice_once(
             else:
                 assert len(deltas) == len(ends[0][0])
         assert ends[0] == ends[1]
+
+
+def test_the_served_tokenizer_steps_by_its_byte_table(smollm2_dir: Path) -> None:
+    """SmolLM2's decoder is byte-level alone: its stepper reads the table (so the
+    "byte-table" runs above test it), which holds every token, the special ones empty."""
+    tokenizer = Tokenizer(smollm2_dir)
+    table = byte_level_table(tokenizer._tokenizer)
+    assert table is not None
+    texts, partial = table
+    assert len(texts) == tokenizer.vocab_size and 0 < len(partial) < len(texts) // 10
+    assert texts[EOS] == "" and partial.keys() == {i for i, t in enumerate(texts) if t is None}
+    step = tokenizer.stepper()
+    assert not isinstance(step, functools.partial)  # not DecodeStream's
+    assert step(tokenizer.encode("hello", False)[0]) == "hello"
+
+
+def test_byte_table_steps_decode_as_the_tokenizer_does(smollm2_dir: Path) -> None:
+    """Outputs drawn mostly from tokens that are pieces of characters (and ids past the
+    vocabulary, which the tokenizer skips): the table's pieces, joined, are at each step a
+    prefix of the tokenizer's decode of the whole output, and at the end equal to it."""
+    tokenizer = Tokenizer(smollm2_dir)
+    table = byte_level_table(tokenizer._tokenizer)
+    assert table is not None
+    pieces = sorted(table[1])
+    rng = random.Random(0)
+    for _ in range(400):
+        draw = [
+            rng.choice(pieces) if rng.random() < 0.6 else rng.randrange(49160) for _ in range(20)
+        ]
+        whole = tokenizer.decode(draw)
+        detokenizer = IncrementalDetokenizer(tokenizer)
+        text = ""
+        for token_id in draw:
+            text += detokenizer.add_token(token_id)
+            assert whole.startswith(text), (draw, text, whole)
+        assert text + detokenizer.flush() == whole, draw
+
+
+def test_a_tokenizer_that_is_not_byte_level_has_no_table(tmp_path: Path) -> None:
+    """A SentencePiece-style decoder (Metaspace) decodes with `DecodeStream`; so does a
+    byte-level one whose table would not decode a token as the tokenizer does."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models
+
+    vocab = {"<unk>": 0, "\u2581hello": 1, "\u2581world": 2}
+    sentencepiece = HFTokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    sentencepiece.decoder = decoders.Metaspace()
+    assert byte_level_table(sentencepiece) is None
+    sentencepiece.save(str(tmp_path / "tokenizer.json"))
+    step = Tokenizer(tmp_path).stepper()
+    assert isinstance(step, functools.partial)  # DecodeStream's
+    assert step(1) == "hello" and step(2) == " world"
+
+    byte_level = HFTokenizer(models.WordLevel({"\u0100": 0, "a": 1}, unk_token="a"))
+    byte_level.decoder = decoders.ByteLevel()
+    assert byte_level_table(byte_level) is not None
+    with pytest.MonkeyPatch.context() as patch:  # a wrong alphabet: the check refuses it
+        patch.setattr(
+            "engine.core.tokenizer._byte_chars", lambda: [chr(0x200 + b) for b in range(256)]
+        )
+        assert byte_level_table(byte_level) is None
