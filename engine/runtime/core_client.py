@@ -352,7 +352,7 @@ class CoreEngineClient(EngineClient):
         )
         parent = ParentRequest(request)
         child_ids = [child.request_id for child in parent.children]
-        deltas = _Stream()
+        deltas = _Stream(asyncio.get_running_loop())
         for child_id in child_ids:
             self._streams[child_id] = deltas
         self._children[request_id] = child_ids
@@ -369,7 +369,7 @@ class CoreEngineClient(EngineClient):
                 for item in await deltas.take():
                     if isinstance(item, Exception):
                         raise item
-                    if item.finished:
+                    if item.finish_reason is not None:
                         unfinished.discard(item.request_id)
                     yield item if tag is None else tag(item)
         finally:
@@ -540,11 +540,12 @@ class _Stream:
     waits on (an `asyncio.Queue` does more per item than a stream of one item a step needs:
     task counting, a deque of getters)."""
 
-    __slots__ = ("_items", "_waiter")
+    __slots__ = ("_items", "_loop", "_waiter")
 
-    def __init__(self) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._items: list[SequenceDelta | Exception] = []
         self._waiter: asyncio.Future[None] | None = None
+        self._loop = loop
 
     def put(self, item: SequenceDelta | Exception) -> None:
         self._items.append(item)
@@ -555,7 +556,7 @@ class _Stream:
     async def take(self) -> list[SequenceDelta | Exception]:
         """Every item put since the last call, once there is one."""
         while not self._items:
-            self._waiter = asyncio.get_running_loop().create_future()
+            self._waiter = self._loop.create_future()
             await self._waiter
         items, self._items = self._items, []
         return items

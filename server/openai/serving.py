@@ -380,19 +380,20 @@ class Serving:
         try:
             async with aclosing(generate) as deltas:
                 async for delta in deltas:
+                    index = delta.index
                     if delta.new_token_ids:
-                        if not num_tokens[delta.index]:
+                        if not num_tokens[index]:
                             start = delta.first_token_time or time.monotonic()
                             self.metrics.ttft.observe(start - arrival)
-                        num_tokens[delta.index] += len(delta.new_token_ids)
-                    if delta.finished:
-                        unfinished.discard(delta.index)
-                        self.metrics.e2e.observe(time.monotonic() - arrival)
-                        self.metrics.generation_tokens.inc(num_tokens[delta.index])
-                        self.metrics.requests_finished.labels(delta.finish_reason).inc()
-                    choice = choices[first + delta.index]
+                        num_tokens[index] += len(delta.new_token_ids)
+                    choice = choices[first + index]
                     choice.add(delta)
-                    _check_failed(delta)
+                    if delta.finish_reason is not None:
+                        unfinished.discard(index)
+                        self.metrics.e2e.observe(time.monotonic() - arrival)
+                        self.metrics.generation_tokens.inc(num_tokens[index])
+                        self.metrics.requests_finished.labels(delta.finish_reason).inc()
+                        _check_failed(delta)
                     yield choice, delta
             if unfinished:
                 raise EngineDeadError(f"engine ended request {request_id} without finishing it")

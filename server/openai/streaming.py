@@ -42,7 +42,8 @@ class _Chunks:
     def __init__(self, serving: Serving, prep: Prepared) -> None:
         self.serving, self.prep = serving, prep
         self.sent_chars: dict[int, int] = {}
-        """Per choice that has started: characters streamed (the echoed prompt included)."""
+        """Per choice that has started: characters streamed (the echoed prompt included),
+        counted where logprobs need the offsets."""
         head: dict[str, Any] = {"id": prep.request_id, "created": prep.created}
         head |= {"model": prep.model, "system_fingerprint": None}
         if prep.include_usage:
@@ -71,16 +72,16 @@ class _Chunks:
     def _completion_text(self, index: int, text: str) -> bytes:
         return self._completion_chunk(index, text, None, None)
 
-    def chat(self, choice: ChoiceAccumulator, delta: SequenceDelta) -> list[bytes]:
+    def chat(self, choice: ChoiceAccumulator, delta: SequenceDelta) -> bytes:
         """The chunks for what a chat choice gained: its role first, then its text."""
-        prep, out = self.prep, []
+        prep, out = self.prep, b""
         if choice.index not in self.sent_chars:
             self.sent_chars[choice.index] = 0
             role = ChatDelta(role="assistant", content="")
-            out.append(self._chat_chunk(choice.index, role, None, None))
+            out = self._chat_chunk(choice.index, role, None, None)
         text = delta.new_text
-        if prep.num_logprobs is None and not delta.finished:
-            return [*out, self._text_chunk(choice.index, text, self._chat_text)]
+        if prep.num_logprobs is None and delta.finish_reason is None:
+            return out + self._text_chunk(choice.index, text, self._chat_text)
         logprobs = None
         if prep.num_logprobs is not None and delta.new_token_ids:
             names = self.serving.token_names(prep)
@@ -88,8 +89,7 @@ class _Chunks:
             logprobs = chat_logprobs(names, delta.new_token_ids, entries, prep.num_logprobs)
         fields: dict[str, Any] = {"content": text} if text or not delta.finished else {}
         content = ChatDelta.model_construct(**fields)
-        out.append(self._chat_chunk(choice.index, content, logprobs, delta.finish_reason))
-        return out
+        return out + self._chat_chunk(choice.index, content, logprobs, delta.finish_reason)
 
     def _chat_chunk(
         self, index: int, delta: ChatDelta, logprobs: ChatLogprobs | None, finish_reason: Any
@@ -102,20 +102,19 @@ class _Chunks:
         )
         return sse(chunk)
 
-    def completion(self, choice: ChoiceAccumulator, delta: SequenceDelta) -> list[bytes]:
+    def completion(self, choice: ChoiceAccumulator, delta: SequenceDelta) -> bytes:
         """The chunk for what a completion choice gained (none when that is nothing)."""
         prep, serving = self.prep, self.serving
         offset = self.sent_chars.get(choice.index)
-        text, prompt_ids = delta.new_text, []
+        text, prompt_ids, going = delta.new_text, [], delta.finish_reason is None
         if offset is None:  # its first chunk: the echoed prompt, even without text
             if prep.echo:
                 prompt_ids = prep.prompts[prep.prompt_index(choice)]
                 text = serving.engine.decode(prompt_ids) + text
-        elif not text and not delta.finished and not delta.new_token_ids:
-            return []
-        elif prep.num_logprobs is None and not delta.finished:
-            self.sent_chars[choice.index] = offset + len(text)
-            return [self._text_chunk(choice.index, text, self._completion_text)]
+        elif not text and going and not delta.new_token_ids:
+            return b""
+        elif prep.num_logprobs is None and going:  # the offsets count for logprobs only
+            return self._text_chunk(choice.index, text, self._completion_text)
         logprobs = None
         if prep.num_logprobs is not None:
             logprobs = completion_logprobs(
@@ -129,7 +128,7 @@ class _Chunks:
                 serving.token_names(prep),
             )
         self.sent_chars[choice.index] = (offset or 0) + len(text)
-        return [self._completion_chunk(choice.index, text, logprobs, delta.finish_reason)]
+        return self._completion_chunk(choice.index, text, logprobs, delta.finish_reason)
 
     def _completion_chunk(
         self, index: int, text: str, logprobs: CompletionLogprobs | None, finish_reason: Any
@@ -169,7 +168,8 @@ async def stream_chunks(
         async with aclosing(serving.outputs(prep, priority)) as outputs:
             async for choice, delta in outputs:
                 choices[choice.index] = choice
-                for chunk in render(choice, delta):
+                chunk = render(choice, delta)
+                if chunk:
                     yield chunk
                     sent_any = True
     except APIError as e:
