@@ -32,6 +32,9 @@ from policy.units import parse_bytes
 
 DTYPES = ("float16", "bfloat16", "float32")
 RESIDENT_STEP_TOKENS = 2048
+ENGINE_NICE = 10
+"""The engine process's nice increment when it computes on the CPU (`engine_nice`):
+docs/benchmarks.md measures it against 0."""
 """Default step budget when the weights stay on the compute device (chunked prefill)."""
 
 
@@ -182,6 +185,17 @@ class EngineArgs:
     )
     """With `Policy.num_nano_batches` > 1, overlap the nano-batches' operations; False runs
     them one after another (NanoFlow's nano-batch-only baseline, for ablations)."""
+    engine_nice: int | None = cli(
+        None,
+        "how far the engine process's CPU priority is below the daemon's (nice, 0-19), so "
+        "the daemon's short bursts run beside the forward pass's threads at once (default: "
+        f"{ENGINE_NICE} when the engine computes on the CPU, 0 on a GPU; 0: off)",
+        type=int,
+    )
+    """Nice increment of the engine process (`ExecutorProcess`, not an in-process executor):
+    its threads yield to the daemon's (HTTP, scheduling, output), which then take a core at
+    once instead of queueing behind the forward pass's compute threads. None: ENGINE_NICE
+    when the engine computes on the CPU (where those threads hold every core), else 0."""
     cpu_expert_rows: int | None = None
     """With `Policy.cpu_experts`: the most rows of a block for which a MoE expert homed in
     host memory runs on the CPU; None: the cost model's break-even on the cached hardware
@@ -216,6 +230,8 @@ class EngineArgs:
             raise UserError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.max_step_tokens is not None and self.max_step_tokens < 1:
             raise UserError(f"max_step_tokens must be >= 1, got {self.max_step_tokens}")
+        if self.engine_nice is not None and not 0 <= self.engine_nice <= 19:
+            raise UserError(f"engine_nice must be 0-19, got {self.engine_nice}")
 
     def plans_ahead(self, steps_on_cpu_here: bool) -> bool:
         """Whether the engine core plans step i+1 while step i runs. `steps_on_cpu_here`: the

@@ -171,7 +171,9 @@ class CoreEngineClient(EngineClient):
         self._executor = (
             InProcessExecutor(self.executor_factory, kwargs, on_progress=self._set_status)
             if self._in_process
-            else ExecutorProcess(self.executor_factory, kwargs, on_progress=self._set_status)
+            else ExecutorProcess(
+                self.executor_factory, kwargs, on_progress=self._set_status, nice=args.engine_nice
+            )
         )
         if self._stopping.is_set():
             return

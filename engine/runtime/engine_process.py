@@ -17,6 +17,9 @@ A factory that takes an `on_progress` keyword gets one: its (done, total) calls 
 The factory returns an executor with the surface of `engine.executor.executor.Executor`:
 `describe() -> EngineInfo` once built, `execute(plan)` per step, `close()` at shutdown.
 
+Once its executor is built, the child lowers its threads' CPU priority (`nice`; on a CPU
+engine by default), so that the daemon's threads run as soon as they wake.
+
 A dead child is detected on every call (`ExecutorDiedError`); `restart()`
 starts a fresh one. The child holds the parent's offload-directory locks (the same open
 files: engine/core/offload_dir.py) and exits as soon as its parent is gone, even in the
@@ -25,6 +28,7 @@ middle of a step (a daemon killed with -9 leaves no engine behind on the directo
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing as mp
 import os
@@ -38,6 +42,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
 
+from engine.core.engine_args import ENGINE_NICE
 from engine.core.offload_dir import InheritedLock, inherited_locks
 from engine.core.protocol import StepPlan, StepResult
 from engine.runtime.executor_client import (
@@ -62,11 +67,12 @@ def _child_main(
     kwargs: dict[str, Any],
     parent_pid: int = 0,
     locks: list[InheritedLock] | None = None,
+    nice: int | None = 0,
 ) -> None:
     """The child's loop: build the executor, then answer messages until shutdown. The
     executor is closed (its scratch files removed) on shutdown, when the parent is gone,
     and on SIGTERM. `locks`: the parent's offload-directory locks, held here too (adopted
-    when they were unpickled)."""
+    when they were unpickled). `nice`: `ExecutorProcess`'s."""
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     if parent_pid:
         _exit_with_parent(parent_pid)
@@ -76,6 +82,9 @@ def _child_main(
     except BaseException as e:
         conn.send(("error", (start_error_line(e), traceback.format_exc())))
         return
+    if nice is None:
+        nice = ENGINE_NICE if info.placement.device == "cpu" else 0
+    lower_priority(nice)
     conn.send(("ready", info))
     try:
         _serve(conn, executor)
@@ -101,6 +110,22 @@ def _serve(conn: Connection, executor: Any) -> None:
             conn.send(("result", executor.execute(message[1])))
         except Exception:
             conn.send(("error", traceback.format_exc()))
+
+
+def lower_priority(by: int) -> None:
+    """Raise the nice value of every thread of this process by `by` (Linux keeps one per
+    thread; threads started later take their starter's). Where /proc is missing, the
+    process's."""
+    if by <= 0:
+        return
+    try:
+        tids = [int(tid) for tid in os.listdir("/proc/self/task")]
+    except FileNotFoundError:
+        os.nice(by)
+        return
+    for tid in tids:
+        with contextlib.suppress(ProcessLookupError):  # a thread that has just ended
+            os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + by)
 
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:
@@ -131,9 +156,14 @@ class ExecutorProcess(ExecutorClient):
         *,
         start_timeout_s: float = 600.0,
         on_progress: Callable[[str], None] | None = None,
+        nice: int | None = 0,
     ) -> None:
         super().__init__(factory, kwargs, on_progress=on_progress)
         self.start_timeout_s = start_timeout_s
+        self.nice = nice
+        """How far the child's threads' CPU priority goes below this process's, once its
+        executor is built (`EngineArgs.engine_nice`); None: ENGINE_NICE if the executor
+        computes on the CPU, else 0."""
         self._process: BaseProcess | None = None
         self._conn: Connection | None = None
 
@@ -148,7 +178,10 @@ class ExecutorProcess(ExecutorClient):
         parent_conn, child_conn = ctx.Pipe()
         process = ctx.Process(
             target=_child_main,
-            args=(child_conn, self.factory, self.kwargs, os.getpid(), inherited_locks()),
+            args=(
+                *(child_conn, self.factory, self.kwargs, os.getpid(), inherited_locks()),
+                self.nice,
+            ),
             name="nanoflex-engine",
             daemon=True,
         )

@@ -13,7 +13,9 @@ import httpx
 import openai
 import psutil
 
+from engine.core.engine_args import ENGINE_NICE
 from server.batch.store import Store
+from tests.engine.runtime.threads import thread_nice
 from tests.server.batch_files import (
     URL,
     assert_accounted,
@@ -155,6 +157,9 @@ def test_engine_process_death_restarts_and_batch_completes(
     sender = threading.Thread(target=lambda: online.append(httpx.post(url, json=body, timeout=120)))
     sender.start()
     engine = daemon.engine_process()
+    # a CPU engine yields the cores to the daemon's threads (EngineArgs.engine_nice)
+    assert set(thread_nice(engine.pid).values()) == {ENGINE_NICE}
+    assert set(thread_nice(daemon.process.pid).values()) == {0}
     time.sleep(0.3)  # the online request is in the engine by now (1500 steps take seconds)
     engine.send_signal(signal.SIGKILL)
     wait_for(lambda: not daemon.is_ready(), 10)  # not ready while the engine restarts

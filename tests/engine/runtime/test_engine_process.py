@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.core.engine_args import EngineArgs
+from engine.core.engine_args import ENGINE_NICE, EngineArgs
 from engine.core.model_files import DEMO_MODEL
 from engine.core.protocol import SeqChunk, StepPlan
 from engine.loading.demo import demo_model_dir
@@ -24,6 +24,7 @@ from engine.runtime.executor_client import (
     InProcessExecutor,
 )
 from policy import Policy
+from tests.engine.runtime.threads import thread_nice
 
 FACTORY = "tests.engine.runtime.toy_executor:build_executor"
 
@@ -63,6 +64,37 @@ def test_child_process_lifecycle() -> None:
     finally:
         executor.shutdown(timeout_s=10)
     assert not executor.is_alive
+
+
+@pytest.mark.parametrize(
+    ("factory", "nice", "expected"),
+    [
+        ("build_executor", 0, 0),  # the default: as the parent
+        ("build_executor", 7, 7),
+        ("build_executor", None, 0),  # auto: not a CPU engine
+        ("build_cpu_executor", None, ENGINE_NICE),  # auto: a CPU engine yields to the daemon
+        ("build_cpu_executor", 0, 0),  # the off switch
+    ],
+)
+def test_the_engine_process_runs_below_the_daemon(
+    factory: str, nice: int | None, expected: int
+) -> None:
+    """Once built, the child lowers every thread's CPU priority by `nice`; the parent keeps
+    its own (tests/server/test_durability.py checks a real CPU engine's threads, the ones
+    started after the build included)."""
+    own = os.getpriority(os.PRIO_PROCESS, 0)
+    executor = ExecutorProcess(f"tests.engine.runtime.toy_executor:{factory}", nice=nice)
+    executor.start()
+    try:
+        assert executor._process is not None and executor._process.pid
+        child = executor._process.pid
+        assert executor.execute(plan(1)).token_ids == [10]
+        threads = thread_nice(child)
+        assert len(threads) >= 2  # the main thread and the parent watch, at least
+        assert set(threads.values()) == {own + expected}, threads
+        assert set(thread_nice(os.getpid()).values()) == {own}
+    finally:
+        executor.shutdown(timeout_s=10)
 
 
 def test_start_failure_reports_child_traceback() -> None:

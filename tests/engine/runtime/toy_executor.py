@@ -8,6 +8,7 @@ covered end to end by test_durability.py on a real `nanoflex serve`.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
@@ -59,6 +60,14 @@ def build_crashing_executor(**engine_kwargs: Any) -> CrashingExecutor:
     """Takes (and ignores) the real executor's keyword arguments, so that a real
     `CoreEngineClient` can run it in its engine process."""
     return CrashingExecutor()
+
+
+def build_cpu_executor() -> ToyExecutor:
+    """The toy, reporting the CPU as its compute device (as a CPU engine does)."""
+    executor = ToyExecutor()
+    placement = dataclasses.replace(INFO.placement, device="cpu")
+    executor.describe = lambda: dataclasses.replace(INFO, placement=placement)  # type: ignore[method-assign]
+    return executor
 
 
 def pid() -> int:
