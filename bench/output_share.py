@@ -1,7 +1,8 @@
 """How much of the daemon's time goes to detokenizing and output handling (docs/benchmarks.md).
 
-    python -m bench.output_share [--seqs 64] [--tokens 1024] [--rate 250] [--json FILE]
-                                 [--tree LABEL=DIR ...]
+    python -m bench.output_share [--seqs 64] [--tokens 1024] [--rate 250] [--rounds 3]
+                                 [--json FILE] [--tree LABEL=DIR ...]
+                                 [--daemon-args LABEL=FLAGS ...]
 
 Starts a real `nanoflex serve` process on loopback (the demo model, one block of `--seqs`
 sequences, the engine in its own process), warms it up, then sends `--seqs` concurrent
@@ -14,11 +15,17 @@ its frames is in
 records, handing them from the engine thread to the event loop, the per-choice fan-in and
 accumulation, building the response body or chunk, and encoding it as JSON. The share is
 those samples over the samples of the whole run (rate x wall seconds): the daemon's Python
-runs under one GIL, so that is the share of the one core it can use.
+runs under one GIL, so that is the share of the one core it can use. A thread holding the
+GIL is sampled while it runs and while it waits for a core (runnable, not running), so the
+last column says how the daemon's threads spent the run: seconds on a CPU and seconds
+waiting for one (Linux's schedstat).
 
 `--tree LABEL=DIR` (repeatable) runs the daemon from each source tree in turn, in one sitting
 (a checkout of an older commit: the "before" figure; default: this tree), with this
-script's own load generator.
+script's own load generator. `--rounds` takes the trees in turn that many times, each with a
+fresh daemon, and the table gives medians: the same tree's figure moves by up to half from
+one sitting to the next on a 2-core box (where the engine's threads and the daemon share the
+cores), far less between rounds of one sitting.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import argparse
 import asyncio
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -35,6 +43,7 @@ import tempfile
 import time
 from collections import Counter
 from pathlib import Path
+from statistics import median
 from typing import Any
 
 import httpx
@@ -85,14 +94,16 @@ def is_output_frame(frame: str) -> bool:
     return False
 
 
-def start_daemon(data_dir: Path, tree: Path, seqs: int) -> tuple[subprocess.Popen[bytes], str]:
+def start_daemon(
+    data_dir: Path, tree: Path, seqs: int, extra: list[str]
+) -> tuple[subprocess.Popen[bytes], str]:
     policy = data_dir / "policy.json"
     data_dir.mkdir(parents=True, exist_ok=True)
     # the one field that differs from the default: a daemon from an older tree (whose Policy
     # knew fewer fields) reads it too
     policy.write_text(json.dumps({"gpu_batch_size": seqs}))
     args = ["--model", DEMO_MODEL, "--device", "cpu", "--policy", str(policy)]
-    return launch(data_dir, [*args, "--max-queue", str(4 * seqs)], tree)
+    return launch(data_dir, [*args, "--max-queue", str(4 * seqs), *extra], tree)
 
 
 async def fire(url: str, seqs: int, tokens: int, stream: bool) -> tuple[float, int]:
@@ -127,6 +138,19 @@ async def fire(url: str, seqs: int, tokens: int, stream: bool) -> tuple[float, i
     return time.perf_counter() - start, sum(counts)
 
 
+def scheduler_times(pid: int) -> tuple[float, float]:
+    """Seconds the threads of process `pid` alive now have run on a CPU, and have waited
+    runnable for one (Linux's /proc/PID/task/TID/schedstat; 0, 0 without it)."""
+    on_cpu = waiting = 0
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            run, wait, _ = (int(v) for v in (task / "schedstat").read_text().split())
+        except (OSError, ValueError):  # a thread that has just ended; no schedstat
+            continue
+        on_cpu, waiting = on_cpu + run, waiting + wait
+    return on_cpu / 1e9, waiting / 1e9
+
+
 def profiled_run(
     url: str, pid: int, args: argparse.Namespace, stream: bool, out: Path
 ) -> dict[str, Any]:
@@ -138,7 +162,9 @@ def profiled_run(
     cmd += ["--output", str(out), "--nonblocking", "--threads", "--gil"]
     recorder = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     time.sleep(1.0)  # py-spy attaches
+    before = scheduler_times(pid)
     wall, generated = asyncio.run(fire(url, args.seqs, args.tokens, stream))
+    on_cpu, waiting = (a - b for a, b in zip(scheduler_times(pid), before, strict=True))
     recorder.send_signal(signal.SIGINT)
     recorder.wait(timeout=60)
     samples: Counter[str] = Counter()
@@ -162,8 +188,33 @@ def profiled_run(
         "output_share_of_one_core": round(samples["output"] / one_core, 4),
         "output_share_of_busy": round(samples["output"] / max(busy, 1), 4),
         "output_us_per_token": round(1e6 * samples["output"] / args.rate / max(generated, 1), 2),
+        "daemon_cpu_s": round(on_cpu, 2),
+        "daemon_waiting_for_cpu_s": round(waiting, 2),
         "output_samples_by_innermost_frame": dict(where.most_common(8)),
     }
+
+
+def run_tree(label: str, tree: Path, round_: int, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """One round of one tree: a fresh daemon, warmed up, profiled not streamed then streamed."""
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="nanoflex-output-") as tmp:
+        extra = shlex.split(args.daemon_args.get(label, ""))
+        daemon, url = start_daemon(Path(tmp) / "data", tree, args.seqs, extra)
+        try:
+            asyncio.run(fire(url, args.seqs, 16, stream=False))  # warm-up: kernels, caches
+            for stream in (False, True):
+                keep = Path(args.profiles or tmp)
+                keep.mkdir(parents=True, exist_ok=True)
+                name = "".join(c if c.isalnum() else "-" for c in label)
+                mode = "stream" if stream else "whole"
+                out = keep / f"profile-{name}-{mode}-{round_}.txt"
+                run = profiled_run(url, daemon.pid, args, stream, out)
+                runs.append({"tree": label, "round": round_, **run})
+                print(json.dumps(runs[-1]), file=sys.stderr)
+        finally:
+            os.kill(daemon.pid, signal.SIGTERM)
+            daemon.wait(timeout=60)
+    return runs
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -179,43 +230,62 @@ def main(argv: list[str] | None = None) -> int:
         help="a source tree the daemon runs from, and its name in the table (repeatable; "
         "default: this tree)",
     )
+    parser.add_argument(
+        "--daemon-args",
+        action="append",
+        default=[],
+        metavar="LABEL=FLAGS",
+        help="more `nanoflex serve` flags for the tree of that label (repeatable; a tree may "
+        "be named twice under two labels, the ablation of a flag)",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="runs of every tree, taken in turn (tree A, tree B, A, B, ...); the table has "
+        "each figure's median (sittings differ by up to half, rounds within one much less)",
+    )
     parser.add_argument("--json", default=None)
     parser.add_argument("--profiles", default=None, help="keep py-spy's raw profiles here")
     args = parser.parse_args(argv)
     trees = [tuple(t.split("=", 1)) for t in args.tree] or [("this tree", str(REPO))]
+    args.daemon_args = dict(a.split("=", 1) for a in args.daemon_args)
     results = []
-    for label, tree in trees:
-        with tempfile.TemporaryDirectory(prefix="nanoflex-output-") as tmp:
-            daemon, url = start_daemon(Path(tmp) / "data", Path(tree), args.seqs)
-            try:
-                asyncio.run(fire(url, args.seqs, 16, stream=False))  # warm-up: kernels, caches
-                for stream in (False, True):
-                    keep = Path(args.profiles or tmp)
-                    keep.mkdir(parents=True, exist_ok=True)
-                    name = "".join(c if c.isalnum() else "-" for c in label)
-                    out = keep / f"profile-{name}-{'stream' if stream else 'whole'}.txt"
-                    run = profiled_run(url, daemon.pid, args, stream, out)
-                    results.append({"tree": label, **run})
-                    print(json.dumps(results[-1]), file=sys.stderr)
-            finally:
-                os.kill(daemon.pid, signal.SIGTERM)
-                daemon.wait(timeout=60)
+    for round_ in range(args.rounds):
+        for label, tree in trees:
+            results += run_tree(label, Path(tree), round_, args)
     header = ["daemon", "mode", "wall s", "generated tok/s", "output handling, share of one core"]
-    table = Table([*header, "of the daemon's busy samples", "output handling, us per token"])
-    for r in results:
-        table.rows.append(
-            [
-                r["tree"],
-                "streamed" if r["stream"] else "not streamed",
-                f"{r['wall_s']:.1f}",
-                f"{r['generated_tok_s']:.0f}",
-                f"{100 * r['output_share_of_one_core']:.1f}%",
-                f"{100 * r['output_share_of_busy']:.1f}%",
-                f"{r['output_us_per_token']:.1f}",
-            ]
-        )
-    print(table.markdown("llrrrrr"))
-    config = {"seqs": args.seqs, "tokens": args.tokens, "rate": args.rate, "trees": trees}
+    table = Table(
+        [
+            *header,
+            "of the daemon's busy samples",
+            "output handling, us per token",
+            "us per token, each round",
+            "daemon's threads: s on a CPU / s waiting for one",
+        ]
+    )
+    for label, _ in trees:
+        for stream in (False, True):
+            runs = [r for r in results if r["tree"] == label and r["stream"] == stream]
+            table.rows.append(
+                [
+                    label,
+                    "streamed" if stream else "not streamed",
+                    f"{median(r['wall_s'] for r in runs):.1f}",
+                    f"{median(r['generated_tok_s'] for r in runs):.0f}",
+                    f"{100 * median(r['output_share_of_one_core'] for r in runs):.1f}%",
+                    f"{100 * median(r['output_share_of_busy'] for r in runs):.1f}%",
+                    f"{median(r['output_us_per_token'] for r in runs):.1f}",
+                    ", ".join(f"{r['output_us_per_token']:.1f}" for r in runs),
+                    f"{median(r['daemon_cpu_s'] for r in runs):.1f} / "
+                    f"{median(r['daemon_waiting_for_cpu_s'] for r in runs):.1f}",
+                ]
+            )
+    print(table.markdown("llrrrrrlr"))
+    config = {
+        **{"seqs": args.seqs, "tokens": args.tokens, "rate": args.rate},
+        **{"rounds": args.rounds, "trees": trees, "daemon_args": args.daemon_args},
+    }
     write_json(args.json, [{"config": config, "runs": results}], table)
     return 0
 
