@@ -121,20 +121,9 @@ class IncrementalDetokenizer:
     def add_token(self, token_id: int) -> str:
         """`add([token_id], final=False)`: a decode's usual step (one token, more to come),
         straight to the stepper when nothing is held back for stop strings."""
-        step = self._step
-        if step is None or self.stop:
+        if self.stop or not self._steps:
             return self.add([token_id], False)
-        self._tokens.append(token_id)
-        try:
-            piece = step(token_id)
-        except Exception:  # tokenizers refused to extend its prefix: whole decodes from now
-            self._step = None
-            return self._decode_whole(False)
-        self._cut = piece is None
-        if not piece:
-            return ""
-        self._num_chars += len(piece)
-        return piece
+        return self._step_one(token_id)
 
     def flush(self) -> str:
         """Everything not handed out yet (the sequence ended for another reason)."""
@@ -142,30 +131,39 @@ class IncrementalDetokenizer:
 
     def _step_through(self, token_ids: list[int], final: bool) -> str:
         """The text `token_ids` add, by the stepper; `final`: a character cut short at the
-        end is decoded as the whole output's decode has it (U+FFFD). After the stepper
-        failed, each call decodes every token read (exact, for the rest of this output)."""
+        end is decoded as the whole output's decode has it (U+FFFD)."""
         if final and not self._tokens:  # a whole output at once (final-only): one decode
             self._tokens += token_ids
             text = self.decoder.decode(token_ids)
             self._num_chars += len(text)
             return text
-        self._tokens += token_ids
-        text, step = "", self._step
+        text = "".join([self._step_one(token_id) for token_id in token_ids])
+        if final and self._step is None:
+            text += self._decode_whole(True)
+        elif final and self._cut:
+            rest = self.decoder.decode(self._tokens)[self._num_chars :]
+            self._num_chars += len(rest)
+            text += rest
+        return text
+
+    def _step_one(self, token_id: int) -> str:
+        """The text one more token adds, by the stepper. After the stepper failed (tokenizers
+        refuses a prefix it cannot extend), every token read is decoded whole at each token:
+        exact, for the rest of this output."""
+        self._tokens.append(token_id)
+        step = self._step
         if step is not None:
             try:
-                for token_id in token_ids:
-                    piece = step(token_id)
-                    self._cut = piece is None
-                    if piece:
-                        text += piece
-            except Exception:  # tokenizers refused to extend its prefix
-                self._step = step = None
-        if step is None:
-            return self._decode_whole(final)
-        if final and self._cut:
-            text += self.decoder.decode(self._tokens)[self._num_chars + len(text) :]
-        self._num_chars += len(text)
-        return text
+                piece = step(token_id)
+            except Exception:
+                self._step = None
+            else:
+                self._cut = piece is None
+                if not piece:
+                    return ""
+                self._num_chars += len(piece)
+                return piece
+        return self._decode_whole(False)
 
     def _decode_whole(self, final: bool) -> str:
         """After the stepper failed: the text of every token read past what was handed out

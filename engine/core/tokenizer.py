@@ -143,8 +143,6 @@ class Tokenizer:
                 "(save one with transformers' tokenizer.save_pretrained)."
             )
         self._tokenizer = HFTokenizer.from_file(str(path))
-        self._byte_table: ByteTable | bool | None = False
-        """`byte_level_table`, once a stepper is asked for (False: not built yet)."""
         self._one: dict[int, str] = {}
         """The text of single tokens, decoded once each (at most the vocabulary): logprobs
         name each sampled and top candidate token on its own."""
@@ -216,11 +214,14 @@ class Tokenizer:
         vocabulary's table (a token's text looked up) when the tokenizer has one, else
         tokenizers' `DecodeStream` (in Rust, about five times the time a token)."""
         table = self._byte_table
-        if table is False:
-            table = self._byte_table = byte_level_table(self._tokenizer)
-        if isinstance(table, tuple):
+        if table is not None:
             return byte_level_stepper(*table)
         return functools.partial(DecodeStream(skip_special_tokens=True).step, self._tokenizer)
+
+    @functools.cached_property
+    def _byte_table(self) -> ByteTable | None:
+        """`byte_level_table`, built when a stepper is first asked for."""
+        return byte_level_table(self._tokenizer)
 
     def render_chat(
         self, messages: list[dict[str, str]], add_generation_prompt: bool = True
