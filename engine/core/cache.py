@@ -1,4 +1,4 @@
-"""The nanoflex cache directory, and publishing a built directory into it atomically."""
+"""The nanoflex cache directory, and publishing a built directory or a file atomically."""
 
 from __future__ import annotations
 
@@ -38,3 +38,18 @@ def publish_dir(final: Path, build: Callable[[Path], None], complete_file: str) 
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def publish_file(path: Path, text: str) -> None:
+    """Write `text` to `path` in one step: a temporary sibling renamed into place, so a reader
+    (or a process that crashes mid-write) sees the old file or the new one whole. The
+    temporary is removed when the write fails; the error (OSError) is the caller's."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.chmod(tmp, 0o644)  # mkstemp makes it private; readable as write_text's would be
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from engine.core.cache import cache_root, publish_dir
+from engine.core.cache import cache_root, publish_dir, publish_file
 from engine.core.model_files import ModelLoadError
 from engine.loading.gguf_config import gguf_config, is_read_here
 from engine.loading.gguf_tensors import GgufTensors, open_gguf
@@ -65,9 +64,7 @@ def file_digest(path: Path) -> str:
             sha.update(chunk)
     digest = sha.hexdigest()
     memo.parent.mkdir(parents=True, exist_ok=True)
-    tmp = memo.with_name(f".{memo.name}.{os.getpid()}")
-    tmp.write_text(json.dumps({**stamp, "sha256": digest}) + "\n")
-    os.replace(tmp, memo)  # atomic: a racing reader sees the old memo or the new one
+    publish_file(memo, json.dumps({**stamp, "sha256": digest}) + "\n")  # racing readers: whole
     return digest
 
 

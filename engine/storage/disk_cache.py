@@ -21,16 +21,15 @@ most every SAVE_EVERY_S seconds plus at close; a failed save (a full disk) is re
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
-import os
 import time
 import zlib
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from engine.core.cache import publish_file
 from engine.core.kv_pages import PageMove
 from engine.storage.disk_kv import DiskKVPool
 
@@ -217,13 +216,9 @@ class DiskCacheIndex:
             return
         self._saved_at = now
         data = {**self.geometry(), "pages": {str(p): [h, c] for p, (h, c) in self._pages.items()}}
-        tmp = self.path.with_name(self.path.name + ".tmp")
         try:
-            tmp.write_text(json.dumps(data))
-            os.replace(tmp, self.path)
+            publish_file(self.path, json.dumps(data))
         except OSError as e:
-            with contextlib.suppress(OSError):
-                tmp.unlink(missing_ok=True)
             if not self._save_failed:
                 log.warning(
                     "cannot save the disk cache index %s (%s); retrying, the next run "

@@ -15,13 +15,11 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
-import tempfile
 from pathlib import Path
 
 import torch
 
-from engine.core.cache import cache_root
+from engine.core.cache import cache_root, publish_file
 
 logger = logging.getLogger("nanoflex.engine")
 
@@ -72,9 +70,6 @@ class ExpertPicks:
         body = {"counts": {str(j): row.tolist() for j, row in self.counts.items()}}
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=".picks-", dir=self.path.parent)
-            with os.fdopen(fd, "w") as f:
-                json.dump(body, f)
-            os.replace(tmp, self.path)
+            publish_file(self.path, json.dumps(body))
         except OSError as e:
             logger.warning("could not keep the expert pick counts in %s: %s", self.path, e)
