@@ -310,9 +310,10 @@ class WeightStore:
         (`load_expert` fetches the others, or they run on the CPU). Runs on a copy thread; on
         CUDA the copies go on this thread's side stream and the returned event fences them."""
         layer = self.layers[j]
-        units = [layer, *self.resident_experts(j).values()]
         if experts:
             units = [layer, *(u for u in layer.experts.values() if host_experts or u.tier != "cpu")]
+        else:
+            units = [layer, *self.resident_experts(j).values()]
         with self.device.on_copy_stream():
             values: dict[str, Stored] = {}
             for unit in units:
