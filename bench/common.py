@@ -14,6 +14,7 @@ import sys
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from engine import LLM
@@ -102,6 +103,16 @@ def run_policies(
             }
         )
     return rows
+
+
+def source_trees(specs: list[str], this_tree: Path) -> list[tuple[str, str]]:
+    """`--tree LABEL=DIR` values as (label, directory), each a nanoflex source tree (a
+    checkout of an older commit, for a "before" figure); none given: `this_tree`."""
+    trees = [(label, directory) for label, _, directory in (s.partition("=") for s in specs)]
+    for label, directory in trees:
+        if not (Path(directory) / "engine").is_dir():
+            raise SystemExit(f"--tree {label}={directory}: not a nanoflex source tree")
+    return trees or [("this tree", str(this_tree))]
 
 
 def write_json(path: str | None, results: list[dict[str, Any]], table: Table) -> None:

@@ -26,9 +26,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -118,20 +117,24 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.child:
         return child(args)
-    from bench.common import Table, write_json
+    from bench.common import Table, source_trees, write_json
+    from bench.subproc import run_child
 
-    trees = [tuple(t.split("=", 1)) for t in args.tree] or [("this tree", str(REPO))]
-    for _, tree in trees:
-        if not (Path(tree) / "engine").is_dir():
-            parser.error(f"{tree} is not a nanoflex source tree")
+    trees = source_trees(args.tree, REPO)
     table = Table(["tree", "core, us a token", "event loop, us a token", "total, us a token"])
     results: list[dict[str, Any]] = []
     for label, tree in trees:
         flags = ["--seqs", str(args.seqs), "--tokens", str(args.tokens)]
-        cmd = [sys.executable, "-P", __file__, "--child", *flags, "--rounds", str(args.rounds)]
-        env = {**os.environ, "PYTHONPATH": str(Path(tree).resolve())}
-        out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
-        result = {"tree": label, **json.loads(out.splitlines()[-1])}
+        with tempfile.TemporaryDirectory(prefix="nanoflex-output-path-") as tmp:
+            ran = run_child(
+                ["-P", __file__, "--child", *flags, "--rounds", str(args.rounds)],
+                timeout_s=1800,
+                log_path=Path(tmp) / "child.log",
+                env={"PYTHONPATH": str(Path(tree).resolve())},
+            )
+        if ran.returncode != 0:
+            raise SystemExit(f"{label}: the run failed:\n{ran.output[-3000:]}")
+        result = {"tree": label, **json.loads(ran.output.splitlines()[-1])}
         results.append(result)
         print(json.dumps(result), file=sys.stderr)
         figures = [result[k] for k in ("core_us", "event_loop_us", "total_us")]

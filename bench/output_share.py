@@ -48,7 +48,7 @@ from typing import Any
 
 import httpx
 
-from bench.common import Table, write_json
+from bench.common import Table, source_trees, write_json
 from bench.load import launch
 from engine.core.model_files import DEMO_MODEL
 
@@ -248,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default=None)
     parser.add_argument("--profiles", default=None, help="keep py-spy's raw profiles here")
     args = parser.parse_args(argv)
-    trees = [tuple(t.split("=", 1)) for t in args.tree] or [("this tree", str(REPO))]
+    trees = source_trees(args.tree, REPO)
     args.daemon_args = dict(a.split("=", 1) for a in args.daemon_args)
     results = []
     for round_ in range(args.rounds):
