@@ -200,7 +200,8 @@ class Executor:
             self.offload_dir, self.cache_salt(), self.kv.disk_pool, persistent=persist_kv_cache
         )
         """What each cached disk page holds, verified when used (and kept on disk if persistent)."""
-        self._found_on_disk = self.disk_cache.load(self.kv_capacity_pages()["disk"])
+        self.kv.capacity = self.kv_capacity_pages()
+        self._found_on_disk = self.disk_cache.load(self.kv.capacity["disk"])
         self.kv.reserve_pages([("disk", page) for _, page in self._found_on_disk])
         check_budgets(self.weights.bytes_per_tier(), self.budgets)
         self.trace_path = None if trace is None else Path(trace)

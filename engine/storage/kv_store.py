@@ -4,8 +4,8 @@ A row is one token's keys then values for one layer, (2 * num_kv_heads * head_di
 values, encoded by a `KVRowCodec` into `row_bytes` bytes (a plain view, or 4-bit
 groups). Token t of a sequence lives at slot page_ids[t // page_tokens] *
 page_tokens + t % page_tokens of its home tier's pool, for every layer. Memory
-pools grow by doubling; the disk pool (`DiskKVPool`) is one file per layer, written a
-whole page at a time.
+pools grow by doubling up to the tier's capacity; the disk pool (`DiskKVPool`) is one
+file per layer, written a whole page at a time.
 """
 
 from __future__ import annotations
@@ -86,6 +86,9 @@ class KVStore:
             num_layers, page_tokens, self.row_bytes, device, disk, persistent
         )
         self.num_pages = dict.fromkeys(TIERS, 0)
+        self.capacity: dict[str, int | None] = dict.fromkeys(TIERS)
+        """Pages each memory tier may hold (None: unbounded); the executor sets it from the
+        tiers' budgets once the weights are placed (budgets.kv_capacity_pages)."""
 
     @property
     def page_bytes(self) -> int:
@@ -99,28 +102,37 @@ class KVStore:
         return out
 
     def reserve(self, tier: str, num_pages: int) -> None:
-        """Make page ids [0, num_pages) addressable on `tier`."""
+        """Make page ids [0, num_pages) addressable on `tier`. A memory pool grows by doubling,
+        but never by doubling past the tier's capacity (`capacity`, from its budget; the
+        scheduler asks for no more than that), and one layer at a time: the new pools and a
+        single old one are alive at once. So a pool grown to fill its budget stays within it
+        (the first H200 run doubled a 66 GiB pool of a 98 GiB capacity towards 132 GiB, every
+        old layer kept until the last new one was made, and ran out of GPU memory)."""
         if num_pages <= self.num_pages[tier]:
             return
         if tier == "disk":
             self.num_pages[tier] = num_pages
             return
+        limit = self.capacity.get(tier)
         new_pages = max(num_pages, 2 * self.num_pages[tier], 4)
+        if limit is not None:
+            new_pages = max(num_pages, min(new_pages, limit))
         shape = (new_pages * self.page_tokens, self.row_bytes)
-        grown = []
+        pools = self._pools[tier]
+        self.device.synchronize()  # copies in flight may still read or write the old pools
         for j in range(self.num_layers):
             pool = (
                 torch.empty(shape, dtype=torch.uint8, device=self.device.device)
                 if tier == "gpu"
                 else self.device.host_empty(shape, torch.uint8)
             )
-            if self._pools[tier]:
-                old = self._pools[tier][j]
-                pool[: old.shape[0]].copy_(old)
-            grown.append(pool)
-        self._pools[tier] = grown
+            if len(pools) > j:
+                pool[: pools[j].shape[0]].copy_(pools[j])
+                pools[j] = pool  # the old pool is freed here, before the next layer's is made
+            else:
+                pools.append(pool)
         self.num_pages[tier] = new_pages
-        # the copy above runs on the compute stream; copy streams read the pool next
+        # the copies above run on the compute stream; copy streams read the pools next
         self.device.synchronize()
 
     def reserve_pages(self, pages: list[PageRef]) -> None:
