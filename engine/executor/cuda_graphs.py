@@ -51,7 +51,7 @@ class GraphRunner:
     ) -> None:
         self.model, self.weights, self.device, self.dtype = model, weights, device, dtype
         self._graphs: dict[int, StepGraphs] = {}
-        self._pool = torch.cuda.graph_pool_handle()
+        self._pool: Any = None
         self.num_replays = 0
         """Steps run through graphs (the GPU suite checks the path was taken)."""
 
@@ -125,6 +125,8 @@ class GraphRunner:
         with torch.cuda.stream(side):
             body()
         torch.cuda.current_stream(self.device).wait_stream(side)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
             body()

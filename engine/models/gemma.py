@@ -74,8 +74,10 @@ class GemmaModel(LlamaModel):
         """Token embeddings times sqrt(hidden), that factor rounded to the weights' dtype first
         (as transformers' Gemma2TextScaledWordEmbedding rounds it)."""
         table = w["tok.weight"]
-        scale = torch.tensor(self.config.hidden_size**0.5).to(table.dtype)
-        return torch.nn.functional.embedding(token_ids, table) * scale.to(table.device)
+        # a Python number, not a host tensor copied to the device: that copy cannot be
+        # captured in a CUDA graph (the first H200 run's Gemma failures)
+        scale = torch.tensor(self.config.hidden_size**0.5).to(table.dtype).item()
+        return torch.nn.functional.embedding(token_ids, table) * scale
 
     def input_norm(self, w: Weights, h: torch.Tensor) -> torch.Tensor:
         return self._norm(h, w, "ln1")
