@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -359,11 +360,24 @@ def vocab_size(kind: str) -> int:
     return int((text if isinstance(text, dict) else spec)["vocab_size"])  # type: ignore[call-overload]
 
 
+def hf_reference(model_dir: Path, dtype: torch.dtype = torch.float32) -> Any:
+    """transformers' model of `model_dir`, the reference: with its eager attention where the
+    config soft-caps attention scores. transformers 5.17 gives Gemma 2 SDPA by default, which
+    drops the cap (5.24 refuses SDPA for it): the first H200 run's reference diverged from
+    5.24's, and from nanoflex's, at the first token."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir)
+    text = getattr(config, "text_config", None) or config
+    eager = (
+        {"attn_implementation": "eager"} if getattr(text, "attn_logit_softcapping", None) else {}
+    )
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, **eager)
+
+
 def hf_greedy(model_dir: Path, prompt: list[int], max_new_tokens: int) -> list[int]:
     """transformers' own generate(), greedy, EOS ignored: the reference tokens."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = hf_reference(model_dir)
     model.generation_config.eos_token_id = None
     out = model.generate(
         torch.tensor([prompt]),
@@ -378,9 +392,9 @@ def hf_greedy(model_dir: Path, prompt: list[int], max_new_tokens: int) -> list[i
 def hf_greedy_stepwise(model_dir: Path, prompt: list[int], max_new_tokens: int) -> list[int]:
     """transformers' own model, greedy: the prompt in one forward pass, then one token at a
     time over its cache at explicit positions."""
-    from transformers import AutoModelForCausalLM, DynamicCache
+    from transformers import DynamicCache
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = hf_reference(model_dir)
     out: list[int] = []
     with torch.no_grad():
         cache = DynamicCache(config=model.config)

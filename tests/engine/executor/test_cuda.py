@@ -13,7 +13,13 @@ import torch
 from engine import LLM, SamplingParams
 from policy import Policy
 from tests.engine.executor.test_correctness import MAX_TOKENS, PLACEMENTS
-from tests.engine.tiny_models import NEW_FAMILIES, TINY_CONFIGS, random_prompts, vocab_size
+from tests.engine.tiny_models import (
+    NEW_FAMILIES,
+    TINY_CONFIGS,
+    hf_reference,
+    random_prompts,
+    vocab_size,
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -22,9 +28,7 @@ pytestmark = [
 
 
 def hf_greedy_cuda(model_dir, prompts, dtype):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).cuda()
+    model = hf_reference(model_dir, dtype).cuda()
     model.generation_config.eos_token_id = None
     out = []
     for prompt in prompts:

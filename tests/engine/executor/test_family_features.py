@@ -23,6 +23,7 @@ from tests.engine.tiny_models import (
     TINY_CONFIGS,
     hf_greedy,
     hf_greedy_stepwise,
+    hf_reference,
     random_prompts,
 )
 
@@ -84,10 +85,8 @@ def test_logits_equal_transformers_full_forward(tiny_model, kind):
     its first 12 tokens and then one decode per token (windows, caps, rotary all read back from
     the KV cache). phi3-long stays within its original length, where transformers' single
     forward pass uses the short factors as every step of ours does."""
-    from transformers import AutoModelForCausalLM
-
     prompts = _prompts(kind, 32 if kind == "phi3-long" else 40)
-    model = AutoModelForCausalLM.from_pretrained(tiny_model(kind), dtype=torch.float32)
+    model = hf_reference(tiny_model(kind))
     ours = _score(tiny_model(kind), prompts)
     for prompt, got in zip(prompts, ours, strict=True):
         with torch.no_grad():
