@@ -166,6 +166,15 @@ CASES: dict[str, Case] = {
             note="FlexGen 0.1.8 runs OPT only: nanoflex, Accelerate and the roofline",
         ),
         Case(
+            "llama-3-8b-p512-full",
+            "llama-3-8b",
+            gpu_mem=None,
+            flexgen=None,
+            accelerate_batch=64,
+            note="Resident: the whole card, weights and KV on the GPU; total throughput against "
+            "the compute bound gpu_flops / (2 x params). FlexGen 0.1.8 runs OPT only",
+        ),
+        Case(
             "opt-6.7b-p1024-16g",
             "opt-6.7b",
             prompt_len=1024,
@@ -186,6 +195,7 @@ DEFAULT_ORDER: tuple[str, ...] = (
     "opt-6.7b-p512-full",
     "opt-13b-p512-full",
     "opt-30b-p512-full",
+    "llama-3-8b-p512-full",
 )
 
 

@@ -23,7 +23,10 @@ BEGIN, END = "<!-- gpu-results:begin -->", "<!-- gpu-results:end -->"
 
 
 def load_results(results_dir: Path) -> list[dict[str, Any]]:
-    return [json.loads(p.read_text()) for p in sorted(results_dir.glob("gpu-*.json"))]
+    """The comparison records (bench.gpu_compare's, with a case and its runs) among
+    gpu-*.json; the suite, profile and overlap records beside them are not cases."""
+    records = [json.loads(p.read_text()) for p in sorted(results_dir.glob("gpu-*.json"))]
+    return [r for r in records if "case" in r and "runs" in r]
 
 
 def _gen(run: dict[str, Any] | None) -> float | None:
