@@ -219,6 +219,7 @@ def engine_overlap(
     warm-up): the hidden share of prefill and of decode steps, the wall times, and whether the
     tokens agree between the two runs of one engine (determinism) and between on and off."""
     from engine import LLM, SamplingParams
+    from engine.executor.trace import Tracer
     from policy import Policy
 
     steps: dict[bool, list[dict[str, float]]] = {}
@@ -243,7 +244,9 @@ def engine_overlap(
                 trace=str(path),
             ) as llm:
                 runs = [[o.outputs[0].token_ids for o in llm.generate(prompts, params)]]
-                spans = llm.executor.tracer.spans
+                tracer = llm.executor.tracer
+                assert isinstance(tracer, Tracer)
+                spans = tracer.spans
                 warm = sum(sp.name == "compute" and sp.args["layer"] == 0 for sp in spans)
                 start = time.perf_counter()
                 runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
