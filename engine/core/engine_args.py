@@ -148,12 +148,14 @@ class EngineArgs:
     native_kernels: bool = cli(
         True,
         "on the CPU, decode attention and the norm, rotary and SiLU ops run native "
-        "kernels built on first use (C++ compiler and ninja); off runs torch's own ops "
-        "(default: on)",
+        "kernels built on first use (C++ compiler and ninja); on CUDA, decode and prefill "
+        "attention run Triton kernels; off runs torch's own ops (default: on)",
     )
     """On the CPU, decode and prefill attention read the KV pool in place with the native
     kernels, and the norms, rotary and SiLU run fused, compiled on first use (engine/kernels);
-    False gathers the keys into a copy for SDPA and runs torch's own ops."""
+    on CUDA, decode and prefill attention read it in place with Triton kernels
+    (engine/kernels/triton_attention.py). False gathers the keys into a copy for SDPA and
+    runs torch's own ops."""
     prepack_weights: bool = cli(
         True,
         "on the CPU, store resident linear weights prepacked for oneDNN's GEMM at "

@@ -394,7 +394,8 @@ def _paged_group(
     b, q_max, kv_max = g.num_seqs, g.q_max, g.kv_max
     num_heads, head_dim = q.shape[1], q.shape[2]
     native = kernels is not None and not spec.softcap
-    if native and (g.kv_lens is not None or g.starts is not None):
+    prefill = None if kernels is None else kernels.prefill
+    if native and (g.kv_lens is not None or (g.starts is not None and prefill is not None)):
         assert kernels is not None
         rows = decode(pool)  # plain rows: a view of the whole pool
         scale = head_dim**-0.5 if spec.scale is None else spec.scale
@@ -402,9 +403,11 @@ def _paged_group(
             q = q.contiguous()
         if g.kv_lens is not None:
             return kernels.decode(q, rows, g.slots, g.kv_lens, kv_shape[0], scale, g.window)
-        assert g.starts is not None
+        assert g.starts is not None and prefill is not None
         q_starts, kv_starts = g.starts
-        return kernels.prefill(q, rows, g.slots, q_starts, kv_starts, kv_shape[0], scale, g.window)
+        return prefill(
+            q, rows, g.slots, q_starts, kv_starts, kv_shape[0], scale, g.window, q_max=q_max
+        )
     if g.chunks is not None:
         keys = decode(select_rows(pool, g.slots)).view(-1, 2, *kv_shape)  # (sum L, 2, ...)
         outs = []

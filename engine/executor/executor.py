@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from engine.core.dtypes import checkpoint_dtype
-from engine.core.engine_args import EngineArgs
+from engine.core.engine_args import RESIDENT_STEP_TOKENS, EngineArgs
 from engine.core.kv_pages import PageManager
 from engine.core.offload_dir import OffloadDirError, OffloadDirLock, lock_offload_dir
 from engine.core.planning import cached_hardware, model_spec
@@ -35,6 +35,7 @@ from engine.executor.budgets import (
     check_host_memory,
     derive_budgets,
     kv_capacity_pages,
+    stores_in_flight,
 )
 from engine.executor.cuda_graphs import GraphRunner
 from engine.executor.gpu_batch import BatchBuilder, SeqState
@@ -44,7 +45,7 @@ from engine.executor.pipeline import BlockPipeline
 from engine.executor.sampler import top_logprobs
 from engine.executor.step_sampler import StepSampler
 from engine.executor.trace import NoTracer, Tracer
-from engine.kernels import dense_ops, paged_kernels, token_mask
+from engine.kernels import PagedKernels, cuda_paged_kernels, dense_ops, paged_kernels, token_mask
 from engine.loading.checkpoint import open_reader
 from engine.loading.generated import local_model_dir
 from engine.models import build_model
@@ -85,8 +86,10 @@ class Executor:
         written first (engine/executor/attention.py); False gathers a packed copy of every
         past row first, as other tiers and compressed KV always do.
     native_kernels: on the CPU, the native kernels (engine/kernels, built on first use) run
-        decode and prefill attention in place and the fused norm, rotary and SiLU ops; False
-        gathers the keys into a copy for SDPA and runs torch's own ops, as on CUDA.
+        decode and prefill attention in place and the fused norm, rotary and SiLU ops; on
+        CUDA, the Triton kernels (engine/kernels/triton_attention.py) run decode and prefill
+        attention in place. False gathers the keys into a copy for SDPA and runs torch's own
+        ops.
     prepack_weights: on the CPU, resident linear weights are stored in oneDNN's blocked
         layout once at load (engine/models/base.py: prepack); False keeps them plain for
         `F.linear`, which reorders them on every call.
@@ -100,6 +103,8 @@ class Executor:
         most this many rows of a block route to runs on the CPU instead of being copied
         (engine/executor/moe_block.py); None: the cost model's break-even on the cached
         hardware profile (`nanoflex profile`; without one, never).
+    step_tokens: the most tokens one step runs (`EngineArgs.step_tokens`): on a GPU, what
+        a step's stores keep in flight is left out of the KV pool (budgets.stores_in_flight).
     on_progress: called with (layers loaded, layers) while the weights load (the engine
         process reports it to the daemon); None: `show_progress` decides.
     """
@@ -126,9 +131,11 @@ class Executor:
         hot_experts: bool = True,
         group_experts: bool = True,
         cpu_expert_rows: int | None = None,
+        step_tokens: int = RESIDENT_STEP_TOKENS,
         on_progress: Callable[[int, int], None] | None = None,
     ) -> None:
         self.policy = policy
+        self.step_tokens = step_tokens
         self.device = Device.resolve(device)
         self.model_dir = local_model_dir(model)
         hf_config = read_hf_config(self.model_dir)
@@ -223,7 +230,7 @@ class Executor:
             )
             if policy.num_nano_batches > 1
             else None,
-            kernels=paged_kernels() if native else None,
+            kernels=self._attention_kernels(native_kernels),
             cpu_expert_rows=self._cpu_expert_rows(cpu_expert_rows),
             group_experts=group_experts,
         )
@@ -308,11 +315,31 @@ class Executor:
         weights = [layer.values for layer in self.weights.layers]
         return GraphRunner(self.model, weights, self.device.device, self.dtype)  # type: ignore[arg-type]
 
+    def _attention_kernels(self, native_kernels: bool) -> PagedKernels | None:
+        """Attention in place from the KV pool: the native kernels on a CPU, Triton's on
+        CUDA; None (gather and SDPA) with `native_kernels` off or where they are missing."""
+        if not native_kernels:
+            return None
+        return cuda_paged_kernels() if self.device.is_cuda else paged_kernels()
+
     # -- what the scheduler needs ------------------------------------------------------
 
     def kv_capacity_pages(self) -> dict[str, int | None]:
-        """KV pages each tier may hold: its budget less its weights (budgets.py)."""
-        return kv_capacity_pages(self.budgets, self.weights.bytes_per_tier(), self.kv.page_bytes)
+        """KV pages each tier may hold: its budget less its weights and, on a GPU, the
+        stores a step keeps in flight (budgets.py)."""
+        in_flight = 0
+        if self.device.is_cuda:
+            item = torch.empty((), dtype=self.dtype).element_size()
+            in_flight = stores_in_flight(
+                self.policy,
+                self.step_tokens,
+                self.config.num_layers,
+                2 * self.config.kv_dim * item,
+                self.config.hidden_size * item,
+            )
+        return kv_capacity_pages(
+            self.budgets, self.weights.bytes_per_tier(), self.kv.page_bytes, in_flight
+        )
 
     def describe(self) -> EngineInfo:
         """What a scheduler in this or another process needs to plan for this engine."""
@@ -581,6 +608,7 @@ def build_executor(
         hot_experts=args.hot_experts,
         group_experts=args.group_experts,
         cpu_expert_rows=args.cpu_expert_rows,
+        step_tokens=args.step_tokens(policy),
         on_progress=on_progress,
     )
 

@@ -58,8 +58,9 @@ kv_lens (B,) int64, num_kv_heads, scale, window) -> (B, heads, head_dim)."""
 PagedPrefill = Callable[..., torch.Tensor]
 """(q (T, heads, head_dim), pool (slots, 2 * kv_dim), slots (sum of kv_len,) int64: each
 sequence's keys back to back, q_starts and kv_starts (B + 1,) int64: where each sequence's
-rows of q and of slots begin, num_kv_heads, scale, window) -> (T, heads, head_dim); query t
-of a sequence sees its keys [0, kv_len - q_len + t] (the last `window` of them; 0: all)."""
+rows of q and of slots begin, num_kv_heads, scale, window, q_max: the most rows of one
+sequence, known on the host) -> (T, heads, head_dim); query t of a sequence sees its keys
+[0, kv_len - q_len + t] (the last `window` of them; 0: all)."""
 
 _lock = threading.Lock()
 
@@ -114,12 +115,14 @@ def _build() -> bool:
 
 @dataclass(frozen=True, slots=True)
 class PagedKernels:
-    """Attention read in place from a layer's KV pool, on the CPU."""
+    """Attention read in place from a layer's KV pool: the native kernels on the CPU
+    (`paged_kernels`), Triton's on CUDA (`cuda_paged_kernels`)."""
 
     decode: PagedDecode
     """Decodes: one query token a sequence."""
-    prefill: PagedPrefill
-    """Prefill chunks: any number of query tokens a sequence, causal."""
+    prefill: PagedPrefill | None
+    """Prefill chunks: any number of query tokens a sequence, causal; None: prefill chunks
+    gather their keys for SDPA."""
 
 
 def paged_kernels() -> PagedKernels | None:
@@ -129,7 +132,26 @@ def paged_kernels() -> PagedKernels | None:
         built = _build()
     if not built:
         return None
-    return PagedKernels(torch.ops.nanoflex.paged_decode, torch.ops.nanoflex.paged_prefill)
+    return PagedKernels(torch.ops.nanoflex.paged_decode, _native_prefill)
+
+
+def _native_prefill(*args: object, q_max: int) -> torch.Tensor:
+    """The native prefill kernel, which sizes its work itself (no `q_max`)."""
+    out: torch.Tensor = torch.ops.nanoflex.paged_prefill(*args)
+    return out
+
+
+def cuda_paged_kernels() -> PagedKernels | None:
+    """The Triton decode kernel (triton_attention.py), or None, with one warning, where
+    Triton is not installed. Prefill chunks keep gathering their keys for SDPA, whose flash
+    kernel the H200 measured at 4.6x the Triton prefill kernel (bench/gpu_attention.py,
+    docs/benchmarks.md): 360 against 79 TFLOP/s; the gather costs it less than that."""
+    from engine.kernels import triton_attention
+
+    if not triton_attention.available():
+        logger.warning("triton is not installed: CUDA attention gathers the keys for SDPA")
+        return None
+    return PagedKernels(triton_attention.paged_decode, None)
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,7 +15,7 @@ import torch
 from engine.core.model_files import DEMO_MODEL
 from engine.executor.attention import RaggedLayout, paged_attention, ragged_attention
 from engine.executor.executor import Executor
-from engine.kernels import paged_kernels
+from engine.kernels import PagedKernels, cuda_paged_kernels, paged_kernels
 from engine.profiling.dense_profile import dense_step_table
 from engine.profiling.disk_profile import disk_bandwidth, io_interference
 from engine.profiling.nano_profile import nano_batch_overhead, nano_overlap
@@ -55,19 +55,26 @@ ATTENTION_SHAPE = (16, 4, 64)
 """(heads, kv heads, head dim) of the attention probes: a small GQA model's layer."""
 
 
+def _attention_kernels(device: Device) -> PagedKernels | None:
+    """The kernels the engine's attention runs by default: native on a CPU (where they
+    build), Triton on CUDA (where it is installed)."""
+    return cuda_paged_kernels() if device.is_cuda else paged_kernels()
+
+
 def _prefill_attention_flops(dtype: torch.dtype, device: Device, scale: int, probe: Probe) -> float:
     """FLOP/s of the engine's attention over prefill chunks (no past) read in place from a
-    pool (`paged_attention`; on a CPU by the native kernel where it builds, as the engine
-    runs it by default), counted as the cost model counts them: 4 s^2 q per sequence."""
+    pool (`paged_attention` with the kernels the engine runs by default), counted as the
+    cost model counts them: 4 s^2 q per sequence. On CUDA the chunks are long enough (8 of
+    2,048 tokens at full scale, 550 GFLOP) that one call outlasts its launches."""
     heads, kv_heads, d = ATTENTION_SHAPE
-    seqs, length = 4, 128 * scale
+    seqs, length = (8, 512 * scale) if device.is_cuda else (4, 128 * scale)
     on = device.device
     pool = torch.randn(2 * seqs * length, 2 * kv_heads * d, dtype=dtype, device=on)
     slots = torch.randperm(pool.shape[0]).tolist()
     seq_slots = [slots[i * length : (i + 1) * length] for i in range(seqs)]
     layout = RaggedLayout.build([length] * seqs, [0] * seqs, on, seq_slots=seq_slots)
     q = torch.randn(seqs * length, heads, d, dtype=dtype, device=on)
-    kernels = None if device.is_cuda else paged_kernels()
+    kernels = _attention_kernels(device)
     seconds = probe.seconds(
         "prefill_attention_flops",
         lambda: paged_attention(q, pool, _plain, layout, (kv_heads, d), kernels),
@@ -79,17 +86,18 @@ def _prefill_attention_flops(dtype: torch.dtype, device: Device, scale: int, pro
 def _device_attention_bw(dtype: torch.dtype, device: Device, scale: int, probe: Probe) -> float:
     """KV bytes/s of decode attention through the engine's path on the compute device: every
     key of a sequence read in place from a pool by slot (`paged_attention`, where the KV is
-    on the compute device's pool): on a CPU by the native kernel where it builds, as the
-    engine runs it by default; otherwise gathered into the padded layout for one SDPA."""
+    on the compute device's pool), by the kernels the engine runs by default (gathered into
+    the padded layout for one SDPA without them). On CUDA the step reads 537 MB at full
+    scale (32 sequences of 4,096 keys), so HBM, not the launches, is what it measures."""
     heads, kv_heads, d = ATTENTION_SHAPE
-    seqs, past = 8, 256 * scale
+    seqs, past = (32, 1024 * scale) if device.is_cuda else (8, 256 * scale)
     on = device.device
     pool = torch.randn(2 * seqs * (past + 1), 2 * kv_heads * d, dtype=dtype, device=on)
     slots = torch.randperm(pool.shape[0]).tolist()
     seq_slots = [slots[i * (past + 1) : (i + 1) * (past + 1)] for i in range(seqs)]
     layout = RaggedLayout.build([1] * seqs, [past] * seqs, on, seq_slots=seq_slots)
     q = torch.randn(seqs, heads, d, dtype=dtype, device=on)
-    kernels = None if device.is_cuda else paged_kernels()
+    kernels = _attention_kernels(device)
     seconds = probe.seconds(
         "device_attention_bw",
         lambda: paged_attention(q, pool, _plain, layout, (kv_heads, d), kernels),

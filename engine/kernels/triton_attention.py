@@ -1,0 +1,639 @@
+"""Attention read in place from one layer's KV pool on CUDA, in Triton.
+
+The CPU runs its own C++ kernels (paged_decode.cpp, paged_prefill.cpp); these are their CUDA
+counterparts, with the same arguments (`PagedKernels`), so `engine.executor.attention` calls
+either the same way. Without them the CUDA path gathers every key of a step into a padded
+copy and calls SDPA: the first GPU sessions measured that at 71-82 GB/s, 2% of the HBM
+bandwidth, for decode, and at 2% of the GEMM rate for prefill.
+
+- **Decode** (flash-decoding): one program per (sequence, kv head, split of the keys). It
+  loads the kv head's query heads once (grouped-query attention: the keys are read once for
+  all of them, never repeated), walks its split's keys `BLOCK_N` at a time through the block
+  table, reading each row where it lies in the pool, and keeps an online softmax in float32.
+  Long contexts are cut into splits so that short batches still fill the GPU; a second
+  kernel merges the splits' partial sums. With one split the first kernel writes the output.
+- **Prefill** (flash attention over a paged past): one program per (sequence, block of
+  `BLOCK_M` query rows, query head). Query row t of a sequence with `q_len` new rows and
+  `kv_len` keys is at position kv_len - q_len + t and sees keys [0, that position] (its last
+  `window` of them): causal over the paged past and the new rows alike, ragged across
+  sequences.
+
+Both compute scores and the softmax in float32, multiply half-precision tiles on the tensor
+cores (float32 tiles in IEEE float32, not TF32), and round the probabilities to the values'
+type before the second product, as flash attention does. Soft-capped scores (Gemma 2) and
+4-bit KV rows stay on the gather-and-SDPA path.
+
+CI runs both kernels under Triton's interpreter on CPU tensors (a launch picks the
+interpreter when its tensors are on the CPU; `TRITON_INTERPRET=1` must be set before Triton
+is imported, for Triton's own jit functions the kernels call) and compiles them for sm_90
+with no GPU present: `python -m engine.kernels.triton_attention --compile` prints each
+kernel's registers, spills and shared memory (tests/engine/kernels/test_triton_attention.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # no Triton: the gather-and-SDPA path runs instead
+    triton = None
+
+DECODE_BLOCK_N = 64
+"""Keys per tile of the decode kernel."""
+PREFILL_BLOCK_M, PREFILL_BLOCK_N = 64, 64
+"""Query rows and keys per tile of the prefill kernel."""
+MAX_SPLITS = 64
+"""At most this many splits of one sequence's keys in decode."""
+PROGRAMS_PER_SM = 2
+"""Decode splits keys until (sequences x kv heads x splits) reaches this many programs per
+multiprocessor, so that a short batch of long sequences still fills the GPU."""
+INTERPRETER_SMS = 2
+"""The multiprocessor count assumed under the interpreter (small, so tests exercise splits)."""
+LAUNCH: dict[str, dict[str, int]] = {
+    "decode_split": dict(num_warps=4, num_stages=2),
+    "decode_merge": dict(num_warps=4, num_stages=1),
+    "prefill": dict(num_warps=8, num_stages=2),
+}
+"""Warps and software-pipelining stages per kernel. With two stages the decode kernel's
+key tiles stream through shared memory (cp.async), 80 registers a thread (one stage: 128);
+the prefill kernel's 64 x 64 tiles take 167 registers with 8 warps and two stages, 235
+with 4 (compiled for sm_90: `python -m engine.kernels.triton_attention --compile`)."""
+
+
+def available() -> bool:
+    return triton is not None
+
+
+def _next_pow2(n: int, floor: int = 16) -> int:
+    return max(floor, 1 << (max(1, n) - 1).bit_length())
+
+
+class _Kernel:
+    """One kernel source, compiled for the GPU (`triton.jit`) or run by Triton's interpreter
+    on CPU tensors, chosen at each launch by where its tensors are."""
+
+    def __init__(self, fn: Callable[..., None]) -> None:
+        self.fn = fn
+        self.options = LAUNCH[fn.__name__]
+
+    @functools.cached_property
+    def jit(self) -> Any:
+        from triton.runtime.jit import JITFunction
+
+        return JITFunction(self.fn)
+
+    @functools.cached_property
+    def interpreted(self) -> Any:
+        from triton.runtime.interpreter import InterpretedFunction
+
+        _scalar_index_fix()
+        return InterpretedFunction(self.fn)
+
+    def launch(self, grid: tuple[int, ...], on_gpu: bool, *args: Any, **kwargs: Any) -> None:
+        if on_gpu:
+            self.jit[grid](*args, **kwargs, **self.options)
+        else:
+            self.interpreted[grid](*args, **kwargs)
+
+
+def _kernel(fn: Callable[..., None]) -> _Kernel:
+    return _Kernel(fn)
+
+
+@functools.cache
+def _scalar_index_fix() -> None:
+    """Triton 3.6's interpreter turns a scalar into an index with `int()` of a one-element
+    array, which NumPy 2.4 refuses ("only 0-dimensional arrays can be converted"), so a loop
+    over a runtime range fails there (triton-lang/triton#9171, fixed after 3.6): its scalars
+    are given an `__index__` that reads the one element."""
+    from triton.runtime import interpreter
+
+    patch = interpreter._patch_lang_tensor
+    if getattr(patch, "nanoflex_fixed", False):
+        return
+
+    def fixed(tensor: Any, scope: Any) -> None:
+        patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    fixed.nanoflex_fixed = True  # type: ignore[attr-defined]
+    interpreter._patch_lang_tensor = fixed
+
+
+if triton is not None:
+
+    @triton.jit
+    def _attend_tile(
+        q,
+        KV,
+        slot,
+        key_ok,
+        seen,
+        top,
+        total,
+        acc,
+        stride_row,
+        kvh,
+        scale,
+        HEAD_DIM: tl.constexpr,
+        HEAD_PAD: tl.constexpr,
+        KV_DIM: tl.constexpr,
+        PRECISION: tl.constexpr,
+        UPCAST: tl.constexpr,
+    ):
+        """One tile of keys for both kernels: kv head `kvh`'s keys and values of the tile's
+        slots read where they lie in the pool, the query rows' scores (`seen`: which rows
+        see which keys), and the online softmax's running maximum, sum and output
+        updated. A row that has seen no key yet keeps a maximum of -inf and sums nothing."""
+        dims = tl.arange(0, HEAD_PAD)
+        rows = KV + slot[:, None] * stride_row + kvh * HEAD_DIM + dims[None, :]
+        if HEAD_PAD == HEAD_DIM:
+            ok = key_ok[:, None]
+        else:
+            ok = key_ok[:, None] & (dims < HEAD_DIM)[None, :]
+        k = tl.load(rows, mask=ok, other=0.0)
+        v = tl.load(rows + KV_DIM, mask=ok, other=0.0)
+        if UPCAST:
+            k, v = k.to(tl.float32), v.to(tl.float32)
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        scores = tl.where(seen, scores, float("-inf"))
+        new_top = tl.maximum(top, tl.max(scores, 1))
+        safe = tl.where(new_top == float("-inf"), 0.0, new_top)
+        probs = tl.exp(scores - safe[:, None])
+        shrink = tl.exp(top - safe)
+        total = total * shrink + tl.sum(probs, 1)
+        acc = acc * shrink[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=PRECISION)
+        return new_top, total, acc
+
+    @_kernel
+    def decode_split(
+        Q,
+        KV,
+        OUT,
+        ACC,
+        MAX,
+        SUM,
+        SLOTS,
+        KV_LENS,
+        stride_qb,
+        stride_qh,
+        stride_row,
+        stride_ob,
+        stride_oh,
+        kv_max,
+        split_len,
+        num_splits,
+        scale,
+        window,
+        HEAD_DIM: tl.constexpr,
+        HEAD_PAD: tl.constexpr,
+        KV_DIM: tl.constexpr,
+        GROUP: tl.constexpr,
+        GROUP_PAD: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        ONE_SPLIT: tl.constexpr,
+        PRECISION: tl.constexpr,
+        UPCAST: tl.constexpr,
+    ):
+        """Program (b, kv head, split): the split's keys of sequence b against the kv head's
+        query heads; the output (one split) or the split's unnormalized sums."""
+        b = tl.program_id(0)
+        kvh = tl.program_id(1)
+        split = tl.program_id(2)
+        kv_len = tl.load(KV_LENS + b)
+        lo = split.to(tl.int64) * split_len
+        hi = tl.minimum(lo + split_len, kv_len)
+        lo = tl.maximum(lo, kv_len - window)
+        heads = kvh * GROUP + tl.arange(0, GROUP_PAD)
+        dims = tl.arange(0, HEAD_PAD)
+        head_ok = tl.arange(0, GROUP_PAD) < GROUP
+        dim_ok = dims < HEAD_DIM
+        q = tl.load(
+            Q + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + dims[None, :],
+            mask=head_ok[:, None] & dim_ok[None, :],
+            other=0.0,
+        )
+        if UPCAST:
+            q = q.to(tl.float32)
+        top = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+        total = tl.zeros([GROUP_PAD], tl.float32)
+        acc = tl.zeros([GROUP_PAD, HEAD_PAD], tl.float32)
+        table = SLOTS + b.to(tl.int64) * kv_max
+        for start in range(lo, hi, BLOCK_N):
+            keys = start + tl.arange(0, BLOCK_N)
+            key_ok = keys < hi
+            slot = tl.load(table + keys, mask=key_ok, other=0)
+            top, total, acc = _attend_tile(
+                q, KV, slot, key_ok, key_ok[None, :], top, total, acc, stride_row, kvh, scale,
+                HEAD_DIM, HEAD_PAD, KV_DIM, PRECISION, UPCAST,
+            )  # fmt: skip
+        if ONE_SPLIT:
+            out = acc / total[:, None]
+            tl.store(
+                OUT + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + dims[None, :],
+                out.to(OUT.dtype.element_ty),
+                mask=head_ok[:, None] & dim_ok[None, :],
+            )
+        else:
+            part = (b.to(tl.int64) * (KV_DIM // HEAD_DIM * GROUP) + heads) * num_splits + split
+            tl.store(
+                ACC + part[:, None] * HEAD_PAD + dims[None, :],
+                acc,
+                mask=head_ok[:, None] & dim_ok[None, :],
+            )
+            tl.store(MAX + part, top, mask=head_ok)
+            tl.store(SUM + part, total, mask=head_ok)
+
+    @_kernel
+    def decode_merge(
+        OUT,
+        ACC,
+        MAX,
+        SUM,
+        stride_ob,
+        stride_oh,
+        num_heads,
+        num_splits,
+        HEAD_DIM: tl.constexpr,
+        HEAD_PAD: tl.constexpr,
+        SPLITS_PAD: tl.constexpr,
+    ):
+        """Program (b, head): the splits' partial sums merged (a split with no keys has sum 0
+        and maximum -inf, and weighs nothing)."""
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        splits = tl.arange(0, SPLITS_PAD)
+        split_ok = splits < num_splits
+        dims = tl.arange(0, HEAD_PAD)
+        part = (b.to(tl.int64) * num_heads + h) * num_splits + splits
+        tops = tl.load(MAX + part, mask=split_ok, other=float("-inf"))
+        sums = tl.load(SUM + part, mask=split_ok, other=0.0)
+        top = tl.max(tops, 0)
+        weights = tl.where(sums > 0, tl.exp(tops - top), 0.0)
+        acc = tl.load(
+            ACC + part[:, None] * HEAD_PAD + dims[None, :],
+            mask=split_ok[:, None] & (dims < HEAD_DIM)[None, :],  # padded dims are never written
+            other=0.0,
+        )
+        out = tl.sum(acc * weights[:, None], 0) / tl.sum(sums * weights, 0)
+        tl.store(
+            OUT + b.to(tl.int64) * stride_ob + h * stride_oh + dims,
+            out.to(OUT.dtype.element_ty),
+            mask=dims < HEAD_DIM,
+        )
+
+    @_kernel
+    def prefill(
+        Q,
+        KV,
+        OUT,
+        SLOTS,
+        Q_STARTS,
+        KV_STARTS,
+        stride_qt,
+        stride_qh,
+        stride_row,
+        stride_ot,
+        stride_oh,
+        scale,
+        window,
+        HEAD_DIM: tl.constexpr,
+        HEAD_PAD: tl.constexpr,
+        KV_DIM: tl.constexpr,
+        GROUP: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        PRECISION: tl.constexpr,
+        UPCAST: tl.constexpr,
+    ):
+        """Program (b, block of query rows, head): causal flash attention of the rows over
+        sequence b's keys, read through its slots."""
+        b = tl.program_id(0)
+        block = tl.program_id(1)
+        h = tl.program_id(2)
+        q_start = tl.load(Q_STARTS + b)
+        q_len = tl.load(Q_STARTS + b + 1) - q_start
+        kv_start = tl.load(KV_STARTS + b)
+        kv_len = tl.load(KV_STARTS + b + 1) - kv_start
+        rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = rows < q_len
+        pos = kv_len - q_len + rows  # each query row's own key position
+        dims = tl.arange(0, HEAD_PAD)
+        dim_ok = dims < HEAD_DIM
+        kvh = h // GROUP
+        q = tl.load(
+            Q + (q_start + rows)[:, None] * stride_qt + h * stride_qh + dims[None, :],
+            mask=row_ok[:, None] & dim_ok[None, :],
+            other=0.0,
+        )
+        if UPCAST:
+            q = q.to(tl.float32)
+        first = kv_len - q_len + block * BLOCK_M
+        hi = tl.minimum(kv_len, first + BLOCK_M)
+        lo = tl.maximum(first - window + 1, 0)
+        top = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        total = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
+        for start in range(lo, hi, BLOCK_N):
+            keys = start + tl.arange(0, BLOCK_N)
+            key_ok = keys < hi
+            slot = tl.load(SLOTS + kv_start + keys, mask=key_ok, other=0)
+            seen = key_ok[None, :] & (keys[None, :] <= pos[:, None])
+            seen = seen & (keys[None, :] > pos[:, None] - window)
+            top, total, acc = _attend_tile(
+                q, KV, slot, key_ok, seen, top, total, acc, stride_row, kvh, scale,
+                HEAD_DIM, HEAD_PAD, KV_DIM, PRECISION, UPCAST,
+            )  # fmt: skip
+        out = acc / tl.where(total > 0, total, 1.0)[:, None]
+        tl.store(
+            OUT + (q_start + rows)[:, None] * stride_ot + h * stride_oh + dims[None, :],
+            out.to(OUT.dtype.element_ty),
+            mask=row_ok[:, None] & dim_ok[None, :],
+        )
+
+
+NO_WINDOW = 1 << 30
+"""The window the kernels get for none: every key is within it (branch-free masks)."""
+
+
+def _window(window: int) -> int:
+    return window if window > 0 else NO_WINDOW
+
+
+def _products(dtype: torch.dtype, on_gpu: bool) -> dict[str, Any]:
+    """How tiles multiply: float32 ones in IEEE float32 (Triton's default for them is TF32).
+    Under the interpreter bfloat16 tiles are upcast to float32 first: it stores bfloat16 as
+    raw 16-bit integers and multiplies those (its loads, stores and conversions are right);
+    the GPU multiplies them as they are."""
+    upcast = dtype == torch.bfloat16 and not on_gpu
+    return {"PRECISION": "ieee" if dtype == torch.float32 or upcast else "tf32", "UPCAST": upcast}
+
+
+@functools.cache
+def _multiprocessors(index: int) -> int:
+    return int(torch.cuda.get_device_properties(index).multi_processor_count)
+
+
+def decode_splits(batch: int, kv_heads: int, kv_max: int, sms: int) -> tuple[int, int]:
+    """(splits, keys a split): enough programs to give each multiprocessor PROGRAMS_PER_SM,
+    each split a whole number of key tiles, at most MAX_SPLITS."""
+    tiles = -(-max(1, kv_max) // DECODE_BLOCK_N)
+    wanted = -(-(PROGRAMS_PER_SM * sms) // max(1, batch * kv_heads))
+    split_tiles = max(1, tiles // min(wanted, MAX_SPLITS))
+    while -(-tiles // split_tiles) > MAX_SPLITS:
+        split_tiles += 1
+    return -(-tiles // split_tiles), split_tiles * DECODE_BLOCK_N
+
+
+def paged_decode(
+    q: torch.Tensor,
+    rows: torch.Tensor,
+    slots: torch.Tensor,
+    kv_lens: torch.Tensor,
+    num_kv_heads: int,
+    scale: float,
+    window: int,
+    split_len: int | None = None,
+) -> torch.Tensor:
+    """Decode attention (`PagedDecode`): q (B, heads, head_dim); rows (slots, 2 * kv_dim), a
+    layer's pool as keys then values; slots (B * kv_max,) int64, each sequence's keys' slots
+    padded to kv_max; kv_lens (B,) int64. `split_len`: keys a split (tests); by default as
+    many splits as fill the GPU."""
+    batch, num_heads, head_dim = q.shape
+    group = num_heads // num_kv_heads
+    kv_max = slots.shape[0] // max(1, batch)
+    on_gpu = q.is_cuda
+    sms = _multiprocessors(q.device.index or 0) if on_gpu else INTERPRETER_SMS
+    if split_len is None:
+        num_splits, split_len = decode_splits(batch, num_kv_heads, kv_max, sms)
+    else:
+        num_splits = -(-max(1, kv_max) // split_len)
+    out = torch.empty_like(q)
+    head_pad = _next_pow2(head_dim)
+    if num_splits > 1:
+        parts = batch * num_heads * num_splits
+        acc = torch.empty(parts, head_pad, dtype=torch.float32, device=q.device)
+        top = torch.empty(parts, dtype=torch.float32, device=q.device)
+        total = torch.empty(parts, dtype=torch.float32, device=q.device)
+    else:
+        acc = top = total = out  # not written
+    if batch == 0:
+        return out
+    decode_split.launch(
+        (batch, num_kv_heads, num_splits),
+        on_gpu,
+        q,
+        rows,
+        out,
+        acc,
+        top,
+        total,
+        slots,
+        kv_lens,
+        q.stride(0),
+        q.stride(1),
+        rows.stride(0),
+        out.stride(0),
+        out.stride(1),
+        kv_max,
+        split_len,
+        num_splits,
+        scale,
+        _window(window),
+        HEAD_DIM=head_dim,
+        HEAD_PAD=head_pad,
+        KV_DIM=num_kv_heads * head_dim,
+        GROUP=group,
+        GROUP_PAD=_next_pow2(group),
+        BLOCK_N=DECODE_BLOCK_N,
+        ONE_SPLIT=num_splits == 1,
+        **_products(q.dtype, on_gpu),
+    )
+    if num_splits > 1:
+        decode_merge.launch(
+            (batch, num_heads),
+            on_gpu,
+            out,
+            acc,
+            top,
+            total,
+            out.stride(0),
+            out.stride(1),
+            num_heads,
+            num_splits,
+            HEAD_DIM=head_dim,
+            HEAD_PAD=head_pad,
+            SPLITS_PAD=_next_pow2(num_splits, floor=2),
+        )
+    return out
+
+
+def paged_prefill(
+    q: torch.Tensor,
+    rows: torch.Tensor,
+    slots: torch.Tensor,
+    q_starts: torch.Tensor,
+    kv_starts: torch.Tensor,
+    num_kv_heads: int,
+    scale: float,
+    window: int,
+    q_max: int,
+) -> torch.Tensor:
+    """Prefill attention (`PagedPrefill`): q (T, heads, head_dim); rows as in decode; slots
+    (sum of kv_len,) int64, each sequence's keys back to back; q_starts, kv_starts (B + 1,)
+    int64; q_max: the longest sequence's new rows (the grid's size, known on the host)."""
+    total, num_heads, head_dim = q.shape
+    batch = q_starts.shape[0] - 1
+    out = torch.empty_like(q)
+    if batch <= 0 or total == 0:
+        return out
+    prefill.launch(
+        (batch, -(-q_max // PREFILL_BLOCK_M), num_heads),
+        q.is_cuda,
+        q,
+        rows,
+        out,
+        slots,
+        q_starts,
+        kv_starts,
+        q.stride(0),
+        q.stride(1),
+        rows.stride(0),
+        out.stride(0),
+        out.stride(1),
+        scale,
+        _window(window),
+        HEAD_DIM=head_dim,
+        HEAD_PAD=_next_pow2(head_dim),
+        KV_DIM=num_kv_heads * head_dim,
+        GROUP=num_heads // num_kv_heads,
+        BLOCK_M=PREFILL_BLOCK_M,
+        BLOCK_N=PREFILL_BLOCK_N,
+        **_products(q.dtype, q.is_cuda),
+    )
+    return out
+
+
+COMPILE_CASES: dict[str, tuple[list[str], dict[str, Any]]] = {
+    "decode_split": (
+        ["*{t}", "*{t}", "*{t}", "*fp32", "*fp32", "*fp32", "*i64", "*i64"]
+        + ["i32"] * 8
+        + ["fp32", "i32"],
+        dict(
+            HEAD_DIM=128, HEAD_PAD=128, KV_DIM=1024, GROUP=4, GROUP_PAD=16,
+            BLOCK_N=DECODE_BLOCK_N, ONE_SPLIT=False, PRECISION="tf32", UPCAST=False,
+        ),
+    ),
+    "decode_merge": (
+        ["*{t}", "*fp32", "*fp32", "*fp32"] + ["i32"] * 4,
+        dict(HEAD_DIM=128, HEAD_PAD=128, SPLITS_PAD=16),
+    ),
+    "prefill": (
+        ["*{t}", "*{t}", "*{t}", "*i64", "*i64", "*i64"] + ["i32"] * 5 + ["fp32", "i32"],
+        dict(
+            HEAD_DIM=128, HEAD_PAD=128, KV_DIM=1024, GROUP=4, BLOCK_M=PREFILL_BLOCK_M,
+            BLOCK_N=PREFILL_BLOCK_N, PRECISION="tf32", UPCAST=False,
+        ),
+    ),
+}  # fmt: skip
+"""Each kernel's arguments (tensors typed by the compute type {t}) and constants for a
+Llama-3-8B layer (head_dim 128, 32 query heads over 8 kv heads)."""
+
+
+def compile_report(
+    arch: int = 90, dtypes: tuple[str, ...] = ("fp16", "bf16")
+) -> list[dict[str, Any]]:
+    """Compile every kernel for `arch` (sm_90: the H100 and H200) from its source, no GPU
+    needed: per kernel and type, its registers, spills, shared memory and cubin size."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    out = []
+    for name, (types, constants) in COMPILE_CASES.items():
+        kernel = globals()[name].jit
+        args = [a for a in kernel.arg_names if a not in constants]
+        if len(args) != len(types):
+            raise ValueError(f"{name}: {len(args)} arguments, {len(types)} types")
+        for dtype in dtypes:
+            signature = {a: t.format(t=dtype) for a, t in zip(args, types, strict=True)}
+            signature.update(dict.fromkeys(constants, "constexpr"))
+            # what a launch specializes on for this shape: pointers 16-byte aligned, strides
+            # and split lengths multiples of 16 (so loads go 16 bytes wide)
+            aligned = {
+                (i,): [["tt.divisibility", 16]]
+                for i, a in enumerate(kernel.arg_names)
+                if signature[a].startswith("*") or a.startswith("stride_") or a == "split_len"
+            }
+            source = ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=aligned)
+            target = GPUTarget("cuda", arch, 32)
+            compiled = triton.compile(source, target=target, options=globals()[name].options)
+            cubin = compiled.asm["cubin"]
+            out.append(
+                {
+                    "kernel": name,
+                    "dtype": dtype,
+                    "arch": f"sm_{arch}",
+                    **_resource_usage(cubin),
+                    "shared_bytes": compiled.metadata.shared,
+                    "num_warps": compiled.metadata.num_warps,
+                    "num_stages": compiled.metadata.num_stages,
+                    "cubin_bytes": len(cubin),
+                }
+            )
+    return out
+
+
+def _resource_usage(cubin: bytes) -> dict[str, int]:
+    """Registers, stack and local memory (spills land there) of a cubin's kernel, read by
+    the cuobjdump Triton ships with its NVIDIA backend."""
+    import re
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    import triton.backends.nvidia as nvidia
+
+    tool = Path(nvidia.__file__).parent / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run(
+            [str(tool), "--dump-resource-usage", f.name],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    usage = dict(re.findall(r"(REG|STACK|LOCAL):(\d+)", text))
+    return {
+        "registers": int(usage["REG"]),
+        "stack_bytes": int(usage["STACK"]),
+        "local_bytes": int(usage["LOCAL"]),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="compile the CUDA attention kernels")
+    parser.add_argument("--compile", action="store_true", help="compile for --arch, print JSON")
+    parser.add_argument("--arch", type=int, default=90)
+    args = parser.parse_args(argv)
+    if not args.compile:
+        parser.print_help()
+        return 2
+    if triton is None:
+        print("triton is not installed", file=sys.stderr)
+        return 1
+    print(json.dumps(compile_report(args.arch), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

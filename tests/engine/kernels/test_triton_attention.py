@@ -1,0 +1,233 @@
+"""The CUDA attention kernels (engine/kernels/triton_attention.py), proved on the CPU.
+
+Triton's interpreter runs both kernels on CPU tensors here (on a machine with a GPU, the
+compiled kernels on the GPU); each is compared with a float64
+reference and with the CPU's gather-and-SDPA path on small ragged shapes: keys on shuffled
+pages of a pool whose unused rows are NaN, a sequence of one token, sequences longer than a
+decode split and than a prefill block, grouped-query heads, a sliding window, a head_dim
+that is not a power of two. And each kernel is compiled for sm_90 (the H100 and H200) with
+no GPU present: one that does not compile for Hopper fails here.
+
+Tolerances, relative (|out - ref| / |ref| over the whole output against float64): float32
+1e-5 (the products in IEEE float32); float16 and bfloat16 2e-3 and 1e-2 (tiles multiplied
+in the type, probabilities rounded to it, as flash attention does; bfloat16 keeps 8 bits).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+pytest.importorskip("numpy")
+
+from engine.executor.attention import AttentionSpec, RaggedLayout, paged_attention  # noqa: E402
+from engine.kernels import PagedKernels  # noqa: E402
+from engine.kernels import triton_attention as ta  # noqa: E402
+
+PAGE = 16
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+"""Where the kernels run: compiled on a GPU (`pytest -m gpu` machines run this file too),
+interpreted on CPU tensors elsewhere."""
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+def paged_pool(
+    lens: list[int], kv_heads: int, head_dim: int, dtype: torch.dtype, seed: int
+) -> tuple[torch.Tensor, list[list[int]]]:
+    """(pool rows (slots, 2 * kv_dim) with NaN in every row no sequence uses, per sequence
+    the slots of its keys on shuffled pages)."""
+    g = torch.Generator().manual_seed(seed)
+    num_pages = sum(-(-n // PAGE) for n in lens) + 3
+    pages = torch.randperm(num_pages, generator=g).tolist()
+    pool = torch.full((num_pages * PAGE, 2 * kv_heads * head_dim), float("nan"), dtype=dtype)
+    seq_slots = []
+    for n in lens:
+        mine = [pages.pop() for _ in range(-(-n // PAGE))]
+        slots = [mine[t // PAGE] * PAGE + t % PAGE for t in range(n)]
+        pool[slots] = torch.randn(n, pool.shape[1], generator=g).to(dtype)
+        seq_slots.append(slots)
+    return pool, seq_slots
+
+
+def reference(
+    q: torch.Tensor,
+    pool: torch.Tensor,
+    seq_slots: list[list[int]],
+    q_lens: list[int],
+    kv_heads: int,
+    scale: float,
+    window: int,
+) -> torch.Tensor:
+    """Float64 attention, sequence by sequence: row t of a sequence with q_len new rows and
+    kv_len keys sees keys [0, kv_len - q_len + t] (the last `window`)."""
+    heads, head_dim = q.shape[1], q.shape[2]
+    kv_dim = kv_heads * head_dim
+    out, row = [], 0
+    for slots, q_len in zip(seq_slots, q_lens, strict=True):
+        kv = pool[slots].double()
+        k = kv[:, :kv_dim].view(-1, kv_heads, head_dim).repeat_interleave(heads // kv_heads, 1)
+        v = kv[:, kv_dim:].view(-1, kv_heads, head_dim).repeat_interleave(heads // kv_heads, 1)
+        qs = q[row : row + q_len].double()
+        scores = torch.einsum("thd,khd->htk", qs, k) * scale
+        pos = torch.arange(len(slots) - q_len, len(slots))[:, None]
+        keys = torch.arange(len(slots))[None, :]
+        seen = keys <= pos
+        if window:
+            seen &= keys > pos - window
+        scores = scores.masked_fill(~seen, float("-inf"))
+        out.append(torch.einsum("htk,khd->thd", scores.softmax(-1), v))
+        row += q_len
+    return torch.cat(out)
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    assert not torch.isnan(got).any(), "NaN in the output: an unused or masked row was read"
+    return float((got.double() - want).norm() / want.norm())
+
+
+TRITON = PagedKernels(ta.paged_decode, ta.paged_prefill)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim,window",
+    [(8, 2, 64, 0), (6, 6, 32, 0), (12, 4, 96, 0), (8, 2, 64, 20)],
+    ids=["gqa", "mha", "head96", "window"],
+)
+def test_decode_kernel_equals_the_reference(dtype, heads, kv_heads, head_dim, window):
+    lens = [1, 17, 64, 130, 200, 3]  # one token; past a split (64 keys) and a tile
+    pool, seq_slots = paged_pool(lens, kv_heads, head_dim, dtype, seed=head_dim + window)
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(len(lens), heads, head_dim, generator=g).to(dtype)
+    scale = head_dim**-0.5
+    want = reference(q, pool, seq_slots, [1] * len(lens), kv_heads, scale, window)
+    kv_max = max(lens)
+    table = torch.tensor([s + [s[0]] * (kv_max - len(s)) for s in seq_slots]).reshape(-1)
+    kv_lens = torch.tensor(lens)
+    for split_len in (None, 64, 128, 256):  # the default, then one to four splits
+        on = [t.to(DEVICE) for t in (q, pool, table, kv_lens)]
+        got = ta.paged_decode(*on, kv_heads, scale, window, split_len).cpu()
+        assert got.dtype == dtype and got.shape == q.shape
+        assert relative_error(got, want) < TOLERANCE[dtype], split_len
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim,window",
+    [(8, 2, 64, 0), (12, 4, 96, 0), (8, 2, 64, 24)],
+    ids=["gqa", "head96", "window"],
+)
+def test_prefill_kernel_equals_the_reference(dtype, heads, kv_heads, head_dim, window):
+    # (new rows, past rows): a first chunk, chunks over a past, one row, a chunk longer than
+    # a query block (64 rows) over a past longer than a key tile
+    shapes = [(5, 0), (17, 40), (1, 9), (70, 100), (64, 3)]
+    q_lens = [q for q, _ in shapes]
+    lens = [q + p for q, p in shapes]
+    pool, seq_slots = paged_pool(lens, kv_heads, head_dim, dtype, seed=7 + window)
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(sum(q_lens), heads, head_dim, generator=g).to(dtype)
+    scale = 0.2
+    want = reference(q, pool, seq_slots, q_lens, kv_heads, scale, window)
+    slots = torch.tensor([s for seq in seq_slots for s in seq])
+    q_starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()])
+    kv_starts = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
+    on = [t.to(DEVICE) for t in (q, pool, slots, q_starts, kv_starts)]
+    got = ta.paged_prefill(*on, kv_heads, scale, window, q_max=max(q_lens)).cpu()
+    assert got.dtype == dtype and got.shape == q.shape
+    assert relative_error(got, want) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernels_through_paged_attention_equal_the_gather_path(dtype):
+    """The kernels as the engine calls them (`paged_attention` with a layout of decodes and
+    prefill chunks in one step) against the same call without kernels (gather + SDPA)."""
+    heads, kv_heads, head_dim = 8, 2, 32
+    q_lens, past = [1, 1, 6, 1, 20], [30, 4, 0, 70, 12]
+    lens = [q + p for q, p in zip(q_lens, past, strict=True)]
+    pool, seq_slots = paged_pool(lens, kv_heads, head_dim, dtype, seed=11)
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(sum(q_lens), heads, head_dim, generator=g).to(dtype)
+    layout = RaggedLayout.build(q_lens, past, DEVICE, None, seq_slots)
+    spec = AttentionSpec()
+
+    def plain(rows: torch.Tensor) -> torch.Tensor:
+        return rows.view(dtype)
+
+    encoded, q_on = pool.view(torch.uint8).to(DEVICE), q.to(DEVICE)
+    shape = (kv_heads, head_dim)
+    got = paged_attention(q_on, encoded, plain, layout, shape, TRITON, spec).cpu()
+    gathered = paged_attention(q_on, encoded, plain, layout, shape, None, spec).cpu()
+    want = reference(q, pool, seq_slots, q_lens, kv_heads, head_dim**-0.5, 0)
+    assert relative_error(got, want) < TOLERANCE[dtype]
+    assert relative_error(gathered, want) < TOLERANCE[dtype]
+
+
+def test_decode_splits_fill_the_gpu():
+    """A short batch of long sequences is cut into splits (132 multiprocessors, 2 programs
+    each); a large batch is not; a split is whole tiles."""
+    splits, split_len = ta.decode_splits(batch=2, kv_heads=8, kv_max=4096, sms=132)
+    assert splits * 2 * 8 >= 2 * 132 and split_len % ta.DECODE_BLOCK_N == 0
+    assert splits * split_len >= 4096
+    assert ta.decode_splits(batch=256, kv_heads=8, kv_max=4096, sms=132)[0] == 1
+    assert ta.decode_splits(batch=1, kv_heads=1, kv_max=1, sms=132) == (1, ta.DECODE_BLOCK_N)
+
+
+def test_kernels_compile_for_hopper():
+    """Each kernel compiled for sm_90 from its source, here, without a GPU (in a process of
+    its own: this one runs Triton's interpreter): a cubin each, and no register spills."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run(
+        [sys.executable, "-m", "engine.kernels.triton_attention", "--compile", "--arch", "90"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout)
+    assert {(r["kernel"], r["dtype"]) for r in report} == {
+        (k, t) for k in ta.COMPILE_CASES for t in ("fp16", "bf16")
+    }
+    for row in report:
+        assert row["cubin_bytes"] > 0 and row["arch"] == "sm_90"
+        assert row["local_bytes"] == 0 and row["stack_bytes"] == 0, row  # no spills
+
+
+@pytest.mark.skipif(DEVICE.type == "cuda", reason="on a GPU the CUDA suite runs the engine so")
+@pytest.mark.parametrize("kind", ["llama", "gemma3", "phi3"])
+def test_engine_through_the_kernels_matches_transformers(tiny_model, references, tmp_path, kind):
+    """A whole model's greedy tokens with every in-place attention call going through the
+    Triton kernels (interpreted here, on the CPU): transformers' tokens. Gemma 3 brings its
+    sliding windows and a global layer, Phi-3 a window on every layer."""
+    from engine import LLM, SamplingParams
+    from policy import Policy
+    from tests.engine.tiny_models import MAX_TOKENS
+
+    calls = {"decode": 0, "prefill": 0}
+
+    def counted(name: str) -> Any:
+        kernel = getattr(TRITON, name)
+
+        def run(*args: Any, **kwargs: Any) -> torch.Tensor:
+            calls[name] += 1
+            return kernel(*args, **kwargs)
+
+        return run
+
+    prompts, expected = references(kind)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    with LLM(
+        str(tiny_model(kind)), policy=Policy(), device="cpu", dtype="float32", offload_dir=tmp_path
+    ) as llm:
+        llm.executor.pipeline.kernels = PagedKernels(counted("decode"), counted("prefill"))
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert got == expected
+    assert calls["decode"] > 0 and calls["prefill"] > 0, calls
