@@ -94,13 +94,28 @@ def check_host_memory(placed: dict[str, int], device: Device) -> None:
 
 
 def kv_capacity_pages(
-    budgets: dict[str, int], placed: dict[str, int], page_bytes: int
+    budgets: dict[str, int], placed: dict[str, int], page_bytes: int, in_flight: int = 0
 ) -> dict[str, int | None]:
     """KV pages each tier may hold: its budget less its weights (and, on the gpu tier,
-    less GPU_RESERVE_FRAC of the budget)."""
+    less GPU_RESERVE_FRAC of the budget and the `in_flight` bytes of `stores_in_flight`)."""
     out: dict[str, int | None] = {}
     for tier in TIERS:
         reserve = GPU_RESERVE_FRAC if tier == "gpu" else 0.0
-        free = budgets[tier] * (1 - reserve) - placed[tier]
+        free = budgets[tier] * (1 - reserve) - placed[tier] - (in_flight if tier == "gpu" else 0)
         out[tier] = max(0, int(free // page_bytes))
     return out
+
+
+def stores_in_flight(
+    policy: Policy, step_tokens: int, num_layers: int, kv_row_bytes: int, act_row_bytes: int
+) -> int:
+    """Device bytes a step's stores to host memory can hold at once: each layer's new KV rows
+    (and output rows) headed for the cpu or disk tier stay on the device until a store
+    thread has copied them out, and the host enqueues a whole step's layers ahead of the
+    GPU, so every layer's rows of a step can be alive together (the H200's OPT-6.7B run under
+    16 GiB: 2,048 tokens x 32 layers x 16 KiB of KV rows, 1 GiB, beside a KV pool grown to
+    its capacity, ran out of memory). Zero when both stay on the device."""
+    per_token = (kv_row_bytes if policy.kv_frac[0] < 1.0 else 0) + (
+        act_row_bytes if policy.act_frac[0] < 1.0 else 0
+    )
+    return step_tokens * num_layers * per_token
