@@ -2,7 +2,7 @@
 # On a machine that can reach PyPI: put into .whl/ (git-ignored) the wheels a bare GPU box
 # lacks for the GPU benchmarks: the daemon's web stack, the policy LP (cvxpy and its
 # solvers, without scs), and any extra packages named as arguments (FlexGen 0.1.8 for the
-# baseline, with the attrs it imports). bench/gpu_session.sh installs them there, offline.
+# baseline, with the attrs it imports). bench/gpu_pass.sh installs them there, offline.
 #
 #   bash bench/fetch_gpu_wheels.sh flexgen==0.1.8
 #

@@ -17,7 +17,7 @@
    the decode steps; and whether the tokens agree between two runs of one engine and
    between overlap on and off.
 
-The GPU pass (bench/gpu_session.sh) runs it; on the CPU it runs the engine part on a small
+The GPU pass (bench/gpu_pass.sh) runs it; on the CPU it runs the engine part on a small
 shape as a dry run of the script.
 """
 

@@ -1,103 +1,150 @@
 #!/usr/bin/env bash
-# The GPU pass (issue 39) in two device calls of under 9 minutes each, carry: [".whl"]
-# (bench/fetch_gpu_wheels.sh flexgen==0.1.8 fills it):
+# The GPU pass (issues 39 and 40): named steps run in order on the GPU machine, each under a
+# hard timeout, the whole within GPU_PASS_DEADLINE_S seconds; carry: [".whl"] (filled by
+# bench/fetch_gpu_wheels.sh flexgen==0.1.8), and a profile directory to reuse one.
 #
-#   bash bench/gpu_pass.sh 1        the CUDA suite (-v, every test named in a log that comes
-#                                   back whole), the hardware profile, the copy/compute overlap
-#   bash bench/gpu_pass.sh 2 [S]    one offloaded case side by side (OPT-6.7B 512+32 under
-#                                   16 GiB: nanoflex's searched policy, FlexGen 0.1.8) and one
-#                                   resident case (Llama-3-8B shape, the whole card), in S s
+#   bash bench/gpu_pass.sh 1            = suite profile overlap     (the first call)
+#   bash bench/gpu_pass.sh 2            = offloaded resident        (the second call)
+#   bash bench/gpu_pass.sh attention offloaded resident suite       (any steps, in order)
+#   bash bench/gpu_pass.sh run python3 -m bench.nano_batches ...    (any command, one step)
+#   GPU_PASS_DRY_RUN=1 bash bench/gpu_pass.sh 1                     (on a CPU: see below)
 #
-# Each stage has hard timeouts inside, copies what it made to $OUT (logs packed into one
-# archive: $OUT takes 8 files) and prints a short report last.
+# Steps:
+#   suite      the CUDA suite and the Triton kernel tests, -v, every test named in a log
+#   attention  bench/gpu_attention.py: the Triton kernels against gather + SDPA
+#   profile    `nanoflex profile` (the hardware constants the planner reads)
+#   overlap    bench/gpu_overlap.py: a layer's copy beside compute, hardware and engine
+#   offloaded  OPT-6.7B 512+32 under 16 GiB: FlexGen 0.1.8 and nanoflex's searched policy
+#              (GPU_PASS_OFFLOADED_SYSTEMS, default flexgen,nanoflex)
+#   resident   Llama-3-8B 512+32 on the whole card: nanoflex's searched policy
+#
+# What each step writes goes to $OUT as soon as the step ends (logs packed into one
+# archive: $OUT takes 8 files), so a call cut short still returns what was done; a short
+# report is printed last.
+#
+# GPU_PASS_DRY_RUN=1 runs every step on the CPU, small and quick (the suite collected, not
+# run; the attention kernels interpreted; the cases planned, not run), with $PYTHON: CI
+# runs it (tests/bench/test_gpu_pass.py) so the script cannot break unseen before a GPU.
 set -uo pipefail
-stage=${1:?usage: bench/gpu_pass.sh 1|2 [seconds]}
+[ $# -gt 0 ] || { echo "usage: bench/gpu_pass.sh 1|2|STEP...|run COMMAND..." >&2; exit 2; }
+case "$1" in
+  1) set -- suite profile overlap ;;
+  2) set -- offloaded resident ;;
+esac
+PYTHON=${PYTHON:-python3}
+dry=${GPU_PASS_DRY_RUN:-}
+deadline=$((SECONDS + ${GPU_PASS_DEADLINE_S:-520}))
 results=${NANOFLEX_BENCH_RESULTS:-/tmp/gpu-results}
 export NANOFLEX_BENCH_RESULTS=$results PYTHONUNBUFFERED=1
 mkdir -p "$results/logs"
-if [ ! -d /tmp/site/flexgen ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
-    --upgrade --target /tmp/site .whl/*.whl || exit 1
+if [ -z "$dry" ]; then
+  if [ -d .whl ] && [ ! -d /tmp/site/fastapi ]; then
+    "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+      --upgrade --target /tmp/site .whl/*.whl || exit 1
+  fi
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD TRITON_INTERPRET=1
 fi
-export PYTHONPATH=/tmp/site:$PWD
 profile=${NANOFLEX_CACHE:-$HOME/.cache/nanoflex}/hardware.json
-nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem,temperature.gpu \
-  --format=csv > "$results/device.txt" 2>&1
-python3 -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__,
-  transformers.__version__, torch.cuda.get_device_name())' >> "$results/device.txt" 2>&1
+{
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem,temperature.gpu \
+    --format=csv 2>&1
+  "$PYTHON" -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__,
+    transformers.__version__, torch.cuda.is_available() and torch.cuda.get_device_name())' 2>&1
+} > "$results/device.txt"
 cat "$results/device.txt"
 
-stage1() {
-  local t0=$SECONDS
-  timeout -k 10 220 python3 -m pytest -v -m gpu -n 8 -p no:cacheprovider --timeout 200 \
-    --tb=short -rfE --durations=25 tests/engine/executor/test_cuda.py \
-    tests/engine/storage/test_quant.py tests/bench/test_gpu_compare.py \
-    > "$results/pytest-gpu.log" 2>&1
-  echo "pytest: exit $? after $((SECONDS - t0)) s"
-  t0=$SECONDS
-  timeout -k 10 150 python3 -m server.cli profile --json > "$results/profile.log" 2>&1
-  echo "profile: exit $? after $((SECONDS - t0)) s"
-  t0=$SECONDS
-  timeout -k 10 100 python3 -m bench.gpu_overlap --json "$results/gpu-overlap.json" \
-    > "$results/overlap.log" 2>&1
-  echo "overlap: exit $? after $((SECONDS - t0)) s"
-}
-
-stage2() {
-  local budget=${1:-300} t0=$SECONDS
-  if [ ! -f "$profile" ]; then  # a fresh machine: a quick profile (seconds), flagged quick
-    python3 -m engine.profiling.profiler cuda "$profile" > "$results/profile-quick.log" 2>&1
+left() { echo $((deadline - SECONDS)); }
+# limit WANTED: the seconds a step may take, WANTED or what is left before the deadline
+limit() { local l; l=$(left); [ "$1" -lt "$l" ] && echo "$1" || echo "$l"; }
+publish() {
+  cp -f "$profile" "$results/hardware.json" 2>/dev/null
+  if [ -n "${OUT:-}" ]; then
+    tar czf "$OUT/logs.tgz" -C "$results" . 2>/dev/null
+    cp -f "$results"/*.json "$OUT"/ 2>/dev/null
+    [ -f "$results/pytest-gpu.log" ] && cp -f "$results/pytest-gpu.log" "$OUT"/
   fi
-  timeout -k 10 $((budget * 55 / 100)) python3 -m bench.gpu_suite --cases opt-6.7b-p512-16g \
-    --systems flexgen,nanoflex --variants auto --budget-s $((budget * 55 / 100 - 5)) \
-    > "$results/suite-offloaded.log" 2>&1
-  echo "offloaded case: exit $? after $((SECONDS - t0)) s"
-  local left=$((budget - (SECONDS - t0) - 5))
-  timeout -k 10 $left python3 -m bench.gpu_suite --cases llama-3-8b-p512-full \
-    --systems nanoflex --variants auto --budget-s $((left - 5)) \
-    > "$results/suite-resident.log" 2>&1
-  echo "resident case: exit $? after $((SECONDS - t0)) s"
+}
+run_step() {  # NAME WANTED_SECONDS COMMAND...: timed, logged to $results/NAME.log
+  local name=$1 wanted=$2 t0=$SECONDS s; shift 2
+  s=$(limit "$wanted")
+  if [ "$s" -lt 10 ]; then echo "$name: skipped, $s s left"; return; fi
+  timeout -k 5 "$s" "$@" > "$results/$name.log" 2>&1
+  echo "$name: exit $? after $((SECONDS - t0)) s (limit $s s)"
+  publish
 }
 
-case $stage in
-  1) stage1 ;;
-  2) stage2 "${2:-300}" ;;
-  *) echo "stage must be 1 or 2" >&2; exit 2 ;;
-esac
-cp -f "$profile" "$results/hardware.json" 2>/dev/null
-if [ -n "${OUT:-}" ]; then
-  tar czf "$OUT/logs.tgz" -C "$results" . 2>/dev/null
-  cp -f "$results"/*.json "$OUT"/ 2>/dev/null
-  [ -f "$results/pytest-gpu.log" ] && cp -f "$results/pytest-gpu.log" "$OUT"/
+if [ "$1" = run ]; then
+  shift
+  run_step run "${GPU_PASS_RUN_S:-570}" "$@"
+  set --
 fi
+for step in "$@"; do
+  case $step in
+    suite)
+      collect=(); [ -n "$dry" ] && collect=(--collect-only -q)
+      [ -z "$dry" ] && collect=(-n 12)
+      run_step pytest-gpu "${GPU_PASS_SUITE_S:-230}" "$PYTHON" -m pytest -v "${collect[@]}" \
+        -p no:cacheprovider -m "gpu or not gpu" --timeout 200 --tb=short -rfE --durations=25 \
+        tests/engine/executor/test_cuda.py tests/engine/storage/test_quant.py \
+        tests/engine/kernels/test_triton_attention.py \
+        tests/bench/test_gpu_compare.py::test_smoke_case_on_cuda ;;
+    attention)
+      run_step attention "${GPU_PASS_ATTENTION_S:-90}" "$PYTHON" -m bench.gpu_attention \
+        ${dry:+--small} --json "$results/gpu-attention.json" ;;
+    profile)
+      if [ -n "$dry" ]; then  # the quick profile of the CPU
+        run_step profile 120 "$PYTHON" -m engine.profiling.profiler cpu "$profile"
+      else
+        run_step profile "${GPU_PASS_PROFILE_S:-150}" "$PYTHON" -m server.cli profile --json
+      fi ;;
+    overlap)
+      small=(); [ -n "$dry" ] && small=(--device cpu --layers 2 --seqs 4 --prompt-len 32 --gen-len 2)
+      run_step overlap "${GPU_PASS_OVERLAP_S:-100}" "$PYTHON" -m bench.gpu_overlap \
+        "${small[@]}" --json "$results/gpu-overlap.json" ;;
+    offloaded|resident)
+      if [ ! -f "$profile" ]; then  # a fresh machine: a quick profile (seconds), flagged quick
+        device=cuda; [ -n "$dry" ] && device=cpu
+        "$PYTHON" -m engine.profiling.profiler "$device" "$profile" \
+          > "$results/profile-quick.log" 2>&1
+      fi
+      if [ "$step" = offloaded ]; then
+        case_name=opt-6.7b-p512-16g systems=${GPU_PASS_OFFLOADED_SYSTEMS:-flexgen,nanoflex}
+        wanted=${GPU_PASS_OFFLOADED_S:-170}
+      else
+        case_name=llama-3-8b-p512-full systems=nanoflex wanted=${GPU_PASS_RESIDENT_S:-180}
+      fi
+      s=$(limit "$wanted")
+      run_step "suite-$step" "$s" "$PYTHON" -m bench.gpu_suite --cases "$case_name" \
+        --systems "$systems" --variants auto --budget-s $((s - 5)) ${dry:+--dry-run} ;;
+    *) echo "unknown step $step" >&2; exit 2 ;;
+  esac
+done
+
 echo "==== report"
-if [ "$stage" = 1 ]; then
-  grep -E "^(FAILED|ERROR)" "$results/pytest-gpu.log" | cut -c1-200 | head -40
+if [ -f "$results/pytest-gpu.log" ]; then
+  grep -E "^(FAILED|ERROR)" "$results/pytest-gpu.log" | cut -c1-200 | head -30
+  grep -cE " PASSED" "$results/pytest-gpu.log" | sed 's/^/passed so far: /'
   tail -n 1 "$results/pytest-gpu.log"
-  python3 - "$results/hardware.json" <<'PY'
-import json, sys
-try:
-    p = json.load(open(sys.argv[1]))
-except Exception as e:
-    sys.exit(f"no profile: {e}")
-keys = ("gpu_flops", "gpu_mem_bw", "ctog_bw", "gtoc_bw", "device_attention_bw",
-        "prefill_attention_flops", "layer_overhead_s", "nano_overlap_device",
-        "nano_overlap_host", "nano_batch_overhead_s", "dequant_throughput")
-print("  ".join(f"{k}={p.get(k):.4g}" for k in keys if isinstance(p.get(k), (int, float))))
-PY
-  grep -E "^(hardware|engine)" "$results/overlap.log"
-  tail -n 3 "$results/overlap.log" | grep -iE "error|Traceback" || true
-else
-  grep -hE "estimate|Error|error" "$results"/suite-*.log | tail -n 12
-  python3 - "$results" <<'PY'
+fi
+[ -f "$results/attention.log" ] && tail -n 8 "$results/attention.log"
+[ -f "$results/overlap.log" ] && grep -E "^(engine|pinned|pageable|host)" "$results/overlap.log"
+"$PYTHON" - "$results" <<'PY'
 import json, pathlib, sys
-for path in sorted(pathlib.Path(sys.argv[1]).glob("gpu-*.json")):
-    if path.name == "gpu-overlap.json":
-        continue
+results = pathlib.Path(sys.argv[1])
+try:
+    p = json.loads((results / "hardware.json").read_text())
+    keys = ("gpu_flops", "gpu_mem_bw", "ctog_bw", "device_attention_bw",
+            "prefill_attention_flops", "layer_overhead_s", "nano_overlap_device")
+    print("  ".join(f"{k}={p[k]:.4g}" for k in keys if isinstance(p.get(k), (int, float))))
+except (OSError, ValueError) as e:
+    print(f"no profile: {e}")
+for path in sorted(results.glob("gpu-*.json")):
     record = json.loads(path.read_text())
     for name, run in record.get("runs", {}).items():
         m = run.get("metrics") or {}
-        print(path.stem, name, "ok" if run.get("ok") else f"FAILED {str(run.get('error'))[-160:]}",
-              {k: round(v, 1) for k, v in m.items() if isinstance(v, (int, float))})
+        status = "ok" if run.get("ok") else f"FAILED {str(run.get('error'))[-160:]}"
+        keys = ("generation_throughput", "prefill_throughput", "decode_throughput", "num_prompts")
+        print(path.stem, name, status, {k: round(m[k], 1) for k in keys if k in m})
 PY
-fi

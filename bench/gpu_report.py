@@ -109,7 +109,7 @@ def policy_table(results: list[dict[str, Any]]) -> str:
             limit = r.get("predicted", {}).get(name, {}).get("bottleneck", "-")
             if name == "nanoflex:auto":
                 limit += f" / {best.get('limit', '-')}"
-            status = "" if run.get("ok") else f" ({(run.get('error') or 'failed').splitlines()[0]})"
+            status = "" if run.get("ok") else f" ({_short(run.get('error') or 'failed')})"
             lines.append(
                 f"| {case['name']} | {name}{status} | {policy} | "
                 f"{_fmt(m.get('generation_throughput'))} | "
@@ -119,21 +119,53 @@ def policy_table(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _short(error: str, most: int = 90) -> str:
+    """An error's first line, cut after the last sentence that ends within `most` characters
+    (CUDA's out-of-memory message runs to 600)."""
+    line = error.splitlines()[0]
+    if len(line) <= most:
+        return line
+    end = line.rfind(". ", 0, most)
+    return line[: end + 1] if end > 0 else line[:most] + "..."
+
+
 def device_line(results: list[dict[str, Any]]) -> str:
     notes = {r.get("hardware", {}).get("notes", "") for r in results} - {""}
     return "Device: " + ("; ".join(sorted(notes)) if notes else "unknown (no profile cached)")
 
 
-def report(results: list[dict[str, Any]]) -> str:
+SOURCES = ("report-gpu-throughput.json", "report-gpu-policies.json")
+"""Where --update-docs leaves each table as {"table": {"header", "rows"}} beside the results,
+for the docs' figure check (tests/test_doc_figures.py)."""
+
+
+def report(results: list[dict[str, Any]], sources: Path | None = None) -> str:
+    """The device, the throughput table and the policy table; with `sources` (the results
+    directory) each table is preceded by its source marker."""
+
+    def marked(name: str, table: str) -> str:
+        return table if sources is None else f"<!-- source: {sources / name} -->\n{table}"
+
     return "\n\n".join(
         [
             device_line(results),
             "Generation throughput (token/s), one block per system:",
-            comparison_table(results),
+            marked(SOURCES[0], comparison_table(results)),
             "Policies and all runs (nanoflex variants are the ablations):",
-            policy_table(results),
+            marked(SOURCES[1], policy_table(results)),
         ]
     )
+
+
+def table_record(markdown: str) -> dict[str, Any]:
+    """A Markdown table as {"table": {"header", "rows"}} (cells stripped, rule row dropped)."""
+    rows = [
+        [c.strip() for c in line.strip().strip("|").split("|")]
+        for line in markdown.splitlines()
+        if line.startswith("|")
+    ]
+    rows = [r for r in rows if not all(c and set(c) <= set(":-") for c in r)]
+    return {"table": {"header": rows[0], "rows": rows[1:]}}
 
 
 def update_docs(path: Path, text: str) -> None:
@@ -207,9 +239,12 @@ def main(argv: list[str] | None = None) -> int:
     if not results:
         print(f"no gpu-*.json in {args.results_dir}", file=sys.stderr)
         return 1
-    text = report(results)
+    text = report(results, args.results_dir if args.update_docs else None)
     print(text)
     if args.update_docs:
+        for name, table in zip(SOURCES, (comparison_table(results), policy_table(results))):
+            path = args.results_dir / name
+            path.write_text(json.dumps(table_record(table), indent=1) + "\n")
         update_docs(args.update_docs, text)
     if not args.no_plots:
         for path in plot(results, args.plots_dir):

@@ -1,0 +1,53 @@
+"""The GPU pass script (bench/gpu_pass.sh) runs end to end on the CPU in its dry-run mode, so
+that a broken step shows here, not in the few minutes a GPU is at hand."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+REPO = Path(__file__).resolve().parents[2]
+
+
+def dry_run(tmp_path: Path, *steps: str) -> subprocess.CompletedProcess[str]:
+    env = {
+        **os.environ,
+        "PYTHON": sys.executable,
+        "GPU_PASS_DRY_RUN": "1",
+        "OUT": str(tmp_path / "out"),
+        "NANOFLEX_CACHE": str(tmp_path / "cache"),
+        "NANOFLEX_BENCH_RESULTS": str(tmp_path / "results"),
+    }
+    (tmp_path / "out").mkdir()
+    return subprocess.run(
+        ["bash", "bench/gpu_pass.sh", *steps],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+
+
+def test_every_step_runs_on_the_cpu(tmp_path: Path) -> None:
+    done = dry_run(tmp_path, "suite", "attention", "profile", "overlap", "offloaded", "resident")
+    assert done.returncode == 0, done.stderr[-2000:]
+    steps = dict(re.findall(r"^(\S+): exit (\d+) after", done.stdout, re.M))
+    names = ("pytest-gpu", "attention", "profile", "overlap", "suite-offloaded", "suite-resident")
+    assert steps == dict.fromkeys(names, "0"), done.stdout[-3000:]
+    assert "tests collected" in done.stdout  # the suite, collected
+    out = {p.name for p in (tmp_path / "out").iterdir()}
+    assert {"logs.tgz", "gpu-attention.json", "gpu-overlap.json", "hardware.json"} <= out
+    assert len(out) <= 8  # what the device tool brings back
+
+
+def test_an_unknown_step_is_refused(tmp_path: Path) -> None:
+    done = dry_run(tmp_path, "bogus")
+    assert done.returncode == 2 and "unknown step bogus" in done.stderr
