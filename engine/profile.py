@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from engine.profiling.profiler import profile_hardware
 from policy.hardware import MAX_SPREAD, HardwareSpec, default_cache_path
+from policy.machine import machine_key
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -15,9 +17,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--device", default="auto", choices=["auto", "cuda", "cpu"], help="the device to profile"
     )
     parser.add_argument("--json", action="store_true", help="print the profile as JSON")
+    parser.add_argument(
+        "--show",
+        action="store_true",
+        help="say how the cached profile was measured (when, quick or full, how noisy, under "
+        "load or quiet, on this machine or another) and what each constant is; measure nothing",
+    )
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.show:
+        return show(default_cache_path())
     print("profiling (about a minute)...", file=sys.stderr)
     spec = profile_hardware(args.device, args.offload_dir)
     path = default_cache_path()
@@ -66,6 +76,41 @@ def main(args: argparse.Namespace) -> int:
         f"attention  prefill {spec.prefill_attention_flops / 1e9:.1f} GFLOP/s, decode through "
         f"the engine's path {spec.device_attention_bw / 1e9:.2f} GB/s of KV"
     )
+    return 0
+
+
+def show(path: Path) -> int:
+    """`nanoflex profile --show`: the cached profile, how it was measured and whether the
+    planner trusts it."""
+    if not path.is_file():
+        print(f"no hardware profile cached at {path}: the first plan measures a quick one")
+        return 1
+    spec = HardwareSpec.load(path)
+    here = machine_key()
+    print(f"profile {path}")
+    print(f"measured  {spec.describe()}")
+    print(f"machine   {spec.machine or '(not recorded)'}")
+    stale = spec.staleness(here)
+    if stale:
+        print(f"planner   measures it again at the next plan: {stale}")
+    elif spec.under_load:
+        print("planner   plans from it without its overlap shares; a background re-measure")
+        print("          replaces it once the machine is quiet (requiet.log beside it)")
+    else:
+        print("planner   trusts it")
+    if spec.machine_load:
+        print("load      " + ", ".join(f"{k} {v}" for k, v in spec.machine_load.items()))
+    print("constant                      value          spread")
+    for name, value in spec.to_dict().items():
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            continue
+        spread = spec.spread.get(name)
+        width = "-" if spread is None else f"{spread:.0%}"
+        print(f"  {name:26s} {value:14.6g} {width:>7s}")
+    for name in ("cpu_attention_throughput", "dense_step_table"):
+        spread = spec.spread.get(name)
+        rows = len(getattr(spec, name))
+        print(f"  {name:26s} {rows:11d} rows {'-' if spread is None else f'{spread:.0%}':>7s}")
     return 0
 
 

@@ -180,10 +180,12 @@ def build_terms(
     dense_gen = num_batches * dense_seconds(
         gbs * (weight_flops + head_flops), layer_full, layer_elems, hardware, num_nano
     )
-    # GPU attention over one unit of KV fraction: as measured through the engine's path, else
-    # FLOP- or memory-bound, whichever is slower.
-    if hardware.device_attention_bw:
-        gpu_attention = bls * attended * kv_tok_full / hardware.device_attention_bw
+    # GPU attention over one unit of KV fraction: as measured through the engine's path (in
+    # place for whole batches, packed for nano-batches), else FLOP- or memory-bound, whichever
+    # is slower.
+    attention_bw = hardware.decode_attention_bw(num_nano)
+    if attention_bw:
+        gpu_attention = bls * attended * kv_tok_full / attention_bw
     else:
         gpu_attention = bls * max(
             4 * attended * q_dim / hardware.gpu_bmm_flops, attended * kv_tok_full / gpu_mem_bw

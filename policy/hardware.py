@@ -46,6 +46,13 @@ noisy is then kept, with a warning (a busy machine stays busy: re-measuring fore
 help)."""
 
 
+BUSY_CORES = 0.5
+"""A profile measured while other processes kept more than this many cores busy on average
+is taken under load (`HardwareSpec.machine_load`, engine/profiling/load.py)."""
+BUSY_STEAL = 0.1
+"""... or while a hypervisor stole more than this share of the machine's time."""
+
+
 class HardwareError(UserError, ValueError):
     """A hardware profile that is missing, unreadable or malformed."""
 
@@ -102,6 +109,11 @@ class HardwareSpec:
     """Decode attention through the engine's path on the compute device (gather the past KV
     from the pool, pad, SDPA), KV bytes/s; 0 = not measured (the larger of the FLOP and
     memory bounds from gpu_bmm_flops and gpu_mem_bw stands in)."""
+    packed_attention_bw: float = 0.0
+    """Decode attention with every past key gathered into a padded copy for SDPA, KV bytes/s:
+    how nano-batched steps read their KV (each nano-batch slices its sequences' rows out of a
+    packed copy; only whole GPU batches read the pool in place). 0 = not measured
+    (device_attention_bw stands in)."""
     io_compute_share_small: float = 0.0
     """When the compute device is the CPU: the share of its rate compute loses while the
     copy threads read the disk in small pieces (KV pages); 0 on a GPU."""
@@ -136,6 +148,10 @@ class HardwareSpec:
     """Measured with small sizes by the planner for a first automatic plan; False: by
     `nanoflex profile`, which retakes each noisy measurement itself and is only replaced on
     another machine."""
+    machine_load: dict[str, float] = field(default_factory=dict)
+    """What else ran while it was measured (engine/profiling/load.py): `others_cores` (cores
+    other processes kept busy on average), `steal_share`, the load average before and after;
+    empty = not recorded (measured before this was watched)."""
     notes: str = ""
     """Free text: device names, how and when it was measured."""
 
@@ -162,6 +178,11 @@ class HardwareSpec:
             for k, v in self.spread.items()
         ):
             raise HardwareError("hardware spread must map measurement names to numbers >= 0")
+        if not isinstance(self.machine_load, dict) or not all(
+            isinstance(k, str) and isinstance(v, int | float) and not isinstance(v, bool)
+            for k, v in self.machine_load.items()
+        ):
+            raise HardwareError("hardware machine_load must map names to numbers")
         for name, key, value in (
             ("cpu_attention_throughput", "threads", "bytes/s"),
             ("dense_step_table", "rows", "seconds"),
@@ -198,14 +219,51 @@ class HardwareSpec:
     def cpu_mem_bw_estimate(self) -> float:
         return self.cpu_mem_bw or DRAM_PER_LINK_BW * self.ctog_bw
 
+    def decode_attention_bw(self, num_nano_batches: int) -> float:
+        """KV bytes/s of decode attention on the compute device as the engine reads it: in
+        place through its kernels for whole GPU batches, packed for nano-batches; 0 when
+        not measured."""
+        if num_nano_batches > 1 and self.packed_attention_bw:
+            return self.packed_attention_bw
+        return self.device_attention_bw
+
+    @property
+    def under_load(self) -> bool:
+        """Measured while other work ran (`machine_load`): its rates are the best samples of a busy
+        machine and its overlap shares are not believed."""
+        return (
+            self.machine_load.get("others_cores", 0.0) > BUSY_CORES
+            or self.machine_load.get("steal_share", 0.0) > BUSY_STEAL
+        )
+
     @property
     def nano_overlap_device_estimate(self) -> float:
-        """Measured, else 0: the search never picks nano-batching on a guess."""
-        return self.nano_overlap_device or 0.0
+        """Measured on a quiet machine, else 0: the search never picks nano-batching on a guess,
+        nor on a share a busy machine measured (two operations timed alone while a neighbour
+        slows them, then together while it rests, come out as overlapping wholly)."""
+        return 0.0 if self.under_load else self.nano_overlap_device or 0.0
 
     @property
     def nano_overlap_host_estimate(self) -> float:
-        return self.nano_overlap_host or 0.0
+        return 0.0 if self.under_load else self.nano_overlap_host or 0.0
+
+    def describe(self) -> str:
+        """One line: when and how it was measured, how noisy, and whether it is trusted."""
+        kind = "quick" if self.quick else "full"
+        name, spread = self.max_spread
+        noisiest = f"noisiest {name} {spread:.0%}" if name else "spreads not recorded"
+        busy = self.machine_load
+        if not busy:
+            load = "load not recorded"
+        elif self.under_load:
+            load = (
+                f"UNDER LOAD (other processes kept {busy.get('others_cores', 0):.1f} cores "
+                f"busy, {busy.get('steal_share', 0):.0%} stolen): overlap shares not "
+                "believed, to be measured again once the machine is quiet"
+            )
+        else:
+            load = f"quiet (others {busy.get('others_cores', 0):.2f} cores)"
+        return f"{self.notes or 'unnamed'}; {kind}, {noisiest}; {load}"
 
     @property
     def nano_batch_overhead_estimate(self) -> float:

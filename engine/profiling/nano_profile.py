@@ -112,9 +112,7 @@ def nano_batch_overhead(device_name: str, probe: Probe, rows: int = 4) -> float:
         try:
             num_layers = executor.config.num_layers
             steps = _OneTokenSteps(executor, rows)
-            seconds[num_nano] = probe.seconds(
-                "nano_batch_overhead_s", steps, executor.device, fastest=True
-            )
+            seconds[num_nano] = probe.seconds("nano_batch_overhead_s", steps, executor.device)
         finally:
             executor.close()
     return max(0.0, (seconds[rows] - seconds[1]) / (rows - 1) / num_layers)

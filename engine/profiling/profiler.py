@@ -18,6 +18,7 @@ from engine.executor.executor import Executor
 from engine.kernels import PagedKernels, cuda_paged_kernels, paged_kernels
 from engine.profiling.dense_profile import dense_step_table
 from engine.profiling.disk_profile import disk_bandwidth, io_interference
+from engine.profiling.load import LoadMonitor
 from engine.profiling.nano_profile import nano_batch_overhead, nano_overlap
 from engine.profiling.timing import Probe
 from engine.storage.device import Device
@@ -83,12 +84,16 @@ def _prefill_attention_flops(dtype: torch.dtype, device: Device, scale: int, pro
     return seqs * 4 * length**2 * heads * d / seconds
 
 
-def _device_attention_bw(dtype: torch.dtype, device: Device, scale: int, probe: Probe) -> float:
+def _device_attention_bw(
+    dtype: torch.dtype, device: Device, scale: int, probe: Probe, packed: bool = False
+) -> float:
     """KV bytes/s of decode attention through the engine's path on the compute device: every
     key of a sequence read in place from a pool by slot (`paged_attention`, where the KV is
     on the compute device's pool), by the kernels the engine runs by default (gathered into
     the padded layout for one SDPA without them). On CUDA the step reads 537 MB at full
-    scale (32 sequences of 4,096 keys), so HBM, not the launches, is what it measures."""
+    scale (32 sequences of 4,096 keys), so HBM, not the launches, is what it measures.
+    `packed`: without the kernels, every key gathered into a padded copy for SDPA, as
+    nano-batched steps read their KV (`packed_attention_bw`)."""
     heads, kv_heads, d = ATTENTION_SHAPE
     seqs, past = (32, 1024 * scale) if device.is_cuda else (8, 256 * scale)
     on = device.device
@@ -97,9 +102,9 @@ def _device_attention_bw(dtype: torch.dtype, device: Device, scale: int, probe: 
     seq_slots = [slots[i * (past + 1) : (i + 1) * (past + 1)] for i in range(seqs)]
     layout = RaggedLayout.build([1] * seqs, [past] * seqs, on, seq_slots=seq_slots)
     q = torch.randn(seqs, heads, d, dtype=dtype, device=on)
-    kernels = _attention_kernels(device)
+    kernels = None if packed else _attention_kernels(device)
     seconds = probe.seconds(
-        "device_attention_bw",
+        "packed_attention_bw" if packed else "device_attention_bw",
         lambda: paged_attention(q, pool, _plain, layout, (kv_heads, d), kernels),
         device,
     )
@@ -154,10 +159,17 @@ def _layer_overhead(device_name: str, probe: Probe, spec: HardwareSpec) -> float
 def profile_hardware(
     device_name: str = "auto", offload_dir: str | None = None, quick: bool = False
 ) -> HardwareSpec:
-    """Measure every constant of `HardwareSpec` on this machine: each timing is the median of
+    """Measure every constant of `HardwareSpec` on this machine, watching what else runs
+    meanwhile (`HardwareSpec.machine_load`, engine/profiling/load.py): each timing is the fastest of
     several samples after a warm-up, its spread recorded (`HardwareSpec.spread`), and a
     measurement that spreads wider than `MAX_SPREAD` is taken again. `quick` uses small sizes
     (seconds instead of a minute): for a first automatic plan, not for reporting."""
+    with LoadMonitor() as watch:
+        spec = _measure(device_name, offload_dir, quick)
+    return dataclasses.replace(spec, machine_load=watch.report.to_dict())
+
+
+def _measure(device_name: str, offload_dir: str | None, quick: bool) -> HardwareSpec:
     import psutil
 
     # quick: fewer samples and one retake (the planner may re-measure a noisy quick profile)
@@ -231,6 +243,7 @@ def profile_hardware(
         dense_step_params=dense_params,
         prefill_attention_flops=_prefill_attention_flops(dtype, device, scale, probe),
         device_attention_bw=_device_attention_bw(dtype, device, scale, probe),
+        packed_attention_bw=_device_attention_bw(dtype, device, scale, probe, packed=True),
         io_compute_share_small=io_small,
         io_compute_share_large=io_large,
         nano_overlap_device=nano_device,

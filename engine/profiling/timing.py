@@ -3,7 +3,8 @@
 A shared 2-core box makes one timed call worthless: another process, a page fault or a
 frequency step can cost it 10x. `measure` warms the work up, makes each sample long enough
 for the clock (calls are repeated inside a sample), takes several samples and keeps them all,
-so the profile records the median and says how far the samples disagree.
+so the profile records the fastest (noise only ever adds time) and says how far the samples
+disagree.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from engine.storage.device import Device
 from policy.hardware import MAX_SPREAD
 
 REPEATS = 5
-"""Timed samples per measurement (the median is kept)."""
+"""Timed samples per measurement (the fastest is kept)."""
 MIN_SAMPLE_S = 0.005
 """A sample repeats the call until it lasts at least this long (timer and launch noise)."""
 MAX_CALLS = 64
@@ -94,21 +95,22 @@ class Probe:
         self.repeats, self.max_spread, self.retries = repeats, max_spread, retries
         self.spread: dict[str, float] = {}
 
-    def seconds(
-        self, name: str, fn: Callable[[], object], device: Device, fastest: bool = False
-    ) -> float:
-        """Median seconds per call of `fn` (the fastest sample with `fastest`: for the two
-        sides of a small difference, where noise only ever adds time); its spread is recorded
-        under `name` (the widest when several measurements feed one constant, as the rows of a
-        table do)."""
+    def seconds(self, name: str, fn: Callable[[], object], device: Device) -> float:
+        """Seconds per call of `fn`: its fastest sample, over every retake (another
+        process's work only ever adds time to a sample, so the best of several is the
+        machine's own rate; a median of samples all slowed by a busy neighbour is not). The
+        spread of the least spread retake is recorded under `name` (the widest when several
+        measurements feed one constant, as the rows of a table do)."""
         timing = measure(fn, device, self.repeats)
+        best = min(timing.samples)
         for _ in range(self.retries):
             if timing.spread <= self.max_spread:
                 break
             again = measure(fn, device, self.repeats)
+            best = min(best, *again.samples)
             timing = min(timing, again, key=lambda t: t.spread)
         self.record(name, timing.spread)
-        return min(timing.samples) if fastest else timing.median
+        return best
 
     def record(self, name: str, spread: float) -> None:
         self.spread[name] = max(self.spread.get(name, 0.0), spread)

@@ -160,6 +160,8 @@ class CoreEngineClient(EngineClient):
         if self.policy is None:
             self._set_status("planning the policy (the first run on a machine profiles it)")
             self.policy, plan = args.resolve_policy(self.model_dir)
+            if plan:
+                log.info("planned from the hardware profile %s", plan["hardware"])
             log.info("policy %s%s", self.policy.to_json(), f" planned: {plan}" if plan else "")
         self._set_status("reading the tokenizer")
         tokenizer = Tokenizer(self.model_dir)

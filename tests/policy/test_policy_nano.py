@@ -5,6 +5,7 @@ import dataclasses
 import numpy as np
 import pytest
 
+from policy import Policy
 from policy.affine import VARS, ZERO, Affine
 from policy.catalog import BUILTIN_MODELS
 from policy.cost_model import estimate
@@ -124,3 +125,22 @@ def test_hardware_rejects_overlap_shares_outside_zero_one() -> None:
     with pytest.raises(ValueError, match="nano_overlap_device"):
         HardwareSpec.from_dict(data)
     assert HardwareSpec.from_json(MEASURED_T4.to_json()) == MEASURED_T4
+
+
+def test_nano_batches_are_charged_the_packed_attention_they_run() -> None:
+    """The engine reads a nano-batch's KV through the packed path (gather + SDPA), a whole
+    batch's in place through its kernels: with the packed path measured 4x slower, cutting
+    the batch costs decode that attention, and whole batches do not (on a busy CPU a plan of
+    4 nano-batches once won on a share that hid this)."""
+    paged = dataclasses.replace(H100, device_attention_bw=2e12, nano_overlap_device=0.5)
+    packed = dataclasses.replace(paged, packed_attention_bw=0.5e12)
+    whole = Policy(gpu_batch_size=64)
+    cut = dataclasses.replace(whole, num_nano_batches=2)
+    for hardware in (paged, packed):  # whole batches never read packed
+        assert hardware.decode_attention_bw(1) == 2e12
+    assert packed.decode_attention_bw(2) == 0.5e12 and paged.decode_attention_bw(2) == 2e12
+    one = estimate(whole, LLAMA_3_8B, DECODE_HEAVY, packed).predicted()
+    assert one == estimate(whole, LLAMA_3_8B, DECODE_HEAVY, paged).predicted()
+    charged = estimate(cut, LLAMA_3_8B, DECODE_HEAVY, packed).predicted()
+    free = estimate(cut, LLAMA_3_8B, DECODE_HEAVY, paged).predicted()
+    assert charged["decode_throughput"] < free["decode_throughput"]
