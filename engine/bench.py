@@ -56,9 +56,12 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_bench(llm: LLM, prompt_len: int, gen_len: int, num_prompts: int) -> dict[str, Any]:
+def run_bench(
+    llm: LLM, prompt_len: int, gen_len: int, num_prompts: int, progress: bool = True
+) -> dict[str, Any]:
     """FlexGen's metrics (docs/benchmarks.md) over prompts of exactly prompt_len random tokens,
-    gen_len tokens each, EOS ignored. Prefill time runs until every prompt has its first token."""
+    gen_len tokens each, EOS ignored. Prefill time runs until every prompt has its first token.
+    `progress`: a line on stderr each step."""
     vocab = llm.executor.config.vocab_size
     generator = torch.Generator().manual_seed(0)
     params = SamplingParams(max_tokens=gen_len, temperature=0.0, ignore_eos=True)
@@ -76,12 +79,14 @@ def run_bench(llm: LLM, prompt_len: int, gen_len: int, num_prompts: int) -> dict
         steps += 1
         if prefill_done is None and len(started) == num_prompts:
             prefill_done = time.perf_counter()
-        print(
-            f"\rbench: step {steps}, {len(started)}/{num_prompts} prefilled",
-            end="",
-            file=sys.stderr,
-        )
-    print(file=sys.stderr)
+        if progress:
+            print(
+                f"\rbench: step {steps}, {len(started)}/{num_prompts} prefilled",
+                end="",
+                file=sys.stderr,
+            )
+    if progress:
+        print(file=sys.stderr)
     end = time.perf_counter()
     prefill_s = (prefill_done or end) - start
     decode_s = end - (prefill_done or end)

@@ -72,7 +72,12 @@ class PlanResult:
     """Best generation throughput per (compress_weights, compress_kv, cpu_attention) combo."""
     nano_estimates: dict[int, Estimate]
     """The chosen policy's prediction with each possible num_nano_batches (same placement)."""
-    num_solved: int
+    runners_up: tuple[tuple[Policy, float], ...] = ()
+    """The best policy of each other design (compression, CPU attention, CPU experts,
+    nano-batches) with its predicted generation throughput, best first, thread counts not
+    yet planned (`policy.threads.plan_threads`): what a plan check
+    (engine/core/plan_check.py) runs against the chosen one when they are close."""
+    num_solved: int = 0
     """LPs solved during the search."""
     expert_break_even: int = 0
     """MoE models: `policy.moe.cpu_expert_break_even` at the CPU threads the search priced
@@ -204,6 +209,7 @@ def search(
     lp = PlacementLP()
     best: tuple[float, Policy, Estimate] | None = None  # (score, policy, estimate)
     alternatives: dict[str, float] = {}
+    designs: dict[tuple[bool | int, ...], tuple[float, Policy]] = {}  # the best of each design
     num_solved = 0
     flag_values = (False, True) if allow_compression else (False,)
     attention_values = (False, True) if allow_cpu_attention else (False,)
@@ -254,6 +260,9 @@ def search(
                     policy, result = _finish(choice, x, terms)
                     throughput = result.generation_throughput
                     alternatives[combo] = max(alternatives.get(combo, 0.0), throughput)
+                    design = (compress_weights, compress_kv, cpu_attention, cpu_experts, num_nano)
+                    if throughput > designs.get(design, (0.0, policy))[0]:
+                        designs[design] = (throughput, policy)
                     if best is None or throughput / nano_penalty > best[0] * (1 + MIN_GAIN):
                         best = (throughput / nano_penalty, policy, result)
                 if not fits:
@@ -272,6 +281,18 @@ def search(
         for n in NUM_NANO_BATCHES
         if n <= policy.gpu_batch_size
     }
+    chosen = (
+        policy.compress_weights,
+        policy.compress_kv,
+        policy.cpu_attention,
+        policy.cpu_experts,
+        policy.num_nano_batches,
+    )
+    runners_up = tuple(
+        (other, throughput)
+        for design, (throughput, other) in sorted(designs.items(), key=lambda kv: -kv[1][0])
+        if design != chosen
+    )
     return PlanResult(
         policy=policy,
         predicted=final.predicted(),
@@ -279,6 +300,7 @@ def search(
         estimate=final,
         alternatives=alternatives,
         nano_estimates=nano_estimates,
+        runners_up=runners_up,
         num_solved=num_solved,
         expert_break_even=cpu_expert_break_even(
             model, hardware, max_compute_threads(hardware), policy.compress_weights

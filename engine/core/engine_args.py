@@ -187,6 +187,15 @@ class EngineArgs:
     )
     """With `Policy.num_nano_batches` > 1, overlap the nano-batches' operations; False runs
     them one after another (NanoFlow's nano-batch-only baseline, for ablations)."""
+    plan_check: bool = cli(
+        True,
+        "at the first start, where the cost model's best plans are predicted within 20%%, run "
+        "each for a few real steps and keep the fastest (cached); off trusts the prediction "
+        "(default: on)",
+    )
+    """Where the planner's best designs are predicted within 20% of each other, each runs one
+    block of the served model for real and the fastest is kept, cached beside the profile
+    (engine/core/plan_check.py). Only for `policy="auto"`."""
     engine_nice: int | None = cli(
         None,
         "how far the engine process's CPU priority is below the daemon's (nice, 0-19), so "
@@ -306,7 +315,8 @@ class EngineArgs:
     # -- building --------------------------------------------------------------------------
 
     def resolve_policy(self, model_dir: Path) -> tuple[Policy, dict[str, Any] | None]:
-        """(policy, plan report): the given policy, or the cost model's for this machine."""
+        """(policy, plan report): the given policy, or the cost model's for this machine,
+        checked against the real model where its best designs are too close to call."""
         return resolve_policy(
             self.policy,
             model_dir,
@@ -316,6 +326,7 @@ class EngineArgs:
             cpu_mem=self.cpu_mem,
             disk_mem=self.disk_mem,
             dtype=self.dtype,
+            plan_check=self.plan_check,
         )
 
     @property

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import subprocess
 import sys
 import tempfile
@@ -43,11 +44,41 @@ def cached_hardware() -> HardwareSpec | None:
     return HardwareSpec.load(path) if path.is_file() else None
 
 
+BACKGROUND_ENV = "NANOFLEX_BACKGROUND_PROFILE"
+"""Set to 0 to never start the background re-measure of a profile taken under load."""
+
+
 def hardware_profile(device: str = "auto") -> HardwareSpec:
     """The cached profile, measured again when there is none, when it was measured on another
     machine (`policy.machine.machine_key`) or when its measurements spread too wide
     (`HardwareSpec.staleness`). A quick profile is measured in a child process (measuring
-    imports torch) and cached, unless the cached one from this machine is less noisy."""
+    imports torch) and cached, unless the cached one from this machine is less noisy. A
+    profile taken under load is planned from as it is (its overlap shares not believed) and
+    measured again in the background once the machine is quiet (`remeasure_when_quiet`)."""
+    profile = _current_profile(device)
+    if profile.under_load:
+        remeasure_when_quiet(device, default_cache_path())
+    return profile
+
+
+def remeasure_when_quiet(device: str, path: Path) -> bool:
+    """Start engine/profiling/requiet.py, detached, for the profile at `path` (one at a time:
+    it holds a lock); False when `NANOFLEX_BACKGROUND_PROFILE=0` forbids it."""
+    if os.environ.get(BACKGROUND_ENV, "1") == "0":
+        return False
+    log = open(path.with_name("requiet.log"), "a")  # noqa: SIM115 (the child owns it)
+    with log:
+        subprocess.Popen(
+            [sys.executable, "-m", "engine.profiling.requiet", device, str(path)],
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=log,
+            start_new_session=True,
+        )
+    return True
+
+
+def _current_profile(device: str) -> HardwareSpec:
     path = default_cache_path()
     cached = HardwareSpec.load(path) if path.is_file() else None
     machine = machine_key()
@@ -103,25 +134,45 @@ def resolve_policy(
     cpu_mem: int | None = None,
     disk_mem: int | None = None,
     dtype: str | None = None,
+    plan_check: bool = True,
 ) -> tuple[Policy, dict[str, Any] | None]:
     """(policy, plan report). `spec` is a Policy, a JSON file path, or None / 'auto' to plan
-    with the cost model; the report holds the prediction and the bottleneck when planned."""
+    with the cost model; the report holds the prediction, the bottleneck and the profile
+    planned from, and, where the best designs are predicted too close to call, what the plan
+    check measured (engine/core/plan_check.py; `plan_check` False skips it)."""
     if isinstance(spec, Policy):
         return spec, None
     if spec not in (None, "auto"):
         return Policy.load(str(spec)), None
+    from engine.core import plan_check as checking
     from policy.search import search
 
     hardware = hardware_profile(device)
-    result = search(
-        model_spec(model_dir, hardware.compute_device, dtype),
-        workload,
-        hardware,
-        gpu_mem=gpu_mem,
-        cpu_mem=cpu_mem,
-        disk_mem=disk_mem,
-    )
-    return result.policy, {"predicted": result.predicted, "bottleneck": result.bottleneck}
+    planned_from = hardware.describe()
+    model = model_spec(model_dir, hardware.compute_device, dtype)
+    result = search(model, workload, hardware, gpu_mem=gpu_mem, cpu_mem=cpu_mem, disk_mem=disk_mem)
+    report: dict[str, Any] = {
+        "predicted": result.predicted,
+        "bottleneck": result.bottleneck,
+        "hardware": planned_from,
+    }
+    if not plan_check:
+        return result.policy, report
+    setup = {
+        "model_dir": str(model_dir),
+        "device": device,
+        "dtype": dtype,
+        "gpu_mem": gpu_mem,
+        "cpu_mem": cpu_mem,
+        "disk_mem": disk_mem,
+        "prompt_len": workload.prompt_len,
+        "gen_len": workload.gen_len,
+    }
+    found = checking.candidates(result, model, workload, hardware)
+    policy, measured = checking.check(found, setup, hardware, int(model.total_weight_bytes))
+    if measured is not None:
+        report["plan_check"] = measured
+    return policy, report
 
 
 def predict(

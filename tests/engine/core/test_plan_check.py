@@ -1,0 +1,61 @@
+"""A plan checked against the real model: close candidates run for real, the fastest kept,
+the choice cached; off with plan_check=False."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from engine.core import plan_check
+from engine.core.planning import model_spec, resolve_policy
+from engine.loading.demo import demo_model_dir
+from policy import Policy
+from policy.hardware import HardwareSpec, default_cache_path
+from policy.search import search
+from policy.specs import WorkloadSpec
+
+WORKLOAD = WorkloadSpec(prompt_len=64, gen_len=8)
+GPU_MEM = 128 << 20
+"""A small compute-memory budget: blocks of 64 sequences, so each candidate runs in seconds."""
+
+
+def test_candidates_are_the_close_distinct_designs() -> None:
+    hardware = HardwareSpec.load(default_cache_path())  # the suite's fixed profile
+    model = model_spec(demo_model_dir(), "cpu")
+    result = search(model, WORKLOAD, hardware, gpu_mem=GPU_MEM)
+    found = plan_check.candidates(result, model, WORKLOAD, hardware)
+    best = result.predicted["generation_throughput"]
+    assert found[0].policy == result.policy and 2 <= len(found) <= plan_check.MAX_CANDIDATES
+    assert all(c.predicted >= best * (1 - plan_check.MARGIN) for c in found)
+    assert len({c.policy.to_json() for c in found}) == len(found)  # no policy twice
+    far = [t for _, t in result.runners_up if t < best * (1 - plan_check.MARGIN)]
+    assert all(t < min(c.predicted for c in found) for t in far)
+
+
+def test_close_plans_run_for_real_and_the_fastest_is_kept_and_cached(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = demo_model_dir()  # built in the suite's cache, before the check gets its own
+    profile = default_cache_path().read_text()
+    monkeypatch.setenv("NANOFLEX_CACHE", str(tmp_path))
+    default_cache_path().write_text(profile)
+    monkeypatch.setenv("NANOFLEX_PLAN_CHECK", "1")
+    trusted, plain = resolve_policy(
+        "auto", model, device="cpu", workload=WORKLOAD, gpu_mem=GPU_MEM, plan_check=False
+    )
+    assert plain is not None and "plan_check" not in plain
+    policy, report = resolve_policy("auto", model, device="cpu", workload=WORKLOAD, gpu_mem=GPU_MEM)
+    assert report is not None
+    checked = report["plan_check"]
+    runs = checked["runs"]
+    assert not checked["cached"] and len(runs) >= 2
+    assert Policy.from_dict(runs[0]["policy"]) == trusted  # the cost model's pick ran first
+    assert all(r["generation_throughput"] > 0 and r["decode_step_seconds"] > 0 for r in runs)
+    fastest = max(runs, key=lambda r: r["generation_throughput"])
+    assert policy == Policy.from_dict(fastest["policy"])
+    start = time.perf_counter()
+    again, cached = resolve_policy("auto", model, device="cpu", workload=WORKLOAD, gpu_mem=GPU_MEM)
+    assert again == policy and cached is not None and cached["plan_check"]["cached"]
+    assert time.perf_counter() - start < 30  # planned, not run again
