@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from engine.bench import prediction_warning
+from engine.core.cache import cache_root
 from engine.core.planning import hardware_profile, realized_policy
 from policy import Policy
 from policy.hardware import FLEXGEN_T4, HardwareSpec, default_cache_path
@@ -38,9 +39,10 @@ def test_warns_only_past_2x() -> None:
 
 def _profile_here(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, spec: HardwareSpec) -> None:
     """Cache `spec` as this machine's profile (keyed by this machine, so it is used as is)."""
+    suite_cache = cache_root()
     monkeypatch.setenv("NANOFLEX_CACHE", str(tmp_path))
-    for name in ("demo-v2",):  # the demo model is generated once per cache: reuse the shared one
-        shared = Path.home() / ".cache" / "nanoflex" / name
+    for name in ("demo-v2",):  # the demo model is generated once per cache: reuse the suite's
+        shared = suite_cache / name
         if shared.is_dir():
             (tmp_path / name).symlink_to(shared)
     dataclasses.replace(spec, machine=machine_key()).save(default_cache_path())
