@@ -1,0 +1,40 @@
+"""The native CPU kernels built and checked at every instruction-set level this CPU runs.
+
+The kernels pick their code paths when compiled (plain loops the compiler vectorizes,
+AVX-512 registers, AVX512-BF16 dot products), so one machine can check the paths a
+different CPU would take: each level (`engine.kernels.ISA_LEVELS`) is built in a process of
+its own (`NANOFLEX_KERNEL_ISA`; torch allows one library of these ops a process) and runs the
+kernel tests there, against torch's own attention and ops. Slow: a build takes a minute or
+two on 2 cores. `pytest -m slow tests/engine/executor/test_kernel_isa.py` runs it.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine.kernels import ISA_ENV, supported_levels
+
+REPO = Path(__file__).resolve().parents[3]
+CHECKS = ["tests/engine/executor/test_attention.py", "tests/engine/executor/test_cpu_kernels.py"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("level", [lv for lv in supported_levels() if lv != "native"])
+def test_kernels_at_each_level_equal_torch(level: str) -> None:
+    env = {**os.environ, ISA_ENV: level}
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *CHECKS],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        check=False,
+    )
+    # test_cpu_kernels fails there if the library did not build at that level
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
