@@ -110,11 +110,12 @@ def stores_in_flight(
     policy: Policy, step_tokens: int, num_layers: int, kv_row_bytes: int, act_row_bytes: int
 ) -> int:
     """Device bytes a step's stores to host memory can hold at once: each layer's new KV rows
-    (and output rows) headed for the cpu or disk tier stay on the device until a store
-    thread has copied them out, and the host enqueues a whole step's layers ahead of the
-    GPU, so every layer's rows of a step can be alive together (the H200's OPT-6.7B run under
-    16 GiB: 2,048 tokens x 32 layers x 16 KiB of KV rows, 1 GiB, beside a KV pool grown to
-    its capacity, ran out of memory). Zero when both stay on the device."""
+    (and output rows) headed for the cpu or disk tier stay on the device until their copy to
+    the host has run on the store stream, and the host enqueues a whole step's layers ahead
+    of the GPU (allocating each layer's rows as it enqueues it), so every layer's rows of a
+    step can be alive together (the H200's OPT-6.7B run under 16 GiB: 2,048 tokens x 32
+    layers x 16 KiB of KV rows, 1 GiB, beside a KV pool grown to its capacity, ran out of
+    memory). Zero when both stay on the device."""
     per_token = (kv_row_bytes if policy.kv_frac[0] < 1.0 else 0) + (
         act_row_bytes if policy.act_frac[0] < 1.0 else 0
     )

@@ -174,7 +174,7 @@ class NanoOverlap:
         ):
             host = []
             for t in _rows(qkv, part.rows):
-                pinned = self.device.host_empty(tuple(t.shape), t.dtype)
+                pinned = self.device.staging.take(tuple(t.shape), t.dtype)  # given back in use
                 pinned.copy_(t, non_blocking=True)
                 host.append(pinned)
             return (host[0], host[1], host[2]), self.device.record()
@@ -201,13 +201,17 @@ class NanoOverlap:
             out = cpu_attention(*qkv, past_rows, layout, self._kv_shape, spec)
         if not self.device.is_cuda:
             return out.to(dtype), None
+        for t in qkv:  # staged by _to_host, read by now
+            self.device.staging.give(t)
         with (
             self.device.on_copy_stream(),
             self.tracer.span("copy_attention_to_device", "load", j, k, index),
         ):
-            staged = self.device.host_empty(tuple(out.shape), dtype)
+            staged = self.device.staging.take(tuple(out.shape), dtype)
             staged.copy_(out)
-            return self.device.to_device(staged), self.device.record()
+            on_device = self.device.to_device(staged)
+            self.device.release(staged)  # reused once the copy just enqueued has read it
+            return on_device, self.device.record()
 
     def _collect(
         self, q: torch.Tensor, parts: list[tuple[NanoAttention, Future[Attended]]]

@@ -241,7 +241,8 @@ class BlockPipeline:
                 )
                 if new_kv is not None:
                     moves = self._kv_store_moves(batch)
-                    kv_stores.append(store(moves, self._store_kv, j, batch, new_kv, done))
+                    staged = self._stage_kv(j, batch, new_kv, done)
+                    kv_stores.append(store(moves, self._finish_kv, j, batch, staged))
                 if nxt[0] < num_layers and nxt[1] == k:
                     acts[nxt] = load(
                         self._acts_move(nxt[0], batch), self._load_act, nxt[0], batch, act_stored[k]
@@ -281,7 +282,8 @@ class BlockPipeline:
             h = wait(acts.pop((j, k)).result())
             mids.append(self._before_experts(j, w, h, past, batch))
             moves, done = self._kv_store_moves(batch), self.device.record()
-            kv_stores.append(store(moves, self._store_kv, j, batch, mids[-1][2], done))
+            staged = self._stage_kv(j, batch, mids[-1][2], done)
+            kv_stores.append(store(moves, self._finish_kv, j, batch, staged))
         outs = self._experts(j, w, mids, load)
         for k, (batch, out) in enumerate(zip(batches, outs, strict=True)):
             done = self.device.record()
@@ -424,11 +426,14 @@ class BlockPipeline:
             )
             for tier, rows in batch.act_rows.items():
                 if tier == "disk":
-                    part = self.device.host_empty((rows.shape[0], out.shape[1]), self.dtype)
+                    shape = (rows.shape[0], out.shape[1])
+                    part = self.device.staging.take(shape, self.dtype)
                     self.disk.read(self._act_files[batch.index], 0, part)
                 else:
                     part = parts[tier]
                 out.index_copy_(0, rows, self.device.to_device(part))
+                if tier == "disk":
+                    self.device.release(part)  # reused once the copy just enqueued has read it
             return Ready(out, self.device.record())
 
     def _load_past(self, j: int, batch: GpuBatch) -> Ready[PastKV]:
@@ -455,8 +460,12 @@ class BlockPipeline:
         """The group's past rows from every tier that homes them, moved by `move`, decoded,
         packed in sequence order: (P, 2 * kv_dim)."""
         packed: torch.Tensor | None = None
+        to_device = move is self.device.to_device
         for tier, kv_rows in group.past.items():
-            rows = self.kv.codec.decode(move(self.kv.read(tier, layer, kv_rows)))
+            host = self.kv.read(tier, layer, kv_rows, staged=to_device)
+            rows = self.kv.codec.decode(move(host))
+            if to_device and tier != "gpu" and self.device.is_cuda:  # a staging buffer
+                self.device.release(host)  # reused once the copy just enqueued has read it
             if len(group.past) == 1:
                 return rows  # one tier: its rows are already in packed order
             if packed is None:
@@ -627,24 +636,50 @@ class BlockPipeline:
     def _store_kv(
         self, j: int, batch: GpuBatch, new_kv: torch.Tensor, done: torch.cuda.Event | None
     ) -> None:
-        """Write layer j's new KV rows to each sequence's home tier."""
-        self._after_moves(j)
-        with self._copy_task("store_cache", "store", j, batch.index):
-            stream = self.device.copy_stream()
-            if stream is not None and done is not None:
-                stream.wait_event(done)
-                new_kv.record_stream(stream)
-            written = self._in_place(batch)  # the gpu tier's rows went in before attention
-            for tier, kv_rows in batch.new_kv.items():
-                if tier == "gpu" and written:
-                    continue
-                rows = self._encoded_rows(new_kv, kv_rows)
-                if tier != "gpu":
-                    host = self.device.host_empty(tuple(rows.shape), torch.uint8)
-                    host.copy_(rows, non_blocking=stream is not None)
-                    if stream is not None:
-                        stream.synchronize()
-                    rows = host
+        """Write layer j's new KV rows to each sequence's home tier, in line."""
+        self._finish_kv(j, batch, self._stage_kv(j, batch, new_kv, done))
+
+    def _stage_kv(
+        self, j: int, batch: GpuBatch, new_kv: torch.Tensor, done: torch.cuda.Event | None
+    ) -> list[tuple[str, KVRows, Ready[torch.Tensor]]]:
+        """The first half of storing layer j's new KV, in the layer loop, blocking nothing:
+        the rows for each home tier encoded on the compute stream; the gpu tier's written to
+        its pool there (unless attention wrote them first); a host tier's copied into a
+        staging buffer on the store stream once `done`. The device rows are then free to go:
+        held on the device only until their copy has run, not until a store thread gets to
+        them (a queue of them, a whole step's layers, ran the first H200 run out of memory)."""
+        staged: list[tuple[str, KVRows, Ready[torch.Tensor]]] = []
+        written = self._in_place(batch)  # the gpu tier's rows went in before attention
+        for tier, kv_rows in batch.new_kv.items():
+            if tier == "gpu" and written:
+                continue
+            rows = self._encoded_rows(new_kv, kv_rows)
+            if tier == "gpu":
+                self._after_moves(j)
                 self.kv.write(tier, j - 1, kv_rows, rows)
-            if stream is not None:
-                stream.synchronize()
+            elif self.device.is_cuda:
+                with (
+                    self.device.on_store_stream(done),
+                    self.tracer.span("store_cache", "store", j, batch.index),
+                ):
+                    staged.append((tier, kv_rows, self.device.to_host_async(rows)))
+            else:
+                staged.append((tier, kv_rows, Ready(rows)))
+        return staged
+
+    def _finish_kv(
+        self, j: int, batch: GpuBatch, staged: list[tuple[str, KVRows, Ready[torch.Tensor]]]
+    ) -> None:
+        """The second half, on a store thread: once each copy has landed, the rows written
+        into the cpu tier's pool or the disk tier's file, the staging buffer given back. (On
+        a CPU compute device this is the whole store.)"""
+        if not staged:
+            return
+        self._after_moves(j)
+        name = "write_cache" if self.device.is_cuda else "store_cache"
+        with self.tracer.span(name, "store", j, batch.index, host=True):
+            for tier, kv_rows, ready in staged:
+                rows = self.device.host_wait(ready)
+                self.kv.write(tier, j - 1, kv_rows, rows)
+                if self.device.is_cuda:
+                    self.device.staging.give(rows)  # its copy has landed

@@ -10,6 +10,7 @@ from typing import Generic, TypeVar
 import torch
 
 from engine.core.dtypes import default_dtype
+from engine.storage.staging import StagingPool
 
 T = TypeVar("T")
 
@@ -35,6 +36,9 @@ class Device:
         self.device = device
         self.is_cuda = device.type == "cuda"
         self._local = threading.local()
+        self.staging = StagingPool(pinned=self.is_cuda)
+        """Host buffers for copies, reused (engine/storage/staging.py)."""
+        self._store_stream: torch.cuda.Stream | None = None
 
     @classmethod
     def resolve(cls, name: str) -> Device:
@@ -76,6 +80,44 @@ class Device:
 
     def to_device(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(self.device, non_blocking=self.is_cuda and t.is_pinned())
+
+    def on_store_stream(self, after: torch.cuda.Event | None) -> AbstractContextManager[object]:
+        """Make the stream of device-to-host stores current, once `after` (the compute that
+        made what is stored) is done: one stream, fed by the layer loop itself, so a store is
+        enqueued the moment its layer is, never queued behind a thread (a no-op on the CPU)."""
+        if not self.is_cuda:
+            return nullcontext()
+        if self._store_stream is None:
+            self._store_stream = torch.cuda.Stream(self.device)
+        if after is not None:
+            self._store_stream.wait_event(after)
+        else:
+            self._store_stream.wait_stream(torch.cuda.current_stream(self.device))
+        return torch.cuda.stream(self._store_stream)
+
+    def to_host_async(self, t: torch.Tensor) -> Ready[torch.Tensor]:
+        """`t` copied into a staging buffer on the current stream, and the event that fences
+        the copy; `t`'s memory is kept from reuse until the copy has read it, so the caller
+        drops `t` at once. On the CPU, `t` itself (it is host memory)."""
+        if not self.is_cuda:
+            return Ready(t)
+        host = self.staging.take(tuple(t.shape), t.dtype)
+        host.copy_(t, non_blocking=True)
+        t.record_stream(torch.cuda.current_stream(self.device))
+        return Ready(host, self.record())
+
+    def host_wait(self, ready: Ready[T]) -> T:
+        """Block this thread until `ready`'s copies have landed, then hand its value over (for
+        copy threads: the layer loop uses `wait`, which makes a stream wait instead)."""
+        if ready.event is not None:
+            ready.event.synchronize()
+        return ready.value
+
+    def release(self, t: torch.Tensor) -> None:
+        """Give a buffer of `staging` back, to be reused once the copies enqueued on this
+        thread's current stream so far (the last one that reads it) are done (at once on the
+        CPU, which copies synchronously)."""
+        self.staging.give(t, self.record())
 
     def record(self) -> torch.cuda.Event | None:
         """An event on the current stream of this thread (None on the CPU)."""

@@ -150,9 +150,15 @@ class DiskKVPool:
                 if all(n == self.page_tokens for n in staged.filled):
                     self._staged.pop(page, None)
 
-    def read(self, layer: int, slots: list[int]) -> torch.Tensor:
-        """Encoded rows at `slots` of `layer`, (N, row_bytes) in (pinned) host memory."""
-        out = self.device.host_empty((len(slots), self.row_bytes), torch.uint8)
+    def read(self, layer: int, slots: list[int], for_device: bool = False) -> torch.Tensor:
+        """Encoded rows at `slots` of `layer`, (N, row_bytes) in host memory: a staging buffer
+        (pinned, `Device.staging`; the caller gives it back) where `for_device` and the
+        compute device is a GPU."""
+        shape = (len(slots), self.row_bytes)
+        if for_device and self.device.is_cuda:
+            out = self.device.staging.take(shape, torch.uint8)
+        else:
+            out = torch.empty(shape, dtype=torch.uint8)
         p, i = self.page_tokens, 0
         for first, count in runs(slots):
             slot, end = first, first + count

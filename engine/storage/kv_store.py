@@ -159,15 +159,17 @@ class KVStore:
             data = data.cpu()
         self.write(dst[0], layer, self.page_rows(dst), data)
 
-    def read(self, tier: str, layer: int, kv_rows: KVRows) -> torch.Tensor:
-        """Encoded rows at `kv_rows.slots`: on the compute device for gpu, on the host else."""
+    def read(self, tier: str, layer: int, kv_rows: KVRows, staged: bool = False) -> torch.Tensor:
+        """Encoded rows at `kv_rows.slots`: on the compute device for gpu, on the host else.
+        `staged`: host rows bound for a GPU go into a buffer of `device.staging`, which the
+        caller gives back (`Device.release`) once the copy to the device is enqueued."""
         n = len(kv_rows.slots)
         if tier == "disk":
-            return self.disk_pool.read(layer, kv_rows.slots)
+            return self.disk_pool.read(layer, kv_rows.slots, staged)
         assert kv_rows.slot_index is not None
         pool = self._pools[tier][layer]
-        if tier == "cpu" and self.device.is_cuda:  # gather straight into pinned memory
-            out = self.device.host_empty((n, self.row_bytes), torch.uint8)
+        if tier == "cpu" and staged and self.device.is_cuda:  # gathered into pinned memory
+            out = self.device.staging.take((n, self.row_bytes), torch.uint8)
             return select_rows(pool, kv_rows.slot_index, out)
         return select_rows(pool, kv_rows.slot_index)
 
