@@ -45,7 +45,14 @@ from engine.executor.pipeline import BlockPipeline
 from engine.executor.sampler import top_logprobs
 from engine.executor.step_sampler import StepSampler
 from engine.executor.trace import NoTracer, Tracer
-from engine.kernels import PagedKernels, cuda_paged_kernels, dense_ops, paged_kernels, token_mask
+from engine.kernels import (
+    PagedKernels,
+    cuda_dense_ops,
+    cuda_paged_kernels,
+    dense_ops,
+    paged_kernels,
+    token_mask,
+)
 from engine.loading.checkpoint import open_reader
 from engine.loading.generated import local_model_dir
 from engine.models import build_model
@@ -144,6 +151,8 @@ class Executor:
         native = native_kernels and not self.device.is_cuda
         if native:
             self.model.dense_ops = dense_ops()
+        elif native_kernels:  # CUDA: the same ops fused in Triton
+            self.model.dense_ops = cuda_dense_ops()
         self.dtype = dtype or self.device.default_dtype(checkpoint_dtype(self.model_dir))
         self._apply_thread_counts()
         keep_freed_memory()

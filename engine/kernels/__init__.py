@@ -224,6 +224,18 @@ def dense_ops() -> DenseOps | None:
     return DenseOps(ops.rms_norm, ops.add_rms_norm, ops.rotary, ops.silu_mul)
 
 
+def cuda_dense_ops() -> DenseOps | None:
+    """The fused ops in Triton (triton_dense.py) for CUDA, or None, with one warning, where
+    Triton is not installed."""
+    from engine.kernels import triton_dense, triton_launch
+
+    if not triton_launch.available():
+        logger.warning("triton is not installed: CUDA runs torch's unfused norm and rotary ops")
+        return None
+    td = triton_dense
+    return DenseOps(td.rms_norm, td.add_rms_norm, td.rotary, td.silu_mul)
+
+
 TokenMask = Callable[[torch.Tensor, torch.Tensor], None]
 """(logits (rows, vocab) float32, bits (rows, ceil(vocab / 32)) int32) -> None: in place."""
 

@@ -26,26 +26,26 @@ type before the second product, as flash attention does. Soft-capped scores (Gem
 CI runs both kernels under Triton's interpreter on CPU tensors (a launch picks the
 interpreter when its tensors are on the CPU; `TRITON_INTERPRET=1` must be set before Triton
 is imported, for Triton's own jit functions the kernels call) and compiles them for sm_90
-with no GPU present: `python -m engine.kernels.triton_attention --compile` prints each
+with no GPU present: `python -m engine.kernels.triton_compile` prints each
 kernel's registers, spills and shared memory (tests/engine/kernels/test_triton_attention.py).
 """
 
 from __future__ import annotations
 
-import argparse
 import functools
-import json
-import sys
-from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from engine.kernels.triton_launch import available, kernel, next_pow2
 
 try:
     import triton
     import triton.language as tl
 except ImportError:  # no Triton: the gather-and-SDPA path runs instead
     triton = None
+
+__all__ = ["available", "paged_decode", "paged_prefill"]
 
 DECODE_BLOCK_N = 64
 """Keys per tile of the decode kernel."""
@@ -58,75 +58,10 @@ PROGRAMS_PER_SM = 2
 multiprocessor, so that a short batch of long sequences still fills the GPU."""
 INTERPRETER_SMS = 2
 """The multiprocessor count assumed under the interpreter (small, so tests exercise splits)."""
-LAUNCH: dict[str, dict[str, int]] = {
-    "decode_split": dict(num_warps=4, num_stages=2),
-    "decode_merge": dict(num_warps=4, num_stages=1),
-    "prefill": dict(num_warps=8, num_stages=2),
-}
-"""Warps and software-pipelining stages per kernel. With two stages the decode kernel's
-key tiles stream through shared memory (cp.async), 80 registers a thread (one stage: 128);
-the prefill kernel's 64 x 64 tiles take 167 registers with 8 warps and two stages, 235
-with 4 (compiled for sm_90: `python -m engine.kernels.triton_attention --compile`)."""
-
-
-def available() -> bool:
-    return triton is not None
-
-
-def _next_pow2(n: int, floor: int = 16) -> int:
-    return max(floor, 1 << (max(1, n) - 1).bit_length())
-
-
-class _Kernel:
-    """One kernel source, compiled for the GPU (`triton.jit`) or run by Triton's interpreter
-    on CPU tensors, chosen at each launch by where its tensors are."""
-
-    def __init__(self, fn: Callable[..., None]) -> None:
-        self.fn = fn
-        self.options = LAUNCH[fn.__name__]
-
-    @functools.cached_property
-    def jit(self) -> Any:
-        from triton.runtime.jit import JITFunction
-
-        return JITFunction(self.fn)
-
-    @functools.cached_property
-    def interpreted(self) -> Any:
-        from triton.runtime.interpreter import InterpretedFunction
-
-        _scalar_index_fix()
-        return InterpretedFunction(self.fn)
-
-    def launch(self, grid: tuple[int, ...], on_gpu: bool, *args: Any, **kwargs: Any) -> None:
-        if on_gpu:
-            self.jit[grid](*args, **kwargs, **self.options)
-        else:
-            self.interpreted[grid](*args, **kwargs)
-
-
-def _kernel(fn: Callable[..., None]) -> _Kernel:
-    return _Kernel(fn)
-
-
-@functools.cache
-def _scalar_index_fix() -> None:
-    """Triton 3.6's interpreter turns a scalar into an index with `int()` of a one-element
-    array, which NumPy 2.4 refuses ("only 0-dimensional arrays can be converted"), so a loop
-    over a runtime range fails there (triton-lang/triton#9171, fixed after 3.6): its scalars
-    are given an `__index__` that reads the one element."""
-    from triton.runtime import interpreter
-
-    patch = interpreter._patch_lang_tensor
-    if getattr(patch, "nanoflex_fixed", False):
-        return
-
-    def fixed(tensor: Any, scope: Any) -> None:
-        patch(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    fixed.nanoflex_fixed = True  # type: ignore[attr-defined]
-    interpreter._patch_lang_tensor = fixed
+# Warps and software-pipelining stages per kernel (`@kernel`): with two stages the decode
+# kernel's key tiles stream through shared memory (cp.async), 80 registers a thread (one
+# stage: 128); the prefill kernel's 64 x 64 tiles take 167 registers with 8 warps and two
+# stages, 235 with 4 (compiled for sm_90: `python -m engine.kernels.triton_compile`).
 
 
 if triton is not None:
@@ -174,7 +109,7 @@ if triton is not None:
         acc = acc * shrink[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=PRECISION)
         return new_top, total, acc
 
-    @_kernel
+    @kernel(num_warps=4, num_stages=2)
     def decode_split(
         Q,
         KV,
@@ -253,7 +188,7 @@ if triton is not None:
             tl.store(MAX + part, top, mask=head_ok)
             tl.store(SUM + part, total, mask=head_ok)
 
-    @_kernel
+    @kernel(num_warps=4, num_stages=1)
     def decode_merge(
         OUT,
         ACC,
@@ -291,7 +226,7 @@ if triton is not None:
             mask=dims < HEAD_DIM,
         )
 
-    @_kernel
+    @kernel(num_warps=8, num_stages=2)
     def prefill(
         Q,
         KV,
@@ -418,7 +353,7 @@ def paged_decode(
     else:
         num_splits = -(-max(1, kv_max) // split_len)
     out = torch.empty_like(q)
-    head_pad = _next_pow2(head_dim)
+    head_pad = next_pow2(head_dim)
     if num_splits > 1:
         parts = batch * num_heads * num_splits
         acc = torch.empty(parts, head_pad, dtype=torch.float32, device=q.device)
@@ -453,7 +388,7 @@ def paged_decode(
         HEAD_PAD=head_pad,
         KV_DIM=num_kv_heads * head_dim,
         GROUP=group,
-        GROUP_PAD=_next_pow2(group),
+        GROUP_PAD=next_pow2(group),
         BLOCK_N=DECODE_BLOCK_N,
         ONE_SPLIT=num_splits == 1,
         **_products(q.dtype, on_gpu),
@@ -472,7 +407,7 @@ def paged_decode(
             num_splits,
             HEAD_DIM=head_dim,
             HEAD_PAD=head_pad,
-            SPLITS_PAD=_next_pow2(num_splits, floor=2),
+            SPLITS_PAD=next_pow2(num_splits, floor=2),
         )
     return out
 
@@ -513,7 +448,7 @@ def paged_prefill(
         scale,
         _window(window),
         HEAD_DIM=head_dim,
-        HEAD_PAD=_next_pow2(head_dim),
+        HEAD_PAD=next_pow2(head_dim),
         KV_DIM=num_kv_heads * head_dim,
         GROUP=num_heads // num_kv_heads,
         BLOCK_M=PREFILL_BLOCK_M,
@@ -547,93 +482,3 @@ COMPILE_CASES: dict[str, tuple[list[str], dict[str, Any]]] = {
 }  # fmt: skip
 """Each kernel's arguments (tensors typed by the compute type {t}) and constants for a
 Llama-3-8B layer (head_dim 128, 32 query heads over 8 kv heads)."""
-
-
-def compile_report(
-    arch: int = 90, dtypes: tuple[str, ...] = ("fp16", "bf16")
-) -> list[dict[str, Any]]:
-    """Compile every kernel for `arch` (sm_90: the H100 and H200) from its source, no GPU
-    needed: per kernel and type, its registers, spills, shared memory and cubin size."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    out = []
-    for name, (types, constants) in COMPILE_CASES.items():
-        kernel = globals()[name].jit
-        args = [a for a in kernel.arg_names if a not in constants]
-        if len(args) != len(types):
-            raise ValueError(f"{name}: {len(args)} arguments, {len(types)} types")
-        for dtype in dtypes:
-            signature = {a: t.format(t=dtype) for a, t in zip(args, types, strict=True)}
-            signature.update(dict.fromkeys(constants, "constexpr"))
-            # what a launch specializes on for this shape: pointers 16-byte aligned, strides
-            # and split lengths multiples of 16 (so loads go 16 bytes wide)
-            aligned = {
-                (i,): [["tt.divisibility", 16]]
-                for i, a in enumerate(kernel.arg_names)
-                if signature[a].startswith("*") or a.startswith("stride_") or a == "split_len"
-            }
-            source = ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=aligned)
-            target = GPUTarget("cuda", arch, 32)
-            compiled = triton.compile(source, target=target, options=globals()[name].options)
-            cubin = compiled.asm["cubin"]
-            out.append(
-                {
-                    "kernel": name,
-                    "dtype": dtype,
-                    "arch": f"sm_{arch}",
-                    **_resource_usage(cubin),
-                    "shared_bytes": compiled.metadata.shared,
-                    "num_warps": compiled.metadata.num_warps,
-                    "num_stages": compiled.metadata.num_stages,
-                    "cubin_bytes": len(cubin),
-                }
-            )
-    return out
-
-
-def _resource_usage(cubin: bytes) -> dict[str, int]:
-    """Registers, stack and local memory (spills land there) of a cubin's kernel, read by
-    the cuobjdump Triton ships with its NVIDIA backend."""
-    import re
-    import subprocess
-    import tempfile
-    from pathlib import Path
-
-    import triton.backends.nvidia as nvidia
-
-    tool = Path(nvidia.__file__).parent / "bin" / "cuobjdump"
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        text = subprocess.run(
-            [str(tool), "--dump-resource-usage", f.name],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout
-    usage = dict(re.findall(r"(REG|STACK|LOCAL):(\d+)", text))
-    return {
-        "registers": int(usage["REG"]),
-        "stack_bytes": int(usage["STACK"]),
-        "local_bytes": int(usage["LOCAL"]),
-    }
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="compile the CUDA attention kernels")
-    parser.add_argument("--compile", action="store_true", help="compile for --arch, print JSON")
-    parser.add_argument("--arch", type=int, default=90)
-    args = parser.parse_args(argv)
-    if not args.compile:
-        parser.print_help()
-        return 2
-    if triton is None:
-        print("triton is not installed", file=sys.stderr)
-        return 1
-    print(json.dumps(compile_report(args.arch), indent=1))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

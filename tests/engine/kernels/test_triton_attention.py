@@ -19,7 +19,6 @@ import json
 import os
 import subprocess
 import sys
-from typing import Any
 
 import pytest
 import torch
@@ -180,11 +179,14 @@ def test_decode_splits_fill_the_gpu():
 
 
 def test_kernels_compile_for_hopper():
-    """Each kernel compiled for sm_90 from its source, here, without a GPU (in a process of
-    its own: this one runs Triton's interpreter): a cubin each, and no register spills."""
+    """Every CUDA kernel (attention and the fused dense ops) compiled for sm_90 from its
+    source, here, without a GPU (in a process of its own: this one runs Triton's
+    interpreter): a cubin each, and no register spills."""
+    from engine.kernels import triton_dense
+
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run(
-        [sys.executable, "-m", "engine.kernels.triton_attention", "--compile", "--arch", "90"],
+        [sys.executable, "-m", "engine.kernels.triton_compile", "--arch", "90"],
         capture_output=True,
         text=True,
         env=env,
@@ -193,41 +195,10 @@ def test_kernels_compile_for_hopper():
     )
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout)
+    kernels = {*ta.COMPILE_CASES, *triton_dense.COMPILE_CASES}
     assert {(r["kernel"], r["dtype"]) for r in report} == {
-        (k, t) for k in ta.COMPILE_CASES for t in ("fp16", "bf16")
+        (k, t) for k in kernels for t in ("fp16", "bf16")
     }
     for row in report:
         assert row["cubin_bytes"] > 0 and row["arch"] == "sm_90"
         assert row["local_bytes"] == 0 and row["stack_bytes"] == 0, row  # no spills
-
-
-@pytest.mark.skipif(DEVICE.type == "cuda", reason="on a GPU the CUDA suite runs the engine so")
-@pytest.mark.parametrize("kind", ["llama", "gemma3", "phi3"])
-def test_engine_through_the_kernels_matches_transformers(tiny_model, references, tmp_path, kind):
-    """A whole model's greedy tokens with every in-place attention call going through the
-    Triton kernels (interpreted here, on the CPU): transformers' tokens. Gemma 3 brings its
-    sliding windows and a global layer, Phi-3 a window on every layer."""
-    from engine import LLM, SamplingParams
-    from policy import Policy
-    from tests.engine.tiny_models import MAX_TOKENS
-
-    calls = {"decode": 0, "prefill": 0}
-
-    def counted(name: str) -> Any:
-        kernel = getattr(TRITON, name)
-
-        def run(*args: Any, **kwargs: Any) -> torch.Tensor:
-            calls[name] += 1
-            return kernel(*args, **kwargs)
-
-        return run
-
-    prompts, expected = references(kind)
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    with LLM(
-        str(tiny_model(kind)), policy=Policy(), device="cpu", dtype="float32", offload_dir=tmp_path
-    ) as llm:
-        llm.executor.pipeline.kernels = PagedKernels(counted("decode"), counted("prefill"))
-        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-    assert got == expected
-    assert calls["decode"] > 0 and calls["prefill"] > 0, calls

@@ -1,0 +1,118 @@
+"""Compile every CUDA kernel of engine/kernels for a GPU architecture, with no GPU present.
+
+    python -m engine.kernels.triton_compile [--arch 90]
+
+Each kernel of triton_attention.py and triton_dense.py is compiled from its source for sm_90
+(the H100 and H200) by default, specialized as a launch for a Llama-3-8B layer would be
+(`COMPILE_CASES` of each module: argument types, constants; pointers 16-byte aligned and
+strides multiples of 16), and its registers, spills (stack and local memory), shared memory
+and cubin size are printed as JSON: what "read the compiler's report before a GPU session"
+asks for, and a kernel that does not compile for Hopper fails CI
+(tests/engine/kernels/test_triton_attention.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from engine.kernels import triton_attention, triton_dense
+from engine.kernels.triton_launch import Kernel, available
+
+
+def cases() -> dict[str, tuple[Kernel, list[str], dict[str, Any]]]:
+    """Kernel name -> (its source, argument types ({t}: the compute type), constants)."""
+    out: dict[str, tuple[Kernel, list[str], dict[str, Any]]] = {}
+    for module in (triton_attention, triton_dense):
+        for name, (types, constants) in module.COMPILE_CASES.items():
+            out[name] = (getattr(module, name), types, constants)
+    return out
+
+
+def compile_report(
+    arch: int = 90, dtypes: tuple[str, ...] = ("fp16", "bf16")
+) -> list[dict[str, Any]]:
+    """Compile every kernel for `arch` (sm_90: the H100 and H200) from its source, no GPU
+    needed: per kernel and type, its registers, spills, shared memory and cubin size."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    out = []
+    for name, (source, types, constants) in cases().items():
+        kernel = source.jit
+        args = [a for a in kernel.arg_names if a not in constants]
+        if len(args) != len(types):
+            raise ValueError(f"{name}: {len(args)} arguments, {len(types)} types")
+        for dtype in dtypes:
+            signature = {a: t.format(t=dtype) for a, t in zip(args, types, strict=True)}
+            signature.update(dict.fromkeys(constants, "constexpr"))
+            # what a launch specializes on for this shape: pointers 16-byte aligned, strides
+            # and split lengths multiples of 16 (so loads go 16 bytes wide)
+            aligned = {
+                (i,): [["tt.divisibility", 16]]
+                for i, a in enumerate(kernel.arg_names)
+                if signature[a].startswith("*") or a.startswith("stride_") or a == "split_len"
+            }
+            ast = ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=aligned)
+            target = GPUTarget("cuda", arch, 32)
+            compiled = triton.compile(ast, target=target, options=source.options)
+            cubin = compiled.asm["cubin"]
+            out.append(
+                {
+                    "kernel": name,
+                    "dtype": dtype,
+                    "arch": f"sm_{arch}",
+                    **_resource_usage(cubin),
+                    "shared_bytes": compiled.metadata.shared,
+                    "num_warps": compiled.metadata.num_warps,
+                    "num_stages": compiled.metadata.num_stages,
+                    "cubin_bytes": len(cubin),
+                }
+            )
+    return out
+
+
+def _resource_usage(cubin: bytes) -> dict[str, int]:
+    """Registers, stack and local memory (spills land there) of a cubin's kernel, read by
+    the cuobjdump Triton ships with its NVIDIA backend."""
+    import re
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    import triton.backends.nvidia as nvidia
+
+    tool = Path(nvidia.__file__).parent / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run(
+            [str(tool), "--dump-resource-usage", f.name],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    usage = dict(re.findall(r"(REG|STACK|LOCAL):(\d+)", text))
+    return {
+        "registers": int(usage["REG"]),
+        "stack_bytes": int(usage["STACK"]),
+        "local_bytes": int(usage["LOCAL"]),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--arch", type=int, default=90, help="the compute capability x 10")
+    args = parser.parse_args(argv)
+    if not available():
+        print("triton is not installed", file=sys.stderr)
+        return 1
+    print(json.dumps(compile_report(args.arch), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
