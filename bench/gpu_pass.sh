@@ -88,7 +88,7 @@ for step in "$@"; do
       run_step pytest-gpu "${GPU_PASS_SUITE_S:-230}" "$PYTHON" -m pytest -v "${collect[@]}" \
         -p no:cacheprovider -m "gpu or not gpu" --timeout 200 --tb=short -rfE --durations=25 \
         tests/engine/executor/test_cuda.py tests/engine/storage/test_quant.py \
-        tests/engine/kernels/test_triton_attention.py \
+        tests/engine/kernels/test_triton_attention.py tests/engine/kernels/test_triton_dense.py \
         tests/bench/test_gpu_compare.py::test_smoke_case_on_cuda ;;
     attention)
       run_step attention "${GPU_PASS_ATTENTION_S:-90}" "$PYTHON" -m bench.gpu_attention \
