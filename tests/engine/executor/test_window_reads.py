@@ -70,9 +70,11 @@ def test_kv_loaded_from_disk_per_step_is_the_window(
     reads: list[tuple[str, int]] = []
     real_read = KVStore.read
 
-    def spy(self: KVStore, tier: str, layer: int, kv_rows: KVRows) -> torch.Tensor:
+    def spy(
+        self: KVStore, tier: str, layer: int, kv_rows: KVRows, staged: bool = False
+    ) -> torch.Tensor:
         reads.append((tier, len(kv_rows.slots)))
-        return real_read(self, tier, layer, kv_rows)
+        return real_read(self, tier, layer, kv_rows, staged)
 
     monkeypatch.setattr(KVStore, "read", spy)
     prompts = random_prompts(1, vocab_size(kind), 40, 40, seed=1)
