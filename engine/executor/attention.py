@@ -405,9 +405,7 @@ def _paged_group(
             return kernels.decode(q, rows, g.slots, g.kv_lens, kv_shape[0], scale, g.window)
         assert g.starts is not None and prefill is not None
         q_starts, kv_starts = g.starts
-        return prefill(
-            q, rows, g.slots, q_starts, kv_starts, kv_shape[0], scale, g.window, q_max=q_max
-        )
+        return prefill(q, rows, g.slots, q_starts, kv_starts, kv_shape[0], scale, g.window)
     if g.chunks is not None:
         keys = decode(select_rows(pool, g.slots)).view(-1, 2, *kv_shape)  # (sum L, 2, ...)
         outs = []

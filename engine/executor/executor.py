@@ -45,14 +45,7 @@ from engine.executor.pipeline import BlockPipeline
 from engine.executor.sampler import top_logprobs
 from engine.executor.step_sampler import StepSampler
 from engine.executor.trace import NoTracer, Tracer
-from engine.kernels import (
-    PagedKernels,
-    cuda_dense_ops,
-    cuda_paged_kernels,
-    dense_ops,
-    paged_kernels,
-    token_mask,
-)
+from engine.kernels import attention_kernels, fused_dense_ops, token_mask
 from engine.loading.checkpoint import open_reader
 from engine.loading.generated import local_model_dir
 from engine.models import build_model
@@ -149,10 +142,8 @@ class Executor:
         self.config = ModelConfig.from_hf(hf_config)
         self.model = build_model(self.config)
         native = native_kernels and not self.device.is_cuda
-        if native:
-            self.model.dense_ops = dense_ops()
-        elif native_kernels:  # CUDA: the same ops fused in Triton
-            self.model.dense_ops = cuda_dense_ops()
+        if native_kernels:
+            self.model.dense_ops = fused_dense_ops(self.device.is_cuda)
         self.dtype = dtype or self.device.default_dtype(checkpoint_dtype(self.model_dir))
         self._apply_thread_counts()
         keep_freed_memory()
@@ -239,7 +230,7 @@ class Executor:
             )
             if policy.num_nano_batches > 1
             else None,
-            kernels=self._attention_kernels(native_kernels),
+            kernels=attention_kernels(self.device.is_cuda) if native_kernels else None,
             cpu_expert_rows=self._cpu_expert_rows(cpu_expert_rows),
             group_experts=group_experts,
         )
@@ -324,13 +315,6 @@ class Executor:
         weights = [layer.values for layer in self.weights.layers]
         return GraphRunner(self.model, weights, self.device.device, self.dtype)  # type: ignore[arg-type]
 
-    def _attention_kernels(self, native_kernels: bool) -> PagedKernels | None:
-        """Attention in place from the KV pool: the native kernels on a CPU, Triton's on
-        CUDA; None (gather and SDPA) with `native_kernels` off or where they are missing."""
-        if not native_kernels:
-            return None
-        return cuda_paged_kernels() if self.device.is_cuda else paged_kernels()
-
     # -- what the scheduler needs ------------------------------------------------------
 
     def kv_capacity_pages(self) -> dict[str, int | None]:
@@ -338,7 +322,7 @@ class Executor:
         stores a step keeps in flight (budgets.py)."""
         in_flight = 0
         if self.device.is_cuda:
-            item = torch.empty((), dtype=self.dtype).element_size()
+            item = self.dtype.itemsize
             in_flight = stores_in_flight(
                 self.policy,
                 self.step_tokens,

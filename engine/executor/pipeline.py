@@ -241,8 +241,7 @@ class BlockPipeline:
                 )
                 if new_kv is not None:
                     moves = self._kv_store_moves(batch)
-                    staged = self._stage_kv(j, batch, new_kv, done)
-                    kv_stores.append(store(moves, self._finish_kv, j, batch, staged))
+                    kv_stores.append(self._store_kv_task(store, moves, j, batch, new_kv, done))
                 if nxt[0] < num_layers and nxt[1] == k:
                     acts[nxt] = load(
                         self._acts_move(nxt[0], batch), self._load_act, nxt[0], batch, act_stored[k]
@@ -282,8 +281,7 @@ class BlockPipeline:
             h = wait(acts.pop((j, k)).result())
             mids.append(self._before_experts(j, w, h, past, batch))
             moves, done = self._kv_store_moves(batch), self.device.record()
-            staged = self._stage_kv(j, batch, mids[-1][2], done)
-            kv_stores.append(store(moves, self._finish_kv, j, batch, staged))
+            kv_stores.append(self._store_kv_task(store, moves, j, batch, mids[-1][2], done))
         outs = self._experts(j, w, mids, load)
         for k, (batch, out) in enumerate(zip(batches, outs, strict=True)):
             done = self.device.record()
@@ -448,24 +446,24 @@ class BlockPipeline:
         with self.device.on_copy_stream():
             if dev is not None and dev.layout.num_past and not self._in_place(batch):
                 with self.tracer.span("load_cache", "load", j, batch.index):
-                    device_past = self._gather(layer, dev, self.device.to_device)
+                    device_past = self._gather(layer, dev, to_device=True)
             if cpu is not None and cpu.layout.num_past:
                 with self.tracer.span("load_cache", "load", j, batch.index, host=True):
-                    cpu_past = self._gather(layer, cpu, _to_host).float()
+                    cpu_past = self._gather(layer, cpu, to_device=False).float()
             return Ready(PastKV(device_past, cpu_past), self.device.record())
 
-    def _gather(
-        self, layer: int, group: AttentionGroup, move: Callable[[torch.Tensor], torch.Tensor]
-    ) -> torch.Tensor:
-        """The group's past rows from every tier that homes them, moved by `move`, decoded,
-        packed in sequence order: (P, 2 * kv_dim)."""
+    def _gather(self, layer: int, group: AttentionGroup, to_device: bool) -> torch.Tensor:
+        """The group's past rows from every tier that homes them, decoded, packed in
+        sequence order: (P, 2 * kv_dim), on the compute device (`to_device`: host rows go
+        through staging buffers, pinned on a GPU) or in host memory (for CPU attention)."""
         packed: torch.Tensor | None = None
-        to_device = move is self.device.to_device
         for tier, kv_rows in group.past.items():
-            host = self.kv.read(tier, layer, kv_rows, staged=to_device)
-            rows = self.kv.codec.decode(move(host))
+            read = self.kv.read(tier, layer, kv_rows, staged=to_device)
+            rows = self.kv.codec.decode(
+                self.device.to_device(read) if to_device else _to_host(read)
+            )
             if to_device and tier != "gpu" and self.device.is_cuda:  # a staging buffer
-                self.device.release(host)  # reused once the copy just enqueued has read it
+                self.device.release(read)  # reused once the copy just enqueued has read it
             if len(group.past) == 1:
                 return rows  # one tier: its rows are already in packed order
             if packed is None:
@@ -633,21 +631,48 @@ class BlockPipeline:
             new_kv = new_kv.index_select(0, kv_rows.rows)
         return self.kv.codec.encode(new_kv)
 
+    def _store_kv_task(
+        self,
+        store: Launch,
+        moves: bool,
+        j: int,
+        batch: GpuBatch,
+        new_kv: torch.Tensor,
+        done: torch.cuda.Event | None,
+    ) -> Future[None]:
+        """Layer j's KV store, handed to a store thread: on CUDA its copy to the host is
+        enqueued here first (`_stage_kv`), so the thread only waits for it and writes the
+        rows; on a CPU compute device the whole store (encoding and writing the rows is the
+        work to keep off the layer loop there)."""
+        if self.device.is_cuda:
+            staged = self._stage_kv(j, batch, new_kv, done)
+            return store(moves, self._finish_kv, j, batch, staged)
+        return store(moves, self._store_kv, j, batch, new_kv, done)
+
     def _store_kv(
         self, j: int, batch: GpuBatch, new_kv: torch.Tensor, done: torch.cuda.Event | None
     ) -> None:
-        """Write layer j's new KV rows to each sequence's home tier, in line."""
-        self._finish_kv(j, batch, self._stage_kv(j, batch, new_kv, done))
+        """Write layer j's new KV rows to each sequence's home tier, in this thread."""
+        if self.device.is_cuda:
+            self._finish_kv(j, batch, self._stage_kv(j, batch, new_kv, done))
+            return
+        with self.tracer.span("store_cache", "store", j, batch.index):
+            staged = self._stage_kv(j, batch, new_kv, done)
+            if staged:
+                self._after_moves(j)
+            for tier, kv_rows, ready in staged:
+                self.kv.write(tier, j - 1, kv_rows, ready.value)
 
     def _stage_kv(
         self, j: int, batch: GpuBatch, new_kv: torch.Tensor, done: torch.cuda.Event | None
     ) -> list[tuple[str, KVRows, Ready[torch.Tensor]]]:
-        """The first half of storing layer j's new KV, in the layer loop, blocking nothing:
-        the rows for each home tier encoded on the compute stream; the gpu tier's written to
-        its pool there (unless attention wrote them first); a host tier's copied into a
-        staging buffer on the store stream once `done`. The device rows are then free to go:
-        held on the device only until their copy has run, not until a store thread gets to
-        them (a queue of them, a whole step's layers, ran the first H200 run out of memory)."""
+        """The first half of storing layer j's new KV, blocking nothing: the rows for each
+        home tier encoded (on the compute stream); the gpu tier's written to its pool there
+        (unless attention wrote them first); on CUDA a host tier's copied into a staging
+        buffer on the store stream once `done`, so the device rows are held only until
+        their copy has run, not until a store thread gets to them (a queue of them, a whole
+        step's layers, ran the first H200 run out of memory); on a CPU the host tier's
+        rows as they are."""
         staged: list[tuple[str, KVRows, Ready[torch.Tensor]]] = []
         written = self._in_place(batch)  # the gpu tier's rows went in before attention
         for tier, kv_rows in batch.new_kv.items():
@@ -670,16 +695,14 @@ class BlockPipeline:
     def _finish_kv(
         self, j: int, batch: GpuBatch, staged: list[tuple[str, KVRows, Ready[torch.Tensor]]]
     ) -> None:
-        """The second half, on a store thread: once each copy has landed, the rows written
-        into the cpu tier's pool or the disk tier's file, the staging buffer given back. (On
-        a CPU compute device this is the whole store.)"""
+        """The second half on CUDA, on a store thread: once each copy has landed, the rows
+        written into the cpu tier's pool or the disk tier's file, the staging buffer given
+        back."""
         if not staged:
             return
         self._after_moves(j)
-        name = "write_cache" if self.device.is_cuda else "store_cache"
-        with self.tracer.span(name, "store", j, batch.index, host=True):
+        with self.tracer.span("write_cache", "store", j, batch.index, host=True):
             for tier, kv_rows, ready in staged:
                 rows = self.device.host_wait(ready)
                 self.kv.write(tier, j - 1, kv_rows, rows)
-                if self.device.is_cuda:
-                    self.device.staging.give(rows)  # its copy has landed
+                self.device.staging.give(rows)  # its copy has landed

@@ -3,7 +3,6 @@ the choice cached; off with plan_check=False."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
@@ -55,7 +54,6 @@ def test_close_plans_run_for_real_and_the_fastest_is_kept_and_cached(
     assert all(r["generation_throughput"] > 0 and r["decode_step_seconds"] > 0 for r in runs)
     fastest = max(runs, key=lambda r: r["generation_throughput"])
     assert policy == Policy.from_dict(fastest["policy"])
-    start = time.perf_counter()
     again, cached = resolve_policy("auto", model, device="cpu", workload=WORKLOAD, gpu_mem=GPU_MEM)
     assert again == policy and cached is not None and cached["plan_check"]["cached"]
-    assert time.perf_counter() - start < 30  # planned, not run again
+    assert cached["plan_check"]["runs"] == runs  # the first check's figures, not new ones
