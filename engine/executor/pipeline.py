@@ -382,7 +382,9 @@ class BlockPipeline:
         with self._copy_task("move_pages", "load", j):
             for move in self._moves:
                 self.kv.copy_page(j - 1, move.src, move.dst)
-            self.device.synchronize()
+            # Landed before this layer's KV is read or stored: wait for this copy stream
+            # only, not the whole device (that would wait for the compute queued so far).
+            self.device.host_wait(Ready(None, self.device.record()))
 
     def _after_moves(self, j: int) -> None:
         moved = self._moved.get(j)
