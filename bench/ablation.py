@@ -33,6 +33,7 @@ VARIANTS: dict[str, Variant] = {
     "4-bit weights on": dataclasses.replace(BASE, compress_weights=True),
     "4-bit KV on": dataclasses.replace(BASE, compress_kv=True),
     "discrete batching off": (BASE, {"discrete_batching": False}),
+    "weight slots off (each layer read into fresh memory)": (BASE, {"weight_slots": False}),
 }
 
 
