@@ -86,7 +86,14 @@ def create_app(
     store, storage = open_data_dir(settings.data_dir)
     metrics = Metrics(engine)
     model_name = settings.served_model_name or engine.model_name
-    serving = Serving(engine, model_name, metrics, settings.max_seqs_per_request)
+    serving = Serving(
+        engine,
+        model_name,
+        metrics,
+        settings.max_seqs_per_request,
+        tool_call_parser=settings.tool_call_parser,
+        reasoning_parser=settings.reasoning_parser,
+    )
     state = AppState(
         settings=settings,
         engine=engine,
