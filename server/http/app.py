@@ -40,8 +40,8 @@ from server.http.state import AppState, get_state
 from server.openai.errors import not_found
 from server.openai.metrics import CONTENT_TYPE, Metrics
 from server.openai.responses import Health, Model, ModelList, NotReady, Ready, now
-from server.openai.serving import CHAT, COMPLETIONS, Prepared, Serving
-from server.openai.streaming import stream_chunks
+from server.openai.serving import CHAT, COMPLETIONS, RESPONSES, Prepared, Serving
+from server.openai.streaming import stream_chunks, stream_response_events
 
 logger = logging.getLogger("nanoflex.server")
 T = TypeVar("T")
@@ -186,7 +186,10 @@ async def _generate(request: Request, endpoint: str) -> Response:
         finally:
             state.release(prep.num_seqs)
         return json_response(result)
-    chunks = stream_chunks(state.serving, prep, ONLINE_PRIORITY)
+    if prep.responses is not None:
+        chunks = stream_response_events(state.serving, prep, ONLINE_PRIORITY)
+    else:
+        chunks = stream_chunks(state.serving, prep, ONLINE_PRIORITY)
     try:
         first = await _unless_disconnected(request, anext(chunks))
     except BaseException:
@@ -214,6 +217,10 @@ def _add_online_routes(app: FastAPI) -> None:
     @app.post(CHAT)
     async def chat_completions(request: Request) -> Response:
         return await _generate(request, CHAT)
+
+    @app.post(RESPONSES)
+    async def responses(request: Request) -> Response:
+        return await _generate(request, RESPONSES)
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:

@@ -17,6 +17,7 @@ a worker thread.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
 from collections.abc import AsyncGenerator, Callable, Iterable, Sequence
 from contextlib import aclosing
@@ -58,15 +59,23 @@ from server.openai.responses import (
     Tokenized,
     TokenizerInfo,
     ToolCall,
+    Usage,
     new_id,
     now,
     usage,
+)
+from server.openai.responses_api import (
+    Response,
+    ResponsesRequest,
+    refuse_stored_state,
+    response_body,
 )
 from server.openai.tool_parsers import parser_for_template as tools_for_template
 from server.openai.tools import ToolPlan, chat_for_template, template_knows_tools, tool_plan
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
+RESPONSES = "/v1/responses"
 MAX_SEQS_PER_REQUEST = 256
 """Most sequences (prompts x n) one request may ask for."""
 
@@ -93,6 +102,8 @@ class Prepared:
     """A chat's tools: the answer is read for calls (server/openai/tools.py)."""
     reasoning: str | None = None
     """The reasoning parser that splits a chat's answer (server/openai/reasoning.py)."""
+    responses: ResponsesRequest | None = None
+    """A Responses API request, run as the chat it means and answered as a Response."""
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -160,6 +171,13 @@ class Serving:
             raise _translate(e) from e
 
     def _prepare(self, endpoint: str, body: Any) -> Prepared:
+        if endpoint == RESPONSES:
+            refuse_stored_state(body)
+            responses = parse_body(ResponsesRequest, body)
+            prep = self._prepare(CHAT, responses.chat_body())
+            return replace(
+                prep, request_id=new_id("resp_"), stream=responses.stream, responses=responses
+            )
         req: CompletionRequest | ChatCompletionRequest
         tools: ToolPlan | None = None
         reasoning: str | None = None
@@ -511,7 +529,7 @@ class Serving:
             return self._prompt_choices(prep, priority, 0, choices)
         return self._merged(prep, priority, choices)
 
-    async def run(self, prep: Prepared, priority: int) -> Completion | ChatCompletion:
+    async def run(self, prep: Prepared, priority: int) -> Completion | ChatCompletion | Response:
         """The whole (non-streaming) response body."""
         return self.body(prep, await self.run_choices(prep, priority))
 
@@ -523,20 +541,34 @@ class Serving:
                 choices[choice.index] = choice
         return [choices[i] for i in sorted(choices)]
 
-    def body(self, prep: Prepared, choices: list[ChoiceAccumulator]) -> Completion | ChatCompletion:
+    def body(
+        self, prep: Prepared, choices: list[ChoiceAccumulator]
+    ) -> Completion | ChatCompletion | Response:
         """The non-streaming response body of finished choices."""
-        num_generated = sum(len(c.token_ids) for c in choices)
-        total = usage(prep.num_prompt_tokens, num_generated, prep.num_cached_tokens(choices))
+        if prep.responses is not None:
+            chat = self.chat_body(prep, choices)
+            req = prep.responses
+            return response_body(req, prep.request_id, prep.created, prep.model, chat)
         if prep.is_chat:
-            return ChatCompletion(
-                id=prep.request_id,
-                created=prep.created,
-                model=prep.model,
-                system_fingerprint=None,
-                object="chat.completion",
-                choices=[self.chat_choice(prep, choice) for choice in choices],
-                usage=total,
-            )
+            return self.chat_body(prep, choices)
+        return self.completion_body(prep, choices)
+
+    def _usage(self, prep: Prepared, choices: list[ChoiceAccumulator]) -> Usage:
+        num_generated = sum(len(c.token_ids) for c in choices)
+        return usage(prep.num_prompt_tokens, num_generated, prep.num_cached_tokens(choices))
+
+    def chat_body(self, prep: Prepared, choices: list[ChoiceAccumulator]) -> ChatCompletion:
+        return ChatCompletion(
+            id=prep.request_id,
+            created=prep.created,
+            model=prep.model,
+            system_fingerprint=None,
+            object="chat.completion",
+            choices=[self.chat_choice(prep, choice) for choice in choices],
+            usage=self._usage(prep, choices),
+        )
+
+    def completion_body(self, prep: Prepared, choices: list[ChoiceAccumulator]) -> Completion:
         return Completion(
             id=prep.request_id,
             created=prep.created,
@@ -544,7 +576,7 @@ class Serving:
             system_fingerprint=None,
             object="text_completion",
             choices=[self.choice(prep, choice) for choice in choices],
-            usage=total,
+            usage=self._usage(prep, choices),
         )
 
     def token_names(self, prep: Prepared) -> Callable[[Sequence[int]], str]:
@@ -558,7 +590,7 @@ class Serving:
         if prep.num_logprobs is not None:
             names, entries = self.token_names(prep), choice.logprobs or []
             logprobs = chat_logprobs(names, choice.token_ids, entries, prep.num_logprobs)
-        message, finish_reason = chat_answer(prep, choice.text, choice.finish_reason)
+        message, finish_reason = chat_answer(prep, choice, choice.finish_reason)
         return ChatChoice(
             index=choice.index,
             message=message,
@@ -592,11 +624,13 @@ class Serving:
 
 
 def chat_answer(
-    prep: Prepared, text: str, finish_reason: str | None
+    prep: Prepared, choice: ChoiceAccumulator, finish_reason: str | None
 ) -> tuple[AssistantMessage, str | None]:
     """A chat choice's whole answer as OpenAI's message: reasoning apart (when the model
     thinks aloud), tool calls read from the rest (when the request has tools), and the
-    finish reason they make ("tool_calls"; "function_call" for the legacy `functions`)."""
+    finish reason they make ("tool_calls"; "function_call" for the legacy `functions`).
+    A call's id is a function of the request's id, so a batch line rerun writes the same."""
+    text = choice.text
     message = AssistantMessage(role="assistant", content=text)
     if prep.reasoning is not None:
         message.reasoning_content, message.content = split_reasoning(prep.reasoning, text)
@@ -613,15 +647,20 @@ def chat_answer(
         return message, "function_call" if plan.mode != "named" else finish_reason
     message.tool_calls = [
         ToolCall(
-            id=new_id("call_"),
+            id=_call_id(prep.request_id, choice.index, k),
             type="function",
             function=FunctionCallOut(name=call.name, arguments=call.arguments),
         )
-        for call in parsed.calls
+        for k, call in enumerate(parsed.calls)
     ]
     if plan.mode == "named" or finish_reason == "length":
         return message, finish_reason  # OpenAI's answer to a named choice: "stop"
     return message, "tool_calls"
+
+
+def _call_id(request_id: str, index: int, k: int) -> str:
+    digest = hashlib.sha256(f"{request_id}/{index}/{k}".encode()).hexdigest()
+    return f"call_{digest[:24]}"
 
 
 def _dump(value: Any) -> Any:

@@ -26,6 +26,7 @@ from server.openai.responses import (
     sse,
     usage,
 )
+from server.openai.responses_api import Response, response_body, response_events
 from server.openai.serving import Prepared, Serving, chat_answer
 from server.openai.stream_answer import AnswerStream
 
@@ -109,7 +110,7 @@ class _Chunks:
         deltas = answer.feed(delta.new_text)
         finish_reason = None
         if delta.finish_reason is not None:
-            message, finish_reason = chat_answer(prep, choice.text, delta.finish_reason)
+            message, finish_reason = chat_answer(prep, choice, delta.finish_reason)
             deltas += answer.finish(message)
         logprobs = self._chat_logprobs(delta)
         if not deltas and (logprobs is not None or finish_reason is not None):
@@ -210,3 +211,30 @@ async def stream_chunks(
     if prep.include_usage:
         yield chunks.usage(choices)
     yield sse("[DONE]")
+
+
+async def stream_response_events(
+    serving: Serving, prep: Prepared, priority: int
+) -> AsyncGenerator[bytes, None]:
+    """The Responses API's events for one request (server/openai/responses_api.py): its
+    answer's content as `output_text` deltas while it comes, then its output items."""
+    assert prep.responses is not None
+    req = prep.responses
+    head = response_body(req, prep.request_id, prep.created, prep.model, None, "in_progress")
+    choices: dict[int, ChoiceAccumulator] = {}
+
+    async def parts() -> AsyncGenerator[tuple[str, str], None]:
+        answer = AnswerStream(prep.reasoning, prep.tools)
+        async with aclosing(serving.outputs(prep, priority)) as outputs:
+            async for choice, delta in outputs:
+                choices[choice.index] = choice
+                for part in answer.feed(delta.new_text):
+                    if part.content:
+                        yield "content", part.content
+
+    def finished() -> Response:
+        chat = serving.chat_body(prep, [choices[i] for i in sorted(choices)])
+        return response_body(req, prep.request_id, prep.created, prep.model, chat)
+
+    async for event in response_events(head, parts(), finished):
+        yield event

@@ -470,3 +470,64 @@ def test_template_options_reach_the_template(tmp_path: Path) -> None:
     cont = [*ASK, {"role": "assistant", "content": "The weather is"}]
     options = ChatOptions(add_generation_prompt=False, continue_final_message=True)
     assert tokenizer.render_chat(cont, options).endswith("<|assistant|>The weather is")
+
+
+def test_responses_api(client: openai.OpenAI) -> None:
+    """/v1/responses: text, json_schema in text.format, a forced function call and its
+    output fed back, and the streamed events, with the openai client."""
+    text = client.responses.create(model=MODEL, input="Hello", max_output_tokens=4)
+    assert text.object == "response" and text.id.startswith("resp_")
+    assert text.output_text and text.status == "incomplete"  # cut at max_output_tokens
+    assert text.usage is not None and text.usage.output_tokens == 4
+
+    fmt: Any = {"type": "json_schema", "name": "time", "schema": {**TIME, **COMPACT}}
+    shaped = client.responses.create(
+        model=MODEL, input=[{"role": "user", "content": "Time?"}], text={"format": fmt},
+        max_output_tokens=40, instructions="Answer in JSON.",
+    )  # fmt: skip
+    jsonschema.validate(json.loads(shaped.output_text), TIME)
+
+    tool: Any = {"type": "function", "name": "get_time", "parameters": TIME}
+    choice: Any = {"type": "function", "name": "get_time"}
+    called = client.responses.create(
+        model=MODEL, input="What time is it?", tools=[tool], tool_choice=choice,
+        max_output_tokens=40,
+    )  # fmt: skip
+    calls: list[Any] = [item for item in called.output if item.type == "function_call"]
+    [call] = calls
+    assert call.name == "get_time"
+    jsonschema.validate(json.loads(call.arguments), TIME)
+    follow: Any = [
+        {"role": "user", "content": "What time is it?"},
+        {"type": "function_call", "call_id": call.call_id, "name": "get_time",
+         "arguments": call.arguments},
+        {"type": "function_call_output", "call_id": call.call_id, "output": "12:00"},
+    ]  # fmt: skip
+    again = client.responses.create(model=MODEL, input=follow, tools=[tool], max_output_tokens=3)
+    assert again.status == "incomplete" and again.output_text
+
+    events = list(
+        client.responses.create(model=MODEL, input="Hello", max_output_tokens=5, stream=True)
+    )
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[-1] == "response.incomplete"
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")  # type: ignore[union-attr]
+    assert deltas and deltas == events[-1].response.output_text  # type: ignore[union-attr]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    with pytest.raises(openai.BadRequestError, match="stores none"):
+        client.responses.create(model=MODEL, input="Hi", previous_response_id="resp_x")
+
+
+def test_responses_in_batch_api_lines(client: openai.OpenAI) -> None:
+    body = {"model": MODEL, "input": "Hello", "max_output_tokens": 3}
+    line = {"custom_id": "r0", "method": "POST", "url": "/v1/responses", "body": body}
+    batch = client.batches.create(
+        input_file_id=upload(client, [json.dumps(line)]),
+        endpoint="/v1/responses",  # type: ignore[arg-type]
+        completion_window="24h",
+    )
+    [output] = read_lines(client, wait_batch(client, batch.id).output_file_id)
+    answer = output["response"]["body"]
+    assert answer["object"] == "response" and answer["output"][0]["type"] == "message"
+    assert answer["usage"]["output_tokens"] == 3
