@@ -118,9 +118,10 @@ def _item_messages(
     if kind == "message":
         content = item.get("content")
         if isinstance(content, list):
+            texts = ("input_text", "output_text")
             content = [
                 {**part, "type": "text"}
-                if part.get("type") in ("input_text", "output_text")
+                if isinstance(part, dict) and part.get("type") in texts
                 else part
                 for part in content
             ]
