@@ -69,6 +69,9 @@ class ModelSpec:
     shared_expert_intermediate_size: int = 0
     """Width of the always-on shared expert of each MoE layer, which has a sigmoid gate
     (hidden -> 1) of its own (Qwen2-MoE); 0: none."""
+    shared_expert_gate: bool = True
+    """The shared expert has Qwen2-MoE's sigmoid gate (hidden -> 1); DeepSeek's and GLM's
+    shared experts have none."""
     moe_layer_ids: tuple[int, ...] = ()
     """Layers whose MLP is the MoE block; the others have a dense MLP of intermediate_size
     (Qwen MoE's decoder_sparse_step and mlp_only_layers; every layer in Mixtral, OLMoE)."""
@@ -140,9 +143,10 @@ class ModelSpec:
     @property
     def moe_always_params(self) -> int:
         """The parts of an MoE block every token uses: the router (hidden -> num_experts) and
-        the shared expert with its sigmoid gate (hidden -> 1)."""
+        the shared expert with its sigmoid gate (hidden -> 1) where it has one."""
         h, shared = self.hidden_size, self.shared_expert_intermediate_size
-        return h * self.num_experts + (3 * h * shared + h if shared else 0)
+        gate = h if self.shared_expert_gate else 0
+        return h * self.num_experts + (3 * h * shared + gate if shared else 0)
 
     @property
     def num_moe_layers(self) -> int:

@@ -35,6 +35,8 @@ class ModelConfig:
     'longrope', and that type's parameters}."""
     rotary_dim: int = 0
     """Dimensions of each head that rotate (Phi's partial rotary: the first ones); 0: all."""
+    nope_layers: tuple[int, ...] = ()
+    """Decoder layers (0-based) whose q and k are not rotated (SmolLM3's NoPE layers)."""
     local_rope_theta: float = 0.0
     """Gemma 3: the rotary base of the sliding-window layers (default scaling); 0: the
     global one."""
@@ -71,7 +73,15 @@ class ModelConfig:
     gate; 0: none."""
     dense_layers: tuple[int, ...] = ()
     """Decoder layers (0-based) of an MoE model with a dense MLP of `intermediate_size`
-    instead of experts (Qwen's `mlp_only_layers` and `decoder_sparse_step`)."""
+    instead of experts (Qwen's `mlp_only_layers` and `decoder_sparse_step`, DeepSeek's and
+    GLM's `first_k_dense_replace`)."""
+    num_expert_groups: int = 1
+    """DeepSeek-V3's and GLM-4.5's grouped routing: the groups the experts are split into
+    (n_group)."""
+    num_groups_per_tok: int = 1
+    """Grouped routing: the groups a token's experts are chosen from (topk_group)."""
+    routed_scaling_factor: float = 1.0
+    """Grouped routing: the routed experts' weights are multiplied by it."""
 
     @property
     def is_moe(self) -> bool:

@@ -12,10 +12,10 @@ from policy.catalog import BUILTIN_MODELS, resolve_model_spec
 from policy.cost_model import estimate
 from policy.plan import format_report
 from policy.specs import ModelSpec, WorkloadSpec
-from tests.engine.tiny_models import NEW_FAMILIES, TINY_CONFIGS
+from tests.engine.tiny_models import DENSE_2025, NEW_FAMILIES, TINY_CONFIGS
 
 
-@pytest.mark.parametrize("kind", [*NEW_FAMILIES, "mistral"])
+@pytest.mark.parametrize("kind", [*NEW_FAMILIES, *DENSE_2025, "glm4_moe", "mistral"])
 def test_parameters_equal_transformers_model(kind: str) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
