@@ -26,6 +26,7 @@ FAMILIES: dict[str, str] = {
     "qwen3_moe": "llama",
     "olmoe": "llama",
     "glm4_moe": "llama",
+    "deepseek_v3": "llama",
 }
 """HF `model_type` -> our architecture family (all but OPT: RMSNorm, RoPE, gated MLP)."""
 _TIED_BY_DEFAULT = frozenset({"gemma2", "gemma3_text"})
@@ -100,7 +101,8 @@ def _llama_family(
     qkv_bias = bool(config.get("attention_bias", False))
     if model_type in ("qwen2", "qwen2_moe"):  # Qwen2's biases (qwen2_moe: unless qkv_bias says)
         qkv_bias = model_type == "qwen2" or bool(config.get("qkv_bias", True))
-    return dict(
+    mla = _mla(config, num_heads, hidden) if model_type == "deepseek_v3" else {}
+    fields = dict(
         name=label,
         arch="llama",
         model_type=model_type,
@@ -120,13 +122,14 @@ def _llama_family(
         num_local_layers=num_local,
         **_experts(config, model_type, num_layers),
     )
+    return {**fields, **mla}
 
 
 def _experts(config: dict[str, Any], model_type: str, num_layers: int) -> dict[str, Any]:
     """The MoE fields, as each family's config class names them; {} for a dense family.
     The expert count may be spelled num_experts or num_local_experts (transformers 5 writes
     Qwen3-MoE's under the latter)."""
-    if model_type == "glm4_moe":
+    if model_type in ("glm4_moe", "deepseek_v3"):
         return _grouped_experts(config, num_layers)
     if model_type not in ("mixtral", "olmoe", "qwen2_moe", "qwen3_moe"):
         return {}
@@ -171,6 +174,24 @@ def _grouped_experts(config: dict[str, Any], num_layers: int) -> dict[str, Any]:
         shared_expert_intermediate_size=width * int(config.get("n_shared_experts", 1) or 0),
         shared_expert_gate=False,
         moe_layer_ids=tuple(range(min(first_dense, num_layers), num_layers)),
+    )
+
+
+def _mla(config: dict[str, Any], num_heads: int, hidden: int) -> dict[str, Any]:
+    """DeepSeek-V3's multi-head latent attention: its parameters, and the KV row the engine
+    keeps (one head of kv_lora_rank + qk_rope_head_dim)."""
+    rank, rope = int(config["kv_lora_rank"]), int(config["qk_rope_head_dim"])
+    nope, value = int(config["qk_nope_head_dim"]), int(config["v_head_dim"])
+    q_rank = int(config.get("q_lora_rank") or 0)
+    q_width = num_heads * (nope + rope)
+    q = hidden * q_rank + q_rank + q_rank * q_width if q_rank else hidden * q_width
+    kv = hidden * (rank + rope) + rank + rank * num_heads * (nope + value)
+    bias = (q_rank + rank + rope + hidden) if config.get("attention_bias") else 0
+    return dict(
+        num_kv_heads=1,
+        head_dim=rank + rope,
+        qkv_bias=False,
+        mla_attention_params=q + kv + num_heads * value * hidden + bias,
     )
 
 

@@ -69,6 +69,11 @@ class ModelSpec:
     shared_expert_intermediate_size: int = 0
     """Width of the always-on shared expert of each MoE layer, which has a sigmoid gate
     (hidden -> 1) of its own (Qwen2-MoE); 0: none."""
+    mla_attention_params: int = 0
+    """Multi-head latent attention (DeepSeek-V3): one layer's attention parameters (latent
+    projections and norms, kv_b, o), where the q/k/v/o formula does not hold; 0: not MLA.
+    num_kv_heads (1) and head_dim (kv_lora_rank + qk_rope_head_dim) are then the latent KV
+    row the engine stores (engine/models/deepseek.py)."""
     shared_expert_gate: bool = True
     """The shared expert has Qwen2-MoE's sigmoid gate (hidden -> 1); DeepSeek's and GLM's
     shared experts have none."""
@@ -121,6 +126,8 @@ class ModelSpec:
     @property
     def attention_params(self) -> int:
         """Parameters of one layer outside its MLP: q, k, v, o projections (and biases), norms."""
+        if self.mla_attention_params:
+            return self.mla_attention_params + self.num_norms * self.hidden_size
         h, q_dim, kv_dim = self.hidden_size, self.num_heads * self.head_dim, self.kv_dim
         attention = h * q_dim + 2 * h * kv_dim + q_dim * h
         if self.arch == "opt":  # q,k,v,o biases; two LayerNorms (weight and bias)

@@ -83,6 +83,17 @@ class ModelConfig:
     routed_scaling_factor: float = 1.0
     """Grouped routing: the routed experts' weights are multiplied by it."""
 
+    # Multi-head latent attention (DeepSeek-V3, engine/models/deepseek.py)
+    kv_lora_rank: int = 0
+    """Width of the compressed latent each token's keys and values come from; 0: not MLA.
+    With MLA the KV row is one head of kv_lora_rank + rotary_dim (`head_dim`)."""
+    qk_nope_head_dim: int = 0
+    """MLA: each head's query and key width outside the rotary part."""
+    v_head_dim: int = 0
+    """MLA: each head's value width."""
+    rope_interleave: bool = False
+    """MLA: the rotary pairs are interleaved (DeepSeek-V3's checkpoints)."""
+
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0

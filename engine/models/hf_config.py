@@ -12,6 +12,7 @@ Phi-4-mini's `full_attn_mod`), except the ones that change the weights (`REFUSED
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -35,10 +36,10 @@ SUPPORTED_MODEL_TYPES = (
     "qwen3_moe",
     "olmoe",
     "glm4_moe",
+    "deepseek_v3",
 )
 REFUSED_MODEL_TYPES = {
-    "deepseek_v2": "DeepSeek-V2's multi-head latent attention and grouped top-k routing",
-    "deepseek_v3": "DeepSeek-V3's multi-head latent attention and biased, grouped top-k routing",
+    "deepseek_v2": "DeepSeek-V2's softmax group-limited routing (nanoflex routes as V3 does)",
     "gpt_oss": "gpt-oss's attention sinks, biased clamped-SwiGLU experts and MXFP4 weights",
 }
 """Mixture-of-experts types refused by name, with what nanoflex does not implement of each."""
@@ -156,6 +157,7 @@ ROPE_TYPES = {
     "qwen3_moe": ("default", "linear", "llama3"),
     "olmoe": ("default", "linear", "llama3"),
     "glm4_moe": ("default", "linear", "llama3", "yarn"),
+    "deepseek_v3": ("default", "linear", "yarn"),
 }
 """Rotary scaling types each family implements (engine/models/rotary.py)."""
 
@@ -167,7 +169,7 @@ def model_config_fields(hf: Any) -> dict[str, Any]:
         raise UnsupportedModelError(
             f"model type {model_type!r} is not supported: nanoflex does not implement "
             f"{REFUSED_MODEL_TYPES[model_type]}; its mixture-of-experts families are "
-            "mixtral, qwen2_moe, qwen3_moe, olmoe and glm4_moe"
+            "mixtral, qwen2_moe, qwen3_moe, olmoe, glm4_moe and deepseek_v3"
         )
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise UnsupportedModelError(
@@ -321,6 +323,10 @@ def _grouped_moe(hf: Any) -> dict[str, Any]:
             f"{hf.model_type}: {num_experts} experts in n_group={groups} groups is not supported "
             "(each group needs at least 2 experts, as its score is its best two)"
         )
+    if not 1 <= int(hf.topk_group or 1) <= groups:
+        raise UnsupportedModelError(
+            f"{hf.model_type}: topk_group={hf.topk_group} must be between 1 and n_group={groups}"
+        )
     width = int(hf.moe_intermediate_size)
     first_dense = min(int(hf.first_k_dense_replace or 0), hf.num_hidden_layers)
     return dict(
@@ -340,6 +346,59 @@ def _glm4_moe(hf: Any) -> dict[str, Any]:
     """GLM-4.5/4.6: Llama attention with q/k/v biases (o_proj none), partial rotary, optional
     per-head q/k norms; the grouped MoE."""
     return dict(_llama(hf), o_bias=False, **_grouped_moe(hf))
+
+
+_MLA = frozenset(
+    {
+        "q_lora_rank",
+        "kv_lora_rank",
+        "qk_rope_head_dim",
+        "qk_nope_head_dim",
+        "qk_head_dim",
+        "v_head_dim",
+        "rope_interleave",
+        "attention_bias",
+    }
+)
+
+
+def _deepseek_v3(hf: Any) -> dict[str, Any]:
+    """DeepSeek-V3 / R1: multi-head latent attention (engine/models/deepseek.py: the KV row is
+    one head of kv_lora_rank + qk_rope_head_dim, queries absorbed into the latent), scores
+    scaled by qk_head_dim ** -0.5 times YaRN's mscale(factor, mscale_all_dim) squared; the
+    grouped MoE."""
+    _require(hf, "hidden_act", ("silu",))
+    if hf.num_key_value_heads != hf.num_attention_heads:
+        raise UnsupportedModelError(
+            f"deepseek_v3: num_key_value_heads={hf.num_key_value_heads} other than "
+            f"num_attention_heads={hf.num_attention_heads} is not supported"
+        )
+    rope_dim = int(hf.qk_rope_head_dim)
+    theta, scaling, rotary_dim = _rope(hf, _rope_parameters(hf), rope_dim)
+    scale = (hf.qk_nope_head_dim + rope_dim) ** -0.5
+    if scaling["rope_type"] != "default" and scaling.get("mscale_all_dim"):
+        factor = float(scaling["factor"])
+        mscale = 0.1 * float(scaling["mscale_all_dim"]) * math.log(factor) + 1.0
+        scale = scale * (mscale if factor > 1 else 1.0) ** 2
+    attention_bias = bool(hf.attention_bias)
+    return dict(
+        _shapes(hf),
+        intermediate_size=hf.intermediate_size,
+        num_kv_heads=1,
+        head_dim=int(hf.kv_lora_rank) + rope_dim,
+        norm_eps=hf.rms_norm_eps,
+        rope_theta=theta,
+        rope_scaling=scaling,
+        rotary_dim=rotary_dim,
+        qkv_bias=attention_bias,
+        o_bias=attention_bias,
+        attn_scale=scale,
+        kv_lora_rank=int(hf.kv_lora_rank),
+        qk_nope_head_dim=int(hf.qk_nope_head_dim),
+        v_head_dim=int(hf.v_head_dim),
+        rope_interleave=bool(hf.rope_interleave),
+        **_grouped_moe(hf),
+    )
 
 
 def _gemma(hf: Any) -> dict[str, Any]:
@@ -514,6 +573,7 @@ _FAMILIES: dict[str, tuple[frozenset[str], Callable[[Any], dict[str, Any]]]] = {
         _COMMON | _MOE | _GROUPED_MOE | {"attention_bias", "use_qk_norm"},
         _glm4_moe,
     ),
+    "deepseek_v3": (_COMMON | _MOE | _GROUPED_MOE | _MLA, _deepseek_v3),
     "gemma2": (_COMMON | _WINDOWS | _GEMMA, _gemma),
     "gemma3_text": (_COMMON | _WINDOWS | _GEMMA, _gemma),
 }

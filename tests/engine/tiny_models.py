@@ -356,13 +356,46 @@ TINY_CONFIGS: dict[str, dict[str, object]] = {
         attention_bias=True,
         partial_rotary_factor=0.5,
     ),
+    # DeepSeek-V3: MLA (q through a rank-24 latent, kv through a rank-32 one, 8 rotary dims
+    # interleaved, YaRN with mscale), 16 experts in 4 groups, top-4 from the best 2, one
+    # shared expert, layer 0 dense
+    "deepseek_v3": dict(
+        _MOE_SHAPE,
+        model_type="deepseek_v3",
+        vocab_size=290,
+        intermediate_size=96,
+        moe_intermediate_size=24,
+        num_key_value_heads=4,
+        q_lora_rank=24,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=12,
+        n_routed_experts=16,
+        n_shared_experts=1,
+        num_experts_per_tok=4,
+        n_group=4,
+        topk_group=2,
+        routed_scaling_factor=2.5,
+        first_k_dense_replace=1,
+        rope_parameters=dict(
+            rope_type="yarn",
+            rope_theta=10000.0,
+            factor=4.0,
+            original_max_position_embeddings=64,
+            mscale=1.0,
+            mscale_all_dim=1.0,
+            beta_fast=32,
+            beta_slow=1,
+        ),
+    ),
 }
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 """The tiny mixture-of-experts checkpoints (tests/engine/executor/test_moe.py)."""
 NEW_FAMILIES = ("qwen3", "qwen3-tied", "gemma2", "gemma3", "phi3", "olmo2")
 """The tiny checkpoints of the families issue 27 added (phi3-long has tests of its own)."""
 DENSE_2025 = ("smollm3", "olmo3")
-GROUPED_MOE_FAMILIES = ("glm4_moe",)
+GROUPED_MOE_FAMILIES = ("glm4_moe", "deepseek_v3")
 """The tiny checkpoints of the grouped-routing MoE families (tests/engine/executor/
 test_grouped_moe.py)."""
 """The dense families of issue 37 (tests/engine/executor/test_smollm3_olmo3.py)."""

@@ -1,8 +1,9 @@
-"""GLM-4.5 (and DeepSeek-V3's router): sigmoid scores with a load-balancing correction, top-k
-within the best groups of experts, weights renormalised and scaled, a shared expert beside the
-routed ones and dense first layers. Greedy tokens equal transformers' with experts on every
-tier, logits equal its full forward pass, the router equals transformers' bit for bit (ties
-included), and the multi-token prediction layer the checkpoints carry is not read."""
+"""GLM-4.5 and DeepSeek-V3 (its latent attention: engine/models/deepseek.py): sigmoid scores
+with a load-balancing correction, top-k within the best groups of experts, weights
+renormalised and scaled, a shared expert beside the routed ones and dense first layers.
+Greedy tokens equal transformers' with experts and KV on every tier, logits equal its full
+forward pass, the router equals transformers' bit for bit (ties included), MLA's pages hold
+the latent, and the multi-token prediction layer the checkpoints carry is not read."""
 
 from __future__ import annotations
 
@@ -22,11 +23,23 @@ from tests.engine.executor.test_prefix_caching import (
 )
 from tests.engine.tiny_models import GROUPED_MOE_FAMILIES, MAX_TOKENS, hf_greedy
 
-DEFAULT_PLACEMENTS = ("all-on-device", "experts-cpu", "experts-disk", "experts-split-3")
+DEFAULT_PLACEMENTS = (
+    "all-on-device",
+    "experts-cpu",
+    "experts-disk",
+    "experts-split-3",
+    "kv-act-mixed",
+)
 
 
 def _placements() -> list[object]:
-    slow = ["weights-cpu", "weights-disk", "three-gpu-batches", "kv-act-mixed"]
+    slow = [
+        "weights-cpu",
+        "weights-disk",
+        "three-gpu-batches",
+        "kv-act-disk",
+        "kv-cpu-cpu-attention",
+    ]
     return [*DEFAULT_PLACEMENTS, *(pytest.param(p, marks=pytest.mark.slow) for p in slow)]
 
 
@@ -119,6 +132,24 @@ def test_router_equals_transformers(family):
         assert any(set(a) != set(b) for a, b in zip(got_ids.tolist(), ungrouped.tolist()))
 
 
+def test_mla_pages_hold_the_latent(tiny_model):
+    """DeepSeek-V3's KV row is the latent and the rotary key, kv_lora_rank + qk_rope_head_dim
+    wide, as key and as value (2 x 40 elements per token and layer here, where per-head keys
+    and values would take 4 heads x (16 + 8 + 12) = 144); the cost model prices the same
+    row."""
+    from engine.executor.executor import Executor
+    from policy.catalog import resolve_model_spec
+
+    model_dir = tiny_model("deepseek_v3")
+    executor = Executor(str(model_dir), Policy(), device="cpu")
+    try:
+        assert executor.kv.row_bytes == 2 * (32 + 8) * 4  # float32
+    finally:
+        executor.close()
+    spec = resolve_model_spec(str(model_dir))
+    assert spec.kv_bytes_per_token_per_layer == 2 * (32 + 8) * spec.dtype_bytes
+
+
 def test_multi_token_prediction_layer_is_not_read(tiny_model, references, tmp_path):
     """GLM-4.5 and DeepSeek-V3 checkpoints carry one more layer after the last (their
     multi-token prediction module, `model.layers.<L>.*`, with its own experts and extra
@@ -144,21 +175,25 @@ def test_multi_token_prediction_layer_is_not_read(tiny_model, references, tmp_pa
 
 FEATURES = [
     ("glm4_moe", "routed_scaling_factor", 1.0),
+    ("deepseek_v3", "rope_interleave", False),
     ("glm4_moe", "topk_group", 4),
     ("glm4_moe", "norm_topk_prob", False),
+    ("deepseek_v3", "rope_parameters.mscale_all_dim", 0.0),
+    ("deepseek_v3", "topk_group", 4),
 ]
-"""(kind, config field, a value that changes the routing)."""
+"""(kind, config field (dotted: inside a dict), a value that changes the routing, the
+rotary or the attention's scale)."""
 
 
 @pytest.mark.parametrize(
     ("kind", "field", "value"),
-    [FEATURES[0], *(pytest.param(*f, marks=pytest.mark.slow) for f in FEATURES[1:])],
+    [*FEATURES[:2], *(pytest.param(*f, marks=pytest.mark.slow) for f in FEATURES[2:])],
 )
 def test_each_routing_setting_changes_transformers_tokens(
     tiny_model, references, tmp_path, kind, field, value
 ):
-    """The settings the router reads change transformers' own tokens on the test prompts,
-    and ours follow them."""
+    """The settings the model reads change transformers' own tokens on the test prompts, and
+    ours follow them."""
     prompts, expected = references(kind)
     changed = _with_config(tiny_model(kind), tmp_path / "changed", field, value)
     theirs = [hf_greedy(changed, p, MAX_TOKENS) for p in prompts]
