@@ -94,8 +94,8 @@ class Model(ABC):
         """'<prefix>.<i>.<module>.<param>' matched by `pattern` (groups: i, module.param)
         -> (decoder layer i + 1, '<local>.<param>'), or None for a module we do not use."""
         match = pattern.match(name)
-        if match is None:
-            return None
+        if match is None or int(match.group(1)) >= self.config.num_layers:
+            return None  # not a decoder layer's, or a multi-token prediction layer's (DeepSeek)
         module, _, param = match.group(2).rpartition(".")
         local = local_names.get(module)
         return None if local is None else (int(match.group(1)) + 1, f"{local}.{param}")

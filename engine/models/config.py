@@ -35,6 +35,8 @@ class ModelConfig:
     'longrope', and that type's parameters}."""
     rotary_dim: int = 0
     """Dimensions of each head that rotate (Phi's partial rotary: the first ones); 0: all."""
+    nope_layers: tuple[int, ...] = ()
+    """Decoder layers (0-based) whose q and k are not rotated (SmolLM3's NoPE layers)."""
     local_rope_theta: float = 0.0
     """Gemma 3: the rotary base of the sliding-window layers (default scaling); 0: the
     global one."""
@@ -71,7 +73,26 @@ class ModelConfig:
     gate; 0: none."""
     dense_layers: tuple[int, ...] = ()
     """Decoder layers (0-based) of an MoE model with a dense MLP of `intermediate_size`
-    instead of experts (Qwen's `mlp_only_layers` and `decoder_sparse_step`)."""
+    instead of experts (Qwen's `mlp_only_layers` and `decoder_sparse_step`, DeepSeek's and
+    GLM's `first_k_dense_replace`)."""
+    num_expert_groups: int = 1
+    """DeepSeek-V3's and GLM-4.5's grouped routing: the groups the experts are split into
+    (n_group)."""
+    num_groups_per_tok: int = 1
+    """Grouped routing: the groups a token's experts are chosen from (topk_group)."""
+    routed_scaling_factor: float = 1.0
+    """Grouped routing: the routed experts' weights are multiplied by it."""
+
+    # Multi-head latent attention (DeepSeek-V3, engine/models/deepseek.py)
+    kv_lora_rank: int = 0
+    """Width of the compressed latent each token's keys and values come from; 0: not MLA.
+    With MLA the KV row is one head of kv_lora_rank + rotary_dim (`head_dim`)."""
+    qk_nope_head_dim: int = 0
+    """MLA: each head's query and key width outside the rotary part."""
+    v_head_dim: int = 0
+    """MLA: each head's value width."""
+    rope_interleave: bool = False
+    """MLA: the rotary pairs are interleaved (DeepSeek-V3's checkpoints)."""
 
     @property
     def is_moe(self) -> bool:

@@ -12,10 +12,10 @@ from policy.catalog import BUILTIN_MODELS, resolve_model_spec
 from policy.cost_model import estimate
 from policy.plan import format_report
 from policy.specs import ModelSpec, WorkloadSpec
-from tests.engine.tiny_models import NEW_FAMILIES, TINY_CONFIGS
+from tests.engine.tiny_models import DENSE_2025, GROUPED_MOE_FAMILIES, NEW_FAMILIES, TINY_CONFIGS
 
 
-@pytest.mark.parametrize("kind", [*NEW_FAMILIES, "mistral"])
+@pytest.mark.parametrize("kind", [*NEW_FAMILIES, *DENSE_2025, *GROUPED_MOE_FAMILIES, "mistral"])
 def test_parameters_equal_transformers_model(kind: str) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -47,6 +47,10 @@ def test_parameters_equal_transformers_model(kind: str) -> None:
         ("phi-3-mini-4k", 3.82),
         ("phi-4-mini", 3.84),
         ("olmo-2-7b", 7.30),
+        ("qwen3-235b-a22b", 235.0),
+        ("deepseek-v3", 671.0),
+        ("glm-4.5-air", 106.0),
+        ("smollm3-3b", 3.08),
     ],
 )
 def test_builtin_parameter_counts_match_published_sizes(name: str, billions: float) -> None:
