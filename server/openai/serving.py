@@ -205,7 +205,7 @@ class Serving:
             if req.best_of not in (None, req.n):
                 raise invalid_request("best_of must equal n (or be omitted)", param="best_of")
             self._check_model(req.model)
-            prompts = self._completion_prompts(req.prompt, req.n)
+            prompts = self._completion_prompts(req.prompt, req.n, req.add_special_tokens)
             max_tokens, num_logprobs, echo = req.max_tokens, req.logprobs, req.echo
         forced = None if tools is None else tools.constraint()
         params = self._sampling_params(
@@ -356,7 +356,10 @@ class Serving:
             )
 
     def _completion_prompts(
-        self, prompt: str | list[str] | list[int] | list[list[int]], n: int
+        self,
+        prompt: str | list[str] | list[int] | list[list[int]],
+        n: int,
+        add_special_tokens: bool = True,
     ) -> list[list[int]]:
         items: list[Any]
         if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
@@ -370,7 +373,7 @@ class Serving:
         for item in items:
             if isinstance(item, str):
                 self._check_text_bytes([item], "prompt")
-                ids = self.engine.encode(item)
+                ids = self.engine.encode(item, add_special_tokens)
             else:
                 ids = list(item)
                 self._check_num_tokens(len(ids))
