@@ -144,3 +144,24 @@ def closed_schema(schema: Any) -> Any:
     if isinstance(out.get("properties"), dict) and not stated:
         out["additionalProperties"] = False
     return out
+
+
+def after_reasoning(spec: StructuredOutput, opened: bool) -> StructuredOutput:
+    """`spec` applied to a thinking model's answer only: first a think block of any text up
+    to `</think>` (optional, opening with `<think>`, unless the prompt `opened` it), then
+    blanks, then the answer `spec` constrains, as vLLM enables the grammar only once the
+    reasoning has ended. A Lark or GBNF `grammar` has its own start rule and stays as it is."""
+    if spec.kind == "grammar":
+        return spec
+    if spec.kind in ("json", "json_object"):
+        answer = "%json " + (spec.value if spec.kind == "json" else '{"type": "object"}')
+    elif spec.kind == "choice":
+        answer = " | ".join(json.dumps(c) for c in dict.fromkeys(json.loads(spec.value)))
+    else:
+        answer = "/" + spec.value.replace("/", "\\/") + "/"
+    think = "think" if opened else '("<think>" think)?'
+    lark = (
+        f'start: {think} /[ \\t\\r\\n]*/ answer\nthink[stop="</think>"]: /(?s:.*)/\n'
+        f"answer: {answer}\n"
+    )
+    return StructuredOutput("grammar", lark)

@@ -173,7 +173,10 @@ class Executor:
                 f"{t} {format_bytes(self.budgets[t])}" + ("" if given[t] else " (derived)")
                 for t in TIERS
             ]
-            print(f"nanoflex: memory budgets: {', '.join(parts)}", file=sys.stderr)
+            where = ""
+            if not self.device.is_cuda:
+                where = " (no GPU: the compute device is the CPU, the gpu tier is host memory)"
+            print(f"nanoflex: memory budgets: {', '.join(parts)}{where}", file=sys.stderr)
         cap_gpu_memory(self.device, self.budgets["gpu"])
         if self._own_offload_dir:  # removed at close, or at exit if close never comes
             self._remove_scratch = weakref.finalize(

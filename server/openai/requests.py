@@ -306,8 +306,13 @@ class CompletionRequest(_Sampling):
     best_of: int | None = Field(default=None, ge=1)
     suffix: None = None
 
-    IGNORED: ClassVar[frozenset[str]] = IGNORED_FIELDS - {"chat_template", "documents"}
-    NEUTRAL: ClassVar[dict[str, Any]] = NEUTRAL_FIELDS
+    add_special_tokens: bool = True
+    """vLLM's: a text prompt gets the model's usual special tokens (BOS)."""
+
+    IGNORED: ClassVar[frozenset[str]] = IGNORED_FIELDS - {
+        "chat_template", "documents", "add_special_tokens"
+    }  # fmt: skip
+    NEUTRAL: ClassVar[dict[str, Any]] = NEUTRAL_FIELDS | {"prompt_embeds": None}
 
 
 TEXT_ONLY_PARTS = frozenset(

@@ -26,7 +26,7 @@ from typing import Any
 
 from engine.core.outputs import ChoiceAccumulator, SequenceDelta
 from engine.core.sampling_params import SamplingError, SamplingParams
-from engine.core.structured import StructuredOutput, StructuredOutputError
+from engine.core.structured import StructuredOutput, StructuredOutputError, after_reasoning
 from engine.core.tokenizer import ChatOptions
 from engine.runtime.engine_client import EngineClient, EngineDeadError, StorageUnavailableError
 from policy.errors import UserError
@@ -205,10 +205,12 @@ class Serving:
             if req.best_of not in (None, req.n):
                 raise invalid_request("best_of must equal n (or be omitted)", param="best_of")
             self._check_model(req.model)
-            prompts = self._completion_prompts(req.prompt, req.n)
+            prompts = self._completion_prompts(req.prompt, req.n, req.add_special_tokens)
             max_tokens, num_logprobs, echo = req.max_tokens, req.logprobs, req.echo
         forced = None if tools is None else tools.constraint()
-        params = self._sampling_params(req, prompts, max_tokens, num_logprobs, echo, forced)
+        params = self._sampling_params(
+            req, prompts, max_tokens, num_logprobs, echo, forced, reasoning
+        )
         return Prepared(
             is_chat=endpoint == CHAT,
             request_id=new_id("chatcmpl-" if endpoint == CHAT else "cmpl-"),
@@ -234,11 +236,14 @@ class Serving:
         num_logprobs: int | None,
         echo: bool,
         forced: StructuredOutput | None = None,
+        reasoning: str | None = None,
     ) -> list[SamplingParams]:
         """Each prompt's settings, ready for the engine: the model's generation_config
         defaults where the request is silent, bad words tokenized, token ids checked, a
         structured output's grammar built and checked (cached by spec, time-limited).
-        `forced`: a forced tool call's grammar, which takes the place of the request's."""
+        `forced`: a forced tool call's grammar, which takes the place of the request's.
+        `reasoning`: the model thinks aloud first, so the constraint applies after its think
+        block (`after_reasoning`)."""
         if max_tokens == 0 and not (echo and num_logprobs is not None):
             raise invalid_request(
                 "max_tokens may be 0 only with echo and logprobs (the prompt's logprobs)",
@@ -255,6 +260,8 @@ class Serving:
                     param=structured_param,
                 )
             structured, structured_param = forced, "tool_choice"
+        if structured is not None and reasoning is not None:
+            structured = after_reasoning(structured, opened=reasoning == "deepseek_r1")
         params = req.sampling_params(limits[0], num_logprobs, echo, defaults, structured)
         try:  # once per request: the prompts differ only in their max_tokens
             params = params.prepared(self._encode_plain, self.engine.vocab_size)
@@ -349,7 +356,10 @@ class Serving:
             )
 
     def _completion_prompts(
-        self, prompt: str | list[str] | list[int] | list[list[int]], n: int
+        self,
+        prompt: str | list[str] | list[int] | list[list[int]],
+        n: int,
+        add_special_tokens: bool = True,
     ) -> list[list[int]]:
         items: list[Any]
         if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
@@ -363,7 +373,7 @@ class Serving:
         for item in items:
             if isinstance(item, str):
                 self._check_text_bytes([item], "prompt")
-                ids = self.engine.encode(item)
+                ids = self.engine.encode(item, add_special_tokens)
             else:
                 ids = list(item)
                 self._check_num_tokens(len(ids))

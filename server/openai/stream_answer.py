@@ -59,10 +59,11 @@ class AnswerStream:
             return len(text)
         if plan.mode in ("named", "required"):
             return 0  # the whole answer is the call
-        if plan.parser != "hermes" and text.lstrip().startswith(_AT_START):
-            return self.sent
-        if plan.parser != "hermes" and not text.strip():
-            return self.sent  # blanks: a call may follow
+        head = text.lstrip()
+        if plan.parser != "hermes" and any(
+            head.startswith(start) or start.startswith(head) for start in _AT_START
+        ):
+            return self.sent  # calls, or the start of them, or blanks before them
         marker = START_MARKERS["hermes" if plan.parser == "hermes" else "mistral"]
         at = text.find(marker, self.sent)
         if at >= 0:

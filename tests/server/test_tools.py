@@ -27,6 +27,8 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
+from engine.core.tokenizer import Tokenizer
+from engine.loading.demo import demo_model_dir
 from server.http.settings import ServerSettings
 from tests.server.batch_files import read_lines, upload, wait_batch
 from tests.server.live import MODEL, LiveServer, demo_engine, start_server
@@ -301,7 +303,9 @@ def test_langchain_bind_tools_and_function_calling(live: LiveServer) -> None:
     assert isinstance(structured.invoke("Weather in Paris?"), Weather)
 
 
-QWEN3_STYLE = "<think>\n[a-z ]{3,12}\n</think>\n\n(yes|no)"
+QWEN3_STYLE = 'start: "<think>\\n" /[a-z ]{3,12}/ "\\n</think>\\n\\n" ("yes" | "no")'
+"""A Qwen3 answer, thinking first (a Lark grammar is applied as it is: it spells the think
+block itself)."""
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
@@ -309,13 +313,41 @@ def test_reasoning_apart_from_the_answer(
     live: LiveServer, client: openai.OpenAI, stream: bool
 ) -> None:
     with parsers(live, reasoning="qwen3"):
-        answer = chat(client, stream, structured_outputs={"regex": QWEN3_STYLE})
-        plain = chat(client, stream, structured_outputs={"choice": ["yes", "no"]})
+        answer = chat(client, stream, structured_outputs={"grammar": QWEN3_STYLE})
+        [angle] = Tokenizer(demo_model_dir()).encode("<", add_special_tokens=False)
+        plain = chat(  # no "<": no think block; the choice holds for the answer
+            client, stream, structured_outputs={"choice": ["yes", "no"]},
+            logit_bias={str(angle): -100},
+        )  # fmt: skip
     message = answer["message"]
     assert message["content"] in ("yes", "no")
     assert re.fullmatch("\n[a-z ]{3,12}\n", message["reasoning_content"])
     assert "reasoning_content" not in plain["message"]
     assert plain["message"]["content"] in ("yes", "no")
+
+
+def test_structured_output_applies_to_the_answer_after_the_think_block() -> None:
+    """The grammar a thinking model's constraint becomes takes any think block, then holds
+    the answer to the constraint (llguidance, the engine's matcher, on the demo tokenizer)."""
+    from llguidance import LLMatcher, LLTokenizer
+
+    from engine.core.structured import StructuredOutput, after_reasoning
+
+    tokenizer = Tokenizer(demo_model_dir())
+    vocab = (demo_model_dir() / "tokenizer.json").read_text()
+    lltokenizer = LLTokenizer(vocab, n_vocab=tokenizer.vocab_size)
+    spec = StructuredOutput("json", json.dumps({**TIME, "additionalProperties": False}))
+
+    def accepts(text: str, opened: bool = False) -> bool:
+        matcher = LLMatcher(lltokenizer, after_reasoning(spec, opened).grammar, log_level=0)
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        return bool(matcher.consume_tokens(ids)) and matcher.is_accepting()
+
+    assert accepts('<think>\nUTC or CET? {"zone"}\n</think>\n\n{"zone": "CET"}')
+    assert accepts('{"zone": "UTC"}')  # no think block (enable_thinking false)
+    assert accepts('the prompt opened it</think>{"zone": "UTC"}', opened=True)
+    assert not accepts('<think>\nhmm\n</think>\n\n{"zone": "GMT"}')
+    assert not accepts('Sure! {"zone": "UTC"}')
 
 
 EVERY_FIELD: dict[str, Any] = {
@@ -377,9 +409,6 @@ def test_undeclared_keys_are_closed_as_vllm_does(client: openai.OpenAI) -> None:
     """A schema that does not state additionalProperties (instructor's) gets its declared
     keys only: with "," pushed hard by logit_bias, the answer still ends after its one key,
     where a schema open to more keys gets another."""
-    from engine.core.tokenizer import Tokenizer
-    from engine.loading.demo import demo_model_dir
-
     [comma] = Tokenizer(demo_model_dir()).encode(",", add_special_tokens=False)
     zone = {
         "type": "object",
@@ -432,8 +461,7 @@ def test_refusals_say_what_is_missing(live: LiveServer, caplog: pytest.LogCaptur
 def test_template_options_reach_the_template(tmp_path: Path) -> None:
     """chat_template_kwargs, tools and continue_final_message as a Qwen3-style template
     reads them; the template's formats are detected from it."""
-    from engine.core.tokenizer import ChatOptions, Tokenizer
-    from engine.loading.demo import demo_model_dir
+    from engine.core.tokenizer import ChatOptions
     from server.openai.reasoning import parser_for_template as reasoning_for
     from server.openai.tool_parsers import parser_for_template as tools_for
 
