@@ -16,6 +16,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+from engine.loading.fp8 import Fp8ConfigError, fp8_block_size
 from policy.errors import UserError
 
 SUPPORTED_MODEL_TYPES = (
@@ -202,6 +203,8 @@ def refuse_unhonoured(hf: Any, honoured: frozenset[str]) -> None:
     for key, value in hf.to_dict().items():
         if key in honoured or key in HARMLESS or "dropout" in key or key.endswith("pdrop"):
             continue
+        if key == "quantization_config" and _is_fp8(hf.model_type, value):
+            continue  # dequantized at load (engine/loading/fp8.py)
         if key == "layerdrop" or (key in defaults and defaults[key] == value):
             continue
         if defaults and key not in defaults and key not in REFUSED:
@@ -212,6 +215,19 @@ def refuse_unhonoured(hf: Any, honoured: frozenset[str]) -> None:
             f"{hf.model_type} config field {key}={shown} is not supported: nanoflex does not "
             "implement it, and running without it would give other tokens than the model's"
         )
+
+
+def _is_fp8(model_type: str, quantization: Any) -> bool:
+    """The checkpoint is block-scaled FP8 that nanoflex dequantizes at load; False for no
+    quantization or another method (refused as any unhonoured field); an FP8 variant it
+    does not read is refused here by name."""
+    if not isinstance(quantization, dict) or quantization.get("quant_method") != "fp8":
+        return False
+    try:
+        fp8_block_size(quantization)
+    except Fp8ConfigError as e:
+        raise UnsupportedModelError(f"{model_type}: {e} is not supported") from e
+    return True
 
 
 _DEFAULTS: dict[type, dict[str, Any]] = {}
