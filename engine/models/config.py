@@ -84,6 +84,10 @@ class ModelConfig:
     routed_scaling_factor: float = 1.0
     """Grouped routing: the routed experts' weights are multiplied by it."""
 
+    swiglu_alpha: float = 0.0
+    """gpt-oss's experts: the clamped SwiGLU's sigmoid slope (0: not gpt-oss)."""
+    swiglu_limit: float = 0.0
+    """gpt-oss's experts: gate clamped above, up within +-limit."""
     # Multi-head latent attention (DeepSeek-V3, engine/models/deepseek.py)
     kv_lora_rank: int = 0
     """Width of the compressed latent each token's keys and values come from; 0: not MLA.

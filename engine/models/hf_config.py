@@ -38,10 +38,10 @@ SUPPORTED_MODEL_TYPES = (
     "olmoe",
     "glm4_moe",
     "deepseek_v3",
+    "gpt_oss",
 )
 REFUSED_MODEL_TYPES = {
     "deepseek_v2": "DeepSeek-V2's softmax group-limited routing (nanoflex routes as V3 does)",
-    "gpt_oss": "gpt-oss's attention sinks, biased clamped-SwiGLU experts and MXFP4 weights",
 }
 """Mixture-of-experts types refused by name, with what nanoflex does not implement of each."""
 
@@ -159,6 +159,7 @@ ROPE_TYPES = {
     "olmoe": ("default", "linear", "llama3"),
     "glm4_moe": ("default", "linear", "llama3", "yarn"),
     "deepseek_v3": ("default", "linear", "yarn"),
+    "gpt_oss": ("default", "yarn"),
 }
 """Rotary scaling types each family implements (engine/models/rotary.py)."""
 
@@ -170,7 +171,7 @@ def model_config_fields(hf: Any) -> dict[str, Any]:
         raise UnsupportedModelError(
             f"model type {model_type!r} is not supported: nanoflex does not implement "
             f"{REFUSED_MODEL_TYPES[model_type]}; its mixture-of-experts families are "
-            "mixtral, qwen2_moe, qwen3_moe, olmoe, glm4_moe and deepseek_v3"
+            "mixtral, qwen2_moe, qwen3_moe, olmoe, glm4_moe, deepseek_v3 and gpt_oss"
         )
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise UnsupportedModelError(
@@ -417,6 +418,21 @@ def _deepseek_v3(hf: Any) -> dict[str, Any]:
     )
 
 
+def _gpt_oss(hf: Any) -> dict[str, Any]:
+    """gpt-oss: Llama's shapes, biases and windows (`layer_types`), YaRN; top-k of
+    `num_local_experts` experts as wide as `intermediate_size`, the clamped SwiGLU's alpha and
+    limit. Its MXFP4 experts (`*_blocks`, `*_scales`) are refused by the reader of their
+    quantization_config; bfloat16 files load."""
+    return dict(
+        _llama(hf),
+        num_experts=int(hf.num_local_experts),
+        num_experts_per_tok=int(hf.num_experts_per_tok),
+        moe_intermediate_size=int(hf.intermediate_size),
+        swiglu_alpha=float(hf.swiglu_alpha),
+        swiglu_limit=float(hf.swiglu_limit),
+    )
+
+
 def _gemma(hf: Any) -> dict[str, Any]:
     """Gemma 2 and 3: GeGLU, query_pre_attn_scalar, soft-capping, per-layer windows (and
     Gemma 3's local rotary base)."""
@@ -590,6 +606,10 @@ _FAMILIES: dict[str, tuple[frozenset[str], Callable[[Any], dict[str, Any]]]] = {
         _glm4_moe,
     ),
     "deepseek_v3": (_COMMON | _MOE | _GROUPED_MOE | _MLA, _deepseek_v3),
+    "gpt_oss": (
+        _COMMON | _WINDOWS | _MOE | {"attention_bias", "swiglu_alpha", "swiglu_limit"},
+        _gpt_oss,
+    ),
     "gemma2": (_COMMON | _WINDOWS | _GEMMA, _gemma),
     "gemma3_text": (_COMMON | _WINDOWS | _GEMMA, _gemma),
 }

@@ -12,10 +12,18 @@ from policy.catalog import BUILTIN_MODELS, resolve_model_spec
 from policy.cost_model import estimate
 from policy.plan import format_report
 from policy.specs import ModelSpec, WorkloadSpec
-from tests.engine.tiny_models import DENSE_2025, GROUPED_MOE_FAMILIES, NEW_FAMILIES, TINY_CONFIGS
+from tests.engine.tiny_models import (
+    DENSE_2025,
+    GPT_OSS,
+    GROUPED_MOE_FAMILIES,
+    NEW_FAMILIES,
+    TINY_CONFIGS,
+)
 
 
-@pytest.mark.parametrize("kind", [*NEW_FAMILIES, *DENSE_2025, *GROUPED_MOE_FAMILIES, "mistral"])
+@pytest.mark.parametrize(
+    "kind", [*NEW_FAMILIES, *DENSE_2025, *GROUPED_MOE_FAMILIES, GPT_OSS, "mistral"]
+)
 def test_parameters_equal_transformers_model(kind: str) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -51,6 +59,8 @@ def test_parameters_equal_transformers_model(kind: str) -> None:
         ("deepseek-v3", 671.0),
         ("glm-4.5-air", 106.0),
         ("smollm3-3b", 3.08),
+        ("gpt-oss-20b", 20.9),
+        ("gpt-oss-120b", 116.8),
     ],
 )
 def test_builtin_parameter_counts_match_published_sizes(name: str, billions: float) -> None:
