@@ -148,7 +148,7 @@ def _glm(
 def _gpt_oss(name: str, layers: int, experts: int) -> ModelSpec:
     """gpt-oss's shape: 64 heads over 8 KV heads of 64, experts as wide as hidden (2880),
     top-4, sliding windows of 128 on every other layer (priced in bfloat16: its MXFP4
-    experts are not read yet)."""
+    experts are dequantized at load)."""
     return _hf(
         name,
         "gpt_oss",

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from engine.loading.fp8 import Fp8ConfigError, fp8_block_size
+from engine.loading.mxfp4 import is_mxfp4
 from policy.errors import UserError
 
 SUPPORTED_MODEL_TYPES = (
@@ -206,6 +207,8 @@ def refuse_unhonoured(hf: Any, honoured: frozenset[str]) -> None:
             continue
         if key == "quantization_config" and _is_fp8(hf.model_type, value):
             continue  # dequantized at load (engine/loading/fp8.py)
+        if key == "quantization_config" and hf.model_type == "gpt_oss" and is_mxfp4(value):
+            continue  # its experts dequantized at load (engine/loading/mxfp4.py)
         if key == "layerdrop" or (key in defaults and defaults[key] == value):
             continue
         if defaults and key not in defaults and key not in REFUSED:
@@ -421,8 +424,8 @@ def _deepseek_v3(hf: Any) -> dict[str, Any]:
 def _gpt_oss(hf: Any) -> dict[str, Any]:
     """gpt-oss: Llama's shapes, biases and windows (`layer_types`), YaRN; top-k of
     `num_local_experts` experts as wide as `intermediate_size`, the clamped SwiGLU's alpha and
-    limit. Its MXFP4 experts (`*_blocks`, `*_scales`) are refused by the reader of their
-    quantization_config; bfloat16 files load."""
+    limit. Its MXFP4 experts (`*_blocks`, `*_scales`) are dequantized at load
+    (engine/loading/mxfp4.py)."""
     return dict(
         _llama(hf),
         num_experts=int(hf.num_local_experts),

@@ -8,7 +8,9 @@ from __future__ import annotations
 import json
 import math
 import shutil
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -41,30 +43,46 @@ def quantize_fp8(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Te
     return out, scale
 
 
+Quantize = Callable[[str, torch.Tensor], dict[str, torch.Tensor] | None]
+"""(name, tensor) -> the tensors the quantized file holds in its place, or None to keep it."""
+
+
+def write_quantized(
+    source: Path, dest: Path, quantize: Quantize, quantization: dict[str, Any]
+) -> Path:
+    """A copy of the checkpoint at `source` with the tensors `quantize` converts replaced by
+    what it returns and `quantization` as the config's quantization_config."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(source, dest)
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in load_file(str(dest / "model.safetensors")).items():
+        out.update(quantize(name, tensor) or {name: tensor})
+    save_file(out, str(dest / "model.safetensors"))
+    config = json.loads((dest / "config.json").read_text())
+    config["quantization_config"] = quantization
+    (dest / "config.json").write_text(json.dumps(config))
+    return dest
+
+
 def write_fp8(source: Path, dest: Path, block: tuple[int, int]) -> Path:
     """A copy of the checkpoint at `source` with every projection (`*_proj*.weight`: attention,
     dense MLP, each expert, the shared one) in FP8 as DeepSeek-V3's files hold them; norms,
     embeddings, the router and the head stay as they were."""
-    from safetensors.torch import load_file, save_file
 
-    shutil.copytree(source, dest)
-    state = load_file(str(dest / "model.safetensors"))
-    out = {}
-    for name, tensor in state.items():
-        if "_proj" in name and name.endswith(".weight") and tensor.dim() == 2:
-            out[name], out[f"{name}_scale_inv"] = quantize_fp8(tensor, block)
-        else:
-            out[name] = tensor
-    save_file(out, str(dest / "model.safetensors"))
-    config = json.loads((dest / "config.json").read_text())
-    config["quantization_config"] = {
+    def quantize(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor] | None:
+        if "_proj" not in name or not name.endswith(".weight") or tensor.dim() != 2:
+            return None
+        weight, scale = quantize_fp8(tensor, block)
+        return {name: weight, f"{name}_scale_inv": scale}
+
+    quantization = {
         "quant_method": "fp8",
         "fmt": "e4m3",
         "activation_scheme": "dynamic",
         "weight_block_size": list(block),
     }
-    (dest / "config.json").write_text(json.dumps(config))
-    return dest
+    return write_quantized(source, dest, quantize, quantization)
 
 
 def test_fp8_checkpoint_loads_transformers_weights_and_tokens(tiny_model, tmp_path):
