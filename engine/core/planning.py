@@ -169,6 +169,9 @@ def resolve_policy(
         "gen_len": workload.gen_len,
     }
     found = checking.candidates(result, model, workload, hardware)
+    setup["check_prompt_len"] = checking.check_prompt_len(
+        found, int(workload.prompt_len), result.predicted["prefill_throughput"]
+    )
     policy, measured = checking.check(found, setup, hardware, int(model.total_weight_bytes))
     if measured is not None:
         report["plan_check"] = measured

@@ -16,6 +16,7 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
+from typing import Any
 
 from policy.errors import UserError
 
@@ -113,3 +114,33 @@ def check(spec: StructuredOutput, timeout: float = CHECK_SECONDS) -> None:
         ) from e
     if error:
         raise StructuredOutputError(f"invalid {spec.kind} constraint: {error.strip()}")
+
+
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
+_SUBSCHEMAS = ("items", "additionalProperties", "not", "if", "then", "else", "contains")
+
+
+def closed_schema(schema: Any) -> Any:
+    """`schema` with every object that declares `properties` but says nothing of
+    `additionalProperties` closed to undeclared keys: vLLM's default backend (xgrammar,
+    strict mode) reads such a schema so, and without it a model may add keys until
+    max_tokens. A schema that states `additionalProperties` keeps it (docs/api.md)."""
+    if isinstance(schema, list):
+        return [closed_schema(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [closed_schema(s) for s in out[key]]
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed_schema(s) for name, s in out[key].items()}
+    for key in _SUBSCHEMAS:
+        if isinstance(out.get(key), dict):
+            out[key] = closed_schema(out[key])
+    stated = "additionalProperties" in out or "unevaluatedProperties" in out
+    if isinstance(out.get("properties"), dict) and not stated:
+        out["additionalProperties"] = False
+    return out

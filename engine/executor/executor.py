@@ -76,6 +76,9 @@ class Executor:
         `close()` (engine/executor/trace.py); None: no tracing.
     cuda_graphs: replay decode steps' dense ops as CUDA graphs where that is sound
         (engine/executor/cuda_graphs.py); False runs every op eagerly.
+    weight_slots: offloaded decoder layers load into two fixed device buffers in turn
+        (engine/storage/weight_slots.py; what lets graphs run over offloaded layers); False
+        loads each into fresh memory every step.
     persist_kv_cache: keep the disk tier's cached KV pages in `offload_dir` with a verified
         index, for the next run to find (engine/storage/disk_cache.py). Cached disk pages are
         verified whenever a step uses one, persistent or not.
@@ -123,6 +126,7 @@ class Executor:
         show_progress: bool = False,
         trace: str | Path | None = None,
         cuda_graphs: bool = True,
+        weight_slots: bool = True,
         persist_kv_cache: bool = False,
         nano_batch_overlap: bool = True,
         paged_attention: bool = True,
@@ -199,6 +203,8 @@ class Executor:
                 f"the weights placed on disk cannot be written ({e}); free space under "
                 f"{self.offload_dir}, or lower weights_frac[2]"
             ) from e
+        if weight_slots:
+            self.weights.make_slots()
         codec = KVRowCodec(2 * self.config.kv_dim, compress=policy.compress_kv, dtype=self.dtype)
         self.kv = KVStore(
             self.config.num_layers, PAGE_TOKENS, codec, self.device, self.disk, persist_kv_cache
@@ -300,30 +306,29 @@ class Executor:
         return ExpertPicks(picks_path(self.model_dir), layers, c.num_experts)
 
     def _graph_runner(self) -> GraphRunner | None:
-        """CUDA graphs where they are sound: on CUDA, with every layer's weights resident and
-        uncompressed, one GPU batch, activations on the device, no nano-batches (their
-        streams and per-nano-batch pieces are not captured), a model whose dense ops have the
-        same shapes every step (`Model.can_capture`)."""
+        """CUDA graphs where they are sound: on CUDA, every decoder layer's weights at fixed
+        addresses (resident, or loaded into slots) and uncompressed, activations on the
+        device, a model whose dense ops have the same shapes every step
+        (`Model.can_capture`); nano-batches replay per-nano-batch graphs."""
         p = self.policy
-        on_device = not self.weights.uses_tier("cpu") and not self.weights.uses_tier("disk")
-        resident = on_device and not p.compress_weights
-        one_batch = p.num_gpu_batches == 1 and p.num_nano_batches == 1
-        if not (self.device.is_cuda and resident and one_batch and self.model.can_capture):
+        if not (self.device.is_cuda and self.model.can_capture) or p.compress_weights:
             return None
         if p.act_frac[0] < 1.0:
             return None
-        weights = [layer.values for layer in self.weights.layers]
-        return GraphRunner(self.model, weights, self.device.device, self.dtype)  # type: ignore[arg-type]
+        weights = self.weights.fixed_weights()
+        if weights is None:
+            return None
+        return GraphRunner(self.model, weights, self.device.device, self.dtype)
 
     # -- what the scheduler needs ------------------------------------------------------
 
     def kv_capacity_pages(self) -> dict[str, int | None]:
-        """KV pages each tier may hold: its budget less its weights and, on a GPU, the
-        stores a step keeps in flight (budgets.py)."""
-        in_flight = 0
+        """KV pages each tier may hold: its budget less its weights, the slots offloaded
+        layers load into and, on a GPU, the stores a step keeps in flight (budgets.py)."""
+        in_flight = 0 if self.weights.slots is None else self.weights.slots.total_bytes
         if self.device.is_cuda:
             item = self.dtype.itemsize
-            in_flight = stores_in_flight(
+            in_flight += stores_in_flight(
                 self.policy,
                 self.step_tokens,
                 self.config.num_layers,
@@ -593,6 +598,7 @@ def build_executor(
         show_progress=args.show_progress,
         trace=args.trace,
         cuda_graphs=args.cuda_graphs,
+        weight_slots=args.weight_slots,
         persist_kv_cache=args.persist_kv_cache,
         nano_batch_overlap=args.nano_batch_overlap,
         paged_attention=args.paged_attention,

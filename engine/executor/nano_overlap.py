@@ -28,6 +28,7 @@ from contextlib import contextmanager
 import torch
 
 from engine.executor.attention import cpu_attention, join_kv, ragged_attention, split_kv
+from engine.executor.cuda_graphs import StepGraphs
 from engine.executor.gpu_batch import GpuBatch, NanoAttention, NanoBatch
 from engine.executor.tasks import start
 from engine.executor.trace import NoTracer, Tracer
@@ -92,10 +93,13 @@ class NanoOverlap:
         h: torch.Tensor,
         past: tuple[torch.Tensor | None, torch.Tensor | None],
         batch: GpuBatch,
+        graphs: list[StepGraphs] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Decoder layer j over `batch`'s nano-batches, given the batch's packed past KV of its
         (device, CPU) attention groups: (output states (T, hidden), the new (T, 2 * kv_dim) KV
-        rows), the same rows in the same order as the whole-batch path."""
+        rows), the same rows in the same order as the whole-batch path. `graphs`: per
+        nano-batch, CUDA graphs of its dense ops (engine/executor/cuda_graphs.py), replayed
+        on its static buffers with the attention run eagerly in between."""
         span, k = self.tracer.span, batch.index
         self.num_layers_run += 1
         new_kv: list[torch.Tensor] = []
@@ -103,9 +107,15 @@ class NanoOverlap:
         spec = self.model.attention_spec(j, w)
         for nano in batch.nano_batches:
             with span("attention_inputs", "compute", j, k, nano.index):
-                q, key, value = self.model.attention_inputs(
-                    j, w, h[nano.rows], batch.positions[nano.rows]
-                )
+                if graphs is not None:
+                    g = graphs[nano.index]
+                    g.h.copy_(h[nano.rows])
+                    g.before[j - 1].replay()
+                    q, key, value = g.q, g.k, g.v
+                else:
+                    q, key, value = self.model.attention_inputs(
+                        j, w, h[nano.rows], batch.positions[nano.rows]
+                    )
                 new_kv.append(join_kv(key, value))
             ready = self.device.record() if self.overlap else None
             launched.append((q, self._launch(j, k, nano, past, (q, key, value), ready, spec)))
@@ -113,7 +123,13 @@ class NanoOverlap:
         for nano, (q, parts) in zip(batch.nano_batches, launched, strict=True):
             o = self._collect(q, parts)
             with span("attention_output", "compute", j, k, nano.index):
-                outs.append(self.model.attention_output(w, h[nano.rows], o))
+                if graphs is not None:
+                    g = graphs[nano.index]
+                    g.o.copy_(o)
+                    g.after[j - 1].replay()
+                    outs.append(g.h)
+                else:
+                    outs.append(self.model.attention_output(w, h[nano.rows], o))
         return torch.cat(outs), torch.cat(new_kv)
 
     # -- attention -----------------------------------------------------------------------

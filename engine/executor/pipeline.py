@@ -31,7 +31,7 @@ from engine.executor.attention import (
     ragged_attention,
     split_kv,
 )
-from engine.executor.cuda_graphs import GraphRunner, StepGraphs
+from engine.executor.cuda_graphs import GraphRunner, StepReplay
 from engine.executor.gpu_batch import AttentionGroup, GpuBatch
 from engine.executor.moe_block import BlockExperts, loads_all_experts
 from engine.executor.nano_overlap import NanoOverlap
@@ -94,7 +94,7 @@ class BlockPipeline:
         self.tracer = tracer or NoTracer()
         self.graphs = graphs
         """Piecewise CUDA graphs of the dense ops, used for the steps where they apply."""
-        self._replaying: StepGraphs | None = None
+        self._replaying = StepReplay()
         self._moves: list[PageMove] = []
         self._moved: dict[int, Future[None]] = {}  # layer -> its page moves, when overlapped
         self.nano = nano
@@ -141,9 +141,9 @@ class BlockPipeline:
         self._routed_loads = self._grouped and not loads_all_experts(self.model.config, num_rows)
         """This step loads a MoE layer's experts off the device once routed, only those with
         rows (else all of them with the layer: engine/executor/moe_block.py)."""
-        self._replaying = None
+        self._replaying = StepReplay()
         if self.graphs is not None and GraphRunner.applies(batches):
-            self._replaying = self.graphs.begin(batches[0])
+            self._replaying = self.graphs.begin(batches)
         if self.overlap and not self._moves_nothing(batches):
             return self._run_overlapped(batches)
         return self._run_sequential(batches)
@@ -175,6 +175,7 @@ class BlockPipeline:
                 self._store_act(j, batch, out, done, None)
                 if new_kv is not None:
                     self._store_kv(j, batch, new_kv, done)
+            self.weights.release(j, self.device.record())
         return logits
 
     def _run_overlapped(self, batches: list[GpuBatch]) -> list[torch.Tensor]:
@@ -246,6 +247,8 @@ class BlockPipeline:
                     acts[nxt] = load(
                         self._acts_move(nxt[0], batch), self._load_act, nxt[0], batch, act_stored[k]
                     )
+            # before layer j + 2's load is issued (next iteration): its slot is this layer's
+            self.weights.release(j, self.device.record())
         for fut in (*kv_stores, *act_stored.values()):
             fut.result()
         return logits
@@ -488,13 +491,13 @@ class BlockPipeline:
         """Layer j over one batch: (output states or logits, the new (T, 2 * kv_dim) KV rows)."""
         if batch.nano_batches and self.model.layer_kind(j) == "decoder":
             assert self.nano is not None and h is not None
-            return self.nano.run_layer(j, w, h, (past.device, past.cpu), batch)
+            pieces = self._replaying.nanos.get(batch.index)
+            return self.nano.run_layer(j, w, h, (past.device, past.cpu), batch, pieces)
         with self.tracer.span("compute", "compute", j, batch.index):
-            kind, graphs = self.model.layer_kind(j), self._replaying
+            kind, graphs = self.model.layer_kind(j), self._replaying.whole.get(batch.index)
             if kind == "embed":
                 if graphs is not None:
-                    graphs.embed.replay()
-                    return graphs.h, None
+                    return GraphRunner.embed(graphs, w), None
                 return self.model.embed(w, batch.token_ids, batch.positions.ids), None
             assert h is not None
             if kind == "head":
