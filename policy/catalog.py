@@ -145,6 +145,22 @@ def _glm(
     )
 
 
+def _gpt_oss(name: str, layers: int, experts: int) -> ModelSpec:
+    """gpt-oss's shape: 64 heads over 8 KV heads of 64, experts as wide as hidden (2880),
+    top-4, sliding windows of 128 on every other layer (priced in bfloat16: its MXFP4
+    experts are dequantized at load)."""
+    return _hf(
+        name,
+        "gpt_oss",
+        **_shape(2880, 2880, layers, 64, 8, 64, 201088),
+        num_local_experts=experts,
+        num_experts_per_tok=4,
+        sliding_window=128,
+        layer_types=["sliding_attention", "full_attention"] * (layers // 2),
+        attention_bias=True,
+    )
+
+
 # Shapes from the models' published config.json files (fp16/bf16 checkpoints; Gemma 3 4B and
 # larger: the language model of the vision checkpoints).
 BUILTIN_MODELS: dict[str, ModelSpec] = {
@@ -240,6 +256,8 @@ BUILTIN_MODELS: dict[str, ModelSpec] = {
         _deepseek("kimi-k2", 64, 384, 1, 1, 1, 163840),
         _glm("glm-4.5", (5120, 12288, 92, 96, 8, 128, 151552), 1536, 160, 3, qk_norm=True),
         _glm("glm-4.5-air", (4096, 10944, 46, 96, 8, 128, 151552), 1408, 128, 1, qk_norm=False),
+        _gpt_oss("gpt-oss-20b", 24, 32),
+        _gpt_oss("gpt-oss-120b", 36, 128),
         _hf(
             "smollm3-3b",
             "smollm3",

@@ -27,6 +27,7 @@ FAMILIES: dict[str, str] = {
     "olmoe": "llama",
     "glm4_moe": "llama",
     "deepseek_v3": "llama",
+    "gpt_oss": "llama",
 }
 """HF `model_type` -> our architecture family (all but OPT: RMSNorm, RoPE, gated MLP)."""
 _TIED_BY_DEFAULT = frozenset({"gemma2", "gemma3_text"})
@@ -98,7 +99,7 @@ def _llama_family(
     elif model_type in ("olmo2", "olmo3", "olmoe"):  # norms over the whole q and k projections
         qk_norm_params = (num_heads + num_kv_heads) * head_dim
     window, num_local = _windows(config, model_type, num_layers)
-    qkv_bias = bool(config.get("attention_bias", False))
+    qkv_bias = bool(config.get("attention_bias", model_type == "gpt_oss"))  # the class default
     if model_type in ("qwen2", "qwen2_moe"):  # Qwen2's biases (qwen2_moe: unless qkv_bias says)
         qkv_bias = model_type == "qwen2" or bool(config.get("qkv_bias", True))
     mla = _mla(config, num_heads, hidden) if model_type == "deepseek_v3" else {}
@@ -122,6 +123,8 @@ def _llama_family(
         num_local_layers=num_local,
         **_experts(config, model_type, num_layers),
     )
+    if model_type == "gpt_oss":
+        fields.update(o_bias=qkv_bias, attention_sinks=True, moe_biases=True)
     return {**fields, **mla}
 
 
@@ -131,6 +134,13 @@ def _experts(config: dict[str, Any], model_type: str, num_layers: int) -> dict[s
     Qwen3-MoE's under the latter)."""
     if model_type in ("glm4_moe", "deepseek_v3"):
         return _grouped_experts(config, num_layers)
+    if model_type == "gpt_oss":  # every layer; experts as wide as intermediate_size
+        return dict(
+            num_experts=int(config["num_local_experts"]),
+            num_experts_per_tok=int(config["num_experts_per_tok"]),
+            moe_intermediate_size=int(config["intermediate_size"]),
+            moe_layer_ids=tuple(range(num_layers)),
+        )
     if model_type not in ("mixtral", "olmoe", "qwen2_moe", "qwen3_moe"):
         return {}
     key = "num_local_experts" if "num_local_experts" in config else "num_experts"

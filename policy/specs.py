@@ -69,6 +69,12 @@ class ModelSpec:
     shared_expert_intermediate_size: int = 0
     """Width of the always-on shared expert of each MoE layer, which has a sigmoid gate
     (hidden -> 1) of its own (Qwen2-MoE); 0: none."""
+    o_bias: bool = False
+    """The output projection has a bias too (gpt-oss)."""
+    attention_sinks: bool = False
+    """One sink logit per head and layer (gpt-oss)."""
+    moe_biases: bool = False
+    """The router and each expert's projections have biases (gpt-oss)."""
     mla_attention_params: int = 0
     """Multi-head latent attention (DeepSeek-V3): one layer's attention parameters (latent
     projections and norms, kv_b, o), where the q/k/v/o formula does not hold; 0: not MLA.
@@ -132,8 +138,9 @@ class ModelSpec:
         attention = h * q_dim + 2 * h * kv_dim + q_dim * h
         if self.arch == "opt":  # q,k,v,o biases; two LayerNorms (weight and bias)
             return attention + (q_dim + 2 * kv_dim + h) + 4 * h
-        bias = q_dim + 2 * kv_dim if self.qkv_bias else 0
-        return attention + bias + self.num_norms * h + self.qk_norm_params
+        bias = (q_dim + 2 * kv_dim if self.qkv_bias else 0) + (h if self.o_bias else 0)
+        sinks = self.num_heads if self.attention_sinks else 0
+        return attention + bias + sinks + self.num_norms * h + self.qk_norm_params
 
     @property
     def dense_mlp_params(self) -> int:
@@ -144,8 +151,10 @@ class ModelSpec:
 
     @property
     def expert_params(self) -> int:
-        """One routed expert: a SwiGLU MLP of width moe_intermediate_size (0 when dense)."""
-        return 3 * self.hidden_size * self.moe_intermediate_size
+        """One routed expert: a SwiGLU MLP of width moe_intermediate_size (0 when dense), with
+        gpt-oss's biases."""
+        h, width = self.hidden_size, self.moe_intermediate_size
+        return 3 * h * width + (2 * width + h if self.moe_biases else 0)
 
     @property
     def moe_always_params(self) -> int:
@@ -153,7 +162,8 @@ class ModelSpec:
         the shared expert with its sigmoid gate (hidden -> 1) where it has one."""
         h, shared = self.hidden_size, self.shared_expert_intermediate_size
         gate = h if self.shared_expert_gate else 0
-        return h * self.num_experts + (3 * h * shared + gate if shared else 0)
+        router = (h + 1 if self.moe_biases else h) * self.num_experts
+        return router + (3 * h * shared + gate if shared else 0)
 
     @property
     def num_moe_layers(self) -> int:

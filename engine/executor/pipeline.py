@@ -38,7 +38,7 @@ from engine.executor.nano_overlap import NanoOverlap
 from engine.executor.tasks import Launch, inline, start, wait_all
 from engine.executor.trace import NoTracer, Tracer
 from engine.kernels import PagedKernels
-from engine.models.base import Model, Weights
+from engine.models.base import AttentionSpec, Model, Weights
 from engine.models.moe import MoeModel
 from engine.storage.device import Device, Ready
 from engine.storage.disk import DiskFile, DiskIO
@@ -314,7 +314,8 @@ class BlockPipeline:
         with self.tracer.span("compute", "compute", j, batch.index):
             q, k, v = self._moe.attention_inputs(j, w, h, batch.positions)
             new_kv = join_kv(k, v)
-            o = self._attend(j, batch, past, q, k, v, new_kv)
+            spec = self._moe.attention_spec(j, w)
+            o = self._attend(j, batch, past, q, k, v, new_kv, spec)
             h, x = self._moe.before_mlp(w, h, o)
             return h, x, new_kv
 
@@ -507,7 +508,7 @@ class BlockPipeline:
             else:
                 q, k, v = self.model.attention_inputs(j, w, h, batch.positions)
             new_kv = join_kv(k, v)  # (T, 2 * kv_dim)
-            o = self._attend(j, batch, past, q, k, v, new_kv)
+            o = self._attend(j, batch, past, q, k, v, new_kv, self.model.attention_spec(j, w))
             if graphs is not None:
                 graphs.o.copy_(o)
                 graphs.after[j - 1].replay()
@@ -523,9 +524,11 @@ class BlockPipeline:
         k: torch.Tensor,
         v: torch.Tensor,
         new_kv: torch.Tensor,
+        spec: AttentionSpec,
     ) -> torch.Tensor:
-        """Layer j's attention output (T, num_heads, head_dim) for every row of the batch.
-        Reading in place, the gpu tier's new KV rows (of `new_kv`) are written first."""
+        """Layer j's attention output (T, num_heads, head_dim) for every row of the batch, as
+        its `spec` scores it. Reading in place, the gpu tier's new KV rows (of `new_kv`) are
+        written first."""
         dev, cpu = batch.device_group, batch.cpu_group
         in_place = self._in_place(batch)
         if in_place:
@@ -533,17 +536,17 @@ class BlockPipeline:
             kv_rows = batch.new_kv["gpu"]
             self.kv.write("gpu", j - 1, kv_rows, self._encoded_rows(new_kv, kv_rows))
         if cpu is None and dev is not None and dev.rows is None:  # every row, one device
-            return self._device_attention(j, dev, in_place, past, q, k, v)
+            return self._device_attention(j, dev, in_place, past, q, k, v, spec)
         o = torch.zeros_like(q)  # padding rows attend to nothing
         if dev is not None:
             assert dev.rows is not None
             o[dev.rows] = self._device_attention(
-                j, dev, in_place, past, q[dev.rows], k[dev.rows], v[dev.rows]
+                j, dev, in_place, past, q[dev.rows], k[dev.rows], v[dev.rows], spec
             )
         if cpu is not None:
             rows = cpu.rows if cpu.rows is not None else slice(None)
             with self.tracer.span("cpu_attention", "cpu_attention", j, batch.index):
-                o[rows] = self._cpu_attention(j, cpu, past.cpu, q[rows], k[rows], v[rows])
+                o[rows] = self._cpu_attention(j, cpu, past.cpu, q[rows], k[rows], v[rows], spec)
         return o
 
     def _in_place(self, batch: GpuBatch) -> bool:
@@ -561,9 +564,9 @@ class BlockPipeline:
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
+        spec: AttentionSpec,
     ) -> torch.Tensor:
         """Attention of the device group's rows: in place from the pool, or over packed past."""
-        spec = self.model.attention_spec(j)
         layout = group.layouts[spec.window]
         if in_place:
             pool = self.kv.pool("gpu", j - 1)
@@ -579,10 +582,10 @@ class BlockPipeline:
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
+        spec: AttentionSpec,
     ) -> torch.Tensor:
         """Decode attention on the CPU over host-homed KV (cpu or disk tier): only q and the
         new k, v cross PCIe."""
-        spec = self.model.attention_spec(j)
         out = cpu_attention(q, k, v, past, group.layouts[spec.window], self._kv_shape, spec)
         return out.to(q.device, q.dtype, non_blocking=True)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -83,6 +84,10 @@ class ModelConfig:
     routed_scaling_factor: float = 1.0
     """Grouped routing: the routed experts' weights are multiplied by it."""
 
+    swiglu_alpha: float = 0.0
+    """gpt-oss's experts: the clamped SwiGLU's sigmoid slope (0: not gpt-oss)."""
+    swiglu_limit: float = 0.0
+    """gpt-oss's experts: gate clamped above, up within +-limit."""
     # Multi-head latent attention (DeepSeek-V3, engine/models/deepseek.py)
     kv_lora_rank: int = 0
     """Width of the compressed latent each token's keys and values come from; 0: not MLA.
@@ -133,11 +138,25 @@ class ModelConfig:
         return cls(**model_config_fields(hf))
 
 
+SAME_ARCHITECTURE = {"kimi_k2": "deepseek_v3"}
+"""Model types whose checkpoints are another type's architecture under a name transformers
+does not know (Kimi K2: DeepSeek-V3's, its config and modeling classes named by `auto_map`
+as remote code): read with that type's own config class."""
+
+
 def read_hf_config(model_dir: Path) -> Any:
-    """The checkpoint's transformers `PretrainedConfig`."""
+    """The checkpoint's transformers `PretrainedConfig` (Kimi K2's as DeepSeek-V3's)."""
     from transformers import AutoConfig
 
     try:
+        config_path = model_dir / "config.json"
+        if config_path.is_file():
+            model_type = json.loads(config_path.read_text()).get("model_type")
+            if model_type in SAME_ARCHITECTURE:
+                same = SAME_ARCHITECTURE[model_type]
+                hf = type(AutoConfig.for_model(same)).from_pretrained(model_dir)
+                hf.model_type = same  # type: ignore[misc]  # else the file's name stays
+                return hf
         return AutoConfig.from_pretrained(model_dir)
     except (OSError, ValueError, KeyError) as e:
         raise ModelLoadError(f"cannot read the config in {model_dir}: {e}") from e

@@ -62,7 +62,7 @@ def deinterleave(x: torch.Tensor) -> torch.Tensor:
 class DeepseekV3Model(GroupedMoeModel):
     LOCAL_NAMES: ClassVar[dict[str, str]] = {**LOCAL_NAMES, **MLA_NAMES}
 
-    def attention_spec(self, j: int) -> AttentionSpec:
+    def attention_spec(self, j: int, w: Weights) -> AttentionSpec:
         return AttentionSpec(scale=self.config.attn_scale)
 
     def is_compressible(self, j: int, name: str, tensor: torch.Tensor) -> bool:

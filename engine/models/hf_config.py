@@ -16,6 +16,8 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+from engine.loading.fp8 import Fp8ConfigError, fp8_block_size
+from engine.loading.mxfp4 import is_mxfp4
 from policy.errors import UserError
 
 SUPPORTED_MODEL_TYPES = (
@@ -37,10 +39,10 @@ SUPPORTED_MODEL_TYPES = (
     "olmoe",
     "glm4_moe",
     "deepseek_v3",
+    "gpt_oss",
 )
 REFUSED_MODEL_TYPES = {
     "deepseek_v2": "DeepSeek-V2's softmax group-limited routing (nanoflex routes as V3 does)",
-    "gpt_oss": "gpt-oss's attention sinks, biased clamped-SwiGLU experts and MXFP4 weights",
 }
 """Mixture-of-experts types refused by name, with what nanoflex does not implement of each."""
 
@@ -158,6 +160,7 @@ ROPE_TYPES = {
     "olmoe": ("default", "linear", "llama3"),
     "glm4_moe": ("default", "linear", "llama3", "yarn"),
     "deepseek_v3": ("default", "linear", "yarn"),
+    "gpt_oss": ("default", "yarn"),
 }
 """Rotary scaling types each family implements (engine/models/rotary.py)."""
 
@@ -169,7 +172,7 @@ def model_config_fields(hf: Any) -> dict[str, Any]:
         raise UnsupportedModelError(
             f"model type {model_type!r} is not supported: nanoflex does not implement "
             f"{REFUSED_MODEL_TYPES[model_type]}; its mixture-of-experts families are "
-            "mixtral, qwen2_moe, qwen3_moe, olmoe, glm4_moe and deepseek_v3"
+            "mixtral, qwen2_moe, qwen3_moe, olmoe, glm4_moe, deepseek_v3 and gpt_oss"
         )
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise UnsupportedModelError(
@@ -202,6 +205,10 @@ def refuse_unhonoured(hf: Any, honoured: frozenset[str]) -> None:
     for key, value in hf.to_dict().items():
         if key in honoured or key in HARMLESS or "dropout" in key or key.endswith("pdrop"):
             continue
+        if key == "quantization_config" and _is_fp8(hf.model_type, value):
+            continue  # dequantized at load (engine/loading/fp8.py)
+        if key == "quantization_config" and hf.model_type == "gpt_oss" and is_mxfp4(value):
+            continue  # its experts dequantized at load (engine/loading/mxfp4.py)
         if key == "layerdrop" or (key in defaults and defaults[key] == value):
             continue
         if defaults and key not in defaults and key not in REFUSED:
@@ -212,6 +219,19 @@ def refuse_unhonoured(hf: Any, honoured: frozenset[str]) -> None:
             f"{hf.model_type} config field {key}={shown} is not supported: nanoflex does not "
             "implement it, and running without it would give other tokens than the model's"
         )
+
+
+def _is_fp8(model_type: str, quantization: Any) -> bool:
+    """The checkpoint is block-scaled FP8 that nanoflex dequantizes at load; False for no
+    quantization or another method (refused as any unhonoured field); an FP8 variant it
+    does not read is refused here by name."""
+    if not isinstance(quantization, dict) or quantization.get("quant_method") != "fp8":
+        return False
+    try:
+        fp8_block_size(quantization)
+    except Fp8ConfigError as e:
+        raise UnsupportedModelError(f"{model_type}: {e} is not supported") from e
+    return True
 
 
 _DEFAULTS: dict[type, dict[str, Any]] = {}
@@ -401,6 +421,21 @@ def _deepseek_v3(hf: Any) -> dict[str, Any]:
     )
 
 
+def _gpt_oss(hf: Any) -> dict[str, Any]:
+    """gpt-oss: Llama's shapes, biases and windows (`layer_types`), YaRN; top-k of
+    `num_local_experts` experts as wide as `intermediate_size`, the clamped SwiGLU's alpha and
+    limit. Its MXFP4 experts (`*_blocks`, `*_scales`) are dequantized at load
+    (engine/loading/mxfp4.py)."""
+    return dict(
+        _llama(hf),
+        num_experts=int(hf.num_local_experts),
+        num_experts_per_tok=int(hf.num_experts_per_tok),
+        moe_intermediate_size=int(hf.intermediate_size),
+        swiglu_alpha=float(hf.swiglu_alpha),
+        swiglu_limit=float(hf.swiglu_limit),
+    )
+
+
 def _gemma(hf: Any) -> dict[str, Any]:
     """Gemma 2 and 3: GeGLU, query_pre_attn_scalar, soft-capping, per-layer windows (and
     Gemma 3's local rotary base)."""
@@ -574,6 +609,10 @@ _FAMILIES: dict[str, tuple[frozenset[str], Callable[[Any], dict[str, Any]]]] = {
         _glm4_moe,
     ),
     "deepseek_v3": (_COMMON | _MOE | _GROUPED_MOE | _MLA, _deepseek_v3),
+    "gpt_oss": (
+        _COMMON | _WINDOWS | _MOE | {"attention_bias", "swiglu_alpha", "swiglu_limit"},
+        _gpt_oss,
+    ),
     "gemma2": (_COMMON | _WINDOWS | _GEMMA, _gemma),
     "gemma3_text": (_COMMON | _WINDOWS | _GEMMA, _gemma),
 }

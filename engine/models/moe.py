@@ -218,6 +218,10 @@ class MoeModel(LlamaModel):
             out = out + shared
         return out
 
+    def expert_mlp(self, w: Weights, x: torch.Tensor, prefix: str) -> torch.Tensor:
+        """One routed expert over its rows x: the SwiGLU named `<prefix>gate_up`, `<prefix>down`."""
+        return swiglu(self.ops, w, x, prefix)
+
     def experts(
         self,
         w: Weights,
@@ -250,7 +254,7 @@ class MoeModel(LlamaModel):
                 prefix = expert_prefix(e)
 
                 def expert(w: Weights, rows: torch.Tensor, prefix: str = prefix) -> torch.Tensor:
-                    return swiglu(self.ops, w, rows, prefix)
+                    return self.expert_mlp(w, rows, prefix)
 
                 out[start:end] = source.run(e, grouped[start:end], expert)
                 start = end

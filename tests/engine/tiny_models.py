@@ -389,6 +389,29 @@ TINY_CONFIGS: dict[str, dict[str, object]] = {
             beta_slow=1,
         ),
     ),
+    # gpt-oss: sinks per head, sliding and full layers alternating (window 10), YaRN without
+    # truncation, top-2 of 8 experts with biases and the clamped SwiGLU (limit low enough to
+    # clamp), q/k/v/o biases
+    "gpt_oss": dict(
+        _MOE_SHAPE,
+        model_type="gpt_oss",
+        vocab_size=300,
+        intermediate_size=32,
+        head_dim=16,
+        num_local_experts=8,
+        num_hidden_layers=4,
+        sliding_window=10,
+        swiglu_limit=1.5,
+        rope_parameters=dict(
+            rope_type="yarn",
+            rope_theta=150000.0,
+            factor=4.0,
+            beta_fast=32.0,
+            beta_slow=1.0,
+            truncate=False,
+            original_max_position_embeddings=64,
+        ),
+    ),
 }
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 """The tiny mixture-of-experts checkpoints (tests/engine/executor/test_moe.py)."""
@@ -396,6 +419,8 @@ NEW_FAMILIES = ("qwen3", "qwen3-tied", "gemma2", "gemma3", "phi3", "olmo2")
 """The tiny checkpoints of the families issue 27 added (phi3-long has tests of its own)."""
 DENSE_2025 = ("smollm3", "olmo3")
 GROUPED_MOE_FAMILIES = ("glm4_moe", "deepseek_v3")
+GPT_OSS = "gpt_oss"
+"""The tiny gpt-oss checkpoint (tests/engine/executor/test_gpt_oss.py)."""
 """The tiny checkpoints of the grouped-routing MoE families (tests/engine/executor/
 test_grouped_moe.py)."""
 """The dense families of issue 37 (tests/engine/executor/test_smollm3_olmo3.py)."""
@@ -445,6 +470,8 @@ def build_from_spec(
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
+            if name.endswith("sinks"):  # gpt-oss's sink logits, about as large as scores
+                p.copy_(torch.randn_like(p))
             for part, factor in (scaled or {}).items():
                 if part in name:
                     p.mul_(factor)

@@ -150,6 +150,21 @@ def test_mla_pages_hold_the_latent(tiny_model):
     assert spec.kv_bytes_per_token_per_layer == 2 * (32 + 8) * spec.dtype_bytes
 
 
+def test_kimi_k2_checkpoint_runs_as_deepseek_v3(tiny_model, references, tmp_path):
+    """Kimi K2 ships DeepSeek-V3's architecture under model type `kimi_k2` (its config and
+    modeling classes as remote code in `auto_map`): read with DeepSeek-V3's config class, a
+    checkpoint saved so gives transformers' DeepSeek-V3 tokens on the same weights."""
+    source = tiny_model("deepseek_v3")
+    kimi = tmp_path / "kimi"
+    shutil.copytree(source, kimi)
+    config = json.loads((kimi / "config.json").read_text())
+    config["model_type"] = "kimi_k2"
+    config["auto_map"] = {"AutoConfig": "configuration_deepseek.DeepseekV3Config"}
+    (kimi / "config.json").write_text(json.dumps(config))
+    prompts, expected = references("deepseek_v3")
+    assert run(kimi, prompts, Policy(experts_frac=(0.0, 1.0, 0.0)), tmp_path) == expected
+
+
 def test_multi_token_prediction_layer_is_not_read(tiny_model, references, tmp_path):
     """GLM-4.5 and DeepSeek-V3 checkpoints carry one more layer after the last (their
     multi-token prediction module, `model.layers.<L>.*`, with its own experts and extra

@@ -7,19 +7,21 @@ run keeps a few placements; `-m slow` runs the rest and every attention path."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from policy import Policy
 from tests.engine.executor.test_correctness import PLACEMENTS, run
 from tests.engine.executor.test_families import FAMILY_PLACEMENTS
-from tests.engine.executor.test_family_features import _prompts, _score, _with_config
+from tests.engine.executor.test_family_features import (
+    _with_config,
+    assert_logits_equal_transformers,
+)
 from tests.engine.executor.test_nano_batches import PLACEMENTS as NANO_PLACEMENTS
 from tests.engine.executor.test_nano_batches import SHAPE
 from tests.engine.executor.test_nano_batches import run as run_nano
 from tests.engine.executor.test_prefix_caching import (
     assert_cached_prefixes_give_transformers_tokens,
 )
-from tests.engine.tiny_models import DENSE_2025, MAX_TOKENS, hf_greedy, hf_reference
+from tests.engine.tiny_models import DENSE_2025, MAX_TOKENS, hf_greedy
 
 DEFAULT_PLACEMENTS = ("all-on-device", "kv-act-mixed", "three-gpu-batches")
 
@@ -66,12 +68,7 @@ def test_every_attention_path_and_nano_batches(tiny_model, references, tmp_path,
 def test_logits_equal_transformers_full_forward(tiny_model, kind):
     """Teacher-forced: our prefill of 12 tokens and one decode per token after against
     transformers' one forward pass, past the windows (prompts of 32-40 tokens)."""
-    prompts = _prompts(kind)
-    model = hf_reference(tiny_model(kind))
-    for prompt, got in zip(prompts, _score(tiny_model(kind), prompts), strict=True):
-        with torch.no_grad():
-            want = model(torch.tensor([prompt])).logits[0]
-        torch.testing.assert_close(got, want, rtol=0, atol=2e-5)
+    assert_logits_equal_transformers(tiny_model(kind), kind)
 
 
 @pytest.mark.parametrize("kind", DENSE_2025)

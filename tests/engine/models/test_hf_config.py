@@ -81,11 +81,10 @@ def test_other_types_are_refused_by_name(model_type: str) -> None:
     ("model_type", "why"),
     [
         ("deepseek_v2", "group-limited routing"),
-        ("gpt_oss", "attention sinks"),
     ],
 )
 def test_unimplemented_mixtures_of_experts_are_refused_in_one_line(model_type, why) -> None:
-    one_line = rf"^model type '{model_type}' is not supported: [^\n]*{why}[^\n]*deepseek_v3$"
+    one_line = rf"^model type '{model_type}' is not supported: [^\n]*{why}[^\n]*gpt_oss$"
     with pytest.raises(UnsupportedModelError, match=one_line):
         ModelConfig.from_hf(AutoConfig.for_model(model_type))
 
@@ -130,6 +129,11 @@ def test_issue_37_families_read_their_fields() -> None:
     mscale = 0.1 * math.log(4.0) + 1.0  # YaRN's, with mscale_all_dim 1, squared into the scale
     assert deepseek.attn_scale == pytest.approx(24**-0.5 * mscale**2, rel=1e-12)
     assert deepseek.rope_interleave and deepseek.dense_layers == (0,)
+    gpt_oss = ModelConfig.from_hf(hf_config("gpt_oss"))
+    assert gpt_oss.layer_windows == (10, 0, 10, 0) and gpt_oss.o_bias and gpt_oss.qkv_bias
+    assert (gpt_oss.num_experts, gpt_oss.moe_intermediate_size) == (8, 32)
+    assert (gpt_oss.swiglu_alpha, gpt_oss.swiglu_limit) == (1.702, 1.5)
+    assert gpt_oss.rope_scaling["rope_type"] == "yarn" and not gpt_oss.rope_scaling["truncate"]
 
 
 def test_mixture_of_experts_tensor_names() -> None:
