@@ -14,7 +14,8 @@ import torch
 from engine.core.model_files import ModelLoadError
 from engine.loading import mxfp4
 from engine.loading.dummy import DummyReader, is_dummy
-from engine.loading.fp8 import Fp8ConfigError, dequantizing_getters, fp8_block_size
+from engine.loading.fp8 import dequantizing_getters
+from engine.models.quant_config import Fp8ConfigError, fp8_block_size, is_mxfp4
 
 
 def open_reader(model_dir: Path) -> CheckpointReader | DummyReader:
@@ -59,7 +60,7 @@ class CheckpointReader:
         if not config_path.is_file():
             return
         quantization = json.loads(config_path.read_text()).get("quantization_config")
-        if mxfp4.is_mxfp4(quantization):
+        if is_mxfp4(quantization):
             self._getters, self._numels = mxfp4.dequantizing_getters(self._getters, self._numels)
             return
         try:

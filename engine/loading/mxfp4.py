@@ -11,18 +11,12 @@ next step: they are 90% of gpt-oss-120b's bytes."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 """The 16 values of a 4-bit e2m1 code (its index)."""
 BLOCKS, SCALES = "_blocks", "_scales"
-
-
-def is_mxfp4(quantization: dict[str, Any] | None) -> bool:
-    """The checkpoint's quantization_config says MXFP4 (gpt-oss's)."""
-    return quantization is not None and quantization.get("quant_method") == "mxfp4"
 
 
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

@@ -16,8 +16,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from engine.loading.fp8 import Fp8ConfigError, fp8_block_size
-from engine.loading.mxfp4 import is_mxfp4
+from engine.models.quant_config import Fp8ConfigError, fp8_block_size, is_mxfp4
 from policy.errors import UserError
 
 SUPPORTED_MODEL_TYPES = (
