@@ -175,7 +175,7 @@ class BlockPipeline:
                 self._store_act(j, batch, out, done, None)
                 if new_kv is not None:
                     self._store_kv(j, batch, new_kv, done)
-            self.weights.release(j, self.device.record())
+            self.weights.release(j)
         return logits
 
     def _run_overlapped(self, batches: list[GpuBatch]) -> list[torch.Tensor]:
@@ -248,7 +248,7 @@ class BlockPipeline:
                         self._acts_move(nxt[0], batch), self._load_act, nxt[0], batch, act_stored[k]
                     )
             # before layer j + 2's load is issued (next iteration): its slot is this layer's
-            self.weights.release(j, self.device.record())
+            self.weights.release(j)
         for fut in (*kv_stores, *act_stored.values()):
             fut.result()
         return logits

@@ -111,6 +111,5 @@ class WeightSlots:
     def release(self, j: int, done: torch.cuda.Event | None) -> None:
         """The compute that reads layer j's slot has been enqueued up to `done` (an event on
         the compute stream; None on the CPU): the next load into the slot waits for it."""
-        if j in self.rank:
-            with self._lock:
-                self._freed[self.slot(j)] = done
+        with self._lock:
+            self._freed[self.slot(j)] = done

@@ -339,11 +339,12 @@ class WeightStore:
                 out.append(None)
         return out
 
-    def release(self, j: int, done: torch.cuda.Event | None) -> None:
-        """Layer j's compute has been enqueued up to `done`: its slot may be loaded again
-        once that has run (`WeightSlots.release`)."""
-        if self.slots is not None:
-            self.slots.release(j, done)
+    def release(self, j: int) -> None:
+        """Layer j's compute has been enqueued (called on the compute stream's thread): its
+        slot may be loaded again once that has run (`WeightSlots.release`, with an event
+        recorded here; nothing for a layer without a slot)."""
+        if self.slots is not None and self.slots.holds(j):
+            self.slots.release(j, self.device.record())
 
     def load(self, j: int, experts: bool = True, host_experts: bool = True) -> Ready[Weights]:
         """Layer j's weights on the compute device, dequantized (a MoE layer's with its
