@@ -25,6 +25,7 @@ KINDS = ("json", "json_object", "regex", "choice", "grammar")
 CHECK_SECONDS = 10.0
 """The most a request's grammar may take to build and check before it is refused."""
 MAX_CHOICES = 1024
+END_OF_THINKING = "</think>"
 
 
 class StructuredOutputError(UserError, ValueError):
@@ -35,7 +36,8 @@ class StructuredOutputError(UserError, ValueError):
 class StructuredOutput:
     """One request's constraint: `kind` (KINDS) and its text: a JSON schema as JSON (json),
     nothing (json_object: any JSON object), a regex, a JSON list of strings (choice), or a
-    Lark grammar (grammar; GBNF, as llama.cpp writes it, is converted)."""
+    Lark grammar (grammar; GBNF, as llama.cpp writes it, is converted; llguidance's JSON
+    form of several named grammars passes as it is)."""
 
     kind: str
     value: str = ""
@@ -80,6 +82,8 @@ def _grammar(spec: StructuredOutput) -> str:
         lark = "start: " + " | ".join(json.dumps(c) for c in dict.fromkeys(choices))
         return LLMatcher.grammar_from_lark(lark)
     text = spec.value
+    if text.lstrip().startswith("{"):  # llguidance's JSON form, as `after_reasoning` nests
+        return text
     if "::=" in text:  # GBNF (llama.cpp, xgrammar): llguidance's own converter
         from llguidance.gbnf_to_lark import gbnf_to_lark
 
@@ -150,10 +154,15 @@ def after_reasoning(spec: StructuredOutput, opened: bool) -> StructuredOutput:
     """`spec` applied to a thinking model's answer only: first a think block of any text up
     to `</think>` (optional, opening with `<think>`, unless the prompt `opened` it), then
     blanks, then the answer `spec` constrains, as vLLM enables the grammar only once the
-    reasoning has ended. A Lark or GBNF `grammar` has its own start rule and stays as it is."""
-    if spec.kind == "grammar":
+    reasoning has ended. A Lark or GBNF `grammar` keeps its own rules: it is nested whole as
+    the answer's sub-grammar (llguidance's `@name` reference in its JSON form); one that
+    spells `</think>` itself (a grammar that bounds the reasoning too) holds the whole
+    output, as it is."""
+    if spec.kind == "grammar" and END_OF_THINKING in spec.value:
         return spec
-    if spec.kind in ("json", "json_object"):
+    if spec.kind == "grammar":
+        answer = "@answer"
+    elif spec.kind in ("json", "json_object"):
         answer = "%json " + (spec.value if spec.kind == "json" else '{"type": "object"}')
     elif spec.kind == "choice":
         answer = " | ".join(json.dumps(c) for c in dict.fromkeys(json.loads(spec.value)))
@@ -161,7 +170,12 @@ def after_reasoning(spec: StructuredOutput, opened: bool) -> StructuredOutput:
         answer = "/" + spec.value.replace("/", "\\/") + "/"
     think = "think" if opened else '("<think>" think)?'
     lark = (
-        f'start: {think} /[ \\t\\r\\n]*/ answer\nthink[stop="</think>"]: /(?s:.*)/\n'
+        f'start: {think} /[ \\t\\r\\n]*/ answer\nthink[stop="{END_OF_THINKING}"]: /(?s:.*)/\n'
         f"answer: {answer}\n"
     )
+    if spec.kind == "grammar":
+        nested = {"name": "answer", "lark_grammar": spec.grammar}
+        return StructuredOutput(
+            "grammar", json.dumps({"grammars": [{"lark_grammar": lark}, nested]})
+        )
     return StructuredOutput("grammar", lark)

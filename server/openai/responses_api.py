@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
+from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, Field
@@ -302,9 +303,12 @@ async def response_events(
     deltas: AsyncGenerator[tuple[str, str], None],
     finished: Any,
 ) -> AsyncGenerator[bytes, None]:
-    """A Responses stream: created and in_progress, the text as `output_text` deltas while it
-    comes (`deltas` yields ("reasoning" | "content", text)), then each finished output item
-    (`finished()`: the final Response) as added / done events, and completed."""
+    """A Responses stream: created and in_progress; the reasoning as `reasoning_text` deltas
+    and the answer as `output_text` deltas while they come (`deltas` yields ("reasoning" |
+    "content", text)), each in its own output item opened at its first text; then every
+    output item of the final Response (`finished()`) closed in order (a streamed item's done
+    events carry its whole text, after a last delta with what was held back), the others
+    (function calls) added and done whole; then completed or incomplete."""
     number = 0
 
     def next_event(kind: str, **fields: Any) -> bytes:
@@ -315,44 +319,126 @@ async def response_events(
     yield next_event("response.created", response=head.model_dump())
     yield next_event("response.in_progress", response=head.model_dump())
     base = head.id.removeprefix("resp_")
-    message_id, text_open = f"msg_{base}", False
+    streamed: dict[str, _StreamedItem] = {}
     try:
         async with aclosing(deltas) as parts:
             async for kind, text in parts:
-                if kind != "content" or not text:
+                if not text:
                     continue
-                if not text_open:
-                    text_open = True
-                    opened = {"type": "message", "id": message_id, "status": "in_progress",
-                              "role": "assistant", "content": []}  # fmt: skip
-                    yield next_event("response.output_item.added", output_index=0, item=opened)
-                    part = {"type": "output_text", "text": "", "annotations": []}
-                    yield next_event("response.content_part.added", item_id=message_id,
-                                     output_index=0, content_index=0, part=part)  # fmt: skip
-                yield next_event("response.output_text.delta", item_id=message_id, output_index=0,
-                                 content_index=0, delta=text, logprobs=[])  # fmt: skip
+                item = streamed.get(kind)
+                if item is None:
+                    for other in streamed.values():  # reasoning ends where the answer starts
+                        for done in other.close(next_event, None):
+                            yield done
+                    item = streamed[kind] = _StreamedItem(kind, base, len(streamed))
+                    for opened in item.open(next_event):
+                        yield opened
+                yield item.delta(next_event, text)
     except APIError as e:
         yield next_event("error", code=e.code, message=e.message, param=e.param)
         return
     final: Response = finished()
-    for index, item in enumerate(final.output):
-        if item["type"] == "message" and text_open:
-            done = item["content"][0]
-            yield next_event("response.output_text.done", item_id=message_id, output_index=index,
-                             content_index=0, text=done["text"], logprobs=[])  # fmt: skip
-            yield next_event("response.content_part.done", item_id=message_id,
-                             output_index=index, content_index=0, part=done)  # fmt: skip
-            yield next_event("response.output_item.done", output_index=index, item=item)
+    for index, out in enumerate(final.output):
+        streams_as = {"reasoning": "reasoning", "message": "content"}.get(out["type"])
+        item = streamed.get(streams_as) if streams_as else None
+        if item is not None:
+            for done in item.close(next_event, out):
+                yield done
             continue
-        yield next_event("response.output_item.added", output_index=index, item=item)
-        if item["type"] == "function_call":
-            yield next_event("response.function_call_arguments.delta", item_id=item["id"],
-                             output_index=index, delta=item["arguments"])  # fmt: skip
-            yield next_event("response.function_call_arguments.done", item_id=item["id"],
-                             output_index=index, arguments=item["arguments"])  # fmt: skip
-        yield next_event("response.output_item.done", output_index=index, item=item)
+        yield next_event("response.output_item.added", output_index=index, item=out)
+        if out["type"] == "function_call":
+            yield next_event("response.function_call_arguments.delta", item_id=out["id"],
+                             output_index=index, delta=out["arguments"])  # fmt: skip
+            yield next_event("response.function_call_arguments.done", item_id=out["id"],
+                             output_index=index, name=out["name"],
+                             arguments=out["arguments"])  # fmt: skip
+        yield next_event("response.output_item.done", output_index=index, item=out)
     kind = "response.completed" if final.status == "completed" else "response.incomplete"
     yield next_event(kind, response=final.model_dump())
+
+
+@dataclass(slots=True)
+class _StreamedItem:
+    """A reasoning or message output item streamed as its text comes."""
+
+    kind: str
+    """"reasoning" or "content"."""
+    base: str
+    index: int
+    text: str = ""
+    closed: bool = False
+
+    @property
+    def id(self) -> str:
+        return f"{'rs' if self.kind == 'reasoning' else 'msg'}_{self.base}"
+
+    def _part(self, text: str) -> dict[str, Any]:
+        if self.kind == "reasoning":
+            return {"type": "reasoning_text", "text": text}
+        return {"type": "output_text", "text": text, "annotations": []}
+
+    def _item(self, status: str, content: list[dict[str, Any]]) -> dict[str, Any]:
+        if self.kind == "reasoning":
+            return {"type": "reasoning", "id": self.id, "summary": [], "content": content}
+        return {
+            "type": "message",
+            "id": self.id,
+            "status": status,
+            "role": "assistant",
+            "content": content,
+        }
+
+    def _text_event(self, next_event: Any, what: str, **fields: Any) -> bytes:
+        """`response.{output_text|reasoning_text}.{delta|done}`."""
+        if self.kind == "content":
+            fields["logprobs"] = []
+        kind = f"response.{self._part('')['type']}.{what}"
+        return next_event(kind, item_id=self.id, output_index=self.index, content_index=0, **fields)
+
+    def open(self, next_event: Any) -> list[bytes]:
+        item = self._item("in_progress", [])
+        return [
+            next_event("response.output_item.added", output_index=self.index, item=item),
+            next_event(
+                "response.content_part.added",
+                item_id=self.id,
+                output_index=self.index,
+                content_index=0,
+                part=self._part(""),
+            ),
+        ]
+
+    def delta(self, next_event: Any, text: str) -> bytes:
+        self.text += text
+        return self._text_event(next_event, "delta", delta=text)
+
+    def close(self, next_event: Any, final: dict[str, Any] | None) -> list[bytes]:
+        """Its done events, once: `final` is the item as the Response has it (its text may
+        end with what was held back, sent first as a last delta), or None where the answer's
+        start closes the reasoning before the Response is whole."""
+        if self.closed:
+            return []
+        self.closed = True
+        out: list[bytes] = []
+        if final is not None:
+            whole = final["content"][0]["text"]
+            if whole.startswith(self.text) and len(whole) > len(self.text):
+                out.append(self.delta(next_event, whole[len(self.text) :]))
+        text = self.text if final is None else final["content"][0]["text"]
+        part = self._part(text)
+        out.append(self._text_event(next_event, "done", text=text))
+        out.append(
+            next_event(
+                "response.content_part.done",
+                item_id=self.id,
+                output_index=self.index,
+                content_index=0,
+                part=part,
+            )
+        )
+        item = final if final is not None else self._item("completed", [part])
+        out.append(next_event("response.output_item.done", output_index=self.index, item=item))
+        return out
 
 
 def first_choice(choices: dict[int, ChoiceAccumulator]) -> list[ChoiceAccumulator]:

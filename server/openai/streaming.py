@@ -217,7 +217,7 @@ async def stream_response_events(
     serving: Serving, prep: Prepared, priority: int
 ) -> AsyncGenerator[bytes, None]:
     """The Responses API's events for one request (server/openai/responses_api.py): its
-    answer's content as `output_text` deltas while it comes, then its output items."""
+    reasoning and answer as deltas while they come, then its output items."""
     assert prep.responses is not None
     req = prep.responses
     head = response_body(req, prep.request_id, prep.created, prep.model, None, "in_progress")
@@ -229,6 +229,8 @@ async def stream_response_events(
             async for choice, delta in outputs:
                 choices[choice.index] = choice
                 for part in answer.feed(delta.new_text):
+                    if part.reasoning_content:
+                        yield "reasoning", part.reasoning_content
                     if part.content:
                         yield "content", part.content
 

@@ -304,8 +304,8 @@ def test_langchain_bind_tools_and_function_calling(live: LiveServer) -> None:
 
 
 QWEN3_STYLE = 'start: "<think>\\n" /[a-z ]{3,12}/ "\\n</think>\\n\\n" ("yes" | "no")'
-"""A Qwen3 answer, thinking first (a Lark grammar is applied as it is: it spells the think
-block itself)."""
+"""A Qwen3 answer, thinking first: a grammar that spells `</think>` holds the whole output,
+so the demo model writes a think block."""
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
@@ -348,6 +348,37 @@ def test_structured_output_applies_to_the_answer_after_the_think_block() -> None
     assert accepts('the prompt opened it</think>{"zone": "UTC"}', opened=True)
     assert not accepts('<think>\nhmm\n</think>\n\n{"zone": "GMT"}')
     assert not accepts('Sure! {"zone": "UTC"}')
+
+
+@pytest.mark.parametrize(
+    "grammar",
+    [
+        'start: answer\nanswer: "zone=" zone\nzone: "UTC" | "CET"',  # Lark, rules of its own
+        'root ::= "zone=" zone\nzone ::= "UTC" | "CET"',  # GBNF, as llama.cpp writes it
+    ],
+)
+def test_a_grammar_applies_to_the_answer_after_the_think_block(grammar: str) -> None:
+    """A Lark or GBNF grammar is nested whole after the think block: its rules (even one
+    named like the wrapper's) hold the answer, the think block is free text."""
+    from llguidance import LLMatcher, LLTokenizer
+
+    from engine.core.structured import StructuredOutput, after_reasoning, check
+
+    tokenizer = Tokenizer(demo_model_dir())
+    vocab = (demo_model_dir() / "tokenizer.json").read_text()
+    lltokenizer = LLTokenizer(vocab, n_vocab=tokenizer.vocab_size)
+    spec = after_reasoning(StructuredOutput("grammar", grammar), opened=False)
+    check(spec)
+
+    def accepts(text: str) -> bool:
+        matcher = LLMatcher(lltokenizer, spec.grammar, log_level=0)
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        return bool(matcher.consume_tokens(ids)) and matcher.is_accepting()
+
+    assert accepts("<think>\nzone=GMT? no: start: answer\n</think>\n\nzone=CET")
+    assert accepts("zone=UTC")
+    assert not accepts("<think>\nhmm\n</think>\n\nzone=GMT")
+    assert not accepts("<think>\nhmm\n</think>\n\nSure: zone=UTC")
 
 
 EVERY_FIELD: dict[str, Any] = {
@@ -545,6 +576,118 @@ def test_responses_api(client: openai.OpenAI) -> None:
     assert [e.sequence_number for e in events] == list(range(len(events)))
     with pytest.raises(openai.BadRequestError, match="stores none"):
         client.responses.create(model=MODEL, input="Hi", previous_response_id="resp_x")
+
+
+def test_responses_stream_reasoning_as_its_own_item(
+    live: LiveServer, client: openai.OpenAI
+) -> None:
+    """With a reasoning parser whose think block the prompt opens (deepseek_r1), an answer
+    cut before `</think>` is all reasoning: it streams as `reasoning_text` deltas of a
+    reasoning item, which the final Response holds whole."""
+    with parsers(live, reasoning="deepseek_r1"):
+        events = list(
+            client.responses.create(model=MODEL, input="Hello", max_output_tokens=6, stream=True)
+        )
+    kinds = [e.type for e in events]
+    assert "response.output_text.delta" not in kinds
+    deltas = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")  # type: ignore[union-attr]
+    final = events[-1].response  # type: ignore[union-attr]
+    [item] = final.output
+    assert item.type == "reasoning" and deltas and item.content[0].text == deltas  # type: ignore[union-attr,index]
+    done = [e for e in events if e.type == "response.reasoning_text.done"]
+    assert [e.text for e in done] == [deltas]  # type: ignore[union-attr]
+
+
+def test_responses_stream_events_in_order() -> None:
+    """The events of a streamed Response whose answer reasons, answers and calls a tool:
+    each item opened at its first text with its final output_index, closed before the next
+    opens, the text held back (a call's start) sent as a last delta, and every event one the
+    openai client's own types read."""
+    import asyncio
+
+    from openai.types.responses import ResponseStreamEvent
+    from pydantic import TypeAdapter
+
+    from server.openai.responses import AssistantMessage, FunctionCallOut, ToolCall
+    from server.openai.responses_api import (
+        ResponsesRequest,
+        output_items,
+        response_body,
+        response_events,
+    )
+
+    req = ResponsesRequest(model=MODEL, input="Hi", stream=True)
+    head = response_body(req, "resp_1", 0, MODEL, None, "in_progress")
+    call = ToolCall(
+        id="call_1", type="function", function=FunctionCallOut(name="f", arguments="{}")
+    )
+    message = AssistantMessage(
+        role="assistant", content="Hello!", reasoning_content="abc", tool_calls=[call]
+    )
+    final = head.model_copy(
+        update={"status": "completed", "output": output_items("resp_1", message)}
+    )
+
+    async def deltas() -> Any:
+        for part in [
+            ("reasoning", "ab"),
+            ("reasoning", "c"),
+            ("content", "Hel"),
+            ("content", "lo"),
+        ]:
+            yield part
+
+    async def collect() -> list[Any]:
+        return [e async for e in response_events(head, deltas(), lambda: final)]
+
+    raw = asyncio.run(collect())
+    adapter: TypeAdapter[Any] = TypeAdapter(ResponseStreamEvent)
+    events = [adapter.validate_json(chunk.decode().split("data: ", 1)[1].strip()) for chunk in raw]
+    where = [(e.type, getattr(e, "output_index", None)) for e in events]
+    assert where == [
+        ("response.created", None), ("response.in_progress", None),
+        ("response.output_item.added", 0), ("response.content_part.added", 0),
+        ("response.reasoning_text.delta", 0), ("response.reasoning_text.delta", 0),
+        ("response.reasoning_text.done", 0), ("response.content_part.done", 0),
+        ("response.output_item.done", 0),
+        ("response.output_item.added", 1), ("response.content_part.added", 1),
+        ("response.output_text.delta", 1), ("response.output_text.delta", 1),
+        ("response.output_text.delta", 1),  # "!", held back until the answer was read whole
+        ("response.output_text.done", 1), ("response.content_part.done", 1),
+        ("response.output_item.done", 1),
+        ("response.output_item.added", 2), ("response.function_call_arguments.delta", 2),
+        ("response.function_call_arguments.done", 2), ("response.output_item.done", 2),
+        ("response.completed", None),
+    ]  # fmt: skip
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == "Hello!" and events[14].text == "Hello!"
+    assert events[6].text == "abc" and events[8].item.content[0].text == "abc"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+
+
+def test_legacy_function_call_streamed(client: openai.OpenAI) -> None:
+    """The legacy `functions` / `function_call` request, streamed: the call arrives as
+    `delta.function_call`, the same as the whole answer's `message.function_call`."""
+    fields: Any = {
+        "model": MODEL, "messages": ASK, "temperature": 0, "max_tokens": 40,
+        "functions": [{"name": "get_time", "parameters": TIME}],
+        "function_call": {"name": "get_time"},
+    }  # fmt: skip
+    whole = client.chat.completions.create(**fields).choices[0]
+    name, arguments, finish = "", "", None
+    for chunk in client.chat.completions.create(stream=True, **fields):
+        if chunk.choices:
+            call = chunk.choices[0].delta.function_call
+            name += (call.name or "") if call else ""
+            arguments += (call.arguments or "") if call else ""
+            finish = chunk.choices[0].finish_reason or finish
+    assert whole.message.function_call is not None and whole.message.tool_calls is None
+    assert (name, arguments) == (
+        whole.message.function_call.name,
+        whole.message.function_call.arguments,
+    )
+    jsonschema.validate(json.loads(arguments), TIME)
+    assert finish == whole.finish_reason
 
 
 def test_responses_in_batch_api_lines(client: openai.OpenAI) -> None:
