@@ -110,6 +110,9 @@ class ResponsesRequest(_Strict):
         return body
 
 
+MESSAGE_ROLES = ("user", "system", "developer", "assistant")
+
+
 def _item_messages(
     item: dict[str, Any], k: int, before: list[dict[str, Any]]
 ) -> list[dict[str, Any]]:
@@ -118,6 +121,16 @@ def _item_messages(
     where = f"input.{k}"
     if kind == "message":
         content = item.get("content")
+        role = item.get("role", "user")
+        if role not in MESSAGE_ROLES:
+            raise invalid_request(
+                f"a message item's role must be one of {', '.join(MESSAGE_ROLES)}", param=where
+            )
+        if not isinstance(content, (str, list)):
+            raise invalid_request(
+                "a message item needs its content: a string or a list of content parts",
+                param=f"{where}.content",
+            )
         if isinstance(content, list):
             texts = ("input_text", "output_text")
             content = [
@@ -126,7 +139,7 @@ def _item_messages(
                 else part
                 for part in content
             ]
-        return [{"role": item.get("role", "user"), "content": content}]
+        return [{"role": role, "content": content}]
     if kind == "function_call":
         call = {
             "id": item.get("call_id"),

@@ -576,6 +576,13 @@ def test_responses_api(client: openai.OpenAI) -> None:
     assert [e.sequence_number for e in events] == list(range(len(events)))
     with pytest.raises(openai.BadRequestError, match="stores none"):
         client.responses.create(model=MODEL, input="Hi", previous_response_id="resp_x")
+    for item, says in [
+        ({"x": {}}, "needs its content"),
+        ({"role": "tool", "content": "x"}, "role"),
+    ]:
+        with pytest.raises(openai.BadRequestError, match=says) as refused:
+            client.responses.create(model=MODEL, input=[item])  # type: ignore[list-item]
+        assert refused.value.body["param"].startswith("input.0")  # type: ignore[index]
 
 
 def test_responses_stream_reasoning_as_its_own_item(
