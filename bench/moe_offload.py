@@ -1,11 +1,13 @@
 """A mixture-of-experts model with most of its experts on disk, on the CPU: nanoflex against
 transformers + Accelerate offloading on the same memory budget, and nanoflex's MoE ablations.
 
-    python -m bench.moe_offload [--prompts 16] [--prompt-len 32] [--gen-len 32]
-                                [--repeat 1] [--json FILE]
+    python -m bench.moe_offload [--shape mixtral|deepseek-v3] [--prompts 16]
+                                [--prompt-len 32] [--gen-len 32] [--repeat 1] [--json FILE]
 
-The model: a Mixtral-shaped `dummy:` checkpoint (generated weights, float32): 6 layers,
-hidden 512, 32 experts of width 512 per layer, top-2, 657 MB, 92% of it routed experts.
+The model: a `dummy:` checkpoint (generated weights, float32) of one of two shapes:
+Mixtral's (6 layers, hidden 512, 32 experts of width 512 per layer, top-2, 657 MB, 92% of
+it routed experts) or DeepSeek-V3's (6 layers, hidden 512, MLA, layer 0 dense, 64 routed
+experts of width 256 in 8 groups, top-4 from 4 groups, one shared expert: `DEEPSEEK_V3`).
 The budget: every tensor but the routed experts, and a third of the experts' bytes, in
 memory; the other two thirds on disk. The same prompts (random token ids, one seed),
 greedy, EOS ignored, every system in a child process of its own:
@@ -45,7 +47,7 @@ from typing import Any
 from bench.common import Table, write_json
 from bench.subproc import run_child
 
-CONFIG = {
+MIXTRAL = {
     "model_type": "mixtral",
     "architectures": ["MixtralForCausalLM"],
     "hidden_size": 512,
@@ -63,6 +65,40 @@ CONFIG = {
     "tie_word_embeddings": False,
     "torch_dtype": "float32",
 }
+DEEPSEEK_V3 = {
+    "model_type": "deepseek_v3",
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "hidden_size": 512,
+    "intermediate_size": 1536,
+    "moe_intermediate_size": 256,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 8,
+    "q_lora_rank": 192,
+    "kv_lora_rank": 128,
+    "qk_nope_head_dim": 64,
+    "qk_rope_head_dim": 32,
+    "v_head_dim": 64,
+    "n_routed_experts": 64,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 4,
+    "n_group": 8,
+    "topk_group": 4,
+    "routed_scaling_factor": 2.5,
+    "norm_topk_prob": True,
+    "first_k_dense_replace": 1,
+    "vocab_size": 8192,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "rope_interleave": True,
+    "tie_word_embeddings": False,
+    "torch_dtype": "float32",
+}
+"""DeepSeek-V3's structure at a CPU's scale: MLA (q through a 192-rank latent, the KV cache
+one 128-wide latent plus 32 rotary dims), layer 0 dense, 64 routed experts in 8 groups (top-4
+from the best 4 groups, sigmoid scores, scaled by 2.5) and one shared expert per MoE layer."""
+SHAPES: dict[str, dict[str, Any]] = {"mixtral": MIXTRAL, "deepseek-v3": DEEPSEEK_V3}
 EXPERTS_IN_MEMORY = 1 / 3
 """The share of the routed experts' bytes in memory; the rest on disk (for Accelerate, which
 places whole layers: the first two of the six in memory)."""
@@ -75,10 +111,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
 }
 
 
-def model_dir(root: Path) -> Path:
+def model_dir(root: Path, config: dict[str, Any]) -> Path:
     out = root / "moe-offload-model"
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(CONFIG, indent=2) + "\n")
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out
 
 
@@ -86,7 +122,7 @@ def prompts(args: argparse.Namespace, seed: int) -> list[list[int]]:
     import torch
 
     generator = torch.Generator().manual_seed(seed)
-    vocab = int(CONFIG["vocab_size"])  # type: ignore[call-overload]
+    vocab = int(SHAPES[args.shape]["vocab_size"])
     ids = torch.randint(3, vocab, (args.prompts, args.prompt_len), generator=generator)
     return [list(map(int, row)) for row in ids.tolist()]
 
@@ -136,7 +172,7 @@ def run_accelerate(args: argparse.Namespace) -> dict[str, Any]:
     from bench.accelerate_run import build_model
 
     hf_model, _ = build_model(str(args.model_dir), torch.float32)
-    layers = int(CONFIG["num_hidden_layers"])  # type: ignore[call-overload]
+    layers = int(SHAPES[args.shape]["num_hidden_layers"])
     resident = round(EXPERTS_IN_MEMORY * layers)  # whole layers: Accelerate's granularity
     device_map = {name: "cpu" for name, _ in hf_model.named_children() if name != "model"}
     device_map |= {f"model.{name}": "cpu" for name, _ in hf_model.model.named_children()}
@@ -208,6 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--gen-len", type=int, default=32)
     parser.add_argument("--repeat", type=int, default=1)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="mixtral")
     parser.add_argument("--json", default=None)
     parser.add_argument("--system", choices=("nanoflex", "accelerate"), help=argparse.SUPPRESS)
     parser.add_argument("--variant", default=None, help=argparse.SUPPRESS)
@@ -221,7 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="moe-offload-") as tmp:
         root = Path(tmp)
         env = {"NANOFLEX_CACHE": str(root / "cache")}  # the picks of this sitting only
-        common = ["-m", "bench.moe_offload", "--model-dir", str(model_dir(root))]
+        common = ["-m", "bench.moe_offload", "--shape", args.shape]
+        common += ["--model-dir", str(model_dir(root, SHAPES[args.shape]))]
         common += ["--prompts", str(args.prompts), "--prompt-len", str(args.prompt_len)]
         common += ["--gen-len", str(args.gen_len)]
         history = run_child(
@@ -259,7 +297,8 @@ def main(argv: list[str] | None = None) -> int:
                 results.append(record)
     table = table_of(results)
     print(table.markdown("rlrrr"))
-    config = {"model": CONFIG, "prompts": args.prompts, "prompt_len": args.prompt_len}
+    config = {"shape": args.shape, "model": SHAPES[args.shape], "prompts": args.prompts}
+    config |= {"prompt_len": args.prompt_len}
     config |= {"gen_len": args.gen_len, "experts_in_memory": EXPERTS_IN_MEMORY}
     write_json(args.json, [{"config": config, "runs": results}], table)
     return 0

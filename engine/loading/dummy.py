@@ -138,7 +138,8 @@ class DummyReader:
 
     hf_config: a transformers PretrainedConfig; the names and shapes are those of
     `AutoModelForCausalLM.from_config(hf_config)` built on the meta device (tied
-    parameters once, under their first name, as `save_pretrained` writes them).
+    parameters once, under their first name, and persistent buffers such as DeepSeek-V3's
+    expert-score correction bias, as `save_pretrained` writes them).
     dtype: of the returned tensors (default float16). The values are float16 numbers
     whatever the dtype, so a float32 reader and a float16 one agree after casting.
     """
@@ -151,6 +152,8 @@ class DummyReader:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(hf_config)
         self._shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+        saved = model.state_dict().keys()  # persistent buffers too (DeepSeek-V3's bias)
+        self._shapes |= {n: tuple(b.shape) for n, b in model.named_buffers() if n in saved}
         self.dtype = dtype or torch.float16
         generator = torch.Generator().manual_seed(seed)
         pool = (

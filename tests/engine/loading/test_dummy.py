@@ -96,7 +96,7 @@ def test_unknown_dummy_name_is_a_clear_error():
         local_model_dir("dummy:facebook/opt-7b")
 
 
-@pytest.mark.parametrize("kind", ["opt", "llama"])
+@pytest.mark.parametrize("kind", ["opt", "llama", "deepseek_v3"])  # DeepSeek: a saved buffer
 def test_dummy_model_generates_like_a_checkpoint_of_the_same_values(kind, tmp_path):
     from safetensors.torch import save_file
 
