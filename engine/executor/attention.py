@@ -44,7 +44,7 @@ class Chunk:
     """Its first key among the group's gathered slots."""
     kv_len: int
     window: int = 0
-    """The sliding window; 0: none."""
+    """The sliding window; 0: none; negative: chunks of -window (`in_window`)."""
 
     @property
     def lead(self) -> int:
@@ -64,7 +64,17 @@ class Chunk:
         q_pos = past + torch.arange(self.q_len, device=device)[:, None]
         k_pos = torch.arange(self.kv_len, device=device)[None, :]
         visible = k_pos <= q_pos  # query t sees keys past + t - window < key <= past + t
-        return visible & (k_pos > q_pos - self.window) if self.window else visible
+        return visible & in_window(k_pos, q_pos, self.window) if self.window else visible
+
+
+def in_window(k_pos: torch.Tensor, q_pos: torch.Tensor, window: int) -> torch.Tensor:
+    """Whether keys at `k_pos` lie within the window of queries at `q_pos` (broadcast; both
+    absolute positions, causality apart): a sliding window (> 0) keeps the last `window`
+    positions, itself included; chunked attention (< 0, Llama 4) keeps the query's own chunk
+    of -window positions."""
+    if window > 0:
+        return k_pos > q_pos - window
+    return k_pos >= q_pos - q_pos % -window
 
 
 @dataclass(slots=True)
@@ -102,7 +112,8 @@ class PaddedGroup:
     """With `chunks`: (B_g + 1,) int64 where each sequence's rows begin among the group's new
     rows, and among `slots` (the native prefill kernel's offsets); None otherwise."""
     window: int = 0
-    """The sliding window (a decode sees its last `window` keys); 0: none."""
+    """The sliding window (a decode sees its last `window` keys); 0: none; negative: chunked
+    attention (`in_window`)."""
     new_span: tuple[int, int] | None = None
     """[start, stop) when `new_rows` are one run of rows (a slice, not a gather)."""
 
@@ -242,7 +253,7 @@ def _padded(
         k_pos = torch.arange(kv_max, device=device)[None, None, :]  # (1, 1, kv_max)
         visible = k_pos <= q_pos[:, :, None]  # causal; also hides padded keys
         if sliding_window is not None:
-            visible &= k_pos > q_pos[:, :, None] - sliding_window
+            visible &= in_window(k_pos, q_pos[:, :, None], sliding_window)
         q_valid = torch.arange(q_max, device=device)[None, :] < q_len_t[:, None]
         visible[:, :, 0] |= ~q_valid  # padded query rows attend somewhere: no all -inf row
         mask = visible[:, None]

@@ -305,7 +305,12 @@ void decode_attention(const T* q, int64_t q_stride, const T* pool, int64_t row_s
                       int64_t window) {
   const int64_t group = num_heads / num_kv_heads;
   auto span = [&](int64_t b) {  // (first row, rows) of sequence b
-    const int64_t first = window > 0 ? std::max<int64_t>(0, kv_lens[b] - window) : 0;
+    // a sliding window keeps the last `window` keys; chunked attention (window < 0) the
+    // query's own chunk of -window positions
+    const int64_t last = kv_lens[b] - 1;
+    const int64_t first = window > 0   ? std::max<int64_t>(0, kv_lens[b] - window)
+                          : window < 0 ? last - last % -window
+                                       : 0;
     return std::pair<int64_t, int64_t>(first, kv_lens[b] - first);
   };
   std::vector<int64_t> order(num_seqs);

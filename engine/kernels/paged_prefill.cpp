@@ -1,7 +1,8 @@
 // Prefill attention read in place from one layer's KV pool, on the CPU.
 //
 // Each sequence brings q_len new query tokens after past_len cached ones; query t sees keys
-// [0, past_len + t] (the last `window` of them with a sliding window). Its keys and values,
+// [0, past_len + t] (the last `window` of them with a sliding window, its own chunk with
+// chunked attention). Its keys and values,
 // the new ones already written, lie in the pool's rows at the slots listed for it. Torch's
 // CPU flash attention runs such a chunk at about a quarter of the GEMM rate on this kind of
 // CPU (it multiplies small blocks through a general GEMM call each); this is flash attention
@@ -60,9 +61,14 @@ struct Seq {
 struct Span {
   int64_t first, last;
 };
+// With a sliding window the last `window` of them; with chunked attention (window < 0) those
+// of its own chunk of -window positions.
 inline Span visible(const Seq& s, int64_t p, int64_t window) {
   const int64_t last = s.past() + p;
-  return {window > 0 ? std::max<int64_t>(0, last - window + 1) : 0, last};
+  const int64_t first = window > 0   ? std::max<int64_t>(0, last - window + 1)
+                        : window < 0 ? last - last % -window
+                                     : 0;
+  return {first, last};
 }
 
 // Plain path: one query row (a position of one query head) over its visible keys, in float32.

@@ -15,8 +15,8 @@ bandwidth, for decode, and at 2% of the GEMM rate for prefill.
 - **Prefill** (flash attention over a paged past): one program per (sequence, block of
   `BLOCK_M` query rows, query head). Query row t of a sequence with `q_len` new rows and
   `kv_len` keys is at position kv_len - q_len + t and sees keys [0, that position] (its last
-  `window` of them): causal over the paged past and the new rows alike, ragged across
-  sequences.
+  `window` of them, or those of its own chunk with chunked attention): causal over the
+  paged past and the new rows alike, ragged across sequences.
 
 Both compute scores and the softmax in float32, multiply half-precision tiles on the tensor
 cores (float32 tiles in IEEE float32, not TF32), and round the probabilities to the values'
@@ -129,6 +129,7 @@ if triton is not None:
         num_splits,
         scale,
         window,
+        chunk,
         HEAD_DIM: tl.constexpr,
         HEAD_PAD: tl.constexpr,
         KV_DIM: tl.constexpr,
@@ -148,6 +149,7 @@ if triton is not None:
         lo = split.to(tl.int64) * split_len
         hi = tl.minimum(lo + split_len, kv_len)
         lo = tl.maximum(lo, kv_len - window)
+        lo = tl.maximum(lo, (kv_len - 1) - (kv_len - 1) % chunk)  # the last key's chunk
         heads = kvh * GROUP + tl.arange(0, GROUP_PAD)
         dims = tl.arange(0, HEAD_PAD)
         head_ok = tl.arange(0, GROUP_PAD) < GROUP
@@ -241,6 +243,7 @@ if triton is not None:
         stride_oh,
         scale,
         window,
+        chunk,
         HEAD_DIM: tl.constexpr,
         HEAD_PAD: tl.constexpr,
         KV_DIM: tl.constexpr,
@@ -275,6 +278,7 @@ if triton is not None:
         first = kv_len - q_len + block * BLOCK_M
         hi = tl.minimum(kv_len, first + BLOCK_M)
         lo = tl.maximum(first - window + 1, 0)
+        lo = tl.maximum(lo, first - first % chunk)  # the first row's chunk
         top = tl.full([BLOCK_M], float("-inf"), tl.float32)
         total = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
@@ -284,6 +288,7 @@ if triton is not None:
             slot = tl.load(SLOTS + kv_start + keys, mask=key_ok, other=0)
             seen = key_ok[None, :] & (keys[None, :] <= pos[:, None])
             seen = seen & (keys[None, :] > pos[:, None] - window)
+            seen = seen & (keys[None, :] >= pos[:, None] - pos[:, None] % chunk)
             top, total, acc = _attend_tile(
                 q, KV, slot, key_ok, seen, top, total, acc, stride_row, kvh, scale,
                 HEAD_DIM, HEAD_PAD, KV_DIM, PRECISION, UPCAST,
@@ -297,11 +302,14 @@ if triton is not None:
 
 
 NO_WINDOW = 1 << 30
-"""The window the kernels get for none: every key is within it (branch-free masks)."""
+"""The window (and chunk) the kernels get for none: every key is within it (branch-free
+masks)."""
 
 
-def _window(window: int) -> int:
-    return window if window > 0 else NO_WINDOW
+def _bounds(window: int) -> tuple[int, int]:
+    """The kernels' (sliding window, chunk) for a layer's `window` (negative: chunked
+    attention of -window, `engine.executor.attention.in_window`)."""
+    return (window if window > 0 else NO_WINDOW), (-window if window < 0 else NO_WINDOW)
 
 
 def _products(dtype: torch.dtype, on_gpu: bool) -> dict[str, Any]:
@@ -383,7 +391,7 @@ def paged_decode(
         split_len,
         num_splits,
         scale,
-        _window(window),
+        *_bounds(window),
         HEAD_DIM=head_dim,
         HEAD_PAD=head_pad,
         KV_DIM=num_kv_heads * head_dim,
@@ -450,7 +458,7 @@ def paged_prefill(
         out.stride(0),
         out.stride(1),
         scale,
-        _window(window),
+        *_bounds(window),
         HEAD_DIM=head_dim,
         HEAD_PAD=next_pow2(head_dim),
         KV_DIM=num_kv_heads * head_dim,
@@ -466,7 +474,7 @@ COMPILE_CASES: dict[str, tuple[list[str], dict[str, Any]]] = {
     "decode_split": (
         ["*{t}", "*{t}", "*{t}", "*fp32", "*fp32", "*fp32", "*i64", "*i64"]
         + ["i32"] * 8
-        + ["fp32", "i32"],
+        + ["fp32", "i32", "i32"],
         dict(
             HEAD_DIM=128, HEAD_PAD=128, KV_DIM=1024, GROUP=4, GROUP_PAD=16,
             BLOCK_N=DECODE_BLOCK_N, ONE_SPLIT=False, PRECISION="tf32", UPCAST=False,
@@ -477,7 +485,7 @@ COMPILE_CASES: dict[str, tuple[list[str], dict[str, Any]]] = {
         dict(HEAD_DIM=128, HEAD_PAD=128, SPLITS_PAD=16),
     ),
     "prefill": (
-        ["*{t}", "*{t}", "*{t}", "*i64", "*i64", "*i64"] + ["i32"] * 5 + ["fp32", "i32"],
+        ["*{t}", "*{t}", "*{t}", "*i64", "*i64", "*i64"] + ["i32"] * 5 + ["fp32", "i32", "i32"],
         dict(
             HEAD_DIM=128, HEAD_PAD=128, KV_DIM=1024, GROUP=4, BLOCK_M=PREFILL_BLOCK_M,
             BLOCK_N=PREFILL_BLOCK_N, PRECISION="tf32", UPCAST=False,

@@ -4,7 +4,8 @@ Triton's interpreter runs both kernels on CPU tensors here (on a machine with a 
 compiled kernels on the GPU); each is compared with a float64
 reference and with the CPU's gather-and-SDPA path on small ragged shapes: keys on shuffled
 pages of a pool whose unused rows are NaN, a sequence of one token, sequences longer than a
-decode split and than a prefill block, grouped-query heads, a sliding window, a head_dim
+decode split and than a prefill block, grouped-query heads, a sliding window, chunked
+attention (Llama 4), a head_dim
 that is not a power of two. And each kernel is compiled for sm_90 (the H100 and H200) with
 no GPU present: one that does not compile for Hopper fails here.
 
@@ -65,7 +66,8 @@ def reference(
     window: int,
 ) -> torch.Tensor:
     """Float64 attention, sequence by sequence: row t of a sequence with q_len new rows and
-    kv_len keys sees keys [0, kv_len - q_len + t] (the last `window`)."""
+    kv_len keys sees keys [0, kv_len - q_len + t] (the last `window`; with window < 0 those
+    of its own chunk)."""
     heads, head_dim = q.shape[1], q.shape[2]
     kv_dim = kv_heads * head_dim
     out, row = [], 0
@@ -78,8 +80,10 @@ def reference(
         pos = torch.arange(len(slots) - q_len, len(slots))[:, None]
         keys = torch.arange(len(slots))[None, :]
         seen = keys <= pos
-        if window:
+        if window > 0:
             seen &= keys > pos - window
+        if window < 0:  # chunked attention: the query's own chunk of -window positions
+            seen &= keys >= pos - pos % -window
         scores = scores.masked_fill(~seen, float("-inf"))
         out.append(torch.einsum("htk,khd->thd", scores.softmax(-1), v))
         row += q_len
@@ -97,12 +101,12 @@ TRITON = PagedKernels(ta.paged_decode, ta.paged_prefill)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize(
     "heads,kv_heads,head_dim,window",
-    [(8, 2, 64, 0), (6, 6, 32, 0), (12, 4, 96, 0), (8, 2, 64, 20)],
-    ids=["gqa", "mha", "head96", "window"],
+    [(8, 2, 64, 0), (6, 6, 32, 0), (12, 4, 96, 0), (8, 2, 64, 20), (8, 2, 64, -48)],
+    ids=["gqa", "mha", "head96", "window", "chunks"],
 )
 def test_decode_kernel_equals_the_reference(dtype, heads, kv_heads, head_dim, window):
     lens = [1, 17, 64, 130, 200, 3]  # one token; past a split (64 keys) and a tile
-    pool, seq_slots = paged_pool(lens, kv_heads, head_dim, dtype, seed=head_dim + window)
+    pool, seq_slots = paged_pool(lens, kv_heads, head_dim, dtype, seed=head_dim + abs(window))
     g = torch.Generator().manual_seed(1)
     q = torch.randn(len(lens), heads, head_dim, generator=g).to(dtype)
     scale = head_dim**-0.5
@@ -120,8 +124,8 @@ def test_decode_kernel_equals_the_reference(dtype, heads, kv_heads, head_dim, wi
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize(
     "heads,kv_heads,head_dim,window",
-    [(8, 2, 64, 0), (12, 4, 96, 0), (8, 2, 64, 24)],
-    ids=["gqa", "head96", "window"],
+    [(8, 2, 64, 0), (12, 4, 96, 0), (8, 2, 64, 24), (8, 2, 64, -48)],
+    ids=["gqa", "head96", "window", "chunks"],
 )
 def test_prefill_kernel_equals_the_reference(dtype, heads, kv_heads, head_dim, window):
     # (new rows, past rows): a first chunk, chunks over a past, one row, a chunk longer than
@@ -129,7 +133,7 @@ def test_prefill_kernel_equals_the_reference(dtype, heads, kv_heads, head_dim, w
     shapes = [(5, 0), (17, 40), (1, 9), (70, 100), (64, 3)]
     q_lens = [q for q, _ in shapes]
     lens = [q + p for q, p in shapes]
-    pool, seq_slots = paged_pool(lens, kv_heads, head_dim, dtype, seed=7 + window)
+    pool, seq_slots = paged_pool(lens, kv_heads, head_dim, dtype, seed=7 + abs(window))
     g = torch.Generator().manual_seed(2)
     q = torch.randn(sum(q_lens), heads, head_dim, generator=g).to(dtype)
     scale = 0.2
