@@ -18,10 +18,11 @@ bandwidth, for decode, and at 2% of the GEMM rate for prefill.
   `window` of them, or those of its own chunk with chunked attention): causal over the
   paged past and the new rows alike, ragged across sequences.
 
-Both compute scores and the softmax in float32, multiply half-precision tiles on the tensor
-cores (float32 tiles in IEEE float32, not TF32), and round the probabilities to the values'
-type before the second product, as flash attention does. Soft-capped scores (Gemma 2) and
-4-bit KV rows stay on the gather-and-SDPA path.
+With gpt-oss's sinks, each query head's sink logit is one more term of its softmax's sum
+(e^(sink - max)), with no value. Both compute scores and the softmax in float32, multiply
+half-precision tiles on the tensor cores (float32 tiles in IEEE float32, not TF32), and round
+the probabilities to the values' type before the second product, as flash attention does.
+Soft-capped scores (Gemma 2) and 4-bit KV rows stay on the gather-and-SDPA path.
 
 CI runs both kernels under Triton's interpreter on CPU tensors (a launch picks the
 interpreter when its tensors are on the CPU; `TRITON_INTERPRET=1` must be set before Triton
@@ -119,6 +120,7 @@ if triton is not None:
         SUM,
         SLOTS,
         KV_LENS,
+        SINKS,
         stride_qb,
         stride_qh,
         stride_row,
@@ -137,6 +139,7 @@ if triton is not None:
         GROUP_PAD: tl.constexpr,
         BLOCK_N: tl.constexpr,
         ONE_SPLIT: tl.constexpr,
+        HAS_SINKS: tl.constexpr,
         PRECISION: tl.constexpr,
         UPCAST: tl.constexpr,
     ):
@@ -174,6 +177,8 @@ if triton is not None:
                 HEAD_DIM, HEAD_PAD, KV_DIM, PRECISION, UPCAST,
             )  # fmt: skip
         if ONE_SPLIT:
+            if HAS_SINKS:  # each head's sink: one more term of the sum, without a value
+                total += tl.exp(tl.load(SINKS + heads, mask=head_ok, other=0.0) - top)
             out = acc / total[:, None]
             tl.store(
                 OUT + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + dims[None, :],
@@ -196,6 +201,7 @@ if triton is not None:
         ACC,
         MAX,
         SUM,
+        SINKS,
         stride_ob,
         stride_oh,
         num_heads,
@@ -203,6 +209,7 @@ if triton is not None:
         HEAD_DIM: tl.constexpr,
         HEAD_PAD: tl.constexpr,
         SPLITS_PAD: tl.constexpr,
+        HAS_SINKS: tl.constexpr,
     ):
         """Program (b, head): the splits' partial sums merged (a split with no keys has sum 0
         and maximum -inf, and weighs nothing)."""
@@ -221,7 +228,10 @@ if triton is not None:
             mask=split_ok[:, None] & (dims < HEAD_DIM)[None, :],  # padded dims are never written
             other=0.0,
         )
-        out = tl.sum(acc * weights[:, None], 0) / tl.sum(sums * weights, 0)
+        total = tl.sum(sums * weights, 0)
+        if HAS_SINKS:
+            total += tl.exp(tl.load(SINKS + h) - top)
+        out = tl.sum(acc * weights[:, None], 0) / total
         tl.store(
             OUT + b.to(tl.int64) * stride_ob + h * stride_oh + dims,
             out.to(OUT.dtype.element_ty),
@@ -236,6 +246,7 @@ if triton is not None:
         SLOTS,
         Q_STARTS,
         KV_STARTS,
+        SINKS,
         stride_qt,
         stride_qh,
         stride_row,
@@ -250,6 +261,7 @@ if triton is not None:
         GROUP: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
+        HAS_SINKS: tl.constexpr,
         PRECISION: tl.constexpr,
         UPCAST: tl.constexpr,
     ):
@@ -293,6 +305,8 @@ if triton is not None:
                 q, KV, slot, key_ok, seen, top, total, acc, stride_row, kvh, scale,
                 HEAD_DIM, HEAD_PAD, KV_DIM, PRECISION, UPCAST,
             )  # fmt: skip
+        if HAS_SINKS:
+            total += tl.exp(tl.load(SINKS + h) - top)
         out = acc / tl.where(total > 0, total, 1.0)[:, None]
         tl.store(
             OUT + (q_start + rows)[:, None] * stride_ot + h * stride_oh + dims[None, :],
@@ -346,6 +360,7 @@ def paged_decode(
     scale: float,
     window: int,
     split_len: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention (`PagedDecode`): q (B, heads, head_dim); rows (slots, 2 * kv_dim), a
     layer's pool as keys then values; slots (B * kv_max,) int64, each sequence's keys' slots
@@ -382,6 +397,7 @@ def paged_decode(
         total,
         slots,
         kv_lens,
+        out if sinks is None else sinks,  # not read without sinks
         q.stride(0),
         q.stride(1),
         rows.stride(0),
@@ -399,6 +415,7 @@ def paged_decode(
         GROUP_PAD=next_pow2(group),
         BLOCK_N=DECODE_BLOCK_N,
         ONE_SPLIT=num_splits == 1,
+        HAS_SINKS=sinks is not None,
         **_products(q.dtype, on_gpu),
     )
     if num_splits > 1:
@@ -409,6 +426,7 @@ def paged_decode(
             acc,
             top,
             total,
+            top if sinks is None else sinks,  # not read without sinks
             out.stride(0),
             out.stride(1),
             num_heads,
@@ -416,6 +434,7 @@ def paged_decode(
             HEAD_DIM=head_dim,
             HEAD_PAD=head_pad,
             SPLITS_PAD=next_pow2(num_splits, floor=2),
+            HAS_SINKS=sinks is not None,
         )
     return out
 
@@ -430,6 +449,7 @@ def paged_prefill(
     scale: float,
     window: int,
     q_max: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Prefill attention (`PagedPrefill`): q (T, heads, head_dim); rows as in decode; slots
     (sum of kv_len,) int64, each sequence's keys back to back; q_starts, kv_starts (B + 1,)
@@ -452,6 +472,7 @@ def paged_prefill(
         slots,
         q_starts,
         kv_starts,
+        out if sinks is None else sinks,  # not read without sinks
         q.stride(0),
         q.stride(1),
         rows.stride(0),
@@ -465,6 +486,7 @@ def paged_prefill(
         GROUP=num_heads // num_kv_heads,
         BLOCK_M=PREFILL_BLOCK_M,
         BLOCK_N=PREFILL_BLOCK_N,
+        HAS_SINKS=sinks is not None,
         **_products(q.dtype, q.is_cuda),
     )
     return out
@@ -472,23 +494,26 @@ def paged_prefill(
 
 COMPILE_CASES: dict[str, tuple[list[str], dict[str, Any]]] = {
     "decode_split": (
-        ["*{t}", "*{t}", "*{t}", "*fp32", "*fp32", "*fp32", "*i64", "*i64"]
+        ["*{t}", "*{t}", "*{t}", "*fp32", "*fp32", "*fp32", "*i64", "*i64", "*fp32"]
         + ["i32"] * 8
         + ["fp32", "i32", "i32"],
         dict(
             HEAD_DIM=128, HEAD_PAD=128, KV_DIM=1024, GROUP=4, GROUP_PAD=16,
-            BLOCK_N=DECODE_BLOCK_N, ONE_SPLIT=False, PRECISION="tf32", UPCAST=False,
+            BLOCK_N=DECODE_BLOCK_N, ONE_SPLIT=False, HAS_SINKS=True, PRECISION="tf32",
+            UPCAST=False,
         ),
     ),
     "decode_merge": (
-        ["*{t}", "*fp32", "*fp32", "*fp32"] + ["i32"] * 4,
-        dict(HEAD_DIM=128, HEAD_PAD=128, SPLITS_PAD=16),
+        ["*{t}", "*fp32", "*fp32", "*fp32", "*fp32"] + ["i32"] * 4,
+        dict(HEAD_DIM=128, HEAD_PAD=128, SPLITS_PAD=16, HAS_SINKS=True),
     ),
     "prefill": (
-        ["*{t}", "*{t}", "*{t}", "*i64", "*i64", "*i64"] + ["i32"] * 5 + ["fp32", "i32", "i32"],
+        ["*{t}", "*{t}", "*{t}", "*i64", "*i64", "*i64", "*fp32"]
+        + ["i32"] * 5
+        + ["fp32", "i32", "i32"],
         dict(
             HEAD_DIM=128, HEAD_PAD=128, KV_DIM=1024, GROUP=4, BLOCK_M=PREFILL_BLOCK_M,
-            BLOCK_N=PREFILL_BLOCK_N, PRECISION="tf32", UPCAST=False,
+            BLOCK_N=PREFILL_BLOCK_N, HAS_SINKS=True, PRECISION="tf32", UPCAST=False,
         ),
     ),
 }  # fmt: skip

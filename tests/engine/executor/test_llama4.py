@@ -1,7 +1,7 @@
 """Llama 4 (text) beyond what every newer MoE family is tested for (test_moe_giants.py:
-placements, logits, prefix cache, each feature): the chunks and NoPE layers through SDPA's
-masks with the native kernels off, the published checkpoint with its vision tower read as its
-text model, and chunked layers without a chunk size refused."""
+placements, the portable path, logits, prefix cache, each feature): the published checkpoint
+with its vision tower read as its text model, and chunked layers without a chunk size
+refused."""
 
 from __future__ import annotations
 
@@ -13,18 +13,9 @@ import pytest
 from engine.models.config import ModelConfig, read_hf_config
 from engine.models.hf_config import UnsupportedModelError
 from policy import Policy
-from tests.engine.executor.test_correctness import PLACEMENTS, run
+from tests.engine.executor.test_correctness import run
 from tests.engine.executor.test_family_features import _with_config
 from tests.engine.tiny_models import LLAMA4
-
-
-def test_portable_path_matches_transformers(tiny_model, references, tmp_path):
-    """SDPA over gathered rows (native kernels off): the chunks go through SDPA's mask there,
-    through the native kernels' bounds above."""
-    prompts, expected = references(LLAMA4)
-    policy = Policy(**PLACEMENTS["kv-act-mixed"])  # type: ignore[arg-type]
-    portable = dict(native_kernels=False, prepack_weights=False)
-    assert run(tiny_model(LLAMA4), prompts, policy, tmp_path, **portable) == expected
 
 
 def test_vision_checkpoint_reads_as_its_text_model(tiny_model, references, tmp_path):

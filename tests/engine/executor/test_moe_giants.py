@@ -2,8 +2,8 @@
 tokens equal transformers' with experts and KV on every tier, logits equal its full forward
 pass, the prefix cache and nano-batches give the same tokens, and each feature changes
 transformers' own tokens (so the tests would see it ignored). What only one family has is
-tested in its own file (test_gpt_oss.py: the sinks; test_llama4.py: the chunks on the portable
-path, the vision checkpoint)."""
+tested in its own file (test_gpt_oss.py: the sinks changed; test_llama4.py: the vision
+checkpoint)."""
 
 from __future__ import annotations
 
@@ -39,6 +39,17 @@ def test_matches_transformers(tiny_model, references, tmp_path, kind, placement)
     prompts, expected = references(kind)
     policy = Policy(**{**MOE_PLACEMENTS, **PLACEMENTS}[placement])  # type: ignore[arg-type]
     assert run(tiny_model(kind), prompts, policy, tmp_path) == expected
+
+
+@pytest.mark.parametrize("kind", GIANTS)
+def test_portable_path_matches_transformers(tiny_model, references, tmp_path, kind):
+    """SDPA over gathered rows, or the eager product with sinks (native kernels off): the
+    windows, chunks and sinks through the masks and plain ops there, through the native
+    kernels' bounds and sink terms in the other tests."""
+    prompts, expected = references(kind)
+    policy = Policy(**PLACEMENTS["kv-act-mixed"])  # type: ignore[arg-type]
+    portable = dict(native_kernels=False, prepack_weights=False)
+    assert run(tiny_model(kind), prompts, policy, tmp_path, **portable) == expected
 
 
 @pytest.mark.parametrize("kind", GIANTS)

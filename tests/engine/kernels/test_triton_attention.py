@@ -64,10 +64,11 @@ def reference(
     kv_heads: int,
     scale: float,
     window: int,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Float64 attention, sequence by sequence: row t of a sequence with q_len new rows and
     kv_len keys sees keys [0, kv_len - q_len + t] (the last `window`; with window < 0 those
-    of its own chunk)."""
+    of its own chunk); `sinks` (heads,): gpt-oss's sink logits."""
     heads, head_dim = q.shape[1], q.shape[2]
     kv_dim = kv_heads * head_dim
     out, row = [], 0
@@ -85,7 +86,11 @@ def reference(
         if window < 0:  # chunked attention: the query's own chunk of -window positions
             seen &= keys >= pos - pos % -window
         scores = scores.masked_fill(~seen, float("-inf"))
-        out.append(torch.einsum("htk,khd->thd", scores.softmax(-1), v))
+        if sinks is not None:  # each head's sink: one more column, without a value
+            column = sinks.double()[:, None, None].expand(-1, scores.shape[1], 1)
+            scores = torch.cat([scores, column], dim=-1)
+        probs = scores.softmax(-1)[..., : len(slots)]
+        out.append(torch.einsum("htk,khd->thd", probs, v))
         row += q_len
     return torch.cat(out)
 
@@ -170,6 +175,34 @@ def test_kernels_through_paged_attention_equal_the_gather_path(dtype):
     want = reference(q, pool, seq_slots, q_lens, kv_heads, head_dim**-0.5, 0)
     assert relative_error(got, want) < TOLERANCE[dtype]
     assert relative_error(gathered, want) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernels_take_sinks(dtype):
+    """gpt-oss's sink logits (some far above the scores, some below), in decode with one
+    split and several (merged with the sinks) and in prefill, with a sliding window."""
+    heads, kv_heads, head_dim, window = 8, 2, 64, 40
+    sinks = torch.linspace(-3.0, 6.0, heads)
+    lens = [1, 17, 130, 3]
+    pool, seq_slots = paged_pool(lens, kv_heads, head_dim, dtype, seed=5)
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(len(lens), heads, head_dim, generator=g).to(dtype)
+    want = reference(q, pool, seq_slots, [1] * len(lens), kv_heads, 0.125, window, sinks)
+    table = torch.tensor([s + [s[0]] * (max(lens) - len(s)) for s in seq_slots]).reshape(-1)
+    on = [t.to(DEVICE) for t in (q, pool, table, torch.tensor(lens), sinks)]
+    for split_len in (None, 64):
+        got = ta.paged_decode(*on[:4], kv_heads, 0.125, window, split_len, sinks=on[4]).cpu()
+        assert relative_error(got, want) < TOLERANCE[dtype], split_len
+    shapes = [(5, 0), (17, 40), (70, 100)]
+    q_lens, lens = [n for n, _ in shapes], [n + p for n, p in shapes]
+    pool, seq_slots = paged_pool(lens, kv_heads, head_dim, dtype, seed=6)
+    q = torch.randn(sum(q_lens), heads, head_dim, generator=g).to(dtype)
+    want = reference(q, pool, seq_slots, q_lens, kv_heads, 0.125, window, sinks)
+    slots = torch.tensor([s for seq in seq_slots for s in seq])
+    starts = [torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()]) for n in (q_lens, lens)]
+    on = [t.to(DEVICE) for t in (q, pool, slots, *starts, sinks)]
+    got = ta.paged_prefill(*on[:5], kv_heads, 0.125, window, max(q_lens), sinks=on[5]).cpu()
+    assert relative_error(got, want) < TOLERANCE[dtype]
 
 
 def test_decode_splits_fill_the_gpu():
