@@ -161,6 +161,23 @@ def _gpt_oss(name: str, layers: int, experts: int) -> ModelSpec:
     )
 
 
+def _llama4(name: str, experts: int, moe_step: int, *, qk_norm: bool) -> ModelSpec:
+    """Llama 4's text model: 48 layers of hidden 5120, 40 heads over 8 KV heads of 128, top-1
+    of `experts` (8192 wide) and a shared expert on every `moe_step`-th layer, dense layers of
+    16384, chunked attention (8192) on three layers of four (NoPE on the fourth)."""
+    return _hf(
+        name,
+        "llama4_text",
+        **_shape(5120, 8192, 48, 40, 8, 128, 202048),
+        intermediate_size_mlp=16384,
+        num_local_experts=experts,
+        num_experts_per_tok=1,
+        interleave_moe_layer_step=moe_step,
+        attention_chunk_size=8192,
+        use_qk_norm=qk_norm,
+    )
+
+
 # Shapes from the models' published config.json files (fp16/bf16 checkpoints; Gemma 3 4B and
 # larger: the language model of the vision checkpoints).
 BUILTIN_MODELS: dict[str, ModelSpec] = {
@@ -258,6 +275,8 @@ BUILTIN_MODELS: dict[str, ModelSpec] = {
         _glm("glm-4.5-air", (4096, 10944, 46, 96, 8, 128, 151552), 1408, 128, 1, qk_norm=False),
         _gpt_oss("gpt-oss-20b", 24, 32),
         _gpt_oss("gpt-oss-120b", 36, 128),
+        _llama4("llama-4-scout", 16, 1, qk_norm=True),
+        _llama4("llama-4-maverick", 128, 2, qk_norm=False),
         _hf(
             "smollm3-3b",
             "smollm3",
@@ -315,6 +334,11 @@ _ALIASES: dict[str, str] = {
     "kimi-k2-instruct": "kimi-k2",
     "kimi-k2-base": "kimi-k2",
     "glm-4.6": "glm-4.5",
+    "llama-4-scout-17b-16e": "llama-4-scout",
+    "llama-4-scout-17b-16e-instruct": "llama-4-scout",
+    "llama-4-maverick-17b-128e": "llama-4-maverick",
+    "llama-4-maverick-17b-128e-instruct": "llama-4-maverick",
+    "llama-4-maverick-17b-128e-instruct-fp8": "llama-4-maverick",
     "smollm3-3b-base": "smollm3-3b",
     "tinyllama-1.1b-chat-v1.0": "tinyllama-1.1b",
     "tinyllama-1.1b-intermediate-step-1431k-3t": "tinyllama-1.1b",

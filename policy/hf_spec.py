@@ -28,21 +28,24 @@ FAMILIES: dict[str, str] = {
     "glm4_moe": "llama",
     "deepseek_v3": "llama",
     "gpt_oss": "llama",
+    "llama4_text": "llama",
 }
 """HF `model_type` -> our architecture family (all but OPT: RMSNorm, RoPE, gated MLP)."""
 _TIED_BY_DEFAULT = frozenset({"gemma2", "gemma3_text"})
 """Families whose config class ties the head to the embeddings unless told otherwise."""
+_TEXT_MODELS = {"gemma3": "gemma3_text", "llama4": "llama4_text"}
+"""Vision checkpoints' model types -> their language model's."""
 _DTYPE_BYTES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 
 
 def spec_fields(config: dict[str, Any], name: str | None) -> dict[str, Any]:
     """`ModelSpec` keyword arguments for `config`; a `ModelSpecError` names what is wrong."""
     model_type = str(config.get("model_type", "")).lower()
-    if model_type == "gemma3" and isinstance(config.get("text_config"), dict):
-        # Gemma 3 4B and larger ship with a vision tower: its language model is Gemma 3 text
+    if model_type in _TEXT_MODELS and isinstance(config.get("text_config"), dict):
+        # Gemma 3 4B and larger and Llama 4 ship with a vision tower: their language model
         dtype = config.get("torch_dtype") or config.get("dtype")
-        config = {"torch_dtype": dtype, **config["text_config"], "model_type": "gemma3_text"}
-        model_type = "gemma3_text"
+        model_type = _TEXT_MODELS[model_type]
+        config = {"torch_dtype": dtype, **config["text_config"], "model_type": model_type}
     arch = FAMILIES.get(model_type)
     if arch is None:
         raise ModelSpecError(
@@ -103,13 +106,17 @@ def _llama_family(
     if model_type in ("qwen2", "qwen2_moe"):  # Qwen2's biases (qwen2_moe: unless qkv_bias says)
         qkv_bias = model_type == "qwen2" or bool(config.get("qkv_bias", True))
     mla = _mla(config, num_heads, hidden) if model_type == "deepseek_v3" else {}
+    # Llama 4's dense layers are intermediate_size_mlp wide (its experts intermediate_size)
+    dense_width_key = "intermediate_size"
+    if model_type == "llama4_text":
+        dense_width_key = "intermediate_size_mlp"
     fields = dict(
         name=label,
         arch="llama",
         model_type=model_type,
         num_layers=num_layers,
         hidden_size=hidden,
-        intermediate_size=int(config["intermediate_size"]),
+        intermediate_size=int(config[dense_width_key]),
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
@@ -134,6 +141,8 @@ def _experts(config: dict[str, Any], model_type: str, num_layers: int) -> dict[s
     Qwen3-MoE's under the latter)."""
     if model_type in ("glm4_moe", "deepseek_v3"):
         return _grouped_experts(config, num_layers)
+    if model_type == "llama4_text":
+        return _llama4_experts(config, num_layers)
     if model_type == "gpt_oss":  # every layer; experts as wide as intermediate_size
         return dict(
             num_experts=int(config["num_local_experts"]),
@@ -187,6 +196,22 @@ def _grouped_experts(config: dict[str, Any], num_layers: int) -> dict[str, Any]:
     )
 
 
+def _llama4_experts(config: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """Llama 4's: num_local_experts as wide as intermediate_size on `moe_layers` (else every
+    interleave_moe_layer_step-th layer), and a shared expert as wide, ungated."""
+    step = int(config.get("interleave_moe_layer_step", 1) or 1)
+    layers = config.get("moe_layers") or range(step - 1, num_layers, step)
+    width = int(config["intermediate_size"])
+    return dict(
+        num_experts=int(config["num_local_experts"]),
+        num_experts_per_tok=int(config.get("num_experts_per_tok", 1)),
+        moe_intermediate_size=width,
+        shared_expert_intermediate_size=width,
+        shared_expert_gate=False,
+        moe_layer_ids=tuple(int(i) for i in layers),
+    )
+
+
 def _mla(config: dict[str, Any], num_heads: int, hidden: int) -> dict[str, Any]:
     """DeepSeek-V3's multi-head latent attention: its parameters, and the KV row the engine
     keeps (one head of kv_lora_rank + qk_rope_head_dim)."""
@@ -208,6 +233,8 @@ def _mla(config: dict[str, Any], num_heads: int, hidden: int) -> dict[str, Any]:
 def _windows(config: dict[str, Any], model_type: str, num_layers: int) -> tuple[int, int]:
     """(sliding window, number of layers that have it), as each family's config class
     derives them: `layer_types` where given, else the family's own rule."""
+    if model_type == "llama4_text":
+        return _llama4_chunks(config, num_layers)
     default = 4096 if model_type in ("gemma2", "gemma3_text", "olmo3") else 0
     window = int(config.get("sliding_window", default) or 0)
     if not window:
@@ -235,3 +262,21 @@ def _windows(config: dict[str, Any], model_type: str, num_layers: int) -> tuple[
         pattern = int(config.get("sliding_window_pattern", 6))
         return window, num_layers - num_layers // pattern
     return window, num_layers  # Mistral, Mixtral, Phi-3: every layer
+
+
+def _llama4_chunks(config: dict[str, Any], num_layers: int) -> tuple[int, int]:
+    """Llama 4's chunked attention priced as a sliding window of attention_chunk_size (a
+    query reads at most that many keys: its own chunk's, C / 2 on average, so the price is an
+    upper bound) on the rotary layers (`layer_types` where given, else those `no_rope_layers`
+    marks 1, else all but every no_rope_layer_interval-th)."""
+    chunk = int(config.get("attention_chunk_size", 8192) or 0)
+    if not chunk:
+        return 0, 0
+    types = config.get("layer_types")
+    if isinstance(types, list):
+        return chunk, sum(1 for kind in types if kind == "chunked_attention")
+    flags = config.get("no_rope_layers")
+    if isinstance(flags, list) and flags:
+        return chunk, sum(1 for rope in flags[:num_layers] if rope)
+    interval = int(config.get("no_rope_layer_interval", 4))
+    return chunk, num_layers - num_layers // interval

@@ -19,9 +19,10 @@ and nothing handed out is ever taken back (what streaming needs).
 
 from __future__ import annotations
 
+import functools
 from codecs import utf_8_decode
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 Stepper = Callable[[int], "str | None"]
 """One output's incremental decode: a token's text once it is whole (None while a character
@@ -65,11 +66,28 @@ class Detokenizer(Protocol):
     def decode(self, token_ids: list[int]) -> str: ...
 
 
+class SpecialsKept:
+    """A served tokenizer's decode that keeps special tokens' text (a request's
+    `skip_special_tokens=False`): its `decode` and `stepper` asked to keep them."""
+
+    def __init__(self, decoder: Detokenizer) -> None:
+        self._decoder: Any = decoder  # the served tokenizer: decode and stepper take the flag
+        stepper = getattr(decoder, "stepper", None)
+        self.stepper: Callable[[], Stepper] | None = None
+        if stepper is not None:
+            self.stepper = functools.partial(stepper, skip_special_tokens=False)
+
+    def decode(self, token_ids: list[int]) -> str:
+        return str(self._decoder.decode(token_ids, skip_special_tokens=False))
+
+
 class IncrementalDetokenizer:
     """The text of one sequence's output tokens, handed out piece by piece."""
 
-    def __init__(self, decoder: Detokenizer, stop: tuple[str, ...] = ()) -> None:
-        self.decoder = decoder
+    def __init__(
+        self, decoder: Detokenizer, stop: tuple[str, ...] = (), skip_special_tokens: bool = True
+    ) -> None:
+        self.decoder = decoder if skip_special_tokens else SpecialsKept(decoder)
         self.stop = stop
         """Stop strings: the text ends before the first one."""
         self.stop_hit: str | None = None
@@ -82,7 +100,7 @@ class IncrementalDetokenizer:
         self._num_read = 0
         self._held = ""
         """Decoded text not handed out yet (at most `_hold` characters)."""
-        new_stepper: Callable[[], Stepper] | None = getattr(decoder, "stepper", None)
+        new_stepper: Callable[[], Stepper] | None = getattr(self.decoder, "stepper", None)
         self._step = new_stepper() if new_stepper is not None else None
         """The decoder's stepper, while there is one that has not failed."""
         self._steps = self._step is not None

@@ -69,6 +69,9 @@ class SamplingParams:
     """Return this many top alternatives (plus the chosen token) per generated token."""
     n: int = 1
     echo: bool = False
+    skip_special_tokens: bool = True
+    """The output's text leaves the tokenizer's special tokens out (vLLM's default); False
+    keeps them (gpt-oss's harmony channels are read from them, server/openai/harmony.py)."""
     extra: dict[str, object] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:

@@ -102,7 +102,8 @@ class Sequence:
         prompt = list(request.prompt_token_ids)
         text = None
         if detokenizer is not None:
-            text = IncrementalDetokenizer(detokenizer, request.sampling.stop)
+            sampling = request.sampling
+            text = IncrementalDetokenizer(detokenizer, sampling.stop, sampling.skip_special_tokens)
         seq = cls(seq_id, request, prompt, len(prompt), text)
         seq.decodes_at_end = request.final_only and not request.sampling.stop
         return seq

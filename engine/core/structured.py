@@ -160,14 +160,7 @@ def after_reasoning(spec: StructuredOutput, opened: bool) -> StructuredOutput:
     output, as it is."""
     if spec.kind == "grammar" and END_OF_THINKING in spec.value:
         return spec
-    if spec.kind == "grammar":
-        answer = "@answer"
-    elif spec.kind in ("json", "json_object"):
-        answer = "%json " + (spec.value if spec.kind == "json" else '{"type": "object"}')
-    elif spec.kind == "choice":
-        answer = " | ".join(json.dumps(c) for c in dict.fromkeys(json.loads(spec.value)))
-    else:
-        answer = "/" + spec.value.replace("/", "\\/") + "/"
+    answer = "@answer" if spec.kind == "grammar" else _answer_rule(spec)
     think = "think" if opened else '("<think>" think)?'
     lark = (
         f'start: {think} /[ \\t\\r\\n]*/ answer\nthink[stop="{END_OF_THINKING}"]: /(?s:.*)/\n'
@@ -179,3 +172,27 @@ def after_reasoning(spec: StructuredOutput, opened: bool) -> StructuredOutput:
             "grammar", json.dumps({"grammars": [{"lark_grammar": lark}, nested]})
         )
     return StructuredOutput("grammar", lark)
+
+
+def after_harmony_analysis(spec: StructuredOutput) -> StructuredOutput:
+    """`spec` applied to gpt-oss's final channel only: an optional analysis message of any
+    text (harmony's special tokens around it: `<|channel|>analysis<|message|>` ...
+    `<|end|><|start|>assistant`), then `<|channel|>final<|message|>` and the answer `spec`
+    constrains. A Lark or GBNF `grammar` stays as it is."""
+    if spec.kind == "grammar":
+        return spec
+    lark = (
+        'start: analysis? <|channel|> "final" <|message|> answer\n'
+        'analysis: <|channel|> "analysis" <|message|> /(?s:.*)/ <|end|> <|start|> "assistant"\n'
+        f"answer: {_answer_rule(spec)}\n"
+    )
+    return StructuredOutput("grammar", lark)
+
+
+def _answer_rule(spec: StructuredOutput) -> str:
+    """A json, json_object, choice or regex `spec` as the body of a Lark rule."""
+    if spec.kind in ("json", "json_object"):
+        return "%json " + (spec.value if spec.kind == "json" else '{"type": "object"}')
+    if spec.kind == "choice":
+        return " | ".join(json.dumps(c) for c in dict.fromkeys(json.loads(spec.value)))
+    return "/" + spec.value.replace("/", "\\/") + "/"

@@ -225,14 +225,32 @@ class Tokenizer:
             return text
         return str(self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
 
-    def stepper(self) -> Stepper:
-        """A new incremental decode of one output, skipping special tokens: a byte-level
-        vocabulary's table (a token's text looked up) when the tokenizer has one, else
-        tokenizers' `DecodeStream` (in Rust, about five times the time a token)."""
+    def stepper(self, skip_special_tokens: bool = True) -> Stepper:
+        """A new incremental decode of one output, skipping special tokens (or keeping their
+        text): a byte-level vocabulary's table (a token's text looked up) when the tokenizer
+        has one, else tokenizers' `DecodeStream` (in Rust, about five times the time a
+        token)."""
         table = self._byte_table
-        if table is not None:
-            return byte_level_stepper(*table)
-        return functools.partial(DecodeStream(skip_special_tokens=True).step, self._tokenizer)
+        if table is None:
+            stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+            return functools.partial(stream.step, self._tokenizer)
+        step = byte_level_stepper(*table)
+        if skip_special_tokens:
+            return step
+        specials = self._special_texts
+
+        def keeping(token_id: int) -> str | None:
+            """A special token's own text; any other token's as the table has it."""
+            text = specials.get(token_id)
+            return step(token_id) if text is None else text
+
+        return keeping
+
+    @functools.cached_property
+    def _special_texts(self) -> dict[int, str]:
+        """Special token id -> its text."""
+        added = self._tokenizer.get_added_tokens_decoder()
+        return {i: t.content for i, t in added.items() if t.special}
 
     @functools.cached_property
     def _byte_table(self) -> ByteTable | None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch.nn.functional import scaled_dot_product_attention
@@ -44,7 +44,7 @@ class Chunk:
     """Its first key among the group's gathered slots."""
     kv_len: int
     window: int = 0
-    """The sliding window; 0: none."""
+    """The sliding window; 0: none; negative: chunks of -window (`in_window`)."""
 
     @property
     def lead(self) -> int:
@@ -64,7 +64,17 @@ class Chunk:
         q_pos = past + torch.arange(self.q_len, device=device)[:, None]
         k_pos = torch.arange(self.kv_len, device=device)[None, :]
         visible = k_pos <= q_pos  # query t sees keys past + t - window < key <= past + t
-        return visible & (k_pos > q_pos - self.window) if self.window else visible
+        return visible & in_window(k_pos, q_pos, self.window) if self.window else visible
+
+
+def in_window(k_pos: torch.Tensor, q_pos: torch.Tensor, window: int) -> torch.Tensor:
+    """Whether keys at `k_pos` lie within the window of queries at `q_pos` (broadcast; both
+    absolute positions, causality apart): a sliding window (> 0) keeps the last `window`
+    positions, itself included; chunked attention (< 0, Llama 4) keeps the query's own chunk
+    of -window positions."""
+    if window > 0:
+        return k_pos > q_pos - window
+    return k_pos >= q_pos - q_pos % -window
 
 
 @dataclass(slots=True)
@@ -102,7 +112,8 @@ class PaddedGroup:
     """With `chunks`: (B_g + 1,) int64 where each sequence's rows begin among the group's new
     rows, and among `slots` (the native prefill kernel's offsets); None otherwise."""
     window: int = 0
-    """The sliding window (a decode sees its last `window` keys); 0: none."""
+    """The sliding window (a decode sees its last `window` keys); 0: none; negative: chunked
+    attention (`in_window`)."""
     new_span: tuple[int, int] | None = None
     """[start, stop) when `new_rows` are one run of rows (a slice, not a gather)."""
 
@@ -242,7 +253,7 @@ def _padded(
         k_pos = torch.arange(kv_max, device=device)[None, None, :]  # (1, 1, kv_max)
         visible = k_pos <= q_pos[:, :, None]  # causal; also hides padded keys
         if sliding_window is not None:
-            visible &= k_pos > q_pos[:, :, None] - sliding_window
+            visible &= in_window(k_pos, q_pos[:, :, None], sliding_window)
         q_valid = torch.arange(q_max, device=device)[None, :] < q_len_t[:, None]
         visible[:, :, 0] |= ~q_valid  # padded query rows attend somewhere: no all -inf row
         mask = visible[:, None]
@@ -389,23 +400,29 @@ def _paged_group(
     spec: AttentionSpec,
 ) -> torch.Tensor:
     """One group: a native kernel over the pool (when given them; they do not soft-cap), or
-    one gather from the pool and SDPA. A decode group uses q as it is, without a padded copy."""
+    one gather from the pool and SDPA. A decode group uses q as it is, without a padded copy.
+    Sinks reach the kernels as they lie, on the compute device (in float32)."""
     assert g.slots is not None
     b, q_max, kv_max = g.num_seqs, g.q_max, g.kv_max
     num_heads, head_dim = q.shape[1], q.shape[2]
-    native = kernels is not None and not spec.softcap and spec.sinks is None
+    native = kernels is not None and not spec.softcap
     prefill = None if kernels is None else kernels.prefill
     if native and (g.kv_lens is not None or (g.starts is not None and prefill is not None)):
         assert kernels is not None
         rows = decode(pool)  # plain rows: a view of the whole pool
         scale = head_dim**-0.5 if spec.scale is None else spec.scale
+        sinks = None if spec.sinks is None else spec.sinks.float().contiguous()
         if q.stride()[1:] != (head_dim, 1):  # the kernels take rows strided, heads adjacent
             q = q.contiguous()
         if g.kv_lens is not None:
-            return kernels.decode(q, rows, g.slots, g.kv_lens, kv_shape[0], scale, g.window)
+            return kernels.decode(
+                q, rows, g.slots, g.kv_lens, kv_shape[0], scale, g.window, sinks=sinks
+            )
         assert g.starts is not None and prefill is not None
         q_starts, kv_starts = g.starts
-        return prefill(q, rows, g.slots, q_starts, kv_starts, kv_shape[0], scale, g.window)
+        return prefill(
+            q, rows, g.slots, q_starts, kv_starts, kv_shape[0], scale, g.window, sinks=sinks
+        )
     if g.chunks is not None:
         keys = decode(select_rows(pool, g.slots)).view(-1, 2, *kv_shape)  # (sum L, 2, ...)
         outs = []
@@ -462,6 +479,25 @@ def split_kv(
         return None, None
     n, kv_dim = rows.shape[0], kv_shape[0] * kv_shape[1]
     return rows[:, :kv_dim].reshape(n, *kv_shape), rows[:, kv_dim:].reshape(n, *kv_shape)
+
+
+class HostSinks:
+    """Each layer's sink logits (gpt-oss) in host memory, for the attention that runs on the
+    CPU while the layer's weights lie on a GPU: copied there once per layer, the first time
+    (the sinks are weights: they never change), not once per step, where the copy would make
+    the layer loop wait on the device."""
+
+    def __init__(self) -> None:
+        self._by_layer: dict[int, torch.Tensor] = {}
+
+    def spec(self, j: int, spec: AttentionSpec) -> AttentionSpec:
+        """`spec` with layer j's sinks in host memory."""
+        if spec.sinks is None or spec.sinks.device.type == "cpu":
+            return spec
+        host = self._by_layer.get(j)
+        if host is None:
+            host = self._by_layer[j] = spec.sinks.to("cpu", torch.float32)
+        return replace(spec, sinks=host)
 
 
 def cpu_attention(

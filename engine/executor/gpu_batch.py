@@ -16,6 +16,7 @@ from engine.core.protocol import SeqChunk, TokenLogprobs
 from engine.core.sampling_params import SamplingParams
 from engine.executor.attention import RaggedLayout, padded_table
 from engine.models.base import Positions
+from engine.models.config import shared_window
 from engine.storage.kv_store import KVRows
 
 
@@ -182,7 +183,7 @@ class BatchBuilder:
         self.cpu_attention = cpu_attention
         self.windows = windows
         """The distinct sliding windows of the model's layers (0: none): a layout for each."""
-        self.shared_window = windows[0] if len(windows) == 1 else 0
+        self.shared_window = shared_window(windows)
         """The window of every layer, where they share one: then a sequence attends only over
         its last window - 1 past tokens, and only those are gathered, read or loaded."""
         self.pool_device = pool_device

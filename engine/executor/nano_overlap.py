@@ -27,7 +27,13 @@ from contextlib import contextmanager
 
 import torch
 
-from engine.executor.attention import cpu_attention, join_kv, ragged_attention, split_kv
+from engine.executor.attention import (
+    HostSinks,
+    cpu_attention,
+    join_kv,
+    ragged_attention,
+    split_kv,
+)
 from engine.executor.cuda_graphs import StepGraphs
 from engine.executor.gpu_batch import GpuBatch, NanoAttention, NanoBatch
 from engine.executor.tasks import start
@@ -64,6 +70,7 @@ class NanoOverlap:
         self.tracer = tracer or NoTracer()
         c = model.config
         self._kv_shape = (c.num_kv_heads, c.head_dim)
+        self._host_sinks = HostSinks()
         cuda = device.is_cuda and overlap
         self._attention_stream = torch.cuda.Stream(device.device) if cuda else None
         """CUDA: the second stream the device's attention runs on."""
@@ -216,6 +223,7 @@ class NanoOverlap:
         with self.tracer.span("cpu_attention", "cpu_attention", j, k, index):
             past_rows = None if past is None else past[part.past]
             layout = part.layouts[spec.window]
+            spec = self._host_sinks.spec(j, spec)
             out = cpu_attention(*qkv, past_rows, layout, self._kv_shape, spec)
         if not self.device.is_cuda:
             return out.to(dtype), None

@@ -25,6 +25,7 @@ import torch
 
 from engine.core.kv_pages import PageMove
 from engine.executor.attention import (
+    HostSinks,
     cpu_attention,
     join_kv,
     paged_attention,
@@ -103,6 +104,7 @@ class BlockPipeline:
         """The native CPU attention over the pool (`engine.kernels`), or None."""
         c = model.config
         self._kv_shape = (c.num_kv_heads, c.head_dim)
+        self._host_sinks = HostSinks()
         self._acts: dict[int, dict[str, torch.Tensor]] = {}  # GPU batch -> tier -> rows
         self._act_files: dict[int, DiskFile] = {}
         self._loads = ThreadPoolExecutor(num_load_threads, thread_name_prefix="nanoflex-load")
@@ -586,6 +588,7 @@ class BlockPipeline:
     ) -> torch.Tensor:
         """Decode attention on the CPU over host-homed KV (cpu or disk tier): only q and the
         new k, v cross PCIe."""
+        spec = self._host_sinks.spec(j, spec)
         out = cpu_attention(q, k, v, past, group.layouts[spec.window], self._kv_shape, spec)
         return out.to(q.device, q.dtype, non_blocking=True)
 

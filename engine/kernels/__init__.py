@@ -46,7 +46,7 @@ SOURCES = (
     HERE / "dense_ops.cpp",
     HERE / "token_mask.cpp",
 )
-HEADERS = (HERE / "vector_math.h",)
+HEADERS = (HERE / "vector_math.h", HERE / "attention_sinks.h")
 CFLAGS = ("-O3", "-mprefer-vector-width=512", "-fopenmp", "-ffp-contract=off")
 """`-fopenmp` makes `at::parallel_for` run on torch's own OpenMP threads (the library
 links `libgomp.so.1`, which resolves to the copy torch has loaded), not serially.
@@ -95,13 +95,16 @@ def supported_levels() -> list[str]:
 
 PagedDecode = Callable[..., torch.Tensor]
 """(q (B, heads, head_dim), pool (slots, 2 * kv_dim), slots (B * kv_max,) int64,
-kv_lens (B,) int64, num_kv_heads, scale, window) -> (B, heads, head_dim)."""
+kv_lens (B,) int64, num_kv_heads, scale, window, sinks) -> (B, heads, head_dim); `window`
+negative: chunked attention (engine.executor.attention.in_window); `sinks`: None, or
+(heads,) float32 sink logits on q's device (gpt-oss)."""
 
 PagedPrefill = Callable[..., torch.Tensor]
 """(q (T, heads, head_dim), pool (slots, 2 * kv_dim), slots (sum of kv_len,) int64: each
 sequence's keys back to back, q_starts and kv_starts (B + 1,) int64: where each sequence's
 rows of q and of slots begin, num_kv_heads, scale, window) -> (T, heads, head_dim); query t
-of a sequence sees its keys [0, kv_len - q_len + t] (the last `window` of them; 0: all)."""
+of a sequence sees its keys [0, kv_len - q_len + t] (the last `window` of them; 0: all;
+negative: its own chunk), `sinks` as in decode."""
 
 _lock = threading.Lock()
 

@@ -12,7 +12,8 @@
 // head_dim of 64, 128 or 256 a sequence runs in vector registers, 256 keys at a time, each
 // read in two passes while it is in the cache: scores, then values (`attend_seq_avx512`);
 // otherwise each kv head's query heads (grouped-query attention) in plain loops the compiler
-// vectorizes (`attend_pair`).
+// vectorizes (`attend_pair`). A layer with sinks (gpt-oss) adds each head's e^(sink - max) to
+// the sum its output is divided by.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -30,6 +31,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "attention_sinks.h"
 #include "vector_math.h"
 
 namespace {
@@ -53,7 +55,7 @@ struct Scratch {
 template <typename T>
 void attend_pair(const T* q_pair, const T* k_rows, const T* v_rows, int64_t row_stride,
                  const int64_t* seq_slots, int64_t n, int64_t group, int64_t head_dim,
-                 float scale, Scratch& w, T* out) {
+                 float scale, const float* sinks, Scratch& w, T* out) {
   w.q.resize(group * head_dim);
   w.acc.assign(group * head_dim, 0.f);
   w.row.resize(head_dim);
@@ -80,7 +82,7 @@ void attend_pair(const T* q_pair, const T* k_rows, const T* v_rows, int64_t row_
       s[t] = std::exp(s[t] - top);
       sum += s[t];
     }
-    w.sums[g] = sum;
+    w.sums[g] = sum + sink_weight(sinks, g, top);
   }
   for (int64_t t = 0; t < n; ++t) {
     const float* v = as_float(v_rows + seq_slots[t] * row_stride, w.row.data(), head_dim);
@@ -227,8 +229,8 @@ constexpr auto head_values_table(std::index_sequence<I...>) {
 
 template <typename T, int HD>
 void attend_seq_avx512(const T* q, const T* pool, int64_t row_stride, const int64_t* seq_slots,
-                       int64_t n, int64_t kv_heads, int64_t group, float scale, Scratch& w,
-                       T* out) {
+                       int64_t n, int64_t kv_heads, int64_t group, float scale,
+                       const float* sinks, Scratch& w, T* out) {
   constexpr int V = HD / 16;
   constexpr bool pairwise = kPairwiseBF16 && std::is_same_v<T, c10::BFloat16>;
   constexpr int GC = std::max(1, 24 / V);  // query heads whose accumulators fit registers
@@ -289,7 +291,7 @@ void attend_seq_avx512(const T* q, const T* pool, int64_t row_stride, const int6
       }
   }
   for (int64_t qh = 0; qh < heads; ++qh) {
-    const float inv = 1.f / w.sums[qh];
+    const float inv = 1.f / (w.sums[qh] + sink_weight(sinks, qh, w.top[qh]));
     for (int d = 0; d < HD; ++d) out[qh * HD + d] = from_f<T>(w.acc[qh * HD + d] * inv);
   }
 }
@@ -302,10 +304,15 @@ void decode_attention(const T* q, int64_t q_stride, const T* pool, int64_t row_s
                       const int64_t* slots, const int64_t* kv_lens, int64_t kv_max, T* out,
                       int64_t num_seqs,
                       int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale,
-                      int64_t window) {
+                      int64_t window, const float* sinks) {
   const int64_t group = num_heads / num_kv_heads;
   auto span = [&](int64_t b) {  // (first row, rows) of sequence b
-    const int64_t first = window > 0 ? std::max<int64_t>(0, kv_lens[b] - window) : 0;
+    // a sliding window keeps the last `window` keys; chunked attention (window < 0) the
+    // query's own chunk of -window positions
+    const int64_t last = kv_lens[b] - 1;
+    const int64_t first = window > 0   ? std::max<int64_t>(0, kv_lens[b] - window)
+                          : window < 0 ? last - last % -window
+                                       : 0;
     return std::pair<int64_t, int64_t>(first, kv_lens[b] - first);
   };
   std::vector<int64_t> order(num_seqs);
@@ -326,14 +333,16 @@ void decode_attention(const T* q, int64_t q_stride, const T* pool, int64_t row_s
         auto attend = head_dim == 64    ? attend_seq_avx512<T, 64>
                       : head_dim == 128 ? attend_seq_avx512<T, 128>
                                         : attend_seq_avx512<T, 256>;
-        attend(q_seq, pool, row_stride, seq_slots, n, num_kv_heads, group, scale, w, out_seq);
+        attend(q_seq, pool, row_stride, seq_slots, n, num_kv_heads, group, scale, sinks, w,
+               out_seq);
         continue;
       }
 #endif
       for (int64_t h = 0; h < num_kv_heads; ++h) {
         const int64_t heads = h * group * head_dim;  // the kv head's query heads, adjacent
         attend_pair(q_seq + heads, pool + h * head_dim, pool + (num_kv_heads + h) * head_dim,
-                    row_stride, seq_slots, n, group, head_dim, scale, w, out_seq + heads);
+                    row_stride, seq_slots, n, group, head_dim, scale,
+                    sinks == nullptr ? nullptr : sinks + h * group, w, out_seq + heads);
       }
     }
   });
@@ -341,7 +350,7 @@ void decode_attention(const T* q, int64_t q_stride, const T* pool, int64_t row_s
 
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& pool, const at::Tensor& slots,
                         const at::Tensor& kv_lens, int64_t num_kv_heads, double scale,
-                        int64_t window) {
+                        int64_t window, const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2),
               "q: (B, num_heads, head_dim), heads adjacent (rows may be strided)");
   const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
@@ -353,6 +362,8 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& pool, const at::T
                   kv_lens.scalar_type() == at::kLong && kv_lens.is_contiguous() &&
                   kv_lens.numel() == num_seqs && slots.numel() % std::max<int64_t>(num_seqs, 1) == 0,
               "slots: (B * kv_max,) int64; kv_lens: (B,) int64");
+  check_sinks(sinks, num_heads);
+  const float* sink_ptr = sinks ? sinks->data_ptr<float>() : nullptr;
   const int64_t kv_max = num_seqs ? slots.numel() / num_seqs : 0;
   auto out = at::empty({num_seqs, num_heads, head_dim}, q.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
@@ -363,7 +374,7 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& pool, const at::T
                                  pool.stride(0), slots.data_ptr<int64_t>(),
                                  kv_lens.data_ptr<int64_t>(), kv_max,
                                  out.data_ptr<scalar_t>(), num_seqs, num_heads, num_kv_heads,
-                                 head_dim, static_cast<float>(scale), window);
+                                 head_dim, static_cast<float>(scale), window, sink_ptr);
     }
   });
   return out;
@@ -373,7 +384,7 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& pool, const at::T
 
 TORCH_LIBRARY(nanoflex, m) {
   m.def("paged_decode(Tensor q, Tensor pool, Tensor slots, Tensor kv_lens, int num_kv_heads, "
-        "float scale, int window) -> Tensor");
+        "float scale, int window, Tensor? sinks=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(nanoflex, CPU, m) { m.impl("paged_decode", paged_decode); }

@@ -1,7 +1,9 @@
 // Prefill attention read in place from one layer's KV pool, on the CPU.
 //
 // Each sequence brings q_len new query tokens after past_len cached ones; query t sees keys
-// [0, past_len + t] (the last `window` of them with a sliding window). Its keys and values,
+// [0, past_len + t] (the last `window` of them with a sliding window, its own chunk with
+// chunked attention; with gpt-oss's sinks, each head's softmax has its sink logit as one more
+// column without a value). Its keys and values,
 // the new ones already written, lie in the pool's rows at the slots listed for it. Torch's
 // CPU flash attention runs such a chunk at about a quarter of the GEMM rate on this kind of
 // CPU (it multiplies small blocks through a general GEMM call each); this is flash attention
@@ -44,6 +46,7 @@
 #include <utility>
 #include <vector>
 
+#include "attention_sinks.h"
 #include "vector_math.h"
 
 namespace {
@@ -60,15 +63,20 @@ struct Seq {
 struct Span {
   int64_t first, last;
 };
+// With a sliding window the last `window` of them; with chunked attention (window < 0) those
+// of its own chunk of -window positions.
 inline Span visible(const Seq& s, int64_t p, int64_t window) {
   const int64_t last = s.past() + p;
-  return {window > 0 ? std::max<int64_t>(0, last - window + 1) : 0, last};
+  const int64_t first = window > 0   ? std::max<int64_t>(0, last - window + 1)
+                        : window < 0 ? last - last % -window
+                                     : 0;
+  return {first, last};
 }
 
 // Plain path: one query row (a position of one query head) over its visible keys, in float32.
 template <typename T>
 void attend_row(const T* q, const T* pool, int64_t row_stride, const int64_t* slots, Span span,
-                int64_t k_at, int64_t v_at, int64_t head_dim, float scale,
+                int64_t k_at, int64_t v_at, int64_t head_dim, float scale, const float* sink,
                 std::vector<float>& buf, T* out) {
   const int64_t n = span.last - span.first + 1;
   buf.resize(n + 2 * head_dim);
@@ -97,6 +105,7 @@ void attend_row(const T* q, const T* pool, int64_t row_stride, const int64_t* sl
 #pragma omp simd
     for (int64_t d = 0; d < head_dim; ++d) acc[d] += p * to_f(v[d]);
   }
+  sum += sink_weight(sink, 0, top);
   for (int64_t d = 0; d < head_dim; ++d) out[d] = from_f<T>(acc[d] / sum);
 }
 
@@ -285,7 +294,7 @@ struct Tiles {
 template <typename T>
 void attend_item(const T* q, int64_t q_stride, const Packed& packed, const Seq& s, int64_t b,
                  int64_t h, int64_t p0, int64_t np, int64_t group, int64_t D, float scale,
-                 int64_t window, Tiles& w, T* out) {
+                 int64_t window, const float* sinks, Tiles& w, T* out) {
   constexpr bool pairs = kPairs<T>;
   static constexpr auto scores = score_table<pairs>(std::make_index_sequence<kScoreRows>());
   static constexpr auto values = value_table<pairs>(std::make_index_sequence<kValueRows>());
@@ -376,7 +385,7 @@ void attend_item(const T* q, int64_t q_stride, const Packed& packed, const Seq& 
   const int64_t heads = packed.num_kv_heads * group;
   for (int64_t r = 0; r < rows; ++r) {
     T* dst = out + ((s.q_start + p0 + r / group) * heads + h * group + r % group) * D;
-    const float inv = 1.f / w.sum[r];
+    const float inv = 1.f / (w.sum[r] + sink_weight(sinks, h * group + r % group, w.top[r]));
     for (int64_t d = 0; d < D; ++d) dst[d] = from_f<T>(w.o[r * D + d] * inv);
   }
 }
@@ -384,7 +393,8 @@ void attend_item(const T* q, int64_t q_stride, const Packed& packed, const Seq& 
 template <typename T>
 void attend_avx512(const T* q, int64_t q_stride, const T* pool, int64_t row_stride,
                    const int64_t* slots, const std::vector<Seq>& seqs, int64_t heads,
-                   int64_t kv_heads, int64_t D, float scale, int64_t window, T* out) {
+                   int64_t kv_heads, int64_t D, float scale, int64_t window,
+                   const float* sinks, T* out) {
   const int64_t group = heads / kv_heads;
   Packed packed;
   packed.W = kPairs<T> ? D / 2 : D;
@@ -428,7 +438,7 @@ void attend_avx512(const T* q, int64_t q_stride, const T* pool, int64_t row_stri
     for (int64_t i = next++; i < num_items; i = next++) {
       const Item& it = items[i];
       attend_item(q, q_stride, packed, seqs[it.b], it.b, it.h, it.p0, it.np, group, D, scale,
-                  window, *tiles_buf, out);
+                  window, sinks, *tiles_buf, out);
     }
   });
 }
@@ -437,7 +447,8 @@ void attend_avx512(const T* q, int64_t q_stride, const T* pool, int64_t row_stri
 template <typename T>
 void attend_plain(const T* q, int64_t q_stride, const T* pool, int64_t row_stride,
                   const int64_t* slots, const std::vector<Seq>& seqs, int64_t heads,
-                  int64_t kv_heads, int64_t D, float scale, int64_t window, T* out) {
+                  int64_t kv_heads, int64_t D, float scale, int64_t window,
+                  const float* sinks, T* out) {
   const int64_t group = heads / kv_heads;
   std::vector<std::pair<int64_t, int64_t>> rows;  // (sequence, position)
   for (int64_t b = 0; b < static_cast<int64_t>(seqs.size()); ++b)
@@ -451,7 +462,8 @@ void attend_plain(const T* q, int64_t q_stride, const T* pool, int64_t row_strid
       for (int64_t qh = 0; qh < heads; ++qh) {
         const int64_t h = qh / group;
         attend_row(q + row * q_stride + qh * D, pool, row_stride, slots + s.kv_start,
-                   visible(s, p, window), h * D, (kv_heads + h) * D, D, scale, buf,
+                   visible(s, p, window), h * D, (kv_heads + h) * D, D, scale,
+                   sinks == nullptr ? nullptr : sinks + qh, buf,
                    out + (row * heads + qh) * D);
       }
     }
@@ -460,7 +472,8 @@ void attend_plain(const T* q, int64_t q_stride, const T* pool, int64_t row_strid
 
 at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& pool, const at::Tensor& slots,
                          const at::Tensor& q_starts, const at::Tensor& kv_starts,
-                         int64_t num_kv_heads, double scale, int64_t window) {
+                         int64_t num_kv_heads, double scale, int64_t window,
+                         const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2),
               "q: (T, num_heads, head_dim), heads adjacent (rows may be strided)");
   const int64_t heads = q.size(1), D = q.size(2);
@@ -473,6 +486,8 @@ at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& pool, const at::
                   kv_starts.scalar_type() == at::kLong && kv_starts.is_contiguous() &&
                   q_starts.numel() == kv_starts.numel() && q_starts.numel() >= 1,
               "slots: (sum kv_len,) int64; q_starts, kv_starts: (B + 1,) int64");
+  check_sinks(sinks, heads);
+  const float* sink_ptr = sinks ? sinks->data_ptr<float>() : nullptr;
   const int64_t* qs = q_starts.data_ptr<int64_t>();
   const int64_t* ks = kv_starts.data_ptr<int64_t>();
   std::vector<Seq> seqs;
@@ -496,12 +511,12 @@ at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& pool, const at::
 #if defined(__AVX512F__)
       if (D % 64 == 0 && D <= 256 && heads / num_kv_heads <= kMaxRows) {
         attend_avx512(qp, q.stride(0), pp, pool.stride(0), sp, seqs, heads, num_kv_heads, D, sc,
-                      window, op);
+                      window, sink_ptr, op);
         return;
       }
 #endif
       attend_plain(qp, q.stride(0), pp, pool.stride(0), sp, seqs, heads, num_kv_heads, D, sc,
-                   window, op);
+                   window, sink_ptr, op);
     }
   });
   return out;
@@ -511,7 +526,7 @@ at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& pool, const at::
 
 TORCH_LIBRARY_FRAGMENT(nanoflex, m) {
   m.def("paged_prefill(Tensor q, Tensor pool, Tensor slots, Tensor q_starts, Tensor kv_starts, "
-        "int num_kv_heads, float scale, int window) -> Tensor");
+        "int num_kv_heads, float scale, int window, Tensor? sinks=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(nanoflex, CPU, m) { m.impl("paged_prefill", paged_prefill); }

@@ -15,13 +15,14 @@ bandwidth, for decode, and at 2% of the GEMM rate for prefill.
 - **Prefill** (flash attention over a paged past): one program per (sequence, block of
   `BLOCK_M` query rows, query head). Query row t of a sequence with `q_len` new rows and
   `kv_len` keys is at position kv_len - q_len + t and sees keys [0, that position] (its last
-  `window` of them): causal over the paged past and the new rows alike, ragged across
-  sequences.
+  `window` of them, or those of its own chunk with chunked attention): causal over the
+  paged past and the new rows alike, ragged across sequences.
 
-Both compute scores and the softmax in float32, multiply half-precision tiles on the tensor
-cores (float32 tiles in IEEE float32, not TF32), and round the probabilities to the values'
-type before the second product, as flash attention does. Soft-capped scores (Gemma 2) and
-4-bit KV rows stay on the gather-and-SDPA path.
+With gpt-oss's sinks, each query head's sink logit is one more term of its softmax's sum
+(e^(sink - max)), with no value. Both compute scores and the softmax in float32, multiply
+half-precision tiles on the tensor cores (float32 tiles in IEEE float32, not TF32), and round
+the probabilities to the values' type before the second product, as flash attention does.
+Soft-capped scores (Gemma 2) and 4-bit KV rows stay on the gather-and-SDPA path.
 
 CI runs both kernels under Triton's interpreter on CPU tensors (a launch picks the
 interpreter when its tensors are on the CPU; `TRITON_INTERPRET=1` must be set before Triton
@@ -119,6 +120,7 @@ if triton is not None:
         SUM,
         SLOTS,
         KV_LENS,
+        SINKS,
         stride_qb,
         stride_qh,
         stride_row,
@@ -129,6 +131,7 @@ if triton is not None:
         num_splits,
         scale,
         window,
+        chunk,
         HEAD_DIM: tl.constexpr,
         HEAD_PAD: tl.constexpr,
         KV_DIM: tl.constexpr,
@@ -136,6 +139,7 @@ if triton is not None:
         GROUP_PAD: tl.constexpr,
         BLOCK_N: tl.constexpr,
         ONE_SPLIT: tl.constexpr,
+        HAS_SINKS: tl.constexpr,
         PRECISION: tl.constexpr,
         UPCAST: tl.constexpr,
     ):
@@ -148,6 +152,7 @@ if triton is not None:
         lo = split.to(tl.int64) * split_len
         hi = tl.minimum(lo + split_len, kv_len)
         lo = tl.maximum(lo, kv_len - window)
+        lo = tl.maximum(lo, (kv_len - 1) - (kv_len - 1) % chunk)  # the last key's chunk
         heads = kvh * GROUP + tl.arange(0, GROUP_PAD)
         dims = tl.arange(0, HEAD_PAD)
         head_ok = tl.arange(0, GROUP_PAD) < GROUP
@@ -172,6 +177,8 @@ if triton is not None:
                 HEAD_DIM, HEAD_PAD, KV_DIM, PRECISION, UPCAST,
             )  # fmt: skip
         if ONE_SPLIT:
+            if HAS_SINKS:  # each head's sink: one more term of the sum, without a value
+                total += tl.exp(tl.load(SINKS + heads, mask=head_ok, other=0.0) - top)
             out = acc / total[:, None]
             tl.store(
                 OUT + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + dims[None, :],
@@ -194,6 +201,7 @@ if triton is not None:
         ACC,
         MAX,
         SUM,
+        SINKS,
         stride_ob,
         stride_oh,
         num_heads,
@@ -201,6 +209,7 @@ if triton is not None:
         HEAD_DIM: tl.constexpr,
         HEAD_PAD: tl.constexpr,
         SPLITS_PAD: tl.constexpr,
+        HAS_SINKS: tl.constexpr,
     ):
         """Program (b, head): the splits' partial sums merged (a split with no keys has sum 0
         and maximum -inf, and weighs nothing)."""
@@ -219,7 +228,10 @@ if triton is not None:
             mask=split_ok[:, None] & (dims < HEAD_DIM)[None, :],  # padded dims are never written
             other=0.0,
         )
-        out = tl.sum(acc * weights[:, None], 0) / tl.sum(sums * weights, 0)
+        total = tl.sum(sums * weights, 0)
+        if HAS_SINKS:
+            total += tl.exp(tl.load(SINKS + h) - top)
+        out = tl.sum(acc * weights[:, None], 0) / total
         tl.store(
             OUT + b.to(tl.int64) * stride_ob + h * stride_oh + dims,
             out.to(OUT.dtype.element_ty),
@@ -234,6 +246,7 @@ if triton is not None:
         SLOTS,
         Q_STARTS,
         KV_STARTS,
+        SINKS,
         stride_qt,
         stride_qh,
         stride_row,
@@ -241,12 +254,14 @@ if triton is not None:
         stride_oh,
         scale,
         window,
+        chunk,
         HEAD_DIM: tl.constexpr,
         HEAD_PAD: tl.constexpr,
         KV_DIM: tl.constexpr,
         GROUP: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
+        HAS_SINKS: tl.constexpr,
         PRECISION: tl.constexpr,
         UPCAST: tl.constexpr,
     ):
@@ -275,6 +290,7 @@ if triton is not None:
         first = kv_len - q_len + block * BLOCK_M
         hi = tl.minimum(kv_len, first + BLOCK_M)
         lo = tl.maximum(first - window + 1, 0)
+        lo = tl.maximum(lo, first - first % chunk)  # the first row's chunk
         top = tl.full([BLOCK_M], float("-inf"), tl.float32)
         total = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
@@ -284,10 +300,13 @@ if triton is not None:
             slot = tl.load(SLOTS + kv_start + keys, mask=key_ok, other=0)
             seen = key_ok[None, :] & (keys[None, :] <= pos[:, None])
             seen = seen & (keys[None, :] > pos[:, None] - window)
+            seen = seen & (keys[None, :] >= pos[:, None] - pos[:, None] % chunk)
             top, total, acc = _attend_tile(
                 q, KV, slot, key_ok, seen, top, total, acc, stride_row, kvh, scale,
                 HEAD_DIM, HEAD_PAD, KV_DIM, PRECISION, UPCAST,
             )  # fmt: skip
+        if HAS_SINKS:
+            total += tl.exp(tl.load(SINKS + h) - top)
         out = acc / tl.where(total > 0, total, 1.0)[:, None]
         tl.store(
             OUT + (q_start + rows)[:, None] * stride_ot + h * stride_oh + dims[None, :],
@@ -297,11 +316,14 @@ if triton is not None:
 
 
 NO_WINDOW = 1 << 30
-"""The window the kernels get for none: every key is within it (branch-free masks)."""
+"""The window (and chunk) the kernels get for none: every key is within it (branch-free
+masks)."""
 
 
-def _window(window: int) -> int:
-    return window if window > 0 else NO_WINDOW
+def _bounds(window: int) -> tuple[int, int]:
+    """The kernels' (sliding window, chunk) for a layer's `window` (negative: chunked
+    attention of -window, `engine.executor.attention.in_window`)."""
+    return (window if window > 0 else NO_WINDOW), (-window if window < 0 else NO_WINDOW)
 
 
 def _products(dtype: torch.dtype, on_gpu: bool) -> dict[str, Any]:
@@ -338,6 +360,7 @@ def paged_decode(
     scale: float,
     window: int,
     split_len: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention (`PagedDecode`): q (B, heads, head_dim); rows (slots, 2 * kv_dim), a
     layer's pool as keys then values; slots (B * kv_max,) int64, each sequence's keys' slots
@@ -374,6 +397,7 @@ def paged_decode(
         total,
         slots,
         kv_lens,
+        out if sinks is None else sinks,  # not read without sinks
         q.stride(0),
         q.stride(1),
         rows.stride(0),
@@ -383,7 +407,7 @@ def paged_decode(
         split_len,
         num_splits,
         scale,
-        _window(window),
+        *_bounds(window),
         HEAD_DIM=head_dim,
         HEAD_PAD=head_pad,
         KV_DIM=num_kv_heads * head_dim,
@@ -391,6 +415,7 @@ def paged_decode(
         GROUP_PAD=next_pow2(group),
         BLOCK_N=DECODE_BLOCK_N,
         ONE_SPLIT=num_splits == 1,
+        HAS_SINKS=sinks is not None,
         **_products(q.dtype, on_gpu),
     )
     if num_splits > 1:
@@ -401,6 +426,7 @@ def paged_decode(
             acc,
             top,
             total,
+            top if sinks is None else sinks,  # not read without sinks
             out.stride(0),
             out.stride(1),
             num_heads,
@@ -408,6 +434,7 @@ def paged_decode(
             HEAD_DIM=head_dim,
             HEAD_PAD=head_pad,
             SPLITS_PAD=next_pow2(num_splits, floor=2),
+            HAS_SINKS=sinks is not None,
         )
     return out
 
@@ -422,6 +449,7 @@ def paged_prefill(
     scale: float,
     window: int,
     q_max: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Prefill attention (`PagedPrefill`): q (T, heads, head_dim); rows as in decode; slots
     (sum of kv_len,) int64, each sequence's keys back to back; q_starts, kv_starts (B + 1,)
@@ -444,19 +472,21 @@ def paged_prefill(
         slots,
         q_starts,
         kv_starts,
+        out if sinks is None else sinks,  # not read without sinks
         q.stride(0),
         q.stride(1),
         rows.stride(0),
         out.stride(0),
         out.stride(1),
         scale,
-        _window(window),
+        *_bounds(window),
         HEAD_DIM=head_dim,
         HEAD_PAD=next_pow2(head_dim),
         KV_DIM=num_kv_heads * head_dim,
         GROUP=num_heads // num_kv_heads,
         BLOCK_M=PREFILL_BLOCK_M,
         BLOCK_N=PREFILL_BLOCK_N,
+        HAS_SINKS=sinks is not None,
         **_products(q.dtype, q.is_cuda),
     )
     return out
@@ -464,23 +494,26 @@ def paged_prefill(
 
 COMPILE_CASES: dict[str, tuple[list[str], dict[str, Any]]] = {
     "decode_split": (
-        ["*{t}", "*{t}", "*{t}", "*fp32", "*fp32", "*fp32", "*i64", "*i64"]
+        ["*{t}", "*{t}", "*{t}", "*fp32", "*fp32", "*fp32", "*i64", "*i64", "*fp32"]
         + ["i32"] * 8
-        + ["fp32", "i32"],
+        + ["fp32", "i32", "i32"],
         dict(
             HEAD_DIM=128, HEAD_PAD=128, KV_DIM=1024, GROUP=4, GROUP_PAD=16,
-            BLOCK_N=DECODE_BLOCK_N, ONE_SPLIT=False, PRECISION="tf32", UPCAST=False,
+            BLOCK_N=DECODE_BLOCK_N, ONE_SPLIT=False, HAS_SINKS=True, PRECISION="tf32",
+            UPCAST=False,
         ),
     ),
     "decode_merge": (
-        ["*{t}", "*fp32", "*fp32", "*fp32"] + ["i32"] * 4,
-        dict(HEAD_DIM=128, HEAD_PAD=128, SPLITS_PAD=16),
+        ["*{t}", "*fp32", "*fp32", "*fp32", "*fp32"] + ["i32"] * 4,
+        dict(HEAD_DIM=128, HEAD_PAD=128, SPLITS_PAD=16, HAS_SINKS=True),
     ),
     "prefill": (
-        ["*{t}", "*{t}", "*{t}", "*i64", "*i64", "*i64"] + ["i32"] * 5 + ["fp32", "i32"],
+        ["*{t}", "*{t}", "*{t}", "*i64", "*i64", "*i64", "*fp32"]
+        + ["i32"] * 5
+        + ["fp32", "i32", "i32"],
         dict(
             HEAD_DIM=128, HEAD_PAD=128, KV_DIM=1024, GROUP=4, BLOCK_M=PREFILL_BLOCK_M,
-            BLOCK_N=PREFILL_BLOCK_N, PRECISION="tf32", UPCAST=False,
+            BLOCK_N=PREFILL_BLOCK_N, HAS_SINKS=True, PRECISION="tf32", UPCAST=False,
         ),
     ),
 }  # fmt: skip

@@ -1,6 +1,6 @@
 """Layer-wise model implementations (OPT, the Llama family and the families built on it: Qwen 3,
 Gemma 2/3, Phi-3/4, OLMo 2/3, SmolLM3, and the mixture-of-experts Mixtral, Qwen2/3-MoE, OLMoE,
-GLM-4.5, DeepSeek-V3 and gpt-oss), built for placement and offloading."""
+GLM-4.5, DeepSeek-V3, gpt-oss and Llama 4), built for placement and offloading."""
 
 from engine.models.base import Model
 from engine.models.config import ModelConfig
@@ -42,6 +42,10 @@ def build_model(config: ModelConfig) -> Model:
         from engine.models.gpt_oss import GptOssModel
 
         return GptOssModel(config)
+    if config.model_type == "llama4_text":
+        from engine.models.llama4 import Llama4Model
+
+        return Llama4Model(config)
     if config.model_type == "deepseek_v3":
         from engine.models.deepseek import DeepseekV3Model
 

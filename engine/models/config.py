@@ -41,12 +41,20 @@ class ModelConfig:
     local_rope_theta: float = 0.0
     """Gemma 3: the rotary base of the sliding-window layers (default scaling); 0: the
     global one."""
+    qk_l2_norm: bool = False
+    """Llama 4: q and k of the rotary layers L2-normed per head (no weight) after the rotary."""
+    attn_floor_scale: float = 0.0
+    """Llama 4's attention temperature tuning: a NoPE layer's queries at position p are scaled
+    by log1p(floor((p + 1) / attn_floor_scale)) * attn_temperature_scale + 1; 0: none."""
+    attn_temperature_scale: float = 0.0
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
     layer_windows: tuple[int, ...] = ()
     """Per decoder layer, its sliding window (a query sees that many keys, itself
-    included); 0: the layer sees every key. Empty: no layer has one."""
+    included); 0: the layer sees every key; negative: chunked local attention of -w tokens
+    (Llama 4: a query at position p sees the keys from p - p % -w to p). Empty: no layer has
+    one."""
     attn_scale: float | None = None
     """Attention scores' scale (Gemma's query_pre_attn_scalar ** -0.5); None: head_dim ** -0.5."""
     attn_softcap: float = 0.0
@@ -127,15 +135,22 @@ class ModelConfig:
 
     @property
     def shared_window(self) -> int:
-        """The window every layer has (Mistral, Phi-3): then no layer reads keys older than it,
-        and a sequence's past is cut to it; 0 where any layer sees every key."""
-        return self.windows[0] if len(self.windows) == 1 else 0
+        """The sliding window every layer has (Mistral, Phi-3): then no layer reads keys older
+        than it, and a sequence's past is cut to it; 0 where any layer sees every key, or
+        attends by chunks."""
+        return shared_window(self.windows)
 
     @classmethod
     def from_hf(cls, hf: Any) -> ModelConfig:
         """Normalize a transformers `PretrainedConfig` (v4 or v5 field names); a field the
         implementation does not honour is refused by name (`engine.models.hf_config`)."""
         return cls(**model_config_fields(hf))
+
+
+def shared_window(windows: tuple[int, ...]) -> int:
+    """The sliding window of every layer, of the distinct `windows` of a model's layers; 0
+    where they differ, or where the one they share is none or chunks (negative)."""
+    return max(windows[0], 0) if len(windows) == 1 else 0
 
 
 SAME_ARCHITECTURE = {"kimi_k2": "deepseek_v3"}

@@ -39,6 +39,8 @@ SUPPORTED_MODEL_TYPES = (
     "glm4_moe",
     "deepseek_v3",
     "gpt_oss",
+    "llama4_text",
+    "llama4",
 )
 REFUSED_MODEL_TYPES = {
     "deepseek_v2": "DeepSeek-V2's softmax group-limited routing (nanoflex routes as V3 does)",
@@ -160,6 +162,7 @@ ROPE_TYPES = {
     "glm4_moe": ("default", "linear", "llama3", "yarn"),
     "deepseek_v3": ("default", "linear", "yarn"),
     "gpt_oss": ("default", "yarn"),
+    "llama4_text": ("default", "linear", "llama3"),
 }
 """Rotary scaling types each family implements (engine/models/rotary.py)."""
 
@@ -178,7 +181,7 @@ def model_config_fields(hf: Any) -> dict[str, Any]:
             f"model type {model_type!r} is not supported; nanoflex runs "
             f"{', '.join(SUPPORTED_MODEL_TYPES)} checkpoints"
         )
-    if model_type == "gemma3":  # Gemma 3 4B and up: one checkpoint with a vision tower
+    if model_type in TEXT_CONFIGS:  # one checkpoint with a vision tower: its language model
         hf = _text_config(hf)
         model_type = hf.model_type
     honoured, read = _FAMILIES[model_type]
@@ -186,13 +189,19 @@ def model_config_fields(hf: Any) -> dict[str, Any]:
     return read(hf)
 
 
+TEXT_CONFIGS = {"gemma3": "gemma3_text", "llama4": "llama4_text"}
+"""Model types of checkpoints with a vision tower (Gemma 3 4B and up, Llama 4) -> their
+language model's type."""
+
+
 def _text_config(hf: Any) -> Any:
-    """The language model's config of a Gemma 3 checkpoint with a vision tower: nanoflex runs
-    its text (the image tokens are ordinary vocabulary it never sees in a text prompt)."""
+    """The language model's config of a checkpoint with a vision tower: nanoflex runs its text
+    (the image tokens are ordinary vocabulary it never sees in a text prompt)."""
     text = getattr(hf, "text_config", None)
-    if text is None or getattr(text, "model_type", None) != "gemma3_text":
+    if text is None or getattr(text, "model_type", None) != TEXT_CONFIGS[hf.model_type]:
         raise UnsupportedModelError(
-            "a gemma3 config without a Gemma 3 text_config is not supported"
+            f"a {hf.model_type} config without a {TEXT_CONFIGS[hf.model_type]} text_config is "
+            "not supported"
         )
     return text
 
@@ -435,6 +444,53 @@ def _gpt_oss(hf: Any) -> dict[str, Any]:
     )
 
 
+_LLAMA4 = frozenset(
+    {
+        "attention_bias",
+        "intermediate_size_mlp",
+        "moe_layers",
+        "interleave_moe_layer_step",
+        "use_qk_norm",
+        "no_rope_layers",
+        "no_rope_layer_interval",
+        "attention_chunk_size",
+        "layer_types",
+        "attn_temperature_tuning",
+        "floor_scale",
+        "attn_scale",
+    }
+)
+
+
+def _llama4_text(hf: Any) -> dict[str, Any]:
+    """Llama 4 (text): rotary layers with chunked local attention (`attention_chunk_size`) and,
+    where `use_qk_norm` says, an L2 norm of q and k after the rotary; NoPE layers (0 in
+    `no_rope_layers`) with full attention and, with `attn_temperature_tuning`, queries scaled
+    by log1p(floor((position + 1) / floor_scale)) * attn_scale + 1; MoE layers (`moe_layers`)
+    of `num_local_experts` experts as wide as `intermediate_size` with a sigmoid top-k router
+    that scales the experts' inputs, and a shared expert as wide; dense layers of
+    `intermediate_size_mlp`."""
+    flags = list(hf.no_rope_layers)[: hf.num_hidden_layers]
+    if len(flags) < hf.num_hidden_layers:
+        raise UnsupportedModelError(
+            f"llama4: no_rope_layers has {len(flags)} entries for {hf.num_hidden_layers} layers"
+        )
+    moe = set(hf.moe_layers)
+    return dict(
+        _llama(hf),
+        intermediate_size=int(hf.intermediate_size_mlp),
+        nope_layers=tuple(i for i, rope in enumerate(flags) if not rope),
+        qk_l2_norm=bool(hf.use_qk_norm),
+        attn_floor_scale=float(hf.floor_scale) if hf.attn_temperature_tuning else 0.0,
+        attn_temperature_scale=float(hf.attn_scale),
+        num_experts=int(hf.num_local_experts),
+        num_experts_per_tok=int(hf.num_experts_per_tok),
+        moe_intermediate_size=int(hf.intermediate_size),
+        shared_expert_intermediate_size=int(hf.intermediate_size),
+        dense_layers=tuple(i for i in range(hf.num_hidden_layers) if i not in moe),
+    )
+
+
 def _gemma(hf: Any) -> dict[str, Any]:
     """Gemma 2 and 3: GeGLU, query_pre_attn_scalar, soft-capping, per-layer windows (and
     Gemma 3's local rotary base)."""
@@ -552,16 +608,24 @@ def _rope(hf: Any, rope: dict[str, Any], head_dim: int) -> tuple[float, dict[str
 
 
 def _layer_windows(hf: Any) -> tuple[int, ...]:
-    """Each decoder layer's sliding window from `layer_types` (Qwen, Gemma), else the one
-    `sliding_window` of every layer (Mistral, Phi-3); () where none has one."""
+    """Each decoder layer's sliding window from `layer_types` (Qwen, Gemma; Llama 4's chunked
+    layers as -attention_chunk_size), else the one `sliding_window` of every layer (Mistral,
+    Phi-3); () where none has one."""
     window = int(getattr(hf, "sliding_window", None) or 0)
+    chunk = int(getattr(hf, "attention_chunk_size", None) or 0)
     types = getattr(hf, "layer_types", None)
     if types is None:
         return (window,) * hf.num_hidden_layers if window else ()
+    by_kind = {"full_attention": 0, "sliding_attention": window}
+    if chunk > 0:  # Llama 4's config names its chunk size; no other family has one
+        by_kind["chunked_attention"] = -chunk
     for kind in types:
-        if kind not in ("full_attention", "sliding_attention"):
-            raise UnsupportedModelError(f"{hf.model_type}: layer type {kind!r} is not supported")
-    windows = tuple(window if kind == "sliding_attention" else 0 for kind in types)
+        if kind not in by_kind:
+            raise UnsupportedModelError(
+                f"{hf.model_type}: layer type {kind!r} is not supported"
+                + (" without an attention_chunk_size" if kind == "chunked_attention" else "")
+            )
+    windows = tuple(by_kind[kind] for kind in types)
     return windows if any(windows) else ()
 
 
@@ -612,6 +676,7 @@ _FAMILIES: dict[str, tuple[frozenset[str], Callable[[Any], dict[str, Any]]]] = {
         _COMMON | _WINDOWS | _MOE | {"attention_bias", "swiglu_alpha", "swiglu_limit"},
         _gpt_oss,
     ),
+    "llama4_text": (_COMMON | _MOE | _LLAMA4, _llama4_text),
     "gemma2": (_COMMON | _WINDOWS | _GEMMA, _gemma),
     "gemma3_text": (_COMMON | _WINDOWS | _GEMMA, _gemma),
 }

@@ -154,16 +154,21 @@ class LlamaModel(Model):
         c = self.config
         qkv = linear(self.input_norm(w, h), w, "qkv")  # (T, (heads + 2 kv_heads) * head_dim)
         qkv = self.norm_qk(w, qkv.view(qkv.shape[0], -1, c.head_dim))
-        if j - 1 in c.nope_layers:  # NoPE: k and v lie side by side in qkv's rows already
-            q, k, v = qkv.split([c.num_heads, c.num_kv_heads, c.num_kv_heads], dim=1)
-            return q, k, v
-        cos, sin = self.rotary_tables(j, positions)
-        # q and k rotate in one pass, v copied beside them: k and v come out adjacent in
-        # each row, as a KV row lays them out (`join_kv` takes them as a view)
-        rotate = self.ops.rotary if cos.shape[-1] == c.head_dim else partial_rotary
-        qkv = rotate(qkv, cos, sin, c.num_heads + c.num_kv_heads)
+        if j - 1 not in c.nope_layers:  # NoPE: k and v lie side by side in qkv's rows already
+            cos, sin = self.rotary_tables(j, positions)
+            # q and k rotate in one pass, v copied beside them: k and v come out adjacent in
+            # each row, as a KV row lays them out (`join_kv` takes them as a view)
+            rotate = self.ops.rotary if cos.shape[-1] == c.head_dim else partial_rotary
+            qkv = rotate(qkv, cos, sin, c.num_heads + c.num_kv_heads)
+        qkv = self.after_rotary(j, qkv, positions)
         q, k, v = qkv.split([c.num_heads, c.num_kv_heads, c.num_kv_heads], dim=1)
         return q, k, v
+
+    def after_rotary(self, j: int, qkv: torch.Tensor, positions: Positions) -> torch.Tensor:
+        """What decoder layer j does to q and k after the rotary (or after none, on a NoPE
+        layer), on (T, heads + 2 kv_heads, head_dim); nothing here (Llama 4: norms, the
+        temperature)."""
+        return qkv
 
     def attention_output(self, w: Weights, h: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
         h, x = self.before_mlp(w, h, o)

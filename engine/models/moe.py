@@ -162,6 +162,8 @@ class MoeModel(LlamaModel):
 
     ROUTER_WEIGHTS_F32 = False
     """Mixtral scales the experts' outputs by float32 router weights (then casts back)."""
+    SCALES_INPUTS = False
+    """Llama 4 scales each row's input to its expert by the router weight, not its output."""
     can_capture = False
     """The routing decides each step which experts run over how many rows (read back to the
     host), which a CUDA graph cannot replay."""
@@ -230,7 +232,8 @@ class MoeModel(LlamaModel):
         ids: torch.Tensor,
         source: ExpertSource,
     ) -> torch.Tensor:
-        """sum over each token's k experts of weight * expert(x), (T, hidden). The T * k
+        """sum over each token's k experts of weight * expert(x) (or expert(weight * x), with
+        `SCALES_INPUTS`), (T, hidden). The T * k
         (token, expert) pairs are sorted by expert, so each expert with tokens runs once, as
         one GEMM pair over all its rows; the results scaled and added back per token, in
         expert order (as transformers adds them). `source`: where each expert runs and
@@ -245,7 +248,10 @@ class MoeModel(LlamaModel):
             picks += per_expert.to(picks.device)
         counts = per_expert.tolist()
         source.start({e: count for e, count in enumerate(counts) if count})
+        slot_weights = weights.flatten()[order, None]  # (T * k, 1) in the grouped order
         grouped = x[rows]  # (T * k, hidden)
+        if self.SCALES_INPUTS:
+            grouped = grouped * slot_weights
         out = torch.empty_like(grouped)
         start = 0
         for e, count in enumerate(counts):
@@ -258,7 +264,7 @@ class MoeModel(LlamaModel):
 
                 out[start:end] = source.run(e, grouped[start:end], expert)
                 start = end
-        scaled = (out * weights.flatten()[order, None]).to(x.dtype)
+        scaled = out if self.SCALES_INPUTS else (out * slot_weights).to(x.dtype)
         return torch.zeros_like(x).index_add_(0, rows, scaled)
 
 

@@ -135,8 +135,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--reasoning-parser",
         choices=(*REASONING_PARSERS, "none"),
         default=None,
-        help="split <think> reasoning into reasoning_content (default: from the chat "
-        "template: qwen3 or deepseek_r1 when it closes a </think>, else none)",
+        help="split reasoning into reasoning_content: <think> blocks (qwen3, deepseek_r1) or "
+        "gpt-oss's analysis channel (openai_gptoss) (default: from the chat template: "
+        "openai_gptoss when it writes harmony channels, qwen3 or deepseek_r1 when it closes "
+        "a </think>, else none)",
     )
     parser.add_argument(
         "--in-process",

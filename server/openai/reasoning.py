@@ -8,6 +8,9 @@
   reasoning: everything before `</think>` is reasoning, and an answer cut off before it is
   all reasoning.
 
+- `openai_gptoss`: gpt-oss's harmony channels (server/openai/harmony.py): the analysis
+  channel is reasoning, the final one the answer.
+
 `ReasoningSplitter` does the same on a stream, a delta at a time: text that might be the
 start of a marker is held back until the next delta tells.
 """
@@ -16,22 +19,35 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-PARSERS = ("qwen3", "deepseek_r1")
+from server.openai.harmony import HarmonySplitter
+from server.openai.markers import partial_marker
+
+HARMONY = "openai_gptoss"
+PARSERS = ("qwen3", "deepseek_r1", HARMONY)
 START, END = "<think>", "</think>"
 
 
 def parser_for_template(template: str | None) -> str | None:
     """The reasoning format a chat template shows (None: the model does not think aloud)."""
     text = template or ""
+    if "<|channel|>" in text:
+        return HARMONY
     if END not in text:
         return None
     # a template that ends its generation prompt inside <think> (DeepSeek-R1 and distills)
     return "deepseek_r1" if "<think>\\n' }}" in text or "<think>\\n'}}" in text else "qwen3"
 
 
+def splitter_for(parser: str) -> ReasoningSplitter | HarmonySplitter:
+    """The stream splitter of a reasoning format."""
+    if parser == HARMONY:
+        return HarmonySplitter()
+    return ReasoningSplitter(parser)
+
+
 def split_reasoning(parser: str, text: str) -> tuple[str | None, str]:
     """(reasoning or None, content) of a whole answer."""
-    splitter = ReasoningSplitter(parser)
+    splitter = splitter_for(parser)
     reasoning, content = splitter.feed(text)
     more_reasoning, more_content = splitter.finish()
     return (reasoning + more_reasoning if splitter.saw_reasoning else None), content + more_content
@@ -90,11 +106,3 @@ class ReasoningSplitter:
         if self.state == "thinking":
             return held, ""
         return "", held
-
-
-def partial_marker(text: str, marker: str) -> int:
-    """How many characters at the end of `text` could begin `marker`."""
-    for size in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-size:]):
-            return size
-    return 0

@@ -57,7 +57,6 @@ IGNORED_FIELDS = frozenset(
         "guided_decoding_backend",
         "guided_whitespace_pattern",
         "structural_tag",
-        "skip_special_tokens",
         "spaces_between_special_tokens",
         "length_penalty",
         "return_token_ids",
@@ -70,7 +69,7 @@ IGNORED_FIELDS = frozenset(
 )
 """Fields OpenAI or vLLM define that have no meaning here: accepted, ignored, named once
 in the log (docs/api.md, "Accepted and ignored"). `chat_template`: the served model's own
-template is always used; `skip_special_tokens`: special tokens are always skipped."""
+template is always used."""
 NEUTRAL_FIELDS: dict[str, Any] = {
     "use_beam_search": False,
     "include_stop_str_in_output": False,
@@ -141,6 +140,7 @@ class _Sampling(_Strict):
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=100.0)
     min_tokens: int = Field(default=0, ge=0, lt=INT64)
     ignore_eos: bool = False
+    skip_special_tokens: bool = True
     stop_token_ids: list[TokenId] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     bad_words: list[str] | None = Field(default=None, max_length=MAX_BAD_WORDS)
     allowed_token_ids: list[TokenId] | None = Field(
@@ -254,6 +254,7 @@ class _Sampling(_Strict):
             stop=self.stop_strings(),
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
+            skip_special_tokens=self.skip_special_tokens,
             min_tokens=self.min_tokens,
             presence_penalty=pick("presence_penalty", 0.0),
             frequency_penalty=pick("frequency_penalty", 0.0),

@@ -26,7 +26,12 @@ from typing import Any
 
 from engine.core.outputs import ChoiceAccumulator, SequenceDelta
 from engine.core.sampling_params import SamplingError, SamplingParams
-from engine.core.structured import StructuredOutput, StructuredOutputError, after_reasoning
+from engine.core.structured import (
+    StructuredOutput,
+    StructuredOutputError,
+    after_harmony_analysis,
+    after_reasoning,
+)
 from engine.core.tokenizer import ChatOptions
 from engine.runtime.engine_client import EngineClient, EngineDeadError, StorageUnavailableError
 from policy.errors import UserError
@@ -39,8 +44,8 @@ from server.openai.errors import (
 )
 from server.openai.logprobs import chat_logprobs, completion_logprobs
 from server.openai.metrics import Metrics
+from server.openai.reasoning import HARMONY, split_reasoning
 from server.openai.reasoning import parser_for_template as reasoning_for_template
-from server.openai.reasoning import split_reasoning
 from server.openai.requests import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -260,9 +265,13 @@ class Serving:
                     param=structured_param,
                 )
             structured, structured_param = forced, "tool_choice"
-        if structured is not None and reasoning is not None:
+        if structured is not None and reasoning == HARMONY:
+            structured = after_harmony_analysis(structured)
+        elif structured is not None and reasoning is not None:
             structured = after_reasoning(structured, opened=reasoning == "deepseek_r1")
         params = req.sampling_params(limits[0], num_logprobs, echo, defaults, structured)
+        if reasoning == HARMONY:  # its channels are read from the special tokens that mark them
+            params = replace(params, skip_special_tokens=False)
         try:  # once per request: the prompts differ only in their max_tokens
             params = params.prepared(self._encode_plain, self.engine.vocab_size)
         except StructuredOutputError as e:

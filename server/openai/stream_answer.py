@@ -12,7 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from server.openai.reasoning import ReasoningSplitter, partial_marker
+from server.openai.harmony import HarmonySplitter
+from server.openai.markers import partial_marker
+from server.openai.reasoning import ReasoningSplitter, splitter_for
 from server.openai.responses import (
     AssistantMessage,
     ChatDelta,
@@ -32,14 +34,14 @@ class AnswerStream:
 
     reasoning: str | None
     tools: ToolPlan | None
-    splitter: ReasoningSplitter | None = field(init=False)
+    splitter: ReasoningSplitter | HarmonySplitter | None = field(init=False)
     content: str = ""
     """The answer's content so far (reasoning split off)."""
     sent: int = 0
     """Characters of `content` sent."""
 
     def __post_init__(self) -> None:
-        self.splitter = None if self.reasoning is None else ReasoningSplitter(self.reasoning)
+        self.splitter = None if self.reasoning is None else splitter_for(self.reasoning)
 
     def feed(self, text: str) -> list[ChatDelta]:
         """The deltas that `text` (the engine's new text) makes ready."""

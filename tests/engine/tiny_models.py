@@ -412,6 +412,25 @@ TINY_CONFIGS: dict[str, dict[str, object]] = {
             original_max_position_embeddings=64,
         ),
     ),
+    # Llama 4 (Maverick's pattern): chunked attention (chunks of 8) on the rotary layers with
+    # interleaved pairs and L2 q/k norms, a NoPE layer of four with full attention and its
+    # temperature tuned early (floor_scale 4), MoE on every other layer (top-1 of 4 by
+    # sigmoid, scaling the expert's input, and a shared expert), dense layers of another width
+    "llama4_text": dict(
+        _MOE_SHAPE,
+        model_type="llama4_text",
+        vocab_size=300,
+        num_hidden_layers=4,
+        intermediate_size=32,
+        intermediate_size_mlp=48,
+        head_dim=16,
+        num_local_experts=4,
+        num_experts_per_tok=1,
+        interleave_moe_layer_step=2,
+        attention_chunk_size=8,
+        floor_scale=4,
+        attn_scale=0.5,
+    ),
 }
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 """The tiny mixture-of-experts checkpoints (tests/engine/executor/test_moe.py)."""
@@ -420,7 +439,9 @@ NEW_FAMILIES = ("qwen3", "qwen3-tied", "gemma2", "gemma3", "phi3", "olmo2")
 DENSE_2025 = ("smollm3", "olmo3")
 GROUPED_MOE_FAMILIES = ("glm4_moe", "deepseek_v3")
 GPT_OSS = "gpt_oss"
-"""The tiny gpt-oss checkpoint (tests/engine/executor/test_gpt_oss.py)."""
+"""The tiny gpt-oss checkpoint (tests/engine/executor/test_moe_giants.py, test_gpt_oss.py)."""
+LLAMA4 = "llama4_text"
+"""The tiny Llama 4 checkpoint (tests/engine/executor/test_moe_giants.py, test_llama4.py)."""
 """The tiny checkpoints of the grouped-routing MoE families (tests/engine/executor/
 test_grouped_moe.py)."""
 """The dense families of issue 37 (tests/engine/executor/test_smollm3_olmo3.py)."""

@@ -16,13 +16,14 @@ from tests.engine.tiny_models import (
     DENSE_2025,
     GPT_OSS,
     GROUPED_MOE_FAMILIES,
+    LLAMA4,
     NEW_FAMILIES,
     TINY_CONFIGS,
 )
 
 
 @pytest.mark.parametrize(
-    "kind", [*NEW_FAMILIES, *DENSE_2025, *GROUPED_MOE_FAMILIES, GPT_OSS, "mistral"]
+    "kind", [*NEW_FAMILIES, *DENSE_2025, *GROUPED_MOE_FAMILIES, GPT_OSS, LLAMA4, "mistral"]
 )
 def test_parameters_equal_transformers_model(kind: str) -> None:
     import torch
@@ -38,7 +39,7 @@ def test_parameters_equal_transformers_model(kind: str) -> None:
     assert ours.total_params == sum(p.numel() for p in model.parameters())  # tied: once
     windows = ModelConfig.from_hf(config).layer_windows  # as the engine reads them
     assert ours.num_local_layers == sum(1 for w in windows if w)
-    assert ours.sliding_window == max(windows, default=0)
+    assert ours.sliding_window == max(map(abs, windows), default=0)  # Llama 4's chunks: < 0
 
 
 @pytest.mark.parametrize(
@@ -61,6 +62,8 @@ def test_parameters_equal_transformers_model(kind: str) -> None:
         ("smollm3-3b", 3.08),
         ("gpt-oss-20b", 20.9),
         ("gpt-oss-120b", 116.8),
+        ("llama-4-scout", 107.8),  # the text model (Meta's 109B counts the vision encoder)
+        ("llama-4-maverick", 400.7),
     ],
 )
 def test_builtin_parameter_counts_match_published_sizes(name: str, billions: float) -> None:
@@ -76,6 +79,8 @@ def test_builtin_parameter_counts_match_published_sizes(name: str, billions: flo
         ("microsoft/Phi-3-mini-4k-instruct", "phi-3-mini-4k", 32, 2047),
         ("microsoft/Phi-4-mini-instruct", "phi-4-mini", 0, 0),
         ("allenai/OLMo-2-1124-7B-Instruct", "olmo-2-7b", 0, 0),
+        ("meta-llama/Llama-4-Maverick-17B-128E-Instruct", "llama-4-maverick", 36, 8192),
+        ("meta-llama/Llama-4-Scout-17B-16E", "llama-4-scout", 36, 8192),
     ],
 )
 def test_hub_ids_name_builtin_shapes(hub_id, name, local_layers, window) -> None:
@@ -119,6 +124,32 @@ def test_gemma3_with_vision_reads_its_language_model() -> None:
     spec = ModelSpec.from_hf_config(config, name="gemma-3-12b-it")
     assert spec.total_params == BUILTIN_MODELS["gemma-3-12b"].total_params
     assert spec.model_type == "gemma3_text" and spec.num_local_layers == 40
+
+
+def test_llama4_with_vision_reads_its_language_model() -> None:
+    """Maverick's config.json as published (its text_config's shape fields): the catalogue's
+    shape, MoE on every other layer, chunks on the rotary layers (a NoPE layer of four)."""
+    text = {
+        "hidden_size": 5120,
+        "intermediate_size": 8192,
+        "intermediate_size_mlp": 16384,
+        "num_hidden_layers": 48,
+        "num_attention_heads": 40,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 202048,
+        "num_local_experts": 128,
+        "num_experts_per_tok": 1,
+        "interleave_moe_layer_step": 2,
+        "attention_chunk_size": 8192,
+        "no_rope_layers": [int((i + 1) % 4 != 0) for i in range(48)],
+        "tie_word_embeddings": False,
+    }
+    config = {"model_type": "llama4", "torch_dtype": "bfloat16", "text_config": text}
+    spec = ModelSpec.from_hf_config(config, name="Llama-4-Maverick-17B-128E-Instruct")
+    assert spec.total_params == BUILTIN_MODELS["llama-4-maverick"].total_params
+    assert spec.moe_layer_ids == tuple(range(1, 48, 2))
+    assert (spec.num_local_layers, spec.sliding_window) == (36, 8192)
 
 
 def test_a_window_prices_what_local_layers_read() -> None:

@@ -48,8 +48,8 @@ class FailingStepperTokenizer(Tokenizer):
     """A stepper that fails at its fourth token, as tokenizers' does on a prefix it cannot
     extend."""
 
-    def stepper(self) -> Stepper:
-        step, count = super().stepper(), itertools.count()
+    def stepper(self, skip_special_tokens: bool = True) -> Stepper:
+        step, count = super().stepper(skip_special_tokens), itertools.count()
 
         def failing(token_id: int) -> str | None:
             if next(count) == 3:
@@ -144,6 +144,17 @@ def test_text_held_back_for_a_stop_string_comes_out_at_the_end(tokenizer: Tokeni
     seq = Sequence.from_request(Request("r", [1], SamplingParams(stop=["near!"])), 0, tokenizer)
     pieces = [seq.append_token(t, None, (EOS,), MAX_LEN).new_text for t in out]
     assert "".join(pieces) + seq.abort().new_text == "the end is near"
+
+
+def test_special_tokens_are_kept_when_asked(tokenizer: Tokenizer) -> None:
+    """skip_special_tokens=False (gpt-oss's harmony markers are read from them): the pieces
+    joined are the tokenizer's decode keeping special tokens; by default they are left out."""
+    ids = tokenizer.encode("<|im_start|>assistant\nthé 🙂<|im_end|>\n", add_special_tokens=False)
+    assert tokenizer.decode(ids) != tokenizer.decode(ids, skip_special_tokens=False)
+    for skip in (True, False):
+        detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip)
+        pieces = [detokenizer.add_token(t) for t in ids] + [detokenizer.flush()]
+        assert "".join(pieces) == tokenizer.decode(ids, skip_special_tokens=skip)
 
 
 def test_pieces_of_one_character_wait_for_its_last_byte(tokenizer: Tokenizer) -> None:

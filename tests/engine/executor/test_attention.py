@@ -9,6 +9,7 @@ from torch.nn.functional import scaled_dot_product_attention
 
 from engine.executor.attention import RaggedLayout, join_kv, paged_attention, ragged_attention
 from engine.kernels import PagedKernels, paged_kernels
+from engine.models.base import AttentionSpec
 
 HEADS, KV_HEADS, DIM = 4, 2, 8
 
@@ -167,9 +168,12 @@ def kernel_equals_sdpa(
     window: int | None,
     dtype: torch.dtype,
     tol: float,
+    sinks: torch.Tensor | None = None,
+    kernels: PagedKernels | None = None,
 ) -> list[bool]:
-    """The native kernels over a NaN-poisoned scattered pool give SDPA's float32 result over
-    the same values, within `tol`; returns which of the layout's groups are prefill chunks."""
+    """The native kernels (or `kernels`) over a NaN-poisoned scattered pool give SDPA's
+    float32 result over the same values (with `sinks`: the eager product transformers
+    computes), within `tol`; returns which of the layout's groups are prefill chunks."""
     heads, kv_heads, dim = shape
     g = torch.Generator().manual_seed(2)
     total, past_total = sum(q_lens), sum(past_lens)
@@ -179,11 +183,13 @@ def kernel_equals_sdpa(
     pool, seq_slots = scattered_pool(k, v, past_k, past_v, q_lens, past_lens, g)
     cpu = torch.device("cpu")
     paged = RaggedLayout.build(q_lens, past_lens, cpu, window, seq_slots)
-    got = paged_attention(q, pool, lambda rows: rows, paged, (kv_heads, dim), native_kernels())
+    spec = AttentionSpec(sinks=sinks)
+    kernels = kernels or native_kernels()
+    got = paged_attention(q, pool, lambda rows: rows, paged, (kv_heads, dim), kernels, spec)
     assert got.dtype == dtype
     packed = RaggedLayout.build(q_lens, past_lens, cpu, window)
     f32 = [x.float() for x in (q, k, v, past_k, past_v)]
-    want = ragged_attention(*f32, packed)
+    want = ragged_attention(*f32, packed, spec)
     torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
     return [grp.starts is not None for grp in paged.groups]
 
@@ -207,6 +213,28 @@ def test_native_prefill_kernel_equals_sdpa_over_the_padded_copy(
     q_lens, past_lens = [70, 5, 33, 1, 100, 17], [0, 30, 200, 7, 64, 3]
     groups = kernel_equals_sdpa(q_lens, past_lens, (heads, kv_heads, dim), window, dtype, tol)
     assert groups == [False, True]  # the one-row chunk is a decode, in a group of its own
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(8, 2, 128), (4, 4, 32)])
+@pytest.mark.parametrize("window", [None, -48], ids=["full", "chunks"])
+@pytest.mark.parametrize("prefill", [False, True], ids=["decode", "prefill"])
+def test_native_kernels_take_sinks_and_chunks(
+    dtype: torch.dtype,
+    tol: float,
+    heads: int,
+    kv_heads: int,
+    dim: int,
+    window: int | None,
+    prefill: bool,
+) -> None:
+    """gpt-oss's sink logits (one per query head, some far above the scores, some below) and
+    Llama 4's chunks (48 positions: keys before a query's chunk unseen) in both kernels, the
+    AVX-512 paths and the portable loops, against the eager product transformers computes."""
+    sinks = torch.linspace(-3.0, 6.0, heads)
+    past_lens = [0, 299, 17, 64, 150, 3] if not prefill else [0, 30, 200, 7, 64, 3]
+    q_lens = [1] * 6 if not prefill else [70, 5, 33, 1, 100, 17]
+    kernel_equals_sdpa(q_lens, past_lens, (heads, kv_heads, dim), window, dtype, tol, sinks)
 
 
 def test_prefill_kernel_refuses_offsets_that_do_not_fit() -> None:

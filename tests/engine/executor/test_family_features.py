@@ -66,6 +66,25 @@ def test_each_feature_changes_transformers_tokens(
     assert [reference(changed, p, MAX_TOKENS) for p in prompts] != expected
 
 
+def assert_changed_feature_followed(
+    model_dir: Path,
+    reference: tuple[list[list[int]], list[list[int]]],
+    field: str,
+    value: Any,
+    tmp_path: Path,
+) -> None:
+    """With config `field` set to `value` (a feature turned off), transformers' greedy tokens
+    differ from `reference` (prompts, its tokens before), so a test would see the feature
+    ignored, and ours equal its new ones."""
+    from tests.engine.executor.test_correctness import run
+
+    prompts, expected = reference
+    changed = _with_config(model_dir, tmp_path / "changed", field, value)
+    theirs = [hf_greedy(changed, p, MAX_TOKENS) for p in prompts]
+    assert theirs != expected
+    assert run(changed, prompts, Policy(), tmp_path) == theirs
+
+
 def _score(model_dir: Path, prompts: list[list[int]], **policy: Any) -> list[torch.Tensor]:
     executor = Executor(str(model_dir), Policy(**policy), device="cpu")
     try:

@@ -12,7 +12,7 @@ from policy import Policy
 from tests.engine.executor.test_correctness import PLACEMENTS, run
 from tests.engine.executor.test_families import FAMILY_PLACEMENTS
 from tests.engine.executor.test_family_features import (
-    _with_config,
+    assert_changed_feature_followed,
     assert_logits_equal_transformers,
 )
 from tests.engine.executor.test_nano_batches import PLACEMENTS as NANO_PLACEMENTS
@@ -21,7 +21,7 @@ from tests.engine.executor.test_nano_batches import run as run_nano
 from tests.engine.executor.test_prefix_caching import (
     assert_cached_prefixes_give_transformers_tokens,
 )
-from tests.engine.tiny_models import DENSE_2025, MAX_TOKENS, hf_greedy
+from tests.engine.tiny_models import DENSE_2025
 
 DEFAULT_PLACEMENTS = ("all-on-device", "kv-act-mixed", "three-gpu-batches")
 
@@ -93,8 +93,4 @@ FEATURES = [
 def test_each_feature_changes_transformers_tokens(
     tiny_model, references, tmp_path, kind, field, value
 ):
-    prompts, expected = references(kind)
-    changed = _with_config(tiny_model(kind), tmp_path / "changed", field, value)
-    theirs = [hf_greedy(changed, p, MAX_TOKENS) for p in prompts]
-    assert theirs != expected
-    assert run(changed, prompts, Policy(), tmp_path) == theirs
+    assert_changed_feature_followed(tiny_model(kind), references(kind), field, value, tmp_path)

@@ -4,7 +4,8 @@ Triton's interpreter runs both kernels on CPU tensors here (on a machine with a 
 compiled kernels on the GPU); each is compared with a float64
 reference and with the CPU's gather-and-SDPA path on small ragged shapes: keys on shuffled
 pages of a pool whose unused rows are NaN, a sequence of one token, sequences longer than a
-decode split and than a prefill block, grouped-query heads, a sliding window, a head_dim
+decode split and than a prefill block, grouped-query heads, a sliding window, chunked
+attention (Llama 4), a head_dim
 that is not a power of two. And each kernel is compiled for sm_90 (the H100 and H200) with
 no GPU present: one that does not compile for Hopper fails here.
 
@@ -63,9 +64,11 @@ def reference(
     kv_heads: int,
     scale: float,
     window: int,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Float64 attention, sequence by sequence: row t of a sequence with q_len new rows and
-    kv_len keys sees keys [0, kv_len - q_len + t] (the last `window`)."""
+    kv_len keys sees keys [0, kv_len - q_len + t] (the last `window`; with window < 0 those
+    of its own chunk); `sinks` (heads,): gpt-oss's sink logits."""
     heads, head_dim = q.shape[1], q.shape[2]
     kv_dim = kv_heads * head_dim
     out, row = [], 0
@@ -78,10 +81,16 @@ def reference(
         pos = torch.arange(len(slots) - q_len, len(slots))[:, None]
         keys = torch.arange(len(slots))[None, :]
         seen = keys <= pos
-        if window:
+        if window > 0:
             seen &= keys > pos - window
+        if window < 0:  # chunked attention: the query's own chunk of -window positions
+            seen &= keys >= pos - pos % -window
         scores = scores.masked_fill(~seen, float("-inf"))
-        out.append(torch.einsum("htk,khd->thd", scores.softmax(-1), v))
+        if sinks is not None:  # each head's sink: one more column, without a value
+            column = sinks.double()[:, None, None].expand(-1, scores.shape[1], 1)
+            scores = torch.cat([scores, column], dim=-1)
+        probs = scores.softmax(-1)[..., : len(slots)]
+        out.append(torch.einsum("htk,khd->thd", probs, v))
         row += q_len
     return torch.cat(out)
 
@@ -97,12 +106,12 @@ TRITON = PagedKernels(ta.paged_decode, ta.paged_prefill)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize(
     "heads,kv_heads,head_dim,window",
-    [(8, 2, 64, 0), (6, 6, 32, 0), (12, 4, 96, 0), (8, 2, 64, 20)],
-    ids=["gqa", "mha", "head96", "window"],
+    [(8, 2, 64, 0), (6, 6, 32, 0), (12, 4, 96, 0), (8, 2, 64, 20), (8, 2, 64, -48)],
+    ids=["gqa", "mha", "head96", "window", "chunks"],
 )
 def test_decode_kernel_equals_the_reference(dtype, heads, kv_heads, head_dim, window):
     lens = [1, 17, 64, 130, 200, 3]  # one token; past a split (64 keys) and a tile
-    pool, seq_slots = paged_pool(lens, kv_heads, head_dim, dtype, seed=head_dim + window)
+    pool, seq_slots = paged_pool(lens, kv_heads, head_dim, dtype, seed=head_dim + abs(window))
     g = torch.Generator().manual_seed(1)
     q = torch.randn(len(lens), heads, head_dim, generator=g).to(dtype)
     scale = head_dim**-0.5
@@ -120,8 +129,8 @@ def test_decode_kernel_equals_the_reference(dtype, heads, kv_heads, head_dim, wi
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize(
     "heads,kv_heads,head_dim,window",
-    [(8, 2, 64, 0), (12, 4, 96, 0), (8, 2, 64, 24)],
-    ids=["gqa", "head96", "window"],
+    [(8, 2, 64, 0), (12, 4, 96, 0), (8, 2, 64, 24), (8, 2, 64, -48)],
+    ids=["gqa", "head96", "window", "chunks"],
 )
 def test_prefill_kernel_equals_the_reference(dtype, heads, kv_heads, head_dim, window):
     # (new rows, past rows): a first chunk, chunks over a past, one row, a chunk longer than
@@ -129,7 +138,7 @@ def test_prefill_kernel_equals_the_reference(dtype, heads, kv_heads, head_dim, w
     shapes = [(5, 0), (17, 40), (1, 9), (70, 100), (64, 3)]
     q_lens = [q for q, _ in shapes]
     lens = [q + p for q, p in shapes]
-    pool, seq_slots = paged_pool(lens, kv_heads, head_dim, dtype, seed=7 + window)
+    pool, seq_slots = paged_pool(lens, kv_heads, head_dim, dtype, seed=7 + abs(window))
     g = torch.Generator().manual_seed(2)
     q = torch.randn(sum(q_lens), heads, head_dim, generator=g).to(dtype)
     scale = 0.2
@@ -166,6 +175,34 @@ def test_kernels_through_paged_attention_equal_the_gather_path(dtype):
     want = reference(q, pool, seq_slots, q_lens, kv_heads, head_dim**-0.5, 0)
     assert relative_error(got, want) < TOLERANCE[dtype]
     assert relative_error(gathered, want) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernels_take_sinks(dtype):
+    """gpt-oss's sink logits (some far above the scores, some below), in decode with one
+    split and several (merged with the sinks) and in prefill, with a sliding window."""
+    heads, kv_heads, head_dim, window = 8, 2, 64, 40
+    sinks = torch.linspace(-3.0, 6.0, heads)
+    lens = [1, 17, 130, 3]
+    pool, seq_slots = paged_pool(lens, kv_heads, head_dim, dtype, seed=5)
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(len(lens), heads, head_dim, generator=g).to(dtype)
+    want = reference(q, pool, seq_slots, [1] * len(lens), kv_heads, 0.125, window, sinks)
+    table = torch.tensor([s + [s[0]] * (max(lens) - len(s)) for s in seq_slots]).reshape(-1)
+    on = [t.to(DEVICE) for t in (q, pool, table, torch.tensor(lens), sinks)]
+    for split_len in (None, 64):
+        got = ta.paged_decode(*on[:4], kv_heads, 0.125, window, split_len, sinks=on[4]).cpu()
+        assert relative_error(got, want) < TOLERANCE[dtype], split_len
+    shapes = [(5, 0), (17, 40), (70, 100)]
+    q_lens, lens = [n for n, _ in shapes], [n + p for n, p in shapes]
+    pool, seq_slots = paged_pool(lens, kv_heads, head_dim, dtype, seed=6)
+    q = torch.randn(sum(q_lens), heads, head_dim, generator=g).to(dtype)
+    want = reference(q, pool, seq_slots, q_lens, kv_heads, 0.125, window, sinks)
+    slots = torch.tensor([s for seq in seq_slots for s in seq])
+    starts = [torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()]) for n in (q_lens, lens)]
+    on = [t.to(DEVICE) for t in (q, pool, slots, *starts, sinks)]
+    got = ta.paged_prefill(*on[:5], kv_heads, 0.125, window, max(q_lens), sinks=on[5]).cpu()
+    assert relative_error(got, want) < TOLERANCE[dtype]
 
 
 def test_decode_splits_fill_the_gpu():
