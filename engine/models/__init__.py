@@ -1,6 +1,7 @@
 """Layer-wise model implementations (OPT, the Llama family and the families built on it: Qwen 3,
 Gemma 2/3, Phi-3/4, OLMo 2/3, SmolLM3, and the mixture-of-experts Mixtral, Qwen2/3-MoE, OLMoE,
-GLM-4.5, DeepSeek-V3 and gpt-oss), built for placement and offloading."""
+GLM-4.5, DeepSeek-V3 and gpt-oss; the hybrids Qwen3-Next and Qwen3.5), built for placement
+and offloading."""
 
 from engine.models.base import Model
 from engine.models.config import ModelConfig
@@ -38,6 +39,10 @@ def build_model(config: ModelConfig) -> Model:
             "olmoe": moe.OlmoeModel,
             "glm4_moe": moe.Glm4MoeModel,
         }[config.model_type](config)
+    if config.is_hybrid:
+        from engine.models.qwen3_next import Qwen3NextModel
+
+        return Qwen3NextModel(config)
     if config.model_type == "gpt_oss":
         from engine.models.gpt_oss import GptOssModel
 

@@ -98,6 +98,19 @@ class ModelConfig:
     """MLA: each head's value width."""
     rope_interleave: bool = False
     """MLA: the rotary pairs are interleaved (DeepSeek-V3's checkpoints)."""
+    # Hybrids (engine/models/qwen3_next.py): Gated DeltaNet layers beside attention layers
+    state_layers: tuple[int, ...] = ()
+    """Decoder layers (0-based) that mix tokens through a fixed-size per-sequence state (Gated
+    DeltaNet) instead of attention over KV pages; empty: a transformer."""
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel: int = 0
+    """Gated DeltaNet: its heads, their widths and the short convolution's kernel length."""
+    attn_output_gate: bool = False
+    """Qwen3-Next and Qwen3.5: each attention head's output is scaled by a sigmoid gate that
+    q_proj computes beside the query."""
 
     @property
     def is_moe(self) -> bool:
@@ -106,6 +119,39 @@ class ModelConfig:
     def is_moe_layer(self, layer: int) -> bool:
         """Decoder layer `layer` (0-based) routes its tokens to experts."""
         return self.is_moe and layer not in self.dense_layers
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Some decoder layers keep a per-sequence state (`state_layers`)."""
+        return bool(self.state_layers)
+
+    @property
+    def kv_layers(self) -> tuple[int, ...]:
+        """The decoder layers (0-based) with attention over KV pages, in order."""
+        state = set(self.state_layers)
+        return tuple(i for i in range(self.num_layers) if i not in state)
+
+    @property
+    def linear_key_dim(self) -> int:
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def linear_value_dim(self) -> int:
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of a Gated DeltaNet layer's short convolution: its q, k and v."""
+        return 2 * self.linear_key_dim + self.linear_value_dim
+
+    def state_bytes(self, itemsize: int) -> int:
+        """Bytes of one sequence's state over every state layer: the convolution window
+        (conv_dim x (kernel - 1) in the compute dtype of `itemsize` bytes) and the recurrent
+        state (value heads x key dim x value dim, float32, as transformers keeps it)."""
+        conv = self.conv_dim * (self.linear_conv_kernel - 1) * itemsize
+        recurrent = self.linear_num_value_heads * self.linear_key_head_dim
+        recurrent *= self.linear_value_head_dim * 4
+        return len(self.state_layers) * (conv + recurrent)
 
     @property
     def is_opt(self) -> bool:

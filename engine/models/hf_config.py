@@ -39,6 +39,9 @@ SUPPORTED_MODEL_TYPES = (
     "glm4_moe",
     "deepseek_v3",
     "gpt_oss",
+    "qwen3_next",
+    "qwen3_5_text",
+    "qwen3_5_moe_text",
 )
 REFUSED_MODEL_TYPES = {
     "deepseek_v2": "DeepSeek-V2's softmax group-limited routing (nanoflex routes as V3 does)",
@@ -160,6 +163,9 @@ ROPE_TYPES = {
     "glm4_moe": ("default", "linear", "llama3", "yarn"),
     "deepseek_v3": ("default", "linear", "yarn"),
     "gpt_oss": ("default", "yarn"),
+    "qwen3_next": ("default", "linear", "yarn"),
+    "qwen3_5_text": ("default",),
+    "qwen3_5_moe_text": ("default",),
 }
 """Rotary scaling types each family implements (engine/models/rotary.py)."""
 
@@ -500,6 +506,52 @@ def _smollm3(hf: Any) -> dict[str, Any]:
     return dict(_llama(hf), nope_layers=tuple(i for i, rope in enumerate(flags) if not rope))
 
 
+_GATED_DELTA_NET = frozenset(
+    {
+        "linear_conv_kernel_dim",
+        "linear_key_head_dim",
+        "linear_value_head_dim",
+        "linear_num_key_heads",
+        "linear_num_value_heads",
+        "attention_bias",
+    }
+)
+"""Qwen3-Next and Qwen3.5: the Gated DeltaNet layers' shapes."""
+
+
+def _gated_delta_net(hf: Any) -> dict[str, Any]:
+    """Qwen3-Next and Qwen3.5 (dense and MoE): `layer_types` marks each layer
+    'linear_attention' (Gated DeltaNet, engine/models/qwen3_next.py) or 'full_attention'
+    (attention with per-head q/k norms, partial rotary and a sigmoid output gate); the MLP is
+    Qwen2-MoE's (routed experts, a gated shared expert) or dense."""
+    _require(hf, "attention_bias", (False,))
+    types = list(getattr(hf, "layer_types", None) or [])
+    if len(types) != hf.num_hidden_layers:
+        raise UnsupportedModelError(
+            f"{hf.model_type}: layer_types has {len(types)} entries for "
+            f"{hf.num_hidden_layers} layers"
+        )
+    if int(hf.linear_num_value_heads) % int(hf.linear_num_key_heads):
+        raise UnsupportedModelError(
+            f"{hf.model_type}: linear_num_value_heads={hf.linear_num_value_heads} is not a "
+            f"multiple of linear_num_key_heads={hf.linear_num_key_heads}"
+        )
+    fields = _moe(hf) if getattr(hf, "num_experts", 0) else _llama(hf)
+    if hf.model_type == "qwen3_5_moe_text":  # its router always renormalises the top k
+        fields["norm_topk_prob"] = True
+    return dict(
+        fields,
+        layer_windows=(),
+        state_layers=tuple(i for i, kind in enumerate(types) if kind == "linear_attention"),
+        linear_num_key_heads=int(hf.linear_num_key_heads),
+        linear_num_value_heads=int(hf.linear_num_value_heads),
+        linear_key_head_dim=int(hf.linear_key_head_dim),
+        linear_value_head_dim=int(hf.linear_value_head_dim),
+        linear_conv_kernel=int(hf.linear_conv_kernel_dim),
+        attn_output_gate=True,
+    )
+
+
 def _shapes(hf: Any) -> dict[str, Any]:
     """The fields every family has."""
     return dict(
@@ -559,7 +611,7 @@ def _layer_windows(hf: Any) -> tuple[int, ...]:
     if types is None:
         return (window,) * hf.num_hidden_layers if window else ()
     for kind in types:
-        if kind not in ("full_attention", "sliding_attention"):
+        if kind not in ("full_attention", "sliding_attention", "linear_attention"):
             raise UnsupportedModelError(f"{hf.model_type}: layer type {kind!r} is not supported")
     windows = tuple(window if kind == "sliding_attention" else 0 for kind in types)
     return windows if any(windows) else ()
@@ -611,6 +663,12 @@ _FAMILIES: dict[str, tuple[frozenset[str], Callable[[Any], dict[str, Any]]]] = {
     "gpt_oss": (
         _COMMON | _WINDOWS | _MOE | {"attention_bias", "swiglu_alpha", "swiglu_limit"},
         _gpt_oss,
+    ),
+    "qwen3_next": (_COMMON | _WINDOWS | _MOE | _QWEN_MOE | _GATED_DELTA_NET, _gated_delta_net),
+    "qwen3_5_text": (_COMMON | {"layer_types"} | _GATED_DELTA_NET, _gated_delta_net),
+    "qwen3_5_moe_text": (
+        _COMMON | {"layer_types"} | _MOE | {"shared_expert_intermediate_size"} | _GATED_DELTA_NET,
+        _gated_delta_net,
     ),
     "gemma2": (_COMMON | _WINDOWS | _GEMMA, _gemma),
     "gemma3_text": (_COMMON | _WINDOWS | _GEMMA, _gemma),

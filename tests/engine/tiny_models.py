@@ -21,6 +21,24 @@ _MOE_SHAPE: dict[str, object] = dict(
 )
 """What the tiny mixture-of-experts checkpoints share: GQA, an untied head, weights large
 enough that the layers, not the embedding, decide the tokens."""
+_HYBRID_SHAPE: dict[str, object] = dict(
+    vocab_size=211,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+    linear_conv_kernel_dim=4,
+    linear_key_head_dim=8,
+    linear_value_head_dim=12,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    initializer_range=0.1,
+)
+"""What the tiny hybrid checkpoints share (tests/engine/executor/test_hybrids.py)."""
 TINY_CONFIGS: dict[str, dict[str, object]] = {
     # OPT: pre-norm, ReLU, learned positions, tied embeddings, head_dim 12
     "opt": dict(
@@ -412,6 +430,36 @@ TINY_CONFIGS: dict[str, dict[str, object]] = {
             original_max_position_embeddings=64,
         ),
     ),
+    # Qwen3-Next: Gated DeltaNet layers (value heads twice the key heads, grouped projections)
+    # beside a gated attention layer with partial rotary; a MoE MLP with a gated shared expert
+    # on every layer but one dense (mlp_only_layers)
+    "qwen3_next": dict(
+        _HYBRID_SHAPE,
+        model_type="qwen3_next",
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        mlp_only_layers=[1],
+        layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+    ),
+    # Qwen3.5 dense: the same layers, projections stored apart, its multimodal rotary over
+    # text positions
+    "qwen3_5": dict(
+        _HYBRID_SHAPE,
+        model_type="qwen3_5_text",
+        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+    ),
+    # Qwen3.5 MoE
+    "qwen3_5_moe": dict(
+        _HYBRID_SHAPE,
+        model_type="qwen3_5_moe_text",
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+    ),
 }
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 """The tiny mixture-of-experts checkpoints (tests/engine/executor/test_moe.py)."""
@@ -419,6 +467,8 @@ NEW_FAMILIES = ("qwen3", "qwen3-tied", "gemma2", "gemma3", "phi3", "olmo2")
 """The tiny checkpoints of the families issue 27 added (phi3-long has tests of its own)."""
 DENSE_2025 = ("smollm3", "olmo3")
 GROUPED_MOE_FAMILIES = ("glm4_moe", "deepseek_v3")
+HYBRIDS = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
+"""The tiny hybrid checkpoints (tests/engine/executor/test_hybrids.py)."""
 GPT_OSS = "gpt_oss"
 """The tiny gpt-oss checkpoint (tests/engine/executor/test_gpt_oss.py)."""
 """The tiny checkpoints of the grouped-routing MoE families (tests/engine/executor/
