@@ -39,6 +39,10 @@ def build_model(config: ModelConfig) -> Model:
             "olmoe": moe.OlmoeModel,
             "glm4_moe": moe.Glm4MoeModel,
         }[config.model_type](config)
+    if config.is_mamba:
+        from engine.models.granite_hybrid import GraniteHybridModel
+
+        return GraniteHybridModel(config)
     if config.is_hybrid:
         from engine.models.qwen3_next import Qwen3NextModel
 

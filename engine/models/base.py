@@ -98,8 +98,15 @@ class Model(ABC):
 
     def state_shapes(self) -> dict[str, tuple[tuple[int, ...], bool]]:
         """One state layer's per-sequence state tensors: name -> (shape, kept in float32;
-        else in the compute dtype). Empty for a transformer."""
-        return {}
+        else in the compute dtype): the short convolution's last kernel - 1 inputs and the
+        recurrent state. Empty for a transformer."""
+        c = self.config
+        if not c.is_hybrid:
+            return {}
+        return {
+            "conv": ((c.conv_dim, c.linear_conv_kernel - 1), False),
+            "recurrent": (c.recurrent_shape, True),
+        }
 
     def state_layer(
         self,

@@ -23,25 +23,26 @@ def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 def conv_step(
-    x: torch.Tensor, window: torch.Tensor, weight: torch.Tensor
+    x: torch.Tensor, window: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One sequence's causal depthwise convolution with SiLU over its new rows.
-    x (L, C) new rows, window (C, K-1) the previous K-1 inputs (zeros at the start),
-    weight (C, 1, K) -> (out (L, C), the new window (C, K-1))."""
+    """One sequence's causal depthwise convolution with SiLU over its new rows (Gated
+    DeltaNet's and Mamba-2's). x (L, C) new rows, window (C, K-1) the previous K-1 inputs
+    (zeros at the start), weight (C, 1, K), bias (C,) or None -> (out (L, C), the new window
+    (C, K-1))."""
     kernel = weight.shape[-1]
     joined = torch.cat([window, x.t()], dim=-1).to(weight.dtype)  # (C, K-1+L)
-    out = F.conv1d(joined[None], weight, None, padding=0, groups=joined.shape[0])[0]
+    out = F.conv1d(joined[None], weight, bias, padding=0, groups=joined.shape[0])[0]
     new_window = joined[:, joined.shape[1] - (kernel - 1) :]
     return F.silu(out).to(x.dtype).t(), new_window
 
 
 def conv_decode(
-    x: torch.Tensor, windows: torch.Tensor, weight: torch.Tensor
+    x: torch.Tensor, windows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The convolution for B decodes at once: x (B, C) one row each, windows (B, C, K-1) ->
     (out (B, C), new windows (B, C, K-1))."""
     joined = torch.cat([windows, x[:, :, None]], dim=-1).to(weight.dtype)  # (B, C, K)
-    out = F.conv1d(joined, weight, None, padding=0, groups=joined.shape[1])[:, :, -1]
+    out = F.conv1d(joined, weight, bias, padding=0, groups=joined.shape[1])[:, :, -1]
     return F.silu(out).to(x.dtype), joined[:, :, 1:]
 
 

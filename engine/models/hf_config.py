@@ -42,6 +42,7 @@ SUPPORTED_MODEL_TYPES = (
     "qwen3_next",
     "qwen3_5_text",
     "qwen3_5_moe_text",
+    "granitemoehybrid",
 )
 REFUSED_MODEL_TYPES = {
     "deepseek_v2": "DeepSeek-V2's softmax group-limited routing (nanoflex routes as V3 does)",
@@ -166,6 +167,7 @@ ROPE_TYPES = {
     "qwen3_next": ("default", "linear", "yarn"),
     "qwen3_5_text": ("default",),
     "qwen3_5_moe_text": ("default",),
+    "granitemoehybrid": ("default", "linear", "llama3"),
 }
 """Rotary scaling types each family implements (engine/models/rotary.py)."""
 
@@ -552,6 +554,79 @@ def _gated_delta_net(hf: Any) -> dict[str, Any]:
     )
 
 
+_GRANITE_HYBRID = frozenset(
+    {
+        "layer_types",
+        "attention_bias",
+        "embedding_multiplier",
+        "residual_multiplier",
+        "attention_multiplier",
+        "logits_scaling",
+        "num_local_experts",
+        "num_experts_per_tok",
+        "shared_intermediate_size",
+        "position_embedding_type",
+        "mamba_n_heads",
+        "mamba_n_groups",
+        "mamba_d_state",
+        "mamba_d_head",
+        "mamba_d_conv",
+        "mamba_expand",
+        "mamba_chunk_size",
+        "mamba_conv_bias",
+        "mamba_proj_bias",
+        "time_step_limit",
+        "output_router_logits",
+        "router_aux_loss_coef",
+    }
+)
+
+
+def _granite_hybrid(hf: Any) -> dict[str, Any]:
+    """Granite 4 hybrid: Mamba-2 layers ('linear_attention' in `layer_types`) beside
+    attention layers (no rotary unless `position_embedding_type` is 'rope'; scores scaled by
+    `attention_multiplier`), Granite's embedding, residual and logit scalings, a shared
+    SwiGLU on every layer and, with `num_local_experts`, routed experts (top-k logits
+    softmaxed among themselves) beside it."""
+    _require(hf, "time_step_limit", ((0.0, float("inf")), None))
+    _require(hf, "position_embedding_type", (None, "rope"))
+    inner = int(hf.mamba_expand * hf.hidden_size)
+    if inner != hf.mamba_n_heads * hf.mamba_d_head:
+        raise UnsupportedModelError(
+            f"granitemoehybrid: mamba_expand * hidden_size = {inner} is not mamba_n_heads * "
+            f"mamba_d_head = {hf.mamba_n_heads * hf.mamba_d_head}"
+        )
+    types = list(hf.layer_types)
+    experts = int(hf.num_local_experts or 0)
+    fields = dict(
+        _llama(hf),
+        intermediate_size=int(hf.shared_intermediate_size),
+        layer_windows=(),
+        attn_scale=float(hf.attention_multiplier),
+        state_layers=tuple(i for i, kind in enumerate(types) if kind == "linear_attention"),
+        linear_conv_kernel=int(hf.mamba_d_conv),
+        mamba_num_heads=int(hf.mamba_n_heads),
+        mamba_head_dim=int(hf.mamba_d_head),
+        mamba_state_dim=int(hf.mamba_d_state),
+        mamba_groups=int(hf.mamba_n_groups),
+        mamba_inner=inner,
+        mamba_chunk=int(hf.mamba_chunk_size),
+        embedding_multiplier=float(hf.embedding_multiplier),
+        residual_multiplier=float(hf.residual_multiplier),
+        logits_scaling=float(hf.logits_scaling),
+    )
+    if hf.position_embedding_type is None:  # NoPE: no layer rotates q and k
+        fields["nope_layers"] = tuple(range(hf.num_hidden_layers))
+    if experts:
+        fields.update(
+            num_experts=experts,
+            num_experts_per_tok=int(hf.num_experts_per_tok),
+            moe_intermediate_size=int(hf.intermediate_size),
+            shared_expert_intermediate_size=int(hf.shared_intermediate_size),
+        )
+    return fields
+
+
 def _shapes(hf: Any) -> dict[str, Any]:
     """The fields every family has."""
     return dict(
@@ -670,6 +745,7 @@ _FAMILIES: dict[str, tuple[frozenset[str], Callable[[Any], dict[str, Any]]]] = {
         _COMMON | {"layer_types"} | _MOE | {"shared_expert_intermediate_size"} | _GATED_DELTA_NET,
         _gated_delta_net,
     ),
+    "granitemoehybrid": (_COMMON | _GRANITE_HYBRID, _granite_hybrid),
     "gemma2": (_COMMON | _WINDOWS | _GEMMA, _gemma),
     "gemma3_text": (_COMMON | _WINDOWS | _GEMMA, _gemma),
 }

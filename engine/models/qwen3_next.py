@@ -125,16 +125,6 @@ class Qwen3NextModel(MoeModel):
 
     # -- Gated DeltaNet -----------------------------------------------------------------------
 
-    def state_shapes(self) -> dict[str, tuple[tuple[int, ...], bool]]:
-        c = self.config
-        return {
-            "conv": ((c.conv_dim, c.linear_conv_kernel - 1), False),
-            "recurrent": (
-                (c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim),
-                True,
-            ),
-        }
-
     def state_layer(
         self,
         j: int,

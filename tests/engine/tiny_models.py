@@ -39,6 +39,31 @@ _HYBRID_SHAPE: dict[str, object] = dict(
     initializer_range=0.1,
 )
 """What the tiny hybrid checkpoints share (tests/engine/executor/test_hybrids.py)."""
+_GRANITE_SHAPE: dict[str, object] = dict(
+    model_type="granitemoehybrid",
+    vocab_size=211,
+    hidden_size=64,
+    intermediate_size=40,
+    shared_intermediate_size=56,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+    mamba_n_heads=8,
+    mamba_d_head=16,
+    mamba_n_groups=2,
+    mamba_d_state=8,
+    mamba_d_conv=4,
+    mamba_expand=2,
+    mamba_chunk_size=16,
+    embedding_multiplier=2.0,
+    residual_multiplier=0.5,
+    attention_multiplier=0.3,
+    logits_scaling=2.0,
+    initializer_range=0.1,
+    layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+)
 TINY_CONFIGS: dict[str, dict[str, object]] = {
     # OPT: pre-norm, ReLU, learned positions, tied embeddings, head_dim 12
     "opt": dict(
@@ -460,6 +485,11 @@ TINY_CONFIGS: dict[str, dict[str, object]] = {
         shared_expert_intermediate_size=48,
         layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
     ),
+    # Granite 4 hybrid: Mamba-2 layers (2 B/C groups, a chunk of 16 so prompts span several)
+    # beside a NoPE attention layer, Granite's multipliers, routed experts beside the shared MLP
+    "granite4": dict(_GRANITE_SHAPE, num_local_experts=4, num_experts_per_tok=2),
+    # Granite 4 hybrid dense, with rotary
+    "granite4-dense": dict(_GRANITE_SHAPE, num_local_experts=0, position_embedding_type="rope"),
 }
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 """The tiny mixture-of-experts checkpoints (tests/engine/executor/test_moe.py)."""
@@ -467,7 +497,7 @@ NEW_FAMILIES = ("qwen3", "qwen3-tied", "gemma2", "gemma3", "phi3", "olmo2")
 """The tiny checkpoints of the families issue 27 added (phi3-long has tests of its own)."""
 DENSE_2025 = ("smollm3", "olmo3")
 GROUPED_MOE_FAMILIES = ("glm4_moe", "deepseek_v3")
-HYBRIDS = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
+HYBRIDS = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "granite4", "granite4-dense")
 """The tiny hybrid checkpoints (tests/engine/executor/test_hybrids.py)."""
 GPT_OSS = "gpt_oss"
 """The tiny gpt-oss checkpoint (tests/engine/executor/test_gpt_oss.py)."""

@@ -1,4 +1,5 @@
-"""Hybrid models (Qwen3-Next, Qwen3.5 dense and MoE: Gated DeltaNet layers beside attention):
+"""Hybrid models (Qwen3-Next, Qwen3.5 dense and MoE: Gated DeltaNet layers beside attention;
+Granite 4 hybrid, dense and MoE: Mamba-2 layers beside attention):
 greedy tokens equal transformers' under the placements of the issue (everything on the
 compute device; weights on disk with states and KV in host memory; a mixed split), with
 continuous refill, preemption and chunked prefill in the same run."""
@@ -44,25 +45,43 @@ def test_hybrid_matches_transformers(tiny_model, references, tmp_path, kind, pla
 NUM_PROMPTS = 10
 
 
+Workload = tuple[Path, list[list[int]], list[int], list[list[int]]]
+
+
 @pytest.fixture(scope="module")
-def workload(tiny_model) -> tuple[Path, list[list[int]], list[int], list[list[int]]]:
-    """(model dir, prompts of 2..40 tokens, max_tokens of 8..24, transformers' greedy outputs)."""
-    model_dir = tiny_model("qwen3_next")
-    prompts = random_prompts(NUM_PROMPTS, vocab_size("qwen3_next"), 2, 40, seed=5)
-    g = torch.Generator().manual_seed(6)
-    max_tokens = torch.randint(8, 25, (NUM_PROMPTS,), generator=g).tolist()
-    expected = [hf_greedy(model_dir, p, n) for p, n in zip(prompts, max_tokens, strict=True)]
-    return model_dir, prompts, max_tokens, expected
+def workloads(tiny_model):  # type: ignore[no-untyped-def]
+    """kind -> (model dir, prompts of 2..40 tokens, max_tokens of 8..24, transformers' greedy
+    outputs)."""
+    cache: dict[str, Workload] = {}
+
+    def get(kind: str) -> Workload:
+        if kind not in cache:
+            model_dir = tiny_model(kind)
+            prompts = random_prompts(NUM_PROMPTS, vocab_size(kind), 2, 40, seed=5)
+            g = torch.Generator().manual_seed(6)
+            max_tokens = torch.randint(8, 25, (NUM_PROMPTS,), generator=g).tolist()
+            expected = [
+                hf_greedy(model_dir, p, n) for p, n in zip(prompts, max_tokens, strict=True)
+            ]
+            cache[kind] = (model_dir, prompts, max_tokens, expected)
+        return cache[kind]
+
+    return get
 
 
-@pytest.mark.parametrize("placement", list(PLACEMENTS))
-def test_refill_preemption_and_chunked_prefill_keep_each_state(workload, tmp_path, placement):
+@pytest.mark.parametrize(
+    ("kind", "placement"),
+    [("qwen3_next", placement) for placement in PLACEMENTS] + [("granite4", "mixed")],
+)
+def test_refill_preemption_and_chunked_prefill_keep_each_state(
+    workloads, tmp_path, kind, placement
+):
     """Ten ragged requests through a block of 4: sequences leave and join every few steps
     (refill, each new one's state slot zeroed), prompts longer than a step's 16 tokens run
     in chunks that carry their state forward, and KV pools of 4 pages per tier (the longest
     sequence fills one) cannot hold 4 running sequences, so some are preempted (their state
     slots freed) and recomputed."""
-    model_dir, prompts, max_tokens, expected = workload
+    model_dir, prompts, max_tokens, expected = workloads(kind)
     spec = {"gpu_batch_size": 2, "num_gpu_batches": 2, **PLACEMENTS[placement]}
     policy = Policy(**spec)  # type: ignore[arg-type]
     with LLM(

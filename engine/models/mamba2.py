@@ -1,0 +1,118 @@
+"""The Mamba-2 token mixer (Granite 4 hybrid): a causal short convolution over x, B and C,
+then the selective state space scan over a (heads, head dim, state dim) state, chunked (SSD)
+for a prompt and step by step for a decode; a sequence's state carries between chunks.
+
+The math follows transformers' torch paths (`mamba2_chunk_scan`,
+`mamba2_selective_state_update`), op for op where it decides rounding, so float32 tokens
+agree; the code is nanoflex's own, over ragged sequences.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def segment_sum(x: torch.Tensor) -> torch.Tensor:
+    """(..., T) -> (..., T, T): out[..., i, j] = x[..., j+1] + ... + x[..., i] for j <= i (0 on
+    the diagonal), -inf above it; by masked cumulative sums, as transformers computes it."""
+    size = x.shape[-1]
+    x = x[..., None].expand(*x.shape, size)
+    below = torch.tril(torch.ones(size, size, dtype=torch.bool, device=x.device), diagonal=-1)
+    sums = torch.cumsum(x.masked_fill(~below, 0), dim=-2)
+    upto = torch.tril(torch.ones(size, size, dtype=torch.bool, device=x.device), diagonal=0)
+    return sums.masked_fill(~upto, -torch.inf)
+
+
+def _chunks(x: torch.Tensor, pad: int, chunk: int) -> torch.Tensor:
+    """(1, L, ...) padded with zero rows to a multiple of `chunk` -> (1, L / chunk, chunk, ...)."""
+    x = F.pad(x, (0, 0) * (x.dim() - 2) + (0, pad))
+    return x.reshape(x.shape[0], -1, chunk, *x.shape[2:])
+
+
+def scan_chunked(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    d: torch.Tensor,
+    state: torch.Tensor,
+    chunk: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's scan over L rows. x (L, H, P); dt (L, H) after softplus and clamp;
+    a (H,) = -exp(A_log); b, c (L, G, N); d (H,); state (H, P, N) float32 -> (out (L, H, P)
+    float32, the new state)."""
+    length, heads = x.shape[0], x.shape[1]
+    x = x[None].float()
+    b = b[None].float().repeat_interleave(heads // b.shape[1], dim=2)
+    c = c[None].float().repeat_interleave(heads // c.shape[1], dim=2)
+    dt = dt[None]
+    pad = (chunk - length % chunk) % chunk
+    skip = d[..., None] * F.pad(x, (0, 0, 0, 0, 0, pad))
+    x = x * dt[..., None].float()
+    a = a.to(x.dtype) * dt.float()
+    x, a, b, c = (_chunks(t, pad, chunk) for t in (x, a, b, c))
+    a = a.permute(0, 3, 1, 2)  # (1, H, chunks, chunk)
+    a_cumsum = torch.cumsum(a, dim=-1)
+    # within each chunk: an attention-like product of C and B under the decay mask
+    decay = torch.exp(segment_sum(a))
+    scores = torch.einsum("bclhn,bcshn->bclsh", c, b) * decay.permute(0, 2, 3, 4, 1)
+    y_diag = torch.einsum("bclsh,bcshp->bclhp", scores, x)
+    # each chunk's own contribution to the state, then the states across chunks
+    b_decay = b * torch.exp(a_cumsum[:, :, :, -1:] - a_cumsum).permute(0, -2, -1, 1)[..., None]
+    states = torch.einsum("bclhn,bclhp->bchpn", b_decay, x)
+    states = torch.cat([state[None, None].to(states), states], dim=1)
+    across = torch.exp(segment_sum(F.pad(a_cumsum[:, :, :, -1], (1, 0)))).transpose(1, 3)
+    states = torch.einsum("bzch,bzhpn->bchpn", across, states)
+    states, final = states[:, :-1], states[:, -1]
+    # each chunk's start state read out by C
+    y_off = torch.einsum("bclhn,bchpn->bclhp", c, states)
+    y_off = y_off * torch.exp(a_cumsum).permute(0, 2, 3, 1)[..., None]
+    out = (y_diag + y_off).reshape(1, -1, heads, x.shape[-1]) + skip
+    return out[0, :length], final[0]
+
+
+def scan_step(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    d: torch.Tensor,
+    state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One row for each of B sequences (decodes): x (B, H, P); dt (B, H) after softplus;
+    a (H,); b, c (B, G, N); d (H,); state (B, H, P, N) float32 -> (out (B, H, P) in x's
+    dtype, the new state)."""
+    batch, heads, head_dim = x.shape
+    groups, size = b.shape[1], b.shape[2]
+    dt = dt[..., None].expand(-1, -1, head_dim)[..., None]  # (B, H, P, 1)
+    decay = torch.exp(dt.float() * a[:, None, None].expand(-1, head_dim, size).float())
+    per = heads // groups
+    b = (
+        b.reshape(batch, groups, 1, size)
+        .expand(batch, groups, per, size)
+        .reshape(batch, heads, 1, size)
+    )
+    state = state * decay + (dt * b * x[..., None])
+    c = (
+        c.reshape(batch, groups, 1, size)
+        .expand(batch, groups, per, size)
+        .reshape(batch, heads, size)
+    )
+    out = torch.bmm(state.to(c.dtype).view(-1, head_dim, size), c.reshape(-1, size, 1))
+    out = out.view(batch, heads, head_dim)
+    out = out + x * d[:, None].expand(-1, head_dim)
+    return out.to(x.dtype), state
+
+
+def grouped_gated_norm(
+    y: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, groups: int, eps: float
+) -> torch.Tensor:
+    """Mamba-2's gated RMSNorm (gate first): y * SiLU(gate) in float32, normalized over each of
+    `groups` groups of channels, cast back, scaled by weight. y, gate (T, I)."""
+    h = y.to(torch.float32) * F.silu(gate.to(torch.float32))
+    h = h.view(h.shape[0], groups, -1)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.view(y.shape).to(y.dtype)
