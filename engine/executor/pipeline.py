@@ -510,6 +510,8 @@ class BlockPipeline:
                 return self.model.head(w, h.index_select(0, batch.logit_rows)), None
             if kind == "state":
                 return self._mix(j, w, h, batch), None
+            if kind == "dense":
+                return self.model.dense_layer(w, h), None
             if graphs is not None:  # dense ops replayed, attention eager in between
                 graphs.before[j - 1].replay()
                 q, k, v = graphs.q, graphs.k, graphs.v

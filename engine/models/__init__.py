@@ -39,6 +39,10 @@ def build_model(config: ModelConfig) -> Model:
             "olmoe": moe.OlmoeModel,
             "glm4_moe": moe.Glm4MoeModel,
         }[config.model_type](config)
+    if config.model_type == "nemotron_h":
+        from engine.models.nemotron_h import NemotronHModel
+
+        return NemotronHModel(config)
     if config.is_mamba:
         from engine.models.granite_hybrid import GraniteHybridModel
 

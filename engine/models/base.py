@@ -64,6 +64,7 @@ class Model(ABC):
         """Fused CPU ops for the work around the GEMMs (`engine.kernels`), set where the
         model computes on a CPU with native kernels on; None: torch's own ops."""
         self._state_layers = frozenset(config.state_layers)
+        self._mlp_layers = frozenset(config.mlp_layers)
         self._kv_index = {layer: i for i, layer in enumerate(config.kv_layers)}
         """Decoder layer (0-based) -> its index among the layers with KV pages."""
 
@@ -83,12 +84,15 @@ class Model(ABC):
         return AttentionSpec(c.window(j - 1), c.attn_scale, c.attn_softcap, w.get("sinks"))
 
     def layer_kind(self, j: int) -> str:
-        """'embed', 'head', 'decoder' (attention over KV pages) or 'state' (a hybrid's layer
-        that mixes tokens through a fixed-size per-sequence state: `state_layer`)."""
+        """'embed', 'head', 'decoder' (attention over KV pages), 'state' (a hybrid's layer
+        that mixes tokens through a fixed-size per-sequence state: `state_layer`) or 'dense'
+        (Nemotron-H's MLP alone: `dense_layer`)."""
         if j == 0:
             return "embed"
         if j == self.num_layers - 1:
             return "head"
+        if j - 1 in self._mlp_layers:
+            return "dense"
         return "state" if j - 1 in self._state_layers else "decoder"
 
     def kv_layer(self, j: int) -> int:
@@ -107,6 +111,10 @@ class Model(ABC):
             "conv": ((c.conv_dim, c.linear_conv_kernel - 1), False),
             "recurrent": (c.recurrent_shape, True),
         }
+
+    def dense_layer(self, w: Weights, h: torch.Tensor) -> torch.Tensor:
+        """A decoder layer that is an MLP alone (Nemotron-H): (T, hidden) -> (T, hidden)."""
+        raise NotImplementedError(f"{type(self).__name__} has no MLP-only layers")
 
     def state_layer(
         self,

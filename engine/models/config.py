@@ -117,6 +117,8 @@ class ModelConfig:
     """Mamba-2 state layers (Granite 4 hybrid, engine/models/granite_hybrid.py): heads, each
     head's width, the state's width, the B/C groups, the inner width (heads * head dim) and
     the chunk of the chunked scan; 0 heads: the state layers are Gated DeltaNet."""
+    mlp_layers: tuple[int, ...] = ()
+    """Nemotron-H: decoder layers (0-based) that are an MLP alone (no token mixer)."""
     embedding_multiplier: float = 1.0
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
@@ -142,8 +144,8 @@ class ModelConfig:
     @property
     def kv_layers(self) -> tuple[int, ...]:
         """The decoder layers (0-based) with attention over KV pages, in order."""
-        state = set(self.state_layers)
-        return tuple(i for i in range(self.num_layers) if i not in state)
+        other = set(self.state_layers) | set(self.mlp_layers)
+        return tuple(i for i in range(self.num_layers) if i not in other)
 
     @property
     def linear_key_dim(self) -> int:

@@ -22,9 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from engine.models.base import Weights, linear
-from engine.models.gated_delta import conv_decode, conv_step
 from engine.models.llama import LAYER_NAME, PROJECTION_NAMES
-from engine.models.mamba2 import grouped_gated_norm, scan_chunked, scan_step
+from engine.models.mamba2 import mamba_mix
 from engine.models.moe import ExpertSource, MoeModel
 
 LOCAL_NAMES = {
@@ -114,50 +113,5 @@ class GraniteHybridModel(MoeModel):
         spans: list[tuple[int, int]],
     ) -> torch.Tensor:
         c = self.config
-        heads, head_dim = c.mamba_num_heads, c.mamba_head_dim
-        groups, size = c.mamba_groups, c.mamba_state_dim
-        proj = linear(self.input_norm(w, h), w, "m_in")
-        gate, mixed, dt = proj.split([c.mamba_inner, c.conv_dim, heads], dim=-1)
-        dt = F.softplus(dt + w["ssm.dt_bias"].to(dt.dtype))  # (T, H); >= 0: the clamp is a no-op
-        a = -torch.exp(w["ssm.A_log"].float())
-        d = w["ssm.D"]
-        conv, recurrent = states["conv"], states["recurrent"]
-        weight, bias = w["conv.weight"], w.get("conv.bias")
-        y = h.new_zeros(h.shape[0], c.mamba_inner, dtype=torch.float32)  # padding rows: 0
-        split = [c.mamba_inner, groups * size, groups * size]
-        decodes = [i for i, (_, n) in enumerate(spans) if n == 1]
-        if decodes:  # one row each: the convolution and the scan for all at once
-            index = torch.tensor(decodes, device=h.device)
-            rows = torch.tensor([spans[i][0] for i in decodes], device=h.device)
-            out, conv[index] = conv_decode(mixed[rows], conv[index], weight, bias)
-            x, b, cc = out.split(split, dim=-1)
-            scanned, recurrent[index] = scan_step(
-                x.view(-1, heads, head_dim),
-                dt[rows],
-                a,
-                b.view(-1, groups, size),
-                cc.view(-1, groups, size),
-                d,
-                recurrent[index],
-            )
-            y[rows] = scanned.reshape(len(decodes), -1).float()
-        for i, (first, n) in enumerate(spans):
-            if n == 1:
-                continue
-            rows_i = slice(first, first + n)
-            out, conv[i] = conv_step(mixed[rows_i], conv[i], weight, bias)
-            x, b, cc = out.split(split, dim=-1)
-            scanned, recurrent[i] = scan_chunked(
-                x.view(n, heads, head_dim),
-                dt[rows_i],
-                a,
-                b.view(n, groups, size),
-                cc.view(n, groups, size),
-                d,
-                recurrent[i],
-                c.mamba_chunk,
-            )
-            y[rows_i] = scanned.reshape(n, -1)
-        normed = grouped_gated_norm(y, gate, w["ssm_norm.weight"], groups, c.norm_eps)
-        h = self._residual(h, linear(normed.to(h.dtype), w, "ssm_out"))
+        h = self._residual(h, mamba_mix(c, w, self.input_norm(w, h), states, spans))
         return self._residual(h, self.mlp(w, self.ops.rms_norm(h, w["ln2.weight"], c.norm_eps)))

@@ -43,6 +43,7 @@ SUPPORTED_MODEL_TYPES = (
     "qwen3_5_text",
     "qwen3_5_moe_text",
     "granitemoehybrid",
+    "nemotron_h",
 )
 REFUSED_MODEL_TYPES = {
     "deepseek_v2": "DeepSeek-V2's softmax group-limited routing (nanoflex routes as V3 does)",
@@ -554,6 +555,18 @@ def _gated_delta_net(hf: Any) -> dict[str, Any]:
     )
 
 
+def _require_no_time_step_limit(hf: Any) -> None:
+    """Mamba-2's time step clamp: only the default (0, inf), a no-op after the softplus (the
+    decode step of transformers never clamps, so another limit would make prompt and decode
+    disagree there too)."""
+    limit = tuple(getattr(hf, "time_step_limit", None) or (0.0, float("inf")))
+    if limit != (0.0, float("inf")):
+        raise UnsupportedModelError(
+            f"{hf.model_type} config field time_step_limit={list(limit)} is not supported "
+            "(nanoflex implements the default [0.0, inf])"
+        )
+
+
 _GRANITE_HYBRID = frozenset(
     {
         "layer_types",
@@ -588,7 +601,7 @@ def _granite_hybrid(hf: Any) -> dict[str, Any]:
     `attention_multiplier`), Granite's embedding, residual and logit scalings, a shared
     SwiGLU on every layer and, with `num_local_experts`, routed experts (top-k logits
     softmaxed among themselves) beside it."""
-    _require(hf, "time_step_limit", ((0.0, float("inf")), None))
+    _require_no_time_step_limit(hf)
     _require(hf, "position_embedding_type", (None, "rope"))
     inner = int(hf.mamba_expand * hf.hidden_size)
     if inner != hf.mamba_n_heads * hf.mamba_d_head:
@@ -625,6 +638,90 @@ def _granite_hybrid(hf: Any) -> dict[str, Any]:
             shared_expert_intermediate_size=int(hf.shared_intermediate_size),
         )
     return fields
+
+
+_NEMOTRON_H = _COMMON | frozenset(  # its config class has no rotary or rms_norm_eps fields
+    {
+        "layers_block_type",
+        "layer_norm_epsilon",
+        "mlp_hidden_act",
+        "mamba_hidden_act",
+        "mamba_num_heads",
+        "mamba_head_dim",
+        "ssm_state_size",
+        "n_groups",
+        "conv_kernel",
+        "expand",
+        "chunk_size",
+        "use_conv_bias",
+        "mamba_proj_bias",
+        "use_bias",
+        "mlp_bias",
+        "attention_bias",
+        "time_step_limit",
+        "residual_in_fp32",
+        "mamba_ssm_cache_dtype",
+        "use_mamba_kernels",
+        "num_logits_to_keep",
+        # the training-time initialisation of the time step and the residual rescaling
+        "time_step_min",
+        "time_step_max",
+        "time_step_floor",
+        "rescale_prenorm_residual",
+        # the multi-token prediction layers (not read, as transformers skips them)
+        "mtp_layers_block_type",
+        "num_nextn_predict_layers",
+        # the MoE layers' settings: refused below where a layer is 'moe'
+        "n_routed_experts",
+        "n_shared_experts",
+        "moe_intermediate_size",
+        "moe_shared_expert_intermediate_size",
+        "moe_latent_size",
+        "moe_shared_expert_overlap",
+        "num_experts_per_tok",
+        "routed_scaling_factor",
+        "n_group",
+        "topk_group",
+        "norm_topk_prob",
+        "output_router_logits",
+    }
+)
+
+
+def _nemotron_h(hf: Any) -> dict[str, Any]:
+    """Nemotron-H: each layer one mixer after an RMSNorm (weights multiplied in float32), added
+    to the residual stream: Mamba-2 ('linear_attention'), attention without rotary
+    ('full_attention') or an MLP of squared ReLU ('mlp'); its 'moe' layers are not implemented."""
+    types = list(hf.layers_block_type)
+    if "moe" in types:
+        raise UnsupportedModelError(
+            "nemotron_h: 'moe' layers (Nemotron 3's latent routed experts) are not supported; "
+            "nanoflex runs Nemotron-H checkpoints of Mamba-2, attention and MLP layers"
+        )
+    _require(hf, "mlp_hidden_act", ("relu2",))
+    _require(hf, "mamba_hidden_act", ("silu",))
+    _require(hf, "residual_in_fp32", (False,))
+    _require_no_time_step_limit(hf)
+    heads, head_dim = int(hf.mamba_num_heads), int(hf.mamba_head_dim)
+    return dict(
+        _shapes(hf),
+        intermediate_size=int(hf.intermediate_size),
+        num_kv_heads=int(hf.num_key_value_heads),
+        head_dim=int(hf.head_dim or hf.hidden_size // hf.num_attention_heads),
+        norm_eps=float(hf.layer_norm_epsilon),
+        activation="relu2",  # attention has no biases, whatever attention_bias says
+        mlp_bias=bool(hf.mlp_bias),
+        nope_layers=tuple(range(hf.num_hidden_layers)),
+        state_layers=tuple(i for i, kind in enumerate(types) if kind == "linear_attention"),
+        mlp_layers=tuple(i for i, kind in enumerate(types) if kind == "mlp"),
+        linear_conv_kernel=int(hf.conv_kernel),
+        mamba_num_heads=heads,
+        mamba_head_dim=head_dim,
+        mamba_state_dim=int(hf.ssm_state_size),
+        mamba_groups=int(hf.n_groups),
+        mamba_inner=heads * head_dim,
+        mamba_chunk=int(hf.chunk_size),
+    )
 
 
 def _shapes(hf: Any) -> dict[str, Any]:
@@ -746,6 +843,7 @@ _FAMILIES: dict[str, tuple[frozenset[str], Callable[[Any], dict[str, Any]]]] = {
         _gated_delta_net,
     ),
     "granitemoehybrid": (_COMMON | _GRANITE_HYBRID, _granite_hybrid),
+    "nemotron_h": (_NEMOTRON_H, _nemotron_h),
     "gemma2": (_COMMON | _WINDOWS | _GEMMA, _gemma),
     "gemma3_text": (_COMMON | _WINDOWS | _GEMMA, _gemma),
 }

@@ -12,6 +12,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from engine.models.base import Weights, linear
+from engine.models.config import ModelConfig
+from engine.models.gated_delta import conv_decode, conv_step
+
 
 def segment_sum(x: torch.Tensor) -> torch.Tensor:
     """(..., T) -> (..., T, T): out[..., i, j] = x[..., j+1] + ... + x[..., i] for j <= i (0 on
@@ -116,3 +120,62 @@ def grouped_gated_norm(
     h = h.view(h.shape[0], groups, -1)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.view(y.shape).to(y.dtype)
+
+
+def mamba_mix(
+    c: ModelConfig,
+    w: Weights,
+    x: torch.Tensor,
+    states: dict[str, torch.Tensor],
+    spans: list[tuple[int, int]],
+) -> torch.Tensor:
+    """A Mamba-2 mixer over normed rows x (T, hidden) whose sequences own the rows `spans`
+    and the states `states` (updated in place) -> its output (T, hidden), before the
+    residual add. The weights: m_in, conv, ssm.A_log / D / dt_bias, ssm_norm, ssm_out
+    (engine/models/granite_hybrid.py)."""
+    heads, head_dim = c.mamba_num_heads, c.mamba_head_dim
+    groups, size = c.mamba_groups, c.mamba_state_dim
+    proj = linear(x, w, "m_in")
+    gate, mixed, dt = proj.split([c.mamba_inner, c.conv_dim, heads], dim=-1)
+    dt = F.softplus(dt + w["ssm.dt_bias"].to(dt.dtype))  # (T, H); >= 0: the clamp is a no-op
+    a = -torch.exp(w["ssm.A_log"].float())
+    d = w["ssm.D"]
+    conv, recurrent = states["conv"], states["recurrent"]
+    weight, bias = w["conv.weight"], w.get("conv.bias")
+    y = x.new_zeros(x.shape[0], c.mamba_inner, dtype=torch.float32)  # padding rows: 0
+    split = [c.mamba_inner, groups * size, groups * size]
+    decodes = [i for i, (_, n) in enumerate(spans) if n == 1]
+    if decodes:  # one row each: the convolution and the scan for all at once
+        index = torch.tensor(decodes, device=x.device)
+        rows = torch.tensor([spans[i][0] for i in decodes], device=x.device)
+        out, conv[index] = conv_decode(mixed[rows], conv[index], weight, bias)
+        xs, b, cc = out.split(split, dim=-1)
+        scanned, recurrent[index] = scan_step(
+            xs.view(-1, heads, head_dim),
+            dt[rows],
+            a,
+            b.view(-1, groups, size),
+            cc.view(-1, groups, size),
+            d,
+            recurrent[index],
+        )
+        y[rows] = scanned.reshape(len(decodes), -1).float()
+    for i, (first, n) in enumerate(spans):
+        if n == 1:
+            continue
+        rows_i = slice(first, first + n)
+        out, conv[i] = conv_step(mixed[rows_i], conv[i], weight, bias)
+        xs, b, cc = out.split(split, dim=-1)
+        scanned, recurrent[i] = scan_chunked(
+            xs.view(n, heads, head_dim),
+            dt[rows_i],
+            a,
+            b.view(n, groups, size),
+            cc.view(n, groups, size),
+            d,
+            recurrent[i],
+            c.mamba_chunk,
+        )
+        y[rows_i] = scanned.reshape(n, -1)
+    normed = grouped_gated_norm(y, gate, w["ssm_norm.weight"], groups, c.norm_eps)
+    return linear(normed.to(x.dtype), w, "ssm_out")

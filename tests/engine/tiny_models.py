@@ -490,6 +490,33 @@ TINY_CONFIGS: dict[str, dict[str, object]] = {
     "granite4": dict(_GRANITE_SHAPE, num_local_experts=4, num_experts_per_tok=2),
     # Granite 4 hybrid dense, with rotary
     "granite4-dense": dict(_GRANITE_SHAPE, num_local_experts=0, position_embedding_type="rope"),
+    # Nemotron-H: Mamba-2, MLP-only (squared ReLU) and attention layers, one mixer each
+    "nemotron_h": dict(
+        model_type="nemotron_h",
+        vocab_size=211,
+        hidden_size=64,
+        intermediate_size=80,
+        num_hidden_layers=5,
+        layers_block_type=[
+            "linear_attention",
+            "mlp",
+            "full_attention",
+            "mlp",
+            "linear_attention",
+        ],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        mamba_num_heads=8,
+        mamba_head_dim=16,
+        n_groups=2,
+        ssm_state_size=8,
+        conv_kernel=4,
+        chunk_size=16,
+        initializer_range=0.1,
+    ),
 }
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 """The tiny mixture-of-experts checkpoints (tests/engine/executor/test_moe.py)."""
@@ -497,7 +524,7 @@ NEW_FAMILIES = ("qwen3", "qwen3-tied", "gemma2", "gemma3", "phi3", "olmo2")
 """The tiny checkpoints of the families issue 27 added (phi3-long has tests of its own)."""
 DENSE_2025 = ("smollm3", "olmo3")
 GROUPED_MOE_FAMILIES = ("glm4_moe", "deepseek_v3")
-HYBRIDS = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "granite4", "granite4-dense")
+HYBRIDS = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "granite4", "granite4-dense", "nemotron_h")
 """The tiny hybrid checkpoints (tests/engine/executor/test_hybrids.py)."""
 GPT_OSS = "gpt_oss"
 """The tiny gpt-oss checkpoint (tests/engine/executor/test_gpt_oss.py)."""

@@ -1,5 +1,5 @@
 """Hybrid models (Qwen3-Next, Qwen3.5 dense and MoE: Gated DeltaNet layers beside attention;
-Granite 4 hybrid, dense and MoE: Mamba-2 layers beside attention):
+Granite 4 hybrid, dense and MoE, and Nemotron-H: Mamba-2 layers beside attention):
 greedy tokens equal transformers' under the placements of the issue (everything on the
 compute device; weights on disk with states and KV in host memory; a mixed split), with
 continuous refill, preemption and chunked prefill in the same run."""
@@ -71,7 +71,8 @@ def workloads(tiny_model):  # type: ignore[no-untyped-def]
 
 @pytest.mark.parametrize(
     ("kind", "placement"),
-    [("qwen3_next", placement) for placement in PLACEMENTS] + [("granite4", "mixed")],
+    [("qwen3_next", placement) for placement in PLACEMENTS]
+    + [("granite4", "mixed"), ("nemotron_h", "mixed")],
 )
 def test_refill_preemption_and_chunked_prefill_keep_each_state(
     workloads, tmp_path, kind, placement
