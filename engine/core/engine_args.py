@@ -358,6 +358,7 @@ class EngineArgs:
             policy,
             page_tokens=info.page_tokens,
             kv_capacity_pages={**info.kv_capacity_pages, **(self.kv_capacity_pages or {})},
+            state_slots=dict(info.state_slots),
             static_blocks=self.static_blocks,
             offload_retry_s=self.offload_retry_s,
             eos_token_ids=eos_token_ids(model_dir),
@@ -365,7 +366,9 @@ class EngineArgs:
             max_step_tokens=step_tokens,
             batch_sizes=sizes,
             discrete_batching=self.discrete_batching,
-            enable_prefix_caching=self.enable_prefix_caching,
+            # a hybrid's cached prefix would need its states at the page boundary too
+            # (docs/architecture.md: hybrid models)
+            enable_prefix_caching=self.enable_prefix_caching and not info.state_slots,
             cache_salt=info.cache_salt,
             max_cached_pages=self._max_cached_pages(info),
             min_hit_tokens=self._min_hit_tokens(policy, model_dir, info),

@@ -19,6 +19,7 @@ from typing import Any
 from engine.core.dtypes import checkpoint_dtype, default_dtype
 from policy import Policy, UserError
 from policy.catalog import resolve_model_spec
+from policy.errors import ModelSpecError
 from policy.hardware import MAX_SPREAD, HardwareSpec, default_cache_path
 from policy.machine import machine_key
 from policy.specs import ModelSpec, WorkloadSpec
@@ -162,7 +163,13 @@ def resolve_policy(
 
     hardware = hardware_profile(device)
     planned_from = hardware.describe()
-    model = model_spec(model_dir, hardware.compute_device, dtype)
+    try:
+        model = model_spec(model_dir, hardware.compute_device, dtype)
+    except ModelSpecError as e:  # the hybrids: their state layers are not priced yet
+        raise ModelSpecError(
+            f"the planner cannot size this model ({e}); run it with a policy of your own "
+            "(--policy FILE, a Policy as JSON: docs/policy.md)"
+        ) from e
     result = search(model, workload, hardware, gpu_mem=gpu_mem, cpu_mem=cpu_mem, disk_mem=disk_mem)
     report: dict[str, Any] = {
         "predicted": result.predicted,

@@ -46,6 +46,9 @@ class SeqChunk:
     """Sample a token after this chunk (decode, or the last chunk of a prompt)."""
     sampling: SamplingParams | None = None
     """Sent with the first chunk of a sequence; the engine keeps it until the sequence is freed."""
+    state_slot: tuple[str, int] | None = None
+    """A hybrid model's sequence: (tier, slot) of its state (engine/core/state_slots.py), the
+    same in every chunk until it is freed; the first chunk of a sequence starts it at zero."""
     num_sampled: int = 0
     """Tokens this sequence has already generated (keys the per-request seeded RNG)."""
     cached_token_ids: list[int] = field(default_factory=list)
@@ -158,11 +161,13 @@ class Placement:
     """The compute device, e.g. 'cpu' or 'cuda:0'."""
     dtype: str
     """The compute dtype, e.g. 'float32'."""
+    state_bytes: dict[str, int] = field(default_factory=dict)
+    """A hybrid model's per-sequence state slots, bytes per tier (allocated at start)."""
 
     def bytes_per_tier(self) -> dict[str, int]:
-        """Weights, KV and activations together, per tier."""
+        """Weights, KV, states and activations together, per tier."""
         out: dict[str, int] = {}
-        for part in (self.weights_bytes, self.kv_bytes, self.act_bytes):
+        for part in (self.weights_bytes, self.kv_bytes, self.state_bytes, self.act_bytes):
             for tier, nbytes in part.items():
                 out[tier] = out.get(tier, 0) + nbytes
         return out
@@ -195,3 +200,7 @@ class EngineInfo:
     """Entries of the previous run's disk-cache index dropped at start (damaged, not ours)."""
     warnings: list[str] = field(default_factory=list)
     """Lines for the log: what went wrong while building, without stopping it."""
+    state_slots: dict[str, int] = field(default_factory=dict)
+    """A hybrid model's per-sequence state slots per tier; empty: no state layers."""
+    state_bytes: int = 0
+    """Bytes of one sequence's state, every state layer (0: no state layers)."""

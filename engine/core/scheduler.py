@@ -26,6 +26,7 @@ from engine.core.outputs import SequenceDelta
 from engine.core.prefix_cache import PageRef
 from engine.core.protocol import PENDING_TOKEN_ID, SeqChunk, StepFailure, StepPlan, StepResult
 from engine.core.sequence import Request, Sequence, SequenceStatus
+from engine.core.state_slots import StateSlots
 from engine.core.tier_rest import TierRest, largest_pool_tokens, pool_tokens
 from policy import TIERS, Policy, UserError
 from policy.policy import Triple
@@ -63,6 +64,9 @@ class SchedulerConfig:
     """Tokens per KV page."""
     kv_capacity_pages: dict[str, int | None] = field(default_factory=dict)
     """KV pages available per tier; a missing tier or None is unbounded."""
+    state_slots: dict[str, int] = field(default_factory=dict)
+    """A hybrid model's per-sequence state slots per tier (engine/core/state_slots.py): a
+    sequence is admitted only with a free one on its state tier; empty: no state layers."""
     max_step_tokens: int = 2048
     """Most tokens (decodes plus prefill chunks) in one step."""
     batch_sizes: tuple[int, ...] = ()
@@ -174,6 +178,8 @@ class Scheduler:
             salt=config.cache_salt,
             max_cached_pages=config.max_cached_pages,
         )
+        self.state_slots = StateSlots(config.state_slots)
+        """Each running sequence's state slot, for a hybrid model."""
         self.waiting: dict[int, deque[Sequence]] = {}
         """Queues per priority (lower first), FIFO; preempted sequences go back to the front."""
         self.running: list[Sequence] = []
@@ -333,6 +339,7 @@ class Scheduler:
             act_tier=seq.act_tier,
             do_sample=do_sample,
             sampling=None if seq.is_sent else seq.sampling,
+            state_slot=self.state_slots.slot_of(seq.seq_id),
             num_sampled=seq.num_generated + seq.num_pending,
             cached_token_ids=seq.token_ids[:start]
             if not seq.is_sent and seq.sampling.needs_history
@@ -382,7 +389,12 @@ class Scheduler:
             counts[s.kv_tier] += 1
         paused = self.page_manager.paused
         fracs = tuple(
-            f if f > 0 and t not in paused and self._kv_fits(seq, num_new, t) else 0.0
+            f
+            if f > 0
+            and t not in paused
+            and self.state_slots.can_allocate(t)
+            and self._kv_fits(seq, num_new, t)
+            else 0.0
             for t, f in zip(TIERS, self.config.kv_frac, strict=True)
         )
         if not any(fracs):
@@ -392,6 +404,7 @@ class Scheduler:
         act_counts = {t: sum(1 for s in self.running if s.act_tier == t) for t in TIERS}
         seq.act_tier = pick_tier(self.config.act_frac, act_counts)
         seq.slot = heapq.heappop(self._free_slots)
+        self.state_slots.allocate(seq.seq_id, seq.kv_tier)
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
         pages = self.page_manager.start(seq.seq_id, seq.kv_tier, prefix)
@@ -444,6 +457,7 @@ class Scheduler:
             self.running.remove(seq)
             heapq.heappush(self._free_slots, seq.slot)
         self.page_manager.free(seq.seq_id)
+        self.state_slots.free(seq.seq_id)
         if seq.is_sent:
             self._freed_seq_ids.append(seq.seq_id)
         seq.is_sent, seq.slot = False, -1

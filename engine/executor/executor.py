@@ -29,7 +29,9 @@ from engine.core.protocol import (
     TokenLogprobs,
 )
 from engine.core.sampling_params import SamplingParams
+from engine.core.state_slots import STATE_TIERS, state_slot_capacity, state_tier
 from engine.executor.budgets import (
+    MemoryBudgetError,
     cap_gpu_memory,
     check_budgets,
     check_host_memory,
@@ -57,6 +59,7 @@ from engine.storage.expert_picks import ExpertPicks, picks_path
 from engine.storage.host_memory import keep_freed_memory
 from engine.storage.kv_store import KVStore
 from engine.storage.quant import KVRowCodec
+from engine.storage.state_store import StateStore
 from engine.storage.weight_store import WeightStore
 from policy import TIERS, Policy
 from policy.moe import cpu_expert_break_even
@@ -208,9 +211,15 @@ class Executor:
             ) from e
         if weight_slots:
             self.weights.make_slots()
+        self.states = self._state_store()
         codec = KVRowCodec(2 * self.config.kv_dim, compress=policy.compress_kv, dtype=self.dtype)
         self.kv = KVStore(
-            self.config.num_layers, PAGE_TOKENS, codec, self.device, self.disk, persist_kv_cache
+            len(self.config.kv_layers),
+            PAGE_TOKENS,
+            codec,
+            self.device,
+            self.disk,
+            persist_kv_cache,
         )
         self.disk_cache = DiskCacheIndex(
             self.offload_dir, self.cache_salt(), self.kv.disk_pool, persistent=persist_kv_cache
@@ -242,6 +251,7 @@ class Executor:
             kernels=attention_kernels(self.device.is_cuda) if native_kernels else None,
             cpu_expert_rows=self._cpu_expert_rows(cpu_expert_rows),
             group_experts=group_experts,
+            states=self.states,
         )
         self.sampler = StepSampler(
             self.model_dir,
@@ -280,6 +290,27 @@ class Executor:
         print(f"\rloading {self.model_dir.name}: layer {done}/{total}", end="", file=sys.stderr)
         if done == total:
             print(file=sys.stderr)
+
+    def _state_store(self) -> StateStore | None:
+        """A hybrid model's state slots: on each state tier, one per sequence of the block
+        its KV share homes there (disk-homed sequences keep theirs in host memory), as many
+        as fit beside the weights; None for a transformer."""
+        c = self.config
+        if not c.is_hybrid:
+            return None
+        shapes = self.model.state_shapes()
+        one = StateStore(len(c.state_layers), shapes, {}, self.dtype, self.device).slot_bytes
+        placed = self.weights.bytes_per_tier()
+        fits = {t: max(0, int((self.budgets[t] - placed[t]) // one)) for t in STATE_TIERS}
+        capacity = state_slot_capacity(self.policy.block_size, self.policy.kv_frac, fits)
+        for tier, frac in zip(TIERS, self.policy.kv_frac, strict=True):
+            if frac > 0 and not capacity[state_tier(tier)]:
+                raise MemoryBudgetError(
+                    f"no room on the {state_tier(tier)} tier for one sequence's state "
+                    f"({format_bytes(one)}) beside the weights: give it more memory or "
+                    "move weights off it"
+                )
+        return StateStore(len(c.state_layers), shapes, capacity, self.dtype, self.device)
 
     def _cpu_expert_rows(self, given: int | None) -> int:
         """The most rows for which a CPU-homed expert runs on the CPU (0: never)."""
@@ -334,13 +365,17 @@ class Executor:
             in_flight += stores_in_flight(
                 self.policy,
                 self.step_tokens,
-                self.config.num_layers,
+                len(self.config.kv_layers),
                 2 * self.config.kv_dim * item,
                 self.config.hidden_size * item,
             )
-        return kv_capacity_pages(
-            self.budgets, self.weights.bytes_per_tier(), self.kv.page_bytes, in_flight
-        )
+        placed = self.weights.bytes_per_tier()
+        for tier, nbytes in self._state_bytes().items():
+            placed[tier] += nbytes
+        return kv_capacity_pages(self.budgets, placed, self.kv.page_bytes, in_flight)
+
+    def _state_bytes(self) -> dict[str, int]:
+        return {} if self.states is None else self.states.bytes_per_tier()
 
     def describe(self) -> EngineInfo:
         """What a scheduler in this or another process needs to plan for this engine."""
@@ -356,6 +391,8 @@ class Executor:
             budgets=dict(self.budgets),
             disk_cache_dropped=self.disk_cache.num_dropped,
             warnings=[w for w in [self.disk_cache.warning] if w],
+            state_slots={} if self.states is None else dict(self.states.capacity),
+            state_bytes=0 if self.states is None else self.states.slot_bytes,
         )
 
     def cache_salt(self) -> str:
@@ -379,6 +416,7 @@ class Executor:
             weight_tiers=tuple(self.weights.tiers),
             device=str(self.device.device),
             dtype=str(self.dtype).removeprefix("torch."),
+            state_bytes=self._state_bytes(),
         )
 
     def bytes_per_tier(self) -> dict[str, int]:
@@ -498,8 +536,11 @@ class Executor:
             if chunk.sampling is None:
                 raise ValueError(f"first chunk of sequence {chunk.seq_id} carries no sampling")
             state = self._seqs[chunk.seq_id] = SeqState(
-                chunk.kv_tier, chunk.act_tier, chunk.sampling
+                chunk.kv_tier, chunk.act_tier, chunk.sampling, state=chunk.state_slot
             )
+            if chunk.state_slot is not None:  # a sequence (or its recompute) starts at zero
+                assert self.states is not None and chunk.start_pos == 0
+                self.states.reset(*chunk.state_slot)
             self.sampler.admit(chunk.seq_id, chunk.sampling)
         self.sampler.feed(chunk)
         state.pages.extend(chunk.new_pages)
@@ -532,6 +573,7 @@ class Executor:
                     "gpu",
                     do_sample=False,
                     sampling=greedy,
+                    state_slot=self._scoring_slot(),
                 )
                 self._admit(chunk)
                 batch = self._builder.build(0, [(chunk, self._seqs[seq_id])])
@@ -542,6 +584,12 @@ class Executor:
             self.sampler.drop(seq_id)
             pages.free(seq_id)
         return out
+
+    def _scoring_slot(self) -> tuple[str, int] | None:
+        """The state slot `score` uses (no scheduled sequence holds one meanwhile)."""
+        if self.states is None:
+            return None
+        return next((tier, 0) for tier, n in self.states.capacity.items() if n)
 
     def _disk_users(self, plan: StepPlan) -> list[int]:
         """Sequences of the plan that use the disk tier: all of them when weights live there,

@@ -79,6 +79,17 @@ class NanoBatch:
 
 
 @dataclass(slots=True)
+class StateRows:
+    """Where a batch's sequences keep their states (a hybrid model's state layers)."""
+
+    spans: list[tuple[int, int]]
+    """Per sequence, in batch order: (its first row, its rows)."""
+    slots: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    """Per state tier: (its slots, on the pool's device; their sequences' positions in
+    `spans`, on the compute device)."""
+
+
+@dataclass(slots=True)
 class GpuBatch:
     """Everything a layer needs to run one GPU batch (T = new tokens, S = sampled rows)."""
 
@@ -104,6 +115,10 @@ class GpuBatch:
     """Rows after the chunks' rows that only pad the dense ops to the step's discrete size."""
     nano_batches: list[NanoBatch] = field(default_factory=list)
     """Its nano-batches (cut by engine/executor/nano_batches.py); empty: its layers run it whole."""
+    states: StateRows | None = None
+    """A hybrid model's: each sequence's rows and state slot; None: no state layers. State
+    layers run the batch whole, nano-batches or not: each row reads and writes only its own
+    sequence's state."""
 
     @property
     def num_tokens(self) -> int:
@@ -126,6 +141,8 @@ class SeqState:
     pending_logprobs: torch.Tensor | None = None
     """(1, vocab) log-probabilities predicting the next prompt chunk's first token, on the
     compute device."""
+    state: tuple[str, int] | None = None
+    """A hybrid model's sequence: (tier, slot) of its state."""
 
     @property
     def wants_prompt_logprobs(self) -> bool:
@@ -207,8 +224,15 @@ class BatchBuilder:
         act_rows: dict[str, list[int]] = {}
         new_kv: SlotsByTier = {}  # tier -> (slots, batch rows)
         members: dict[bool, list[tuple[SeqChunk, SeqState, int]]] = {False: [], True: []}
+        spans: list[tuple[int, int]] = []
+        state_slots: dict[str, tuple[list[int], list[int]]] = {}  # tier -> (slots, positions)
         row = 0
         for c, state in chunks:
+            if state.state is not None:
+                slots, order = state_slots.setdefault(state.state[0], ([], []))
+                slots.append(state.state[1])
+                order.append(len(spans))
+                spans.append((row, len(c.token_ids)))
             q_len, ctx = len(c.token_ids), c.start_pos
             token_ids.extend(c.token_ids)
             positions.extend(range(ctx, ctx + q_len))
@@ -242,6 +266,18 @@ class BatchBuilder:
             if set(act_rows) == {"gpu"}
             else {tier: self._index(rows) for tier, rows in act_rows.items()},
             num_padding=num_padding,
+            states=StateRows(
+                spans,
+                {
+                    tier: (
+                        torch.tensor(slots, dtype=torch.long, device=self.pool_device(tier)),
+                        self._index(order),
+                    )
+                    for tier, (slots, order) in state_slots.items()
+                },
+            )
+            if spans
+            else None,
         )
 
     def past_start(self, chunk: SeqChunk) -> int:

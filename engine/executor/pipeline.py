@@ -44,6 +44,7 @@ from engine.models.moe import MoeModel
 from engine.storage.device import Device, Ready
 from engine.storage.disk import DiskFile, DiskIO
 from engine.storage.kv_store import KVRows, KVStore
+from engine.storage.state_store import StateStore
 from engine.storage.weight_store import WeightStore
 
 
@@ -89,8 +90,13 @@ class BlockPipeline:
         kernels: PagedKernels | None = None,
         cpu_expert_rows: int = 0,
         group_experts: bool = True,
+        states: StateStore | None = None,
     ) -> None:
         self.model, self.weights, self.kv, self.device, self.disk = model, weights, kv, device, disk
+        self.states = states
+        """A hybrid model's per-sequence states (its state layers read and write them)."""
+        self._state_index = {i + 1: n for n, i in enumerate(model.config.state_layers)}
+        """Decoder layer j -> its index among the state layers."""
         self.overlap, self.dtype = overlap, dtype
         self.tracer = tracer or NoTracer()
         self.graphs = graphs
@@ -387,7 +393,7 @@ class BlockPipeline:
             return
         with self._copy_task("move_pages", "load", j):
             for move in self._moves:
-                self.kv.copy_page(j - 1, move.src, move.dst)
+                self.kv.copy_page(self.model.kv_layer(j), move.src, move.dst)
             # Landed before this layer's KV is read or stored: wait for this copy stream
             # only, not the whole device (that would wait for the compute queued so far).
             self.device.host_wait(Ready(None, self.device.record()))
@@ -448,7 +454,7 @@ class BlockPipeline:
         if self.model.layer_kind(j) != "decoder":
             return Ready(NO_PAST)
         self._after_moves(j)
-        layer = j - 1
+        layer = self.model.kv_layer(j)
         device_past = cpu_past = None
         dev, cpu = batch.device_group, batch.cpu_group
         with self.device.on_copy_stream():
@@ -504,6 +510,10 @@ class BlockPipeline:
             assert h is not None
             if kind == "head":
                 return self.model.head(w, h.index_select(0, batch.logit_rows)), None
+            if kind == "state":
+                return self._mix(j, w, h, batch), None
+            if kind == "dense":
+                return self.model.dense_layer(w, h), None
             if graphs is not None:  # dense ops replayed, attention eager in between
                 graphs.before[j - 1].replay()
                 q, k, v = graphs.q, graphs.k, graphs.v
@@ -516,6 +526,17 @@ class BlockPipeline:
                 graphs.after[j - 1].replay()
                 return graphs.h, new_kv
             return self.model.attention_output(w, h, o), new_kv
+
+    def _mix(self, j: int, w: Weights, h: torch.Tensor, batch: GpuBatch) -> torch.Tensor:
+        """State layer j over one batch: its sequences' states gathered onto the compute
+        device, updated by the layer, written back to their slots."""
+        rows = batch.states
+        assert self.states is not None and rows is not None, "a state layer without states"
+        layer = self._state_index[j]
+        states = self.states.gather(layer, rows.slots, len(rows.spans))
+        out = self.model.state_layer(j, w, h, states, rows.spans)
+        self.states.scatter(layer, rows.slots, states)
+        return out
 
     def _attend(
         self,
@@ -536,7 +557,9 @@ class BlockPipeline:
         if in_place:
             self._after_moves(j)
             kv_rows = batch.new_kv["gpu"]
-            self.kv.write("gpu", j - 1, kv_rows, self._encoded_rows(new_kv, kv_rows))
+            self.kv.write(
+                "gpu", self.model.kv_layer(j), kv_rows, self._encoded_rows(new_kv, kv_rows)
+            )
         if cpu is None and dev is not None and dev.rows is None:  # every row, one device
             return self._device_attention(j, dev, in_place, past, q, k, v, spec)
         o = torch.zeros_like(q)  # padding rows attend to nothing
@@ -571,7 +594,7 @@ class BlockPipeline:
         """Attention of the device group's rows: in place from the pool, or over packed past."""
         layout = group.layouts[spec.window]
         if in_place:
-            pool = self.kv.pool("gpu", j - 1)
+            pool = self.kv.pool("gpu", self.model.kv_layer(j))
             decode, kernels = self.kv.codec.decode, self.kernels
             return paged_attention(q, pool, decode, layout, self._kv_shape, kernels, spec)
         return ragged_attention(q, k, v, *self._split_kv(past.device), layout, spec)
@@ -672,7 +695,7 @@ class BlockPipeline:
             if staged:
                 self._after_moves(j)
             for tier, kv_rows, ready in staged:
-                self.kv.write(tier, j - 1, kv_rows, ready.value)
+                self.kv.write(tier, self.model.kv_layer(j), kv_rows, ready.value)
 
     def _stage_kv(
         self, j: int, batch: GpuBatch, new_kv: torch.Tensor, done: torch.cuda.Event | None
@@ -692,7 +715,7 @@ class BlockPipeline:
             rows = self._encoded_rows(new_kv, kv_rows)
             if tier == "gpu":
                 self._after_moves(j)
-                self.kv.write(tier, j - 1, kv_rows, rows)
+                self.kv.write(tier, self.model.kv_layer(j), kv_rows, rows)
             elif self.device.is_cuda:
                 with (
                     self.device.on_store_stream(done),
@@ -715,5 +738,5 @@ class BlockPipeline:
         with self.tracer.span("write_cache", "store", j, batch.index, host=True):
             for tier, kv_rows, ready in staged:
                 rows = self.device.host_wait(ready)
-                self.kv.write(tier, j - 1, kv_rows, rows)
+                self.kv.write(tier, self.model.kv_layer(j), kv_rows, rows)
                 self.device.staging.give(rows)  # its copy has landed

@@ -63,6 +63,10 @@ class Model(ABC):
         self.dense_ops: DenseOps | None = None
         """Fused CPU ops for the work around the GEMMs (`engine.kernels`), set where the
         model computes on a CPU with native kernels on; None: torch's own ops."""
+        self._state_layers = frozenset(config.state_layers)
+        self._mlp_layers = frozenset(config.mlp_layers)
+        self._kv_index = {layer: i for i, layer in enumerate(config.kv_layers)}
+        """Decoder layer (0-based) -> its index among the layers with KV pages."""
 
     can_capture = True
     """The ops around attention run the same kernels on the same shapes every step at a given
@@ -80,9 +84,51 @@ class Model(ABC):
         return AttentionSpec(c.window(j - 1), c.attn_scale, c.attn_softcap, w.get("sinks"))
 
     def layer_kind(self, j: int) -> str:
+        """'embed', 'head', 'decoder' (attention over KV pages), 'state' (a hybrid's layer
+        that mixes tokens through a fixed-size per-sequence state: `state_layer`) or 'dense'
+        (Nemotron-H's MLP alone: `dense_layer`)."""
         if j == 0:
             return "embed"
-        return "head" if j == self.num_layers - 1 else "decoder"
+        if j == self.num_layers - 1:
+            return "head"
+        if j - 1 in self._mlp_layers:
+            return "dense"
+        return "state" if j - 1 in self._state_layers else "decoder"
+
+    def kv_layer(self, j: int) -> int:
+        """Attention layer j's index among the KV store's layers (a hybrid's state layers
+        have no KV pages)."""
+        return self._kv_index[j - 1]
+
+    def state_shapes(self) -> dict[str, tuple[tuple[int, ...], bool]]:
+        """One state layer's per-sequence state tensors: name -> (shape, kept in float32;
+        else in the compute dtype): the short convolution's last kernel - 1 inputs and the
+        recurrent state. Empty for a transformer."""
+        c = self.config
+        if not c.is_hybrid:
+            return {}
+        return {
+            "conv": ((c.conv_dim, c.linear_conv_kernel - 1), False),
+            "recurrent": (c.recurrent_shape, True),
+        }
+
+    def dense_layer(self, w: Weights, h: torch.Tensor) -> torch.Tensor:
+        """A decoder layer that is an MLP alone (Nemotron-H): (T, hidden) -> (T, hidden)."""
+        raise NotImplementedError(f"{type(self).__name__} has no MLP-only layers")
+
+    def state_layer(
+        self,
+        j: int,
+        w: Weights,
+        h: torch.Tensor,
+        states: dict[str, torch.Tensor],
+        spans: list[tuple[int, int]],
+    ) -> torch.Tensor:
+        """Decoder state layer j over (T, hidden) rows whose sequences own the rows `spans`
+        ((first row, rows) each, in order; the rows after the last span are padding) and the
+        states `states` (name -> (B, *shape), one per span, updated in place) -> the layer's
+        output states (T, hidden)."""
+        raise NotImplementedError(f"{type(self).__name__} has no state layers")
 
     @abstractmethod
     def map_name(self, hf_name: str) -> tuple[int, str] | None:

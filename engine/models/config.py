@@ -106,6 +106,35 @@ class ModelConfig:
     """MLA: each head's value width."""
     rope_interleave: bool = False
     """MLA: the rotary pairs are interleaved (DeepSeek-V3's checkpoints)."""
+    # Hybrids (engine/models/qwen3_next.py): Gated DeltaNet layers beside attention layers
+    state_layers: tuple[int, ...] = ()
+    """Decoder layers (0-based) that mix tokens through a fixed-size per-sequence state (Gated
+    DeltaNet) instead of attention over KV pages; empty: a transformer."""
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel: int = 0
+    """Gated DeltaNet: its heads, their widths and the short convolution's kernel length."""
+    mamba_num_heads: int = 0
+    mamba_head_dim: int = 0
+    mamba_state_dim: int = 0
+    mamba_groups: int = 0
+    mamba_inner: int = 0
+    mamba_chunk: int = 0
+    """Mamba-2 state layers (Granite 4 hybrid, engine/models/granite_hybrid.py): heads, each
+    head's width, the state's width, the B/C groups, the inner width (heads * head dim) and
+    the chunk of the chunked scan; 0 heads: the state layers are Gated DeltaNet."""
+    mlp_layers: tuple[int, ...] = ()
+    """Nemotron-H: decoder layers (0-based) that are an MLP alone (no token mixer)."""
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
+    """Granite's scalings: embeddings times the first, each layer's attention (or mixer) and MLP
+    output times the second before the residual add, logits divided by the third."""
+    attn_output_gate: bool = False
+    """Qwen3-Next and Qwen3.5: each attention head's output is scaled by a sigmoid gate that
+    q_proj computes beside the query."""
 
     @property
     def is_moe(self) -> bool:
@@ -114,6 +143,54 @@ class ModelConfig:
     def is_moe_layer(self, layer: int) -> bool:
         """Decoder layer `layer` (0-based) routes its tokens to experts."""
         return self.is_moe and layer not in self.dense_layers
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Some decoder layers keep a per-sequence state (`state_layers`)."""
+        return bool(self.state_layers)
+
+    @property
+    def kv_layers(self) -> tuple[int, ...]:
+        """The decoder layers (0-based) with attention over KV pages, in order."""
+        other = set(self.state_layers) | set(self.mlp_layers)
+        return tuple(i for i in range(self.num_layers) if i not in other)
+
+    @property
+    def linear_key_dim(self) -> int:
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def linear_value_dim(self) -> int:
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def is_mamba(self) -> bool:
+        """The state layers are Mamba-2's (else Gated DeltaNet's)."""
+        return self.mamba_num_heads > 0
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of a state layer's short convolution: Gated DeltaNet's q, k and v; Mamba-2's
+        x, B and C."""
+        if self.is_mamba:
+            return self.mamba_inner + 2 * self.mamba_groups * self.mamba_state_dim
+        return 2 * self.linear_key_dim + self.linear_value_dim
+
+    @property
+    def recurrent_shape(self) -> tuple[int, int, int]:
+        """One state layer's recurrent state per sequence (float32): Gated DeltaNet's (value
+        heads, key dim, value dim), Mamba-2's (heads, head dim, state dim)."""
+        if self.is_mamba:
+            return (self.mamba_num_heads, self.mamba_head_dim, self.mamba_state_dim)
+        return (self.linear_num_value_heads, self.linear_key_head_dim, self.linear_value_head_dim)
+
+    def state_bytes(self, itemsize: int) -> int:
+        """Bytes of one sequence's state over every state layer: the convolution window
+        (conv_dim x (kernel - 1) in the compute dtype of `itemsize` bytes) and the recurrent
+        state (float32, as transformers keeps it)."""
+        conv = self.conv_dim * (self.linear_conv_kernel - 1) * itemsize
+        heads, rows, cols = self.recurrent_shape
+        return len(self.state_layers) * (conv + heads * rows * cols * 4)
 
     @property
     def is_opt(self) -> bool:

@@ -41,6 +41,11 @@ SUPPORTED_MODEL_TYPES = (
     "gpt_oss",
     "llama4_text",
     "llama4",
+    "qwen3_next",
+    "qwen3_5_text",
+    "qwen3_5_moe_text",
+    "granitemoehybrid",
+    "nemotron_h",
 )
 REFUSED_MODEL_TYPES = {
     "deepseek_v2": "DeepSeek-V2's softmax group-limited routing (nanoflex routes as V3 does)",
@@ -163,6 +168,10 @@ ROPE_TYPES = {
     "deepseek_v3": ("default", "linear", "yarn"),
     "gpt_oss": ("default", "yarn"),
     "llama4_text": ("default", "linear", "llama3"),
+    "qwen3_next": ("default", "linear", "yarn"),
+    "qwen3_5_text": ("default",),
+    "qwen3_5_moe_text": ("default",),
+    "granitemoehybrid": ("default", "linear", "llama3"),
 }
 """Rotary scaling types each family implements (engine/models/rotary.py)."""
 
@@ -556,6 +565,221 @@ def _smollm3(hf: Any) -> dict[str, Any]:
     return dict(_llama(hf), nope_layers=tuple(i for i, rope in enumerate(flags) if not rope))
 
 
+_GATED_DELTA_NET = frozenset(
+    {
+        "linear_conv_kernel_dim",
+        "linear_key_head_dim",
+        "linear_value_head_dim",
+        "linear_num_key_heads",
+        "linear_num_value_heads",
+        "attention_bias",
+    }
+)
+"""Qwen3-Next and Qwen3.5: the Gated DeltaNet layers' shapes."""
+
+
+def _gated_delta_net(hf: Any) -> dict[str, Any]:
+    """Qwen3-Next and Qwen3.5 (dense and MoE): `layer_types` marks each layer
+    'linear_attention' (Gated DeltaNet, engine/models/qwen3_next.py) or 'full_attention'
+    (attention with per-head q/k norms, partial rotary and a sigmoid output gate); the MLP is
+    Qwen2-MoE's (routed experts, a gated shared expert) or dense."""
+    _require(hf, "attention_bias", (False,))
+    types = list(getattr(hf, "layer_types", None) or [])
+    if len(types) != hf.num_hidden_layers:
+        raise UnsupportedModelError(
+            f"{hf.model_type}: layer_types has {len(types)} entries for "
+            f"{hf.num_hidden_layers} layers"
+        )
+    if int(hf.linear_num_value_heads) % int(hf.linear_num_key_heads):
+        raise UnsupportedModelError(
+            f"{hf.model_type}: linear_num_value_heads={hf.linear_num_value_heads} is not a "
+            f"multiple of linear_num_key_heads={hf.linear_num_key_heads}"
+        )
+    fields = _moe(hf) if getattr(hf, "num_experts", 0) else _llama(hf)
+    if hf.model_type == "qwen3_5_moe_text":  # its router always renormalises the top k
+        fields["norm_topk_prob"] = True
+    return dict(
+        fields,
+        layer_windows=(),
+        state_layers=tuple(i for i, kind in enumerate(types) if kind == "linear_attention"),
+        linear_num_key_heads=int(hf.linear_num_key_heads),
+        linear_num_value_heads=int(hf.linear_num_value_heads),
+        linear_key_head_dim=int(hf.linear_key_head_dim),
+        linear_value_head_dim=int(hf.linear_value_head_dim),
+        linear_conv_kernel=int(hf.linear_conv_kernel_dim),
+        attn_output_gate=True,
+    )
+
+
+def _require_no_time_step_limit(hf: Any) -> None:
+    """Mamba-2's time step clamp: only the default (0, inf), a no-op after the softplus (the
+    decode step of transformers never clamps, so another limit would make prompt and decode
+    disagree there too)."""
+    limit = tuple(getattr(hf, "time_step_limit", None) or (0.0, float("inf")))
+    if limit != (0.0, float("inf")):
+        raise UnsupportedModelError(
+            f"{hf.model_type} config field time_step_limit={list(limit)} is not supported "
+            "(nanoflex implements the default [0.0, inf])"
+        )
+
+
+_GRANITE_HYBRID = frozenset(
+    {
+        "layer_types",
+        "attention_bias",
+        "embedding_multiplier",
+        "residual_multiplier",
+        "attention_multiplier",
+        "logits_scaling",
+        "num_local_experts",
+        "num_experts_per_tok",
+        "shared_intermediate_size",
+        "position_embedding_type",
+        "mamba_n_heads",
+        "mamba_n_groups",
+        "mamba_d_state",
+        "mamba_d_head",
+        "mamba_d_conv",
+        "mamba_expand",
+        "mamba_chunk_size",
+        "mamba_conv_bias",
+        "mamba_proj_bias",
+        "time_step_limit",
+        "output_router_logits",
+        "router_aux_loss_coef",
+    }
+)
+
+
+def _granite_hybrid(hf: Any) -> dict[str, Any]:
+    """Granite 4 hybrid: Mamba-2 layers ('linear_attention' in `layer_types`) beside
+    attention layers (no rotary unless `position_embedding_type` is 'rope'; scores scaled by
+    `attention_multiplier`), Granite's embedding, residual and logit scalings, a shared
+    SwiGLU on every layer and, with `num_local_experts`, routed experts (top-k logits
+    softmaxed among themselves) beside it."""
+    _require_no_time_step_limit(hf)
+    _require(hf, "position_embedding_type", (None, "rope"))
+    inner = int(hf.mamba_expand * hf.hidden_size)
+    if inner != hf.mamba_n_heads * hf.mamba_d_head:
+        raise UnsupportedModelError(
+            f"granitemoehybrid: mamba_expand * hidden_size = {inner} is not mamba_n_heads * "
+            f"mamba_d_head = {hf.mamba_n_heads * hf.mamba_d_head}"
+        )
+    types = list(hf.layer_types)
+    experts = int(hf.num_local_experts or 0)
+    fields = dict(
+        _llama(hf),
+        intermediate_size=int(hf.shared_intermediate_size),
+        layer_windows=(),
+        attn_scale=float(hf.attention_multiplier),
+        state_layers=tuple(i for i, kind in enumerate(types) if kind == "linear_attention"),
+        linear_conv_kernel=int(hf.mamba_d_conv),
+        mamba_num_heads=int(hf.mamba_n_heads),
+        mamba_head_dim=int(hf.mamba_d_head),
+        mamba_state_dim=int(hf.mamba_d_state),
+        mamba_groups=int(hf.mamba_n_groups),
+        mamba_inner=inner,
+        mamba_chunk=int(hf.mamba_chunk_size),
+        embedding_multiplier=float(hf.embedding_multiplier),
+        residual_multiplier=float(hf.residual_multiplier),
+        logits_scaling=float(hf.logits_scaling),
+    )
+    if hf.position_embedding_type is None:  # NoPE: no layer rotates q and k
+        fields["nope_layers"] = tuple(range(hf.num_hidden_layers))
+    if experts:
+        fields.update(
+            num_experts=experts,
+            num_experts_per_tok=int(hf.num_experts_per_tok),
+            moe_intermediate_size=int(hf.intermediate_size),
+            shared_expert_intermediate_size=int(hf.shared_intermediate_size),
+        )
+    return fields
+
+
+_NEMOTRON_H = _COMMON | frozenset(  # its config class has no rotary or rms_norm_eps fields
+    {
+        "layers_block_type",
+        "layer_norm_epsilon",
+        "mlp_hidden_act",
+        "mamba_hidden_act",
+        "mamba_num_heads",
+        "mamba_head_dim",
+        "ssm_state_size",
+        "n_groups",
+        "conv_kernel",
+        "expand",
+        "chunk_size",
+        "use_conv_bias",
+        "mamba_proj_bias",
+        "use_bias",
+        "mlp_bias",
+        "attention_bias",
+        "time_step_limit",
+        "residual_in_fp32",
+        "mamba_ssm_cache_dtype",
+        "use_mamba_kernels",
+        "num_logits_to_keep",
+        # the training-time initialisation of the time step and the residual rescaling
+        "time_step_min",
+        "time_step_max",
+        "time_step_floor",
+        "rescale_prenorm_residual",
+        # the multi-token prediction layers (not read, as transformers skips them)
+        "mtp_layers_block_type",
+        "num_nextn_predict_layers",
+        # the MoE layers' settings: refused below where a layer is 'moe'
+        "n_routed_experts",
+        "n_shared_experts",
+        "moe_intermediate_size",
+        "moe_shared_expert_intermediate_size",
+        "moe_latent_size",
+        "moe_shared_expert_overlap",
+        "num_experts_per_tok",
+        "routed_scaling_factor",
+        "n_group",
+        "topk_group",
+        "norm_topk_prob",
+        "output_router_logits",
+    }
+)
+
+
+def _nemotron_h(hf: Any) -> dict[str, Any]:
+    """Nemotron-H: each layer one mixer after an RMSNorm (weights multiplied in float32), added
+    to the residual stream: Mamba-2 ('linear_attention'), attention without rotary
+    ('full_attention') or an MLP of squared ReLU ('mlp'); its 'moe' layers are not implemented."""
+    types = list(hf.layers_block_type)
+    if "moe" in types:
+        raise UnsupportedModelError(
+            "nemotron_h: 'moe' layers (Nemotron 3's latent routed experts) are not supported; "
+            "nanoflex runs Nemotron-H checkpoints of Mamba-2, attention and MLP layers"
+        )
+    _require(hf, "mlp_hidden_act", ("relu2",))
+    _require(hf, "mamba_hidden_act", ("silu",))
+    _require(hf, "residual_in_fp32", (False,))
+    _require_no_time_step_limit(hf)
+    heads, head_dim = int(hf.mamba_num_heads), int(hf.mamba_head_dim)
+    return dict(
+        _shapes(hf),
+        intermediate_size=int(hf.intermediate_size),
+        num_kv_heads=int(hf.num_key_value_heads),
+        head_dim=int(hf.head_dim or hf.hidden_size // hf.num_attention_heads),
+        norm_eps=float(hf.layer_norm_epsilon),
+        activation="relu2",  # attention has no biases, whatever attention_bias says
+        mlp_bias=bool(hf.mlp_bias),
+        nope_layers=tuple(range(hf.num_hidden_layers)),
+        state_layers=tuple(i for i, kind in enumerate(types) if kind == "linear_attention"),
+        mlp_layers=tuple(i for i, kind in enumerate(types) if kind == "mlp"),
+        linear_conv_kernel=int(hf.conv_kernel),
+        mamba_num_heads=heads,
+        mamba_head_dim=head_dim,
+        mamba_state_dim=int(hf.ssm_state_size),
+        mamba_groups=int(hf.n_groups),
+        mamba_inner=heads * head_dim,
+        mamba_chunk=int(hf.chunk_size),
+    )
+
+
 def _shapes(hf: Any) -> dict[str, Any]:
     """The fields every family has."""
     return dict(
@@ -616,7 +840,7 @@ def _layer_windows(hf: Any) -> tuple[int, ...]:
     types = getattr(hf, "layer_types", None)
     if types is None:
         return (window,) * hf.num_hidden_layers if window else ()
-    by_kind = {"full_attention": 0, "sliding_attention": window}
+    by_kind = {"full_attention": 0, "sliding_attention": window, "linear_attention": 0}
     if chunk > 0:  # Llama 4's config names its chunk size; no other family has one
         by_kind["chunked_attention"] = -chunk
     for kind in types:
@@ -677,6 +901,14 @@ _FAMILIES: dict[str, tuple[frozenset[str], Callable[[Any], dict[str, Any]]]] = {
         _gpt_oss,
     ),
     "llama4_text": (_COMMON | _MOE | _LLAMA4, _llama4_text),
+    "qwen3_next": (_COMMON | _WINDOWS | _MOE | _QWEN_MOE | _GATED_DELTA_NET, _gated_delta_net),
+    "qwen3_5_text": (_COMMON | {"layer_types"} | _GATED_DELTA_NET, _gated_delta_net),
+    "qwen3_5_moe_text": (
+        _COMMON | {"layer_types"} | _MOE | {"shared_expert_intermediate_size"} | _GATED_DELTA_NET,
+        _gated_delta_net,
+    ),
+    "granitemoehybrid": (_COMMON | _GRANITE_HYBRID, _granite_hybrid),
+    "nemotron_h": (_NEMOTRON_H, _nemotron_h),
     "gemma2": (_COMMON | _WINDOWS | _GEMMA, _gemma),
     "gemma3_text": (_COMMON | _WINDOWS | _GEMMA, _gemma),
 }

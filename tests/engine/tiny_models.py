@@ -21,6 +21,49 @@ _MOE_SHAPE: dict[str, object] = dict(
 )
 """What the tiny mixture-of-experts checkpoints share: GQA, an untied head, weights large
 enough that the layers, not the embedding, decide the tokens."""
+_HYBRID_SHAPE: dict[str, object] = dict(
+    vocab_size=211,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+    linear_conv_kernel_dim=4,
+    linear_key_head_dim=8,
+    linear_value_head_dim=12,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    initializer_range=0.1,
+)
+"""What the tiny hybrid checkpoints share (tests/engine/executor/test_hybrids.py)."""
+_GRANITE_SHAPE: dict[str, object] = dict(
+    model_type="granitemoehybrid",
+    vocab_size=211,
+    hidden_size=64,
+    intermediate_size=40,
+    shared_intermediate_size=56,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+    mamba_n_heads=8,
+    mamba_d_head=16,
+    mamba_n_groups=2,
+    mamba_d_state=8,
+    mamba_d_conv=4,
+    mamba_expand=2,
+    mamba_chunk_size=16,
+    embedding_multiplier=2.0,
+    residual_multiplier=0.5,
+    attention_multiplier=0.3,
+    logits_scaling=2.0,
+    initializer_range=0.1,
+    layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+)
 TINY_CONFIGS: dict[str, dict[str, object]] = {
     # OPT: pre-norm, ReLU, learned positions, tied embeddings, head_dim 12
     "opt": dict(
@@ -431,20 +474,84 @@ TINY_CONFIGS: dict[str, dict[str, object]] = {
         floor_scale=4,
         attn_scale=0.5,
     ),
+    # Qwen3-Next: Gated DeltaNet layers (value heads twice the key heads, grouped projections)
+    # beside a gated attention layer with partial rotary; a MoE MLP with a gated shared expert
+    # on every layer but one dense (mlp_only_layers)
+    "qwen3_next": dict(
+        _HYBRID_SHAPE,
+        model_type="qwen3_next",
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        mlp_only_layers=[1],
+        layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+    ),
+    # Qwen3.5 dense: the same layers, projections stored apart, its multimodal rotary over
+    # text positions
+    "qwen3_5": dict(
+        _HYBRID_SHAPE,
+        model_type="qwen3_5_text",
+        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+    ),
+    # Qwen3.5 MoE
+    "qwen3_5_moe": dict(
+        _HYBRID_SHAPE,
+        model_type="qwen3_5_moe_text",
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+    ),
+    # Granite 4 hybrid: Mamba-2 layers (2 B/C groups, a chunk of 16 so prompts span several)
+    # beside a NoPE attention layer, Granite's multipliers, routed experts beside the shared MLP
+    "granite4": dict(_GRANITE_SHAPE, num_local_experts=4, num_experts_per_tok=2),
+    # Granite 4 hybrid dense, with rotary
+    "granite4-dense": dict(_GRANITE_SHAPE, num_local_experts=0, position_embedding_type="rope"),
+    # Nemotron-H: Mamba-2, MLP-only (squared ReLU) and attention layers, one mixer each
+    "nemotron_h": dict(
+        model_type="nemotron_h",
+        vocab_size=211,
+        hidden_size=64,
+        intermediate_size=80,
+        num_hidden_layers=5,
+        layers_block_type=[
+            "linear_attention",
+            "mlp",
+            "full_attention",
+            "mlp",
+            "linear_attention",
+        ],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        mamba_num_heads=8,
+        mamba_head_dim=16,
+        n_groups=2,
+        ssm_state_size=8,
+        conv_kernel=4,
+        chunk_size=16,
+        initializer_range=0.1,
+    ),
 }
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 """The tiny mixture-of-experts checkpoints (tests/engine/executor/test_moe.py)."""
 NEW_FAMILIES = ("qwen3", "qwen3-tied", "gemma2", "gemma3", "phi3", "olmo2")
 """The tiny checkpoints of the families issue 27 added (phi3-long has tests of its own)."""
 DENSE_2025 = ("smollm3", "olmo3")
+"""The dense families of issue 37 (tests/engine/executor/test_smollm3_olmo3.py)."""
 GROUPED_MOE_FAMILIES = ("glm4_moe", "deepseek_v3")
+"""The tiny checkpoints of the grouped-routing MoE families (tests/engine/executor/
+test_grouped_moe.py)."""
+HYBRIDS = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "granite4", "granite4-dense", "nemotron_h")
+"""The tiny hybrid checkpoints (tests/engine/executor/test_hybrids.py)."""
 GPT_OSS = "gpt_oss"
 """The tiny gpt-oss checkpoint (tests/engine/executor/test_moe_giants.py, test_gpt_oss.py)."""
 LLAMA4 = "llama4_text"
 """The tiny Llama 4 checkpoint (tests/engine/executor/test_moe_giants.py, test_llama4.py)."""
-"""The tiny checkpoints of the grouped-routing MoE families (tests/engine/executor/
-test_grouped_moe.py)."""
-"""The dense families of issue 37 (tests/engine/executor/test_smollm3_olmo3.py)."""
 SCALED_WEIGHTS: dict[str, dict[str, float]] = {
     "gemma2": {"q_proj": 12.0, "k_proj": 12.0},
     "phi3": {"_proj": 10.0},

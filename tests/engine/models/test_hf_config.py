@@ -54,11 +54,36 @@ def test_each_family_reads_its_own_fields() -> None:
         ("gemma3", dict(layer_types=["chunked_attention"] * 4), "'chunked_attention'"),
         ("olmoe", dict(clip_qkv=8.0), "olmoe config field clip_qkv=8.0"),
         ("mixtral", dict(hidden_act="gelu"), "hidden_act='gelu'"),
+        ("granite4", dict(time_step_limit=(0.0, 2.0)), "time_step_limit=\\[0.0, 2.0\\]"),
+        ("nemotron_h", dict(mlp_hidden_act="silu"), "mlp_hidden_act='silu'"),
+        ("nemotron_h", dict(layers_block_type=["moe"] * 5), "'moe' layers"),
+        ("qwen3_next", dict(attention_bias=True), "attention_bias=True"),
     ],
 )
 def test_what_is_not_honoured_is_refused_by_name(kind, changes, named) -> None:
     with pytest.raises(UnsupportedModelError, match=named):
         ModelConfig.from_hf(hf_config(kind, **changes))
+
+
+def test_hybrids_read_their_layers_and_state_shapes() -> None:
+    """Which decoder layers keep a state, which attend over KV pages, and one sequence's state
+    bytes (a convolution window and a float32 recurrent state per state layer)."""
+    qwen = ModelConfig.from_hf(hf_config("qwen3_next"))
+    assert qwen.state_layers == (0, 1, 3) and qwen.kv_layers == (2,) and qwen.attn_output_gate
+    assert qwen.conv_dim == 2 * 16 + 48 and qwen.recurrent_shape == (4, 8, 12)
+    assert qwen.state_bytes(4) == 3 * (80 * 3 * 4 + 4 * 8 * 12 * 4)
+    assert qwen.is_moe_layer(0) and not qwen.is_moe_layer(1)
+    granite = ModelConfig.from_hf(hf_config("granite4"))
+    assert granite.is_mamba and granite.state_layers == (0, 2, 3) and granite.kv_layers == (1,)
+    assert granite.recurrent_shape == (8, 16, 8) and granite.conv_dim == 128 + 2 * 2 * 8
+    assert granite.nope_layers == (0, 1, 2, 3) and granite.attn_scale == 0.3
+    nemotron = ModelConfig.from_hf(hf_config("nemotron_h"))
+    assert nemotron.mlp_layers == (1, 3) and nemotron.kv_layers == (2,)
+    model = build_model(nemotron)
+    assert [model.layer_kind(j) for j in range(7)] == [
+        "embed", "state", "dense", "decoder", "dense", "state", "head"
+    ]  # fmt: skip
+    assert model.kv_layer(3) == 0
 
 
 def test_any_field_off_its_default_that_no_family_reads_is_refused() -> None:

@@ -1,0 +1,60 @@
+"""A hybrid model's state slots: one per running sequence, on its state tier, taken at
+admission and given back on finish or preemption; the scheduler admits by KV pages and slots."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.core.state_slots import StateSlots, state_slot_capacity, state_tier
+from tests.engine.core.test_scheduler import drive, make, request
+from tests.engine.fakes import FakeExecutor, reference
+
+
+def test_slots_are_taken_and_given_back_per_tier() -> None:
+    slots = StateSlots({"gpu": 1, "cpu": 2})
+    assert slots.enabled and state_tier("disk") == "cpu"
+    assert slots.allocate(0, "gpu") == ("gpu", 0)
+    assert not slots.can_allocate("gpu") and slots.can_allocate("disk")
+    assert slots.allocate(1, "disk") == ("cpu", 0)
+    slots.free(0)
+    assert slots.can_allocate("gpu") and slots.num_used("gpu") == 0
+    assert slots.slot_of(1) == ("cpu", 0) and slots.slot_of(0) is None
+    with pytest.raises(ValueError, match="only"):
+        StateSlots({"disk": 1})
+
+
+def test_a_transformer_needs_no_slots() -> None:
+    slots = StateSlots({})
+    assert not slots.enabled and slots.can_allocate("gpu")
+    assert slots.allocate(0, "gpu") is None
+
+
+def test_capacity_follows_the_kv_split_and_what_fits() -> None:
+    assert state_slot_capacity(8, (1.0, 0.0, 0.0), {"gpu": 100}) == {"gpu": 8, "cpu": 0}
+    # disk-homed sequences keep their states in host memory
+    assert state_slot_capacity(8, (0.5, 0.25, 0.25), {}) == {"gpu": 4, "cpu": 4}
+    assert state_slot_capacity(8, (1.0, 0.0, 0.0), {"gpu": 3}) == {"gpu": 3, "cpu": 0}
+
+
+def test_admission_waits_for_a_free_state_slot() -> None:
+    """A block of 4 with KV room for all, but 2 state slots: never more than 2 run at once,
+    every chunk carries its sequence's slot, and all slots are free at the end."""
+    sched = make(gpu_batch_size=4, state_slots={"gpu": 2})
+    requests = [request(i, length=3 + i) for i in range(5)]
+    for r in requests:
+        sched.add_request(r)
+    fake = FakeExecutor(sched.config.page_tokens)
+    execute = fake.execute
+    most = 0
+
+    def checking(plan):  # type: ignore[no-untyped-def]
+        nonlocal most
+        assert all(c.state_slot is not None and c.state_slot[0] == "gpu" for c in plan.chunks)
+        most = max(most, len({c.state_slot for c in plan.chunks}))
+        return execute(plan)
+
+    fake.execute = checking  # type: ignore[method-assign]
+    outputs = drive(sched, fake)
+    assert most == 2 and sched.state_slots.num_used("gpu") == 0
+    for r in requests:
+        assert outputs[r.request_id].outputs[0].token_ids == reference(r.prompt_token_ids, 8)

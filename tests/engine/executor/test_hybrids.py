@@ -1,0 +1,116 @@
+"""Hybrid models (Qwen3-Next, Qwen3.5 dense and MoE: Gated DeltaNet layers beside attention;
+Granite 4 hybrid, dense and MoE, and Nemotron-H: Mamba-2 layers beside attention):
+greedy tokens equal transformers' under the placements of the issue (everything on the
+compute device; weights on disk with states and KV in host memory; a mixed split), with
+continuous refill, preemption and chunked prefill in the same run."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.core.prefix_cache import PageRef
+from engine.core.protocol import SeqChunk
+from engine.core.sequence import Sequence
+from policy import Policy
+from tests.engine.executor.test_correctness import run
+from tests.engine.tiny_models import HYBRIDS, hf_greedy, random_prompts, vocab_size
+
+PLACEMENTS: dict[str, dict[str, object]] = {
+    "all-on-device": {},
+    "weights-disk-state-cpu": dict(weights_frac=(0.0, 0.0, 1.0), kv_frac=(0.0, 1.0, 0.0)),
+    "mixed": dict(
+        gpu_batch_size=2,
+        num_gpu_batches=2,
+        weights_frac=(0.3, 0.3, 0.4),
+        kv_frac=(0.4, 0.3, 0.3),
+        act_frac=(0.3, 0.3, 0.4),
+        cpu_attention=True,
+    ),
+}
+
+
+@pytest.mark.parametrize("placement", list(PLACEMENTS))
+@pytest.mark.parametrize("kind", HYBRIDS)
+def test_hybrid_matches_transformers(tiny_model, references, tmp_path, kind, placement):
+    prompts, expected = references(kind)
+    policy = Policy(**PLACEMENTS[placement])  # type: ignore[arg-type]
+    assert run(tiny_model(kind), prompts, policy, tmp_path) == expected
+
+
+NUM_PROMPTS = 10
+
+
+Workload = tuple[Path, list[list[int]], list[int], list[list[int]]]
+
+
+@pytest.fixture(scope="module")
+def workloads(tiny_model):  # type: ignore[no-untyped-def]
+    """kind -> (model dir, prompts of 2..40 tokens, max_tokens of 8..24, transformers' greedy
+    outputs)."""
+    cache: dict[str, Workload] = {}
+
+    def get(kind: str) -> Workload:
+        if kind not in cache:
+            model_dir = tiny_model(kind)
+            prompts = random_prompts(NUM_PROMPTS, vocab_size(kind), 2, 40, seed=5)
+            g = torch.Generator().manual_seed(6)
+            max_tokens = torch.randint(8, 25, (NUM_PROMPTS,), generator=g).tolist()
+            expected = [
+                hf_greedy(model_dir, p, n) for p, n in zip(prompts, max_tokens, strict=True)
+            ]
+            cache[kind] = (model_dir, prompts, max_tokens, expected)
+        return cache[kind]
+
+    return get
+
+
+@pytest.mark.parametrize(
+    ("kind", "placement"),
+    [("qwen3_next", placement) for placement in PLACEMENTS]
+    + [("granite4", "mixed"), ("nemotron_h", "mixed")],
+)
+def test_refill_preemption_and_chunked_prefill_keep_each_state(
+    workloads, tmp_path, kind, placement
+):
+    """Ten ragged requests through a block of 4: sequences leave and join every few steps
+    (refill, each new one's state slot zeroed), prompts longer than a step's 16 tokens run
+    in chunks that carry their state forward, and KV pools of 4 pages per tier (the longest
+    sequence fills one) cannot hold 4 running sequences, so some are preempted (their state
+    slots freed) and recomputed."""
+    model_dir, prompts, max_tokens, expected = workloads(kind)
+    spec = {"gpu_batch_size": 2, "num_gpu_batches": 2, **PLACEMENTS[placement]}
+    policy = Policy(**spec)  # type: ignore[arg-type]
+    with LLM(
+        str(model_dir),
+        policy=policy,
+        offload_dir=tmp_path,
+        device="cpu",
+        max_step_tokens=16,
+        kv_capacity_pages={"gpu": 4, "cpu": 4, "disk": 4},
+        async_scheduling=False,
+    ) as llm:
+        scheduler = llm.scheduler
+        assert sum(scheduler.state_slots.capacity.values()) >= 4
+        scheduler.config = dataclasses.replace(scheduler.config, expected_gen_tokens=1)
+        chunks: list[SeqChunk] = []
+        make_chunk = scheduler._chunk
+
+        def recording_chunk(seq: Sequence, num_new: int, pages: list[PageRef]) -> SeqChunk:
+            chunks.append(make_chunk(seq, num_new, pages))
+            return chunks[-1]
+
+        scheduler._chunk = recording_chunk  # type: ignore[method-assign]
+        params = [
+            SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in max_tokens
+        ]
+        outputs = llm.generate(prompts, params)
+        assert [out.outputs[0].token_ids for out in outputs] == expected
+        assert scheduler.num_preemptions > 0
+        assert any(c.start_pos > 0 and len(c.token_ids) > 1 for c in chunks)  # a later chunk
+        assert all(c.state_slot is not None for c in chunks)
+        assert not any(scheduler.state_slots.num_used(t) for t in ("gpu", "cpu"))
