@@ -18,10 +18,12 @@ The library is built with torch's C++ extension loader (a C++ compiler and ninja
 CPU's own instruction set (`-march=native`; `$NANOFLEX_KERNEL_ISA` picks a baseline level
 instead, `ISA_LEVELS`), into torch's extensions folder
 (`TORCH_EXTENSIONS_DIR`, by default ~/.cache/torch_extensions), once per source, flags and
-CPU: a later process loads the built library in well under a second. Where it cannot be
-built (no compiler, say), one warning says why and torch's own ops run instead: the same
-results, slower. `EngineArgs.native_kernels=False` (`--no-native-kernels`) never builds or
-uses it.
+CPU: a later process loads the built library in well under a second. Where
+`$NANOFLEX_KERNEL_DIR` names a folder of libraries built ahead for each baseline level
+(prebuilt.py: the Docker images do, and carry no compiler), the best level this CPU runs is
+loaded from there and nothing is compiled. Where the library cannot be built (no compiler,
+say), one warning says why and torch's own ops run instead: the same results, slower.
+`EngineArgs.native_kernels=False` (`--no-native-kernels`) never builds or uses it.
 """
 
 from __future__ import annotations
@@ -76,9 +78,10 @@ def isa_level() -> str:
     return level
 
 
-def cflags() -> tuple[str, ...]:
-    """The compiler flags for this build: the level's architecture, then CFLAGS."""
-    return (*ISA_LEVELS[isa_level()][0], *CFLAGS)
+def cflags(level: str | None = None) -> tuple[str, ...]:
+    """The compiler flags for a build at `level` (default `isa_level()`): the level's
+    architecture, then CFLAGS."""
+    return (*ISA_LEVELS[level or isa_level()][0], *CFLAGS)
 
 
 def supported_levels() -> list[str]:
@@ -117,19 +120,29 @@ def _cpu_signature() -> str:
     return "\n".join(dict.fromkeys(wanted))
 
 
-def library_name() -> str:
-    """One build per source, flags and CPU (a home folder shared by unlike machines)."""
+def library_name(level: str | None = None) -> str:
+    """One build per source, flags and, for `native`, CPU (a home folder shared by unlike
+    machines); a baseline level's build is the same on every CPU, so it can be made ahead."""
+    level = level or isa_level()
     digest = hashlib.sha256()
     parts = [p.read_bytes() for p in (*SOURCES, *HEADERS)]
-    for part in (*parts, " ".join(cflags()).encode(), _cpu_signature().encode()):
+    parts.append(" ".join(cflags(level)).encode())
+    if level == "native":
+        parts.append(_cpu_signature().encode())
+    for part in parts:
         digest.update(part)
     return f"nanoflex_kernels_{digest.hexdigest()[:12]}"
 
 
 @functools.cache
 def _build() -> bool:
-    """Build (or find built) and load the library; False, with one warning, where it cannot
-    be built."""
+    """Load the library built ahead for this CPU where there is one (`$NANOFLEX_KERNEL_DIR`),
+    else build (or find built) and load it; False, with one warning, where it cannot be
+    built."""
+    from engine.kernels import prebuilt
+
+    if prebuilt.load():
+        return True
     try:
         from torch.utils.cpp_extension import load
 
