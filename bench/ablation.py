@@ -1,7 +1,7 @@
 """Ablation of the speed features: each switched off in turn from one base policy.
 
     python -m bench.ablation [--model M] [--base offloaded|resident] [--prompt-len 128]
-        [--gen-len 16] [--num-prompts 12]
+        [--gen-len 16] [--num-prompts 12] [--only "slots,overlap"]
 
 `offloaded` (the default): weights on disk (the I/O-bound case offloading is for), KV on
 the cpu tier with CPU attention, overlap on, no compression, discrete batching on.
@@ -33,6 +33,7 @@ VARIANTS: dict[str, Variant] = {
     "4-bit weights on": dataclasses.replace(BASE, compress_weights=True),
     "4-bit KV on": dataclasses.replace(BASE, compress_kv=True),
     "discrete batching off": (BASE, {"discrete_batching": False}),
+    "weight slots off (each layer read into fresh memory)": (BASE, {"weight_slots": False}),
 }
 
 
@@ -55,11 +56,28 @@ RESIDENT_VARIANTS: dict[str, Variant] = {
 
 def _base_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base", choices=("offloaded", "resident"), default="offloaded")
+    parser.add_argument(
+        "--only",
+        default="",
+        help="comma-separated words: only the base and the variants whose name holds one",
+    )
+
+
+def chosen(variants: dict[str, Variant], only: str) -> dict[str, Variant]:
+    """The base (the first variant) and those named by `only` (all when empty)."""
+    words = [w.strip() for w in only.split(",") if w.strip()]
+    base = next(iter(variants))
+    return {
+        name: v
+        for name, v in variants.items()
+        if not words or name == base or any(w in name for w in words)
+    }
 
 
 def main() -> int:
     args = parse_args(__doc__ or "", _base_flag)
-    rows = run_policies(RESIDENT_VARIANTS if args.base == "resident" else VARIANTS, args)
+    variants = RESIDENT_VARIANTS if args.base == "resident" else VARIANTS
+    rows = run_policies(chosen(variants, args.only), args)
     base = rows[0]["measured"]["generation_throughput"]
     table = Table(["variant", "generation tok/s", "decode tok/s", "prefill tok/s", "vs base"])
     for row in rows:

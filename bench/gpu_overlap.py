@@ -34,33 +34,22 @@ from typing import Any
 
 import torch
 
+from engine.profiling.copy_overlap import CopyBesideGemms, event_ms
+
 LLAMA3_8B_LAYER_PARAMS = 4096 * (4096 + 1024 + 1024 + 4096) + 3 * 4096 * 14336
 """q, k, v, o and the three MLP projections of one Llama-3-8B layer."""
 
 
-def _event_ms(fn: Any, stream: torch.cuda.Stream) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    with torch.cuda.stream(stream):
-        start.record(stream)
-        fn()
-        end.record(stream)
-    end.synchronize()
-    return float(start.elapsed_time(end))
-
-
 def hardware_overlap(layer_bytes: int, repeats: int = 5) -> dict[str, Any]:
-    """Copy alone, GEMMs alone and both at once, per host-memory kind (median of `repeats`)."""
+    """Copy alone, GEMMs alone and both at once, per host-memory kind (median of `repeats`),
+    through the profile's probe (engine/profiling/copy_overlap.py)."""
     device = torch.device("cuda", torch.cuda.current_device())
-    compute, side = torch.cuda.current_stream(device), torch.cuda.Stream(device)
+    probe = CopyBesideGemms(device)
     dst = torch.empty(layer_bytes, dtype=torch.uint8, device=device)
     pinned = torch.empty(layer_bytes, dtype=torch.uint8, pin_memory=True)
     pageable = torch.empty(layer_bytes, dtype=torch.uint8)
     pinned.random_(0, 255)
     pageable.random_(0, 255)
-    n = 8192
-    a = torch.randn(n, n, dtype=torch.float16, device=device)
-    b = torch.randn(n, n, dtype=torch.float16, device=device)
-    c = torch.empty(n, n, dtype=torch.float16, device=device)
 
     def copy_from(kind: str) -> Any:
         def run() -> None:
@@ -75,52 +64,26 @@ def hardware_overlap(layer_bytes: int, repeats: int = 5) -> dict[str, Any]:
 
         return run
 
-    copy_ms = statistics.median(_event_ms(copy_from("pinned-once"), side) for _ in range(repeats))
-    one_gemm = statistics.median(
-        _event_ms(lambda: torch.mm(a, b, out=c), compute) for _ in range(repeats)
-    )
-    gemms = max(1, round(copy_ms / one_gemm))
-
-    def compute_work() -> None:
-        for _ in range(gemms):
-            torch.mm(a, b, out=c)
-
-    compute_ms = statistics.median(_event_ms(compute_work, compute) for _ in range(repeats))
+    together = probe.measure(copy_from("pinned-once"), repeats)
     out: dict[str, Any] = {
         "layer_bytes": layer_bytes,
-        "gemms": gemms,
-        "compute_ms": compute_ms,
+        "gemms": together.gemms,
+        "compute_ms": together.compute_ms,
         "kinds": {},
     }
     for kind in ("pinned-once", "pinned-per-copy", "pageable"):
-        copy = copy_from(kind)
-        alone = statistics.median(_event_ms(copy, side) for _ in range(repeats))
+        alone = (
+            together.copy_ms
+            if kind == "pinned-once"
+            else statistics.median(event_ms(copy_from(kind), probe.side) for _ in range(repeats))
+        )
         row: dict[str, float] = {"copy_ms": alone, "copy_gb_s": layer_bytes / alone / 1e6}
         out["kinds"][kind] = row
-        if kind != "pinned-once":
-            # the host stalls in these copies (the allocation, the staging memcpy) before the
-            # GEMMs are even issued: their rate is the figure, an overlap share would not be
-            continue
-        both = []
-        for _ in range(repeats):
-            torch.cuda.synchronize(device)
-            start = torch.cuda.Event(enable_timing=True)
-            start.record(compute)
-            side.wait_event(start)
-            with torch.cuda.stream(side):
-                copy()
-                copied = torch.cuda.Event()
-                copied.record(side)
-            compute_work()
-            compute.wait_event(copied)
-            end = torch.cuda.Event(enable_timing=True)
-            end.record(compute)
-            end.synchronize()
-            both.append(float(start.elapsed_time(end)))
-        both_ms = statistics.median(both)
-        shorter = min(alone, compute_ms)
-        row["both_ms"] = both_ms
-        row["hidden"] = max(0.0, min(1.0, (alone + compute_ms - both_ms) / shorter))
+        if kind == "pinned-once":
+            # the others stall the host (the allocation, the staging memcpy) before the GEMMs
+            # are even issued: their rate is the figure, an overlap share would not be
+            row["both_ms"] = together.both_ms
+            row["hidden"] = together.hidden
     return out
 
 

@@ -136,8 +136,22 @@ results = pathlib.Path(sys.argv[1])
 try:
     p = json.loads((results / "hardware.json").read_text())
     keys = ("gpu_flops", "gpu_mem_bw", "ctog_bw", "device_attention_bw",
-            "prefill_attention_flops", "layer_overhead_s", "nano_overlap_device")
+            "prefill_attention_flops", "layer_overhead_s", "nano_overlap_device", "copy_hidden")
     print("  ".join(f"{k}={p[k]:.4g}" for k in keys if isinstance(p.get(k), (int, float))))
+    # the GPU path's targets (issue: the GPU path built right before it runs)
+    targets = (
+        ("decode attention / HBM copy bandwidth", "device_attention_bw", "gpu_mem_bw", 0.5, ">="),
+        ("prefill attention / GEMM rate", "prefill_attention_flops", "gpu_flops", 0.4, ">="),
+        ("host seconds per layer outside kernels", "layer_overhead_s", None, 50e-6, "<="),
+        ("share of a layer's copy hidden behind GEMMs", "copy_hidden", None, 0.8, ">="),
+    )
+    for label, key, over, target, sense in targets:
+        if not isinstance(p.get(key), (int, float)) or (over and not p.get(over)):
+            print(f"target {label}: not measured")
+            continue
+        value = p[key] / p[over] if over else p[key]
+        met = value >= target if sense == ">=" else value <= target
+        print(f"target {label}: {value:.3g} ({sense} {target:g}: {'met' if met else 'MISSED'})")
 except (OSError, ValueError) as e:
     print(f"no profile: {e}")
 for path in sorted(results.glob("gpu-*.json")):

@@ -4,10 +4,11 @@ one block of the model for real.
     python -m engine.plan_run SPEC.json OUT.json
 
 For each candidate: the engine built with that policy, one warm-up request, then one block
-of `block_size` prompts of the planned prompt length, `check_steps` tokens each, EOS
-ignored (`engine.bench.run_bench`). The generation throughput for the planned workload is
-worked out from the measured prefill and the mean decode step: block x gen_len / (prefill +
-(gen_len - 1) x step).
+of `block_size` prompts of `check_prompt_len` tokens (the planned length, or shorter where
+that block's prefill would take long: plan_check.CHECK_PREFILL_SECONDS), `check_steps`
+tokens each, EOS ignored (`engine.bench.run_bench`). The generation throughput for the
+planned workload is worked out from the measured prefill, scaled to the planned prompt
+length, and the mean decode step: block x gen_len / (prefill + (gen_len - 1) x step).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ def run_candidate(setup: dict[str, Any], policy_dict: dict[str, Any]) -> dict[st
 
     policy = Policy.from_dict(policy_dict)
     prompt_len, gen_len, steps = setup["prompt_len"], setup["gen_len"], setup["check_steps"]
+    checked_len = setup.get("check_prompt_len", prompt_len)
     with LLM(
         setup["model_dir"],
         policy=policy,
@@ -37,11 +39,13 @@ def run_candidate(setup: dict[str, Any], policy_dict: dict[str, Any]) -> dict[st
         workload=WorkloadSpec(prompt_len, gen_len),
     ) as llm:
         llm.generate([[5] * 8], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
-        measured = run_bench(llm, prompt_len, steps + 1, policy.block_size, progress=False)
+        measured = run_bench(llm, checked_len, steps + 1, policy.block_size, progress=False)
     step = measured["decode_seconds"] / steps
-    seconds = measured["prefill_seconds"] + step * (gen_len - 1)
+    prefill = measured["prefill_seconds"] * prompt_len / checked_len
+    seconds = prefill + step * (gen_len - 1)
     return {
         "policy": policy.to_dict(),
+        "prompt_len": checked_len,
         "prefill_seconds": measured["prefill_seconds"],
         "decode_step_seconds": step,
         "generation_throughput": policy.block_size * gen_len / seconds,

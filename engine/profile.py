@@ -68,6 +68,11 @@ def main(args: argparse.Namespace) -> int:
         f"{_share(spec.nano_overlap_host)} beside CPU attention; each extra nano-batch "
         f"costs {spec.nano_batch_overhead_s * 1e3:.3f} ms per layer"
     )
+    if spec.compute_device == "cuda":
+        print(
+            f"copies  overlap hides {_share(spec.copy_hidden)} of the shorter of a layer's "
+            f"copy to the device and the GEMMs beside it"
+        )
     print(
         f"fixed   {spec.layer_overhead_s * 1e3:.3f} ms per layer per GPU batch; dequantize "
         f"{spec.dequant_throughput / 1e9:.2f} G elements/s"

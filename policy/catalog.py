@@ -90,6 +90,77 @@ def _gemma(
     return _hf(name, model_type, **_shape(*shape), sliding_window=window)
 
 
+def _deepseek(
+    name: str,
+    heads: int,
+    experts: int,
+    groups: int,
+    groups_per_tok: int,
+    first_dense: int,
+    vocab: int,
+) -> ModelSpec:
+    """DeepSeek-V3's shape (MLA with q_lora_rank 1536, kv_lora_rank 512, 64 rotary and 128
+    other dims per head, 128-wide values; experts of 2048, top-8, one shared), as Kimi K2
+    reuses it with other head, expert and group counts."""
+    return _hf(
+        name,
+        "deepseek_v3",
+        **_shape(7168, 18432, 61, heads, heads, 64, vocab),
+        moe_intermediate_size=2048,
+        n_routed_experts=experts,
+        n_shared_experts=1,
+        num_experts_per_tok=8,
+        n_group=groups,
+        topk_group=groups_per_tok,
+        first_k_dense_replace=first_dense,
+        q_lora_rank=1536,
+        kv_lora_rank=512,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=128,
+        v_head_dim=128,
+    )
+
+
+def _glm(
+    name: str,
+    shape: tuple[int, int, int, int, int, int, int],
+    expert_width: int,
+    experts: int,
+    first_dense: int,
+    *,
+    qk_norm: bool,
+) -> ModelSpec:
+    """GLM-4.5's shape: top-8 of `experts`, one shared expert, q/k/v biases."""
+    return _hf(
+        name,
+        "glm4_moe",
+        **_shape(*shape),
+        moe_intermediate_size=expert_width,
+        n_routed_experts=experts,
+        n_shared_experts=1,
+        num_experts_per_tok=8,
+        first_k_dense_replace=first_dense,
+        use_qk_norm=qk_norm,
+        attention_bias=True,
+    )
+
+
+def _gpt_oss(name: str, layers: int, experts: int) -> ModelSpec:
+    """gpt-oss's shape: 64 heads over 8 KV heads of 64, experts as wide as hidden (2880),
+    top-4, sliding windows of 128 on every other layer (priced in bfloat16: its MXFP4
+    experts are dequantized at load)."""
+    return _hf(
+        name,
+        "gpt_oss",
+        **_shape(2880, 2880, layers, 64, 8, 64, 201088),
+        num_local_experts=experts,
+        num_experts_per_tok=4,
+        sliding_window=128,
+        layer_types=["sliding_attention", "full_attention"] * (layers // 2),
+        attention_bias=True,
+    )
+
+
 # Shapes from the models' published config.json files (fp16/bf16 checkpoints; Gemma 3 4B and
 # larger: the language model of the vision checkpoints).
 BUILTIN_MODELS: dict[str, ModelSpec] = {
@@ -167,6 +238,32 @@ BUILTIN_MODELS: dict[str, ModelSpec] = {
             decoder_sparse_step=1,
             mlp_only_layers=[],
         ),
+        _hf(
+            "qwen3-235b-a22b",
+            "qwen3_moe",
+            **_shape(4096, 12288, 94, 64, 4, 128, 151936),
+            moe_intermediate_size=1536,
+            num_experts=128,
+            num_experts_per_tok=8,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+        ),
+        # The grouped-routing giants, priced in bfloat16 (DeepSeek-V3 and Kimi K2 ship FP8,
+        # which nanoflex does not load yet); without the multi-token prediction layer, which
+        # the engine does not read. The MLA ones' KV row is the latent (engine/models/
+        # deepseek.py).
+        _deepseek("deepseek-v3", 128, 256, 8, 4, 3, 129280),
+        _deepseek("kimi-k2", 64, 384, 1, 1, 1, 163840),
+        _glm("glm-4.5", (5120, 12288, 92, 96, 8, 128, 151552), 1536, 160, 3, qk_norm=True),
+        _glm("glm-4.5-air", (4096, 10944, 46, 96, 8, 128, 151552), 1408, 128, 1, qk_norm=False),
+        _gpt_oss("gpt-oss-20b", 24, 32),
+        _gpt_oss("gpt-oss-120b", 36, 128),
+        _hf(
+            "smollm3-3b",
+            "smollm3",
+            **_shape(2048, 11008, 36, 16, 4, 128, 128256),
+            tie_word_embeddings=True,
+        ),
         # A small Mixtral-shaped model for tests: 8 experts, top-2, float32.
         _hf(
             "tiny-mixtral",
@@ -210,6 +307,15 @@ BUILTIN_MODELS: dict[str, ModelSpec] = {
 
 # Hub ids (lower-cased, org dropped) that name a built-in entry.
 _ALIASES: dict[str, str] = {
+    "qwen3-235b-a22b-instruct-2507": "qwen3-235b-a22b",
+    "deepseek-v3-0324": "deepseek-v3",
+    "deepseek-v3-base": "deepseek-v3",
+    "deepseek-r1": "deepseek-v3",
+    "deepseek-r1-0528": "deepseek-v3",
+    "kimi-k2-instruct": "kimi-k2",
+    "kimi-k2-base": "kimi-k2",
+    "glm-4.6": "glm-4.5",
+    "smollm3-3b-base": "smollm3-3b",
     "tinyllama-1.1b-chat-v1.0": "tinyllama-1.1b",
     "tinyllama-1.1b-intermediate-step-1431k-3t": "tinyllama-1.1b",
     "llama-2-7b-hf": "llama-2-7b",

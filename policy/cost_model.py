@@ -59,12 +59,26 @@ class CostTerms:
     prompt_len: float
     gen_len: float
     overlap: bool
+    copy_hidden: float = 1.0
+    """Share of the shorter of copies and compute that overlap hides (HardwareSpec
+    `copy_hidden_estimate`): 1.0 is FlexGen's max."""
 
     def stage_rows(self, terms: dict[str, MaxOf]) -> list[Affine]:
         """Affine rows whose max is the stage's seconds per layer: every task's rows when the
-        tasks overlap; else the copies' sum plus each row of compute."""
-        if self.overlap:
+        tasks overlap wholly; else the copies' sum plus each row of compute. Overlap that
+        hides a share h < 1 of the shorter costs max(c, io) + (1 - h) min(c, io), which is
+        max(c + (1 - h) io, io + (1 - h) c): still a max of affine rows, per copy task."""
+        if self.overlap and self.copy_hidden >= 1.0:
             return [row for t in TASKS for row in terms[t].rows]
+        if self.overlap:
+            exposed = 1.0 - self.copy_hidden
+            io_rows = [row for t in TASKS if t != "compute" for row in terms[t].rows]
+            return [
+                pair
+                for c in terms["compute"].rows
+                for io in io_rows
+                for pair in (c + io * exposed, io + c * exposed)
+            ]
         copies = sum((terms[t].rows[0] for t in TASKS if t != "compute"), ZERO)
         return [copies + row for row in terms["compute"].rows]
 
@@ -287,6 +301,7 @@ def build_terms(
         prompt_len=s,
         gen_len=n,
         overlap=choice.overlap,
+        copy_hidden=hardware.copy_hidden_estimate,
     )
 
 

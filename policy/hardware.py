@@ -126,6 +126,13 @@ class HardwareSpec:
     nano_overlap_host: float | None = None
     """The same for a dense matmul on the compute device beside CPU attention on a CPU
     thread. None: not measured (0)."""
+    copy_hidden: float | None = None
+    """On CUDA: share of the shorter of a layer-sized host-to-device copy (from pinned memory,
+    on a side stream) and GEMMs on the compute stream that disappears when the two run
+    together, timed with CUDA events, in [0, 1]: how much of the zig-zag schedule's I/O
+    hides behind compute. None: not measured, and the cost model takes FlexGen's max (all
+    of it hidden). Not used where the compute device is the CPU (io_compute_share_* price
+    what its copy threads take from compute there)."""
     layer_overhead_s: float = 0.0
     """Fixed seconds per layer per GPU batch, whatever its size (kernel launches, the
     engine's per-layer bookkeeping); measured by running one-token steps through the engine."""
@@ -167,7 +174,7 @@ class HardwareSpec:
             raise HardwareError(
                 f"compute_device must be 'cuda' or 'cpu', not {self.compute_device!r}"
             )
-        for name in ("nano_overlap_device", "nano_overlap_host"):
+        for name in ("nano_overlap_device", "nano_overlap_host", "copy_hidden"):
             share = getattr(self, name)
             if share is not None and (
                 isinstance(share, bool) or not isinstance(share, int | float) or not 0 <= share <= 1
@@ -247,6 +254,14 @@ class HardwareSpec:
         nor on a share a busy machine measured (two operations timed alone while a neighbour
         slows them, then together while it rests, come out as overlapping wholly)."""
         return 0.0 if self.under_load else self.nano_overlap_device or 0.0
+
+    @property
+    def copy_hidden_estimate(self) -> float:
+        """The share of the shorter of copies and compute hidden when they overlap: measured
+        on CUDA, else 1.0 (FlexGen's max; a CPU's copy threads are priced apart)."""
+        if self.compute_device != "cuda" or self.copy_hidden is None:
+            return 1.0
+        return self.copy_hidden
 
     @property
     def nano_overlap_host_estimate(self) -> float:

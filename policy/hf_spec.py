@@ -19,10 +19,15 @@ FAMILIES: dict[str, str] = {
     "gemma3_text": "llama",
     "phi3": "llama",
     "olmo2": "llama",
+    "olmo3": "llama",
+    "smollm3": "llama",
     "mixtral": "llama",
     "qwen2_moe": "llama",
     "qwen3_moe": "llama",
     "olmoe": "llama",
+    "glm4_moe": "llama",
+    "deepseek_v3": "llama",
+    "gpt_oss": "llama",
 }
 """HF `model_type` -> our architecture family (all but OPT: RMSNorm, RoPE, gated MLP)."""
 _TIED_BY_DEFAULT = frozenset({"gemma2", "gemma3_text"})
@@ -88,15 +93,17 @@ def _llama_family(
     head_dim = int(config.get("head_dim") or hidden // num_heads)
     num_layers = int(config["num_hidden_layers"])
     qk_norm_params = 0
-    if model_type in ("qwen3", "qwen3_moe", "gemma3_text"):  # one head_dim-wide norm for q, k
+    per_head = model_type == "glm4_moe" and config.get("use_qk_norm")  # GLM's when configured
+    if per_head or model_type in ("qwen3", "qwen3_moe", "gemma3_text"):  # head_dim-wide norms
         qk_norm_params = 2 * head_dim
-    elif model_type in ("olmo2", "olmoe"):  # norms over the whole q and k projections
+    elif model_type in ("olmo2", "olmo3", "olmoe"):  # norms over the whole q and k projections
         qk_norm_params = (num_heads + num_kv_heads) * head_dim
     window, num_local = _windows(config, model_type, num_layers)
-    qkv_bias = bool(config.get("attention_bias", False))
+    qkv_bias = bool(config.get("attention_bias", model_type == "gpt_oss"))  # the class default
     if model_type in ("qwen2", "qwen2_moe"):  # Qwen2's biases (qwen2_moe: unless qkv_bias says)
         qkv_bias = model_type == "qwen2" or bool(config.get("qkv_bias", True))
-    return dict(
+    mla = _mla(config, num_heads, hidden) if model_type == "deepseek_v3" else {}
+    fields = dict(
         name=label,
         arch="llama",
         model_type=model_type,
@@ -116,12 +123,24 @@ def _llama_family(
         num_local_layers=num_local,
         **_experts(config, model_type, num_layers),
     )
+    if model_type == "gpt_oss":
+        fields.update(o_bias=qkv_bias, attention_sinks=True, moe_biases=True)
+    return {**fields, **mla}
 
 
 def _experts(config: dict[str, Any], model_type: str, num_layers: int) -> dict[str, Any]:
     """The MoE fields, as each family's config class names them; {} for a dense family.
     The expert count may be spelled num_experts or num_local_experts (transformers 5 writes
     Qwen3-MoE's under the latter)."""
+    if model_type in ("glm4_moe", "deepseek_v3"):
+        return _grouped_experts(config, num_layers)
+    if model_type == "gpt_oss":  # every layer; experts as wide as intermediate_size
+        return dict(
+            num_experts=int(config["num_local_experts"]),
+            num_experts_per_tok=int(config["num_experts_per_tok"]),
+            moe_intermediate_size=int(config["intermediate_size"]),
+            moe_layer_ids=tuple(range(num_layers)),
+        )
     if model_type not in ("mixtral", "olmoe", "qwen2_moe", "qwen3_moe"):
         return {}
     key = "num_local_experts" if "num_local_experts" in config else "num_experts"
@@ -152,16 +171,59 @@ def _experts(config: dict[str, Any], model_type: str, num_layers: int) -> dict[s
     )
 
 
+def _grouped_experts(config: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """DeepSeek-V3's and GLM-4.5's: n_routed_experts, n_shared_experts as one SwiGLU that many
+    times moe_intermediate_size wide (without Qwen2-MoE's gate), the first
+    first_k_dense_replace layers dense."""
+    width = int(config["moe_intermediate_size"])
+    first_dense = int(config.get("first_k_dense_replace", 1))
+    return dict(
+        num_experts=int(config["n_routed_experts"]),
+        num_experts_per_tok=int(config["num_experts_per_tok"]),
+        moe_intermediate_size=width,
+        shared_expert_intermediate_size=width * int(config.get("n_shared_experts", 1) or 0),
+        shared_expert_gate=False,
+        moe_layer_ids=tuple(range(min(first_dense, num_layers), num_layers)),
+    )
+
+
+def _mla(config: dict[str, Any], num_heads: int, hidden: int) -> dict[str, Any]:
+    """DeepSeek-V3's multi-head latent attention: its parameters, and the KV row the engine
+    keeps (one head of kv_lora_rank + qk_rope_head_dim)."""
+    rank, rope = int(config["kv_lora_rank"]), int(config["qk_rope_head_dim"])
+    nope, value = int(config["qk_nope_head_dim"]), int(config["v_head_dim"])
+    q_rank = int(config.get("q_lora_rank") or 0)
+    q_width = num_heads * (nope + rope)
+    q = hidden * q_rank + q_rank + q_rank * q_width if q_rank else hidden * q_width
+    kv = hidden * (rank + rope) + rank + rank * num_heads * (nope + value)
+    bias = (q_rank + rank + rope + hidden) if config.get("attention_bias") else 0
+    return dict(
+        num_kv_heads=1,
+        head_dim=rank + rope,
+        qkv_bias=False,
+        mla_attention_params=q + kv + num_heads * value * hidden + bias,
+    )
+
+
 def _windows(config: dict[str, Any], model_type: str, num_layers: int) -> tuple[int, int]:
     """(sliding window, number of layers that have it), as each family's config class
     derives them: `layer_types` where given, else the family's own rule."""
-    default = 4096 if model_type in ("gemma2", "gemma3_text") else 0
+    default = 4096 if model_type in ("gemma2", "gemma3_text", "olmo3") else 0
     window = int(config.get("sliding_window", default) or 0)
     if not window:
         return 0, 0
     types = config.get("layer_types")
     if isinstance(types, list):
         return window, sum(1 for kind in types if kind == "sliding_attention")
+    if model_type == "olmo3":  # every fourth layer is global
+        return window, num_layers - num_layers // 4
+    if model_type == "smollm3":  # windows, when on, on the NoPE layers
+        if not config.get("use_sliding_window", False):
+            return 0, 0
+        flags = config.get("no_rope_layers")
+        interval = int(config.get("no_rope_layer_interval", 4))
+        nope = flags.count(0) if isinstance(flags, list) else num_layers // interval
+        return window, nope
     if model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
         if not config.get("use_sliding_window", False):
             return 0, 0

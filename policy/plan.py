@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from policy.catalog import resolve_model_spec
 from policy.hardware import HardwareSpec, load_cached
@@ -70,6 +71,8 @@ def main(args: argparse.Namespace) -> int:
     model = resolve_model_spec(args.model)
     workload = WorkloadSpec(prompt_len=args.prompt_len, gen_len=args.gen_len)
     hardware = HardwareSpec.load(args.hardware) if args.hardware else load_cached()
+    if hardware.compute_device == "cpu" and args.cpu_mem is not None:
+        print(cpu_only_note(args.hardware), file=sys.stderr)
     result = search(
         model,
         workload,
@@ -87,6 +90,17 @@ def main(args: argparse.Namespace) -> int:
     else:
         print(format_report(model, workload, result, break_even))
     return 0
+
+
+def cpu_only_note(hardware_file: str | None) -> str:
+    """Why --cpu-mem plans nothing on a profile whose compute device is the CPU."""
+    whose = f"the profile {hardware_file}" if hardware_file else "this machine's profile"
+    return (
+        f"nanoflex plan: note: {whose} has no GPU: the compute device is the CPU, its memory "
+        "is the gpu tier (--gpu-mem) and there is no separate cpu tier, so --cpu-mem is not "
+        "used. To plan for a GPU box, run `nanoflex profile` there and pass its "
+        "hardware.json (in its nanoflex cache) with --hardware FILE."
+    )
 
 
 def _window_note(model: ModelSpec) -> str:

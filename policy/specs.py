@@ -69,6 +69,20 @@ class ModelSpec:
     shared_expert_intermediate_size: int = 0
     """Width of the always-on shared expert of each MoE layer, which has a sigmoid gate
     (hidden -> 1) of its own (Qwen2-MoE); 0: none."""
+    o_bias: bool = False
+    """The output projection has a bias too (gpt-oss)."""
+    attention_sinks: bool = False
+    """One sink logit per head and layer (gpt-oss)."""
+    moe_biases: bool = False
+    """The router and each expert's projections have biases (gpt-oss)."""
+    mla_attention_params: int = 0
+    """Multi-head latent attention (DeepSeek-V3): one layer's attention parameters (latent
+    projections and norms, kv_b, o), where the q/k/v/o formula does not hold; 0: not MLA.
+    num_kv_heads (1) and head_dim (kv_lora_rank + qk_rope_head_dim) are then the latent KV
+    row the engine stores (engine/models/deepseek.py)."""
+    shared_expert_gate: bool = True
+    """The shared expert has Qwen2-MoE's sigmoid gate (hidden -> 1); DeepSeek's and GLM's
+    shared experts have none."""
     moe_layer_ids: tuple[int, ...] = ()
     """Layers whose MLP is the MoE block; the others have a dense MLP of intermediate_size
     (Qwen MoE's decoder_sparse_step and mlp_only_layers; every layer in Mixtral, OLMoE)."""
@@ -118,12 +132,15 @@ class ModelSpec:
     @property
     def attention_params(self) -> int:
         """Parameters of one layer outside its MLP: q, k, v, o projections (and biases), norms."""
+        if self.mla_attention_params:
+            return self.mla_attention_params + self.num_norms * self.hidden_size
         h, q_dim, kv_dim = self.hidden_size, self.num_heads * self.head_dim, self.kv_dim
         attention = h * q_dim + 2 * h * kv_dim + q_dim * h
         if self.arch == "opt":  # q,k,v,o biases; two LayerNorms (weight and bias)
             return attention + (q_dim + 2 * kv_dim + h) + 4 * h
-        bias = q_dim + 2 * kv_dim if self.qkv_bias else 0
-        return attention + bias + self.num_norms * h + self.qk_norm_params
+        bias = (q_dim + 2 * kv_dim if self.qkv_bias else 0) + (h if self.o_bias else 0)
+        sinks = self.num_heads if self.attention_sinks else 0
+        return attention + bias + sinks + self.num_norms * h + self.qk_norm_params
 
     @property
     def dense_mlp_params(self) -> int:
@@ -134,15 +151,19 @@ class ModelSpec:
 
     @property
     def expert_params(self) -> int:
-        """One routed expert: a SwiGLU MLP of width moe_intermediate_size (0 when dense)."""
-        return 3 * self.hidden_size * self.moe_intermediate_size
+        """One routed expert: a SwiGLU MLP of width moe_intermediate_size (0 when dense), with
+        gpt-oss's biases."""
+        h, width = self.hidden_size, self.moe_intermediate_size
+        return 3 * h * width + (2 * width + h if self.moe_biases else 0)
 
     @property
     def moe_always_params(self) -> int:
         """The parts of an MoE block every token uses: the router (hidden -> num_experts) and
-        the shared expert with its sigmoid gate (hidden -> 1)."""
+        the shared expert with its sigmoid gate (hidden -> 1) where it has one."""
         h, shared = self.hidden_size, self.shared_expert_intermediate_size
-        return h * self.num_experts + (3 * h * shared + h if shared else 0)
+        gate = h if self.shared_expert_gate else 0
+        router = (h + 1 if self.moe_biases else h) * self.num_experts
+        return router + (3 * h * shared + gate if shared else 0)
 
     @property
     def num_moe_layers(self) -> int:

@@ -138,6 +138,13 @@ class EngineArgs:
     cuda_graphs: bool = cli(True, "replay decode steps as CUDA graphs where sound (default: on)")
     """Replay decode steps' dense ops as CUDA graphs at the discrete sizes where sound (resident
     weights, one GPU batch); False runs every op eagerly (vLLM's enforce_eager)."""
+    weight_slots: bool = cli(
+        True,
+        "offloaded layers load into two fixed device buffers in turn, FlexGen's double "
+        "buffer, which CUDA graphs can read (default: on)",
+    )
+    """Offloaded decoder layers of a dense, uncompressed model load into fixed slots
+    (engine/storage/weight_slots.py); False loads each into fresh memory every step."""
     paged_attention: bool = cli(
         True,
         "attention reads KV pages on the compute device in place; off gathers a packed "

@@ -46,6 +46,12 @@ MAX_WEIGHT_BYTES = 4 << 30
 """Larger models skip the check: each candidate loads the weights anew."""
 CHECK_STEPS = 4
 """Decode steps timed per candidate (the first token comes with the prefill)."""
+CHECK_PREFILL_SECONDS = 8.0
+"""The prefill a candidate's block may take, predicted: where the planned prompts would take
+longer (a CPU box's block of 384 x 512 tokens takes minutes), the check's prompts are cut to
+fit, at least `MIN_CHECK_PROMPT` tokens, and the prefill time scaled back to the planned
+length. The block size, the design's own choice, is never cut."""
+MIN_CHECK_PROMPT = 16
 ENV = "NANOFLEX_PLAN_CHECK"
 """Set to 0 to skip every plan check (the test suite does, but for the tests of the check)."""
 CACHE_FILE = "plan-checks.json"
@@ -76,6 +82,15 @@ def candidates(
     return out
 
 
+def check_prompt_len(found: list[Candidate], prompt_len: int, prefill_throughput: float) -> int:
+    """The prompt length the check runs: the planned one, or shorter where the largest
+    candidate block's prefill would take more than CHECK_PREFILL_SECONDS at the predicted
+    prefill rate (tokens/s)."""
+    block = max(c.policy.block_size for c in found)
+    fits = int(prefill_throughput * CHECK_PREFILL_SECONDS) // block
+    return max(min(prompt_len, MIN_CHECK_PROMPT), min(prompt_len, fits))
+
+
 def check_key(setup: dict[str, Any], hardware: HardwareSpec, found: list[Candidate]) -> str:
     """What a check's outcome depends on, as one digest."""
     config = Path(setup["model_dir"]) / "config.json"
@@ -96,7 +111,7 @@ def check(
 ) -> tuple[Policy, dict[str, Any] | None]:
     """(the policy to run, what the check measured or why it did not run; None: nothing to
     check). `setup`: model_dir, device, dtype, gpu_mem, cpu_mem, disk_mem, prompt_len,
-    gen_len."""
+    gen_len, check_prompt_len."""
     if len(found) < 2:
         return found[0].policy, None
     if os.environ.get(ENV, "1") == "0":
@@ -112,7 +127,12 @@ def check(
         record = cached[key]
         return Policy.from_dict(record["chosen"]), {**record, "cached": True}
     log.info(
-        "plan check: running %d candidate plans predicted within %.0f%%", len(found), 100 * MARGIN
+        "plan check: running %d candidate plans predicted within %.0f%%, one block each of "
+        "prompts of %d tokens (planned %d)",
+        len(found),
+        100 * MARGIN,
+        setup["check_prompt_len"],
+        setup["prompt_len"],
     )
     measured = _run(found, setup)
     fastest = max(measured, key=lambda m: m["generation_throughput"])

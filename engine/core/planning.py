@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,8 @@ def cached_hardware() -> HardwareSpec | None:
     return HardwareSpec.load(path) if path.is_file() else None
 
 
+QUICK_PROFILE_S = 60
+"""About how long a quick profile takes (63 s measured on a busy 2-core CPU box)."""
 BACKGROUND_ENV = "NANOFLEX_BACKGROUND_PROFILE"
 """Set to 0 to never start the background re-measure of a profile taken under load."""
 
@@ -85,8 +88,18 @@ def _current_profile(device: str) -> HardwareSpec:
     if reason is None:
         assert cached is not None
         return cached
-    print(f"nanoflex: measuring a quick hardware profile: {reason}", file=sys.stderr)
+    print(
+        f"nanoflex: measuring a quick hardware profile ({reason}): once per machine, about "
+        f"{QUICK_PROFILE_S} s (the start waits for it)",
+        file=sys.stderr,
+    )
+    start = time.monotonic()
     fresh = _measure_quick(device)
+    print(
+        f"nanoflex: hardware profile measured in {time.monotonic() - start:.0f} s, cached in "
+        f"{path}",
+        file=sys.stderr,
+    )
     fresh.save(path)
     noise = fresh.noise()
     if noise is not None:
@@ -164,6 +177,9 @@ def resolve_policy(
         "gen_len": workload.gen_len,
     }
     found = checking.candidates(result, model, workload, hardware)
+    setup["check_prompt_len"] = checking.check_prompt_len(
+        found, int(workload.prompt_len), result.predicted["prefill_throughput"]
+    )
     policy, measured = checking.check(found, setup, hardware, int(model.total_weight_bytes))
     if measured is not None:
         report["plan_check"] = measured

@@ -16,6 +16,7 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
+from typing import Any
 
 from policy.errors import UserError
 
@@ -24,6 +25,7 @@ KINDS = ("json", "json_object", "regex", "choice", "grammar")
 CHECK_SECONDS = 10.0
 """The most a request's grammar may take to build and check before it is refused."""
 MAX_CHOICES = 1024
+END_OF_THINKING = "</think>"
 
 
 class StructuredOutputError(UserError, ValueError):
@@ -34,7 +36,8 @@ class StructuredOutputError(UserError, ValueError):
 class StructuredOutput:
     """One request's constraint: `kind` (KINDS) and its text: a JSON schema as JSON (json),
     nothing (json_object: any JSON object), a regex, a JSON list of strings (choice), or a
-    Lark grammar (grammar; GBNF, as llama.cpp writes it, is converted)."""
+    Lark grammar (grammar; GBNF, as llama.cpp writes it, is converted; llguidance's JSON
+    form of several named grammars passes as it is)."""
 
     kind: str
     value: str = ""
@@ -79,6 +82,8 @@ def _grammar(spec: StructuredOutput) -> str:
         lark = "start: " + " | ".join(json.dumps(c) for c in dict.fromkeys(choices))
         return LLMatcher.grammar_from_lark(lark)
     text = spec.value
+    if text.lstrip().startswith("{"):  # llguidance's JSON form, as `after_reasoning` nests
+        return text
     if "::=" in text:  # GBNF (llama.cpp, xgrammar): llguidance's own converter
         from llguidance.gbnf_to_lark import gbnf_to_lark
 
@@ -113,3 +118,64 @@ def check(spec: StructuredOutput, timeout: float = CHECK_SECONDS) -> None:
         ) from e
     if error:
         raise StructuredOutputError(f"invalid {spec.kind} constraint: {error.strip()}")
+
+
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
+_SUBSCHEMAS = ("items", "additionalProperties", "not", "if", "then", "else", "contains")
+
+
+def closed_schema(schema: Any) -> Any:
+    """`schema` with every object that declares `properties` but says nothing of
+    `additionalProperties` closed to undeclared keys: vLLM's default backend (xgrammar,
+    strict mode) reads such a schema so, and without it a model may add keys until
+    max_tokens. A schema that states `additionalProperties` keeps it (docs/api.md)."""
+    if isinstance(schema, list):
+        return [closed_schema(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [closed_schema(s) for s in out[key]]
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed_schema(s) for name, s in out[key].items()}
+    for key in _SUBSCHEMAS:
+        if isinstance(out.get(key), dict):
+            out[key] = closed_schema(out[key])
+    stated = "additionalProperties" in out or "unevaluatedProperties" in out
+    if isinstance(out.get("properties"), dict) and not stated:
+        out["additionalProperties"] = False
+    return out
+
+
+def after_reasoning(spec: StructuredOutput, opened: bool) -> StructuredOutput:
+    """`spec` applied to a thinking model's answer only: first a think block of any text up
+    to `</think>` (optional, opening with `<think>`, unless the prompt `opened` it), then
+    blanks, then the answer `spec` constrains, as vLLM enables the grammar only once the
+    reasoning has ended. A Lark or GBNF `grammar` keeps its own rules: it is nested whole as
+    the answer's sub-grammar (llguidance's `@name` reference in its JSON form); one that
+    spells `</think>` itself (a grammar that bounds the reasoning too) holds the whole
+    output, as it is."""
+    if spec.kind == "grammar" and END_OF_THINKING in spec.value:
+        return spec
+    if spec.kind == "grammar":
+        answer = "@answer"
+    elif spec.kind in ("json", "json_object"):
+        answer = "%json " + (spec.value if spec.kind == "json" else '{"type": "object"}')
+    elif spec.kind == "choice":
+        answer = " | ".join(json.dumps(c) for c in dict.fromkeys(json.loads(spec.value)))
+    else:
+        answer = "/" + spec.value.replace("/", "\\/") + "/"
+    think = "think" if opened else '("<think>" think)?'
+    lark = (
+        f'start: {think} /[ \\t\\r\\n]*/ answer\nthink[stop="{END_OF_THINKING}"]: /(?s:.*)/\n'
+        f"answer: {answer}\n"
+    )
+    if spec.kind == "grammar":
+        nested = {"name": "answer", "lark_grammar": spec.grammar}
+        return StructuredOutput(
+            "grammar", json.dumps({"grammars": [{"lark_grammar": lark}, nested]})
+        )
+    return StructuredOutput("grammar", lark)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -125,6 +126,21 @@ def _environment() -> ImmutableSandboxedEnvironment:
     return env
 
 
+@dataclass(frozen=True, slots=True)
+class ChatOptions:
+    """How a chat is rendered, beyond its messages (transformers' `apply_chat_template`
+    arguments, vLLM's request fields)."""
+
+    add_generation_prompt: bool = True
+    """End with the assistant's turn opened, for the answer to follow."""
+    tools: list[dict[str, Any]] | None = None
+    """OpenAI's tool objects, for a template that describes them to its model."""
+    continue_final_message: bool = False
+    """End with the last message's content, unclosed, for the answer to continue it."""
+    template_kwargs: dict[str, Any] | None = None
+    """Extra template variables (`enable_thinking`, `reasoning_effort`, ...)."""
+
+
 def has_tokenizer(model_dir: Path) -> bool:
     """The model directory ships a fast tokenizer (tokenizer.json)."""
     return (model_dir / "tokenizer.json").is_file()
@@ -224,23 +240,42 @@ class Tokenizer:
         return byte_level_table(self._tokenizer)
 
     def render_chat(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+        self, messages: list[dict[str, Any]], options: ChatOptions | None = None
     ) -> str:
-        """The chat as text, per the model's template."""
+        """The chat as text, per the model's template and `options` (ChatOptions)."""
         if self._template is None:
             raise TokenizerError(
                 "this model's tokenizer has no chat template; use /v1/completions instead"
             )
-        try:
-            return self._template.render(
-                messages=messages,
-                add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token or "",
-                eos_token=self.eos_token or "",
+        options = options or ChatOptions()
+        if options.continue_final_message and options.add_generation_prompt:
+            raise TokenizerError(
+                "continue_final_message and add_generation_prompt cannot both be true"
             )
+        variables = dict(options.template_kwargs or {})
+        variables.update(
+            messages=messages,
+            tools=options.tools,
+            add_generation_prompt=options.add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+        )
+        try:
+            text = self._template.render(**variables)
         except TemplateError as e:
             raise TokenizerError(f"the chat template refused these messages: {e}") from e
+        if options.continue_final_message:
+            final = str(messages[-1].get("content") or "").strip() if messages else ""
+            at = text.rfind(final) if final else -1
+            if at < 0:
+                raise TokenizerError(
+                    "continue_final_message needs a last message with text the template keeps"
+                )
+            text = text[: at + len(final)]
+        return text
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], options: ChatOptions | None = None
+    ) -> list[int]:
         """Token ids of the rendered chat; the template writes its own special tokens."""
-        return self.encode(self.render_chat(messages), add_special_tokens=False)
+        return self.encode(self.render_chat(messages, options), add_special_tokens=False)

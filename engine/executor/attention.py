@@ -393,7 +393,7 @@ def _paged_group(
     assert g.slots is not None
     b, q_max, kv_max = g.num_seqs, g.q_max, g.kv_max
     num_heads, head_dim = q.shape[1], q.shape[2]
-    native = kernels is not None and not spec.softcap
+    native = kernels is not None and not spec.softcap and spec.sinks is None
     prefill = None if kernels is None else kernels.prefill
     if native and (g.kv_lens is not None or (g.starts is not None and prefill is not None)):
         assert kernels is not None
@@ -405,9 +405,7 @@ def _paged_group(
             return kernels.decode(q, rows, g.slots, g.kv_lens, kv_shape[0], scale, g.window)
         assert g.starts is not None and prefill is not None
         q_starts, kv_starts = g.starts
-        return prefill(
-            q, rows, g.slots, q_starts, kv_starts, kv_shape[0], scale, g.window, q_max=q_max
-        )
+        return prefill(q, rows, g.slots, q_starts, kv_starts, kv_shape[0], scale, g.window)
     if g.chunks is not None:
         keys = decode(select_rows(pool, g.slots)).view(-1, 2, *kv_shape)  # (sum L, 2, ...)
         outs = []
@@ -497,9 +495,11 @@ def sdpa(
     spec: AttentionSpec,
 ) -> torch.Tensor:
     """SDPA over q (B, nh, Q, hd) and k, v (B, kvh, L, hd) with `spec`'s scale; with a
-    soft-cap (which SDPA cannot apply), the same product in plain ops, as transformers'
-    eager attention computes it: scores scaled, capped, masked, softmax in float32."""
-    if not spec.softcap:
+    soft-cap or sinks (which SDPA cannot apply), the same product in plain ops, as
+    transformers' eager attention computes it: scores scaled, capped, masked, softmax in
+    float32; with sinks, gpt-oss's: each head's sink logit one more column, every row less
+    its maximum, the softmax in the scores' dtype, the sink's column dropped."""
+    if not spec.softcap and spec.sinks is None:
         gqa = q.shape[1] != k.shape[1]
         return scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=is_causal, scale=spec.scale, enable_gqa=gqa
@@ -509,10 +509,18 @@ def sdpa(
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     scale = q.shape[-1] ** -0.5 if spec.scale is None else spec.scale
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # (B, nh, Q, L)
-    scores = torch.tanh(scores / spec.softcap) * spec.softcap
+    if spec.softcap:
+        scores = torch.tanh(scores / spec.softcap) * spec.softcap
     if is_causal:  # query i sees keys 0..i (SDPA's top-left causal mask)
         mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    return torch.matmul(probs, v)
+    if spec.sinks is None:
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.matmul(probs, v)
+    b, nh, q_len, _ = scores.shape
+    sinks = spec.sinks.to(scores.device, scores.dtype).view(1, nh, 1, 1).expand(b, nh, q_len, 1)
+    logits = torch.cat([scores, sinks], dim=-1)
+    logits = logits - logits.max(dim=-1, keepdim=True).values
+    probs = torch.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1]
+    return torch.matmul(probs.to(v.dtype), v)

@@ -9,10 +9,20 @@ MLP, residuals), with attention run eagerly between them on the same static buff
 (vLLM v1's piecewise graphs). The embedding is one more graph; the head runs eagerly on
 the rows that need logits.
 
-Used only where it is sound: CUDA, every layer's weights resident and uncompressed (the
-graphs read the weight tensors by address), one GPU batch, activations on the device, and
-decode-only steps at a size seen before or captured now. `EngineArgs.cuda_graphs=False`
-(`--no-cuda-graphs`) turns it off; tokens are identical either way (the GPU suite checks).
+Offloaded layers too: a dense model's offloaded decoder layers load into two fixed slots
+(engine/storage/weight_slots.py), so layer j's weights sit at the same addresses every step
+and its graphs read them there; the copy into a slot is fenced by events as any load. An
+embedding that is not resident runs eagerly (its weights arrive at a new address) into the
+same static buffers.
+
+Used only where it is sound: CUDA, every decoder layer resident or slotted, uncompressed
+(the graphs read the weight tensors by address), activations on the device, and
+decode-only steps at a size seen before or captured now; each GPU batch of the block has
+its own static buffers and graphs, and so does each nano-batch of a batch cut into them
+(its dense ops replayed, its attention eager beside them: engine/executor/nano_overlap.py).
+`EngineArgs.cuda_graphs=False` (`--no-cuda-graphs`) turns it off; tokens are identical
+either way (the GPU suite checks; on the CPU, tests/engine/executor/test_graph_capture.py
+replays the same bodies checking every address they read).
 """
 
 from __future__ import annotations
@@ -22,7 +32,7 @@ from typing import Any
 
 import torch
 
-from engine.executor.gpu_batch import GpuBatch
+from engine.executor.gpu_batch import GpuBatch, NanoBatch
 from engine.models.base import Model, Positions, Weights
 
 
@@ -40,45 +50,93 @@ class StepGraphs:
     tables: Positions | None = None
     """The positions' rotary tables the graphs read: held here, since a graph keeps no tensor
     alive, and freed tables would be handed to other tensors while replays still use them."""
-    embed: Any = None  # the embedding and the positions' tables
+    embed: Any = None  # the embedding and the positions' tables (None: run eagerly)
+    embed_step: Any = None  # its body, taking the embedding's weights
     before: list[Any] = field(default_factory=list)  # per decoder layer
     after: list[Any] = field(default_factory=list)  # per decoder layer
 
 
+@dataclass
+class StepReplay:
+    """The graphs one step replays: per GPU batch run whole, its `StepGraphs`; per GPU batch
+    cut into nano-batches, one `StepGraphs` per nano-batch (its decoder layers' dense ops;
+    the embedding runs eagerly over the whole batch)."""
+
+    whole: dict[int, StepGraphs] = field(default_factory=dict)
+    nanos: dict[int, list[StepGraphs]] = field(default_factory=dict)
+
+
 class GraphRunner:
     def __init__(
-        self, model: Model, weights: list[Weights], device: torch.device, dtype: torch.dtype
+        self,
+        model: Model,
+        weights: list[Weights | None],
+        device: torch.device,
+        dtype: torch.dtype,
     ) -> None:
+        """`weights`: per layer, the tensors its graphs read by address (resident, or the
+        slot an offloaded layer loads into); None for an embedding that runs eagerly."""
         self.model, self.weights, self.device, self.dtype = model, weights, device, dtype
-        self._graphs: dict[int, StepGraphs] = {}
+        self._graphs: dict[tuple[int, ...], StepGraphs] = {}
+        """By (GPU batch, rows), or (GPU batch, nano-batch, rows)."""
         self._pool: Any = None
         self.num_replays = 0
         """Steps run through graphs (the GPU suite checks the path was taken)."""
 
     @staticmethod
     def applies(batches: list[GpuBatch]) -> bool:
-        """One GPU batch, every sequence decoding one token, activations on the device."""
-        if len(batches) != 1:
-            return False
-        batch = batches[0]
-        decoding = batch.device_group is None or batch.device_group.layout.q_max == 1
-        on_cpu = batch.cpu_group is None or batch.cpu_group.layout.q_max == 1
-        return decoding and on_cpu and not batch.act_rows
+        """Every sequence of every GPU batch decoding one token, activations on the device."""
+        for batch in batches:
+            decoding = batch.device_group is None or batch.device_group.layout.q_max == 1
+            on_cpu = batch.cpu_group is None or batch.cpu_group.layout.q_max == 1
+            if not (decoding and on_cpu and not batch.act_rows):
+                return False
+        return True
 
-    def begin(self, batch: GpuBatch) -> StepGraphs:
-        """The graphs for this batch's row count (captured on first use), inputs copied in."""
-        rows = batch.num_tokens
-        graphs = self._graphs.get(rows)
-        if graphs is None:
-            graphs = self._graphs[rows] = self._capture(rows)
-        graphs.token_ids.copy_(batch.token_ids)
-        graphs.positions.copy_(batch.positions.ids)
+    def begin(self, batches: list[GpuBatch]) -> StepReplay:
+        """Each GPU batch's graphs (or each of its nano-batches') for its row count,
+        captured on first use, all before the step's first load; inputs copied in."""
+        out = StepReplay()
+        for batch in batches:
+            if batch.nano_batches:
+                out.nanos[batch.index] = [self._nano(batch, nano) for nano in batch.nano_batches]
+                continue
+            graphs = self._get((batch.index, batch.num_tokens), batch.num_tokens, embed=True)
+            graphs.token_ids.copy_(batch.token_ids)
+            graphs.positions.copy_(batch.positions.ids)
+            out.whole[batch.index] = graphs
         self.num_replays += 1
+        return out
+
+    def _nano(self, batch: GpuBatch, nano: NanoBatch) -> StepGraphs:
+        """A nano-batch's graphs, its positions and their tables (computed for the whole
+        batch by its builder) copied in."""
+        graphs = self._get((batch.index, nano.index, nano.num_rows), nano.num_rows, embed=False)
+        graphs.positions.copy_(batch.positions.ids[nano.rows])
+        assert graphs.tables is not None
+        for static, table in zip(graphs.tables.tables, batch.positions.tables, strict=True):
+            static.copy_(table[nano.rows])
         return graphs
+
+    def _get(self, key: tuple[int, ...], rows: int, embed: bool) -> StepGraphs:
+        graphs = self._graphs.get(key)
+        if graphs is None:
+            graphs = self._graphs[key] = self._capture(rows, embed)
+        return graphs
+
+    @staticmethod
+    def embed(graphs: StepGraphs, w: Weights) -> torch.Tensor:
+        """The embedding into the static buffers: replayed, or run eagerly over `w` (the
+        weights just loaded) where they are not resident."""
+        if graphs.embed is not None:
+            graphs.embed.replay()
+        else:
+            graphs.embed_step(w)
+        return graphs.h
 
     # -- capture ---------------------------------------------------------------------------
 
-    def _capture(self, rows: int) -> StepGraphs:
+    def _capture(self, rows: int, embed_graph: bool = True) -> StepGraphs:
         c = self.model.config
         device, dtype = self.device, self.dtype
         g = StepGraphs(
@@ -94,16 +152,19 @@ class GraphRunner:
         made = self.model.positions(g.positions, dtype)
         tables = g.tables = Positions(g.positions, tuple(torch.zeros_like(t) for t in made.tables))
 
-        def embed_step() -> None:
-            g.h.copy_(self.model.embed(embed, g.token_ids, g.positions))
+        def embed_step(w: Weights) -> None:
+            g.h.copy_(self.model.embed(w, g.token_ids, g.positions))
             for static, fresh in zip(
                 tables.tables, self.model.positions(g.positions, dtype).tables, strict=True
             ):
                 static.copy_(fresh)
 
-        g.embed = self._graph(embed_step)
+        g.embed_step = embed_step
+        if embed is not None and embed_graph:
+            g.embed = self._graph(lambda: embed_step(embed))
         for j in range(1, self.model.num_layers - 1):
             w = self.weights[j]
+            assert w is not None, f"decoder layer {j} has no fixed address"
 
             def before(w: Weights = w, j: int = j) -> None:
                 q, k, v = self.model.attention_inputs(j, w, g.h, tables)

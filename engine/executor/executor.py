@@ -45,14 +45,7 @@ from engine.executor.pipeline import BlockPipeline
 from engine.executor.sampler import top_logprobs
 from engine.executor.step_sampler import StepSampler
 from engine.executor.trace import NoTracer, Tracer
-from engine.kernels import (
-    PagedKernels,
-    cuda_dense_ops,
-    cuda_paged_kernels,
-    dense_ops,
-    paged_kernels,
-    token_mask,
-)
+from engine.kernels import attention_kernels, fused_dense_ops, token_mask
 from engine.loading.checkpoint import open_reader
 from engine.loading.generated import local_model_dir
 from engine.models import build_model
@@ -83,6 +76,9 @@ class Executor:
         `close()` (engine/executor/trace.py); None: no tracing.
     cuda_graphs: replay decode steps' dense ops as CUDA graphs where that is sound
         (engine/executor/cuda_graphs.py); False runs every op eagerly.
+    weight_slots: offloaded decoder layers load into two fixed device buffers in turn
+        (engine/storage/weight_slots.py; what lets graphs run over offloaded layers); False
+        loads each into fresh memory every step.
     persist_kv_cache: keep the disk tier's cached KV pages in `offload_dir` with a verified
         index, for the next run to find (engine/storage/disk_cache.py). Cached disk pages are
         verified whenever a step uses one, persistent or not.
@@ -130,6 +126,7 @@ class Executor:
         show_progress: bool = False,
         trace: str | Path | None = None,
         cuda_graphs: bool = True,
+        weight_slots: bool = True,
         persist_kv_cache: bool = False,
         nano_batch_overlap: bool = True,
         paged_attention: bool = True,
@@ -149,10 +146,8 @@ class Executor:
         self.config = ModelConfig.from_hf(hf_config)
         self.model = build_model(self.config)
         native = native_kernels and not self.device.is_cuda
-        if native:
-            self.model.dense_ops = dense_ops()
-        elif native_kernels:  # CUDA: the same ops fused in Triton
-            self.model.dense_ops = cuda_dense_ops()
+        if native_kernels:
+            self.model.dense_ops = fused_dense_ops(self.device.is_cuda)
         self.dtype = dtype or self.device.default_dtype(checkpoint_dtype(self.model_dir))
         self._apply_thread_counts()
         keep_freed_memory()
@@ -178,7 +173,10 @@ class Executor:
                 f"{t} {format_bytes(self.budgets[t])}" + ("" if given[t] else " (derived)")
                 for t in TIERS
             ]
-            print(f"nanoflex: memory budgets: {', '.join(parts)}", file=sys.stderr)
+            where = ""
+            if not self.device.is_cuda:
+                where = " (no GPU: the compute device is the CPU, the gpu tier is host memory)"
+            print(f"nanoflex: memory budgets: {', '.join(parts)}{where}", file=sys.stderr)
         cap_gpu_memory(self.device, self.budgets["gpu"])
         if self._own_offload_dir:  # removed at close, or at exit if close never comes
             self._remove_scratch = weakref.finalize(
@@ -208,6 +206,8 @@ class Executor:
                 f"the weights placed on disk cannot be written ({e}); free space under "
                 f"{self.offload_dir}, or lower weights_frac[2]"
             ) from e
+        if weight_slots:
+            self.weights.make_slots()
         codec = KVRowCodec(2 * self.config.kv_dim, compress=policy.compress_kv, dtype=self.dtype)
         self.kv = KVStore(
             self.config.num_layers, PAGE_TOKENS, codec, self.device, self.disk, persist_kv_cache
@@ -239,7 +239,7 @@ class Executor:
             )
             if policy.num_nano_batches > 1
             else None,
-            kernels=self._attention_kernels(native_kernels),
+            kernels=attention_kernels(self.device.is_cuda) if native_kernels else None,
             cpu_expert_rows=self._cpu_expert_rows(cpu_expert_rows),
             group_experts=group_experts,
         )
@@ -309,37 +309,29 @@ class Executor:
         return ExpertPicks(picks_path(self.model_dir), layers, c.num_experts)
 
     def _graph_runner(self) -> GraphRunner | None:
-        """CUDA graphs where they are sound: on CUDA, with every layer's weights resident and
-        uncompressed, one GPU batch, activations on the device, no nano-batches (their
-        streams and per-nano-batch pieces are not captured), a model whose dense ops have the
-        same shapes every step (`Model.can_capture`)."""
+        """CUDA graphs where they are sound: on CUDA, every decoder layer's weights at fixed
+        addresses (resident, or loaded into slots) and uncompressed, activations on the
+        device, a model whose dense ops have the same shapes every step
+        (`Model.can_capture`); nano-batches replay per-nano-batch graphs."""
         p = self.policy
-        on_device = not self.weights.uses_tier("cpu") and not self.weights.uses_tier("disk")
-        resident = on_device and not p.compress_weights
-        one_batch = p.num_gpu_batches == 1 and p.num_nano_batches == 1
-        if not (self.device.is_cuda and resident and one_batch and self.model.can_capture):
+        if not (self.device.is_cuda and self.model.can_capture) or p.compress_weights:
             return None
         if p.act_frac[0] < 1.0:
             return None
-        weights = [layer.values for layer in self.weights.layers]
-        return GraphRunner(self.model, weights, self.device.device, self.dtype)  # type: ignore[arg-type]
-
-    def _attention_kernels(self, native_kernels: bool) -> PagedKernels | None:
-        """Attention in place from the KV pool: the native kernels on a CPU, Triton's on
-        CUDA; None (gather and SDPA) with `native_kernels` off or where they are missing."""
-        if not native_kernels:
+        weights = self.weights.fixed_weights()
+        if weights is None:
             return None
-        return cuda_paged_kernels() if self.device.is_cuda else paged_kernels()
+        return GraphRunner(self.model, weights, self.device.device, self.dtype)
 
     # -- what the scheduler needs ------------------------------------------------------
 
     def kv_capacity_pages(self) -> dict[str, int | None]:
-        """KV pages each tier may hold: its budget less its weights and, on a GPU, the
-        stores a step keeps in flight (budgets.py)."""
-        in_flight = 0
+        """KV pages each tier may hold: its budget less its weights, the slots offloaded
+        layers load into and, on a GPU, the stores a step keeps in flight (budgets.py)."""
+        in_flight = 0 if self.weights.slots is None else self.weights.slots.total_bytes
         if self.device.is_cuda:
-            item = torch.empty((), dtype=self.dtype).element_size()
-            in_flight = stores_in_flight(
+            item = self.dtype.itemsize
+            in_flight += stores_in_flight(
                 self.policy,
                 self.step_tokens,
                 self.config.num_layers,
@@ -609,6 +601,7 @@ def build_executor(
         show_progress=args.show_progress,
         trace=args.trace,
         cuda_graphs=args.cuda_graphs,
+        weight_slots=args.weight_slots,
         persist_kv_cache=args.persist_kv_cache,
         nano_batch_overlap=args.nano_batch_overlap,
         paged_attention=args.paged_attention,

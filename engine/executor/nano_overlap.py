@@ -28,10 +28,11 @@ from contextlib import contextmanager
 import torch
 
 from engine.executor.attention import cpu_attention, join_kv, ragged_attention, split_kv
+from engine.executor.cuda_graphs import StepGraphs
 from engine.executor.gpu_batch import GpuBatch, NanoAttention, NanoBatch
 from engine.executor.tasks import start
 from engine.executor.trace import NoTracer, Tracer
-from engine.models.base import Model, Weights
+from engine.models.base import AttentionSpec, Model, Weights
 from engine.storage.device import Device
 
 Event = torch.cuda.Event
@@ -92,27 +93,43 @@ class NanoOverlap:
         h: torch.Tensor,
         past: tuple[torch.Tensor | None, torch.Tensor | None],
         batch: GpuBatch,
+        graphs: list[StepGraphs] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Decoder layer j over `batch`'s nano-batches, given the batch's packed past KV of its
         (device, CPU) attention groups: (output states (T, hidden), the new (T, 2 * kv_dim) KV
-        rows), the same rows in the same order as the whole-batch path."""
+        rows), the same rows in the same order as the whole-batch path. `graphs`: per
+        nano-batch, CUDA graphs of its dense ops (engine/executor/cuda_graphs.py), replayed
+        on its static buffers with the attention run eagerly in between."""
         span, k = self.tracer.span, batch.index
         self.num_layers_run += 1
         new_kv: list[torch.Tensor] = []
         launched: list[tuple[torch.Tensor, list[tuple[NanoAttention, Future[Attended]]]]] = []
+        spec = self.model.attention_spec(j, w)
         for nano in batch.nano_batches:
             with span("attention_inputs", "compute", j, k, nano.index):
-                q, key, value = self.model.attention_inputs(
-                    j, w, h[nano.rows], batch.positions[nano.rows]
-                )
+                if graphs is not None:
+                    g = graphs[nano.index]
+                    g.h.copy_(h[nano.rows])
+                    g.before[j - 1].replay()
+                    q, key, value = g.q, g.k, g.v
+                else:
+                    q, key, value = self.model.attention_inputs(
+                        j, w, h[nano.rows], batch.positions[nano.rows]
+                    )
                 new_kv.append(join_kv(key, value))
             ready = self.device.record() if self.overlap else None
-            launched.append((q, self._launch(j, k, nano, past, (q, key, value), ready)))
+            launched.append((q, self._launch(j, k, nano, past, (q, key, value), ready, spec)))
         outs = []
         for nano, (q, parts) in zip(batch.nano_batches, launched, strict=True):
             o = self._collect(q, parts)
             with span("attention_output", "compute", j, k, nano.index):
-                outs.append(self.model.attention_output(w, h[nano.rows], o))
+                if graphs is not None:
+                    g = graphs[nano.index]
+                    g.o.copy_(o)
+                    g.after[j - 1].replay()
+                    outs.append(g.h)
+                else:
+                    outs.append(self.model.attention_output(w, h[nano.rows], o))
         return torch.cat(outs), torch.cat(new_kv)
 
     # -- attention -----------------------------------------------------------------------
@@ -125,17 +142,18 @@ class NanoOverlap:
         past: tuple[torch.Tensor | None, torch.Tensor | None],
         qkv: QKV,
         ready: Event | None,
+        spec: AttentionSpec,
     ) -> list[tuple[NanoAttention, Future[Attended]]]:
         """Start nano-batch `nano`'s attention: its device part and its CPU part."""
         parts = []
         if nano.device is not None:
-            args = (j, k, nano.index, nano.device, past[0], qkv, ready)
+            args = (j, k, nano.index, nano.device, past[0], qkv, ready, spec)
             parts.append(
                 (nano.device, start(self._attention_thread, self._device_attention, *args))
             )
         if nano.cpu is not None:
             host, copied = self._to_host(j, k, nano.index, nano.cpu, qkv, ready)
-            args2 = (j, k, nano.index, nano.cpu, past[1], host, copied, qkv[0].dtype)
+            args2 = (j, k, nano.index, nano.cpu, past[1], host, copied, qkv[0].dtype, spec)
             parts.append((nano.cpu, start(self._cpu_thread, self._cpu_attention, *args2)))
         return parts
 
@@ -148,6 +166,7 @@ class NanoOverlap:
         past: torch.Tensor | None,
         qkv: QKV,
         ready: Event | None,
+        spec: AttentionSpec,
     ) -> Attended:
         """Attention of the part's sequences on the compute device (on CUDA, on the attention
         stream once `ready`, the end of the nano-batch's QKV projection, has passed)."""
@@ -156,7 +175,6 @@ class NanoOverlap:
             with self.tracer.span("attention", "compute", j, k, index):
                 past_rows = None if past is None else past[part.past]
                 past_k, past_v = split_kv(past_rows, self._kv_shape)
-                spec = self.model.attention_spec(j)
                 layout = part.layouts[spec.window]
                 out = ragged_attention(q, key, value, past_k, past_v, layout, spec)
             return out, self.device.record() if self._attention_stream is not None else None
@@ -189,6 +207,7 @@ class NanoOverlap:
         qkv: QKV,
         copied: Event | None,
         dtype: torch.dtype,
+        spec: AttentionSpec,
     ) -> Attended:
         """CPU attention of the part's decodes, once their q, k, v are on the host; the output
         goes back on this thread's copy stream."""
@@ -196,7 +215,6 @@ class NanoOverlap:
             copied.synchronize()
         with self.tracer.span("cpu_attention", "cpu_attention", j, k, index):
             past_rows = None if past is None else past[part.past]
-            spec = self.model.attention_spec(j)
             layout = part.layouts[spec.window]
             out = cpu_attention(*qkv, past_rows, layout, self._kv_shape, spec)
         if not self.device.is_cuda:

@@ -31,14 +31,14 @@ from engine.executor.attention import (
     ragged_attention,
     split_kv,
 )
-from engine.executor.cuda_graphs import GraphRunner, StepGraphs
+from engine.executor.cuda_graphs import GraphRunner, StepReplay
 from engine.executor.gpu_batch import AttentionGroup, GpuBatch
 from engine.executor.moe_block import BlockExperts, loads_all_experts
 from engine.executor.nano_overlap import NanoOverlap
 from engine.executor.tasks import Launch, inline, start, wait_all
 from engine.executor.trace import NoTracer, Tracer
 from engine.kernels import PagedKernels
-from engine.models.base import Model, Weights
+from engine.models.base import AttentionSpec, Model, Weights
 from engine.models.moe import MoeModel
 from engine.storage.device import Device, Ready
 from engine.storage.disk import DiskFile, DiskIO
@@ -94,7 +94,7 @@ class BlockPipeline:
         self.tracer = tracer or NoTracer()
         self.graphs = graphs
         """Piecewise CUDA graphs of the dense ops, used for the steps where they apply."""
-        self._replaying: StepGraphs | None = None
+        self._replaying = StepReplay()
         self._moves: list[PageMove] = []
         self._moved: dict[int, Future[None]] = {}  # layer -> its page moves, when overlapped
         self.nano = nano
@@ -141,9 +141,9 @@ class BlockPipeline:
         self._routed_loads = self._grouped and not loads_all_experts(self.model.config, num_rows)
         """This step loads a MoE layer's experts off the device once routed, only those with
         rows (else all of them with the layer: engine/executor/moe_block.py)."""
-        self._replaying = None
+        self._replaying = StepReplay()
         if self.graphs is not None and GraphRunner.applies(batches):
-            self._replaying = self.graphs.begin(batches[0])
+            self._replaying = self.graphs.begin(batches)
         if self.overlap and not self._moves_nothing(batches):
             return self._run_overlapped(batches)
         return self._run_sequential(batches)
@@ -175,6 +175,7 @@ class BlockPipeline:
                 self._store_act(j, batch, out, done, None)
                 if new_kv is not None:
                     self._store_kv(j, batch, new_kv, done)
+            self.weights.release(j)
         return logits
 
     def _run_overlapped(self, batches: list[GpuBatch]) -> list[torch.Tensor]:
@@ -241,12 +242,13 @@ class BlockPipeline:
                 )
                 if new_kv is not None:
                     moves = self._kv_store_moves(batch)
-                    staged = self._stage_kv(j, batch, new_kv, done)
-                    kv_stores.append(store(moves, self._finish_kv, j, batch, staged))
+                    kv_stores.append(self._store_kv_task(store, moves, j, batch, new_kv, done))
                 if nxt[0] < num_layers and nxt[1] == k:
                     acts[nxt] = load(
                         self._acts_move(nxt[0], batch), self._load_act, nxt[0], batch, act_stored[k]
                     )
+            # before layer j + 2's load is issued (next iteration): its slot is this layer's
+            self.weights.release(j)
         for fut in (*kv_stores, *act_stored.values()):
             fut.result()
         return logits
@@ -282,8 +284,7 @@ class BlockPipeline:
             h = wait(acts.pop((j, k)).result())
             mids.append(self._before_experts(j, w, h, past, batch))
             moves, done = self._kv_store_moves(batch), self.device.record()
-            staged = self._stage_kv(j, batch, mids[-1][2], done)
-            kv_stores.append(store(moves, self._finish_kv, j, batch, staged))
+            kv_stores.append(self._store_kv_task(store, moves, j, batch, mids[-1][2], done))
         outs = self._experts(j, w, mids, load)
         for k, (batch, out) in enumerate(zip(batches, outs, strict=True)):
             done = self.device.record()
@@ -313,7 +314,8 @@ class BlockPipeline:
         with self.tracer.span("compute", "compute", j, batch.index):
             q, k, v = self._moe.attention_inputs(j, w, h, batch.positions)
             new_kv = join_kv(k, v)
-            o = self._attend(j, batch, past, q, k, v, new_kv)
+            spec = self._moe.attention_spec(j, w)
+            o = self._attend(j, batch, past, q, k, v, new_kv, spec)
             h, x = self._moe.before_mlp(w, h, o)
             return h, x, new_kv
 
@@ -384,7 +386,9 @@ class BlockPipeline:
         with self._copy_task("move_pages", "load", j):
             for move in self._moves:
                 self.kv.copy_page(j - 1, move.src, move.dst)
-            self.device.synchronize()
+            # Landed before this layer's KV is read or stored: wait for this copy stream
+            # only, not the whole device (that would wait for the compute queued so far).
+            self.device.host_wait(Ready(None, self.device.record()))
 
     def _after_moves(self, j: int) -> None:
         moved = self._moved.get(j)
@@ -448,24 +452,24 @@ class BlockPipeline:
         with self.device.on_copy_stream():
             if dev is not None and dev.layout.num_past and not self._in_place(batch):
                 with self.tracer.span("load_cache", "load", j, batch.index):
-                    device_past = self._gather(layer, dev, self.device.to_device)
+                    device_past = self._gather(layer, dev, to_device=True)
             if cpu is not None and cpu.layout.num_past:
                 with self.tracer.span("load_cache", "load", j, batch.index, host=True):
-                    cpu_past = self._gather(layer, cpu, _to_host).float()
+                    cpu_past = self._gather(layer, cpu, to_device=False).float()
             return Ready(PastKV(device_past, cpu_past), self.device.record())
 
-    def _gather(
-        self, layer: int, group: AttentionGroup, move: Callable[[torch.Tensor], torch.Tensor]
-    ) -> torch.Tensor:
-        """The group's past rows from every tier that homes them, moved by `move`, decoded,
-        packed in sequence order: (P, 2 * kv_dim)."""
+    def _gather(self, layer: int, group: AttentionGroup, to_device: bool) -> torch.Tensor:
+        """The group's past rows from every tier that homes them, decoded, packed in
+        sequence order: (P, 2 * kv_dim), on the compute device (`to_device`: host rows go
+        through staging buffers, pinned on a GPU) or in host memory (for CPU attention)."""
         packed: torch.Tensor | None = None
-        to_device = move is self.device.to_device
         for tier, kv_rows in group.past.items():
-            host = self.kv.read(tier, layer, kv_rows, staged=to_device)
-            rows = self.kv.codec.decode(move(host))
+            read = self.kv.read(tier, layer, kv_rows, staged=to_device)
+            rows = self.kv.codec.decode(
+                self.device.to_device(read) if to_device else _to_host(read)
+            )
             if to_device and tier != "gpu" and self.device.is_cuda:  # a staging buffer
-                self.device.release(host)  # reused once the copy just enqueued has read it
+                self.device.release(read)  # reused once the copy just enqueued has read it
             if len(group.past) == 1:
                 return rows  # one tier: its rows are already in packed order
             if packed is None:
@@ -487,13 +491,13 @@ class BlockPipeline:
         """Layer j over one batch: (output states or logits, the new (T, 2 * kv_dim) KV rows)."""
         if batch.nano_batches and self.model.layer_kind(j) == "decoder":
             assert self.nano is not None and h is not None
-            return self.nano.run_layer(j, w, h, (past.device, past.cpu), batch)
+            pieces = self._replaying.nanos.get(batch.index)
+            return self.nano.run_layer(j, w, h, (past.device, past.cpu), batch, pieces)
         with self.tracer.span("compute", "compute", j, batch.index):
-            kind, graphs = self.model.layer_kind(j), self._replaying
+            kind, graphs = self.model.layer_kind(j), self._replaying.whole.get(batch.index)
             if kind == "embed":
                 if graphs is not None:
-                    graphs.embed.replay()
-                    return graphs.h, None
+                    return GraphRunner.embed(graphs, w), None
                 return self.model.embed(w, batch.token_ids, batch.positions.ids), None
             assert h is not None
             if kind == "head":
@@ -504,7 +508,7 @@ class BlockPipeline:
             else:
                 q, k, v = self.model.attention_inputs(j, w, h, batch.positions)
             new_kv = join_kv(k, v)  # (T, 2 * kv_dim)
-            o = self._attend(j, batch, past, q, k, v, new_kv)
+            o = self._attend(j, batch, past, q, k, v, new_kv, self.model.attention_spec(j, w))
             if graphs is not None:
                 graphs.o.copy_(o)
                 graphs.after[j - 1].replay()
@@ -520,9 +524,11 @@ class BlockPipeline:
         k: torch.Tensor,
         v: torch.Tensor,
         new_kv: torch.Tensor,
+        spec: AttentionSpec,
     ) -> torch.Tensor:
-        """Layer j's attention output (T, num_heads, head_dim) for every row of the batch.
-        Reading in place, the gpu tier's new KV rows (of `new_kv`) are written first."""
+        """Layer j's attention output (T, num_heads, head_dim) for every row of the batch, as
+        its `spec` scores it. Reading in place, the gpu tier's new KV rows (of `new_kv`) are
+        written first."""
         dev, cpu = batch.device_group, batch.cpu_group
         in_place = self._in_place(batch)
         if in_place:
@@ -530,17 +536,17 @@ class BlockPipeline:
             kv_rows = batch.new_kv["gpu"]
             self.kv.write("gpu", j - 1, kv_rows, self._encoded_rows(new_kv, kv_rows))
         if cpu is None and dev is not None and dev.rows is None:  # every row, one device
-            return self._device_attention(j, dev, in_place, past, q, k, v)
+            return self._device_attention(j, dev, in_place, past, q, k, v, spec)
         o = torch.zeros_like(q)  # padding rows attend to nothing
         if dev is not None:
             assert dev.rows is not None
             o[dev.rows] = self._device_attention(
-                j, dev, in_place, past, q[dev.rows], k[dev.rows], v[dev.rows]
+                j, dev, in_place, past, q[dev.rows], k[dev.rows], v[dev.rows], spec
             )
         if cpu is not None:
             rows = cpu.rows if cpu.rows is not None else slice(None)
             with self.tracer.span("cpu_attention", "cpu_attention", j, batch.index):
-                o[rows] = self._cpu_attention(j, cpu, past.cpu, q[rows], k[rows], v[rows])
+                o[rows] = self._cpu_attention(j, cpu, past.cpu, q[rows], k[rows], v[rows], spec)
         return o
 
     def _in_place(self, batch: GpuBatch) -> bool:
@@ -558,9 +564,9 @@ class BlockPipeline:
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
+        spec: AttentionSpec,
     ) -> torch.Tensor:
         """Attention of the device group's rows: in place from the pool, or over packed past."""
-        spec = self.model.attention_spec(j)
         layout = group.layouts[spec.window]
         if in_place:
             pool = self.kv.pool("gpu", j - 1)
@@ -576,10 +582,10 @@ class BlockPipeline:
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
+        spec: AttentionSpec,
     ) -> torch.Tensor:
         """Decode attention on the CPU over host-homed KV (cpu or disk tier): only q and the
         new k, v cross PCIe."""
-        spec = self.model.attention_spec(j)
         out = cpu_attention(q, k, v, past, group.layouts[spec.window], self._kv_shape, spec)
         return out.to(q.device, q.dtype, non_blocking=True)
 
@@ -633,21 +639,48 @@ class BlockPipeline:
             new_kv = new_kv.index_select(0, kv_rows.rows)
         return self.kv.codec.encode(new_kv)
 
+    def _store_kv_task(
+        self,
+        store: Launch,
+        moves: bool,
+        j: int,
+        batch: GpuBatch,
+        new_kv: torch.Tensor,
+        done: torch.cuda.Event | None,
+    ) -> Future[None]:
+        """Layer j's KV store, handed to a store thread: on CUDA its copy to the host is
+        enqueued here first (`_stage_kv`), so the thread only waits for it and writes the
+        rows; on a CPU compute device the whole store (encoding and writing the rows is the
+        work to keep off the layer loop there)."""
+        if self.device.is_cuda:
+            staged = self._stage_kv(j, batch, new_kv, done)
+            return store(moves, self._finish_kv, j, batch, staged)
+        return store(moves, self._store_kv, j, batch, new_kv, done)
+
     def _store_kv(
         self, j: int, batch: GpuBatch, new_kv: torch.Tensor, done: torch.cuda.Event | None
     ) -> None:
-        """Write layer j's new KV rows to each sequence's home tier, in line."""
-        self._finish_kv(j, batch, self._stage_kv(j, batch, new_kv, done))
+        """Write layer j's new KV rows to each sequence's home tier, in this thread."""
+        if self.device.is_cuda:
+            self._finish_kv(j, batch, self._stage_kv(j, batch, new_kv, done))
+            return
+        with self.tracer.span("store_cache", "store", j, batch.index):
+            staged = self._stage_kv(j, batch, new_kv, done)
+            if staged:
+                self._after_moves(j)
+            for tier, kv_rows, ready in staged:
+                self.kv.write(tier, j - 1, kv_rows, ready.value)
 
     def _stage_kv(
         self, j: int, batch: GpuBatch, new_kv: torch.Tensor, done: torch.cuda.Event | None
     ) -> list[tuple[str, KVRows, Ready[torch.Tensor]]]:
-        """The first half of storing layer j's new KV, in the layer loop, blocking nothing:
-        the rows for each home tier encoded on the compute stream; the gpu tier's written to
-        its pool there (unless attention wrote them first); a host tier's copied into a
-        staging buffer on the store stream once `done`. The device rows are then free to go:
-        held on the device only until their copy has run, not until a store thread gets to
-        them (a queue of them, a whole step's layers, ran the first H200 run out of memory)."""
+        """The first half of storing layer j's new KV, blocking nothing: the rows for each
+        home tier encoded (on the compute stream); the gpu tier's written to its pool there
+        (unless attention wrote them first); on CUDA a host tier's copied into a staging
+        buffer on the store stream once `done`, so the device rows are held only until
+        their copy has run, not until a store thread gets to them (a queue of them, a whole
+        step's layers, ran the first H200 run out of memory); on a CPU the host tier's
+        rows as they are."""
         staged: list[tuple[str, KVRows, Ready[torch.Tensor]]] = []
         written = self._in_place(batch)  # the gpu tier's rows went in before attention
         for tier, kv_rows in batch.new_kv.items():
@@ -670,16 +703,14 @@ class BlockPipeline:
     def _finish_kv(
         self, j: int, batch: GpuBatch, staged: list[tuple[str, KVRows, Ready[torch.Tensor]]]
     ) -> None:
-        """The second half, on a store thread: once each copy has landed, the rows written
-        into the cpu tier's pool or the disk tier's file, the staging buffer given back. (On
-        a CPU compute device this is the whole store.)"""
+        """The second half on CUDA, on a store thread: once each copy has landed, the rows
+        written into the cpu tier's pool or the disk tier's file, the staging buffer given
+        back."""
         if not staged:
             return
         self._after_moves(j)
-        name = "write_cache" if self.device.is_cuda else "store_cache"
-        with self.tracer.span(name, "store", j, batch.index, host=True):
+        with self.tracer.span("write_cache", "store", j, batch.index, host=True):
             for tier, kv_rows, ready in staged:
                 rows = self.device.host_wait(ready)
                 self.kv.write(tier, j - 1, kv_rows, rows)
-                if self.device.is_cuda:
-                    self.device.staging.give(rows)  # its copy has landed
+                self.device.staging.give(rows)  # its copy has landed

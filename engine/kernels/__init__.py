@@ -103,9 +103,8 @@ kv_lens (B,) int64, num_kv_heads, scale, window) -> (B, heads, head_dim)."""
 PagedPrefill = Callable[..., torch.Tensor]
 """(q (T, heads, head_dim), pool (slots, 2 * kv_dim), slots (sum of kv_len,) int64: each
 sequence's keys back to back, q_starts and kv_starts (B + 1,) int64: where each sequence's
-rows of q and of slots begin, num_kv_heads, scale, window, q_max: the most rows of one
-sequence, known on the host) -> (T, heads, head_dim); query t of a sequence sees its keys
-[0, kv_len - q_len + t] (the last `window` of them; 0: all)."""
+rows of q and of slots begin, num_kv_heads, scale, window) -> (T, heads, head_dim); query t
+of a sequence sees its keys [0, kv_len - q_len + t] (the last `window` of them; 0: all)."""
 
 _lock = threading.Lock()
 
@@ -187,13 +186,7 @@ def paged_kernels() -> PagedKernels | None:
         built = _build()
     if not built:
         return None
-    return PagedKernels(torch.ops.nanoflex.paged_decode, _native_prefill)
-
-
-def _native_prefill(*args: object, q_max: int) -> torch.Tensor:
-    """The native prefill kernel, which sizes its work itself (no `q_max`)."""
-    out: torch.Tensor = torch.ops.nanoflex.paged_prefill(*args)
-    return out
+    return PagedKernels(torch.ops.nanoflex.paged_decode, torch.ops.nanoflex.paged_prefill)
 
 
 def cuda_paged_kernels() -> PagedKernels | None:
@@ -235,6 +228,18 @@ def dense_ops() -> DenseOps | None:
         return None
     ops = torch.ops.nanoflex
     return DenseOps(ops.rms_norm, ops.add_rms_norm, ops.rotary, ops.silu_mul)
+
+
+def attention_kernels(cuda: bool) -> PagedKernels | None:
+    """The attention kernels the engine runs on its compute device: native on a CPU (where
+    they build), Triton on CUDA (where it is installed)."""
+    return cuda_paged_kernels() if cuda else paged_kernels()
+
+
+def fused_dense_ops(cuda: bool) -> DenseOps | None:
+    """The fused ops around the GEMMs the engine runs on its compute device: native on a CPU,
+    Triton on CUDA; None where they are missing (torch's own ops run)."""
+    return cuda_dense_ops() if cuda else dense_ops()
 
 
 def cuda_dense_ops() -> DenseOps | None:

@@ -421,16 +421,20 @@ def paged_prefill(
     num_kv_heads: int,
     scale: float,
     window: int,
-    q_max: int,
+    q_max: int | None = None,
 ) -> torch.Tensor:
     """Prefill attention (`PagedPrefill`): q (T, heads, head_dim); rows as in decode; slots
     (sum of kv_len,) int64, each sequence's keys back to back; q_starts, kv_starts (B + 1,)
-    int64; q_max: the longest sequence's new rows (the grid's size, known on the host)."""
+    int64. `q_max`: the longest sequence's new rows (the grid's size); None reads it from
+    q_starts, which on a GPU waits for them (the engine does not run this kernel: SDPA's
+    flash kernel over gathered keys measured faster, `cuda_paged_kernels`)."""
     total, num_heads, head_dim = q.shape
     batch = q_starts.shape[0] - 1
     out = torch.empty_like(q)
     if batch <= 0 or total == 0:
         return out
+    if q_max is None:
+        q_max = int((q_starts[1:] - q_starts[:-1]).max())
     prefill.launch(
         (batch, -(-q_max // PREFILL_BLOCK_M), num_heads),
         q.is_cuda,

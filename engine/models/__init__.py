@@ -1,6 +1,6 @@
 """Layer-wise model implementations (OPT, the Llama family and the families built on it: Qwen 3,
-Gemma 2/3, Phi-3/4, OLMo 2, and the mixture-of-experts Mixtral, Qwen2/3-MoE and OLMoE), built
-for placement and offloading."""
+Gemma 2/3, Phi-3/4, OLMo 2/3, SmolLM3, and the mixture-of-experts Mixtral, Qwen2/3-MoE, OLMoE,
+GLM-4.5, DeepSeek-V3 and gpt-oss), built for placement and offloading."""
 
 from engine.models.base import Model
 from engine.models.config import ModelConfig
@@ -24,11 +24,11 @@ def build_model(config: ModelConfig) -> Model:
         from engine.models.phi3 import Phi3Model
 
         return Phi3Model(config)
-    if config.model_type == "olmo2":
+    if config.model_type in ("olmo2", "olmo3"):
         from engine.models.olmo2 import Olmo2Model
 
         return Olmo2Model(config)
-    if config.model_type in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe"):
+    if config.model_type in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe"):
         from engine.models import moe
 
         return {
@@ -36,7 +36,16 @@ def build_model(config: ModelConfig) -> Model:
             "qwen2_moe": moe.MoeModel,
             "qwen3_moe": moe.Qwen3MoeModel,
             "olmoe": moe.OlmoeModel,
+            "glm4_moe": moe.Glm4MoeModel,
         }[config.model_type](config)
+    if config.model_type == "gpt_oss":
+        from engine.models.gpt_oss import GptOssModel
+
+        return GptOssModel(config)
+    if config.model_type == "deepseek_v3":
+        from engine.models.deepseek import DeepseekV3Model
+
+        return DeepseekV3Model(config)
     from engine.models.llama import LlamaModel
 
     return LlamaModel(config)

@@ -50,6 +50,9 @@ class AttentionSpec:
     """Scores = q.k * scale; None: head_dim ** -0.5 (SDPA's default)."""
     softcap: float = 0.0
     """Scores become softcap * tanh(scores / softcap) before the mask (Gemma 2); 0: none."""
+    sinks: torch.Tensor | None = None
+    """(num_heads,) gpt-oss's sink logits: each head's softmax has one more column with this
+    score and no value (the probabilities of the keys sum to less than 1); None: none."""
 
 
 class Model(ABC):
@@ -70,10 +73,11 @@ class Model(ABC):
         """Embedding + decoder layers + head."""
         return self.config.num_layers + 2
 
-    def attention_spec(self, j: int) -> AttentionSpec:
-        """Decoder layer j's window, score scale and soft-capping (from the config)."""
+    def attention_spec(self, j: int, w: Weights) -> AttentionSpec:
+        """Decoder layer j's window, score scale and soft-capping (from the config), and its
+        sink logits (from its weights `w`, gpt-oss)."""
         c = self.config
-        return AttentionSpec(c.window(j - 1), c.attn_scale, c.attn_softcap)
+        return AttentionSpec(c.window(j - 1), c.attn_scale, c.attn_softcap, w.get("sinks"))
 
     def layer_kind(self, j: int) -> str:
         if j == 0:
@@ -94,8 +98,8 @@ class Model(ABC):
         """'<prefix>.<i>.<module>.<param>' matched by `pattern` (groups: i, module.param)
         -> (decoder layer i + 1, '<local>.<param>'), or None for a module we do not use."""
         match = pattern.match(name)
-        if match is None:
-            return None
+        if match is None or int(match.group(1)) >= self.config.num_layers:
+            return None  # not a decoder layer's, or a multi-token prediction layer's (DeepSeek)
         module, _, param = match.group(2).rpartition(".")
         local = local_names.get(module)
         return None if local is None else (int(match.group(1)) + 1, f"{local}.{param}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,8 @@ class ModelConfig:
     'longrope', and that type's parameters}."""
     rotary_dim: int = 0
     """Dimensions of each head that rotate (Phi's partial rotary: the first ones); 0: all."""
+    nope_layers: tuple[int, ...] = ()
+    """Decoder layers (0-based) whose q and k are not rotated (SmolLM3's NoPE layers)."""
     local_rope_theta: float = 0.0
     """Gemma 3: the rotary base of the sliding-window layers (default scaling); 0: the
     global one."""
@@ -71,7 +74,30 @@ class ModelConfig:
     gate; 0: none."""
     dense_layers: tuple[int, ...] = ()
     """Decoder layers (0-based) of an MoE model with a dense MLP of `intermediate_size`
-    instead of experts (Qwen's `mlp_only_layers` and `decoder_sparse_step`)."""
+    instead of experts (Qwen's `mlp_only_layers` and `decoder_sparse_step`, DeepSeek's and
+    GLM's `first_k_dense_replace`)."""
+    num_expert_groups: int = 1
+    """DeepSeek-V3's and GLM-4.5's grouped routing: the groups the experts are split into
+    (n_group)."""
+    num_groups_per_tok: int = 1
+    """Grouped routing: the groups a token's experts are chosen from (topk_group)."""
+    routed_scaling_factor: float = 1.0
+    """Grouped routing: the routed experts' weights are multiplied by it."""
+
+    swiglu_alpha: float = 0.0
+    """gpt-oss's experts: the clamped SwiGLU's sigmoid slope (0: not gpt-oss)."""
+    swiglu_limit: float = 0.0
+    """gpt-oss's experts: gate clamped above, up within +-limit."""
+    # Multi-head latent attention (DeepSeek-V3, engine/models/deepseek.py)
+    kv_lora_rank: int = 0
+    """Width of the compressed latent each token's keys and values come from; 0: not MLA.
+    With MLA the KV row is one head of kv_lora_rank + rotary_dim (`head_dim`)."""
+    qk_nope_head_dim: int = 0
+    """MLA: each head's query and key width outside the rotary part."""
+    v_head_dim: int = 0
+    """MLA: each head's value width."""
+    rope_interleave: bool = False
+    """MLA: the rotary pairs are interleaved (DeepSeek-V3's checkpoints)."""
 
     @property
     def is_moe(self) -> bool:
@@ -112,11 +138,25 @@ class ModelConfig:
         return cls(**model_config_fields(hf))
 
 
+SAME_ARCHITECTURE = {"kimi_k2": "deepseek_v3"}
+"""Model types whose checkpoints are another type's architecture under a name transformers
+does not know (Kimi K2: DeepSeek-V3's, its config and modeling classes named by `auto_map`
+as remote code): read with that type's own config class."""
+
+
 def read_hf_config(model_dir: Path) -> Any:
-    """The checkpoint's transformers `PretrainedConfig`."""
+    """The checkpoint's transformers `PretrainedConfig` (Kimi K2's as DeepSeek-V3's)."""
     from transformers import AutoConfig
 
     try:
+        config_path = model_dir / "config.json"
+        if config_path.is_file():
+            model_type = json.loads(config_path.read_text()).get("model_type")
+            if model_type in SAME_ARCHITECTURE:
+                same = SAME_ARCHITECTURE[model_type]
+                hf = type(AutoConfig.for_model(same)).from_pretrained(model_dir)
+                hf.model_type = same  # type: ignore[misc]  # else the file's name stays
+                return hf
         return AutoConfig.from_pretrained(model_dir)
     except (OSError, ValueError, KeyError) as e:
         raise ModelLoadError(f"cannot read the config in {model_dir}: {e}") from e

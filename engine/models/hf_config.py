@@ -12,9 +12,11 @@ Phi-4-mini's `full_attn_mod`), except the ones that change the weights (`REFUSED
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
+from engine.models.quant_config import Fp8ConfigError, fp8_block_size, is_mxfp4
 from policy.errors import UserError
 
 SUPPORTED_MODEL_TYPES = (
@@ -28,15 +30,18 @@ SUPPORTED_MODEL_TYPES = (
     "gemma3",
     "phi3",
     "olmo2",
+    "olmo3",
+    "smollm3",
     "mixtral",
     "qwen2_moe",
     "qwen3_moe",
     "olmoe",
+    "glm4_moe",
+    "deepseek_v3",
+    "gpt_oss",
 )
 REFUSED_MODEL_TYPES = {
-    "deepseek_v2": "DeepSeek-V2's multi-head latent attention and grouped top-k routing",
-    "deepseek_v3": "DeepSeek-V3's multi-head latent attention and biased, grouped top-k routing",
-    "gpt_oss": "gpt-oss's attention sinks, biased clamped-SwiGLU experts and MXFP4 weights",
+    "deepseek_v2": "DeepSeek-V2's softmax group-limited routing (nanoflex routes as V3 does)",
 }
 """Mixture-of-experts types refused by name, with what nanoflex does not implement of each."""
 
@@ -143,6 +148,8 @@ ROPE_TYPES = {
     "qwen2": ("default", "linear", "llama3"),
     "qwen3": ("default", "linear", "llama3"),
     "olmo2": ("default", "linear", "llama3"),
+    "olmo3": ("default", "linear", "llama3", "yarn"),
+    "smollm3": ("default", "linear", "llama3", "yarn"),
     "gemma2": ("default", "linear"),
     "gemma3_text": ("default", "linear"),
     "phi3": ("default", "longrope"),
@@ -150,6 +157,9 @@ ROPE_TYPES = {
     "qwen2_moe": ("default", "linear", "llama3"),
     "qwen3_moe": ("default", "linear", "llama3"),
     "olmoe": ("default", "linear", "llama3"),
+    "glm4_moe": ("default", "linear", "llama3", "yarn"),
+    "deepseek_v3": ("default", "linear", "yarn"),
+    "gpt_oss": ("default", "yarn"),
 }
 """Rotary scaling types each family implements (engine/models/rotary.py)."""
 
@@ -161,7 +171,7 @@ def model_config_fields(hf: Any) -> dict[str, Any]:
         raise UnsupportedModelError(
             f"model type {model_type!r} is not supported: nanoflex does not implement "
             f"{REFUSED_MODEL_TYPES[model_type]}; its mixture-of-experts families are "
-            "mixtral, qwen2_moe, qwen3_moe and olmoe"
+            "mixtral, qwen2_moe, qwen3_moe, olmoe, glm4_moe, deepseek_v3 and gpt_oss"
         )
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise UnsupportedModelError(
@@ -194,6 +204,10 @@ def refuse_unhonoured(hf: Any, honoured: frozenset[str]) -> None:
     for key, value in hf.to_dict().items():
         if key in honoured or key in HARMLESS or "dropout" in key or key.endswith("pdrop"):
             continue
+        if key == "quantization_config" and _is_fp8(hf.model_type, value):
+            continue  # dequantized at load (engine/loading/fp8.py)
+        if key == "quantization_config" and hf.model_type == "gpt_oss" and is_mxfp4(value):
+            continue  # its experts dequantized at load (engine/loading/mxfp4.py)
         if key == "layerdrop" or (key in defaults and defaults[key] == value):
             continue
         if defaults and key not in defaults and key not in REFUSED:
@@ -204,6 +218,19 @@ def refuse_unhonoured(hf: Any, honoured: frozenset[str]) -> None:
             f"{hf.model_type} config field {key}={shown} is not supported: nanoflex does not "
             "implement it, and running without it would give other tokens than the model's"
         )
+
+
+def _is_fp8(model_type: str, quantization: Any) -> bool:
+    """The checkpoint is block-scaled FP8 that nanoflex dequantizes at load; False for no
+    quantization or another method (refused as any unhonoured field); an FP8 variant it
+    does not read is refused here by name."""
+    if not isinstance(quantization, dict) or quantization.get("quant_method") != "fp8":
+        return False
+    try:
+        fp8_block_size(quantization)
+    except Fp8ConfigError as e:
+        raise UnsupportedModelError(f"{model_type}: {e} is not supported") from e
+    return True
 
 
 _DEFAULTS: dict[type, dict[str, Any]] = {}
@@ -288,6 +315,126 @@ def _moe(hf: Any) -> dict[str, Any]:
     )
 
 
+_GROUPED_MOE = frozenset(
+    {
+        "n_routed_experts",
+        "n_shared_experts",
+        "n_group",
+        "topk_group",
+        "routed_scaling_factor",
+        "first_k_dense_replace",
+        "num_nextn_predict_layers",  # multi-token prediction layers: not read, as transformers
+        "num_mtp_layers",
+    }
+)
+"""DeepSeek-V3 and GLM-4.5: grouped sigmoid routing, shared experts, dense first layers."""
+
+
+def _grouped_moe(hf: Any) -> dict[str, Any]:
+    """DeepSeek-V3's and GLM-4.5's MoE fields: `n_routed_experts` of `moe_intermediate_size`,
+    `n_shared_experts` as one SwiGLU that many times as wide, the first
+    `first_k_dense_replace` layers dense, grouped sigmoid routing. The multi-token prediction
+    layer the checkpoints carry beyond `num_hidden_layers` is not read (transformers skips it)."""
+    num_experts = int(hf.n_routed_experts)
+    groups = int(hf.n_group or 1)
+    if num_experts % groups or num_experts // groups < 2:
+        raise UnsupportedModelError(
+            f"{hf.model_type}: {num_experts} experts in n_group={groups} groups is not supported "
+            "(each group needs at least 2 experts, as its score is its best two)"
+        )
+    if not 1 <= int(hf.topk_group or 1) <= groups:
+        raise UnsupportedModelError(
+            f"{hf.model_type}: topk_group={hf.topk_group} must be between 1 and n_group={groups}"
+        )
+    width = int(hf.moe_intermediate_size)
+    first_dense = min(int(hf.first_k_dense_replace or 0), hf.num_hidden_layers)
+    return dict(
+        num_experts=num_experts,
+        num_experts_per_tok=int(hf.num_experts_per_tok),
+        moe_intermediate_size=width,
+        norm_topk_prob=bool(hf.norm_topk_prob),
+        shared_expert_intermediate_size=width * int(hf.n_shared_experts or 0),
+        dense_layers=tuple(range(first_dense)),
+        num_expert_groups=groups,
+        num_groups_per_tok=int(hf.topk_group or 1),
+        routed_scaling_factor=float(hf.routed_scaling_factor),
+    )
+
+
+def _glm4_moe(hf: Any) -> dict[str, Any]:
+    """GLM-4.5/4.6: Llama attention with q/k/v biases (o_proj none), partial rotary, optional
+    per-head q/k norms; the grouped MoE."""
+    return dict(_llama(hf), o_bias=False, **_grouped_moe(hf))
+
+
+_MLA = frozenset(
+    {
+        "q_lora_rank",
+        "kv_lora_rank",
+        "qk_rope_head_dim",
+        "qk_nope_head_dim",
+        "qk_head_dim",
+        "v_head_dim",
+        "rope_interleave",
+        "attention_bias",
+    }
+)
+
+
+def _deepseek_v3(hf: Any) -> dict[str, Any]:
+    """DeepSeek-V3 / R1: multi-head latent attention (engine/models/deepseek.py: the KV row is
+    one head of kv_lora_rank + qk_rope_head_dim, queries absorbed into the latent), scores
+    scaled by qk_head_dim ** -0.5 times YaRN's mscale(factor, mscale_all_dim) squared; the
+    grouped MoE."""
+    _require(hf, "hidden_act", ("silu",))
+    if hf.num_key_value_heads != hf.num_attention_heads:
+        raise UnsupportedModelError(
+            f"deepseek_v3: num_key_value_heads={hf.num_key_value_heads} other than "
+            f"num_attention_heads={hf.num_attention_heads} is not supported"
+        )
+    rope_dim = int(hf.qk_rope_head_dim)
+    theta, scaling, rotary_dim = _rope(hf, _rope_parameters(hf), rope_dim)
+    scale = (hf.qk_nope_head_dim + rope_dim) ** -0.5
+    if scaling["rope_type"] != "default" and scaling.get("mscale_all_dim"):
+        factor = float(scaling["factor"])
+        mscale = 0.1 * float(scaling["mscale_all_dim"]) * math.log(factor) + 1.0
+        scale = scale * (mscale if factor > 1 else 1.0) ** 2
+    attention_bias = bool(hf.attention_bias)
+    return dict(
+        _shapes(hf),
+        intermediate_size=hf.intermediate_size,
+        num_kv_heads=1,
+        head_dim=int(hf.kv_lora_rank) + rope_dim,
+        norm_eps=hf.rms_norm_eps,
+        rope_theta=theta,
+        rope_scaling=scaling,
+        rotary_dim=rotary_dim,
+        qkv_bias=attention_bias,
+        o_bias=attention_bias,
+        attn_scale=scale,
+        kv_lora_rank=int(hf.kv_lora_rank),
+        qk_nope_head_dim=int(hf.qk_nope_head_dim),
+        v_head_dim=int(hf.v_head_dim),
+        rope_interleave=bool(hf.rope_interleave),
+        **_grouped_moe(hf),
+    )
+
+
+def _gpt_oss(hf: Any) -> dict[str, Any]:
+    """gpt-oss: Llama's shapes, biases and windows (`layer_types`), YaRN; top-k of
+    `num_local_experts` experts as wide as `intermediate_size`, the clamped SwiGLU's alpha and
+    limit. Its MXFP4 experts (`*_blocks`, `*_scales`) are dequantized at load
+    (engine/loading/mxfp4.py)."""
+    return dict(
+        _llama(hf),
+        num_experts=int(hf.num_local_experts),
+        num_experts_per_tok=int(hf.num_experts_per_tok),
+        moe_intermediate_size=int(hf.intermediate_size),
+        swiglu_alpha=float(hf.swiglu_alpha),
+        swiglu_limit=float(hf.swiglu_limit),
+    )
+
+
 def _gemma(hf: Any) -> dict[str, Any]:
     """Gemma 2 and 3: GeGLU, query_pre_attn_scalar, soft-capping, per-layer windows (and
     Gemma 3's local rotary base)."""
@@ -296,9 +443,26 @@ def _gemma(hf: Any) -> dict[str, Any]:
     if hf.model_type == "gemma3_text":  # transformers' Gemma 3 never applies it
         _require(hf, "attn_logit_softcapping", (None,))
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    return dict(
+        _llama_shapes(hf, head_dim),
+        **_typed_rope(hf, head_dim),
+        qkv_bias=bool(getattr(hf, "attention_bias", False)),
+        o_bias=bool(getattr(hf, "attention_bias", False)),
+        layer_windows=_layer_windows(hf),
+        attn_scale=float(hf.query_pre_attn_scalar) ** -0.5,
+        attn_softcap=float(getattr(hf, "attn_logit_softcapping", None) or 0.0),
+        logit_softcap=float(getattr(hf, "final_logit_softcapping", None) or 0.0),
+        activation="gelu_pytorch_tanh",
+    )
+
+
+def _typed_rope(hf: Any, head_dim: int) -> dict[str, Any]:
+    """The rotary fields where each layer type may have its own parameters (Gemma 3, OLMo 3:
+    `rope_parameters` keyed by 'full_attention' and 'sliding_attention'): the global layers'
+    base and scaling, and the local layers' base (their scaling must be the default one)."""
     rope = _rope_parameters(hf)
     local_theta = 0.0
-    if "full_attention" in rope:  # Gemma 3: one rotary per layer type
+    if "full_attention" in rope:
         local = dict(rope.get("sliding_attention") or {})
         local_theta, local_scaling, _ = _rope(hf, local, head_dim)
         if local_scaling["rope_type"] != "default":
@@ -308,19 +472,32 @@ def _gemma(hf: Any) -> dict[str, Any]:
             )
         rope = dict(rope["full_attention"] or {})
     theta, scaling, _ = _rope(hf, rope, head_dim)
+    return dict(rope_theta=theta, rope_scaling=scaling, local_rope_theta=local_theta)
+
+
+def _olmo3(hf: Any) -> dict[str, Any]:
+    """OLMo 3: OLMo 2's layer with sliding windows on three layers of four and a rotary per
+    layer type (YaRN on the full-attention layers of the long-context checkpoints)."""
+    _require(hf, "hidden_act", ("silu",))
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     return dict(
         _llama_shapes(hf, head_dim),
-        rope_theta=theta,
-        rope_scaling=scaling,
-        local_rope_theta=local_theta,
-        qkv_bias=bool(getattr(hf, "attention_bias", False)),
-        o_bias=bool(getattr(hf, "attention_bias", False)),
+        **_typed_rope(hf, head_dim),
+        qkv_bias=bool(hf.attention_bias),
+        o_bias=bool(hf.attention_bias),
         layer_windows=_layer_windows(hf),
-        attn_scale=float(hf.query_pre_attn_scalar) ** -0.5,
-        attn_softcap=float(getattr(hf, "attn_logit_softcapping", None) or 0.0),
-        logit_softcap=float(getattr(hf, "final_logit_softcapping", None) or 0.0),
-        activation="gelu_pytorch_tanh",
     )
+
+
+def _smollm3(hf: Any) -> dict[str, Any]:
+    """SmolLM3: the Llama layer, with no rotary on the layers `no_rope_layers` marks 0 (every
+    fourth by default: NoPE)."""
+    flags = list(hf.no_rope_layers)[: hf.num_hidden_layers]
+    if len(flags) < hf.num_hidden_layers:
+        raise UnsupportedModelError(
+            f"smollm3: no_rope_layers has {len(flags)} entries for {hf.num_hidden_layers} layers"
+        )
+    return dict(_llama(hf), nope_layers=tuple(i for i, rope in enumerate(flags) if not rope))
 
 
 def _shapes(hf: Any) -> dict[str, Any]:
@@ -414,11 +591,27 @@ _FAMILIES: dict[str, tuple[frozenset[str], Callable[[Any], dict[str, Any]]]] = {
     "qwen2": (_COMMON | _WINDOWS, _llama),
     "qwen3": (_COMMON | _WINDOWS | {"attention_bias"}, _llama),
     "olmo2": (_COMMON | {"attention_bias"}, _llama),
+    "olmo3": (_COMMON | _WINDOWS | {"attention_bias"}, _olmo3),
+    "smollm3": (
+        _COMMON
+        | _WINDOWS
+        | {"attention_bias", "mlp_bias", "no_rope_layers", "no_rope_layer_interval"},
+        _smollm3,
+    ),
     "phi3": (_COMMON | _WINDOWS | {"original_max_position_embeddings"}, _llama),
     "mixtral": (_COMMON | _WINDOWS | _MOE, _moe),
     "qwen2_moe": (_COMMON | _WINDOWS | _MOE | _QWEN_MOE | {"qkv_bias"}, _moe),
     "qwen3_moe": (_COMMON | _WINDOWS | _MOE | _QWEN_MOE | {"attention_bias"}, _moe),
     "olmoe": (_COMMON | _MOE | {"attention_bias"}, _moe),
+    "glm4_moe": (
+        _COMMON | _MOE | _GROUPED_MOE | {"attention_bias", "use_qk_norm"},
+        _glm4_moe,
+    ),
+    "deepseek_v3": (_COMMON | _MOE | _GROUPED_MOE | _MLA, _deepseek_v3),
+    "gpt_oss": (
+        _COMMON | _WINDOWS | _MOE | {"attention_bias", "swiglu_alpha", "swiglu_limit"},
+        _gpt_oss,
+    ),
     "gemma2": (_COMMON | _WINDOWS | _GEMMA, _gemma),
     "gemma3_text": (_COMMON | _WINDOWS | _GEMMA, _gemma),
 }

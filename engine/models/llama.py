@@ -1,4 +1,5 @@
-"""The Llama family (Llama 2/3, Mistral, Qwen2): RMSNorm, RoPE with scaling, SwiGLU, GQA.
+"""The Llama family (Llama 2/3, Mistral, Qwen2, SmolLM3): RMSNorm, RoPE with scaling, SwiGLU,
+GQA, layers without rotary (SmolLM3's NoPE layers).
 
 `LlamaModel` is also the base of the newer families, which override one step each: the q/k
 norms (`norm_qk`: Qwen 3, Gemma 3, OLMo 2), the norms around attention and MLP
@@ -153,6 +154,9 @@ class LlamaModel(Model):
         c = self.config
         qkv = linear(self.input_norm(w, h), w, "qkv")  # (T, (heads + 2 kv_heads) * head_dim)
         qkv = self.norm_qk(w, qkv.view(qkv.shape[0], -1, c.head_dim))
+        if j - 1 in c.nope_layers:  # NoPE: k and v lie side by side in qkv's rows already
+            q, k, v = qkv.split([c.num_heads, c.num_kv_heads, c.num_kv_heads], dim=1)
+            return q, k, v
         cos, sin = self.rotary_tables(j, positions)
         # q and k rotate in one pass, v copied beside them: k and v come out adjacent in
         # each row, as a KV row lays them out (`join_kv` takes them as a view)

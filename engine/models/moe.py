@@ -1,6 +1,6 @@
-"""Mixture-of-experts layers (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE): the Llama layer whose MLP
-routes each token to its top-k experts, computed as one GEMM pair per expert over all the rows
-routed to it.
+"""Mixture-of-experts layers (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, GLM-4.5): the Llama layer
+whose MLP routes each token to its top-k experts, computed as one GEMM pair per expert over all
+the rows routed to it.
 
 A MoE layer's `Weights` hold the router and each routed expert as its own tensors, so that an
 expert can be placed, moved and compressed alone:
@@ -8,9 +8,10 @@ expert can be placed, moved and compressed alone:
     router.weight               (num_experts, hidden)      kept in full precision
     experts.<e>.gate_up.weight  (2 * moe_intermediate, hidden), gate rows then up rows
     experts.<e>.down.weight     (hidden, moe_intermediate)
-    shared.gate_up.weight       Qwen2-MoE's shared expert, every token through it
-    shared.down.weight
-    shared_gate.weight          (1, hidden), its sigmoid gate, kept in full precision
+    router.correction           (num_experts,) DeepSeek-V3's and GLM-4.5's load-balancing bias
+    shared.gate_up.weight       the shared expert(s), every token through them (Qwen2-MoE's
+    shared.down.weight          shared_expert; DeepSeek's and GLM's shared_experts, as one)
+    shared_gate.weight          (1, hidden), Qwen2-MoE's sigmoid gate, in full precision
     router.picks                (num_experts,) int64 in host memory, when the weight store
                                 counts: each batch adds the rows routed to each expert
 
@@ -34,7 +35,7 @@ from engine.models.qwen3 import Qwen3Model
 
 MOE_MODULE = re.compile(r"^(?:mlp|block_sparse_moe)\.(.+)$")
 """A decoder layer's MLP tensor (module.param after the layer prefix): group 1, the rest."""
-EXPERT_TENSOR = re.compile(r"^(experts\.\d+|shared_expert)\.(\w+)\.weight$")
+EXPERT_TENSOR = re.compile(r"^(experts\.\d+|shared_experts?)\.(\w+)\.weight$")
 """One expert's projection: groups (expert module, projection)."""
 EXPERT_PROJECTIONS = {
     "gate_proj": "gate",
@@ -46,6 +47,7 @@ EXPERT_PROJECTIONS = {
 }
 MOE_TENSORS = {
     "gate.weight": "router.weight",
+    "gate.e_score_correction_bias": "router.correction",
     "shared_expert_gate.weight": "shared_gate.weight",
     "experts.gate_up_proj": "experts.gate_up_proj",
     "experts.down_proj": "experts.down_proj",
@@ -56,7 +58,7 @@ STACKED = {"experts.gate_up_proj": "gate_up", "experts.down_proj": "down"}
 PICKS = "router.picks"
 """The counter of routed rows per expert that travels with a MoE layer's weights, when the
 weight store keeps one (engine/storage/expert_picks.py)."""
-FULL_PRECISION = frozenset({"router.weight", "shared_gate.weight"})
+FULL_PRECISION = frozenset({"router.weight", "router.correction", "shared_gate.weight"})
 """Routing weights never compressed: a 4-bit error flips which experts a token picks, and
 they are a few rows beside each expert's matrices."""
 
@@ -77,7 +79,7 @@ def moe_local_name(module_param: str) -> str | None:
     expert = EXPERT_TENSOR.match(rest)
     if expert is None or expert.group(2) not in EXPERT_PROJECTIONS:
         return None
-    module = "shared" if expert.group(1) == "shared_expert" else expert.group(1)
+    module = "shared" if expert.group(1).startswith("shared_expert") else expert.group(1)
     return f"{module}.{EXPERT_PROJECTIONS[expert.group(2)]}.weight"
 
 
@@ -90,6 +92,38 @@ def route(logits: torch.Tensor, top_k: int, renormalise: bool) -> tuple[torch.Te
     if renormalise:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, ids
+
+
+def route_grouped(
+    logits: torch.Tensor,
+    correction: torch.Tensor,
+    top_k: int,
+    num_groups: int,
+    groups_per_tok: int,
+    renormalise: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's and GLM-4.5's router: float32 logits (T, num_experts) -> (weights, expert
+    ids), each (T, top_k). Scores are sigmoids; experts are chosen by score + `correction`
+    (the load-balancing bias, (num_experts,)) among the `groups_per_tok` groups of experts
+    whose two best corrected scores sum highest; weights are the uncorrected scores,
+    renormalised if asked (+ 1e-20), times `scale` (routed_scaling_factor). The same torch
+    calls in the same order as transformers', `sorted=False` top-k included, so ids and
+    weights agree bit for bit on the same device."""
+    scores = logits.sigmoid()
+    choice = scores + correction
+    num_tokens, num_experts = choice.shape
+    grouped = choice.view(num_tokens, num_groups, num_experts // num_groups)
+    group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)  # (T, num_groups)
+    group_ids = torch.topk(group_scores, k=groups_per_tok, dim=-1, sorted=False)[1]
+    group_mask = torch.zeros_like(group_scores).scatter_(1, group_ids, 1)
+    expert_mask = group_mask.unsqueeze(-1).expand_as(grouped).reshape(num_tokens, num_experts)
+    choice = choice.masked_fill(~expert_mask.bool(), float("-inf"))
+    ids = torch.topk(choice, k=top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, ids)
+    if renormalise:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scale, ids
 
 
 ExpertFn = Callable[[Weights, torch.Tensor], torch.Tensor]
@@ -135,6 +169,8 @@ class MoeModel(LlamaModel):
     def map_name(self, hf_name: str) -> tuple[int, str] | None:
         match = LAYER_NAME.match(hf_name.removeprefix("model."))
         local = None if match is None else moe_local_name(match.group(2))
+        if match is not None and int(match.group(1)) >= self.config.num_layers:
+            return None  # the multi-token prediction layer after the last (DeepSeek, GLM)
         if match is not None and local is not None:
             return int(match.group(1)) + 1, local
         return super().map_name(hf_name)
@@ -165,16 +201,26 @@ class MoeModel(LlamaModel):
         out = self.routed_mlp(w, torch.cat(xs) if len(xs) > 1 else xs[0], source)
         return list(out.split([x.shape[0] for x in xs]))
 
-    def routed_mlp(self, w: Weights, x: torch.Tensor, source: ExpertSource) -> torch.Tensor:
+    def route(self, w: Weights, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Normed rows x (T, hidden) -> (weights, expert ids), each (T, top_k): softmax top-k."""
         c = self.config
-        weights, ids = route(linear(x, w, "router"), c.num_experts_per_tok, c.norm_topk_prob)
+        return route(linear(x, w, "router"), c.num_experts_per_tok, c.norm_topk_prob)
+
+    def routed_mlp(self, w: Weights, x: torch.Tensor, source: ExpertSource) -> torch.Tensor:
+        weights, ids = self.route(w, x)
         if not self.ROUTER_WEIGHTS_F32:
             weights = weights.to(x.dtype)
         out = self.experts(w, x, weights, ids, source)
-        if "shared_gate.weight" in w:
+        if "shared.gate_up.weight" in w:  # the shared expert(s), every row through them
             shared = swiglu(self.ops, w, x, "shared.")
-            out = out + torch.sigmoid(linear(x, w, "shared_gate")) * shared
+            if "shared_gate.weight" in w:  # Qwen2-MoE's sigmoid gate
+                shared = torch.sigmoid(linear(x, w, "shared_gate")) * shared
+            out = out + shared
         return out
+
+    def expert_mlp(self, w: Weights, x: torch.Tensor, prefix: str) -> torch.Tensor:
+        """One routed expert over its rows x: the SwiGLU named `<prefix>gate_up`, `<prefix>down`."""
+        return swiglu(self.ops, w, x, prefix)
 
     def experts(
         self,
@@ -208,7 +254,7 @@ class MoeModel(LlamaModel):
                 prefix = expert_prefix(e)
 
                 def expert(w: Weights, rows: torch.Tensor, prefix: str = prefix) -> torch.Tensor:
-                    return swiglu(self.ops, w, rows, prefix)
+                    return self.expert_mlp(w, rows, prefix)
 
                 out[start:end] = source.run(e, grouped[start:end], expert)
                 start = end
@@ -229,3 +275,34 @@ class Qwen3MoeModel(MoeModel, Qwen3Model):
 class OlmoeModel(MoeModel, Qwen3Model):
     """OLMoE: RMSNorms over the whole q and k projections, Llama-style (cast, then scale).
     Qwen 3's `norm_qk` reads each norm's width from its weight, which here spans all heads."""
+
+
+class GroupedMoeModel(MoeModel):
+    """DeepSeek-V3's and GLM-4.5's MoE layer: sigmoid scores with a load-balancing correction,
+    top-k within the best groups of experts (`route_grouped`), float32 weights scaled by
+    routed_scaling_factor, and shared experts (one SwiGLU as wide as all of them) every row
+    runs, added without a gate. The router runs in float32, as transformers keeps it."""
+
+    ROUTER_WEIGHTS_F32 = True
+
+    def route(self, w: Weights, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        c = self.config
+        logits = torch.nn.functional.linear(x.float(), w["router.weight"].float())
+        return route_grouped(
+            logits,
+            w["router.correction"].float(),
+            c.num_experts_per_tok,
+            c.num_expert_groups,
+            c.num_groups_per_tok,
+            c.norm_topk_prob,
+            c.routed_scaling_factor,
+        )
+
+
+class Glm4MoeModel(GroupedMoeModel, Qwen3Model):
+    """GLM-4.5/4.6: the grouped-routing MoE layer (dense first layers) under a Llama attention
+    with q/k/v biases, partial rotary (half of each head) and, where use_qk_norm says, Qwen 3's
+    per-head q/k norms."""
+
+    def norm_qk(self, w: Weights, qkv: torch.Tensor) -> torch.Tensor:
+        return super().norm_qk(w, qkv) if "q_norm.weight" in w else qkv

@@ -1,6 +1,8 @@
 """OLMo 2: no norm before attention or the MLP; an RMSNorm after each (before the residual add),
 and RMSNorms over the whole q and k projections (all heads together) before rotary. Its
-RMSNorm scales in float32, as Gemma's does, without the 1 + w."""
+RMSNorm scales in float32, as Gemma's does, without the 1 + w. OLMo 3 is the same layer with
+sliding windows on three layers of four and a rotary per layer type, both from the config
+(`Model.attention_spec`, `LlamaModel.rotary_tables`)."""
 
 from __future__ import annotations
 

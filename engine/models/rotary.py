@@ -19,11 +19,13 @@ from engine.models.config import ModelConfig
 
 def rope_inv_freq(dim: int, theta: float, scaling: dict[str, Any]) -> torch.Tensor:
     """(dim/2,) float32 inverse frequencies of `dim` rotated dimensions with `scaling`
-    ('default', 'linear', 'llama3'; 'longrope' gives its short factors here)."""
+    ('default', 'linear', 'llama3', 'yarn'; 'longrope' gives its short factors here)."""
     exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
     rope_type = scaling.get("rope_type", "default")
     if rope_type == "longrope":
         return longrope_inv_freq(dim, theta, scaling["short_factor"])
+    if rope_type == "yarn":
+        return yarn_inv_freq(dim, theta, scaling)
     inv_freq = 1.0 / (theta**exponents)
     if rope_type == "linear":
         return inv_freq / float(scaling["factor"])
@@ -40,6 +42,46 @@ def rope_inv_freq(dim: int, theta: float, scaling: dict[str, Any]) -> torch.Tens
         is_mid = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
         return torch.where(is_mid, blended, scaled)
     return inv_freq
+
+
+def yarn_inv_freq(dim: int, theta: float, scaling: dict[str, Any]) -> torch.Tensor:
+    """YaRN (DeepSeek-V3, gpt-oss, OLMo 3's global layers): each frequency blended between
+    itself (fast ones, extrapolated) and itself / factor (slow ones, interpolated) by a
+    linear ramp over the dimensions whose wavelengths fall between beta_fast and beta_slow
+    rotations over the original context."""
+    factor = float(scaling["factor"])
+    original = float(scaling["original_max_position_embeddings"])
+    beta_fast = float(scaling.get("beta_fast") or 32)
+    beta_slow = float(scaling.get("beta_slow") or 1)
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # no zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    base = theta ** (torch.arange(0, dim, 2).float() / dim)
+    extrapolated = 1 - ramp
+    return (1.0 / (factor * base)) * (1 - extrapolated) + (1.0 / base) * extrapolated
+
+
+def yarn_attention_factor(scaling: dict[str, Any]) -> float:
+    """The factor YaRN multiplies cos and sin by: the config's, else 0.1 ln(factor) + 1, or
+    with DeepSeek's mscale and mscale_all_dim the ratio of that formula at each."""
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = float(scaling["factor"])
+
+    def mscale(scale: float) -> float:
+        return 1.0 if factor <= 1 else 0.1 * scale * math.log(factor) + 1.0
+
+    if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+        return mscale(float(scaling["mscale"])) / mscale(float(scaling["mscale_all_dim"]))
+    return mscale(1.0)
 
 
 def longrope_inv_freq(dim: int, theta: float, factors: list[float]) -> torch.Tensor:
@@ -86,6 +128,9 @@ class Rope:
         if local and config.local_rope_theta:
             return cls(rope_inv_freq(dim, config.local_rope_theta, {}))
         scaling = config.rope_scaling
+        if scaling.get("rope_type") == "yarn":
+            inv_freq = rope_inv_freq(dim, config.rope_theta, scaling)
+            return cls(inv_freq, attention_factor=yarn_attention_factor(scaling))
         if scaling.get("rope_type") != "longrope":
             return cls(rope_inv_freq(dim, config.rope_theta, scaling))
         return cls(

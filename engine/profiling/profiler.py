@@ -15,7 +15,8 @@ import torch
 from engine.core.model_files import DEMO_MODEL
 from engine.executor.attention import RaggedLayout, paged_attention, ragged_attention
 from engine.executor.executor import Executor
-from engine.kernels import PagedKernels, cuda_paged_kernels, paged_kernels
+from engine.kernels import attention_kernels
+from engine.profiling.copy_overlap import copy_compute_overlap
 from engine.profiling.dense_profile import dense_step_table
 from engine.profiling.disk_profile import disk_bandwidth, io_interference
 from engine.profiling.load import LoadMonitor
@@ -56,12 +57,6 @@ ATTENTION_SHAPE = (16, 4, 64)
 """(heads, kv heads, head dim) of the attention probes: a small GQA model's layer."""
 
 
-def _attention_kernels(device: Device) -> PagedKernels | None:
-    """The kernels the engine's attention runs by default: native on a CPU (where they
-    build), Triton on CUDA (where it is installed)."""
-    return cuda_paged_kernels() if device.is_cuda else paged_kernels()
-
-
 def _prefill_attention_flops(dtype: torch.dtype, device: Device, scale: int, probe: Probe) -> float:
     """FLOP/s of the engine's attention over prefill chunks (no past) read in place from a
     pool (`paged_attention` with the kernels the engine runs by default), counted as the
@@ -75,7 +70,7 @@ def _prefill_attention_flops(dtype: torch.dtype, device: Device, scale: int, pro
     seq_slots = [slots[i * length : (i + 1) * length] for i in range(seqs)]
     layout = RaggedLayout.build([length] * seqs, [0] * seqs, on, seq_slots=seq_slots)
     q = torch.randn(seqs * length, heads, d, dtype=dtype, device=on)
-    kernels = _attention_kernels(device)
+    kernels = attention_kernels(device.is_cuda)
     seconds = probe.seconds(
         "prefill_attention_flops",
         lambda: paged_attention(q, pool, _plain, layout, (kv_heads, d), kernels),
@@ -102,7 +97,7 @@ def _device_attention_bw(
     seq_slots = [slots[i * (past + 1) : (i + 1) * (past + 1)] for i in range(seqs)]
     layout = RaggedLayout.build([1] * seqs, [past] * seqs, on, seq_slots=seq_slots)
     q = torch.randn(seqs, heads, d, dtype=dtype, device=on)
-    kernels = None if packed else _attention_kernels(device)
+    kernels = None if packed else attention_kernels(device.is_cuda)
     seconds = probe.seconds(
         "packed_attention_bw" if packed else "device_attention_bw",
         lambda: paged_attention(q, pool, _plain, layout, (kv_heads, d), kernels),
@@ -214,6 +209,8 @@ def _measure(device_name: str, offload_dir: str | None, quick: bool) -> Hardware
         "dequant_throughput", lambda: dequantize(packed), device
     )
     nano_device, nano_host = nano_overlap(device, dtype, quick)
+    # a layer-sized copy beside GEMMs, as the zig-zag schedule runs them (CUDA events)
+    copy_hidden = copy_compute_overlap(device.device, nbytes).hidden if device.is_cuda else None
     memory = psutil.virtual_memory().total
     if device.is_cuda:
         gpu_mem = torch.cuda.get_device_properties(device.device).total_memory
@@ -248,6 +245,7 @@ def _measure(device_name: str, offload_dir: str | None, quick: bool) -> Hardware
         io_compute_share_large=io_large,
         nano_overlap_device=nano_device,
         nano_overlap_host=nano_host,
+        copy_hidden=copy_hidden,
         nano_batch_overhead_s=nano_batch_overhead(device_name, probe),
         compute_device="cuda" if device.is_cuda else "cpu",
         machine=machine_key(),

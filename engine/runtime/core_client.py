@@ -49,7 +49,7 @@ from engine.core.protocol import StepPlan, StepResult
 from engine.core.sampling_params import SamplingParams
 from engine.core.sequence import ONLINE_PRIORITY, Request
 from engine.core.tier_rest import largest_pool_tokens
-from engine.core.tokenizer import Tokenizer
+from engine.core.tokenizer import ChatOptions, Tokenizer
 from engine.runtime.engine_client import (
     EngineClient,
     EngineDeadError,
@@ -328,8 +328,10 @@ class CoreEngineClient(EngineClient):
     def decode(self, token_ids: Sequence[int]) -> str:
         return self._loaded().decode(token_ids)
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
-        return self._loaded().apply_chat_template(messages)
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], options: ChatOptions | None = None
+    ) -> list[int]:
+        return self._loaded().apply_chat_template(messages, options)
 
     @property
     def generation_defaults(self) -> dict[str, float | int]:

@@ -24,6 +24,7 @@ from engine.core.kv_pages import CacheStats
 from engine.core.outputs import SequenceDelta
 from engine.core.sampling_params import SamplingParams
 from engine.core.sequence import ONLINE_PRIORITY
+from engine.core.tokenizer import ChatOptions
 
 
 class EngineDeadError(RuntimeError):
@@ -148,8 +149,11 @@ class EngineClient(abc.ABC):
         """Text for token ids, skipping special tokens."""
 
     @abc.abstractmethod
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
-        """Token ids of a chat rendered with the tokenizer's template plus the generation prompt."""
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], options: ChatOptions | None = None
+    ) -> list[int]:
+        """Token ids of a chat rendered with the tokenizer's template (`ChatOptions`: the
+        generation prompt, tools, template variables)."""
 
     @property
     def generation_defaults(self) -> dict[str, float | int]:

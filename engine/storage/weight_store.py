@@ -25,6 +25,7 @@ from engine.storage.device import Device, Ready
 from engine.storage.disk import DiskFile, DiskIO
 from engine.storage.expert_picks import ExpertPicks
 from engine.storage.quant import QuantizedTensor, dequantize, quantize
+from engine.storage.weight_slots import ALIGN, WeightSlots, layout_of, offsets_of
 from policy import TIERS
 
 Stored = torch.Tensor | QuantizedTensor
@@ -39,9 +40,6 @@ class TensorReader(Protocol):
     def numel(self, name: str) -> int: ...
 
     def get(self, name: str) -> torch.Tensor: ...
-
-
-_ALIGN = 64
 
 
 def _parts(value: Stored) -> list[torch.Tensor]:
@@ -188,6 +186,8 @@ class WeightStore:
         self._staging_bytes = 0
         self._files: dict[int, tuple[DiskFile, int]] = {}
         """Per layer with units on disk: its file and where the next unit goes."""
+        self.slots: WeightSlots | None = None
+        """Fixed buffers the offloaded layers are loaded into (`make_slots`)."""
 
     def planned_bytes(self) -> dict[str, int]:
         """Bytes each tier will hold once loaded, uncompressed (an upper bound with 4-bit)."""
@@ -271,15 +271,14 @@ class WeightStore:
         if j not in self._files:  # a layer's units on disk share one file
             self._files[j] = (self.disk.open(f"weights-{j:04d}.bin"), 0)
         f, start = self._files[j]
-        offsets, offset, end = [], 0, 0
-        for v in values.values():
-            for p in _parts(v):
-                offsets.append(offset)
-                self.disk.write(f, start + offset, p)
-                end = offset + p.numel() * p.element_size()
-                offset = -(-end // _ALIGN) * _ALIGN
+        parts = [p for v in values.values() for p in _parts(v)]
+        offsets, end = offsets_of(
+            tuple((str(i), tuple(p.shape), p.dtype) for i, p in enumerate(parts))
+        )
+        for p, offset in zip(parts, offsets, strict=True):
+            self.disk.write(f, start + offset, p)
         f.drop_cache()
-        self._files[j] = (f, start + -(-end // _ALIGN) * _ALIGN)
+        self._files[j] = (f, start + -(-end // ALIGN) * ALIGN)
         meta = {k: _rebuild(v, [p.to("meta") for p in _parts(v)]) for k, v in values.items()}
         self._staging_bytes = max(self._staging_bytes, end)
         return StoredLayer(tier, meta, f, offsets, end, start)
@@ -303,6 +302,50 @@ class WeightStore:
                 out[unit.tier] += unit.nbytes
         return out
 
+    def make_slots(self) -> None:
+        """Load offloaded decoder layers into fixed slots from now on (`WeightSlots`): those
+        of a dense, uncompressed model that share the first one's layout; on the CPU only
+        those on disk (host memory is where the CPU computes: a cpu-tier layer is used where
+        it lies)."""
+        if self.compress or any(self.expert_tiers):
+            return
+        offloaded = [
+            j
+            for j, layer in enumerate(self.layers)
+            if self.model.layer_kind(j) == "decoder"
+            and layer.tier != "gpu"
+            and (self.device.is_cuda or layer.tier == "disk")
+        ]
+        if not offloaded:
+            return
+        layout = layout_of(self.layers[offloaded[0]].values)  # type: ignore[arg-type]
+        same = [j for j in offloaded if layout_of(self.layers[j].values) == layout]  # type: ignore[arg-type]
+        self.slots = WeightSlots(layout, same, self.device)
+
+    def fixed_weights(self) -> list[Weights | None] | None:
+        """Per layer, the tensors that hold its weights at the same addresses every step (what
+        a CUDA graph may read): a resident layer's own, an offloaded layer's slot; None for
+        an embedding or head that is neither (run eagerly). None when a decoder layer has
+        no fixed address."""
+        out: list[Weights | None] = []
+        for j, layer in enumerate(self.layers):
+            if self.is_resident(j):
+                out.append(_decoded(layer.values))
+            elif self.slots is not None and self.slots.holds(j):
+                out.append(self.slots.weights(j))
+            elif self.model.layer_kind(j) == "decoder":
+                return None
+            else:
+                out.append(None)
+        return out
+
+    def release(self, j: int) -> None:
+        """Layer j's compute has been enqueued (called on the compute stream's thread): its
+        slot may be loaded again once that has run (`WeightSlots.release`, with an event
+        recorded here; nothing for a layer without a slot)."""
+        if self.slots is not None and self.slots.holds(j):
+            self.slots.release(j, self.device.record())
+
     def load(self, j: int, experts: bool = True, host_experts: bool = True) -> Ready[Weights]:
         """Layer j's weights on the compute device, dequantized (a MoE layer's with its
         router counter, `PICKS`). `experts` False: of a MoE layer's routed experts only those
@@ -310,6 +353,10 @@ class WeightStore:
         (`load_expert` fetches the others, or they run on the CPU). Runs on a copy thread; on
         CUDA the copies go on this thread's side stream and the returned event fences them."""
         layer = self.layers[j]
+        if self.slots is not None and self.slots.holds(j):
+            with self.device.on_copy_stream():
+                self._load_into_slot(j, layer)
+                return Ready(self.slots.weights(j), self.device.record())
         if experts:
             units = [layer, *(u for u in layer.experts.values() if host_experts or u.tier != "cpu")]
         else:
@@ -352,13 +399,40 @@ class WeightStore:
             }
         return self._load_disk(unit)
 
+    def _load_into_slot(self, j: int, layer: StoredLayer) -> None:
+        """Layer j's weights copied into its slot: from host memory tensor by tensor; from
+        disk in one read (on the CPU straight into the slot; on CUDA into pinned staging,
+        then one copy)."""
+        assert self.slots is not None
+        if layer.tier == "cpu":
+            self.slots.fill(j, layer.values)  # type: ignore[arg-type]
+            return
+        assert layer.file is not None
+        if not self.device.is_cuda:
+            self.disk.read(layer.file, layer.start, self.slots.target(j)[: layer.nbytes])
+            return
+        staging = self._take_staging()
+        self.disk.read(layer.file, layer.start, staging[: layer.nbytes])
+        self.slots.fill(j, staging[: layer.nbytes])
+        self._recycle_staging(staging)
+
+    def _take_staging(self) -> torch.Tensor:
+        """A pinned staging buffer for a disk layer on its way to the GPU."""
+        try:
+            return self._staging.get_nowait()
+        except queue.Empty:
+            return self.device.host_empty((self._staging_bytes,), torch.uint8)
+
+    def _recycle_staging(self, staging: torch.Tensor) -> None:
+        done = self.device.record()
+        assert done is not None
+        done.synchronize()  # the device copies read `staging`; only then may it be reused
+        self._staging.put(staging)
+
     def _load_disk(self, layer: StoredLayer) -> dict[str, Stored]:
         assert layer.file is not None
         if self.device.is_cuda:  # pinned staging buffers, recycled once the copy has landed
-            try:
-                staging = self._staging.get_nowait()
-            except queue.Empty:
-                staging = self.device.host_empty((self._staging_bytes,), torch.uint8)
+            staging = self._take_staging()
         else:
             staging = torch.empty(layer.nbytes, dtype=torch.uint8)
         buf = staging[: layer.nbytes]
@@ -373,8 +447,5 @@ class WeightStore:
                 i += 1
             values[k] = _rebuild(template, parts)
         if self.device.is_cuda:
-            done = self.device.record()
-            assert done is not None
-            done.synchronize()  # the device copies read `staging`; only then may it be reused
-            self._staging.put(staging)
+            self._recycle_staging(staging)
         return values

@@ -40,8 +40,8 @@ from server.http.state import AppState, get_state
 from server.openai.errors import not_found
 from server.openai.metrics import CONTENT_TYPE, Metrics
 from server.openai.responses import Health, Model, ModelList, NotReady, Ready, now
-from server.openai.serving import CHAT, COMPLETIONS, Prepared, Serving
-from server.openai.streaming import stream_chunks
+from server.openai.serving import CHAT, COMPLETIONS, RESPONSES, Prepared, Serving
+from server.openai.streaming import stream_chunks, stream_response_events
 
 logger = logging.getLogger("nanoflex.server")
 T = TypeVar("T")
@@ -86,7 +86,14 @@ def create_app(
     store, storage = open_data_dir(settings.data_dir)
     metrics = Metrics(engine)
     model_name = settings.served_model_name or engine.model_name
-    serving = Serving(engine, model_name, metrics, settings.max_seqs_per_request)
+    serving = Serving(
+        engine,
+        model_name,
+        metrics,
+        settings.max_seqs_per_request,
+        tool_call_parser=settings.tool_call_parser,
+        reasoning_parser=settings.reasoning_parser,
+    )
     state = AppState(
         settings=settings,
         engine=engine,
@@ -179,7 +186,10 @@ async def _generate(request: Request, endpoint: str) -> Response:
         finally:
             state.release(prep.num_seqs)
         return json_response(result)
-    chunks = stream_chunks(state.serving, prep, ONLINE_PRIORITY)
+    if prep.responses is not None:
+        chunks = stream_response_events(state.serving, prep, ONLINE_PRIORITY)
+    else:
+        chunks = stream_chunks(state.serving, prep, ONLINE_PRIORITY)
     try:
         first = await _unless_disconnected(request, anext(chunks))
     except BaseException:
@@ -207,6 +217,10 @@ def _add_online_routes(app: FastAPI) -> None:
     @app.post(CHAT)
     async def chat_completions(request: Request) -> Response:
         return await _generate(request, CHAT)
+
+    @app.post(RESPONSES)
+    async def responses(request: Request) -> Response:
+        return await _generate(request, RESPONSES)
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:

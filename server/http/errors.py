@@ -46,6 +46,39 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     return invalid_request(f"{first.get('msg', 'invalid value')}{where}.", param=param)
 
 
+SERVED = (
+    "POST /v1/chat/completions, POST /v1/completions, POST /v1/responses, GET /v1/models, "
+    "the Batch API (/v1/files, /v1/batches), POST /tokenize, POST /detokenize"
+)
+OTHER_OPENAI_ROUTES = {
+    "/v1/embeddings": "embeddings",
+    "/v1/audio": "audio",
+    "/v1/images": "images",
+    "/v1/moderations": "moderations",
+    "/v1/fine_tuning": "fine-tuning",
+    "/v1/assistants": "assistants",
+    "/v1/threads": "threads",
+    "/v1/vector_stores": "vector stores",
+    "/v1/uploads": "uploads",
+    "/v1/realtime": "realtime sessions",
+    "/v1/evals": "evals",
+    "/v1/containers": "containers",
+    "/v1/conversations": "conversations",
+    "/v1/rerank": "reranking",
+    "/v1/score": "scoring",
+    "/pooling": "pooling",
+}
+
+
+def not_served(method: str, path: str) -> APIError:
+    """404 in OpenAI's envelope for a route nanoflex does not serve, saying what it does."""
+    what = next((w for p, w in OTHER_OPENAI_ROUTES.items() if path.startswith(p)), None)
+    head = f"{method} {path} is not served"
+    if what is not None:
+        head = f"nanoflex does not serve {what} ({method} {path}): it serves text generation"
+    return APIError(404, f"{head}. Served routes: {SERVED}.", code="route_not_served")
+
+
 _STATUS_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
 
 
@@ -53,29 +86,31 @@ def install_error_handlers(app: FastAPI) -> None:
     """Route every exception through OpenAI's envelope."""
 
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> Response:
-        return error_response(exc)
+    async def _api_error(request: Request, exc: APIError) -> Response:
+        return error_response(exc, request.scope)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> Response:
-        return error_response(_validation_error(exc))
+    async def _validation(request: Request, exc: RequestValidationError) -> Response:
+        return error_response(_validation_error(exc), request.scope)
 
     @app.exception_handler(StorageError)
-    async def _storage(_: Request, exc: StorageError) -> Response:
+    async def _storage(request: Request, exc: StorageError) -> Response:
         logger.error("storage failure: %s", exc)
-        return error_response(insufficient_storage(exc))
+        return error_response(insufficient_storage(exc), request.scope)
 
     @app.exception_handler(SamplingError)
-    async def _sampling(_: Request, exc: SamplingError) -> Response:
-        return error_response(invalid_request(str(exc)))
+    async def _sampling(request: Request, exc: SamplingError) -> Response:
+        return error_response(invalid_request(str(exc)), request.scope)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> Response:
+    async def _http(request: Request, exc: StarletteHTTPException) -> Response:
         status = exc.status_code
+        if status == 404 and exc.detail == "Not Found":  # no such route
+            return error_response(not_served(request.method, request.url.path), request.scope)
         kind = "invalid_request_error" if status < 500 else "server_error"
         err = APIError(status, str(exc.detail), type=kind, code=_STATUS_CODES.get(status))
         err.headers = dict(exc.headers or {})
-        return error_response(err)
+        return error_response(err, request.scope)
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> Response:

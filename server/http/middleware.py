@@ -102,7 +102,7 @@ class Guard:
         headers = _headers(scope)
         refusal = self._refusal(scope, headers)
         if refusal is not None:
-            await error_response(refusal)(scope, receive, send)
+            await error_response(refusal, scope)(scope, receive, send)
             return
         path: str = scope["path"]
         is_upload = path == "/v1/files" and scope["method"] == "POST"
@@ -110,7 +110,7 @@ class Guard:
         what = "uploaded file" if is_upload else "request body"
         declared = headers.get("content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > limit):
-            await error_response(payload_too_large(limit, what))(scope, receive, send)
+            await error_response(payload_too_large(limit, what), scope)(scope, receive, send)
             return
 
         received = 0
@@ -143,7 +143,7 @@ class Guard:
         except (BodyTooLarge, BodyTimeout) as e:
             if response_started:
                 raise
-            await error_response(e)(scope, receive, send)
+            await error_response(e, scope)(scope, receive, send)
         finally:
             if received >= LARGE_BODY_BYTES:  # its body and what was parsed from it are freed
                 await asyncio.to_thread(return_freed_memory)

@@ -27,6 +27,7 @@ from server.openai.requests import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from server.openai.responses_api import Response, ResponsesRequest
 
 REF = "#/components/schemas/{model}"
 
@@ -70,6 +71,9 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("post", "/v1/chat/completions"): Operation(
         responses.ChatCompletion, ChatCompletionRequest, (404, 415, 429, 503), streams=True
     ),
+    ("post", "/v1/responses"): Operation(
+        Response, ResponsesRequest, (404, 415, 429, 503), streams=True
+    ),
     ("get", "/v1/models"): Operation(responses.ModelList),
     ("get", "/v1/models/{model_id}"): Operation(responses.Model, errors=(404,)),
     ("post", "/v1/files"): Operation(objects.FileObject, errors=(507,)),
@@ -102,7 +106,8 @@ UPLOAD_FORM = {
 SSE_EVENT = {
     "type": "object",
     "description": "One server-sent event of `stream: true`: a JSON chunk (CompletionChunk or "
-    "ChatCompletionChunk), or [DONE] last.",
+    "ChatCompletionChunk), or [DONE] last; /v1/responses sends Responses events (`event:` "
+    "and `data:` lines, the last response.completed or response.incomplete).",
     "properties": {"data": {"type": "string"}},
     "required": ["data"],
 }

@@ -39,6 +39,8 @@ from server.batch.data_dir import check_data_dir
 from server.http.app import create_app
 from server.http.memory import keep_heaps_trimmed
 from server.http.settings import API_KEY_ENV, ServerSettings
+from server.openai.reasoning import PARSERS as REASONING_PARSERS
+from server.openai.tool_parsers import PARSERS as TOOL_PARSERS
 
 DEFAULT_ENGINE_CLIENT = "engine.runtime.core_client:build_engine_client"
 ENGINE_CLIENT_ENV = "NANOFLEX_ENGINE_CLIENT"
@@ -121,6 +123,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--allowed-origins",
         default=None,
         help="comma-separated browser origins allowed cross-site (CORS) (default: none)",
+    )
+    parser.add_argument(
+        "--tool-call-parser",
+        choices=TOOL_PARSERS,
+        default=None,
+        help="the model's tool-call format, read for tool_choice auto (default: from the "
+        "chat template; hermes when it shows none)",
+    )
+    parser.add_argument(
+        "--reasoning-parser",
+        choices=(*REASONING_PARSERS, "none"),
+        default=None,
+        help="split <think> reasoning into reasoning_content (default: from the chat "
+        "template: qwen3 or deepseek_r1 when it closes a </think>, else none)",
     )
     parser.add_argument(
         "--in-process",

@@ -56,6 +56,10 @@ class ServerSettings:
     """Browser origins allowed to call the API (CORS); none by default, '*': any."""
     served_model_name: str | None = None
     """Model id shown to clients; None: the engine's model name."""
+    tool_call_parser: str | None = None
+    """The model's tool-call format (server/openai/tool_parsers.py); None: from its template."""
+    reasoning_parser: str | None = None
+    """qwen3, deepseek_r1 or none (server/openai/reasoning.py); None: from its template."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "data_dir", Path(self.data_dir))
@@ -96,6 +100,8 @@ class ServerSettings:
             allowed_hosts=_names(args.allowed_hosts),
             allowed_origins=_names(args.allowed_origins),
             served_model_name=getattr(args, "served_model_name", None),
+            tool_call_parser=getattr(args, "tool_call_parser", None),
+            reasoning_parser=getattr(args, "reasoning_parser", None),
         )
 
 

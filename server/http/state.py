@@ -60,7 +60,6 @@ class AppState:
                 code="too_many_sequences",
             )
         if self.num_online + num_seqs > max_queue:
-            self.metrics.rejected.inc()
             raise queue_full(self.settings.retry_after_s)
         self.num_online += num_seqs
         self.metrics.online_in_flight.set(self.num_online)

@@ -18,7 +18,7 @@ from engine.core.sequence import BATCH_PRIORITY
 from policy.errors import UserError
 from server.batch.lines import BatchLine, answer_line
 from server.openai.errors import APIError
-from server.openai.serving import CHAT, Serving
+from server.openai.serving import CHAT, RESPONSES, Serving
 
 MAX_IN_FLIGHT = 256
 """Requests prepared and queued in the engine at once; more wait here, untokenized."""
@@ -92,7 +92,8 @@ def _digest(*parts: str) -> str:
 
 def batch_request_id(custom_id: str, endpoint: str) -> str:
     """The response's request id (and body id), a function of custom_id alone."""
-    return ("chatcmpl-" if endpoint == CHAT else "cmpl-") + _digest(custom_id)
+    prefix = {CHAT: "chatcmpl-", RESPONSES: "resp_"}.get(endpoint, "cmpl-")
+    return prefix + _digest(custom_id)
 
 
 def line_id(index: int, custom_id: str | None) -> str:

@@ -68,7 +68,9 @@ class Metrics:
         )
         self.rejected = Counter(
             "nanoflex_requests_rejected",
-            "Online requests refused with 429 (queue full).",
+            "Requests refused (every 4xx answer), by reason: the error's code (queue_full, "
+            "invalid_value, unrecognized_argument, ...).",
+            ["reason"],
             registry=r,
         )
         self.step_seconds = Histogram(

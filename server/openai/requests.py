@@ -1,19 +1,25 @@
 """Request bodies of the OpenAI API (pydantic, strict types) and their `SamplingParams`.
 
-Unknown fields are refused (OpenAI answers "Unrecognized request argument");
-accepted-but-unsupported fields must hold their neutral value.
+Unknown fields are refused (OpenAI answers "Unrecognized request argument"). Every field
+OpenAI or vLLM defines is accepted: implemented; or, where it has no meaning here (`store`,
+`metadata`, `service_tier`...), accepted and ignored with one warning line naming it, the
+first time it comes (`IGNORED`); or, where it would change the answer in a way nanoflex does
+not implement (`use_beam_search`...), accepted at its neutral value only (`NEUTRAL`).
 """
 
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal, TypeVar
+import logging
+from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
 from engine.core.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
-from engine.core.structured import StructuredOutput
+from engine.core.structured import StructuredOutput, closed_schema
 from server.openai.errors import APIError, invalid_request
+
+logger = logging.getLogger("nanoflex.server")
 
 MAX_N = 16
 MAX_STOP = 64
@@ -26,6 +32,54 @@ MAX_BAD_WORDS = 256
 MAX_ALLOWED_TOKEN_IDS = 1 << 20
 INT64 = 2**63
 TokenId = Annotated[int, Field(ge=0, lt=INT64)]
+
+IGNORED_FIELDS = frozenset(
+    {
+        # OpenAI's: storage, billing, routing and other modalities' settings
+        "store",
+        "metadata",
+        "service_tier",
+        "prompt_cache_key",
+        "prompt_cache_retention",
+        "safety_identifier",
+        "verbosity",
+        "prediction",
+        "web_search_options",
+        # vLLM's: scheduling, caching and multimodal settings of its own engine
+        "priority",
+        "request_id",
+        "cache_salt",
+        "kv_transfer_params",
+        "vllm_xargs",
+        "mm_processor_kwargs",
+        "media_io_kwargs",
+        "logits_processors",
+        "guided_decoding_backend",
+        "guided_whitespace_pattern",
+        "structural_tag",
+        "skip_special_tokens",
+        "spaces_between_special_tokens",
+        "length_penalty",
+        "return_token_ids",
+        "add_special_tokens",
+        "documents",
+        "chat_template",
+        "thinking_token_budget",
+        "max_thinking_tokens",
+    }
+)
+"""Fields OpenAI or vLLM define that have no meaning here: accepted, ignored, named once
+in the log (docs/api.md, "Accepted and ignored"). `chat_template`: the served model's own
+template is always used; `skip_special_tokens`: special tokens are always skipped."""
+NEUTRAL_FIELDS: dict[str, Any] = {
+    "use_beam_search": False,
+    "include_stop_str_in_output": False,
+    "prompt_logprobs": None,
+    "truncate_prompt_tokens": None,
+}
+"""Fields that would change the answer in ways nanoflex does not implement: accepted at
+these values only."""
+MAX_TOOLS = 128
 
 
 class _Strict(BaseModel):
@@ -93,6 +147,11 @@ class _Sampling(_Strict):
         default=None, min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS
     )
     structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    """vLLM's older names for `structured_outputs`' fields."""
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     return_tokens_as_token_ids: bool = False
     """vLLM's: logprobs name each token "token_id:<id>" instead of its text, so that two
     tokens with the same text (pieces of one character, say) stay apart in `top_logprobs`."""
@@ -133,6 +192,21 @@ class _Sampling(_Strict):
         """The output constraint and the field that asked for it (`response_format` or
         `structured_outputs`), which a 400 about it names."""
         fmt, spec = self.response_format, self.structured_outputs
+        guided = {
+            "json": self.guided_json,
+            "regex": self.guided_regex,
+            "choice": self.guided_choice,
+            "grammar": self.guided_grammar,
+        }
+        if any(v is not None for v in guided.values()):
+            if spec is not None:
+                raise invalid_request(
+                    "give structured_outputs or the guided_* fields, not both",
+                    param="structured_outputs",
+                )
+            spec = StructuredOutputs.model_validate(
+                {k: v for k, v in guided.items() if v is not None}
+            )
         if fmt is not None and fmt.type != "text" and spec is not None:
             raise invalid_request(
                 "give response_format or structured_outputs, not both",
@@ -149,7 +223,7 @@ class _Sampling(_Strict):
                 "response_format of type json_schema needs its json_schema",
                 param="response_format",
             )
-        schema = json.dumps(fmt.json_schema.schema_)
+        schema = json.dumps(closed_schema(fmt.json_schema.schema_))
         return StructuredOutput("json", schema), "response_format"
 
     def sampling_params(
@@ -209,8 +283,15 @@ def _structured_outputs(spec: StructuredOutputs) -> StructuredOutput:
         return StructuredOutput("json_object")
     if kind == "choice":
         return StructuredOutput("choice", json.dumps(value))
-    if kind == "json" and not isinstance(value, str):
-        value = json.dumps(value)
+    if kind == "json":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as e:
+                raise invalid_request(
+                    f"structured_outputs.json is not JSON: {e}", param="structured_outputs"
+                ) from e
+        value = json.dumps(closed_schema(value))
     return StructuredOutput(kind, value)
 
 
@@ -225,23 +306,134 @@ class CompletionRequest(_Sampling):
     best_of: int | None = Field(default=None, ge=1)
     suffix: None = None
 
+    add_special_tokens: bool = True
+    """vLLM's: a text prompt gets the model's usual special tokens (BOS)."""
 
-class TextPart(BaseModel):
+    IGNORED: ClassVar[frozenset[str]] = IGNORED_FIELDS - {
+        "chat_template", "documents", "add_special_tokens"
+    }  # fmt: skip
+    NEUTRAL: ClassVar[dict[str, Any]] = NEUTRAL_FIELDS | {"prompt_embeds": None}
+
+
+TEXT_ONLY_PARTS = frozenset(
+    {
+        "image_url",
+        "input_image",
+        "image",
+        "input_audio",
+        "audio",
+        "audio_url",
+        "file",
+        "input_file",
+        "video",
+        "video_url",
+        "image_embeds",
+    }
+)
+"""Content parts of other modalities: refused by name (the served models take text)."""
+
+
+class FunctionCall(_Strict):
+    name: str
+    arguments: str | dict[str, Any] = ""
+
+
+class ToolCallIn(BaseModel):
+    """An assistant message's tool call, as a client sends it back."""
+
     model_config = ConfigDict(strict=True, extra="ignore")
-    type: Literal["text"]
-    text: str
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+    function_call: FunctionCall | None = None
+    """The legacy form of an assistant's call."""
+    reasoning_content: str | None = None
 
-    def text(self) -> str:
-        if isinstance(self.content, list):
-            return "".join(part.text for part in self.content)
-        return self.content or ""
+    def text(self, index: int) -> str:
+        """The content's text; a part of another modality is a 400 naming it."""
+        if not isinstance(self.content, list):
+            return self.content or ""
+        texts: list[str] = []
+        for j, part in enumerate(self.content):
+            kind = part.get("type")
+            where = f"messages.{index}.content.{j}"
+            if kind in ("text", "input_text", "output_text", "refusal"):
+                text = part.get("text", part.get("refusal"))
+                if not isinstance(text, str):
+                    raise invalid_request(f"a {kind} part needs its text", param=where)
+                texts.append(text)
+            elif kind in TEXT_ONLY_PARTS:
+                raise invalid_request(
+                    f"The served model takes text only; this message has a content part of "
+                    f"type {kind!r}. Send text parts (type 'text') or a string.",
+                    param=where,
+                    code="unsupported_content_type",
+                )
+            else:
+                raise invalid_request(
+                    f"Unknown content part type {kind!r}; the served model takes text parts "
+                    "(type 'text').",
+                    param=where,
+                )
+        return "".join(texts)
+
+    def for_template(self, index: int) -> dict[str, Any]:
+        """The message as chat templates read it (`role`, `content`, and where present
+        `name`, `tool_calls`, `tool_call_id`)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text(index)}
+        if self.role == "function":  # the legacy result of a function
+            out["role"] = "tool"
+        if self.name is not None:
+            out["name"] = self.name
+        calls = list(self.tool_calls or [])
+        if self.function_call is not None:
+            calls.append(ToolCallIn(function=self.function_call))
+        if calls:
+            out["tool_calls"] = [
+                {
+                    "id": c.id or f"call_{index}_{k}",
+                    "type": "function",
+                    "function": {"name": c.function.name, "arguments": c.function.arguments},
+                }
+                for k, c in enumerate(calls)
+            ]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.reasoning_content is not None:
+            out["reasoning_content"] = self.reasoning_content
+        return out
+
+
+class FunctionDef(_Strict):
+    name: Annotated[
+        str, StringConstraints(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
+    ]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_Sampling):
@@ -253,6 +445,34 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
+    tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    functions: list[FunctionDef] | None = Field(default=None, max_length=MAX_TOOLS)
+    function_call: Literal["none", "auto"] | NamedFunction | None = None
+    # vLLM's chat template controls
+    chat_template_kwargs: dict[str, Any] | None = None
+    """Extra variables for the chat template (`enable_thinking`, ...)."""
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    """The answer continues the last (assistant) message instead of starting a new one."""
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    """Passed to the chat template as `reasoning_effort` (gpt-oss reads it)."""
+    modalities: list[Literal["text"]] | None = None
+    audio: None = None
+
+    IGNORED: ClassVar[frozenset[str]] = IGNORED_FIELDS
+    NEUTRAL: ClassVar[dict[str, Any]] = NEUTRAL_FIELDS | {"echo": False}
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        return [m.for_template(i) for i, m in enumerate(self.messages)]
+
+    def template_kwargs(self) -> dict[str, Any]:
+        kwargs = dict(self.chat_template_kwargs or {})
+        if self.reasoning_effort is not None:
+            kwargs.setdefault("reasoning_effort", self.reasoning_effort)
+        return kwargs
+
     def num_logprobs(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
             raise invalid_request("top_logprobs requires logprobs to be true", param="top_logprobs")
@@ -263,7 +483,7 @@ class BatchCreateRequest(_Strict):
     """POST /v1/batches."""
 
     input_file_id: str
-    endpoint: Literal["/v1/completions", "/v1/chat/completions"]
+    endpoint: Literal["/v1/completions", "/v1/chat/completions", "/v1/responses"]
     completion_window: Literal["24h"]
     metadata: (
         dict[
@@ -276,12 +496,39 @@ class BatchCreateRequest(_Strict):
 
 
 M = TypeVar("M", bound=BaseModel)
+_warned: set[str] = set()
+
+
+def _accept_known(model: type[BaseModel], body: dict[str, Any]) -> dict[str, Any]:
+    """`body` without the fields nanoflex accepts and ignores (a warning line naming each,
+    the first time it comes); a NEUTRAL field at another value is a 400 naming it."""
+    neutral: dict[str, Any] = getattr(model, "NEUTRAL", {})
+    for name, value in neutral.items():
+        if name in body and body[name] != value and not (value is None and body[name] is None):
+            raise invalid_request(
+                f"{name} is not implemented by nanoflex; leave it out or send {json.dumps(value)}.",
+                param=name,
+                code="unsupported_parameter",
+            )
+    ignored: frozenset[str] = getattr(model, "IGNORED", frozenset())
+    dropped = [name for name in body if name in ignored or name in neutral]
+    if not dropped:
+        return body
+    new = sorted(n for n in dropped if n not in _warned and n in ignored)
+    if new:
+        _warned.update(new)
+        logger.warning(
+            "request fields accepted and ignored (no meaning in nanoflex; said once): %s",
+            ", ".join(new),
+        )
+    return {k: v for k, v in body.items() if k not in dropped}
 
 
 def parse_body(model: type[M], body: Any) -> M:
     """Validate a decoded JSON body; any problem becomes a 400 naming the field."""
     if not isinstance(body, dict):
         raise invalid_request("The request body must be a JSON object.", code="invalid_json")
+    body = _accept_known(model, body)
     try:
         return model.model_validate(body)
     except ValidationError as e:
@@ -297,6 +544,8 @@ UNION_HINTS = {
     "prompt": "prompt must be a string, a list of strings, a list of token ids "
     "or a list of token-id lists",
     "stop": "stop must be a string or a list of strings",
+    "modalities": "The served model answers in text only: modalities takes ['text']",
+    "audio": "The served model answers in text only: leave audio out",
 }
 
 

@@ -14,7 +14,7 @@ from typing import Literal
 
 from pydantic import BaseModel
 
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "tool_calls", "function_call"]
 
 
 class ErrorBody(BaseModel):
@@ -88,9 +88,28 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob]
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str
+    """The arguments as a JSON object's text."""
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"]
+    function: FunctionCallOut
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
-    content: str
+    content: str | None
+    """The answer's text; null when it is only tool calls."""
+    reasoning_content: str | None = None
+    """What a thinking model reasoned before its answer (vLLM's field); set only then."""
+    tool_calls: list[ToolCall] | None = None
+    """Set only when the answer calls tools."""
+    function_call: FunctionCallOut | None = None
+    """The legacy `functions` request's call; set only then."""
 
 
 class ChatChoice(BaseModel):
@@ -178,11 +197,30 @@ class CompletionChunk(_Head):
     """With `stream_options.include_usage`: null on every chunk but the last."""
 
 
+class FunctionCallDelta(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(BaseModel):
+    """A tool call in a stream: its first delta has the id, type and name."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
+
+
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     """On a choice's first chunk only."""
     content: str | None = None
     """New text; absent on a last chunk without any."""
+    reasoning_content: str | None = None
+    """New reasoning of a thinking model; absent otherwise."""
+    tool_calls: list[ToolCallDelta] | None = None
+    """Calls, whole, once the answer has them (absent otherwise)."""
+    function_call: FunctionCallDelta | None = None
 
 
 class ChatChunkChoice(BaseModel):

@@ -17,6 +17,7 @@ a worker thread.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
 from collections.abc import AsyncGenerator, Callable, Iterable, Sequence
 from contextlib import aclosing
@@ -25,7 +26,8 @@ from typing import Any
 
 from engine.core.outputs import ChoiceAccumulator, SequenceDelta
 from engine.core.sampling_params import SamplingError, SamplingParams
-from engine.core.structured import StructuredOutputError
+from engine.core.structured import StructuredOutput, StructuredOutputError, after_reasoning
+from engine.core.tokenizer import ChatOptions
 from engine.runtime.engine_client import EngineClient, EngineDeadError, StorageUnavailableError
 from policy.errors import UserError
 from server.openai.errors import (
@@ -37,9 +39,10 @@ from server.openai.errors import (
 )
 from server.openai.logprobs import chat_logprobs, completion_logprobs
 from server.openai.metrics import Metrics
+from server.openai.reasoning import parser_for_template as reasoning_for_template
+from server.openai.reasoning import split_reasoning
 from server.openai.requests import (
     ChatCompletionRequest,
-    ChatMessage,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
@@ -52,15 +55,27 @@ from server.openai.responses import (
     Completion,
     CompletionChoice,
     Detokenized,
+    FunctionCallOut,
     Tokenized,
     TokenizerInfo,
+    ToolCall,
+    Usage,
     new_id,
     now,
     usage,
 )
+from server.openai.responses_api import (
+    Response,
+    ResponsesRequest,
+    refuse_stored_state,
+    response_body,
+)
+from server.openai.tool_parsers import parser_for_template as tools_for_template
+from server.openai.tools import ToolPlan, chat_for_template, template_knows_tools, tool_plan
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
+RESPONSES = "/v1/responses"
 MAX_SEQS_PER_REQUEST = 256
 """Most sequences (prompts x n) one request may ask for."""
 
@@ -83,6 +98,12 @@ class Prepared:
     include_usage: bool
     tokens_as_ids: bool = False
     """Logprobs name tokens "token_id:<id>" (`return_tokens_as_token_ids`)."""
+    tools: ToolPlan | None = None
+    """A chat's tools: the answer is read for calls (server/openai/tools.py)."""
+    reasoning: str | None = None
+    """The reasoning parser that splits a chat's answer (server/openai/reasoning.py)."""
+    responses: ResponsesRequest | None = None
+    """A Responses API request, run as the chat it means and answered as a Response."""
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -111,11 +132,18 @@ class Serving:
         model_name: str,
         metrics: Metrics,
         max_seqs_per_request: int = MAX_SEQS_PER_REQUEST,
+        *,
+        tool_call_parser: str | None = None,
+        reasoning_parser: str | None = None,
     ) -> None:
         self.engine = engine
         self.model_name = model_name
         self.metrics = metrics
         self.max_seqs_per_request = max_seqs_per_request
+        self.tool_call_parser = tool_call_parser
+        """The model's tool-call format; None: the one its chat template shows."""
+        self.reasoning_parser = reasoning_parser
+        """qwen3, deepseek_r1 or "none"; None: the one its chat template shows."""
 
     @property
     def max_prompt_bytes(self) -> int:
@@ -143,12 +171,32 @@ class Serving:
             raise _translate(e) from e
 
     def _prepare(self, endpoint: str, body: Any) -> Prepared:
+        if endpoint == RESPONSES:
+            refuse_stored_state(body)
+            responses = parse_body(ResponsesRequest, body)
+            prep = self._prepare(CHAT, responses.chat_body())
+            return replace(
+                prep, request_id=new_id("resp_"), stream=responses.stream, responses=responses
+            )
         req: CompletionRequest | ChatCompletionRequest
+        tools: ToolPlan | None = None
+        reasoning: str | None = None
         if endpoint == CHAT:
             req = parse_body(ChatCompletionRequest, body)
             self._check_model(req.model)
             self._check_num_seqs(1, req.n)
-            prompts = [self._chat_ids(req.messages)]
+            template = self.engine.tokenizer_info().get("chat_template")
+            tools = tool_plan(
+                [t.model_dump(exclude_none=True) for t in req.tools or []] or None,
+                _dump(req.tool_choice),
+                req.parallel_tool_calls,
+                None if req.functions is None else [_dump(f) for f in req.functions],
+                _dump(req.function_call),
+                self.tool_call_parser or tools_for_template(template),
+            )
+            reasoning = self.reasoning_parser or reasoning_for_template(template)
+            reasoning = None if reasoning == "none" else reasoning
+            prompts = [self._chat_ids(req.template_messages(), req, tools, template)]
             max_tokens = req.max_completion_tokens or req.max_tokens
             num_logprobs, echo = req.num_logprobs(), False
         else:
@@ -157,9 +205,12 @@ class Serving:
             if req.best_of not in (None, req.n):
                 raise invalid_request("best_of must equal n (or be omitted)", param="best_of")
             self._check_model(req.model)
-            prompts = self._completion_prompts(req.prompt, req.n)
+            prompts = self._completion_prompts(req.prompt, req.n, req.add_special_tokens)
             max_tokens, num_logprobs, echo = req.max_tokens, req.logprobs, req.echo
-        params = self._sampling_params(req, prompts, max_tokens, num_logprobs, echo)
+        forced = None if tools is None else tools.constraint()
+        params = self._sampling_params(
+            req, prompts, max_tokens, num_logprobs, echo, forced, reasoning
+        )
         return Prepared(
             is_chat=endpoint == CHAT,
             request_id=new_id("chatcmpl-" if endpoint == CHAT else "cmpl-"),
@@ -173,6 +224,8 @@ class Serving:
             stream=req.stream,
             include_usage=req.include_usage(),
             tokens_as_ids=req.return_tokens_as_token_ids,
+            tools=tools if tools is not None and tools.parses else None,
+            reasoning=reasoning,
         )
 
     def _sampling_params(
@@ -182,10 +235,15 @@ class Serving:
         max_tokens: int | None,
         num_logprobs: int | None,
         echo: bool,
+        forced: StructuredOutput | None = None,
+        reasoning: str | None = None,
     ) -> list[SamplingParams]:
         """Each prompt's settings, ready for the engine: the model's generation_config
         defaults where the request is silent, bad words tokenized, token ids checked, a
-        structured output's grammar built and checked (cached by spec, time-limited)."""
+        structured output's grammar built and checked (cached by spec, time-limited).
+        `forced`: a forced tool call's grammar, which takes the place of the request's.
+        `reasoning`: the model thinks aloud first, so the constraint applies after its think
+        block (`after_reasoning`)."""
         if max_tokens == 0 and not (echo and num_logprobs is not None):
             raise invalid_request(
                 "max_tokens may be 0 only with echo and logprobs (the prompt's logprobs)",
@@ -194,6 +252,16 @@ class Serving:
         defaults = self.engine.generation_defaults
         limits = [self._max_tokens(p, max_tokens, defaults.get("max_tokens")) for p in prompts]
         structured, structured_param = req.structured()
+        if forced is not None:
+            if structured is not None:
+                raise invalid_request(
+                    f"a forced tool call (tool_choice required or named) fixes the answer's "
+                    f"format; leave {structured_param} out",
+                    param=structured_param,
+                )
+            structured, structured_param = forced, "tool_choice"
+        if structured is not None and reasoning is not None:
+            structured = after_reasoning(structured, opened=reasoning == "deepseek_r1")
         params = req.sampling_params(limits[0], num_logprobs, echo, defaults, structured)
         try:  # once per request: the prompts differ only in their max_tokens
             params = params.prepared(self._encode_plain, self.engine.vocab_size)
@@ -216,7 +284,7 @@ class Serving:
             if (req.prompt is None) == (req.messages is None):
                 raise invalid_request("give one of prompt or messages", param="prompt")
             if req.messages is not None:
-                ids = self._chat_ids(req.messages)
+                ids = self._chat_ids([m.for_template(i) for i, m in enumerate(req.messages)])
             else:
                 assert req.prompt is not None
                 self._check_text_bytes([req.prompt], "prompt")
@@ -288,7 +356,10 @@ class Serving:
             )
 
     def _completion_prompts(
-        self, prompt: str | list[str] | list[int] | list[list[int]], n: int
+        self,
+        prompt: str | list[str] | list[int] | list[list[int]],
+        n: int,
+        add_special_tokens: bool = True,
     ) -> list[list[int]]:
         items: list[Any]
         if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
@@ -302,7 +373,7 @@ class Serving:
         for item in items:
             if isinstance(item, str):
                 self._check_text_bytes([item], "prompt")
-                ids = self.engine.encode(item)
+                ids = self.engine.encode(item, add_special_tokens)
             else:
                 ids = list(item)
                 self._check_num_tokens(len(ids))
@@ -323,12 +394,29 @@ class Serving:
                 code="invalid_token_ids",
             )
 
-    def _chat_ids(self, messages: list[ChatMessage]) -> list[int]:
-        """A chat's token ids: its messages rendered with the model's template."""
-        chat = [{"role": m.role, "content": m.text()} for m in messages]
-        self._check_text_bytes([m["content"] for m in chat], "messages")
+    def _chat_ids(
+        self,
+        messages: list[dict[str, Any]],
+        req: ChatCompletionRequest | None = None,
+        tools: ToolPlan | None = None,
+        template: str | None = None,
+    ) -> list[int]:
+        """A chat's token ids: its messages rendered with the model's template, with the
+        request's tools and template options (`req`); a template that knows no tools gets
+        them written into the chat (server/openai/tools.py)."""
+        native = template_knows_tools(template)
+        chat = chat_for_template(messages, tools.tools if tools else None, native)
+        self._check_text_bytes([str(m.get("content") or "") for m in chat], "messages")
         try:
-            return self.engine.apply_chat_template(chat)
+            if req is None:
+                return self.engine.apply_chat_template(chat)
+            options = ChatOptions(
+                add_generation_prompt=req.add_generation_prompt and not req.continue_final_message,
+                tools=tools.tools if tools and native else None,
+                continue_final_message=req.continue_final_message,
+                template_kwargs=req.template_kwargs(),
+            )
+            return self.engine.apply_chat_template(chat, options)
         except UserError as e:
             raise invalid_request(str(e), param="messages", code="chat_template_error") from e
 
@@ -451,7 +539,7 @@ class Serving:
             return self._prompt_choices(prep, priority, 0, choices)
         return self._merged(prep, priority, choices)
 
-    async def run(self, prep: Prepared, priority: int) -> Completion | ChatCompletion:
+    async def run(self, prep: Prepared, priority: int) -> Completion | ChatCompletion | Response:
         """The whole (non-streaming) response body."""
         return self.body(prep, await self.run_choices(prep, priority))
 
@@ -463,20 +551,34 @@ class Serving:
                 choices[choice.index] = choice
         return [choices[i] for i in sorted(choices)]
 
-    def body(self, prep: Prepared, choices: list[ChoiceAccumulator]) -> Completion | ChatCompletion:
+    def body(
+        self, prep: Prepared, choices: list[ChoiceAccumulator]
+    ) -> Completion | ChatCompletion | Response:
         """The non-streaming response body of finished choices."""
-        num_generated = sum(len(c.token_ids) for c in choices)
-        total = usage(prep.num_prompt_tokens, num_generated, prep.num_cached_tokens(choices))
+        if prep.responses is not None:
+            chat = self.chat_body(prep, choices)
+            req = prep.responses
+            return response_body(req, prep.request_id, prep.created, prep.model, chat)
         if prep.is_chat:
-            return ChatCompletion(
-                id=prep.request_id,
-                created=prep.created,
-                model=prep.model,
-                system_fingerprint=None,
-                object="chat.completion",
-                choices=[self.chat_choice(prep, choice) for choice in choices],
-                usage=total,
-            )
+            return self.chat_body(prep, choices)
+        return self.completion_body(prep, choices)
+
+    def _usage(self, prep: Prepared, choices: list[ChoiceAccumulator]) -> Usage:
+        num_generated = sum(len(c.token_ids) for c in choices)
+        return usage(prep.num_prompt_tokens, num_generated, prep.num_cached_tokens(choices))
+
+    def chat_body(self, prep: Prepared, choices: list[ChoiceAccumulator]) -> ChatCompletion:
+        return ChatCompletion(
+            id=prep.request_id,
+            created=prep.created,
+            model=prep.model,
+            system_fingerprint=None,
+            object="chat.completion",
+            choices=[self.chat_choice(prep, choice) for choice in choices],
+            usage=self._usage(prep, choices),
+        )
+
+    def completion_body(self, prep: Prepared, choices: list[ChoiceAccumulator]) -> Completion:
         return Completion(
             id=prep.request_id,
             created=prep.created,
@@ -484,7 +586,7 @@ class Serving:
             system_fingerprint=None,
             object="text_completion",
             choices=[self.choice(prep, choice) for choice in choices],
-            usage=total,
+            usage=self._usage(prep, choices),
         )
 
     def token_names(self, prep: Prepared) -> Callable[[Sequence[int]], str]:
@@ -498,11 +600,12 @@ class Serving:
         if prep.num_logprobs is not None:
             names, entries = self.token_names(prep), choice.logprobs or []
             logprobs = chat_logprobs(names, choice.token_ids, entries, prep.num_logprobs)
+        message, finish_reason = chat_answer(prep, choice, choice.finish_reason)
         return ChatChoice(
             index=choice.index,
-            message=AssistantMessage(role="assistant", content=choice.text),
+            message=message,
             logprobs=logprobs,
-            finish_reason=choice.finish_reason,  # type: ignore[arg-type]
+            finish_reason=finish_reason,  # type: ignore[arg-type]
         )
 
     def choice(self, prep: Prepared, choice: ChoiceAccumulator) -> CompletionChoice:
@@ -528,6 +631,53 @@ class Serving:
             logprobs=completion_lp,
             finish_reason=choice.finish_reason,  # type: ignore[arg-type]
         )
+
+
+def chat_answer(
+    prep: Prepared, choice: ChoiceAccumulator, finish_reason: str | None
+) -> tuple[AssistantMessage, str | None]:
+    """A chat choice's whole answer as OpenAI's message: reasoning apart (when the model
+    thinks aloud), tool calls read from the rest (when the request has tools), and the
+    finish reason they make ("tool_calls"; "function_call" for the legacy `functions`).
+    A call's id is a function of the request's id, so a batch line rerun writes the same."""
+    text = choice.text
+    message = AssistantMessage(role="assistant", content=text)
+    if prep.reasoning is not None:
+        message.reasoning_content, message.content = split_reasoning(prep.reasoning, text)
+    plan = prep.tools
+    if plan is None:
+        return message, finish_reason
+    parsed = plan.answer(message.content or "")
+    if not parsed.calls:
+        return message, finish_reason
+    message.content = parsed.content
+    if plan.legacy:
+        first = parsed.calls[0]
+        message.function_call = FunctionCallOut(name=first.name, arguments=first.arguments)
+        return message, "function_call" if plan.mode != "named" else finish_reason
+    message.tool_calls = [
+        ToolCall(
+            id=_call_id(prep.request_id, choice.index, k),
+            type="function",
+            function=FunctionCallOut(name=call.name, arguments=call.arguments),
+        )
+        for k, call in enumerate(parsed.calls)
+    ]
+    if plan.mode == "named" or finish_reason == "length":
+        return message, finish_reason  # OpenAI's answer to a named choice: "stop"
+    return message, "tool_calls"
+
+
+def _call_id(request_id: str, index: int, k: int) -> str:
+    digest = hashlib.sha256(f"{request_id}/{index}/{k}".encode()).hexdigest()
+    return f"call_{digest[:24]}"
+
+
+def _dump(value: Any) -> Any:
+    """A request model's value as JSON values (None and plain values as they are)."""
+    if isinstance(value, list):
+        return [_dump(v) for v in value]
+    return value.model_dump(exclude_none=True) if hasattr(value, "model_dump") else value
 
 
 def _check_failed(delta: SequenceDelta) -> None:

@@ -26,7 +26,9 @@ from server.openai.responses import (
     sse,
     usage,
 )
-from server.openai.serving import Prepared, Serving
+from server.openai.responses_api import Response, response_body, response_events
+from server.openai.serving import Prepared, Serving, chat_answer
+from server.openai.stream_answer import AnswerStream
 
 _PLACEHOLDER = "\ue000text\ue000"
 """Text no chunk carries verbatim in its other fields (private-use characters)."""
@@ -51,6 +53,8 @@ class _Chunks:
         self.head = head
         """The fields every chunk starts with (written with `exclude_unset`, as every
         answer is: a chunk leaves out what OpenAI's leave out)."""
+        self.answers: dict[int, AnswerStream] = {}
+        """Per choice, when its answer is read (reasoning, tools): what it holds back."""
         self._text_only: dict[int, tuple[bytes, bytes]] = {}
         """Per choice: the bytes around the text of a chunk that carries text alone (no
         logprobs, no finish reason), the chunk most of a stream's are."""
@@ -80,16 +84,43 @@ class _Chunks:
             role = ChatDelta(role="assistant", content="")
             out = self._chat_chunk(choice.index, role, None, None)
         text = delta.new_text
+        if prep.tools is not None or prep.reasoning is not None:
+            return out + self._read_chat(choice, delta)
         if prep.num_logprobs is None and delta.finish_reason is None:
             return out + self._text_chunk(choice.index, text, self._chat_text)
-        logprobs = None
-        if prep.num_logprobs is not None and delta.new_token_ids:
-            names = self.serving.token_names(prep)
-            entries = delta.new_logprobs or []
-            logprobs = chat_logprobs(names, delta.new_token_ids, entries, prep.num_logprobs)
+        logprobs = self._chat_logprobs(delta)
         fields: dict[str, Any] = {"content": text} if text or not delta.finished else {}
         content = ChatDelta.model_construct(**fields)
         return out + self._chat_chunk(choice.index, content, logprobs, delta.finish_reason)
+
+    def _chat_logprobs(self, delta: SequenceDelta) -> ChatLogprobs | None:
+        prep = self.prep
+        if prep.num_logprobs is None or not delta.new_token_ids:
+            return None
+        names, entries = self.serving.token_names(prep), delta.new_logprobs or []
+        return chat_logprobs(names, delta.new_token_ids, entries, prep.num_logprobs)
+
+    def _read_chat(self, choice: ChoiceAccumulator, delta: SequenceDelta) -> bytes:
+        """The chunks of a choice whose answer is read (reasoning apart, tool calls): the
+        delta's logprobs ride on its first chunk, the finish reason on its last."""
+        prep = self.prep
+        answer = self.answers.get(choice.index)
+        if answer is None:
+            answer = self.answers[choice.index] = AnswerStream(prep.reasoning, prep.tools)
+        deltas = answer.feed(delta.new_text)
+        finish_reason = None
+        if delta.finish_reason is not None:
+            message, finish_reason = chat_answer(prep, choice, delta.finish_reason)
+            deltas += answer.finish(message)
+        logprobs = self._chat_logprobs(delta)
+        if not deltas and (logprobs is not None or finish_reason is not None):
+            deltas = [ChatDelta()]
+        out = b""
+        for k, part in enumerate(deltas):
+            last = k == len(deltas) - 1
+            lp = logprobs if k == 0 else None
+            out += self._chat_chunk(choice.index, part, lp, finish_reason if last else None)
+        return out
 
     def _chat_chunk(
         self, index: int, delta: ChatDelta, logprobs: ChatLogprobs | None, finish_reason: Any
@@ -180,3 +211,32 @@ async def stream_chunks(
     if prep.include_usage:
         yield chunks.usage(choices)
     yield sse("[DONE]")
+
+
+async def stream_response_events(
+    serving: Serving, prep: Prepared, priority: int
+) -> AsyncGenerator[bytes, None]:
+    """The Responses API's events for one request (server/openai/responses_api.py): its
+    reasoning and answer as deltas while they come, then its output items."""
+    assert prep.responses is not None
+    req = prep.responses
+    head = response_body(req, prep.request_id, prep.created, prep.model, None, "in_progress")
+    choices: dict[int, ChoiceAccumulator] = {}
+
+    async def parts() -> AsyncGenerator[tuple[str, str], None]:
+        answer = AnswerStream(prep.reasoning, prep.tools)
+        async with aclosing(serving.outputs(prep, priority)) as outputs:
+            async for choice, delta in outputs:
+                choices[choice.index] = choice
+                for part in answer.feed(delta.new_text):
+                    if part.reasoning_content:
+                        yield "reasoning", part.reasoning_content
+                    if part.content:
+                        yield "content", part.content
+
+    def finished() -> Response:
+        chat = serving.chat_body(prep, [choices[i] for i in sorted(choices)])
+        return response_body(req, prep.request_id, prep.created, prep.model, chat)
+
+    async for event in response_events(head, parts(), finished):
+        yield event

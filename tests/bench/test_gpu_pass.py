@@ -50,6 +50,8 @@ def test_every_step_runs_on_the_cpu(tmp_path: Path) -> None:
     names = ("pytest-gpu", "attention", "overlap", "suite-offloaded", "suite-resident")
     assert steps == dict.fromkeys(names, "0"), done.stdout[-3000:]
     assert "tests collected" in done.stdout  # the suite, collected
+    targets = re.findall(r"^target (.+?): (.+)$", done.stdout, re.M)  # the report's targets
+    assert len(targets) == 4 and all(result for _, result in targets), done.stdout[-3000:]
     out = {p.name for p in (tmp_path / "out").iterdir()}
     assert {"logs.tgz", "gpu-attention.json", "gpu-overlap.json", "hardware.json"} <= out
     assert len(out) <= 8  # what the device tool brings back

@@ -259,6 +259,44 @@ TINY_CONFIGS: dict[str, dict[str, object]] = {
         tie_word_embeddings=False,
         initializer_range=0.2,
     ),
+    # SmolLM3: NoPE on layers 1 and 3 (no_rope_layers 0), a window on those two only (its
+    # config class puts windows on NoPE layers), tied head
+    "smollm3": dict(
+        model_type="smollm3",
+        vocab_size=310,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        no_rope_layers=[1, 0, 1, 0],
+        use_sliding_window=True,
+        sliding_window=12,
+        tie_word_embeddings=True,
+        initializer_range=0.2,
+    ),
+    # OLMo 3: OLMo 2's layer, windows on three layers of four (its default layer_types), YaRN
+    # on the full-attention layer, the sliding ones with a base of their own
+    "olmo3": dict(
+        model_type="olmo3",
+        vocab_size=330,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        sliding_window=10,
+        rope_parameters=dict(
+            full_attention=dict(
+                rope_type="yarn", factor=4.0, original_max_position_embeddings=16, rope_theta=5e5
+            ),
+            sliding_attention=dict(rope_type="default", rope_theta=10000.0),
+        ),
+        tie_word_embeddings=False,
+        initializer_range=0.2,
+    ),
     # Mixtral: 8 experts, top-2 (always renormalised)
     "mixtral": dict(
         _MOE_SHAPE, model_type="mixtral", vocab_size=256, intermediate_size=48, num_local_experts=8
@@ -295,11 +333,97 @@ TINY_CONFIGS: dict[str, dict[str, object]] = {
     "olmoe": dict(
         _MOE_SHAPE, model_type="olmoe", vocab_size=300, intermediate_size=40, num_experts=8
     ),
+    # GLM-4.5: 16 experts in 4 groups, top-4 from the best 2 groups, sigmoid scores with a
+    # correction bias (random here: build_from_spec), renormalised and scaled by 2.5, one
+    # shared expert, layer 0 dense; q/k/v biases, per-head q/k norms, head_dim 24 (not
+    # hidden / heads) of which half rotates
+    "glm4_moe": dict(
+        _MOE_SHAPE,
+        model_type="glm4_moe",
+        vocab_size=280,
+        intermediate_size=96,
+        moe_intermediate_size=24,
+        head_dim=24,
+        n_routed_experts=16,
+        n_shared_experts=1,
+        num_experts_per_tok=4,
+        n_group=4,
+        topk_group=2,
+        routed_scaling_factor=2.5,
+        first_k_dense_replace=1,
+        norm_topk_prob=True,
+        use_qk_norm=True,
+        attention_bias=True,
+        partial_rotary_factor=0.5,
+    ),
+    # DeepSeek-V3: MLA (q through a rank-24 latent, kv through a rank-32 one, 8 rotary dims
+    # interleaved, YaRN with mscale), 16 experts in 4 groups, top-4 from the best 2, one
+    # shared expert, layer 0 dense
+    "deepseek_v3": dict(
+        _MOE_SHAPE,
+        model_type="deepseek_v3",
+        vocab_size=290,
+        intermediate_size=96,
+        moe_intermediate_size=24,
+        num_key_value_heads=4,
+        q_lora_rank=24,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=12,
+        n_routed_experts=16,
+        n_shared_experts=1,
+        num_experts_per_tok=4,
+        n_group=4,
+        topk_group=2,
+        routed_scaling_factor=2.5,
+        first_k_dense_replace=1,
+        rope_parameters=dict(
+            rope_type="yarn",
+            rope_theta=10000.0,
+            factor=4.0,
+            original_max_position_embeddings=64,
+            mscale=1.0,
+            mscale_all_dim=1.0,
+            beta_fast=32,
+            beta_slow=1,
+        ),
+    ),
+    # gpt-oss: sinks per head, sliding and full layers alternating (window 10), YaRN without
+    # truncation, top-2 of 8 experts with biases and the clamped SwiGLU (limit low enough to
+    # clamp), q/k/v/o biases
+    "gpt_oss": dict(
+        _MOE_SHAPE,
+        model_type="gpt_oss",
+        vocab_size=300,
+        intermediate_size=32,
+        head_dim=16,
+        num_local_experts=8,
+        num_hidden_layers=4,
+        sliding_window=10,
+        swiglu_limit=1.5,
+        rope_parameters=dict(
+            rope_type="yarn",
+            rope_theta=150000.0,
+            factor=4.0,
+            beta_fast=32.0,
+            beta_slow=1.0,
+            truncate=False,
+            original_max_position_embeddings=64,
+        ),
+    ),
 }
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 """The tiny mixture-of-experts checkpoints (tests/engine/executor/test_moe.py)."""
 NEW_FAMILIES = ("qwen3", "qwen3-tied", "gemma2", "gemma3", "phi3", "olmo2")
 """The tiny checkpoints of the families issue 27 added (phi3-long has tests of its own)."""
+DENSE_2025 = ("smollm3", "olmo3")
+GROUPED_MOE_FAMILIES = ("glm4_moe", "deepseek_v3")
+GPT_OSS = "gpt_oss"
+"""The tiny gpt-oss checkpoint (tests/engine/executor/test_gpt_oss.py)."""
+"""The tiny checkpoints of the grouped-routing MoE families (tests/engine/executor/
+test_grouped_moe.py)."""
+"""The dense families of issue 37 (tests/engine/executor/test_smollm3_olmo3.py)."""
 SCALED_WEIGHTS: dict[str, dict[str, float]] = {
     "gemma2": {"q_proj": 12.0, "k_proj": 12.0},
     "phi3": {"_proj": 10.0},
@@ -346,9 +470,14 @@ def build_from_spec(
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
+            if name.endswith("sinks"):  # gpt-oss's sink logits, about as large as scores
+                p.copy_(torch.randn_like(p))
             for part, factor in (scaled or {}).items():
                 if part in name:
                     p.mul_(factor)
+        for name, b in model.named_buffers():  # DeepSeek's and GLM's routing correction
+            if name.endswith("e_score_correction_bias"):
+                b.add_(torch.randn_like(b) * 0.1)
     model.save_pretrained(path)
     return path
 

@@ -12,10 +12,18 @@ from policy.catalog import BUILTIN_MODELS, resolve_model_spec
 from policy.cost_model import estimate
 from policy.plan import format_report
 from policy.specs import ModelSpec, WorkloadSpec
-from tests.engine.tiny_models import NEW_FAMILIES, TINY_CONFIGS
+from tests.engine.tiny_models import (
+    DENSE_2025,
+    GPT_OSS,
+    GROUPED_MOE_FAMILIES,
+    NEW_FAMILIES,
+    TINY_CONFIGS,
+)
 
 
-@pytest.mark.parametrize("kind", [*NEW_FAMILIES, "mistral"])
+@pytest.mark.parametrize(
+    "kind", [*NEW_FAMILIES, *DENSE_2025, *GROUPED_MOE_FAMILIES, GPT_OSS, "mistral"]
+)
 def test_parameters_equal_transformers_model(kind: str) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -47,6 +55,12 @@ def test_parameters_equal_transformers_model(kind: str) -> None:
         ("phi-3-mini-4k", 3.82),
         ("phi-4-mini", 3.84),
         ("olmo-2-7b", 7.30),
+        ("qwen3-235b-a22b", 235.0),
+        ("deepseek-v3", 671.0),
+        ("glm-4.5-air", 106.0),
+        ("smollm3-3b", 3.08),
+        ("gpt-oss-20b", 20.9),
+        ("gpt-oss-120b", 116.8),
     ],
 )
 def test_builtin_parameter_counts_match_published_sizes(name: str, billions: float) -> None:
@@ -67,6 +81,27 @@ def test_builtin_parameter_counts_match_published_sizes(name: str, billions: flo
 def test_hub_ids_name_builtin_shapes(hub_id, name, local_layers, window) -> None:
     spec = resolve_model_spec(hub_id)
     assert (spec.name, spec.num_local_layers, spec.sliding_window) == (name, local_layers, window)
+
+
+@pytest.mark.parametrize(
+    ("hub_id", "name", "kv_row"),
+    [
+        ("deepseek-ai/DeepSeek-R1-0528", "deepseek-v3", 2 * 576),  # MLA: the latent row
+        ("moonshotai/Kimi-K2-Instruct", "kimi-k2", 2 * 576),
+        ("zai-org/GLM-4.6", "glm-4.5", 2 * 8 * 128),
+        ("HuggingFaceTB/SmolLM3-3B", "smollm3-3b", 2 * 4 * 128),
+    ],
+)
+def test_hub_ids_name_the_largest_moe_shapes(hub_id, name, kv_row) -> None:
+    """The catalogue's grouped-routing giants (and SmolLM3): their KV row per token and layer
+    as the engine stores it, and a plan's estimate on a fixed policy runs."""
+    spec = resolve_model_spec(hub_id)
+    assert spec.name == name and spec.kv_bytes_per_token_per_layer == kv_row * 2
+    policy = Policy(
+        weights_frac=(0.0, 1.0, 0.0), experts_frac=(0.0, 0.5, 0.5), kv_frac=(0.0, 1.0, 0.0)
+    )
+    found = estimate(policy, spec, WorkloadSpec(prompt_len=512, gen_len=32), FLEXGEN_T4)
+    assert found.generation_throughput > 0
 
 
 def test_gemma3_with_vision_reads_its_language_model() -> None:

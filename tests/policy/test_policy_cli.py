@@ -102,3 +102,17 @@ def test_policy_package_never_imports_torch() -> None:
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_cpu_profile_says_cpu_mem_is_unused(
+    hardware_file: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """On a profile whose compute device is the CPU, --cpu-mem has no tier: the plan says so
+    and names --hardware for a GPU box's profile; a GPU profile plans without the note."""
+    cpu_profile = Path(__file__).resolve().parents[1] / "fixtures" / "hardware-cpu.json"
+    base = ["plan", "--model", "facebook/opt-1.3b", "--gpu-mem", "24GiB", "--cpu-mem", "64GiB"]
+    assert main([*base, "--hardware", str(cpu_profile)]) == 0
+    note = capsys.readouterr().err
+    assert "compute device is the CPU" in note and "--hardware FILE" in note
+    assert main([*base, "--hardware", hardware_file]) == 0
+    assert "compute device is the CPU" not in capsys.readouterr().err

@@ -175,3 +175,24 @@ def test_on_a_cpu_box_the_gpu_budget_comes_out_of_the_same_ram() -> None:
     asked = hardware_budgets(box, cpu_mem=4 * 2**30)
     assert asked["gpu"] == 20 * 2**30 and asked["cpu"] == 4 * 2**30
     assert hardware_budgets(FLEXGEN_T4, gpu_mem=16 * 2**30)["cpu"] == FLEXGEN_T4.cpu_mem_bytes
+
+
+def test_overlap_that_hides_a_share_charges_the_rest_of_the_shorter() -> None:
+    """A GPU whose copies hide only a share h of the shorter of copies and compute (the
+    profile's `copy_hidden`, CUDA events) costs max(c, io) + (1 - h) min(c, io) a layer:
+    unmeasured, or with the CPU as compute device, FlexGen's max."""
+    full = estimate(PAPER_30B, OPT_30B, WORKLOAD, FLEXGEN_T4)
+    terms = full.decode_terms
+    compute, io = terms["compute"], max(v for k, v in terms.items() if k != "compute")
+    assert full.decode_time == pytest.approx(max(compute, io))
+    for hidden in (0.6, 0.0):
+        part = estimate(
+            PAPER_30B, OPT_30B, WORKLOAD, dataclasses.replace(FLEXGEN_T4, copy_hidden=hidden)
+        )
+        assert part.decode_terms == terms
+        expected = max(compute, io) + (1 - hidden) * min(compute, io)
+        assert part.decode_time == pytest.approx(expected)
+        assert part.generation_throughput < full.generation_throughput
+    cpu_box = dataclasses.replace(FLEXGEN_T4, compute_device="cpu")
+    on_cpu = estimate(PAPER_30B, OPT_30B, WORKLOAD, dataclasses.replace(cpu_box, copy_hidden=0.0))
+    assert on_cpu.decode_time == estimate(PAPER_30B, OPT_30B, WORKLOAD, cpu_box).decode_time

@@ -120,9 +120,10 @@ def test_search_picks_nano_batches_where_they_pay_and_plan_says_why() -> None:
     )
 
 
-def test_hardware_rejects_overlap_shares_outside_zero_one() -> None:
-    data = {**FLEXGEN_T4.to_dict(), "nano_overlap_device": 1.5}
-    with pytest.raises(ValueError, match="nano_overlap_device"):
+@pytest.mark.parametrize("share", ["nano_overlap_device", "nano_overlap_host", "copy_hidden"])
+def test_hardware_rejects_overlap_shares_outside_zero_one(share: str) -> None:
+    data = {**FLEXGEN_T4.to_dict(), share: 1.5}
+    with pytest.raises(ValueError, match=share):
         HardwareSpec.from_dict(data)
     assert HardwareSpec.from_json(MEASURED_T4.to_json()) == MEASURED_T4
 

@@ -95,6 +95,9 @@ def test_engine_flags_reach_the_engine() -> None:
     args = EngineArgs.from_cli_args(parse("serve", "--dtype", "bfloat16", "--max-model-len", "64"))
     assert (args.dtype, args.max_model_len) == ("bfloat16", 64)
     assert parse("serve", "--served-model-name", "m").served_model_name == "m"
+    serve = parse("serve", "--tool-call-parser", "mistral", "--reasoning-parser", "none")
+    settings = ServerSettings.from_args(serve)
+    assert (settings.tool_call_parser, settings.reasoning_parser) == ("mistral", "none")
 
 
 def test_served_model_name_and_max_model_len_on_a_live_daemon(tmp_path: Path) -> None:

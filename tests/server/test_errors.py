@@ -214,7 +214,7 @@ def test_bounded_load_every_request_answered(make_server: ServerFactory) -> None
     wait_for(lambda: live.state.num_online == 0 and engine_is_idle(live.engine))
     metrics = live.http().get("/metrics").text
     refused = LOAD_REQUESTS - len(served)
-    assert f"nanoflex_requests_rejected_total {float(refused)}" in metrics
+    assert f'nanoflex_requests_rejected_total{{reason="queue_full"}} {float(refused)}' in metrics
     served.sort()
     print(
         f"\nload: {LOAD_REQUESTS} concurrent, max_queue {LOAD_QUEUE}, {LOAD_TOKENS} tokens each: "

@@ -238,6 +238,7 @@ def test_openapi_schema_describes_the_real_api(live: LiveServer, client: httpx.C
     assert set(operations) == {
         ("post", "/v1/completions"),
         ("post", "/v1/chat/completions"),
+        ("post", "/v1/responses"),
         ("get", "/v1/models"),
         ("get", "/v1/models/{model_id}"),
         ("post", "/v1/files"),

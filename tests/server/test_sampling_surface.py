@@ -381,9 +381,20 @@ def test_batch_lines_and_run_batch_take_response_format(live: LiveServer, tmp_pa
         jsonschema.validate(json.loads(body["choices"][0]["message"]["content"]), SCHEMA)
     bad = outputs["bad"]["response"]
     assert bad["status_code"] == 400 and bad["body"]["error"]["param"] == "response_format"
-    inp = write_input(tmp_path / "in.jsonl", lines[:3])
+    named = {"type": "function", "function": {"name": "make_thing"}}
+    tool = {"type": "function", "function": {"name": "make_thing", "parameters": SCHEMA}}
+    call = line("call", url="/v1/chat/completions", messages=messages, max_tokens=80,
+                tools=[tool], tool_choice=named)  # fmt: skip
+    inp = write_input(tmp_path / "in.jsonl", [*lines[:3], call])
     out = tmp_path / "out.jsonl"
     run_cli(inp, out)
+    answered = [json.loads(raw)["custom_id"] for raw in out.read_text().splitlines()]
+    assert sorted(answered) == ["call", "j0", "j1", "j2"]
     for raw in out.read_text().splitlines():
-        content = json.loads(raw)["response"]["body"]["choices"][0]["message"]["content"]
-        jsonschema.validate(json.loads(content), SCHEMA)
+        message = json.loads(raw)["response"]["body"]["choices"][0]["message"]
+        if json.loads(raw)["custom_id"] == "call":  # a tool call, its arguments the schema's
+            [made] = message["tool_calls"]
+            assert made["function"]["name"] == "make_thing" and message["content"] is None
+            jsonschema.validate(json.loads(made["function"]["arguments"]), SCHEMA)
+        else:
+            jsonschema.validate(json.loads(message["content"]), SCHEMA)

@@ -28,6 +28,7 @@ from server.offline.scale_out.rows import RowRequest, RowResult, error_result, r
 from server.offline.work import BatchWork, Pending, answer_all
 from server.openai.errors import APIError, invalid_request
 from server.openai.metrics import Metrics
+from server.openai.responses_api import Response
 from server.openai.serving import Serving
 
 T = TypeVar("T")
@@ -114,7 +115,9 @@ class Replica:
                 if row.request_id is not None:
                     prep = replace(prep, request_id=row.request_id)
                 states = await self.serving.run_choices(prep, BATCH_PRIORITY)
-                return row_result(states[0], self.serving.body(prep, states))
+                body = self.serving.body(prep, states)
+                assert not isinstance(body, Response), "rows run completions or chat"
+                return row_result(states[0], body)
             except APIError as e:
                 return error_result(e)
 

@@ -120,7 +120,7 @@ def row_result(first: ChoiceAccumulator, body: Completion | ChatCompletion) -> R
     choice = body.choices[0]
     text = choice.message.content if isinstance(choice, ChatChoice) else choice.text
     return RowResult(
-        text=text,
+        text=text or "",  # a chat answer of tool calls only has no content
         token_ids=list(first.token_ids),
         finish_reason=first.finish_reason,
         prompt_tokens=body.usage.prompt_tokens,

@@ -3,7 +3,6 @@ the choice cached; off with plan_check=False."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
@@ -55,7 +54,24 @@ def test_close_plans_run_for_real_and_the_fastest_is_kept_and_cached(
     assert all(r["generation_throughput"] > 0 and r["decode_step_seconds"] > 0 for r in runs)
     fastest = max(runs, key=lambda r: r["generation_throughput"])
     assert policy == Policy.from_dict(fastest["policy"])
-    start = time.perf_counter()
     again, cached = resolve_policy("auto", model, device="cpu", workload=WORKLOAD, gpu_mem=GPU_MEM)
     assert again == policy and cached is not None and cached["plan_check"]["cached"]
-    assert time.perf_counter() - start < 30  # planned, not run again
+    assert cached["plan_check"]["runs"] == runs  # the first check's figures, not new ones
+    assert all(r["prompt_len"] == WORKLOAD.prompt_len for r in runs)  # short enough to run whole
+
+
+def test_a_long_check_runs_shorter_prompts_in_the_planned_blocks() -> None:
+    """A CPU box's planned block (384 x 512 tokens) would take minutes of prefill per
+    candidate: the check cuts the prompts to CHECK_PREFILL_SECONDS at the predicted rate,
+    for the largest block among the candidates, never under MIN_CHECK_PROMPT tokens nor over
+    the planned length."""
+    found = [
+        plan_check.Candidate(Policy(gpu_batch_size=384), 1.0),
+        plan_check.Candidate(Policy(gpu_batch_size=256, num_gpu_batches=2), 1.0),
+    ]
+    rate = 2000.0  # prefill tokens/s
+    expected = int(rate * plan_check.CHECK_PREFILL_SECONDS) // 512
+    assert plan_check.check_prompt_len(found, 512, rate) == expected < 512
+    assert plan_check.check_prompt_len(found, 512, 1e9) == 512
+    assert plan_check.check_prompt_len(found, 512, 1.0) == plan_check.MIN_CHECK_PROMPT
+    assert plan_check.check_prompt_len(found, 8, 1.0) == 8

@@ -214,13 +214,9 @@ def test_prefill_kernel_refuses_offsets_that_do_not_fit() -> None:
     q, pool = torch.randn(4, 2, 8), torch.randn(10, 2 * 1 * 8)
     slots = torch.arange(4)
     with pytest.raises(RuntimeError, match="q_len <= kv_len"):
-        kernels.prefill(
-            q, pool, slots[:3], torch.tensor([0, 4]), torch.tensor([0, 3]), 1, 1.0, 0, q_max=4
-        )
+        kernels.prefill(q, pool, slots[:3], torch.tensor([0, 4]), torch.tensor([0, 3]), 1, 1.0, 0)
     with pytest.raises(RuntimeError, match="ends at q's rows"):
-        kernels.prefill(
-            q, pool, slots, torch.tensor([0, 3]), torch.tensor([0, 4]), 1, 1.0, 0, q_max=3
-        )
+        kernels.prefill(q, pool, slots, torch.tensor([0, 3]), torch.tensor([0, 4]), 1, 1.0, 0)
 
 
 def test_join_kv_is_a_view_where_values_follow_keys() -> None:

@@ -89,10 +89,23 @@ def test_gpu_mem_budget_is_enforced(tiny_model):
         LLM(str(tiny_model("llama")), policy=Policy(), device="cuda", gpu_mem=1024)
 
 
+GRAPH_PLACEMENTS = {
+    "resident": dict(gpu_batch_size=4),
+    "offloaded-slots": dict(gpu_batch_size=4, weights_frac=(0.0, 0.5, 0.5)),
+    "three-gpu-batches-disk": dict(gpu_batch_size=2, num_gpu_batches=3, weights_frac=(0, 0, 1)),
+    "nano-batches": dict(gpu_batch_size=8, num_nano_batches=2),
+}
+
+
+@pytest.mark.parametrize("placement", list(GRAPH_PLACEMENTS))
 @pytest.mark.parametrize("kind", ["llama", "opt"])
-def test_cuda_graphs_replay_decode_steps_with_identical_tokens(tiny_model, kind):
-    """Discrete sizes + piecewise CUDA graphs (resident weights, one GPU batch): the decode
-    steps go through the graphs and the tokens equal the eager path's."""
+def test_cuda_graphs_replay_decode_steps_with_identical_tokens(
+    tiny_model, tmp_path, kind, placement
+):
+    """Discrete sizes + piecewise CUDA graphs, over resident weights or offloaded layers
+    loaded into their fixed slots, one GPU batch or three, or nano-batches with graphs of
+    their own: the decode steps go through the graphs and the tokens equal the eager
+    path's."""
     vocab = vocab_size(kind)
     prompts = random_prompts(10, vocab, 2, 40, seed=5)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
@@ -100,14 +113,17 @@ def test_cuda_graphs_replay_decode_steps_with_identical_tokens(tiny_model, kind)
     for graphs in (False, True):
         with LLM(
             str(tiny_model(kind)),
-            policy=Policy(gpu_batch_size=4),
+            policy=Policy(**GRAPH_PLACEMENTS[placement]),  # type: ignore[arg-type]
             device="cuda",
             dtype="float32",
+            offload_dir=tmp_path / f"off-{graphs}",
             cuda_graphs=graphs,
         ) as llm:
             outputs[graphs] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
             runner = llm.executor.pipeline.graphs
             assert (runner is not None) == graphs
+            offloaded = "weights_frac" in GRAPH_PLACEMENTS[placement]
+            assert (llm.executor.weights.slots is not None) == offloaded
             if runner is not None:
                 assert runner.num_replays >= MAX_TOKENS - 1
     assert outputs[True] == outputs[False]

@@ -85,10 +85,15 @@ def test_logits_equal_transformers_full_forward(tiny_model, kind):
     its first 12 tokens and then one decode per token (windows, caps, rotary all read back from
     the KV cache). phi3-long stays within its original length, where transformers' single
     forward pass uses the short factors as every step of ours does."""
-    prompts = _prompts(kind, 32 if kind == "phi3-long" else 40)
-    model = hf_reference(tiny_model(kind))
-    ours = _score(tiny_model(kind), prompts)
-    for prompt, got in zip(prompts, ours, strict=True):
+    assert_logits_equal_transformers(tiny_model(kind), kind, 32 if kind == "phi3-long" else 40)
+
+
+def assert_logits_equal_transformers(model_dir: Path, kind: str, longest: int = 40) -> None:
+    """Our logits (prefill of 12 tokens, then one decode per token) on 3 prompts of
+    `longest` - 8 to `longest` tokens equal transformers' one forward pass within 2e-5."""
+    prompts = _prompts(kind, longest)
+    model = hf_reference(model_dir)
+    for prompt, got in zip(prompts, _score(model_dir, prompts), strict=True):
         with torch.no_grad():
             want = model(torch.tensor([prompt])).logits[0]
         torch.testing.assert_close(got, want, rtol=0, atol=2e-5)

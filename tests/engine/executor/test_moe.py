@@ -26,7 +26,9 @@ from tests.engine.executor.test_family_features import (
 )
 from tests.engine.executor.test_nano_batches import SHAPE
 from tests.engine.executor.test_nano_batches import run as run_nano
-from tests.engine.executor.test_prefix_caching import generate_one_by_one, prompts_sharing
+from tests.engine.executor.test_prefix_caching import (
+    assert_cached_prefixes_give_transformers_tokens,
+)
 from tests.engine.tiny_models import (
     MAX_TOKENS,
     MOE_FAMILIES,
@@ -72,14 +74,7 @@ def test_moe_with_nano_batches(tiny_model, references, tmp_path, kind):
 
 @pytest.mark.parametrize("kind", MOE_FAMILIES)
 def test_moe_with_prefix_cache(tiny_model, kind):
-    from engine import LLM
-
-    model = tiny_model(kind)
-    prompts = prompts_sharing(kind)
-    with LLM(str(model), policy=Policy(), device="cpu", enable_prefix_caching=True) as llm:
-        results = generate_one_by_one(llm, prompts)
-    assert [tokens for tokens, _ in results] == [hf_greedy(model, p, 6) for p in prompts]
-    assert all(hits >= 32 for _, hits in results[1:])  # the shared prefix was read back
+    assert_cached_prefixes_give_transformers_tokens(tiny_model(kind), kind, Policy())
 
 
 @pytest.mark.parametrize("kind", MOE_FAMILIES)

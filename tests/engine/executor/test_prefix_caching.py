@@ -34,6 +34,18 @@ def generate_one_by_one(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[i
     return out
 
 
+def assert_cached_prefixes_give_transformers_tokens(
+    model_dir: Path, kind: str, policy: Policy
+) -> None:
+    """`prompts_sharing(kind)` one after another with the prefix cache on: transformers'
+    tokens, and every prompt after the first reads at least 32 cached tokens back."""
+    prompts = prompts_sharing(kind)
+    with LLM(str(model_dir), policy=policy, device="cpu", enable_prefix_caching=True) as llm:
+        results = generate_one_by_one(llm, prompts)
+    assert [tokens for tokens, _ in results] == [hf_greedy(model_dir, p, 6) for p in prompts]
+    assert all(hits >= 32 for _, hits in results[1:])
+
+
 @pytest.mark.parametrize("kind", ["llama", "opt", "mistral", *NEW_FAMILIES])
 def test_cached_prefixes_give_transformers_tokens(tiny_model, tmp_path: Path, kind: str) -> None:
     model = str(tiny_model(kind))

@@ -4,6 +4,7 @@ what the layer code does not honour."""
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 import pytest
@@ -79,13 +80,11 @@ def test_other_types_are_refused_by_name(model_type: str) -> None:
 @pytest.mark.parametrize(
     ("model_type", "why"),
     [
-        ("deepseek_v2", "multi-head latent attention"),
-        ("deepseek_v3", "multi-head latent attention"),
-        ("gpt_oss", "attention sinks"),
+        ("deepseek_v2", "group-limited routing"),
     ],
 )
 def test_unimplemented_mixtures_of_experts_are_refused_in_one_line(model_type, why) -> None:
-    one_line = rf"^model type '{model_type}' is not supported: [^\n]*{why}[^\n]*olmoe$"
+    one_line = rf"^model type '{model_type}' is not supported: [^\n]*{why}[^\n]*gpt_oss$"
     with pytest.raises(UnsupportedModelError, match=one_line):
         ModelConfig.from_hf(AutoConfig.for_model(model_type))
 
@@ -105,6 +104,36 @@ def test_mixture_of_experts_families_read_their_fields() -> None:
     assert both.dense_layers == (0, 1, 2)
     olmoe = ModelConfig.from_hf(hf_config("olmoe"))
     assert (olmoe.num_experts, olmoe.moe_intermediate_size, olmoe.norm_topk_prob) == (8, 40, False)
+
+
+def test_issue_37_families_read_their_fields() -> None:
+    """SmolLM3's NoPE layers (and windows on them), OLMo 3's windows and rotary per layer
+    type (YaRN on the global layers), GLM-4.5's grouped routing, DeepSeek-V3's latent
+    attention (one KV head of the latent and the rotary key) and its scale."""
+    smollm3 = ModelConfig.from_hf(hf_config("smollm3"))
+    assert smollm3.nope_layers == (1, 3) and smollm3.layer_windows == (0, 12, 0, 12)
+    assert ModelConfig.from_hf(hf_config("smollm3", use_sliding_window=False)).windows == (0,)
+    olmo3 = ModelConfig.from_hf(hf_config("olmo3"))
+    assert olmo3.layer_windows == (10, 10, 10, 0) and olmo3.local_rope_theta == 1e4
+    assert olmo3.rope_theta == 5e5 and olmo3.rope_scaling["rope_type"] == "yarn"
+    glm = ModelConfig.from_hf(hf_config("glm4_moe"))
+    assert (glm.num_experts, glm.num_expert_groups, glm.num_groups_per_tok) == (16, 4, 2)
+    assert glm.routed_scaling_factor == 2.5 and glm.dense_layers == (0,)
+    assert glm.shared_expert_intermediate_size == 24 and glm.rotary_dim == 12
+    assert glm.qkv_bias and not glm.o_bias
+    with pytest.raises(UnsupportedModelError, match="n_group=3"):
+        ModelConfig.from_hf(hf_config("glm4_moe", n_group=3))
+    deepseek = ModelConfig.from_hf(hf_config("deepseek_v3"))
+    assert (deepseek.num_kv_heads, deepseek.head_dim, deepseek.rotary_dim) == (1, 40, 8)
+    assert (deepseek.kv_lora_rank, deepseek.qk_nope_head_dim, deepseek.v_head_dim) == (32, 16, 12)
+    mscale = 0.1 * math.log(4.0) + 1.0  # YaRN's, with mscale_all_dim 1, squared into the scale
+    assert deepseek.attn_scale == pytest.approx(24**-0.5 * mscale**2, rel=1e-12)
+    assert deepseek.rope_interleave and deepseek.dense_layers == (0,)
+    gpt_oss = ModelConfig.from_hf(hf_config("gpt_oss"))
+    assert gpt_oss.layer_windows == (10, 0, 10, 0) and gpt_oss.o_bias and gpt_oss.qkv_bias
+    assert (gpt_oss.num_experts, gpt_oss.moe_intermediate_size) == (8, 32)
+    assert (gpt_oss.swiglu_alpha, gpt_oss.swiglu_limit) == (1.702, 1.5)
+    assert gpt_oss.rope_scaling["rope_type"] == "yarn" and not gpt_oss.rope_scaling["truncate"]
 
 
 def test_mixture_of_experts_tensor_names() -> None:

@@ -17,7 +17,7 @@ import pytest
 
 from engine.core.planning import hardware_profile, resolve_policy
 from engine.loading.demo import demo_model_dir
-from engine.profiling.load import LoadMonitor
+from engine.profiling.load import LoadMonitor, wait_until_quiet
 from engine.profiling.requiet import lock_path as requiet_lock
 from engine.profiling.requiet import requiet
 from policy.hardware import FLEXGEN_T4, HardwareSpec, default_cache_path
@@ -44,7 +44,12 @@ def test_a_busy_neighbour_is_seen() -> None:
 
 
 def test_its_own_work_is_not_load() -> None:
-    """CPU time this process spends (the measurement itself) is not someone else's."""
+    """CPU time this process spends (the measurement itself) is not someone else's: two
+    threads spinning on every core here add nothing to what the other processes were seen
+    to take in a window of the same length without them (the suite may run beside other
+    work: only this process's own share is under test)."""
+    with LoadMonitor() as idle:
+        time.sleep(1.5)
     stop = time.monotonic() + 1.5
 
     def spin() -> None:
@@ -57,7 +62,7 @@ def test_its_own_work_is_not_load() -> None:
             t.start()
         for t in threads:
             t.join()
-    assert watch.report.others_cores < 0.5, watch.report
+    assert watch.report.others_cores < idle.report.others_cores + 0.5, (watch.report, idle.report)
 
 
 def test_a_profile_taken_under_load_is_not_believed() -> None:
@@ -106,6 +111,8 @@ def test_a_cached_profile_under_load_is_measured_again_in_the_background(
     assert lock.is_file() and spawned, "no background re-measure started"
     for p in spawned:
         p.kill()
+    if not wait_until_quiet(60, window_s=1.0):  # other work on the box: requiet would wait
+        pytest.skip("the machine stayed busy for a minute: a re-measure waits for quiet")
     assert requiet("cpu", default_cache_path(), timeout_s=120, window_s=1.0) == 0
     fresh = HardwareSpec.load(default_cache_path())
     assert not fresh.under_load and fresh.quick and fresh.attempts == loaded.attempts + 1

@@ -4,10 +4,13 @@ copy that last touched them has completed, none made in a steady state."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
+import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.storage.kv_store import KVRows, KVStore
 from engine.storage.staging import MIN_BYTES, StagingPool, size_class
 from policy import Policy
 from tests.engine.tiny_models import MAX_TOKENS, random_prompts, vocab_size
@@ -65,3 +68,26 @@ def test_a_steady_state_step_makes_no_buffer(tiny_model, tmp_path: Path) -> None
         assert made > 0 and staging.lent == 0
         llm.generate(prompts, params)
         assert staging.allocations == made and staging.lent == 0
+
+
+@pytest.mark.parametrize("cpu_attention", [False, True])
+def test_host_kv_bound_for_the_device_is_read_into_staging(
+    tiny_model, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cpu_attention: bool
+) -> None:
+    """KV homed on the cpu tier is read for the compute device through staging buffers
+    (pinned on a GPU, where an unpinned read makes the copy wait), and for CPU attention as
+    it is: what the pipeline asks of KVStore.read, recorded."""
+    asked: set[tuple[str, bool]] = set()
+    read = KVStore.read
+
+    def spy(self: KVStore, tier: str, layer: int, kv_rows: KVRows, staged: bool = False) -> Any:
+        asked.add((tier, staged))
+        return read(self, tier, layer, kv_rows, staged)
+
+    monkeypatch.setattr(KVStore, "read", spy)
+    policy = Policy(kv_frac=(0.0, 1.0, 0.0), cpu_attention=cpu_attention)
+    prompts = random_prompts(3, vocab_size("llama"), 4, 12, seed=5)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    with LLM(str(tiny_model("llama")), policy=policy, offload_dir=tmp_path, device="cpu") as llm:
+        llm.generate(prompts, params)
+    assert asked == {("cpu", not cpu_attention)}

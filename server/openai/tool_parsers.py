@@ -1,0 +1,163 @@
+"""Tool-call parsers: a model's own tool-call format, in its answer text, as OpenAI tool calls.
+
+One parser per format, as vLLM's `--tool-call-parser` names them:
+- `hermes`: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, one block per call
+  (Qwen 2.5 and 3, SmolLM3, Hermes and many fine-tunes);
+- `llama3_json`: the answer is `{"name": ..., "parameters": {...}}` objects, several joined
+  by `;`, after an optional `<|python_tag|>` (Llama 3.1 and up);
+- `mistral`: `[TOOL_CALLS]` then a JSON list of `{"name", "arguments"}` objects, or (newer
+  tokenizers) `[TOOL_CALLS]name[ARGS]{...}` per call.
+
+The daemon decodes with special tokens skipped, so a marker that is a special token of the
+model (`<|python_tag|>`, Mistral's `[TOOL_CALLS]`) may be missing from the text: llama3_json
+and mistral then read a JSON answer at the start of the text without it.
+
+A parser returns the content around the calls and the calls; text it cannot read as a call
+stays content, as vLLM's parsers leave it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+PARSERS = ("hermes", "llama3_json", "mistral")
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedCall:
+    """One call: the function's name and its arguments as a JSON object text."""
+
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedAnswer:
+    content: str | None
+    """The text outside the calls (None when there is none)."""
+    calls: list[ParsedCall]
+
+
+def _call(value: Any, arguments_key: str) -> ParsedCall | None:
+    """A call from a decoded `{"name": str, <arguments_key>: object}`, else None."""
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return None
+    arguments = value.get(arguments_key, value.get("arguments", {}))
+    if isinstance(arguments, str):  # some models write the arguments as a JSON string
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            return None
+    if not isinstance(arguments, dict):
+        return None
+    return ParsedCall(value["name"], json.dumps(arguments, ensure_ascii=False))
+
+
+def _json_values(text: str) -> tuple[list[Any], int]:
+    """The JSON values at the start of `text`, separated by blanks, `;` or `,`, and where
+    the readable part ends."""
+    decoder, at = json.JSONDecoder(), 0
+    values: list[Any] = []
+    while True:
+        while at < len(text) and text[at] in " \t\r\n;,":
+            at += 1
+        if at >= len(text) or text[at] not in "{[":
+            return values, at
+        try:
+            value, at = decoder.raw_decode(text, at)
+        except ValueError:
+            return values, at
+        values.append(value)
+
+
+def _content(*parts: str) -> str | None:
+    text = "".join(parts).strip()
+    return text or None
+
+
+_HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+
+
+def parse_hermes(text: str) -> ParsedAnswer:
+    calls: list[ParsedCall] = []
+    outside: list[str] = []
+    at = 0
+    for match in _HERMES.finditer(text):
+        values, _ = _json_values(match.group(1))
+        call = _call(values[0], "arguments") if len(values) == 1 else None
+        if call is None:
+            continue  # not a call: it stays content
+        outside.append(text[at : match.start()])
+        at = match.end()
+        calls.append(call)
+    outside.append(text[at:])
+    return ParsedAnswer(_content(*outside) if calls else text, calls)
+
+
+def parse_llama3_json(text: str) -> ParsedAnswer:
+    body = text.lstrip()
+    body = body.removeprefix("<|python_tag|>")
+    values, end = _json_values(body)
+    calls = [_call(v, "parameters") for v in values]
+    if not values or any(c is None for c in calls) or body[end:].strip():
+        return ParsedAnswer(text, [])
+    return ParsedAnswer(None, [c for c in calls if c is not None])
+
+
+_MISTRAL_NAMED = re.compile(r"\s*([A-Za-z0-9_.\-]+)\[ARGS\]")
+
+
+def parse_mistral(text: str) -> ParsedAnswer:
+    before, marker, after = text.partition("[TOOL_CALLS]")
+    if not marker:  # the marker was a skipped special token: a JSON list at the start
+        before, after = "", text
+        if not text.lstrip().startswith("[{"):
+            return ParsedAnswer(text, [])
+    calls: list[ParsedCall] = []
+    values, end = _json_values(after)
+    if values and isinstance(values[0], list):
+        read = [_call(v, "arguments") for v in values[0]]
+        calls = [c for c in read if c is not None]
+        if len(calls) != len(read):
+            calls = []
+        rest = after[end:]
+    else:  # name[ARGS]{...}, repeated (after [TOOL_CALLS] each)
+        rest = after
+        while match := _MISTRAL_NAMED.match(rest):
+            arguments, end = _json_values(rest[match.end() :])
+            if (
+                not arguments
+                or (call := _call({"name": match.group(1), "arguments": arguments[0]}, "arguments"))
+                is None
+            ):
+                break
+            calls.append(call)
+            rest = rest[match.end() + end :].removeprefix("[TOOL_CALLS]")
+    if not calls:
+        return ParsedAnswer(text, [])
+    return ParsedAnswer(_content(before, rest), calls)
+
+
+_BY_NAME = {"hermes": parse_hermes, "llama3_json": parse_llama3_json, "mistral": parse_mistral}
+
+START_MARKERS = {"hermes": "<tool_call>", "llama3_json": "{", "mistral": "[TOOL_CALLS]"}
+"""Where a format's first call starts: a stream holds text back from there."""
+
+
+def parse_tool_calls(parser: str, text: str) -> ParsedAnswer:
+    """`text` (a whole answer) read by the named parser (PARSERS)."""
+    return _BY_NAME[parser](text)
+
+
+def parser_for_template(template: str | None) -> str:
+    """The format a chat template teaches its model (vLLM's parsers by name), hermes when
+    it shows none: the tools are then described in hermes' format (server/openai/tools.py)."""
+    text = template or ""
+    if "[TOOL_CALLS]" in text:
+        return "mistral"
+    if "<|python_tag|>" in text or "ipython" in text:
+        return "llama3_json"
+    return "hermes"
