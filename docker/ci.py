@@ -1,6 +1,6 @@
 """CI's Docker step: both images built, the CPU one run end to end, everything it made removed.
 
-    python3 docker/ci.py [--json bench/results/docker-cpu.json]
+    python3 docker/ci.py [--json bench/results/docker-cpu.json] [--keep]
 
 Run as root on a Debian box that reaches Debian's and PyPI's packages and no image registry
 (`.ci/run` runs it after the test suite). It installs Docker from Debian's packages when
@@ -10,9 +10,10 @@ cache); serves the torch wheel from pip's find-links folder on loopback when it 
 builds docker/Dockerfile.cpu, and docker/Dockerfile from the CPU image's build stage (a base
 with torch: built to catch its errors, never run); then docker/e2e.py runs the CPU image.
 It prints the build times, the image sizes and the e2e figures (`--json FILE` also writes
-them, as docs/benchmarks.md's table), and exits non-zero on any failure. Where Docker cannot
-be had (not root, no apt, the daemon does not start) it says why and exits 0: the step is
-skipped, not failed. Stdlib only: it runs before any virtualenv.
+them, as docs/benchmarks.md's table), and exits non-zero on any failure. `--keep` keeps the
+images it built (to look into them: `docker history`); without it they are removed. Where
+Docker cannot be had (not root, no apt, the daemon does not start) it says why and exits 0:
+the step is skipped, not failed. Stdlib only: it runs before any virtualenv.
 """
 
 from __future__ import annotations
@@ -150,10 +151,21 @@ def find_links_folder() -> Path | None:
     return None
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+WHEEL_PORT = 8765
+"""The loopback port the torch wheel is served on when free (a port of its own keeps the
+`TORCH_PIP_ARGS` build argument, and so the torch layer's build cache, the same from run to
+run), else any free one."""
+
+
+def wheel_port() -> int:
+    for port in (WHEEL_PORT, 0):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return int(s.getsockname()[1])
+    raise RuntimeError("no free loopback port")
 
 
 @contextlib.contextmanager
@@ -165,7 +177,7 @@ def torch_source() -> Iterator[list[str]]:
         log("no torch wheel in pip's find-links folder: the PyTorch index it is")
         yield []
         return
-    port = free_port()
+    port = wheel_port()
     argv = [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"]
     server = subprocess.Popen(
         [*argv, "--directory", str(folder)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
@@ -231,18 +243,21 @@ def table(figures: dict[str, float]) -> dict[str, list[Any]]:
         ["new container on the kept volumes to `/ready`", "-",
          f"{figures['restart_ready_s']:.1f} s"],
         ["Docker's health check healthy after `/ready`", "-", f"{figures['healthy_s']:.0f} s"],
+        ["the whole CI step (`docker/ci.py`)", "-", f"{figures['step_s'] / 60:.1f} min"],
     ]  # fmt: skip
     return {"header": ["what", "size", "time"], "rows": rows}
 
 
 def main(argv: list[str]) -> int:
     out = Path(argv[argv.index("--json") + 1]) if "--json" in argv else None
+    keep = "--keep" in argv
     try:
         daemon = ensure_docker()
     except Skip as e:
         log(f"SKIPPED: {e}")
         return 0
     figures: dict[str, float] = {}
+    start, load_before = time.monotonic(), os.getloadavg()[0]
     try:
         figures["base_s"] = ensure_base()
         base = ["--build-arg", f"BASE_IMAGE={BASE_TAG}"]
@@ -262,11 +277,13 @@ def main(argv: list[str]) -> int:
             raise RuntimeError(f"the CPU image carries a compiler: {compilers}")
         log("built: " + json.dumps({k: round(v, 1) for k, v in figures.items()}))
         figures.update(e2e.run(CPU_TAG))
+        figures["step_s"] = time.monotonic() - start
     except (RuntimeError, subprocess.SubprocessError, e2e.Failed) as e:
         log(f"FAILED: {e}")
         return 1
     finally:
-        remove_images([CPU_TAG, GPU_TAG, TORCH_BASE_TAG])
+        if not keep:
+            remove_images([CPU_TAG, GPU_TAG, TORCH_BASE_TAG])
         stop_daemon(daemon)
     if out is not None:
         model = next(
@@ -274,7 +291,9 @@ def main(argv: list[str]) -> int:
              if ln.startswith("model name")), platform.machine(),
         )  # fmt: skip
         machine = f"{os.cpu_count()} cores, {model}"
-        result = {"table": table(figures), "figures": figures, "machine": machine}
+        # other work on the machine slows a build: the 1-minute load average, start and end
+        load = {"start": load_before, "end": os.getloadavg()[0]}
+        result = {"table": table(figures), "figures": figures, "machine": machine, "load": load}
         out.write_text(json.dumps(result, indent=2) + "\n")
     log("ok")
     return 0

@@ -136,6 +136,20 @@ def test_copy_sources_exist(dockerfile: list[Instruction]) -> None:
             assert (ROOT / source).exists(), f"COPY source {source} is missing from the repository"
 
 
+def test_the_build_context_is_what_the_dockerfiles_copy(dockerfile: list[Instruction]) -> None:
+    """.dockerignore leaves out everything (`*`) but what is copied: no virtualenv or git
+    history in the context, and no COPY whose source it hides."""
+    lines = [ln.strip() for ln in (ROOT / ".dockerignore").read_text().splitlines()]
+    patterns = [ln for ln in lines if ln and not ln.startswith("#")]
+    assert patterns[0] == "*"
+    allowed = {p[1:] for p in patterns if p.startswith("!")}
+    for instruction in dockerfile:
+        if instruction.keyword == "COPY" and "--from" not in instruction.args:
+            for source in copy_sources(instruction):
+                assert source.split("/")[0] in allowed, f"{source} is left out of the context"
+    assert not allowed & {".venv", ".git", "tests", "bench"}
+
+
 def test_copies_everything_pip_install_needs(dockerfile: list[Instruction]) -> None:
     copied = {s for i in dockerfile if i.keyword == "COPY" for s in copy_sources(i)}
     project = pyproject()
