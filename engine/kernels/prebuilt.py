@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from engine.kernels import (
+from engine.kernels.sources import (
     HERE,
     ISA_ENV,
     ISA_LEVELS,

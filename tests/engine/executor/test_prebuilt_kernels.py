@@ -11,14 +11,14 @@ from pathlib import Path
 import pytest
 
 from engine import kernels
-from engine.kernels import ISA_ENV, prebuilt, supported_levels
+from engine.kernels import ISA_ENV, prebuilt, sources, supported_levels
 from tests.engine.executor.test_kernel_isa import run_kernel_checks
 
 
 def test_a_baseline_level_is_named_alike_on_every_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     """A library built ahead on one CPU is found on another: only `native` names the CPU."""
     here = {level: kernels.library_name(level) for level in kernels.ISA_LEVELS}
-    monkeypatch.setattr(kernels, "_cpu_signature", lambda: "model name: elsewhere")
+    monkeypatch.setattr(sources, "_cpu_signature", lambda: "model name: elsewhere")
     elsewhere = {level: kernels.library_name(level) for level in kernels.ISA_LEVELS}
     assert here["native"] != elsewhere["native"]
     assert all(here[level] == elsewhere[level] for level in prebuilt.BEST_FIRST)
