@@ -3,7 +3,7 @@
 # reaches no image registry: Debian 12 "bookworm" (its Python 3.11 is what the torch wheel
 # needs) with python3, its venv module and CA certificates, made with debootstrap and
 # `docker import`. The host's CA bundle goes in too, and pip is pointed at it, for a network
-# whose outgoing HTTPS is re-signed by a proxy. About 2.5 minutes; run as root:
+# whose outgoing HTTPS is re-signed by a proxy. About 2 minutes (132 s on a busy 2-core box); run as root:
 #
 #   docker/base-image.sh [TAG]        (default nanoflex-base:bookworm)
 #

@@ -45,8 +45,9 @@ def cached_hardware() -> HardwareSpec | None:
     return HardwareSpec.load(path) if path.is_file() else None
 
 
-QUICK_PROFILE_S = 60
-"""About how long a quick profile takes (63 s measured on a busy 2-core CPU box)."""
+QUICK_PROFILE_S = 30
+"""About how long a quick profile takes: 20 s measured in the CPU image on a busy 2-core box
+(63 s before its I/O-interference probe took one round; a first-use kernel build adds more)."""
 BACKGROUND_ENV = "NANOFLEX_BACKGROUND_PROFILE"
 """Set to 0 to never start the background re-measure of a profile taken under load."""
 
