@@ -101,6 +101,8 @@ def show(path: Path) -> int:
     elif spec.under_load:
         print("planner   plans from it without its overlap shares; a background re-measure")
         print("          replaces it once the machine is quiet (requiet.log beside it)")
+    elif spec.noise():
+        print(f"planner   plans from it; measures it again in the background: {spec.noise()}")
     else:
         print("planner   trusts it")
     if spec.machine_load:

@@ -41,9 +41,9 @@ MAX_SPREAD = 0.25
 """A profile whose noisiest measurement spreads wider than this (interquartile range over
 median) is measured again: a constant known only within +-12% cannot hold a 25% prediction."""
 MAX_ATTEMPTS = 3
-"""The planner measures a noisy quick profile again at most this many times in all; the least
-noisy is then kept, with a warning (a busy machine stays busy: re-measuring forever would not
-help)."""
+"""A noisy quick profile is measured at most this many times in all (again in the background,
+engine/profiling/requiet.py); the least noisy is kept (a busy machine stays busy: re-measuring
+forever would not help)."""
 
 
 BUSY_CORES = 0.5
@@ -149,8 +149,8 @@ class HardwareSpec:
     """Per measurement (named as the field it feeds): the interquartile range of its timed
     samples over their median; empty = not recorded."""
     attempts: int = 1
-    """Profiles measured on this machine to get this one (the planner re-measures a noisy
-    quick profile up to MAX_ATTEMPTS times)."""
+    """Profiles measured on this machine to get this one (a noisy quick profile is measured
+    again in the background up to MAX_ATTEMPTS times in all)."""
     quick: bool = False
     """Measured with small sizes by the planner for a first automatic plan; False: by
     `nanoflex profile`, which retakes each noisy measurement itself and is only replaced on
@@ -204,11 +204,16 @@ class HardwareSpec:
         return max(self.spread.items(), key=lambda kv: kv[1], default=("", 0.0))
 
     def staleness(self, machine: str) -> str | None:
-        """Why this profile should be measured again on the machine with key `machine`: it
-        was measured elsewhere (or before keys were recorded), or it is a quick one measured
-        too noisily; None if not."""
+        """Why this profile cannot be planned from on the machine with key `machine`: it was
+        measured elsewhere (or before keys were recorded); None if it can."""
         if self.machine != machine:
             return f"it was measured on another machine ({self.machine or 'unrecorded'})"
+        return None
+
+    def noise(self) -> str | None:
+        """Why this profile should be measured again, in the background, though it can be
+        planned from: a quick one measured too noisily, fewer than MAX_ATTEMPTS times; None if
+        not (`nanoflex profile` retook its noisy measurements itself)."""
         name, spread = self.max_spread
         if self.quick and spread > MAX_SPREAD and self.attempts < MAX_ATTEMPTS:
             return f"its {name} measurement spread {spread:.0%} (more than {MAX_SPREAD:.0%})"

@@ -9,12 +9,22 @@ from collections.abc import Callable
 from pathlib import Path
 
 CACHE_ENV = "NANOFLEX_CACHE"
+SEED_ENV = "NANOFLEX_SEED_CACHE"
+"""A read-only cache filled ahead (the Docker images' converted default model): entries found
+there are used in place, never written."""
 
 
 def cache_root() -> Path:
     """The nanoflex cache directory: $NANOFLEX_CACHE, else ~/.cache/nanoflex."""
     env = os.environ.get(CACHE_ENV)
     return Path(env).expanduser() if env else Path.home() / ".cache" / "nanoflex"
+
+
+def lookup_roots() -> list[Path]:
+    """Where to look for a built entry: the cache, then the seed cache ($NANOFLEX_SEED_CACHE)
+    if one is set."""
+    seed = os.environ.get(SEED_ENV)
+    return [cache_root(), *([Path(seed).expanduser()] if seed else [])]
 
 
 def publish_dir(final: Path, build: Callable[[Path], None], complete_file: str) -> Path:

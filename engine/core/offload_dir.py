@@ -28,6 +28,7 @@ from multiprocessing import reduction
 from pathlib import Path
 from typing import Any
 
+from engine.core.ownership import ownership_hint
 from policy.errors import UserError
 
 LOCK_NAME = "nanoflex.lock"
@@ -74,7 +75,12 @@ class OffloadDirLock:
 def lock_offload_dir(directory: Path, wait_s: float = WAIT_S) -> OffloadDirLock:
     """Hold `directory` (created if missing) for this process. Raises `OffloadDirError` when
     another live process owns it, or when a dead owner's engine does not let go in `wait_s`."""
-    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except PermissionError as e:
+        raise OffloadDirError(
+            f"cannot create {directory}: {ownership_hint(Path(e.filename or directory).parent)}"
+        ) from e
     key = os.path.realpath(directory)
     with _guard:
         if key in _held:
@@ -83,6 +89,8 @@ def lock_offload_dir(directory: Path, wait_s: float = WAIT_S) -> OffloadDirLock:
         path = Path(key) / LOCK_NAME
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except PermissionError as e:
+            raise OffloadDirError(f"cannot open {path}: {ownership_hint(Path(key))}") from e
         except OSError as e:
             raise OffloadDirError(f"cannot open {path}: {e.strerror}") from e
         try:

@@ -20,7 +20,7 @@ from engine.core.dtypes import checkpoint_dtype, default_dtype
 from policy import Policy, UserError
 from policy.catalog import resolve_model_spec
 from policy.errors import ModelSpecError
-from policy.hardware import MAX_SPREAD, HardwareSpec, default_cache_path
+from policy.hardware import HardwareSpec, default_cache_path
 from policy.machine import machine_key
 from policy.specs import ModelSpec, WorkloadSpec
 
@@ -46,21 +46,22 @@ def cached_hardware() -> HardwareSpec | None:
     return HardwareSpec.load(path) if path.is_file() else None
 
 
-QUICK_PROFILE_S = 60
-"""About how long a quick profile takes (63 s measured on a busy 2-core CPU box)."""
+QUICK_PROFILE_S = 30
+"""About how long a quick profile takes: 20 s measured in the CPU image on a busy 2-core box
+(63 s before its I/O-interference probe took one round; a first-use kernel build adds more)."""
 BACKGROUND_ENV = "NANOFLEX_BACKGROUND_PROFILE"
 """Set to 0 to never start the background re-measure of a profile taken under load."""
 
 
 def hardware_profile(device: str = "auto") -> HardwareSpec:
-    """The cached profile, measured again when there is none, when it was measured on another
-    machine (`policy.machine.machine_key`) or when its measurements spread too wide
-    (`HardwareSpec.staleness`). A quick profile is measured in a child process (measuring
-    imports torch) and cached, unless the cached one from this machine is less noisy. A
-    profile taken under load is planned from as it is (its overlap shares not believed) and
-    measured again in the background once the machine is quiet (`remeasure_when_quiet`)."""
+    """The cached profile, measured now when there is none or when it was measured on another
+    machine (`policy.machine.machine_key`): a quick profile, in a child process (measuring
+    imports torch), then cached. A profile taken under load, or a quick one measured noisily
+    (`HardwareSpec.noise`), is planned from as it is (a loaded one's overlap shares not
+    believed) and measured again in the background once the machine is quiet
+    (`remeasure_when_quiet`): a restart never waits for a profile this machine already has."""
     profile = _current_profile(device)
-    if profile.under_load:
+    if profile.under_load or profile.noise() is not None:
         remeasure_when_quiet(device, default_cache_path())
     return profile
 
@@ -85,8 +86,7 @@ def remeasure_when_quiet(device: str, path: Path) -> bool:
 def _current_profile(device: str) -> HardwareSpec:
     path = default_cache_path()
     cached = HardwareSpec.load(path) if path.is_file() else None
-    machine = machine_key()
-    reason = "none is cached" if cached is None else cached.staleness(machine)
+    reason = "none is cached" if cached is None else cached.staleness(machine_key())
     if reason is None:
         assert cached is not None
         return cached
@@ -102,17 +102,13 @@ def _current_profile(device: str) -> HardwareSpec:
         f"{path}",
         file=sys.stderr,
     )
-    if cached is not None and cached.machine == machine:
-        fresh = dataclasses.replace(fresh, attempts=cached.attempts + 1)
-        if cached.max_spread[1] <= fresh.max_spread[1]:
-            fresh = dataclasses.replace(cached, attempts=fresh.attempts)
     fresh.save(path)
-    name, spread = fresh.max_spread
-    if spread > MAX_SPREAD:
+    noise = fresh.noise()
+    if noise is not None:
         print(
-            f"nanoflex: warning: this machine measures noisily ({name} spread {spread:.0%} "
-            f"after {fresh.attempts} profiles); plans may be off: run `nanoflex profile` when "
-            "it is idle",
+            f"nanoflex: warning: the hardware profile measured noisily ({noise}); planning "
+            "from it, and measuring it again in the background once the machine is quiet "
+            "(`nanoflex profile` on an idle machine measures a full one)",
             file=sys.stderr,
         )
     return fresh

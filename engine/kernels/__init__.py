@@ -18,79 +18,33 @@ The library is built with torch's C++ extension loader (a C++ compiler and ninja
 CPU's own instruction set (`-march=native`; `$NANOFLEX_KERNEL_ISA` picks a baseline level
 instead, `ISA_LEVELS`), into torch's extensions folder
 (`TORCH_EXTENSIONS_DIR`, by default ~/.cache/torch_extensions), once per source, flags and
-CPU: a later process loads the built library in well under a second. Where it cannot be
-built (no compiler, say), one warning says why and torch's own ops run instead: the same
-results, slower. `EngineArgs.native_kernels=False` (`--no-native-kernels`) never builds or
-uses it.
+CPU: a later process loads the built library in well under a second. Where
+`$NANOFLEX_KERNEL_DIR` names a folder of libraries built ahead for each baseline level
+(prebuilt.py: the Docker images do, and carry no compiler), the best level this CPU runs is
+loaded from there and nothing is compiled. Where the library cannot be built (no compiler,
+say), one warning says why and torch's own ops run instead: the same results, slower.
+`EngineArgs.native_kernels=False` (`--no-native-kernels`) never builds or uses it.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
-import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
+from engine.kernels.sources import CFLAGS as CFLAGS
+from engine.kernels.sources import HEADERS as HEADERS
+from engine.kernels.sources import HERE, SOURCES, cflags, library_name
+from engine.kernels.sources import ISA_ENV as ISA_ENV
+from engine.kernels.sources import ISA_LEVELS as ISA_LEVELS
+from engine.kernels.sources import isa_level as isa_level
+from engine.kernels.sources import supported_levels as supported_levels
+
 logger = logging.getLogger("nanoflex.engine")
-
-HERE = Path(__file__).parent
-SOURCES = (
-    HERE / "paged_decode.cpp",
-    HERE / "paged_prefill.cpp",
-    HERE / "dense_ops.cpp",
-    HERE / "token_mask.cpp",
-)
-HEADERS = (HERE / "vector_math.h", HERE / "attention_sinks.h")
-CFLAGS = ("-O3", "-mprefer-vector-width=512", "-fopenmp", "-ffp-contract=off")
-"""`-fopenmp` makes `at::parallel_for` run on torch's own OpenMP threads (the library
-links `libgomp.so.1`, which resolves to the copy torch has loaded), not serially.
-`-ffp-contract=off`: a product and a sum stay two roundings, as in the torch ops the
-fused ones replace (explicit FMA intrinsics still fuse)."""
-ISA_LEVELS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    "native": (("-march=native",), ()),
-    "avx2": (("-march=x86-64-v3",), ("avx2", "fma")),
-    "avx512": (("-march=x86-64-v4",), ("avx512f", "avx512bw", "avx512vl", "avx512dq")),
-    "avx512-bf16": (
-        ("-march=x86-64-v4", "-mavx512bf16"),
-        ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"),
-    ),
-}
-"""Instruction-set levels the kernels build for: level -> (compiler flags, the CPU flags a
-machine needs to run them). The sources pick their paths at compile time: plain loops the
-compiler vectorizes (AVX2), AVX-512 registers, AVX512-BF16's dot products. `native` (the
-default) is whatever this CPU has; `$NANOFLEX_KERNEL_ISA` picks another, to build a library
-for a baseline or to test each level (tests/engine/executor/test_kernel_isa.py)."""
-ISA_ENV = "NANOFLEX_KERNEL_ISA"
-
-
-def isa_level() -> str:
-    level = os.environ.get(ISA_ENV, "native")
-    if level not in ISA_LEVELS:
-        raise ValueError(f"{ISA_ENV} must be one of {', '.join(ISA_LEVELS)}, got {level!r}")
-    return level
-
-
-def cflags() -> tuple[str, ...]:
-    """The compiler flags for this build: the level's architecture, then CFLAGS."""
-    return (*ISA_LEVELS[isa_level()][0], *CFLAGS)
-
-
-def supported_levels() -> list[str]:
-    """The levels this CPU runs (from /proc/cpuinfo's flags; native always)."""
-    try:
-        line = next(
-            ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")
-        )
-    except (OSError, StopIteration):
-        return ["native"]
-    flags = set(line.split(":", 1)[1].split())
-    return [level for level, (_, needs) in ISA_LEVELS.items() if set(needs) <= flags]
 
 
 PagedDecode = Callable[..., torch.Tensor]
@@ -109,29 +63,15 @@ negative: its own chunk), `sinks` as in decode."""
 _lock = threading.Lock()
 
 
-def _cpu_signature() -> str:
-    """What `-march=native` compiles for: the CPU model and its feature flags."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return "unknown"
-    wanted = [ln for ln in lines if ln.startswith(("model name", "flags"))]
-    return "\n".join(dict.fromkeys(wanted))
-
-
-def library_name() -> str:
-    """One build per source, flags and CPU (a home folder shared by unlike machines)."""
-    digest = hashlib.sha256()
-    parts = [p.read_bytes() for p in (*SOURCES, *HEADERS)]
-    for part in (*parts, " ".join(cflags()).encode(), _cpu_signature().encode()):
-        digest.update(part)
-    return f"nanoflex_kernels_{digest.hexdigest()[:12]}"
-
-
 @functools.cache
 def _build() -> bool:
-    """Build (or find built) and load the library; False, with one warning, where it cannot
-    be built."""
+    """Load the library built ahead for this CPU where there is one (`$NANOFLEX_KERNEL_DIR`),
+    else build (or find built) and load it; False, with one warning, where it cannot be
+    built."""
+    from engine.kernels import prebuilt
+
+    if prebuilt.load():
+        return True
     try:
         from torch.utils.cpp_extension import load
 

@@ -1,14 +1,16 @@
 """GGUF checkpoints: converted once into a float safetensors model directory in the cache.
 
 `gguf_model_dir(path)` returns `$NANOFLEX_CACHE/gguf/<file name>-<sha256 prefix>/`, building it
-on first use: config.json comes from the GGUF metadata (through transformers for Llama and
-Qwen 2, through gguf_config.py for the families whose metadata transformers reads in part),
-the tokenizer (with its chat template) through transformers; every tensor is dequantized by the
-`gguf` package (llama.cpp's reference Python code) to float32, so the converted model is the
-GGUF's numbers exactly, and the engine's readers, placement and 4-bit compression treat it like
-any checkpoint. The cache key is the file's content hash, so a moved or copied file is not
-converted again and a changed one is. Tensors are read one at a time from the memory-mapped
-file and written in shards, so a conversion never holds more than one shard in memory.
+on first use (or the entry a read-only seed cache holds, `$NANOFLEX_SEED_CACHE`: the Docker
+images convert the default model when they are built): config.json comes from the GGUF
+metadata (through transformers for Llama and Qwen 2, through gguf_config.py for the families
+whose metadata transformers reads in part), the tokenizer (with its chat template) through
+transformers; every tensor is dequantized by the `gguf` package (llama.cpp's reference Python
+code) to float32, so the converted model is the GGUF's numbers exactly, and the engine's
+readers, placement and 4-bit compression treat it like any checkpoint. The cache key is the
+file's content hash, so a moved or copied file is not converted again and a changed one is.
+Tensors are read one at a time from the memory-mapped file and written in shards, so a
+conversion never holds more than one shard in memory.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from engine.core.cache import cache_root, publish_dir, publish_file
+from engine.core.cache import cache_root, lookup_roots, publish_dir, publish_file
 from engine.core.model_files import ModelLoadError
 from engine.loading.gguf_config import gguf_config, is_read_here
 from engine.loading.gguf_tensors import GgufTensors, open_gguf
@@ -37,9 +39,10 @@ def gguf_model_dir(path: Path) -> Path:
     """The converted model directory of the GGUF file at `path`, converted now if needed."""
     digest = file_digest(path)
     root = cache_root() / "gguf"
-    for done in sorted(root.glob(f"*-{digest[:16]}")):  # the same bytes under another name
-        if (done / MANIFEST).is_file():
-            return done
+    for found in lookup_roots():
+        for done in sorted((found / "gguf").glob(f"*-{digest[:16]}")):  # maybe another name
+            if (done / MANIFEST).is_file():
+                return done
     final = root / f"{path.name.removesuffix('.gguf').lower()}-{digest[:16]}"
     print(f"nanoflex: converting {path.name} (once) into {final}", file=sys.stderr)
     return publish_dir(final, lambda tmp: convert_gguf(path, tmp, digest=digest), MANIFEST)
@@ -51,13 +54,15 @@ def file_digest(path: Path) -> str:
     stat = path.stat()
     resolved = str(path.resolve())
     stamp = {"path": resolved, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
-    memo = cache_root() / "gguf" / "digests" / f"{_sha256_text(resolved)[:16]}.json"
-    try:
-        remembered = json.loads(memo.read_text())
-        if {k: remembered.get(k) for k in stamp} == stamp:
-            return str(remembered["sha256"])
-    except (OSError, ValueError, KeyError):
-        pass  # no memo yet, or a torn one: hash again
+    name = f"{_sha256_text(resolved)[:16]}.json"
+    memo = cache_root() / "gguf" / "digests" / name
+    for root in lookup_roots():
+        try:
+            remembered = json.loads((root / "gguf" / "digests" / name).read_text())
+            if {k: remembered.get(k) for k in stamp} == stamp:
+                return str(remembered["sha256"])
+        except (OSError, ValueError, KeyError):
+            pass  # no memo yet, or a torn one: hash again
     sha = hashlib.sha256()
     with path.open("rb") as f:
         while chunk := f.read(_HASH_CHUNK):

@@ -48,23 +48,27 @@ def _spread(samples: list[float]) -> float:
     return (max(samples) - min(samples)) / statistics.median(samples)
 
 
-def io_interference(disk: DiskIO, probe: Probe) -> tuple[float, float]:
+def io_interference(
+    disk: DiskIO, probe: Probe, rounds: int = 3, products: int = 20
+) -> tuple[float, float]:
     """(small, large): the share of its rate CPU compute loses while the copy threads read
     from disk with small (64 KiB) or large (4 MiB) reads, each dropped from the page cache
-    as the engine does. On a CPU-only box the copies and the compute share the cores."""
+    as the engine does; the median of `rounds` rounds, each timing `products` matmuls alone
+    and beside the reads. On a CPU-only box the copies and the compute share the cores. A
+    quick profile takes one round of 8."""
     f = disk.open("interference.bin")
     disk.write(f, 0, torch.zeros(64 << 20, dtype=torch.uint8))
     a, b = torch.randn(512, 512), torch.randn(512, 1408)
     cpu = Device(torch.device("cpu"))
 
     def matmuls() -> None:
-        for _ in range(20):
+        for _ in range(products):
             torch.mm(a, b)
 
     shares = []
     for size, name in zip(IO_INTERFERENCE_READS, ("small", "large"), strict=True):
         alone, busy = [], []
-        for _ in range(3):
+        for _ in range(rounds):
             alone.append(probe.seconds(f"io_compute_share_{name}", matmuls, cpu))
             stop = threading.Event()
             reader = threading.Thread(target=_read_until, args=(disk, f, size, stop))

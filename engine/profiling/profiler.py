@@ -186,7 +186,10 @@ def _measure(device_name: str, offload_dir: str | None, quick: bool) -> Hardware
     disk = DiskIO(root, 4)
     try:
         dtoc, ctod = disk_bandwidth(disk, nbytes, device, probe)
-        io_small, io_large = (0.0, 0.0) if device.is_cuda else io_interference(disk, probe)
+        interference = {"rounds": 1, "products": 8} if quick else {}
+        io_small, io_large = (
+            (0.0, 0.0) if device.is_cuda else io_interference(disk, probe, **interference)
+        )
     finally:
         disk.close()
         if not offload_dir:

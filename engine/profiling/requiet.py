@@ -1,14 +1,16 @@
-"""Measure a profile taken under load again, in the background, once the machine is quiet.
+"""Measure a profile taken under load, or a noisy quick one, again in the background once the
+machine is quiet.
 
     python -m engine.profiling.requiet DEVICE PROFILE_PATH
 
 The planner starts this, detached, when the cached profile it plans from was measured while
-other work ran (`HardwareSpec.under_load`). It waits until other processes leave the CPU
-alone for a whole window (engine/profiling/load.py), measures a profile (quick for a quick
-one, full for a full one), and replaces
-the cached one with it if the new one was measured quietly and the cached one is still the
-loaded one; a new one measured under load again is dropped and the wait starts over, for up
-to `TIMEOUT_S` in all. The next start plans from the new profile. One such process runs per
+other work ran (`HardwareSpec.under_load`) or is a quick one whose measurements spread too
+wide (`HardwareSpec.noise`). It waits until other processes leave the CPU alone for a whole
+window (engine/profiling/load.py) and measures a profile (quick for a quick one, full for a
+full one). One measured under load again is dropped and the wait starts over, for up to
+`TIMEOUT_S` in all. Otherwise it is counted (`attempts`) and kept in the cache if the cached
+one was the loaded one or was noisier; a noisy one is measured again while attempts remain
+(`MAX_ATTEMPTS`). The next start plans from the cached one. One such process runs per
 profile (a lock beside it); its log is `requiet.log` beside it.
 """
 
@@ -46,7 +48,7 @@ def main(argv: list[str]) -> int:
 
 def requiet(device: str, profile: Path, timeout_s: float, window_s: float) -> int:
     """Wait for quiet, measure like for like (a quick profile for a quick one, else a full
-    one), replace: 0 when replaced or no longer needed, 1 on timeout."""
+    one), keep the better: 0 when done or no longer needed, 1 on timeout."""
     from engine.profiling.load import wait_until_quiet
     from engine.profiling.profiler import profile_hardware
     from policy.hardware import HardwareSpec
@@ -54,8 +56,8 @@ def requiet(device: str, profile: Path, timeout_s: float, window_s: float) -> in
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         cached = HardwareSpec.load(profile) if profile.is_file() else None
-        if cached is not None and not cached.under_load:
-            print("the cached profile is no longer one taken under load", flush=True)
+        if cached is not None and not cached.under_load and cached.noise() is None:
+            print("the cached profile is neither taken under load nor noisy", flush=True)
             return 0
         if not wait_until_quiet(deadline - time.monotonic(), window_s):
             break
@@ -68,13 +70,20 @@ def requiet(device: str, profile: Path, timeout_s: float, window_s: float) -> in
         if fresh.under_load:
             print(f"measured under load again ({fresh.describe()}); waiting", flush=True)
             continue
-        if profile.is_file() and not HardwareSpec.load(profile).under_load:
+        now = HardwareSpec.load(profile) if profile.is_file() else None
+        if now is not None and not now.under_load and now.noise() is None:
             return 0  # replaced meanwhile (`nanoflex profile`, say): keep that one
-        if cached is not None:
-            fresh = dataclasses.replace(fresh, attempts=cached.attempts + 1)
-        fresh.save(profile)
-        print(f"replaced {profile}: {fresh.describe()}", flush=True)
-        return 0
+        keep_cached = (
+            now is not None and not now.under_load and fresh.max_spread[1] >= now.max_spread[1]
+        )
+        kept = now if keep_cached and now is not None else fresh
+        if now is not None:
+            kept = dataclasses.replace(kept, attempts=now.attempts + 1)
+        kept.save(profile)
+        which = "kept the cached one, less noisy" if keep_cached else f"replaced {profile}"
+        print(f"{which}: {kept.describe()}", flush=True)
+        if kept.noise() is None:
+            return 0
     print("the machine never went quiet; the next start tries again", flush=True)
     return 1
 

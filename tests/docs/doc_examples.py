@@ -87,6 +87,13 @@ RULES = (
         "needs Docker; tests/docker checks the Dockerfiles and the compose file",
         _has("docker "),
     ),
+    Rule(
+        "docker host",
+        "skip",
+        "prepares a host for Docker as root (a base image, a folder for uid 1000, a wheel "
+        "served on loopback); docker/ci.py does the same in CI's Docker step",
+        _starts("sudo ", "(cd /opt/wheels"),
+    ),
     Rule("upgrade", "skip", "updates the checkout (an upgrade)", _starts("git pull")),
     Rule(
         "worktree",

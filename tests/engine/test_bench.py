@@ -74,8 +74,6 @@ def test_a_profile_from_another_machine_is_measured_again(
     spec = hardware_profile("cpu")
     assert spec.machine == machine_key() and spec.compute_device == "cpu"
     assert spec.spread and HardwareSpec.load(default_cache_path()) == spec
-    again = hardware_profile("cpu")
-    if spec.staleness(machine_key()) is None:
-        assert again == spec  # current and quiet enough: used as is, not measured again
-    else:  # measured too noisily (a busy machine): measured again, counted
-        assert again.attempts == 2
+    # this machine's now: used as is, not measured again, however noisy (a noisy one is
+    # measured again in the background, which the suite turns off)
+    assert hardware_profile("cpu") == spec

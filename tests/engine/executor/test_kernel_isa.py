@@ -23,10 +23,9 @@ REPO = Path(__file__).resolve().parents[3]
 CHECKS = ["tests/engine/executor/test_attention.py", "tests/engine/executor/test_cpu_kernels.py"]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("level", [lv for lv in supported_levels() if lv != "native"])
-def test_kernels_at_each_level_equal_torch(level: str) -> None:
-    env = {**os.environ, ISA_ENV: level}
+def run_kernel_checks(env: dict[str, str]) -> None:
+    """The kernel tests in a process of their own with `env` (test_cpu_kernels fails there if
+    the library did not build or load)."""
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *CHECKS],
         cwd=REPO,
@@ -36,5 +35,10 @@ def test_kernels_at_each_level_equal_torch(level: str) -> None:
         timeout=1800,
         check=False,
     )
-    # test_cpu_kernels fails there if the library did not build at that level
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("level", [lv for lv in supported_levels() if lv != "native"])
+def test_kernels_at_each_level_equal_torch(level: str) -> None:
+    run_kernel_checks({**os.environ, ISA_ENV: level})
