@@ -92,7 +92,7 @@ RULES = (
         "skip",
         "prepares a host for Docker as root (a base image, a folder for uid 1000, a wheel "
         "served on loopback); docker/ci.py does the same in CI's Docker step",
-        _starts("sudo ", "(cd /opt/wheels"),
+        _starts("sudo ", "(cd /opt/wheels", "apt-get install", "pgrep -x dockerd", "docker/"),
     ),
     Rule("upgrade", "skip", "updates the checkout (an upgrade)", _starts("git pull")),
     Rule(
