@@ -115,10 +115,17 @@ def source_trees(specs: list[str], this_tree: Path) -> list[tuple[str, str]]:
     return trees or [("this tree", str(this_tree))]
 
 
-def write_json(path: str | None, results: list[dict[str, Any]], table: Table) -> None:
-    """--json: the table as printed and the raw results behind it, for bench/results/."""
+def write_json(
+    path: str | None,
+    results: list[dict[str, Any]],
+    table: Table,
+    args: dict[str, Any] | None = None,
+) -> None:
+    """--json: the table as printed and the raw results behind it (and the command's
+    arguments, when given), for bench/results/."""
     if path:
-        data = {"table": {"header": table.header, "rows": table.rows}, "results": results}
+        data: dict[str, Any] = {"table": {"header": table.header, "rows": table.rows}}
+        data |= {"results": results} | ({"args": args} if args is not None else {})
         with open(path, "w") as f:
             json.dump(data, f, indent=2, default=str)
             f.write("\n")

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from bench.common import Table, write_json
 from engine import LLM, SamplingParams
 from policy import Policy
 
@@ -127,22 +128,27 @@ def main() -> None:
             measure(name, config, args, Path(tmp))
             for name, config in (("qwen3.5-shaped hybrid", HYBRID), ("llama", LLAMA))
         ]
+    table = table_of(results, args)
+    print(table.markdown("lrrrrrrr"))
+    write_json(args.json, results, table, args=vars(args))
+
+
+def table_of(results: list[dict[str, Any]], args: argparse.Namespace) -> Table:
     header = ["model", "params", "state / seq"] + [
         f"seqs in {args.budget_gib} GiB @ {n}" for n in CONTEXTS
     ]
     header.append(f"tok/s ({args.num_prompts} x {args.prompt_len}+{args.gen_len})")
-    print("| " + " | ".join(header) + " |")
-    print("|" + "---|" * len(header))
+    table = Table(header)
     for r in results:
         row = [
             r["model"],
             f"{r['params'] / 1e9:.2f}B",
             f"{r['state_bytes_per_seq'] / 2**20:.1f} MiB",
         ]
-        row += [str(r["seqs_in_budget"][n]) for n in CONTEXTS] + [f"{r['tokens_per_s']:.2f}"]
-        print("| " + " | ".join(row) + " |")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
+        counts = {int(k): v for k, v in r["seqs_in_budget"].items()}  # str keys once in JSON
+        row += [str(counts[n]) for n in CONTEXTS] + [f"{r['tokens_per_s']:.2f}"]
+        table.rows.append(row)
+    return table
 
 
 if __name__ == "__main__":

@@ -115,7 +115,10 @@ def test_a_cached_profile_under_load_is_measured_again_in_the_background(
         pytest.skip("the machine stayed busy for a minute: a re-measure waits for quiet")
     assert requiet("cpu", default_cache_path(), timeout_s=120, window_s=1.0) == 0
     fresh = HardwareSpec.load(default_cache_path())
-    assert not fresh.under_load and fresh.quick and fresh.attempts == loaded.attempts + 1
+    # one attempt more, or two: the killed background process may have finished one first
+    # (a quick profile takes seconds)
+    assert not fresh.under_load and fresh.quick
+    assert loaded.attempts + 1 <= fresh.attempts <= loaded.attempts + 2
 
 
 def test_a_noisy_profile_is_planned_from_and_measured_again_in_the_background(
