@@ -28,16 +28,22 @@ from engine import LLM, SamplingParams
 from policy import Policy
 
 HIDDEN, LAYERS, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 2048, 24, 16, 2, 128, 32000
-HYBRID: dict[str, Any] = dict(
-    model_type="qwen3_5_text",
+SHARED: dict[str, Any] = dict(
     hidden_size=HIDDEN,
-    intermediate_size=5120,
     num_hidden_layers=LAYERS,
     num_attention_heads=HEADS,
     num_key_value_heads=KV_HEADS,
     head_dim=HEAD_DIM,
     vocab_size=VOCAB,
     tie_word_embeddings=False,
+    max_position_embeddings=32768,
+    torch_dtype="float32",
+)
+"""What the two models share: width, depth, attention heads, vocabulary."""
+HYBRID: dict[str, Any] = dict(
+    SHARED,
+    model_type="qwen3_5_text",
+    intermediate_size=5120,
     linear_num_key_heads=16,
     linear_num_value_heads=16,
     linear_key_head_dim=128,
@@ -45,22 +51,8 @@ HYBRID: dict[str, Any] = dict(
     linear_conv_kernel_dim=4,
     layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"]
     * (LAYERS // 4),
-    max_position_embeddings=32768,
-    torch_dtype="float32",
 )
-LLAMA: dict[str, Any] = dict(
-    model_type="llama",
-    hidden_size=HIDDEN,
-    intermediate_size=6656,
-    num_hidden_layers=LAYERS,
-    num_attention_heads=HEADS,
-    num_key_value_heads=KV_HEADS,
-    head_dim=HEAD_DIM,
-    vocab_size=VOCAB,
-    tie_word_embeddings=False,
-    max_position_embeddings=32768,
-    torch_dtype="float32",
-)
+LLAMA: dict[str, Any] = dict(SHARED, model_type="llama", intermediate_size=6656)
 CONTEXTS = (1024, 4096, 16384, 32768)
 """Context lengths (prompt + generated) the fit table is computed at."""
 
