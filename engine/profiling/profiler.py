@@ -160,15 +160,18 @@ def profile_hardware(
     measurement that spreads wider than `MAX_SPREAD` is taken again. `quick` uses small sizes
     (seconds instead of a minute): for a first automatic plan, not for reporting."""
     with LoadMonitor() as watch:
-        spec = _measure(device_name, offload_dir, quick)
+        spec = _measure(device_name, offload_dir, quick, watch)
     return dataclasses.replace(spec, machine_load=watch.report.to_dict())
 
 
-def _measure(device_name: str, offload_dir: str | None, quick: bool) -> HardwareSpec:
+def _measure(
+    device_name: str, offload_dir: str | None, quick: bool, watch: LoadMonitor
+) -> HardwareSpec:
     import psutil
 
-    # quick: fewer samples and one retake (the planner may re-measure a noisy quick profile)
-    probe = Probe(repeats=3, retries=1) if quick else Probe()
+    # quick: fewer samples and one retake (the planner may re-measure a noisy quick profile);
+    # no retake at all while the machine is busy (Probe)
+    probe = Probe(repeats=3, retries=1, watch=watch) if quick else Probe(watch=watch)
     device = Device.resolve(device_name)
     scale = 1 if quick else 4
     nbytes = (32 if quick else 256) << 20
