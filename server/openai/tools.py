@@ -257,12 +257,12 @@ def described(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Tools as gpt-oss's template takes them: it writes each function's description (as a
     `//` comment) and fails on one without, which OpenAI's tools may leave out ('' then)."""
     return [
-        {**tool, "function": {**tool["function"], "description": description(tool)}}
+        {**tool, "function": {**tool["function"], "description": _description(tool)}}
         for tool in tools
     ]
 
 
-def description(tool: dict[str, Any]) -> str:
+def _description(tool: dict[str, Any]) -> str:
     return tool["function"].get("description") or ""
 
 
