@@ -209,8 +209,7 @@ def _deepseek2(writer: Any, config: dict[str, Any]) -> None:
 
 def _glm4moe(writer: Any, config: dict[str, Any]) -> None:
     writer.add_nextn_predict_layers(1)
-    writer.add_key_length(config["head_dim"])
-    writer.add_value_length(config["head_dim"])
+    _head_size(writer, config["head_dim"])
     rope = config["rope_parameters"]
     writer.add_rope_dimension_count(int(config["head_dim"] * rope["partial_rotary_factor"]))
     _grouped_moe(writer, config)
@@ -218,12 +217,11 @@ def _glm4moe(writer: Any, config: dict[str, Any]) -> None:
 
 
 def _grouped_moe(writer: Any, config: dict[str, Any]) -> None:
+    """DeepSeek's and GLM's router: sigmoid, groups, shared experts, scaled, dense first."""
     from gguf import ExpertGatingFuncType
 
     writer.add_leading_dense_block_count(config["first_k_dense_replace"])
-    writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
-    writer.add_expert_count(config["n_routed_experts"])
-    writer.add_expert_used_count(config["num_experts_per_tok"])
+    _expert_keys(writer, config, config["moe_intermediate_size"], config["n_routed_experts"])
     writer.add_expert_shared_count(config["n_shared_experts"])
     writer.add_expert_weights_scale(config["routed_scaling_factor"])
     writer.add_expert_weights_norm(config["norm_topk_prob"])
@@ -233,24 +231,29 @@ def _grouped_moe(writer: Any, config: dict[str, Any]) -> None:
 
 
 def _gpt_oss(writer: Any, config: dict[str, Any]) -> None:
-    writer.add_key_length(config["head_dim"])
-    writer.add_value_length(config["head_dim"])
+    _head_size(writer, config["head_dim"])
     writer.add_sliding_window(config["sliding_window"])
-    writer.add_expert_feed_forward_length(config["intermediate_size"])
-    writer.add_expert_count(config["num_local_experts"])
-    writer.add_expert_used_count(config["num_experts_per_tok"])
+    _expert_keys(writer, config, config["intermediate_size"], config["num_local_experts"])
     _rope(writer, config["rope_parameters"])
 
 
 def _llama4(writer: Any, config: dict[str, Any]) -> None:
-    writer.add_key_length(config["head_dim"])
-    writer.add_value_length(config["head_dim"])
+    _head_size(writer, config["head_dim"])
     writer.add_rope_dimension_count(config["head_dim"])
     writer.add_interleave_moe_layer_step(config["interleave_moe_layer_step"])
-    writer.add_expert_feed_forward_length(config["intermediate_size"])
-    writer.add_expert_count(config["num_local_experts"])
-    writer.add_expert_used_count(config["num_experts_per_tok"])
+    _expert_keys(writer, config, config["intermediate_size"], config["num_local_experts"])
     _rope(writer, config["rope_parameters"])
+
+
+def _head_size(writer: Any, head_dim: int) -> None:
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+
+
+def _expert_keys(writer: Any, config: dict[str, Any], width: int, num_experts: int) -> None:
+    writer.add_expert_feed_forward_length(width)
+    writer.add_expert_count(num_experts)
+    writer.add_expert_used_count(config["num_experts_per_tok"])
 
 
 def _smollm3(writer: Any, config: dict[str, Any]) -> None:

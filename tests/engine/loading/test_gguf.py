@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -28,14 +27,6 @@ from policy import Policy
 from tests.engine.chats import CHATS
 from tests.engine.loading.gguf_files import write_gguf, write_raw_gguf
 from tests.engine.tiny_models import hf_greedy
-
-
-@pytest.fixture
-def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """A cache directory of this test's own (tiny conversions take well under a second)."""
-    root = tmp_path / "cache"
-    monkeypatch.setenv("NANOFLEX_CACHE", str(root))
-    return root
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])

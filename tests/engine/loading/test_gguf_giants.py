@@ -23,7 +23,7 @@ from tests.engine.loading.gguf_files import write_raw_gguf
 from tests.engine.loading.gguf_giants import GIANT_CONFIGS, build_giant, write_giant_gguf
 from tests.engine.loading.test_gguf_families import json_load
 from tests.engine.loading.test_mxfp4 import write_mxfp4
-from tests.engine.tiny_models import MAX_TOKENS, hf_greedy, random_prompts
+from tests.engine.tiny_models import MAX_TOKENS, built_once, hf_greedy, random_prompts
 
 KINDS = ("deepseek_v3", "gpt_oss", "glm4_moe", "llama4_text", "smollm3", "olmo3")
 POLICY = Policy(
@@ -35,23 +35,9 @@ POLICY = Policy(
 """Weights, experts and KV on every tier, decode attention of CPU-homed KV on the CPU."""
 
 
-@pytest.fixture
-def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    root = tmp_path / "cache"
-    monkeypatch.setenv("NANOFLEX_CACHE", str(root))
-    return root
-
-
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory):
-    built: dict[str, Path] = {}
-
-    def get(kind: str) -> Path:
-        if kind not in built:
-            built[kind] = build_giant(kind, tmp_path_factory.mktemp(f"giant-{kind}"))
-        return built[kind]
-
-    return get
+    return built_once(build_giant, tmp_path_factory, "giant")
 
 
 def _state(model_dir: Path) -> dict[str, torch.Tensor]:
