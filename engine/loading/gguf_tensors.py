@@ -52,8 +52,9 @@ PERMUTED_QK = frozenset({"llama", "smollm3"})
 """Architectures whose q/k rows llama.cpp permuted (the rest rotate halves, as transformers)."""
 NORMS_PLUS_ONE = frozenset({"gemma2", "gemma3"})
 """Architectures whose `*norm.weight` tensors llama.cpp stored as 1 + w."""
-CONFIG_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
-"""Tensors that are config, not parameters: Phi-3's LongRoPE factors (gguf_config.py)."""
+CONFIG_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight", "rope_freqs.weight")
+"""Tensors that are config, not parameters: Phi-3's LongRoPE factors (gguf_config.py), Llama
+3.1's rope scaling (gguf_rope_factors.py)."""
 
 
 def open_gguf(path: Path) -> GgufTensors:
@@ -191,12 +192,6 @@ class GgufTensors:
             self._shapes[name] = shape
         used = {g for sources in self._gguf_names.values() for g in sources}
         self.skipped = [t for t in self._by_gguf_name if t not in used and t not in CONFIG_TENSORS]
-        if any(t.startswith("rope_freqs") for t in self.skipped):
-            raise UnsupportedModelError(
-                f"{self.path.name} scales its rotary frequencies per dimension (rope_freqs, "
-                "Llama 3.1 and later), which its GGUF config does not describe; load the "
-                "original safetensors checkpoint instead"
-            )
         if self.architecture in PERMUTED_QK:
             heads = hf_config.num_attention_heads
             kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads

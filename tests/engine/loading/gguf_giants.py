@@ -16,7 +16,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from tests.engine.loading.gguf_files import add_shape_keys, permute_like_llama_cpp
+from tests.engine.loading.gguf_files import (
+    add_shape_keys,
+    llama3_rope,
+    llama3_rope_freqs,
+    permute_like_llama_cpp,
+)
 from tests.engine.tiny_models import TINY_CONFIGS, build_from_spec
 
 GGUF_ARCH = {
@@ -28,17 +33,22 @@ GGUF_ARCH = {
     "olmo3": "olmo2",
 }
 """transformers model type -> the GGUF architecture llama.cpp writes for it."""
+LLAMA4 = dict(
+    TINY_CONFIGS["llama4_text"], attention_chunk_size=8192, floor_scale=8192, attn_scale=0.1
+)
+"""The tiny Llama 4 with what llama.cpp's runtime assumes of every Llama 4 file: chunks of
+8192 tokens, query temperature floor 8192 and scale 0.1."""
 GIANT_CONFIGS: dict[str, dict[str, Any]] = {
     "deepseek_v3": TINY_CONFIGS["deepseek_v3"],
     "glm4_moe": TINY_CONFIGS["glm4_moe"],
     "olmo3": TINY_CONFIGS["olmo3"],
-    # what llama.cpp's runtime assumes where the file says nothing: gpt-oss's SwiGLU limit 7;
-    # Llama 4's chunks of 8192 and temperature floor 8192, scale 0.1; SmolLM3 every fourth
-    # layer NoPE and no window
+    # what llama.cpp's runtime assumes where the file says nothing: gpt-oss's SwiGLU limit 7,
+    # SmolLM3 every fourth layer NoPE and no window (Llama 4: LLAMA4)
     "gpt_oss": dict(TINY_CONFIGS["gpt_oss"], swiglu_limit=7.0),
-    "llama4_text": dict(
-        TINY_CONFIGS["llama4_text"], attention_chunk_size=8192, floor_scale=8192, attn_scale=0.1
-    ),
+    "llama4_text": LLAMA4,
+    # Llama 4 Scout's rope scaling (llama3 without a blended band), which llama.cpp writes
+    # only as per-pair factors (rope_freqs)
+    "llama4_scout": dict(LLAMA4, rope_parameters=llama3_rope(5e5, 16.0, 1.0, 8192)),
     "smollm3": dict(
         TINY_CONFIGS["smollm3"],
         no_rope_layers=None,
@@ -242,7 +252,10 @@ def _llama4(writer: Any, config: dict[str, Any]) -> None:
     writer.add_rope_dimension_count(config["head_dim"])
     writer.add_interleave_moe_layer_step(config["interleave_moe_layer_step"])
     _expert_keys(writer, config, config["intermediate_size"], config["num_local_experts"])
-    _rope(writer, config["rope_parameters"])
+    rope = config["rope_parameters"]
+    _rope(writer, rope)
+    if rope["rope_type"] == "llama3":
+        writer.add_tensor("rope_freqs.weight", llama3_rope_freqs(rope, config["head_dim"]))
 
 
 def _head_size(writer: Any, head_dim: int) -> None:

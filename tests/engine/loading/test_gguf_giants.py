@@ -1,7 +1,8 @@
 """GGUF files of DeepSeek-V3 (either form of kv_b), gpt-oss (float and MXFP4 experts), GLM-4.5
-(with its MTP block), Llama 4, SmolLM3 and OLMo 3, written as llama.cpp's converter writes them:
-converted back to the checkpoint they came from, bit for bit and config for config, and greedy
-tokens equal transformers' on it with weights, experts and KV split over the tiers."""
+(with its MTP block), Llama 4 (Maverick's rope, and Scout's as rope_freqs), SmolLM3 and OLMo 3,
+written as llama.cpp's converter writes them: converted back to the checkpoint they came from,
+bit for bit and config for config, and greedy tokens equal transformers' on it with weights,
+experts and KV split over the tiers."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from tests.engine.loading.test_gguf_families import json_load
 from tests.engine.loading.test_mxfp4 import write_mxfp4
 from tests.engine.tiny_models import MAX_TOKENS, built_once, hf_greedy, random_prompts
 
-KINDS = ("deepseek_v3", "gpt_oss", "glm4_moe", "llama4_text", "smollm3", "olmo3")
+KINDS = ("deepseek_v3", "gpt_oss", "glm4_moe", "llama4_text", "llama4_scout", "smollm3", "olmo3")
 POLICY = Policy(
     weights_frac=(0.0, 0.5, 0.5),
     experts_frac=(0.0, 0.5, 0.5),
