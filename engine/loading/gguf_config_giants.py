@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.loading.gguf_config import NO_ROPE_LAYER_STEP, Metadata, read_rope
+from engine.loading.gguf_metadata import NO_ROPE_LAYER_STEP, Metadata, read_rope
 from engine.loading.gguf_tensors import GgufTensors
 from engine.models.hf_config import UnsupportedModelError
 
