@@ -184,23 +184,19 @@ def build_terms(
     moe_pre = expert_terms(model, experts_pre, choice.compress_weights)
     moe_gen = expert_terms(model, experts_gen, choice.compress_weights)
     prefill = {
-        "ctog": (
-            Affine.of(wc=layer_bytes, wd=layer_bytes, hc=act_pre, hd=act_pre)
-            + moe_pre.ctog
-            + states.host_copies
-        )
+        "ctog": (Affine.of(wc=layer_bytes, wd=layer_bytes, hc=act_pre, hd=act_pre) + moe_pre.ctog)
         * (1 / hardware.ctog_bw),
-        "gtoc": (
-            Affine.of(cc=kv_pre, cd=kv_pre, hc=act_pre, hd=act_pre)
-            + moe_pre.gtoc
-            + states.host_copies
-        )
+        "gtoc": (Affine.of(cc=kv_pre, cd=kv_pre, hc=act_pre, hd=act_pre) + moe_pre.gtoc)
         * (1 / hardware.gtoc_bw),
         "dtoc": (Affine.of(wd=layer_bytes, hd=act_pre) + moe_pre.dtoc) * (1 / hardware.dtoc_bw),
         "ctod": Affine.of(cd=kv_pre, hd=act_pre) * (1 / hardware.ctod_bw),
     }
     # Nothing overlaps these; the routed experts run once per block, not cut in nano-batches.
-    serial_pre = Affine.of(dequant_weights + quant_kv_pre + states.prefill_seconds) + moe_pre.gpu
+    serial_pre = (
+        Affine.of(dequant_weights + quant_kv_pre + states.prefill_seconds)
+        + states.host_seconds
+        + moe_pre.gpu
+    )
 
     # ---- decode: one layer, one new token for each of the bls sequences ---------------
     act_gen = bls * act_tok
@@ -225,12 +221,8 @@ def build_terms(
         )
     if choice.compress_kv:  # dequantize old KV, quantize the new token (LM-Offload Eqs. 6-7)
         gpu_attention += kv_share * bls * (attended + 2) * kv_elems_tok / dequant_rate
-    ctog = (
-        Affine.of(wc=layer_bytes, wd=layer_bytes, hc=act_gen, hd=act_gen)
-        + moe_gen.ctog
-        + states.host_copies
-    )
-    gtoc = Affine.of(hc=act_gen, hd=act_gen) + moe_gen.gtoc + states.host_copies
+    ctog = Affine.of(wc=layer_bytes, wd=layer_bytes, hc=act_gen, hd=act_gen) + moe_gen.ctog
+    gtoc = Affine.of(hc=act_gen, hd=act_gen) + moe_gen.gtoc
     if choice.cpu_attention:
         # Only q and the new k, v go to the CPU; the attention output comes back.
         qkv_bytes = kv_share * bls * (q_dim + 2 * kv_dim) * dtype
@@ -247,7 +239,9 @@ def build_terms(
         gtoc += Affine.of(cc=kv_new, cd=kv_new)
         gpu_attention_part = Affine.of(cg=gpu_attention, cc=gpu_attention, cd=gpu_attention)
         cpu_attention_part = ZERO
-    serial_gen = Affine.of(dequant_weights + states.decode_seconds) + moe_gen.gpu
+    serial_gen = (
+        Affine.of(dequant_weights + states.decode_seconds) + states.host_seconds + moe_gen.gpu
+    )
     share_small, share_large = hardware.io_compute_share_small, hardware.io_compute_share_large
     if hardware.compute_device == "cpu" and (share_small or share_large):
         # The copy threads and the compute share the cores: each second of disk I/O costs

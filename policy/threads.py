@@ -83,17 +83,14 @@ def io_volumes(
     )
     experts = model.moe_layer_share * distinct * model.expert_weight_bytes * ratio
     kv_tok *= model.kv_layer_share  # a hybrid's KV is in its attention layers only
-    # A hybrid's host-homed states are loaded and stored whole every step (policy/state_cost.py).
-    states = (cc + cd) * bls * model.state_bytes_per_sequence / model.num_layers
     return {
         "load_weight": (wc + wd) * layer_bytes + (ed + (0.0 if on_cpu else ec)) * experts,
         "load_cache": moved_kv
         * bls
         * model.attended_len(workload.prompt_len + workload.gen_len / 2)
-        * kv_tok
-        + states,
+        * kv_tok,
         "load_activation": act,
-        "store_cache": moved_kv * bls * kv_tok + states,
+        "store_cache": moved_kv * bls * kv_tok,
         "store_activation": act,
     }
 

@@ -134,21 +134,23 @@ def test_state_terms_by_hand() -> None:
     assert _coeff(terms.memory["cpu_decode"], "cd") == pytest.approx(bls * state + 2 * 4 * 40 * 128)
     assert _coeff(terms.memory["disk"], "cd") == pytest.approx(kv_home)  # no states on disk
     assert state_bytes_per_tier(model, policy) == {"gpu": 4 * state, "cpu": 4 * state, "disk": 0}
-    # copies per layer (averaged over the 4): the states both ways; the new KV of one layer
-    # of 4, and the old KV it reads
-    states_per_layer = bls * state / layers
-    kv_new = bls * 128 / layers
-    assert _coeff(terms.decode["gtoc"].rows[0], "cc") * hw.gtoc_bw == pytest.approx(
-        states_per_layer + kv_new
-    )
-    kv_read = bls * (32 + 4) * 128 / layers
-    assert _coeff(terms.decode["ctog"].rows[0], "cd") * hw.ctog_bw == pytest.approx(
-        states_per_layer + kv_read
-    )
-    assert _coeff(terms.prefill["ctog"].rows[0], "cc") * hw.ctog_bw == pytest.approx(
-        states_per_layer
-    )
-    assert _coeff(terms.decode["ctog"].rows[0], "cg") == 0.0  # gpu-homed states stay put
+    # per layer (averaged over the 4): the copies carry the new KV of one layer of 4 and the
+    # old KV it reads; the states cross PCIe both ways too, in line with the layer (serial
+    # compute, beside attention's share of it)
+    kv_new, kv_read = bls * 128 / layers, bls * (32 + 4) * 128 / layers
+    assert _coeff(terms.decode["gtoc"].rows[0], "cc") * hw.gtoc_bw == pytest.approx(kv_new)
+    assert _coeff(terms.decode["ctog"].rows[0], "cd") * hw.ctog_bw == pytest.approx(kv_read)
+    round_trip = bls * state / layers * (1 / hw.ctog_bw + 1 / hw.gtoc_bw)
+    for stage in (terms.decode, terms.prefill):
+        serial = stage["compute"].rows[0]
+        attention = (
+            _coeff(terms.compute_parts["gpu_attention"], "cc") if stage is terms.decode else 0
+        )
+        for var in ("cc", "cd"):
+            assert _coeff(serial, var) - attention == pytest.approx(round_trip)
+    assert _coeff(terms.decode["compute"].rows[0], "cg") == pytest.approx(
+        _coeff(terms.compute_parts["gpu_attention"], "cg")
+    )  # gpu-homed states stay put
 
 
 def test_state_compute_by_hand() -> None:
