@@ -5,7 +5,9 @@ engine's slots, the built-in shapes the published sizes, and the state terms of 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -173,3 +175,30 @@ def test_state_compute_by_hand() -> None:
     added = state_terms(bigger, hw, 8, 32).decode_seconds - found.decode_seconds
     parts = [_terms(m, policy).compute_parts["gpu_compute"].const for m in (model, bigger)]
     assert parts[1] - parts[0] == pytest.approx(added)
+
+
+def test_plan_command_reports_the_states(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`nanoflex plan` for a hybrid checkpoint's config: the report puts the state per sequence
+    beside the KV per token and the states' share of each tier's peak; --json has them."""
+    from server.cli import main
+
+    hardware = tmp_path / "hardware.json"
+    FLEXGEN_T4.save(hardware)
+    model_dir = tmp_path / "nemotron"
+    model_dir.mkdir()
+    config = {**TINY_CONFIGS["nemotron_h"], "torch_dtype": "float32"}
+    (model_dir / "config.json").write_text(json.dumps(config))
+    argv = ["plan", "--model", str(model_dir), "--hardware", str(hardware), "--gpu-mem", "16MiB"]
+    assert main(argv) == 0
+    report = capsys.readouterr().out
+    assert "of KV per token in 1 of 5 layers; 11.8 KiB of state per sequence in 2" in report
+    assert "prefix cache: off for hybrid models" in report
+    assert main([*argv, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    model, policy = resolve_model_spec(str(model_dir)), Policy.from_dict(out["policy"])
+    states = out["states"]
+    assert states["state_bytes_per_sequence"] == model.state_bytes_per_sequence == 12032
+    assert states["state_bytes"] == pytest.approx(state_bytes_per_tier(model, policy))
+    assert "prefix_break_even_tokens" not in out
