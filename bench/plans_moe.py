@@ -79,17 +79,29 @@ def row(r: dict[str, Any]) -> list[str]:
         format_bytes(decode["expert_bytes_per_layer"]),
         f"{decode['tokens_per_expert']:.0f}",
         f"{cpu} (break-even {moe['cpu_expert_break_even_tokens']})",
-        f"{predicted['prefill_throughput']:.0f} / {predicted['decode_throughput']:.0f} / "
-        f"{predicted['generation_throughput']:.0f}",
+        throughput_cell(predicted),
         r["bottleneck"],
     ]
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+def throughput_cell(predicted: dict[str, float]) -> str:
+    """'prefill / decode / generation' tokens per second of a plan's prediction."""
+    return (
+        f"{predicted['prefill_throughput']:.0f} / {predicted['decode_throughput']:.0f} / "
+        f"{predicted['generation_throughput']:.0f}"
+    )
+
+
+def parse_plan_args(argv: list[str] | None, doc: str | None) -> argparse.Namespace:
+    """A plans bench's arguments: --json (where to write) and --hardware (the profile)."""
+    parser = argparse.ArgumentParser(description=(doc or "").splitlines()[0])
     parser.add_argument("--json", default=None, help="also write the results here")
     parser.add_argument("--hardware", default=str(PROFILE), help="hardware profile JSON")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_plan_args(argv, __doc__)
     hardware = HardwareSpec.load(args.hardware)
     results = [plan_case(name, gpu_mem, hardware) for name in MODELS for gpu_mem in GPU_BUDGETS]
     table = Table(

@@ -178,6 +178,56 @@ def _llama4(name: str, experts: int, moe_step: int, *, qk_norm: bool) -> ModelSp
     )
 
 
+def _qwen_hybrid(
+    name: str,
+    model_type: str,
+    shape: tuple[int, int, int, int, int, int, int],
+    experts: int,
+    expert_width: int,
+    value_heads: int,
+) -> ModelSpec:
+    """Qwen3-Next's and Qwen3.5 MoE's: three Gated DeltaNet layers (16 key heads of 128,
+    `value_heads` of 128, a kernel of 4) to one gated attention layer (heads of 256), top-10 of
+    `experts` and a gated shared expert as wide, on every layer."""
+    return _hf(
+        name,
+        model_type,
+        **_shape(*shape),
+        num_experts=experts,
+        num_experts_per_tok=10,
+        moe_intermediate_size=expert_width,
+        shared_expert_intermediate_size=expert_width,
+        full_attention_interval=4,
+        linear_num_key_heads=16,
+        linear_num_value_heads=value_heads,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+    )
+
+
+def _nemotron_h(name: str, pattern: str, mlp_width: int) -> ModelSpec:
+    """Nemotron-H's large shapes: hidden 8192, one mixer or MLP per layer as `pattern` says
+    (M Mamba-2, * attention, - MLP), 64 heads over 8 KV heads of 128, Mamba-2 of 256 heads of
+    64 with a state of 256 in 8 groups, squared-ReLU MLPs `mlp_width` wide."""
+    return _hf(
+        name,
+        "nemotron_h",
+        **_shape(8192, mlp_width, len(pattern), 64, 8, 128, 131072),
+        hybrid_override_pattern=pattern,
+        mamba_num_heads=256,
+        mamba_head_dim=64,
+        ssm_state_size=256,
+        n_groups=8,
+        conv_kernel=4,
+        chunk_size=128,
+        tie_word_embeddings=False,
+    )
+
+
+_GRANITE_H_LAYERS = ["attention" if i % 10 == 5 else "mamba" for i in range(40)]
+"""Granite 4.0 H's 40 layers: Mamba-2 but for attention at 5, 15, 25 and 35."""
+
 # Shapes from the models' published config.json files (fp16/bf16 checkpoints; Gemma 3 4B and
 # larger: the language model of the vision checkpoints).
 BUILTIN_MODELS: dict[str, ModelSpec] = {
@@ -277,6 +327,52 @@ BUILTIN_MODELS: dict[str, ModelSpec] = {
         _gpt_oss("gpt-oss-120b", 36, 128),
         _llama4("llama-4-scout", 16, 1, qk_norm=True),
         _llama4("llama-4-maverick", 128, 2, qk_norm=False),
+        # Hybrids: the state of each sequence beside the KV of the few attention layers
+        # (policy/hybrid.py); Qwen3.5 MoE's language model, without its vision tower.
+        _qwen_hybrid(
+            "qwen3-next-80b-a3b",
+            "qwen3_next",
+            (2048, 5120, 48, 16, 2, 256, 151936),
+            experts=512,
+            expert_width=512,
+            value_heads=32,
+        ),
+        _qwen_hybrid(
+            "qwen3.5-397b-a17b",
+            "qwen3_5_moe_text",
+            (4096, 10240, 60, 32, 2, 256, 248320),
+            experts=512,
+            expert_width=1024,
+            value_heads=64,
+        ),
+        _hf(
+            "granite-4.0-h-small",
+            "granitemoehybrid",
+            **_shape(4096, 768, 40, 32, 8, 128, 100352),
+            shared_intermediate_size=1536,
+            num_local_experts=72,
+            num_experts_per_tok=10,
+            layer_types=_GRANITE_H_LAYERS,
+            mamba_n_heads=128,
+            mamba_d_head=64,
+            mamba_d_state=128,
+            mamba_n_groups=1,
+            mamba_d_conv=4,
+            mamba_chunk_size=256,
+            tie_word_embeddings=True,
+        ),
+        _nemotron_h(
+            "nemotron-h-56b",
+            "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-"
+            "M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-",
+            32768,
+        ),
+        _nemotron_h(
+            "nemotron-h-47b",
+            "M-M-M-M-M-M-M-M-M*-M-M-M-M-M-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-M-M---MM---"
+            "M-M*-M-M-M-M-M-",
+            30720,
+        ),
         _hf(
             "smollm3-3b",
             "smollm3",
@@ -385,6 +481,11 @@ _ALIASES: dict[str, str] = {
     "mixtral-8x7b-v0.1": "mixtral-8x7b",
     "mixtral-8x7b-instruct-v0.1": "mixtral-8x7b",
     "qwen3-30b-a3b-base": "qwen3-30b-a3b",
+    "qwen3-next-80b-a3b-instruct": "qwen3-next-80b-a3b",
+    "qwen3-next-80b-a3b-thinking": "qwen3-next-80b-a3b",
+    "granite-4.0-h-small-base": "granite-4.0-h-small",
+    "nemotron-h-56b-base-8k": "nemotron-h-56b",
+    "nemotron-h-47b-base-8k": "nemotron-h-47b",
 }
 
 

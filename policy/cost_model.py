@@ -22,6 +22,7 @@ from policy.moe import ExpertStage, ExpertTerms, expert_stage, expert_terms
 from policy.nano_batching import dense_seconds, overlapped_compute
 from policy.policy import Policy
 from policy.specs import ModelSpec, WorkloadSpec, compressed_bytes_per_element
+from policy.state_cost import StateTerms, state_terms
 
 TASKS: tuple[str, ...] = ("ctog", "gtoc", "dtoc", "ctod", "compute")
 """Overlapped tasks per layer: the four copy directions and compute (gpu + cpu)."""
@@ -137,6 +138,10 @@ def build_terms(
     act_tok = model.hidden_bytes_per_token
     kv_mean, kv_end = s + n / 2, s + n
     attended = model.attended_len(kv_mean)  # keys a decode reads: a local layer its window
+    # A hybrid's KV and attention are in its attention layers only; averaged over all layers,
+    # each attention term is that share of a transformer's (1 for a transformer).
+    kv_share = model.kv_layer_share
+    states = state_terms(model, hardware, bls, s)
 
     gpu_mem_bw = hardware.gpu_mem_bw_estimate
     dequant_rate = hardware.dequant_throughput_estimate(dtype)  # elements/s on the GPU
@@ -147,7 +152,7 @@ def build_terms(
 
     # ---- prefill: one layer, the whole block ------------------------------------------
     act_pre = bls * s * act_tok
-    kv_pre = bls * s * kv_tok
+    kv_pre = kv_share * bls * s * kv_tok
     # Per token, outside the routed experts (which policy/moe.py prices per block).
     routed_params = model.moe_layer_share * model.num_experts_per_tok * model.expert_params
     weight_flops = 2 * (model.active_layer_params - routed_params)
@@ -159,9 +164,11 @@ def build_terms(
         gbs * (s * weight_flops + head_flops), layer_full, layer_elems, hardware, num_nano
     )
     prefill_attention_flops = hardware.prefill_attention_flops or hardware.gpu_bmm_flops
-    attention_pre = bls * 8 * model.attention_pairs(s) * q_dim / prefill_attention_flops
+    pairs = kv_share * model.attention_pairs(s)
+    attention_pre = bls * 8 * pairs * q_dim / prefill_attention_flops
     dequant_weights = layer_elems / dequant_rate if choice.compress_weights else 0.0
-    quant_kv_pre = 2 * bls * s * kv_elems_tok / dequant_rate if choice.compress_kv else 0.0
+    new_kv_elems = kv_share * bls * s * kv_elems_tok  # quantized as the prefill stores them
+    quant_kv_pre = 2 * new_kv_elems / dequant_rate if choice.compress_kv else 0.0
 
     def gpu_expert_seconds(rows: float) -> float:
         """One routed expert over `rows` tokens on the compute device (in decode its tokens
@@ -185,12 +192,16 @@ def build_terms(
         "ctod": Affine.of(cd=kv_pre, hd=act_pre) * (1 / hardware.ctod_bw),
     }
     # Nothing overlaps these; the routed experts run once per block, not cut in nano-batches.
-    serial_pre = Affine.of(dequant_weights + quant_kv_pre) + moe_pre.gpu
+    serial_pre = (
+        Affine.of(dequant_weights + quant_kv_pre + states.prefill_seconds)
+        + states.host_seconds
+        + moe_pre.gpu
+    )
 
     # ---- decode: one layer, one new token for each of the bls sequences ---------------
     act_gen = bls * act_tok
-    kv_read = bls * attended * kv_tok  # bytes of old KV attended per step
-    kv_new = bls * kv_tok
+    kv_read = kv_share * bls * attended * kv_tok  # bytes of old KV attended per step
+    kv_new = kv_share * bls * kv_tok
     dense_gen = num_batches * dense_seconds(
         gbs * (weight_flops + head_flops), layer_full, layer_elems, hardware, num_nano
     )
@@ -199,23 +210,28 @@ def build_terms(
     # is slower.
     attention_bw = hardware.decode_attention_bw(num_nano)
     if attention_bw:
-        gpu_attention = bls * attended * kv_tok_full / attention_bw
+        gpu_attention = kv_share * bls * attended * kv_tok_full / attention_bw
     else:
-        gpu_attention = bls * max(
-            4 * attended * q_dim / hardware.gpu_bmm_flops, attended * kv_tok_full / gpu_mem_bw
+        gpu_attention = (
+            kv_share
+            * bls
+            * max(
+                4 * attended * q_dim / hardware.gpu_bmm_flops, attended * kv_tok_full / gpu_mem_bw
+            )
         )
     if choice.compress_kv:  # dequantize old KV, quantize the new token (LM-Offload Eqs. 6-7)
-        gpu_attention += bls * (attended + 2) * kv_elems_tok / dequant_rate
+        gpu_attention += kv_share * bls * (attended + 2) * kv_elems_tok / dequant_rate
     ctog = Affine.of(wc=layer_bytes, wd=layer_bytes, hc=act_gen, hd=act_gen) + moe_gen.ctog
     gtoc = Affine.of(hc=act_gen, hd=act_gen) + moe_gen.gtoc
     if choice.cpu_attention:
         # Only q and the new k, v go to the CPU; the attention output comes back.
-        qkv_bytes = bls * (q_dim + model.kv_row_dim) * dtype
-        ctog += Affine.of(cc=bls * q_dim * dtype, cd=bls * q_dim * dtype)
+        qkv_bytes = kv_share * bls * (q_dim + model.kv_row_dim) * dtype
+        q_bytes = kv_share * bls * q_dim * dtype
+        ctog += Affine.of(cc=q_bytes, cd=q_bytes)
         gtoc += Affine.of(cc=qkv_bytes, cd=qkv_bytes)
-        cpu_attention = bls * attended * kv_tok_full / cpu_attention_bw
+        cpu_attention = kv_share * bls * attended * kv_tok_full / cpu_attention_bw
         if choice.compress_kv:
-            cpu_attention += bls * (attended + 2) * kv_elems_tok / cpu_dequant_rate
+            cpu_attention += kv_share * bls * (attended + 2) * kv_elems_tok / cpu_dequant_rate
         gpu_attention_part = Affine.of(cg=gpu_attention)
         cpu_attention_part = Affine.of(cc=cpu_attention, cd=cpu_attention)
     else:
@@ -223,7 +239,9 @@ def build_terms(
         gtoc += Affine.of(cc=kv_new, cd=kv_new)
         gpu_attention_part = Affine.of(cg=gpu_attention, cc=gpu_attention, cd=gpu_attention)
         cpu_attention_part = ZERO
-    serial_gen = Affine.of(dequant_weights) + moe_gen.gpu
+    serial_gen = (
+        Affine.of(dequant_weights + states.decode_seconds) + states.host_seconds + moe_gen.gpu
+    )
     share_small, share_large = hardware.io_compute_share_small, hardware.io_compute_share_large
     if hardware.compute_device == "cpu" and (share_small or share_large):
         # The copy threads and the compute share the cores: each second of disk I/O costs
@@ -278,6 +296,7 @@ def build_terms(
         act_tok,
         total_expert_bytes,
         (moe_pre, moe_gen),
+        states,
     )
     usable = {tier: budgets[tier] * USABLE_FRAC[tier] for tier in ("gpu", "cpu", "disk")}
     capacity = {row: usable[row.split("_")[0]] for row in memory}
@@ -318,16 +337,18 @@ def _peak_memory(
     act_tok: float,
     total_expert_bytes: float,
     moe: tuple[ExpertTerms, ExpertTerms],
+    states: StateTerms,
 ) -> dict[str, Affine]:
     """Peak bytes per tier: homed tensors (KV at its final length s + n) plus working buffers.
 
     Working buffers are double-buffered (the next layer / batch loads while this one
     computes), hence the factors of 2. Prefill and decode peaks are separate rows.
     """
-    gbs, bls, layers = choice.gpu_batch_size, choice.block_size, model.num_layers
+    gbs, bls = choice.gpu_batch_size, choice.block_size
     dtype, h, f = model.dtype_bytes, model.hidden_size, model.intermediate_size
     q_dim, nh = model.num_heads * model.head_dim, model.num_heads
-    kv_home = bls * kv_end * kv_tok * layers  # every token's KV is kept, windows or not
+    # every token's KV is kept, windows or not, in every attention layer
+    kv_home = bls * kv_end * kv_tok * model.num_kv_layers
     kv_read = model.attended_len(kv_end)  # keys one layer's attention loads at the end
     act_home = bls * s * act_tok
 
@@ -342,13 +363,24 @@ def _peak_memory(
     # (gbs, s, *) activations: residual + input, then the larger of attention and MLP.
     attention_pre = s * (q_dim + model.kv_row_dim) * dtype + nh * s * s * dtype
     mlp_width = f if model.arch == "opt" else 2 * f  # fc1 output, or SwiGLU's gate and up
-    if model.num_moe_layers == layers:  # no dense MLP: the shared expert (routed: policy.moe)
+    # Every layer MoE: no dense MLP, the shared expert's width (the routed ones: policy.moe)
+    if model.num_moe_layers == model.num_layers:
         mlp_width = 2 * model.shared_expert_intermediate_size
-    workspace_pre = gbs * (2 * s * h * dtype + max(attention_pre, s * mlp_width * dtype)) + logits
+    mixer_pre = max(attention_pre, states.prefill_workspace)
+    workspace_pre = gbs * (2 * s * h * dtype + max(mixer_pre, s * mlp_width * dtype)) + logits
     workspace_gen = (
         gbs * (2 * h * dtype + max(2 * nh * kv_read * dtype, mlp_width * dtype)) + logits
     )
-    gpu_common = home("wg", "cg", "hg") + weight_staging + Affine.of(dequantized_layer)
+    # States: homed with their sequences' KV (disk-homed sequences' in host memory), and one
+    # GPU batch's of one layer gathered onto the compute device while that layer runs.
+    workspace_pre += gbs * states.layer_bytes
+    workspace_gen += gbs * states.layer_bytes
+    gpu_common = (
+        home("wg", "cg", "hg")
+        + weight_staging
+        + Affine.of(dequantized_layer, cg=bls * states.sequence_bytes)
+    )
+    state_host = Affine.of(cc=bls * states.sequence_bytes, cd=bls * states.sequence_bytes)
     gpu_prefill = gpu_common + Affine.of(
         workspace_pre + gbs * s * kv_tok_full,  # this batch's new KV before it is stored
         hc=2 * gbs * s * act_tok,
@@ -357,8 +389,10 @@ def _peak_memory(
     gpu_decode = gpu_common + Affine.of(workspace_gen, hc=2 * gbs * act_tok, hd=2 * gbs * act_tok)
     batch_kv = gbs * kv_read * kv_tok  # one GPU batch's KV for one layer
     kv_full_copy = gbs * kv_read * kv_tok_full if choice.compress_kv else 0.0
-    cpu_decode = home("wc", "cc", "hc") + Affine.of(
-        wd=2 * layer_bytes, cd=2 * batch_kv, hd=2 * gbs * act_tok
+    cpu_decode = (
+        home("wc", "cc", "hc")
+        + state_host
+        + Affine.of(wd=2 * layer_bytes, cd=2 * batch_kv, hd=2 * gbs * act_tok)
     )
     if choice.cpu_attention:
         gpu_decode += Affine.of(cg=kv_full_copy)
@@ -366,8 +400,10 @@ def _peak_memory(
         cpu_decode += Affine.of(cc=cpu_workspace, cd=cpu_workspace)
     else:
         gpu_decode += Affine.of(kv_full_copy, cc=2 * batch_kv, cd=2 * batch_kv)
-    cpu_prefill = home("wc", "cc", "hc") + Affine.of(
-        wd=2 * layer_bytes, cd=2 * gbs * s * kv_tok, hd=2 * gbs * s * act_tok
+    cpu_prefill = (
+        home("wc", "cc", "hc")
+        + state_host
+        + Affine.of(wd=2 * layer_bytes, cd=2 * gbs * s * kv_tok, hd=2 * gbs * s * act_tok)
     )
     moe_pre, moe_gen = moe
     return {

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from policy.errors import ModelSpecError
+from policy.hybrid import hybrid_fields
 
 FAMILIES: dict[str, str] = {
     "opt": "opt",
@@ -29,11 +30,27 @@ FAMILIES: dict[str, str] = {
     "deepseek_v3": "llama",
     "gpt_oss": "llama",
     "llama4_text": "llama",
+    "qwen3_next": "llama",
+    "qwen3_5_text": "llama",
+    "qwen3_5_moe_text": "llama",
+    "granitemoehybrid": "llama",
+    "nemotron_h": "llama",
 }
 """HF `model_type` -> our architecture family (all but OPT: RMSNorm, RoPE, gated MLP)."""
+_GATED_DELTA = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+"""Hybrids of Gated DeltaNet layers beside attention with an output gate and q/k norms."""
+HYBRIDS = frozenset({*_GATED_DELTA, "granitemoehybrid", "nemotron_h"})
+"""Model types with state layers (policy/hybrid.py)."""
+_QWEN_SHARED = ("qwen3_next", "qwen3_5_moe_text")
+"""Qwen MoE types whose MoE layers have Qwen2-MoE's gated shared expert."""
 _TIED_BY_DEFAULT = frozenset({"gemma2", "gemma3_text"})
 """Families whose config class ties the head to the embeddings unless told otherwise."""
-_TEXT_MODELS = {"gemma3": "gemma3_text", "llama4": "llama4_text"}
+_TEXT_MODELS = {
+    "gemma3": "gemma3_text",
+    "llama4": "llama4_text",
+    "qwen3_5": "qwen3_5_text",
+    "qwen3_5_moe": "qwen3_5_moe_text",
+}
 """Vision checkpoints' model types -> their language model's."""
 _DTYPE_BYTES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 
@@ -42,7 +59,8 @@ def spec_fields(config: dict[str, Any], name: str | None) -> dict[str, Any]:
     """`ModelSpec` keyword arguments for `config`; a `ModelSpecError` names what is wrong."""
     model_type = str(config.get("model_type", "")).lower()
     if model_type in _TEXT_MODELS and isinstance(config.get("text_config"), dict):
-        # Gemma 3 4B and larger and Llama 4 ship with a vision tower: their language model
+        # Gemma 3 4B and larger, Llama 4 and Qwen3.5 ship with a vision tower: their language
+        # model
         dtype = config.get("torch_dtype") or config.get("dtype")
         model_type = _TEXT_MODELS[model_type]
         config = {"torch_dtype": dtype, **config["text_config"], "model_type": model_type}
@@ -91,17 +109,22 @@ def _opt(config: dict[str, Any], label: str, dtype_bytes: int) -> dict[str, Any]
 def _llama_family(
     config: dict[str, Any], model_type: str, label: str, dtype_bytes: int
 ) -> dict[str, Any]:
+    if model_type == "nemotron_h" and "num_hidden_layers" not in config:
+        # transformers 5 derives it from the layer kinds and does not write it
+        kinds = config.get("layers_block_type") or config["hybrid_override_pattern"]
+        config = {**config, "num_hidden_layers": len(kinds)}
     hidden, num_heads = int(config["hidden_size"]), int(config["num_attention_heads"])
     num_kv_heads = int(config.get("num_key_value_heads") or num_heads)
     head_dim = int(config.get("head_dim") or hidden // num_heads)
     num_layers = int(config["num_hidden_layers"])
     qk_norm_params = 0
     per_head = model_type == "glm4_moe" and config.get("use_qk_norm")  # GLM's when configured
-    if per_head or model_type in ("qwen3", "qwen3_moe", "gemma3_text"):  # head_dim-wide norms
+    if per_head or model_type in ("qwen3", "qwen3_moe", "gemma3_text", *_GATED_DELTA):
         qk_norm_params = 2 * head_dim
     elif model_type in ("olmo2", "olmo3", "olmoe"):  # norms over the whole q and k projections
         qk_norm_params = (num_heads + num_kv_heads) * head_dim
-    window, num_local = _windows(config, model_type, num_layers)
+    hybrid = model_type in HYBRIDS
+    window, num_local = (0, 0) if hybrid else _windows(config, model_type, num_layers)
     qkv_bias = bool(config.get("attention_bias", model_type == "gpt_oss"))  # the class default
     if model_type in ("qwen2", "qwen2_moe"):  # Qwen2's biases (qwen2_moe: unless qkv_bias says)
         qkv_bias = model_type == "qwen2" or bool(config.get("qkv_bias", True))
@@ -110,6 +133,8 @@ def _llama_family(
     dense_width_key = "intermediate_size"
     if model_type == "llama4_text":
         dense_width_key = "intermediate_size_mlp"
+    elif model_type == "granitemoehybrid":  # its shared MLP; intermediate_size: its experts'
+        dense_width_key = "shared_intermediate_size"
     fields = dict(
         name=label,
         arch="llama",
@@ -132,6 +157,16 @@ def _llama_family(
     )
     if model_type == "gpt_oss":
         fields.update(o_bias=qkv_bias, attention_sinks=True, moe_biases=True)
+    if hybrid:
+        fields.update(hybrid_fields(config, model_type, num_layers))
+        fields["attention_output_gate"] = model_type in _GATED_DELTA
+    if model_type == "nemotron_h":  # one norm and one mixer or MLP per layer; no q/k/v biases
+        fields.update(
+            num_norms=1,
+            qkv_bias=False,
+            gated_mlp=False,
+            mlp_bias=bool(config.get("mlp_bias", False)),
+        )
     return {**fields, **mla}
 
 
@@ -143,6 +178,8 @@ def _experts(config: dict[str, Any], model_type: str, num_layers: int) -> dict[s
         return _grouped_experts(config, num_layers)
     if model_type == "llama4_text":
         return _llama4_experts(config, num_layers)
+    if model_type == "granitemoehybrid":
+        return _granite_experts(config, num_layers)
     if model_type == "gpt_oss":  # every layer; experts as wide as intermediate_size
         return dict(
             num_experts=int(config["num_local_experts"]),
@@ -150,7 +187,7 @@ def _experts(config: dict[str, Any], model_type: str, num_layers: int) -> dict[s
             moe_intermediate_size=int(config["intermediate_size"]),
             moe_layer_ids=tuple(range(num_layers)),
         )
-    if model_type not in ("mixtral", "olmoe", "qwen2_moe", "qwen3_moe"):
+    if model_type not in ("mixtral", "olmoe", "qwen2_moe", "qwen3_moe", *_QWEN_SHARED):
         return {}
     key = "num_local_experts" if "num_local_experts" in config else "num_experts"
     num_experts = int(config[key])
@@ -169,7 +206,7 @@ def _experts(config: dict[str, Any], model_type: str, num_layers: int) -> dict[s
     if not num_experts or not layers:
         return {}  # an MoE family configured dense
     shared = 0
-    if model_type == "qwen2_moe":
+    if model_type in ("qwen2_moe", *_QWEN_SHARED):
         shared = int(config.get("shared_expert_intermediate_size") or 0)
     return dict(
         num_experts=num_experts,
@@ -177,6 +214,22 @@ def _experts(config: dict[str, Any], model_type: str, num_layers: int) -> dict[s
         moe_intermediate_size=width,
         shared_expert_intermediate_size=shared,
         moe_layer_ids=tuple(layers),
+    )
+
+
+def _granite_experts(config: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """Granite 4 hybrid's: num_local_experts as wide as intermediate_size on every layer,
+    beside its shared MLP (shared_intermediate_size, ungated); {} when it has none."""
+    num_experts = int(config.get("num_local_experts") or 0)
+    if not num_experts:
+        return {}
+    return dict(
+        num_experts=num_experts,
+        num_experts_per_tok=int(config["num_experts_per_tok"]),
+        moe_intermediate_size=int(config["intermediate_size"]),
+        shared_expert_intermediate_size=int(config["shared_intermediate_size"]),
+        shared_expert_gate=False,
+        moe_layer_ids=tuple(range(num_layers)),
     )
 
 

@@ -13,6 +13,7 @@ from policy.policy import Policy
 from policy.prefix import break_even_tokens
 from policy.search import PlanResult, search
 from policy.specs import ModelSpec, WorkloadSpec
+from policy.state_cost import state_bytes_per_tier, state_summary
 from policy.units import format_bytes, parse_bytes
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -86,6 +87,9 @@ def main(args: argparse.Namespace) -> int:
         out = {**result.to_dict(), "prefix_break_even_tokens": break_even}
         if model.is_moe:
             out["moe"] = moe_summary(model, result)
+        if model.is_hybrid:
+            out["states"] = state_summary(model, result.policy, result.estimate.peak_bytes)
+            del out["prefix_break_even_tokens"]  # no prefix caching for hybrids
         print(json.dumps(out, indent=2))
     else:
         print(format_report(model, workload, result, break_even))
@@ -113,6 +117,18 @@ def _window_note(model: ModelSpec) -> str:
     )
 
 
+def _state_note(model: ModelSpec) -> str:
+    """A hybrid's state beside its KV: the KV's layers, the state's size per sequence."""
+    if not model.is_hybrid:
+        return ""
+    per_sequence = model.state_bytes_per_sequence
+    return (
+        f" in {model.num_kv_layers} of {model.num_layers} layers; "
+        f"{format_bytes(per_sequence)} of state per sequence in {model.num_state_layers} "
+        f"(as much as {per_sequence / model.kv_bytes_per_token:,.0f} tokens of KV)"
+    )
+
+
 def _triple(values: tuple[float, float, float]) -> str:
     return " / ".join(f"{100 * v:.1f}%" for v in values)
 
@@ -130,7 +146,8 @@ def format_report(
     lines = [
         f"model {model.name}: {model.total_params / 1e9:.2f}B parameters{active}, "
         f"{format_bytes(model.total_weight_bytes)} of weights, "
-        f"{format_bytes(model.kv_bytes_per_token)} of KV per token{_window_note(model)}",
+        f"{format_bytes(model.kv_bytes_per_token)} of KV per token{_window_note(model)}"
+        + _state_note(model),
         f"workload: prompt {workload.prompt_len:g} tokens, generate {workload.gen_len:g}",
         "",
         "policy (gpu / cpu / disk):",
@@ -155,10 +172,13 @@ def format_report(
         "",
         "memory (peak / usable):",
     ]
+    states = state_bytes_per_tier(model, policy)
     for tier in ("gpu", "cpu", "disk"):
+        share = states[tier] / est.peak_bytes[tier] if est.peak_bytes[tier] else 0.0
         lines.append(
             f"  {tier:5s} {format_bytes(est.peak_bytes[tier]):>10s} / "
             f"{format_bytes(est.capacity_bytes[tier])}"
+            + (f", states {format_bytes(states[tier])} ({share:.0%})" if states[tier] else "")
         )
     lines += ["", "why:", f"  bottleneck: {stage} is limited by {TASK_LABELS.get(task, task)}"]
     if "memory full" in result.bottleneck:
@@ -173,6 +193,9 @@ def format_report(
     best = result.predicted["generation_throughput"]
     for combo, throughput in sorted(result.alternatives.items(), key=lambda kv: -kv[1]):
         lines.append(f"  best with {combo}: {throughput:.2f} tok/s ({throughput / best:.0%})")
+    if model.is_hybrid:
+        lines += ["", "prefix cache: off for hybrid models (docs/architecture.md)"]
+        return "\n".join(lines)
     lines += ["", "prefix cache: a cached prefix is loaded back instead of recomputed from"]
     for tier, tokens in break_even.items():
         when = "never (recomputing is faster)" if tokens is None else f"{tokens} tokens"

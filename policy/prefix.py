@@ -27,7 +27,7 @@ def load_seconds(
 ) -> float:
     """Seconds to bring `num_tokens` of cached KV (every layer) from `tier` to the compute
     device."""
-    per_token = float(model.kv_bytes_per_token_per_layer * model.num_layers)
+    per_token = float(model.kv_bytes_per_token)
     if compress_kv:
         per_token *= compressed_bytes_per_element(model.dtype_bytes) / model.dtype_bytes
     nbytes = num_tokens * per_token
@@ -44,7 +44,8 @@ def recompute_seconds(num_tokens: int, model: ModelSpec, hardware: HardwareSpec)
     computes its active parameters only)."""
     q_dim = model.num_heads * model.head_dim
     dense = num_tokens * 2 * model.active_layer_params / hardware.gpu_flops
-    attention = 4 * model.attention_pairs(num_tokens) * q_dim / hardware.gpu_bmm_flops
+    pairs = model.kv_layer_share * model.attention_pairs(num_tokens)
+    attention = 4 * pairs * q_dim / hardware.gpu_bmm_flops
     return model.num_layers * (dense + attention + hardware.layer_overhead_s)
 
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from policy.errors import ModelSpecError, UserError
+from policy.hybrid import StateShape
 
 ARCHS: tuple[str, str] = ("opt", "llama")
 _DTYPE_BYTES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
@@ -89,6 +90,22 @@ class ModelSpec:
     moe_layer_ids: tuple[int, ...] = ()
     """Layers whose MLP is the MoE block; the others have a dense MLP of intermediate_size
     (Qwen MoE's decoder_sparse_step and mlp_only_layers; every layer in Mixtral, OLMoE)."""
+    gated_mlp: bool = True
+    """The dense MLP is gated (SwiGLU: gate, up, down); False: up and down only (Nemotron-H's
+    squared ReLU)."""
+    mlp_bias: bool = False
+    """The dense MLP's projections have biases (Nemotron-H's mlp_bias)."""
+    attention_output_gate: bool = False
+    """q_proj also computes a sigmoid gate per head and channel (Qwen3-Next, Qwen3.5): twice
+    as wide."""
+    state_layer_ids: tuple[int, ...] = ()
+    """Hybrids: layers whose token mixer keeps a fixed-size state per sequence (Gated
+    DeltaNet, Mamba-2) instead of attention over KV (policy/hybrid.py)."""
+    state: StateShape | None = None
+    """The state layers' shapes; None without state layers."""
+    mlp_only_layer_ids: tuple[int, ...] = ()
+    """Nemotron-H: layers that are an MLP alone (no token mixer); where there are any, the
+    other layers are a token mixer alone (no MLP)."""
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:
@@ -108,9 +125,25 @@ class ModelSpec:
             object.__setattr__(self, "model_type", self.arch)
         if not 0 <= self.num_local_layers <= self.num_layers:
             raise ModelSpecError(f"num_local_layers must be in [0, {self.num_layers}]")
+        if self.state is not None and self.num_local_layers:
+            raise ModelSpecError("a hybrid's attention layers have no sliding windows")
         if self.num_local_layers and self.sliding_window < 1:
             raise ModelSpecError("local layers need a sliding_window >= 1")
         self._check_experts()
+        self._check_layer_kinds()
+
+    def _check_layer_kinds(self) -> None:
+        for name in ("state_layer_ids", "mlp_only_layer_ids"):
+            ids = tuple(sorted(set(getattr(self, name))))
+            object.__setattr__(self, name, ids)
+            if not all(0 <= i < self.num_layers for i in ids):
+                raise ModelSpecError(f"{name} must be layers in [0, {self.num_layers})")
+        if set(self.state_layer_ids) & set(self.mlp_only_layer_ids):
+            raise ModelSpecError("a layer cannot be both a state layer and an MLP-only layer")
+        if bool(self.state_layer_ids) != (self.state is not None):
+            raise ModelSpecError("state layers and their shape (state) come together")
+        if self.num_kv_layers < 1:
+            raise ModelSpecError("a model needs at least one attention layer")
 
     def _check_experts(self) -> None:
         object.__setattr__(self, "moe_layer_ids", tuple(sorted(set(self.moe_layer_ids))))
@@ -139,6 +172,8 @@ class ModelSpec:
             return self.mla_attention_params + self.num_norms * self.hidden_size
         h, q_dim, kv_dim = self.hidden_size, self.num_heads * self.head_dim, self.kv_dim
         attention = h * q_dim + 2 * h * kv_dim + q_dim * h
+        if self.attention_output_gate:  # q_proj's second half: the gate
+            attention += h * q_dim
         if self.arch == "opt":  # q,k,v,o biases; two LayerNorms (weight and bias)
             return attention + (q_dim + 2 * kv_dim + h) + 4 * h
         bias = (q_dim + 2 * kv_dim if self.qkv_bias else 0) + (h if self.o_bias else 0)
@@ -147,10 +182,14 @@ class ModelSpec:
 
     @property
     def dense_mlp_params(self) -> int:
-        """The MLP of a layer without experts: OPT's fc1, fc2 with biases, or SwiGLU's gate,
-        up (h -> f) and down (f -> h)."""
+        """The MLP of a layer without experts: OPT's fc1, fc2 with biases, SwiGLU's gate,
+        up (h -> f) and down (f -> h), or Nemotron-H's up and down."""
         h, f = self.hidden_size, self.intermediate_size
-        return 2 * h * f + f + h if self.arch == "opt" else 3 * h * f
+        if self.arch == "opt":
+            return 2 * h * f + f + h
+        if not self.gated_mlp:
+            return 2 * h * f + (f + h if self.mlp_bias else 0)
+        return 3 * h * f + (2 * f + h if self.mlp_bias else 0)
 
     @property
     def expert_params(self) -> int:
@@ -191,20 +230,69 @@ class ModelSpec:
         """Routed expert parameters of the whole model."""
         return self.num_moe_layers * self.expert_layer_params
 
+    # ---- layer kinds (hybrids) ---------------------------------------------------------
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Some layers keep a per-sequence state instead of KV (policy/hybrid.py)."""
+        return self.state is not None
+
+    @property
+    def num_state_layers(self) -> int:
+        return len(self.state_layer_ids)
+
+    @property
+    def num_kv_layers(self) -> int:
+        """Layers with attention over KV: all but the state and MLP-only layers."""
+        return self.num_layers - self.num_state_layers - len(self.mlp_only_layer_ids)
+
+    @property
+    def kv_layer_share(self) -> float:
+        """Share of the layers with KV (1 for a transformer; Qwen3-Next's 12 of 48)."""
+        return self.num_kv_layers / self.num_layers
+
+    @property
+    def state_layer_share(self) -> float:
+        return self.num_state_layers / self.num_layers
+
+    @property
+    def state_bytes_per_layer(self) -> int:
+        """One sequence's state in one state layer (0 without state layers)."""
+        return self.state.bytes_per_sequence(self.dtype_bytes) if self.state else 0
+
+    @property
+    def state_bytes_per_sequence(self) -> int:
+        """One sequence's state over every state layer (Qwen3-Next-80B-A3B in bfloat16: 36
+        layers of 2 MiB + 48 KiB, 73.7 MiB)."""
+        return self.num_state_layers * self.state_bytes_per_layer
+
+    def _mixers_params(self) -> int:
+        """Parameters of every layer's token mixer and norms, outside the MLPs."""
+        norms = self.num_norms * self.hidden_size
+        state = self.num_state_layers * (self.state.mixer_params + norms) if self.state else 0
+        return (
+            self.num_kv_layers * self.attention_params
+            + state
+            + len(self.mlp_only_layer_ids) * norms
+        )
+
+    def _mlps_params(self, routed_per_layer: float) -> float:
+        """Parameters of every layer's MLP, each MoE layer's routed experts counted as
+        `routed_per_layer`; Nemotron-H's MLP-only layers are its only MLPs."""
+        num_mlps = len(self.mlp_only_layer_ids) or self.num_layers
+        dense = (num_mlps - self.num_moe_layers) * self.dense_mlp_params
+        return dense + self.num_moe_layers * (self.moe_always_params + routed_per_layer)
+
     @property
     def layers_params(self) -> int:
         """Parameters of all layers, every routed expert counted."""
-        dense_layers = self.num_layers - self.num_moe_layers
-        moe_layer = self.attention_params + self.moe_always_params + self.expert_layer_params
-        return dense_layers * (self.attention_params + self.dense_mlp_params) + (
-            self.num_moe_layers * moe_layer
-        )
+        return self._mixers_params() + round(self._mlps_params(self.expert_layer_params))
 
     @property
     def layer_params(self) -> float:
         """Parameters in one transformer layer: attention, MLP, norms (and biases); averaged
-        over the layers, every routed expert counted (an int for a dense model)."""
-        if not self.is_moe:
+        over the layers, every routed expert counted (an int for a dense transformer)."""
+        if not self.is_moe and not self.is_hybrid:
             return self.attention_params + self.dense_mlp_params
         return self.layers_params / self.num_layers
 
@@ -215,10 +303,7 @@ class ModelSpec:
         if not self.is_moe:
             return self.layer_params
         routed = self.num_experts_per_tok * self.expert_params
-        moe_layer = self.attention_params + self.moe_always_params + routed
-        dense_layer = self.attention_params + self.dense_mlp_params
-        dense_layers = self.num_layers - self.num_moe_layers
-        return (self.num_moe_layers * moe_layer + dense_layers * dense_layer) / self.num_layers
+        return (self._mixers_params() + self._mlps_params(routed)) / self.num_layers
 
     @property
     def active_params(self) -> int:
@@ -283,26 +368,26 @@ class ModelSpec:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return self.num_layers * self.kv_bytes_per_token_per_layer
+        """One token's KV over the attention layers (a hybrid's state layers have none)."""
+        return self.num_kv_layers * self.kv_bytes_per_token_per_layer
 
     def attended_len(self, length: float) -> float:
-        """Keys a decode at context `length` attends over, averaged over the layers: a local
-        layer reads at most its window."""
-        local = self.num_local_layers
+        """Keys a decode at context `length` attends over, averaged over the attention layers:
+        a local layer reads at most its window."""
+        local, layers = self.num_local_layers, self.num_kv_layers
         window = min(length, float(self.sliding_window)) if local else length
-        return ((self.num_layers - local) * length + local * window) / self.num_layers
+        return ((layers - local) * length + local * window) / layers
 
     def attention_pairs(self, length: float) -> float:
-        """Causal query-key pairs of a prefill of `length` tokens, averaged over the layers
-        (length^2 / 2 for a global layer; a local one stops at its window)."""
+        """Causal query-key pairs of a prefill of `length` tokens, averaged over the attention
+        layers (length^2 / 2 for a global layer; a local one stops at its window)."""
         full = length * length / 2
         if not self.num_local_layers or length <= self.sliding_window:
             return full
         w = float(self.sliding_window)
         local = w * w / 2 + (length - w) * w
-        return (
-            (self.num_layers - self.num_local_layers) * full + self.num_local_layers * local
-        ) / (self.num_layers)
+        num_global = self.num_kv_layers - self.num_local_layers
+        return (num_global * full + self.num_local_layers * local) / self.num_kv_layers
 
     @property
     def hidden_bytes_per_token(self) -> int:

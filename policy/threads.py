@@ -82,6 +82,7 @@ def io_volumes(
         <= cpu_expert_break_even(model, hardware, policy.num_cpu_threads, policy.compress_weights)
     )
     experts = model.moe_layer_share * distinct * model.expert_weight_bytes * ratio
+    kv_tok *= model.kv_layer_share  # a hybrid's KV is in its attention layers only
     return {
         "load_weight": (wc + wd) * layer_bytes + (ed + (0.0 if on_cpu else ec)) * experts,
         "load_cache": moved_kv

@@ -161,7 +161,7 @@ def resolve_policy(
     planned_from = hardware.describe()
     try:
         model = model_spec(model_dir, hardware.compute_device, dtype)
-    except ModelSpecError as e:  # the hybrids: their state layers are not priced yet
+    except ModelSpecError as e:  # a family or layer kind the cost model does not price
         raise ModelSpecError(
             f"the planner cannot size this model ({e}); run it with a policy of your own "
             "(--policy FILE, a Policy as JSON: docs/policy.md)"

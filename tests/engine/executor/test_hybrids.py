@@ -16,9 +16,11 @@ from engine import LLM, SamplingParams
 from engine.core.prefix_cache import PageRef
 from engine.core.protocol import SeqChunk
 from engine.core.sequence import Sequence
+from engine.core.state_slots import state_slot_capacity
 from policy import Policy
+from policy.specs import WorkloadSpec
 from tests.engine.executor.test_correctness import run
-from tests.engine.tiny_models import HYBRIDS, hf_greedy, random_prompts, vocab_size
+from tests.engine.tiny_models import HYBRIDS, MAX_TOKENS, hf_greedy, random_prompts, vocab_size
 
 PLACEMENTS: dict[str, dict[str, object]] = {
     "all-on-device": {},
@@ -40,6 +42,43 @@ def test_hybrid_matches_transformers(tiny_model, references, tmp_path, kind, pla
     prompts, expected = references(kind)
     policy = Policy(**PLACEMENTS[placement])  # type: ignore[arg-type]
     assert run(tiny_model(kind), prompts, policy, tmp_path) == expected
+
+
+AUTO_GPU_BUDGETS = {"nemotron_h": 4 << 20, "qwen3_next": 2 << 20}
+"""GPU budgets a few MiB wide, so that the plan of each tiny hybrid offloads: Nemotron-H's
+splits its block's KV and states between the gpu tier and host memory, Qwen3-Next's homes
+its weights mostly and every state in host memory."""
+
+
+@pytest.mark.parametrize(
+    "kind",
+    # Qwen3-Next's plan and reference add ~15 s on a 2-core box: run with the slow tests
+    ["nemotron_h", pytest.param("qwen3_next", marks=pytest.mark.slow)],
+)
+def test_auto_policy_prices_the_states_and_matches_transformers(
+    tiny_model, references, tmp_path, kind
+):
+    """`--policy auto` plans a hybrid: the cost model counts each sequence's state on the tier
+    of its KV (host memory for the disk tier's), so the engine finds room for a state slot for
+    every sequence of the planned block where the plan put it, and greedy tokens equal
+    transformers' under that plan."""
+    prompts, expected = references(kind)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    with LLM(
+        str(tiny_model(kind)),
+        policy="auto",
+        device="cpu",
+        gpu_mem=AUTO_GPU_BUDGETS[kind],
+        workload=WorkloadSpec(prompt_len=32, gen_len=MAX_TOKENS),
+        offload_dir=tmp_path,
+    ) as llm:
+        policy, slots = llm.policy, llm.scheduler.state_slots.capacity
+        assert llm.plan is not None and llm.plan["predicted"]["generation_throughput"] > 0
+        assert not (policy.compress_weights or policy.compress_kv)  # 4-bit changes tokens
+        assert slots == state_slot_capacity(policy.block_size, policy.kv_frac, {})
+        assert slots["cpu"] > 0  # the budget leaves states in host memory
+        got = [out.outputs[0].token_ids for out in llm.generate(prompts, params)]
+    assert got == expected
 
 
 NUM_PROMPTS = 10
