@@ -497,12 +497,18 @@ class BlockPipeline:
         self, j: int, w: Weights, h: torch.Tensor | None, past: PastKV, batch: GpuBatch
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Layer j over one batch: (output states or logits, the new (T, 2 * kv_dim) KV rows)."""
-        if batch.nano_batches and self.model.layer_kind(j) == "decoder":
+        kind = self.model.layer_kind(j)
+        # Falcon-H1: the state mixer beside the attention, over the whole batch first
+        mixed = None
+        if kind == "decoder" and j in self._state_index:
+            assert h is not None
+            mixed = self._mix(j, w, h, batch)
+        if batch.nano_batches and kind == "decoder":
             assert self.nano is not None and h is not None
             pieces = self._replaying.nanos.get(batch.index)
-            return self.nano.run_layer(j, w, h, (past.device, past.cpu), batch, pieces)
+            return self.nano.run_layer(j, w, h, (past.device, past.cpu), batch, pieces, mixed)
         with self.tracer.span("compute", "compute", j, batch.index):
-            kind, graphs = self.model.layer_kind(j), self._replaying.whole.get(batch.index)
+            graphs = self._replaying.whole.get(batch.index)
             if kind == "embed":
                 if graphs is not None:
                     return GraphRunner.embed(graphs, w), None
@@ -525,7 +531,7 @@ class BlockPipeline:
                 graphs.o.copy_(o)
                 graphs.after[j - 1].replay()
                 return graphs.h, new_kv
-            return self.model.attention_output(w, h, o), new_kv
+            return self.model.layer_output(w, h, o, mixed), new_kv
 
     def _mix(self, j: int, w: Weights, h: torch.Tensor, batch: GpuBatch) -> torch.Tensor:
         """State layer j over one batch: its sequences' states gathered onto the compute

@@ -1,5 +1,6 @@
 """Hybrid models (Qwen3-Next, Qwen3.5 dense and MoE: Gated DeltaNet layers beside attention;
-Granite 4 hybrid, dense and MoE, and Nemotron-H: Mamba-2 layers beside attention):
+Granite 4 hybrid, dense and MoE, and Nemotron-H, with and without its MoE layers: Mamba-2
+layers beside attention; Falcon-H1: Mamba-2 and attention side by side in every layer):
 greedy tokens equal transformers' under the placements of the issue (everything on the
 compute device; weights on disk with states and KV in host memory; a mixed split), with
 continuous refill, preemption and chunked prefill in the same run."""
@@ -18,6 +19,9 @@ from engine.core.protocol import SeqChunk
 from engine.core.sequence import Sequence
 from policy import Policy
 from tests.engine.executor.test_correctness import run
+from tests.engine.executor.test_nano_batches import PLACEMENTS as NANO_PLACEMENTS
+from tests.engine.executor.test_nano_batches import SHAPE as NANO_SHAPE
+from tests.engine.executor.test_nano_batches import run as run_nano
 from tests.engine.tiny_models import HYBRIDS, hf_greedy, random_prompts, vocab_size
 
 PLACEMENTS: dict[str, dict[str, object]] = {
@@ -40,6 +44,16 @@ def test_hybrid_matches_transformers(tiny_model, references, tmp_path, kind, pla
     prompts, expected = references(kind)
     policy = Policy(**PLACEMENTS[placement])  # type: ignore[arg-type]
     assert run(tiny_model(kind), prompts, policy, tmp_path) == expected
+
+
+@pytest.mark.parametrize("placement", ["resident", "mixed-tiers-cpu-attention"])
+def test_falcon_h1_with_nano_batches(tiny_model, references, tmp_path, placement):
+    """Falcon-H1's mixer runs over the whole GPU batch, its attention per nano-batch, each
+    nano-batch's rows of the mixer's output added to its own."""
+    prompts, expected = references("falcon_h1")
+    policy = Policy(**NANO_SHAPE, **NANO_PLACEMENTS[placement], num_nano_batches=2)
+    tokens, layers_run = run_nano(tiny_model("falcon_h1"), prompts, policy, tmp_path)
+    assert tokens == expected and layers_run > 0
 
 
 NUM_PROMPTS = 10
@@ -72,7 +86,7 @@ def workloads(tiny_model):  # type: ignore[no-untyped-def]
 @pytest.mark.parametrize(
     ("kind", "placement"),
     [("qwen3_next", placement) for placement in PLACEMENTS]
-    + [("granite4", "mixed"), ("nemotron_h", "mixed")],
+    + [(kind, "mixed") for kind in ("granite4", "nemotron_h", "nemotron_h-moe", "falcon_h1")],
 )
 def test_refill_preemption_and_chunked_prefill_keep_each_state(
     workloads, tmp_path, kind, placement
