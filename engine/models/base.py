@@ -119,7 +119,9 @@ class Model(ABC):
         }
 
     def dense_layer(self, w: Weights, h: torch.Tensor) -> torch.Tensor:
-        """A decoder layer that is an MLP alone (Nemotron-H): (T, hidden) -> (T, hidden)."""
+        """A decoder layer that is an MLP alone (Nemotron-H): (T, hidden) -> (T, hidden), h +
+        MLP(input_norm(h)); a routed one's MLP the block pipeline may run as `block_mlp`
+        over the whole block's rows, grouped per expert, and add to h itself."""
         raise NotImplementedError(f"{type(self).__name__} has no MLP-only layers")
 
     def parallel_output(

@@ -8,6 +8,8 @@ continuous refill, preemption and chunked prefill in the same run."""
 from __future__ import annotations
 
 import dataclasses
+import json
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -54,6 +56,37 @@ def test_falcon_h1_with_nano_batches(tiny_model, references, tmp_path, placement
     policy = Policy(**NANO_SHAPE, **NANO_PLACEMENTS[placement], num_nano_batches=2)
     tokens, layers_run = run_nano(tiny_model("falcon_h1"), prompts, policy, tmp_path)
     assert tokens == expected and layers_run > 0
+
+
+def test_nemotron_h_moe_layers_group_the_block_per_expert(tiny_model, references, tmp_path):
+    """Nemotron 3's MoE layers (MLP-only) run as the other families' MoE MLPs: weights and
+    experts on disk, three GPU batches, each routed expert runs once over the whole block's
+    rows routed to it, and where a block routes to few experts only those are loaded."""
+    prompts, expected = references("nemotron_h-moe")
+    trace = tmp_path / "trace.json"
+    policy = Policy(
+        weights_frac=(0.0, 0.0, 1.0),
+        experts_frac=(0.0, 0.0, 1.0),
+        gpu_batch_size=2,
+        num_gpu_batches=3,
+    )
+    assert run(tiny_model("nemotron_h-moe"), prompts, policy, tmp_path, trace=str(trace)) == (
+        expected
+    )
+    events = [e for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"]
+    starts = sorted(
+        e["ts"] for e in events if e["name"] == "load_weight" and e["args"]["layer"] == 0
+    )
+    routed_loads = 0
+    for begin, end in zip(starts, [*starts[1:], float("inf")], strict=True):
+        for j in (2, 6):  # the 'moe' layers
+            mine = [e for e in events if begin <= e["ts"] < end and e["args"]["layer"] == j]
+            runs = Counter(e["args"]["expert"] for e in mine if e["name"] == "expert")
+            loads = Counter(e["args"]["expert"] for e in mine if e["name"] == "load_expert")
+            assert runs and max(runs.values()) == 1  # each expert once for the block
+            assert not loads or loads == runs
+            routed_loads += bool(loads)
+    assert routed_loads > 0
 
 
 NUM_PROMPTS = 10
