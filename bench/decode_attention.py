@@ -25,6 +25,7 @@ import torch
 from bench.common import Table, write_json
 from engine.executor.attention import RaggedLayout, paged_attention
 from engine.kernels import PagedKernels, paged_kernels
+from engine.models.config import KVShape
 
 HEADS, KV_HEADS, HEAD_DIM, LAYERS, PAGE = 9, 3, 64, 30, 16
 
@@ -56,7 +57,7 @@ def time_layers(
     """Seconds per layer of `paged_attention`: the best of 3 rounds over every layer's pool."""
 
     def run(pool: torch.Tensor) -> None:
-        paged_attention(q, pool, lambda rows: rows, layout, (KV_HEADS, HEAD_DIM), kernels)
+        paged_attention(q, pool, lambda rows: rows, layout, KVShape(KV_HEADS, HEAD_DIM), kernels)
 
     for pool in pools[:2]:
         run(pool)

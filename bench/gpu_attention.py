@@ -27,6 +27,7 @@ import torch
 
 from engine.executor.attention import RaggedLayout, paged_attention
 from engine.kernels import PagedKernels
+from engine.models.config import KVShape
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
 
@@ -100,7 +101,7 @@ def run_case(
         return rows
 
     def call(with_kernels: PagedKernels | None) -> torch.Tensor:
-        return paged_attention(q, pool, plain, layout, (KV_HEADS, HEAD_DIM), with_kernels)
+        return paged_attention(q, pool, plain, layout, KVShape(KV_HEADS, HEAD_DIM), with_kernels)
 
     fast, gathered = call(kernels), call(None)
     row = {

@@ -118,7 +118,7 @@ def build_terms(
     gbs, num_batches = choice.gpu_batch_size, choice.num_gpu_batches
     bls = gbs * num_batches
     dtype = model.dtype_bytes
-    q_dim, kv_dim, h = model.num_heads * model.head_dim, model.kv_dim, model.hidden_size
+    q_dim, h = model.num_heads * model.head_dim, model.hidden_size
     packed = compressed_bytes_per_element(dtype) / dtype
     weight_ratio = packed if choice.compress_weights else 1.0
     kv_ratio = packed if choice.compress_kv else 1.0
@@ -131,9 +131,9 @@ def build_terms(
     layer_bytes = layer_full * weight_ratio  # bytes as stored and moved
     total_weight_bytes = (model.total_params - expert_elems) * dtype * weight_ratio
     total_expert_bytes = expert_elems * dtype * weight_ratio
-    kv_tok_full = model.kv_bytes_per_token_per_layer  # 2 * kv_dim * dtype
+    kv_tok_full = model.kv_bytes_per_token_per_layer  # 2 * kv_dim * dtype (1x: values are keys)
     kv_tok = kv_tok_full * kv_ratio
-    kv_elems_tok = 2 * kv_dim
+    kv_elems_tok = model.kv_row_dim
     act_tok = model.hidden_bytes_per_token
     kv_mean, kv_end = s + n / 2, s + n
     attended = model.attended_len(kv_mean)  # keys a decode reads: a local layer its window
@@ -210,7 +210,7 @@ def build_terms(
     gtoc = Affine.of(hc=act_gen, hd=act_gen) + moe_gen.gtoc
     if choice.cpu_attention:
         # Only q and the new k, v go to the CPU; the attention output comes back.
-        qkv_bytes = bls * (q_dim + 2 * kv_dim) * dtype
+        qkv_bytes = bls * (q_dim + model.kv_row_dim) * dtype
         ctog += Affine.of(cc=bls * q_dim * dtype, cd=bls * q_dim * dtype)
         gtoc += Affine.of(cc=qkv_bytes, cd=qkv_bytes)
         cpu_attention = bls * attended * kv_tok_full / cpu_attention_bw
@@ -326,7 +326,7 @@ def _peak_memory(
     """
     gbs, bls, layers = choice.gpu_batch_size, choice.block_size, model.num_layers
     dtype, h, f = model.dtype_bytes, model.hidden_size, model.intermediate_size
-    q_dim, kv_dim, nh = model.num_heads * model.head_dim, model.kv_dim, model.num_heads
+    q_dim, nh = model.num_heads * model.head_dim, model.num_heads
     kv_home = bls * kv_end * kv_tok * layers  # every token's KV is kept, windows or not
     kv_read = model.attended_len(kv_end)  # keys one layer's attention loads at the end
     act_home = bls * s * act_tok
@@ -340,7 +340,7 @@ def _peak_memory(
     dequantized_layer = layer_full if choice.compress_weights else 0.0
     logits = gbs * model.vocab_size * 4  # fp32 logits for sampling
     # (gbs, s, *) activations: residual + input, then the larger of attention and MLP.
-    attention_pre = s * (q_dim + 2 * kv_dim) * dtype + nh * s * s * dtype
+    attention_pre = s * (q_dim + model.kv_row_dim) * dtype + nh * s * s * dtype
     mlp_width = f if model.arch == "opt" else 2 * f  # fc1 output, or SwiGLU's gate and up
     if model.num_moe_layers == layers:  # no dense MLP: the shared expert (routed: policy.moe)
         mlp_width = 2 * model.shared_expert_intermediate_size

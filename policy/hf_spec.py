@@ -214,7 +214,7 @@ def _llama4_experts(config: dict[str, Any], num_layers: int) -> dict[str, Any]:
 
 def _mla(config: dict[str, Any], num_heads: int, hidden: int) -> dict[str, Any]:
     """DeepSeek-V3's multi-head latent attention: its parameters, and the KV row the engine
-    keeps (one head of kv_lora_rank + qk_rope_head_dim)."""
+    keeps (one head of kv_lora_rank + qk_rope_head_dim, once: its value is its key)."""
     rank, rope = int(config["kv_lora_rank"]), int(config["qk_rope_head_dim"])
     nope, value = int(config["qk_nope_head_dim"]), int(config["v_head_dim"])
     q_rank = int(config.get("q_lora_rank") or 0)
@@ -225,6 +225,7 @@ def _mla(config: dict[str, Any], num_heads: int, hidden: int) -> dict[str, Any]:
     return dict(
         num_kv_heads=1,
         head_dim=rank + rope,
+        values_are_keys=True,
         qkv_bias=False,
         mla_attention_params=q + kv + num_heads * value * hidden + bias,
     )

@@ -80,6 +80,9 @@ class ModelSpec:
     projections and norms, kv_b, o), where the q/k/v/o formula does not hold; 0: not MLA.
     num_kv_heads (1) and head_dim (kv_lora_rank + qk_rope_head_dim) are then the latent KV
     row the engine stores (engine/models/deepseek.py)."""
+    values_are_keys: bool = False
+    """A token's value row is its key row, stored once (the engine's `KVShape`: MLA's latent
+    [c, k_rope] in the absorbed form), so its KV takes kv_dim values per layer, not 2 x."""
     shared_expert_gate: bool = True
     """The shared expert has Qwen2-MoE's sigmoid gate (hidden -> 1); DeepSeek's and GLM's
     shared experts have none."""
@@ -267,9 +270,16 @@ class ModelSpec:
         return self.total_params * self.dtype_bytes
 
     @property
+    def kv_row_dim(self) -> int:
+        """Values of one token's KV in one layer: k and v (2 * kv_dim), or k alone where the
+        values are the keys (`values_are_keys`)."""
+        return self.kv_dim if self.values_are_keys else 2 * self.kv_dim
+
+    @property
     def kv_bytes_per_token_per_layer(self) -> int:
-        """k and v of one token in one layer: 2 * num_kv_heads * head_dim * dtype_bytes (GQA)."""
-        return 2 * self.kv_dim * self.dtype_bytes
+        """k and v of one token in one layer: 2 * num_kv_heads * head_dim * dtype_bytes (GQA;
+        half that where the values are the keys)."""
+        return self.kv_row_dim * self.dtype_bytes
 
     @property
     def kv_bytes_per_token(self) -> int:

@@ -183,8 +183,32 @@ def after_harmony_analysis(spec: StructuredOutput) -> StructuredOutput:
         return spec
     lark = (
         'start: analysis? <|channel|> "final" <|message|> answer\n'
-        'analysis: <|channel|> "analysis" <|message|> /(?s:.*)/ <|end|> <|start|> "assistant"\n'
+        f"{_HARMONY_ANALYSIS}\n"
         f"answer: {_answer_rule(spec)}\n"
+    )
+    return StructuredOutput("grammar", lark)
+
+
+_HARMONY_ANALYSIS = (
+    'analysis: <|channel|> "analysis" <|message|> /(?s:.*)/ <|end|> <|start|> "assistant"'
+)
+"""An analysis message of any text, then the next message's start (a Lark rule)."""
+
+
+def harmony_calls(schemas: dict[str, str], parallel: bool) -> StructuredOutput:
+    """gpt-oss's forced tool call: an optional analysis message, then a call, a commentary
+    message to `functions.<name>` whose JSON arguments follow that function's schema
+    (`schemas`: name to JSON schema text), ended by `<|call|>`; more calls after it when
+    `parallel` (gpt-oss stops at `<|call|>`, a stop token, so it writes one)."""
+    rules = [
+        f"call_{k}: <|channel|> {json.dumps(f'commentary to=functions.{name} ')} <|constrain|> "
+        f'"json" <|message|> %json {schema} <|call|>'
+        for k, (name, schema) in enumerate(schemas.items())
+    ]
+    calls = 'call (<|start|> "assistant" call)*' if parallel else "call"
+    lark = (
+        f"start: analysis? {calls}\n{_HARMONY_ANALYSIS}\n"
+        f"call: {' | '.join(f'call_{k}' for k in range(len(rules)))}\n" + "\n".join(rules) + "\n"
     )
     return StructuredOutput("grammar", lark)
 

@@ -25,6 +25,7 @@ from torch.nn.functional import scaled_dot_product_attention
 
 from engine.kernels import PagedKernels
 from engine.models.base import AttentionSpec
+from engine.models.config import KVShape
 from engine.storage.kv_store import select_rows
 
 FULL = AttentionSpec()
@@ -369,7 +370,7 @@ def paged_attention(
     pool: torch.Tensor,
     decode: Callable[[torch.Tensor], torch.Tensor],
     layout: RaggedLayout,
-    kv_shape: tuple[int, int],
+    kv_shape: KVShape,
     kernels: PagedKernels | None = None,
     spec: AttentionSpec = FULL,
 ) -> torch.Tensor:
@@ -378,9 +379,11 @@ def paged_attention(
     `spec` says (the layout's mask and `window` carry the layer's window).
 
     q: (T, num_heads, head_dim); pool: (slots, row_bytes) encoded rows; `decode` turns
-    gathered rows into (N, 2 * kv_dim) keys then values (a view for plain rows, and so of
+    gathered rows into (N, kv_shape.row_dim) KV rows, keys then values or, where
+    `kv_shape.values_are_keys`, keys read as the values too (a view for plain rows, and so of
     the whole pool). `kernels`: the native CPU kernels (`engine.kernels`), which every group
-    calls on the pool as it lies instead of gathering a copy.
+    calls on the pool as it lies instead of gathering a copy (the row's width tells them
+    where its values are).
     Returns (T, num_heads, head_dim)."""
     if len(layout.groups) == 1:
         return _paged_group(q, pool, decode, layout.groups[0], kv_shape, kernels, spec)
@@ -395,7 +398,7 @@ def _paged_group(
     pool: torch.Tensor,
     decode: Callable[[torch.Tensor], torch.Tensor],
     g: PaddedGroup,
-    kv_shape: tuple[int, int],
+    kv_shape: KVShape,
     kernels: PagedKernels | None,
     spec: AttentionSpec,
 ) -> torch.Tensor:
@@ -423,8 +426,10 @@ def _paged_group(
         return prefill(
             q, rows, g.slots, q_starts, kv_starts, kv_shape[0], scale, g.window, sinks=sinks
         )
+    # a row's sides: keys then values (2), or the keys alone, read as the values too (1)
+    sides, heads_dim = 1 if kv_shape.values_are_keys else 2, kv_shape[:2]
     if g.chunks is not None:
-        keys = decode(select_rows(pool, g.slots)).view(-1, 2, *kv_shape)  # (sum L, 2, ...)
+        keys = decode(select_rows(pool, g.slots)).view(-1, sides, *heads_dim)  # (sum L, 2, ...)
         outs = []
         for c in g.chunks:
             kc = keys[c.kv_start : c.kv_start + c.kv_len].transpose(0, 2)  # (kvh, 2, L, hd)
@@ -435,15 +440,15 @@ def _paged_group(
             out = sdpa(
                 qc.transpose(0, 1)[None],  # (1, nh, lead + t, hd)
                 kc[None, :, 0],
-                kc[None, :, 1],
+                kc[None, :, -1],
                 mask,
                 mask is None,
                 spec,
             )
             outs.append(out[0, :, c.lead :].transpose(0, 1))
         return torch.cat(outs)
-    kv = decode(select_rows(pool, g.slots)).view(b, kv_max, 2, *kv_shape)
-    k, v = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)  # (B, kvh, L, hd) views
+    kv = decode(select_rows(pool, g.slots)).view(b, kv_max, sides, *heads_dim)
+    k, v = kv[:, :, 0].transpose(1, 2), kv[:, :, -1].transpose(1, 2)  # (B, kvh, L, hd) views
     if q_max == 1:
         qp = q.view(b, 1, num_heads, head_dim).transpose(1, 2)  # (B, nh, 1, hd), no copy
     else:
@@ -455,11 +460,15 @@ def _paged_group(
     return out if q_max == 1 else out[g.q_dest]
 
 
-def join_kv(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def join_kv(k: torch.Tensor, v: torch.Tensor, values_are_keys: bool = False) -> torch.Tensor:
     """k and v, each (T, num_kv_heads, head_dim), as (T, 2 * kv_dim) KV rows: a view where v
     lies right after k in each row of one tensor (the model's rotary passes values through
-    beside the keys), else a copy."""
+    beside the keys), else a copy. `values_are_keys` (v is k: `KVShape`): the (T, kv_dim)
+    keys alone, a view."""
     rows, kv_dim = k.shape[0], k.shape[1] * k.shape[2]
+    if values_are_keys:
+        assert v is k, "a model whose values are its keys returns the same tensor for both"
+        return k.reshape(rows, kv_dim)
     adjacent = (
         k.stride() == v.stride()
         and k.stride()[1:] == (k.shape[2], 1)
@@ -472,13 +481,15 @@ def join_kv(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 
 
 def split_kv(
-    rows: torch.Tensor | None, kv_shape: tuple[int, int]
+    rows: torch.Tensor | None, kv_shape: KVShape
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """(N, 2 * kv_dim) packed KV rows -> k and v, each (N, num_kv_heads, head_dim)."""
+    """(N, kv_shape.row_dim) packed KV rows -> k and v, each (N, num_kv_heads, head_dim); where
+    the values are the keys, both are the same view of the rows."""
     if rows is None:
         return None, None
-    n, kv_dim = rows.shape[0], kv_shape[0] * kv_shape[1]
-    return rows[:, :kv_dim].reshape(n, *kv_shape), rows[:, kv_dim:].reshape(n, *kv_shape)
+    n, kv_dim, heads_dim = rows.shape[0], kv_shape.kv_dim, kv_shape[:2]
+    k = rows[:, :kv_dim].reshape(n, *heads_dim)
+    return k, k if kv_shape.values_are_keys else rows[:, kv_dim:].reshape(n, *heads_dim)
 
 
 class HostSinks:
@@ -506,19 +517,17 @@ def cpu_attention(
     v: torch.Tensor,
     past: torch.Tensor | None,
     layout: RaggedLayout,
-    kv_shape: tuple[int, int],
+    kv_shape: KVShape,
     spec: AttentionSpec = FULL,
 ) -> torch.Tensor:
     """Decode attention on the CPU over host-homed past KV (FlexGen Sec. 4.2): (T, heads,
     head_dim) float32 on the CPU. Computes in float32 (CPU half matmuls are slow and less
-    exact); q, k, v may live anywhere and are copied as needed."""
+    exact); q, k, v may live anywhere and are copied as needed (where the values are the
+    keys, once)."""
+    k_host = k.to("cpu", torch.float32)
+    v_host = k_host if kv_shape.values_are_keys else v.to("cpu", torch.float32)
     return ragged_attention(
-        q.to("cpu", torch.float32),
-        k.to("cpu", torch.float32),
-        v.to("cpu", torch.float32),
-        *split_kv(past, kv_shape),
-        layout,
-        spec,
+        q.to("cpu", torch.float32), k_host, v_host, *split_kv(past, kv_shape), layout, spec
     )
 
 

@@ -139,13 +139,14 @@ class GraphRunner:
     def _capture(self, rows: int, embed_graph: bool = True) -> StepGraphs:
         c = self.model.config
         device, dtype = self.device, self.dtype
+        k = torch.zeros(rows, c.num_kv_heads, c.head_dim, dtype=dtype, device=device)
         g = StepGraphs(
             token_ids=torch.zeros(rows, dtype=torch.long, device=device),
             positions=torch.zeros(rows, dtype=torch.long, device=device),
             h=torch.zeros(rows, c.hidden_size, dtype=dtype, device=device),
             q=torch.zeros(rows, c.num_heads, c.head_dim, dtype=dtype, device=device),
-            k=torch.zeros(rows, c.num_kv_heads, c.head_dim, dtype=dtype, device=device),
-            v=torch.zeros(rows, c.num_kv_heads, c.head_dim, dtype=dtype, device=device),
+            k=k,
+            v=k if c.values_are_keys else torch.zeros_like(k),  # the same buffer, v is k
             o=torch.zeros(rows, c.num_heads, c.head_dim, dtype=dtype, device=device),
         )
         embed = self.weights[0]
@@ -170,7 +171,8 @@ class GraphRunner:
                 q, k, v = self.model.attention_inputs(j, w, g.h, tables)
                 g.q.copy_(q)
                 g.k.copy_(k)
-                g.v.copy_(v)
+                if g.v is not g.k:
+                    g.v.copy_(v)
 
             def after(w: Weights = w) -> None:
                 g.h.copy_(self.model.attention_output(w, g.h, g.o))

@@ -212,7 +212,8 @@ class Executor:
         if weight_slots:
             self.weights.make_slots()
         self.states = self._state_store()
-        codec = KVRowCodec(2 * self.config.kv_dim, compress=policy.compress_kv, dtype=self.dtype)
+        row_dim = self.config.kv_shape.row_dim
+        codec = KVRowCodec(row_dim, compress=policy.compress_kv, dtype=self.dtype)
         self.kv = KVStore(
             len(self.config.kv_layers),
             PAGE_TOKENS,
@@ -366,7 +367,7 @@ class Executor:
                 self.policy,
                 self.step_tokens,
                 len(self.config.kv_layers),
-                2 * self.config.kv_dim * item,
+                self.config.kv_shape.row_dim * item,
                 self.config.hidden_size * item,
             )
         placed = self.weights.bytes_per_tier()

@@ -49,10 +49,12 @@ QKV = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 def _rows(qkv: QKV, rows: torch.Tensor | None) -> QKV:
-    """q, k, v of the given rows (all when None)."""
+    """q, k, v of the given rows (all when None); v stays k where it is k (values that are
+    the keys: `KVShape`)."""
     if rows is None:
         return qkv
-    return qkv[0][rows], qkv[1][rows], qkv[2][rows]
+    k = qkv[1][rows]
+    return qkv[0][rows], k, k if qkv[2] is qkv[1] else qkv[2][rows]
 
 
 class NanoOverlap:
@@ -69,7 +71,7 @@ class NanoOverlap:
         self.model, self.device, self.overlap = model, device, overlap
         self.tracer = tracer or NoTracer()
         c = model.config
-        self._kv_shape = (c.num_kv_heads, c.head_dim)
+        self._kv_shape = c.kv_shape
         self._host_sinks = HostSinks()
         cuda = device.is_cuda and overlap
         self._attention_stream = torch.cuda.Stream(device.device) if cuda else None
@@ -104,7 +106,7 @@ class NanoOverlap:
         mixed: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Decoder layer j over `batch`'s nano-batches, given the batch's packed past KV of its
-        (device, CPU) attention groups: (output states (T, hidden), the new (T, 2 * kv_dim) KV
+        (device, CPU) attention groups: (output states (T, hidden), the new (T, row_dim) KV
         rows), the same rows in the same order as the whole-batch path. `graphs`: per
         nano-batch, CUDA graphs of its dense ops (engine/executor/cuda_graphs.py), replayed
         on its static buffers with the attention run eagerly in between. `mixed`: the whole
@@ -125,7 +127,7 @@ class NanoOverlap:
                     q, key, value = self.model.attention_inputs(
                         j, w, h[nano.rows], batch.positions[nano.rows]
                     )
-                new_kv.append(join_kv(key, value))
+                new_kv.append(join_kv(key, value, self._kv_shape.values_are_keys))
             ready = self.device.record() if self.overlap else None
             launched.append((q, self._launch(j, k, nano, past, (q, key, value), ready, spec)))
         outs = []
@@ -201,11 +203,12 @@ class NanoOverlap:
             self.tracer.span("copy_qkv_to_host", "store", j, k, index),
         ):
             host = []
-            for t in _rows(qkv, part.rows):
+            q, key, value = _rows(qkv, part.rows)
+            for t in (q, key) if value is key else (q, key, value):
                 pinned = self.device.staging.take(tuple(t.shape), t.dtype)  # given back in use
                 pinned.copy_(t, non_blocking=True)
                 host.append(pinned)
-            return (host[0], host[1], host[2]), self.device.record()
+            return (host[0], host[1], host[-1]), self.device.record()
 
     def _cpu_attention(
         self,
@@ -230,7 +233,7 @@ class NanoOverlap:
             out = cpu_attention(*qkv, past_rows, layout, self._kv_shape, spec)
         if not self.device.is_cuda:
             return out.to(dtype), None
-        for t in qkv:  # staged by _to_host, read by now
+        for t in qkv[:2] if qkv[2] is qkv[1] else qkv:  # staged by _to_host, read by now
             self.device.staging.give(t)
         with (
             self.device.on_copy_stream(),

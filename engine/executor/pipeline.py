@@ -53,9 +53,9 @@ class PastKV:
     """The past KV a (layer, GPU batch) attends over, per attention group, packed by sequence."""
 
     device: torch.Tensor | None
-    """(P, 2 * kv_dim) on the compute device for the device group; None if no past."""
+    """(P, row_dim) on the compute device for the device group; None if no past."""
     cpu: torch.Tensor | None
-    """(P_cpu, 2 * kv_dim) float32 in host memory for the CPU-attention group; None if none."""
+    """(P_cpu, row_dim) float32 in host memory for the CPU-attention group; None if none."""
 
 
 NO_PAST = PastKV(None, None)
@@ -109,7 +109,7 @@ class BlockPipeline:
         self.kernels = kernels
         """The native CPU attention over the pool (`engine.kernels`), or None."""
         c = model.config
-        self._kv_shape = (c.num_kv_heads, c.head_dim)
+        self._kv_shape = c.kv_shape
         self._host_sinks = HostSinks()
         self._acts: dict[int, dict[str, torch.Tensor]] = {}  # GPU batch -> tier -> rows
         self._act_files: dict[int, DiskFile] = {}
@@ -322,13 +322,13 @@ class BlockPipeline:
         self, j: int, w: Weights, h: torch.Tensor | None, past: PastKV, batch: GpuBatch
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """MoE layer j over one batch up to its MLP: (the residual stream, its normed rows,
-        the new (T, 2 * kv_dim) KV rows; None for a layer without attention)."""
+        the new (T, row_dim) KV rows; None for a layer without attention)."""
         assert self._moe is not None and h is not None
         with self.tracer.span("compute", "compute", j, batch.index):
             if self.model.layer_kind(j) == "dense":
                 return h, self._moe.input_norm(w, h), None
             q, k, v = self._moe.attention_inputs(j, w, h, batch.positions)
-            new_kv = join_kv(k, v)
+            new_kv = join_kv(k, v, self._kv_shape.values_are_keys)
             spec = self._moe.attention_spec(j, w)
             o = self._attend(j, batch, past, q, k, v, new_kv, spec)
             h, x = self._moe.before_mlp(w, h, o)
@@ -475,7 +475,7 @@ class BlockPipeline:
 
     def _gather(self, layer: int, group: AttentionGroup, to_device: bool) -> torch.Tensor:
         """The group's past rows from every tier that homes them, decoded, packed in
-        sequence order: (P, 2 * kv_dim), on the compute device (`to_device`: host rows go
+        sequence order: (P, row_dim), on the compute device (`to_device`: host rows go
         through staging buffers, pinned on a GPU) or in host memory (for CPU attention)."""
         packed: torch.Tensor | None = None
         for tier, kv_rows in group.past.items():
@@ -503,7 +503,7 @@ class BlockPipeline:
     def _compute(
         self, j: int, w: Weights, h: torch.Tensor | None, past: PastKV, batch: GpuBatch
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Layer j over one batch: (output states or logits, the new (T, 2 * kv_dim) KV rows)."""
+        """Layer j over one batch: (output states or logits, the new (T, row_dim) KV rows)."""
         kind = self.model.layer_kind(j)
         # Falcon-H1: the state mixer beside the attention, over the whole batch first
         mixed = None
@@ -532,7 +532,7 @@ class BlockPipeline:
                 q, k, v = graphs.q, graphs.k, graphs.v
             else:
                 q, k, v = self.model.attention_inputs(j, w, h, batch.positions)
-            new_kv = join_kv(k, v)  # (T, 2 * kv_dim)
+            new_kv = join_kv(k, v, self._kv_shape.values_are_keys)  # (T, row_dim)
             o = self._attend(j, batch, past, q, k, v, new_kv, self.model.attention_spec(j, w))
             if graphs is not None:
                 graphs.o.copy_(o)
@@ -673,7 +673,7 @@ class BlockPipeline:
             self._acts[batch.index] = parts
 
     def _encoded_rows(self, new_kv: torch.Tensor, kv_rows: KVRows) -> torch.Tensor:
-        """The (N, row_bytes) encoded rows of `new_kv` (T, 2 * kv_dim) that `kv_rows` stores."""
+        """The (N, row_bytes) encoded rows of `new_kv` (T, row_dim) that `kv_rows` stores."""
         if len(kv_rows.slots) != new_kv.shape[0]:  # not one tier without padding
             new_kv = new_kv.index_select(0, kv_rows.rows)
         return self.kv.codec.encode(new_kv)

@@ -2,7 +2,9 @@
 //
 // Each sequence has one query token (num_heads x head_dim) and attends over its keys, which
 // lie in the pool's rows at the slots its block table names: a row holds the token's keys
-// (num_kv_heads x head_dim) then its values. The padded path gathers every key into a
+// (num_kv_heads x head_dim) then its values, or, a row of the keys' width alone, keys that
+// are the values too (multi-head latent attention's latent, stored once): the values are
+// read where the keys are. The padded path gathers every key into a
 // (B, kv_heads, L, head_dim) copy and calls SDPA; this reads each row once, where it lies,
 // so that a decode step moves the KV bytes once instead of three times (read, write the
 // copy, read it again).
@@ -228,8 +230,9 @@ constexpr auto head_values_table(std::index_sequence<I...>) {
 }
 
 template <typename T, int HD>
-void attend_seq_avx512(const T* q, const T* pool, int64_t row_stride, const int64_t* seq_slots,
-                       int64_t n, int64_t kv_heads, int64_t group, float scale,
+void attend_seq_avx512(const T* q, const T* pool, int64_t row_stride, int64_t v_at,
+                       const int64_t* seq_slots, int64_t n, int64_t kv_heads, int64_t group,
+                       float scale,
                        const float* sinks, Scratch& w, T* out) {
   constexpr int V = HD / 16;
   constexpr bool pairwise = kPairwiseBF16 && std::is_same_v<T, c10::BFloat16>;
@@ -286,7 +289,7 @@ void attend_seq_avx512(const T* q, const T* pool, int64_t row_stride, const int6
         const int64_t qh = h * group + g0;
         const void* p = pairwise ? static_cast<const void*>(reinterpret_cast<const c10::BFloat16*>(w.row.data()) + qh * kSegment)
                                  : static_cast<const void*>(w.row.data() + qh * kSegment);
-        values[gc - 1](p, w.shrink.data() + qh, rows.data(), (kv_heads + h) * HD, m,
+        values[gc - 1](p, w.shrink.data() + qh, rows.data(), v_at + h * HD, m,
                        w.acc.data() + qh * HD);
       }
   }
@@ -301,7 +304,7 @@ void attend_seq_avx512(const T* q, const T* pool, int64_t row_stride, const int6
 // first from a shared counter, so that unequal lengths still share the threads evenly.
 template <typename T>
 void decode_attention(const T* q, int64_t q_stride, const T* pool, int64_t row_stride,
-                      const int64_t* slots, const int64_t* kv_lens, int64_t kv_max, T* out,
+                      int64_t v_at, const int64_t* slots, const int64_t* kv_lens, int64_t kv_max, T* out,
                       int64_t num_seqs,
                       int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale,
                       int64_t window, const float* sinks) {
@@ -333,14 +336,14 @@ void decode_attention(const T* q, int64_t q_stride, const T* pool, int64_t row_s
         auto attend = head_dim == 64    ? attend_seq_avx512<T, 64>
                       : head_dim == 128 ? attend_seq_avx512<T, 128>
                                         : attend_seq_avx512<T, 256>;
-        attend(q_seq, pool, row_stride, seq_slots, n, num_kv_heads, group, scale, sinks, w,
-               out_seq);
+        attend(q_seq, pool, row_stride, v_at, seq_slots, n, num_kv_heads, group, scale, sinks,
+               w, out_seq);
         continue;
       }
 #endif
       for (int64_t h = 0; h < num_kv_heads; ++h) {
         const int64_t heads = h * group * head_dim;  // the kv head's query heads, adjacent
-        attend_pair(q_seq + heads, pool + h * head_dim, pool + (num_kv_heads + h) * head_dim,
+        attend_pair(q_seq + heads, pool + h * head_dim, pool + v_at + h * head_dim,
                     row_stride, seq_slots, n, group, head_dim, scale,
                     sinks == nullptr ? nullptr : sinks + h * group, w, out_seq + heads);
       }
@@ -355,9 +358,12 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& pool, const at::T
               "q: (B, num_heads, head_dim), heads adjacent (rows may be strided)");
   const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0, "num_heads % num_kv_heads");
+  const int64_t kv_dim = num_kv_heads * head_dim;
   TORCH_CHECK(pool.dim() == 2 && pool.stride(1) == 1 && pool.scalar_type() == q.scalar_type() &&
-                  pool.size(1) == 2 * num_kv_heads * head_dim,
-              "pool: (slots, 2 * num_kv_heads * head_dim) rows of q's dtype");
+                  (pool.size(1) == 2 * kv_dim || pool.size(1) == kv_dim),
+              "pool: (slots, 2 * num_kv_heads * head_dim) rows of q's dtype, or (slots, "
+              "num_kv_heads * head_dim) where the values are the keys");
+  const int64_t v_at = pool.size(1) == kv_dim ? 0 : kv_dim;  // where a row's values begin
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() &&
                   kv_lens.scalar_type() == at::kLong && kv_lens.is_contiguous() &&
                   kv_lens.numel() == num_seqs && slots.numel() % std::max<int64_t>(num_seqs, 1) == 0,
@@ -371,7 +377,7 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& pool, const at::T
       TORCH_CHECK(false, "paged_decode: float64 is not supported");
     } else {
       decode_attention<scalar_t>(q.data_ptr<scalar_t>(), q.stride(0), pool.data_ptr<scalar_t>(),
-                                 pool.stride(0), slots.data_ptr<int64_t>(),
+                                 pool.stride(0), v_at, slots.data_ptr<int64_t>(),
                                  kv_lens.data_ptr<int64_t>(), kv_max,
                                  out.data_ptr<scalar_t>(), num_seqs, num_heads, num_kv_heads,
                                  head_dim, static_cast<float>(scale), window, sink_ptr);

@@ -4,7 +4,9 @@
 // [0, past_len + t] (the last `window` of them with a sliding window, its own chunk with
 // chunked attention; with gpt-oss's sinks, each head's softmax has its sink logit as one more
 // column without a value). Its keys and values,
-// the new ones already written, lie in the pool's rows at the slots listed for it. Torch's
+// the new ones already written, lie in the pool's rows at the slots listed for it (a row of
+// the keys' width alone holds keys that are the values too, read where the keys are:
+// multi-head latent attention's latent, stored once). Torch's
 // CPU flash attention runs such a chunk at about a quarter of the GEMM rate on this kind of
 // CPU (it multiplies small blocks through a general GEMM call each); this is flash attention
 // with its own register-blocked products:
@@ -392,7 +394,7 @@ void attend_item(const T* q, int64_t q_stride, const Packed& packed, const Seq& 
 
 template <typename T>
 void attend_avx512(const T* q, int64_t q_stride, const T* pool, int64_t row_stride,
-                   const int64_t* slots, const std::vector<Seq>& seqs, int64_t heads,
+                   int64_t v_start, const int64_t* slots, const std::vector<Seq>& seqs, int64_t heads,
                    int64_t kv_heads, int64_t D, float scale, int64_t window,
                    const float* sinks, T* out) {
   const int64_t group = heads / kv_heads;
@@ -406,7 +408,6 @@ void attend_avx512(const T* q, int64_t q_stride, const T* pool, int64_t row_stri
   }
   const int64_t tile_words = 2 * packed.W * KB;
   packed.words.resize(tiles.size() * kv_heads * tile_words);
-  const int64_t v_start = kv_heads * D;
   at::parallel_for(0, static_cast<int64_t>(tiles.size()) * kv_heads, 8, [&](int64_t lo, int64_t hi) {
     for (int64_t i = lo; i < hi; ++i) {
       const auto [b, t] = tiles[i / kv_heads];
@@ -446,7 +447,7 @@ void attend_avx512(const T* q, int64_t q_stride, const T* pool, int64_t row_stri
 
 template <typename T>
 void attend_plain(const T* q, int64_t q_stride, const T* pool, int64_t row_stride,
-                  const int64_t* slots, const std::vector<Seq>& seqs, int64_t heads,
+                  int64_t v_start, const int64_t* slots, const std::vector<Seq>& seqs, int64_t heads,
                   int64_t kv_heads, int64_t D, float scale, int64_t window,
                   const float* sinks, T* out) {
   const int64_t group = heads / kv_heads;
@@ -462,7 +463,7 @@ void attend_plain(const T* q, int64_t q_stride, const T* pool, int64_t row_strid
       for (int64_t qh = 0; qh < heads; ++qh) {
         const int64_t h = qh / group;
         attend_row(q + row * q_stride + qh * D, pool, row_stride, slots + s.kv_start,
-                   visible(s, p, window), h * D, (kv_heads + h) * D, D, scale,
+                   visible(s, p, window), h * D, v_start + h * D, D, scale,
                    sinks == nullptr ? nullptr : sinks + qh, buf,
                    out + (row * heads + qh) * D);
       }
@@ -478,9 +479,12 @@ at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& pool, const at::
               "q: (T, num_heads, head_dim), heads adjacent (rows may be strided)");
   const int64_t heads = q.size(1), D = q.size(2);
   TORCH_CHECK(num_kv_heads > 0 && heads % num_kv_heads == 0, "num_heads % num_kv_heads");
+  const int64_t kv_dim = num_kv_heads * D;
   TORCH_CHECK(pool.dim() == 2 && pool.stride(1) == 1 && pool.scalar_type() == q.scalar_type() &&
-                  pool.size(1) == 2 * num_kv_heads * D,
-              "pool: (slots, 2 * num_kv_heads * head_dim) rows of q's dtype");
+                  (pool.size(1) == 2 * kv_dim || pool.size(1) == kv_dim),
+              "pool: (slots, 2 * num_kv_heads * head_dim) rows of q's dtype, or (slots, "
+              "num_kv_heads * head_dim) where the values are the keys");
+  const int64_t v_start = pool.size(1) == kv_dim ? 0 : kv_dim;  // where a row's values begin
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() &&
                   q_starts.scalar_type() == at::kLong && q_starts.is_contiguous() &&
                   kv_starts.scalar_type() == at::kLong && kv_starts.is_contiguous() &&
@@ -510,13 +514,13 @@ at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& pool, const at::
       const auto sc = static_cast<float>(scale);
 #if defined(__AVX512F__)
       if (D % 64 == 0 && D <= 256 && heads / num_kv_heads <= kMaxRows) {
-        attend_avx512(qp, q.stride(0), pp, pool.stride(0), sp, seqs, heads, num_kv_heads, D, sc,
-                      window, sink_ptr, op);
+        attend_avx512(qp, q.stride(0), pp, pool.stride(0), v_start, sp, seqs, heads,
+                      num_kv_heads, D, sc, window, sink_ptr, op);
         return;
       }
 #endif
-      attend_plain(qp, q.stride(0), pp, pool.stride(0), sp, seqs, heads, num_kv_heads, D, sc,
-                   window, sink_ptr, op);
+      attend_plain(qp, q.stride(0), pp, pool.stride(0), v_start, sp, seqs, heads, num_kv_heads,
+                   D, sc, window, sink_ptr, op);
     }
   });
   return out;

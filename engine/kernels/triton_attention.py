@@ -82,14 +82,15 @@ if triton is not None:
         scale,
         HEAD_DIM: tl.constexpr,
         HEAD_PAD: tl.constexpr,
-        KV_DIM: tl.constexpr,
+        V_AT: tl.constexpr,
         PRECISION: tl.constexpr,
         UPCAST: tl.constexpr,
     ):
         """One tile of keys for both kernels: kv head `kvh`'s keys and values of the tile's
-        slots read where they lie in the pool, the query rows' scores (`seen`: which rows
-        see which keys), and the online softmax's running maximum, sum and output
-        updated. A row that has seen no key yet keeps a maximum of -inf and sums nothing."""
+        slots read where they lie in the pool (the values V_AT past the keys; 0: the keys
+        are the values, loaded once), the query rows' scores (`seen`: which rows see which
+        keys), and the online softmax's running maximum, sum and output updated. A row that
+        has seen no key yet keeps a maximum of -inf and sums nothing."""
         dims = tl.arange(0, HEAD_PAD)
         rows = KV + slot[:, None] * stride_row + kvh * HEAD_DIM + dims[None, :]
         if HEAD_PAD == HEAD_DIM:
@@ -97,7 +98,10 @@ if triton is not None:
         else:
             ok = key_ok[:, None] & (dims < HEAD_DIM)[None, :]
         k = tl.load(rows, mask=ok, other=0.0)
-        v = tl.load(rows + KV_DIM, mask=ok, other=0.0)
+        if V_AT == 0:
+            v = k
+        else:
+            v = tl.load(rows + V_AT, mask=ok, other=0.0)
         if UPCAST:
             k, v = k.to(tl.float32), v.to(tl.float32)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
@@ -135,6 +139,7 @@ if triton is not None:
         HEAD_DIM: tl.constexpr,
         HEAD_PAD: tl.constexpr,
         KV_DIM: tl.constexpr,
+        V_AT: tl.constexpr,
         GROUP: tl.constexpr,
         GROUP_PAD: tl.constexpr,
         BLOCK_N: tl.constexpr,
@@ -174,7 +179,7 @@ if triton is not None:
             slot = tl.load(table + keys, mask=key_ok, other=0)
             top, total, acc = _attend_tile(
                 q, KV, slot, key_ok, key_ok[None, :], top, total, acc, stride_row, kvh, scale,
-                HEAD_DIM, HEAD_PAD, KV_DIM, PRECISION, UPCAST,
+                HEAD_DIM, HEAD_PAD, V_AT, PRECISION, UPCAST,
             )  # fmt: skip
         if ONE_SPLIT:
             if HAS_SINKS:  # each head's sink: one more term of the sum, without a value
@@ -257,7 +262,7 @@ if triton is not None:
         chunk,
         HEAD_DIM: tl.constexpr,
         HEAD_PAD: tl.constexpr,
-        KV_DIM: tl.constexpr,
+        V_AT: tl.constexpr,
         GROUP: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
@@ -303,7 +308,7 @@ if triton is not None:
             seen = seen & (keys[None, :] >= pos[:, None] - pos[:, None] % chunk)
             top, total, acc = _attend_tile(
                 q, KV, slot, key_ok, seen, top, total, acc, stride_row, kvh, scale,
-                HEAD_DIM, HEAD_PAD, KV_DIM, PRECISION, UPCAST,
+                HEAD_DIM, HEAD_PAD, V_AT, PRECISION, UPCAST,
             )  # fmt: skip
         if HAS_SINKS:
             total += tl.exp(tl.load(SINKS + h) - top)
@@ -351,6 +356,14 @@ def decode_splits(batch: int, kv_heads: int, kv_max: int, sms: int) -> tuple[int
     return -(-tiles // split_tiles), split_tiles * DECODE_BLOCK_N
 
 
+def values_at(rows: torch.Tensor, kv_dim: int) -> int:
+    """Where a pool row's values begin: after its keys in rows of 2 * kv_dim, at the keys
+    themselves in rows of kv_dim (the values are the keys: `KVShape.values_are_keys`)."""
+    if rows.shape[1] not in (kv_dim, 2 * kv_dim):
+        raise ValueError(f"KV rows of {rows.shape[1]} values: expected {kv_dim} or {2 * kv_dim}")
+    return 0 if rows.shape[1] == kv_dim else kv_dim
+
+
 def paged_decode(
     q: torch.Tensor,
     rows: torch.Tensor,
@@ -363,7 +376,8 @@ def paged_decode(
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention (`PagedDecode`): q (B, heads, head_dim); rows (slots, 2 * kv_dim), a
-    layer's pool as keys then values; slots (B * kv_max,) int64, each sequence's keys' slots
+    layer's pool as keys then values, or (slots, kv_dim), keys that are the values too
+    (`values_at`); slots (B * kv_max,) int64, each sequence's keys' slots
     padded to kv_max; kv_lens (B,) int64. `split_len`: keys a split (tests); by default as
     many splits as fill the GPU."""
     batch, num_heads, head_dim = q.shape
@@ -411,6 +425,7 @@ def paged_decode(
         HEAD_DIM=head_dim,
         HEAD_PAD=head_pad,
         KV_DIM=num_kv_heads * head_dim,
+        V_AT=values_at(rows, num_kv_heads * head_dim),
         GROUP=group,
         GROUP_PAD=next_pow2(group),
         BLOCK_N=DECODE_BLOCK_N,
@@ -482,7 +497,7 @@ def paged_prefill(
         *_bounds(window),
         HEAD_DIM=head_dim,
         HEAD_PAD=next_pow2(head_dim),
-        KV_DIM=num_kv_heads * head_dim,
+        V_AT=values_at(rows, num_kv_heads * head_dim),
         GROUP=num_heads // num_kv_heads,
         BLOCK_M=PREFILL_BLOCK_M,
         BLOCK_N=PREFILL_BLOCK_N,
@@ -498,7 +513,7 @@ COMPILE_CASES: dict[str, tuple[list[str], dict[str, Any]]] = {
         + ["i32"] * 8
         + ["fp32", "i32", "i32"],
         dict(
-            HEAD_DIM=128, HEAD_PAD=128, KV_DIM=1024, GROUP=4, GROUP_PAD=16,
+            HEAD_DIM=128, HEAD_PAD=128, KV_DIM=1024, V_AT=1024, GROUP=4, GROUP_PAD=16,
             BLOCK_N=DECODE_BLOCK_N, ONE_SPLIT=False, HAS_SINKS=True, PRECISION="tf32",
             UPCAST=False,
         ),
@@ -512,7 +527,7 @@ COMPILE_CASES: dict[str, tuple[list[str], dict[str, Any]]] = {
         + ["i32"] * 5
         + ["fp32", "i32", "i32"],
         dict(
-            HEAD_DIM=128, HEAD_PAD=128, KV_DIM=1024, GROUP=4, BLOCK_M=PREFILL_BLOCK_M,
+            HEAD_DIM=128, HEAD_PAD=128, V_AT=1024, GROUP=4, BLOCK_M=PREFILL_BLOCK_M,
             BLOCK_N=PREFILL_BLOCK_N, HAS_SINKS=True, PRECISION="tf32", UPCAST=False,
         ),
     ),

@@ -1,7 +1,8 @@
 """A GGUF file's metadata -> a transformers config, for the families whose metadata transformers'
 GGUF reader leaves out or cannot read: Qwen 3's head size, Gemma 2's soft-caps and score
 scale, Gemma 3's window pattern, local rotary base and rope scaling, Phi-3's partial rotary,
-window and LongRoPE factors, OLMo 2, OLMoE and Mixtral at all; Qwen2/3-MoE's expert width.
+window and LongRoPE factors, OLMo 2 and 3, SmolLM3, OLMoE and Mixtral at all; Qwen2/3-MoE's
+expert width; the models that need offloading most in gguf_config_giants.py.
 
 Keys are the ones llama.cpp's converter writes (`<arch>.attention.head_count`, ...). Where
 llama.cpp's runtime assumes a value no key states (src/llama-model.cpp: Gemma's window pattern
@@ -14,7 +15,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.core.model_files import ModelLoadError
+from engine.loading.gguf_config_giants import GIANTS
+from engine.loading.gguf_metadata import NO_ROPE_LAYER_STEP, Metadata, read_rope
 from engine.loading.gguf_tensors import GgufTensors
 from engine.models.hf_config import UnsupportedModelError
 
@@ -27,36 +29,24 @@ MODEL_TYPES = {
     "qwen2moe": "qwen2_moe",
     "qwen3moe": "qwen3_moe",
     "olmoe": "olmoe",
+    "smollm3": "smollm3",
+    "deepseek2": "deepseek_v3",
+    "gpt-oss": "gpt_oss",
+    "glm4moe": "glm4_moe",
+    "llama4": "llama4_text",
 }
 """GGUF architectures read here -> transformers model type (Llama and Qwen 2: transformers;
-a `llama` file with experts is Mixtral, `is_read_here`)."""
+a `llama` file with experts is Mixtral, `is_read_here`; an `olmo2` file with a window is
+OLMo 3)."""
+OLMO3_FULL_LAYER_STEP = 4
+"""OLMo 3 without a window pattern in the file: every fourth layer global (llama.cpp's
+converter's default, transformers' too)."""
 NORMED_TOP_K = {"qwen2moe": False, "qwen3moe": True, "olmoe": False, "llama": True}
 """Whether llama.cpp renormalises each architecture's top-k router weights where the file has
 no `expert_weights_norm` key (its src/models/*.cpp)."""
 GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 """llama.cpp scales the 27B models' queries by (hidden / heads) ** -0.5, the others' by
 head_dim ** -0.5; it knows them by their number of layers."""
-
-
-class Metadata:
-    """`<arch>.<key>` fields of a GGUF file, as Python values."""
-
-    def __init__(self, tensors: GgufTensors) -> None:
-        self.arch = tensors.architecture
-        self.path = tensors.path
-        self._fields = tensors.reader.fields
-
-    def get(self, key: str, default: Any = None) -> Any:
-        """`<arch>.<key>`, or `key` itself when it names another namespace (tokenizer.*)."""
-        name = key if key.startswith(("tokenizer.", "general.")) else f"{self.arch}.{key}"
-        field = self._fields.get(name)
-        return default if field is None else field.contents()
-
-    def __getitem__(self, key: str) -> Any:
-        value = self.get(key)
-        if value is None:
-            raise ModelLoadError(f"{self.path.name} lacks the metadata key {self.arch}.{key}")
-        return value
 
 
 def is_read_here(tensors: GgufTensors) -> bool:
@@ -81,8 +71,10 @@ def gguf_config(tensors: GgufTensors) -> Any:
     if _is_mixtral(tensors):
         fields.update(_mixtral(meta, tensors, fields))
         return AutoConfig.for_model("mixtral", **fields)
-    fields.update(_FAMILY[meta.arch](meta, tensors, fields))
-    return AutoConfig.for_model(MODEL_TYPES[meta.arch], **fields)
+    family = {**_FAMILY, **GIANTS}[meta.arch]
+    fields.update(family(meta, tensors, fields))
+    model_type = fields.pop("model_type", MODEL_TYPES[meta.arch])
+    return AutoConfig.for_model(model_type, **fields)
 
 
 def _common(meta: Metadata, tensors: GgufTensors, names: set[str]) -> dict[str, Any]:
@@ -104,27 +96,47 @@ def _common(meta: Metadata, tensors: GgufTensors, names: set[str]) -> dict[str, 
     )
 
 
-def _rope(meta: Metadata, theta_key: str = "rope.freq_base") -> dict[str, Any]:
-    """transformers' rope parameters for the file's rotary base and scaling (none or linear)."""
-    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(meta.get(theta_key, 1e4))}
-    kind = meta.get("rope.scaling.type", "none")
-    if kind == "linear":
-        rope.update(rope_type="linear", factor=float(meta["rope.scaling.factor"]))
-    elif kind != "none":
-        raise UnsupportedModelError(
-            f"{meta.path.name} asks for rope scaling {kind!r}, which nanoflex does not convert "
-            "from GGUF (it reads none and linear)"
-        )
-    return rope
-
-
 def _qwen3(meta: Metadata, tensors: GgufTensors, fields: dict[str, Any]) -> dict[str, Any]:
     bias = "blk.0.attn_q.bias" in tensors.tensor_names()
-    return dict(rope_parameters=_rope(meta), attention_bias=bias)
+    return dict(rope_parameters=read_rope(meta), attention_bias=bias)
 
 
 def _olmo2(meta: Metadata, tensors: GgufTensors, fields: dict[str, Any]) -> dict[str, Any]:
-    return dict(rope_parameters=_rope(meta))
+    """OLMo 2, or OLMo 3 where the file has a window: local layers from the pattern (three in
+    four where it gives none, llama.cpp's converter's default), rotary without scaling on them
+    at their own base (the file's, else the global one)."""
+    window = int(meta.get("attention.sliding_window", 0))
+    if not window:
+        return dict(rope_parameters=read_rope(meta))
+    num_layers = fields["num_hidden_layers"]
+    pattern = meta.get("attention.sliding_window_pattern")
+    local = (
+        [bool(p) for p in pattern]
+        if isinstance(pattern, list)
+        else [(i + 1) % OLMO3_FULL_LAYER_STEP != 0 for i in range(num_layers)]
+    )
+    local_theta = meta.get("rope.freq_base_swa", meta.get("rope.freq_base", 1e4))
+    return dict(
+        model_type="olmo3",
+        sliding_window=window,
+        layer_types=["sliding_attention" if is_local else "full_attention" for is_local in local],
+        rope_parameters={
+            "full_attention": read_rope(meta),
+            "sliding_attention": {"rope_type": "default", "rope_theta": float(local_theta)},
+        },
+    )
+
+
+def _smollm3(meta: Metadata, tensors: GgufTensors, fields: dict[str, Any]) -> dict[str, Any]:
+    """Every fourth layer without rotary and no window (llama.cpp's runtime; no key says)."""
+    num_layers = fields["num_hidden_layers"]
+    return dict(
+        rope_parameters=read_rope(meta),
+        no_rope_layers=[int((i + 1) % NO_ROPE_LAYER_STEP != 0) for i in range(num_layers)],
+        use_sliding_window=False,
+        sliding_window=None,
+        attention_bias="blk.0.attn_q.bias" in tensors.tensor_names(),
+    )
 
 
 def _experts(meta: Metadata) -> dict[str, Any]:
@@ -147,7 +159,7 @@ def _mixtral(meta: Metadata, tensors: GgufTensors, fields: dict[str, Any]) -> di
             "is not Mixtral, and nanoflex does not convert it"
         )
     return dict(
-        rope_parameters=_rope(meta),
+        rope_parameters=read_rope(meta),
         num_local_experts=experts["num_experts"],
         num_experts_per_tok=experts["num_experts_per_tok"],
         sliding_window=int(meta.get("attention.sliding_window", 0)) or None,
@@ -160,7 +172,7 @@ def _qwen_moe(meta: Metadata, tensors: GgufTensors, fields: dict[str, Any]) -> d
     (in `_common`) and optional attention bias."""
     out = dict(
         _experts(meta),
-        rope_parameters=_rope(meta),
+        rope_parameters=read_rope(meta),
         moe_intermediate_size=int(meta["expert_feed_forward_length"]),
     )
     bias = "blk.0.attn_q.bias" in tensors.tensor_names()
@@ -174,7 +186,7 @@ def _qwen_moe(meta: Metadata, tensors: GgufTensors, fields: dict[str, Any]) -> d
 
 def _olmoe(meta: Metadata, tensors: GgufTensors, fields: dict[str, Any]) -> dict[str, Any]:
     """OLMoE: experts as wide as feed_forward_length."""
-    return dict(_experts(meta), rope_parameters=_rope(meta))
+    return dict(_experts(meta), rope_parameters=read_rope(meta))
 
 
 def _query_pre_attn_scalar(meta: Metadata, fields: dict[str, Any]) -> int:
@@ -187,7 +199,7 @@ def _gemma2(meta: Metadata, tensors: GgufTensors, fields: dict[str, Any]) -> dic
     """Every other layer local (transformers' default pattern and llama.cpp's), window 4096 and
     caps 50 / 30 where the file does not say (llama.cpp's defaults)."""
     return dict(
-        rope_parameters=_rope(meta),
+        rope_parameters=read_rope(meta),
         query_pre_attn_scalar=_query_pre_attn_scalar(meta, fields),
         sliding_window=int(meta.get("attention.sliding_window", 4096)),
         attn_logit_softcapping=float(meta.get("attn_logit_softcapping", 50.0)),
@@ -210,7 +222,7 @@ def _gemma3(meta: Metadata, tensors: GgufTensors, fields: dict[str, Any]) -> dic
     softcap = meta.get("final_logit_softcapping")
     return dict(
         rope_parameters={
-            "full_attention": _rope(meta),
+            "full_attention": read_rope(meta),
             "sliding_attention": {
                 "rope_type": "default",
                 "rope_theta": float(meta.get("rope.freq_base_swa", 10000.0)),
@@ -226,7 +238,7 @@ def _gemma3(meta: Metadata, tensors: GgufTensors, fields: dict[str, Any]) -> dic
 def _phi3(meta: Metadata, tensors: GgufTensors, fields: dict[str, Any]) -> dict[str, Any]:
     """Partial rotary from the rotated dimensions; LongRoPE from the factor tensors llama.cpp
     writes for it; a window of 0 means none (Phi-4)."""
-    rope = _rope(meta)
+    rope = read_rope(meta)
     rotated = int(meta.get("rope.dimension_count", fields["head_dim"]))
     rope["partial_rotary_factor"] = rotated / fields["head_dim"]
     original = int(
@@ -257,4 +269,5 @@ _FAMILY = {
     "qwen2moe": _qwen_moe,
     "qwen3moe": _qwen_moe,
     "olmoe": _olmoe,
+    "smollm3": _smollm3,
 }

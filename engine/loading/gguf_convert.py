@@ -27,6 +27,7 @@ import numpy as np
 from engine.core.cache import cache_root, lookup_roots, publish_dir, publish_file
 from engine.core.model_files import ModelLoadError
 from engine.loading.gguf_config import gguf_config, is_read_here
+from engine.loading.gguf_rope_factors import add_rope_factors
 from engine.loading.gguf_tensors import GgufTensors, open_gguf
 
 MANIFEST = "nanoflex-gguf.json"
@@ -82,6 +83,7 @@ def convert_gguf(path: Path, out_dir: Path, *, digest: str) -> None:
     float32 safetensors shards and the manifest for the GGUF file at `path` into `out_dir`."""
     tensors = open_gguf(path)  # checks the architecture and every tensor type first
     hf_config = gguf_config(tensors) if is_read_here(tensors) else _hf_config(path)
+    add_rope_factors(hf_config, tensors)  # Llama 3.1's and Llama 4 Scout's rope scaling
     tensors.bind(hf_config)  # checks names and shapes against the model transformers builds
     hf_config.architectures = [tensors.model_class_name]
     hf_config.save_pretrained(out_dir)

@@ -3,17 +3,18 @@
 GGUF names tensors llama.cpp's way (`blk.3.attn_q.weight`); transformers' names for the same
 model (`model.layers.3.self_attn.q_proj.weight`) come from the model class transformers builds
 for the file's config, mapped through gguf-py's own name table. What llama.cpp's converter did
-to a tensor is undone here: the q and k rows of Llama-architecture files permuted for its
-rotary kernel, and Gemma's norm weights stored as 1 + w (its RMSNorm scales by 1 + w). A
-mixture-of-experts file stacks each layer's experts (`blk.N.ffn_{gate,up,down}_exps.weight`,
-(experts, out, in)); they become transformers' stacked `mlp.experts.gate_up_proj` (gate then
-up, along the output dimension) and `mlp.experts.down_proj`.
+to a tensor is undone here: the q and k rows of Llama-architecture files (and SmolLM3's)
+permuted for its rotary kernel, and Gemma's norm weights stored as 1 + w (its RMSNorm scales by
+1 + w). A mixture-of-experts file stacks each layer's experts (`blk.N.ffn_{gate,up,down}_exps`,
+(experts, out, in)); they become transformers' stacked `experts.gate_up_proj` and
+`experts.down_proj`, and DeepSeek's split `attn_k_b` / `attn_v_b` its kv_b_proj again
+(gguf_joins.py). DeepSeek's and GLM's routing bias is `exp_probs_b.bias`, gpt-oss's attention
+sinks `attn_sinks.weight`.
 """
 
 from __future__ import annotations
 
 import math
-import re
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ import numpy as np
 import torch
 
 from engine.core.model_files import ModelLoadError
+from engine.loading.gguf_joins import Join, find_join
 from engine.models.hf_config import UnsupportedModelError
 
 ARCHITECTURES = (
@@ -35,19 +37,24 @@ ARCHITECTURES = (
     "qwen2moe",
     "qwen3moe",
     "olmoe",
+    "smollm3",
+    "deepseek2",
+    "gpt-oss",
+    "glm4moe",
+    "llama4",
 )
 """GGUF architectures nanoflex converts (Llama, Mistral and Mixtral files are `llama`; Gemma 3's
-are the text model of either checkpoint). OPT has no GGUF form."""
-STACKED_EXPERTS = re.compile(r"^(?:model\.)?layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
-"""transformers' stacked experts of a layer: groups (layer, tensor)."""
-EXPERT_SOURCES = {"gate_up_proj": ("ffn_gate_exps", "ffn_up_exps"), "down_proj": ("ffn_down_exps",)}
-"""A stacked expert tensor -> the GGUF tensors it concatenates (along the output dimension)."""
-PERMUTED_QK = frozenset({"llama"})
+are the text model of either checkpoint; OLMo 3's are `olmo2` with a window; DeepSeek-V3 and
+Kimi K2 are `deepseek2`). OPT has no GGUF form."""
+RENAMED = {".e_score_correction_bias": ".e_score_correction.bias", ".sinks": ".sinks.weight"}
+"""Parameter name endings llama.cpp's converter rewrites before looking the name up."""
+PERMUTED_QK = frozenset({"llama", "smollm3"})
 """Architectures whose q/k rows llama.cpp permuted (the rest rotate halves, as transformers)."""
 NORMS_PLUS_ONE = frozenset({"gemma2", "gemma3"})
 """Architectures whose `*norm.weight` tensors llama.cpp stored as 1 + w."""
-CONFIG_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
-"""Tensors that are config, not parameters: Phi-3's LongRoPE factors (gguf_config.py)."""
+CONFIG_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight", "rope_freqs.weight")
+"""Tensors that are config, not parameters: Phi-3's LongRoPE factors (gguf_config.py), Llama
+3.1's rope scaling (gguf_rope_factors.py)."""
 
 
 def open_gguf(path: Path) -> GgufTensors:
@@ -88,9 +95,10 @@ class GgufTensors:
                 f"{path.name} is a GGUF file of architecture {self.architecture!r}, which "
                 f"nanoflex cannot convert; it converts {', '.join(ARCHITECTURES)} GGUF files "
                 "(Llama, Mistral, Mixtral, Qwen 2 and 3, Qwen2/3-MoE, Gemma 2 and 3, Phi-3 and 4, "
-                "OLMo 2, OLMoE)"
+                "OLMo 2 and 3, OLMoE, SmolLM3, DeepSeek-V3, Kimi K2, gpt-oss, GLM-4.5, Llama 4)"
             )
         self._gguf_names: dict[str, tuple[str, ...]] = {}  # transformers name -> GGUF names
+        self._joins: dict[str, Join] = {}  # transformers name -> how its GGUF tensors make it
         self._shapes: dict[str, tuple[int, ...]] = {}
         self._heads: dict[str, int] = {}  # GGUF name of a q/k tensor -> heads to un-permute
         self.model_class_name = ""
@@ -157,11 +165,20 @@ class GgufTensors:
         self.model_class_name = type(model).__name__
         arch = next(k for k, v in MODEL_ARCH_NAMES.items() if v == self.architecture)
         table = get_tensor_name_map(arch, hf_config.num_hidden_layers)
-        for name, param in model.named_parameters():  # tied parameters appear once
-            sources = self._sources(table, name)
+        present = self.tensor_names()
+        for name, param in _parameters(model):  # tied parameters appear once
+            join = find_join(name, self.architecture, present)
+            sources = join.sources if join is not None else self._source(table, name)
+            missing = [g for g in sources if g not in present]
+            if missing:
+                raise ModelLoadError(
+                    f"{self.path.name} has no tensor for the model's {name} (GGUF name "
+                    f"{missing[0]}); is the file complete?"
+                )
             shapes = [self.raw_shape(g) for g in sources]
-            if len(shapes) > 1:  # stacked experts, concatenated along their output dimension
-                shape = (shapes[0][0], sum(s[1] for s in shapes), *shapes[0][2:])
+            if join is not None:
+                shape = join.shape(shapes)
+                self._joins[name] = join
             elif param.dim() == 2 and param.shape[0] == 1 and shapes[0] == param.shape[1:]:
                 shape = (1, *shapes[0])  # a (1, n) matrix stored as (n,): a shared expert's gate
             else:
@@ -175,12 +192,6 @@ class GgufTensors:
             self._shapes[name] = shape
         used = {g for sources in self._gguf_names.values() for g in sources}
         self.skipped = [t for t in self._by_gguf_name if t not in used and t not in CONFIG_TENSORS]
-        if any(t.startswith("rope_freqs") for t in self.skipped):
-            raise UnsupportedModelError(
-                f"{self.path.name} scales its rotary frequencies per dimension (rope_freqs, "
-                "Llama 3.1 and later), which its GGUF config does not describe; load the "
-                "original safetensors checkpoint instead"
-            )
         if self.architecture in PERMUTED_QK:
             heads = hf_config.num_attention_heads
             kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
@@ -188,24 +199,14 @@ class GgufTensors:
                 if ".attn_q." in gguf_name or ".attn_k." in gguf_name:
                     self._heads[gguf_name] = heads if ".attn_q." in gguf_name else kv_heads
 
-    def _sources(self, table: Any, name: str) -> tuple[str, ...]:
-        """The GGUF tensors that make transformers' parameter `name`: one, found through gguf-py's
-        name table, or a layer's stacked experts (`EXPERT_SOURCES`)."""
-        stacked = STACKED_EXPERTS.match(name)
-        if stacked is not None:
-            block, tensor = stacked.groups()
-            sources = tuple(f"blk.{block}.{part}.weight" for part in EXPERT_SOURCES[tensor])
-        else:
-            module, _, suffix = name.rpartition(".")
-            gguf_module = table.get_name(module)
-            sources = (f"{gguf_module}.{suffix}",) if gguf_module is not None else ("?",)
-        missing = [g for g in sources if g not in self._by_gguf_name]
-        if missing:
-            raise ModelLoadError(
-                f"{self.path.name} has no tensor for the model's {name} (GGUF name "
-                f"{missing[0]}); is the file complete?"
-            )
-        return sources
+    def _source(self, table: Any, name: str) -> tuple[str]:
+        """The GGUF tensor of transformers' parameter `name`, through gguf-py's name table."""
+        for ending, renamed in RENAMED.items():
+            if name.endswith(ending):
+                name = name.removesuffix(ending) + renamed
+        module, _, suffix = name.rpartition(".")
+        gguf_module = table.get_name(module)
+        return (f"{gguf_module}.{suffix}",) if gguf_module is not None else ("?",)
 
     @property
     def names(self) -> list[str]:
@@ -218,8 +219,9 @@ class GgufTensors:
         """The tensor `name` (transformers' name), dequantized to float32, in torch's layout,
         with what llama.cpp's converter did to it undone."""
         sources = self._gguf_names[name]
-        if len(sources) > 1:  # stacked experts: gate and up along the output dimension
-            return np.concatenate([self.raw(g) for g in sources], axis=1)
+        join = self._joins.get(name)
+        if join is not None:
+            return np.ascontiguousarray(join.build([self.raw(g) for g in sources]))
         gguf_name = sources[0]
         values = self.raw(gguf_name)
         if gguf_name in self._heads:
@@ -227,6 +229,14 @@ class GgufTensors:
         if self.architecture in NORMS_PLUS_ONE and gguf_name.endswith("norm.weight"):
             values = values - np.float32(1.0)  # as transformers' Gemma2TensorProcessor does
         return np.ascontiguousarray(values.reshape(self._shapes[name]))
+
+
+def _parameters(model: Any) -> list[tuple[str, Any]]:
+    """The model's parameters and persistent buffers (DeepSeek's and GLM's routing bias)."""
+    state = model.state_dict()
+    named = dict(model.named_parameters())
+    buffers = [(n, b) for n, b in model.named_buffers() if n in state and n not in named]
+    return [*named.items(), *buffers]
 
 
 def _unpermute_rows(values: np.ndarray, num_heads: int) -> np.ndarray:

@@ -5,10 +5,29 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from engine.core.model_files import ModelLoadError
 from engine.models.hf_config import model_config_fields
+
+
+class KVShape(NamedTuple):
+    """One token's KV row of one layer: its keys (num_kv_heads, head_dim) then its values of
+    the same shape, or, where `values_are_keys`, the keys alone, read as the values too."""
+
+    num_kv_heads: int
+    head_dim: int
+    values_are_keys: bool = False
+
+    @property
+    def kv_dim(self) -> int:
+        """Width of the keys (or of the values): num_kv_heads * head_dim."""
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def row_dim(self) -> int:
+        """Width of the row: the keys then the values, or the keys alone."""
+        return self.kv_dim if self.values_are_keys else 2 * self.kv_dim
 
 
 @dataclass(frozen=True)
@@ -241,6 +260,18 @@ class ModelConfig:
     def kv_dim(self) -> int:
         """Width of one token's K (or V) row: num_kv_heads * head_dim."""
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def values_are_keys(self) -> bool:
+        """A token's value row is its key row, so its KV row holds it once and every reader
+        takes the value from the key: multi-head latent attention in the absorbed form
+        (deepseek.py), whose one KV head [latent, k_rope] is both."""
+        return self.kv_lora_rank > 0
+
+    @property
+    def kv_shape(self) -> KVShape:
+        """One token's KV row of one layer, as the pages hold it."""
+        return KVShape(self.num_kv_heads, self.head_dim, self.values_are_keys)
 
     def window(self, layer: int) -> int:
         """Decoder layer `layer`'s (0-based) sliding window; 0: none."""

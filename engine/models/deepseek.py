@@ -14,11 +14,11 @@ DeepSeek-V3) that every attention path already runs:
     key   (T, 1, r + rope)  [c, rotated k_r]
     value (T, 1, r + rope)  the same row (the output's last rope columns are not read)
 
-A KV page row holds that key and value: 2 x 576 elements per token and layer, where
-per-head keys and values would take 128 heads x (192 + 128) = 40960 (35x more). transformers
-5's own cache keeps the latent once (576): the value's copy of the key is the factor of 2 a
-page layout of its own for the latent would save (not done: every tier, kernel and the
-prefix cache read k and v rows of one width). Attention computes over 576-wide keys per
+The value is the key, so a KV page row holds it once (`ModelConfig.values_are_keys`, which
+kv_lora_rank sets: every tier, kernel and the prefix cache read the value from the key):
+576 elements per token and layer, as transformers 5's own cache keeps the latent, where
+per-head keys and values would take 128 heads x (192 + 128) = 40960 (71x more); the model
+returns the same tensor as k and v. Attention computes over 576-wide keys per
 head instead of 192-wide ones: 3x the score products of the expanded form, without
 expanding the past at every step. The sums run in another order than transformers' (the
 latent products first), which moves float32 logits by about 1e-6.

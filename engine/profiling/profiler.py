@@ -16,6 +16,7 @@ from engine.core.model_files import DEMO_MODEL
 from engine.executor.attention import RaggedLayout, paged_attention, ragged_attention
 from engine.executor.executor import Executor
 from engine.kernels import attention_kernels
+from engine.models.config import KVShape
 from engine.profiling.copy_overlap import copy_compute_overlap
 from engine.profiling.dense_profile import dense_step_table
 from engine.profiling.disk_profile import disk_bandwidth, io_interference
@@ -73,7 +74,7 @@ def _prefill_attention_flops(dtype: torch.dtype, device: Device, scale: int, pro
     kernels = attention_kernels(device.is_cuda)
     seconds = probe.seconds(
         "prefill_attention_flops",
-        lambda: paged_attention(q, pool, _plain, layout, (kv_heads, d), kernels),
+        lambda: paged_attention(q, pool, _plain, layout, KVShape(kv_heads, d), kernels),
         device,
     )
     return seqs * 4 * length**2 * heads * d / seconds
@@ -100,7 +101,7 @@ def _device_attention_bw(
     kernels = None if packed else attention_kernels(device.is_cuda)
     seconds = probe.seconds(
         "packed_attention_bw" if packed else "device_attention_bw",
-        lambda: paged_attention(q, pool, _plain, layout, (kv_heads, d), kernels),
+        lambda: paged_attention(q, pool, _plain, layout, KVShape(kv_heads, d), kernels),
         device,
     )
     return seqs * (past + 1) * 2 * kv_heads * d * pool.element_size() / seconds
@@ -160,15 +161,18 @@ def profile_hardware(
     measurement that spreads wider than `MAX_SPREAD` is taken again. `quick` uses small sizes
     (seconds instead of a minute): for a first automatic plan, not for reporting."""
     with LoadMonitor() as watch:
-        spec = _measure(device_name, offload_dir, quick)
+        spec = _measure(device_name, offload_dir, quick, watch)
     return dataclasses.replace(spec, machine_load=watch.report.to_dict())
 
 
-def _measure(device_name: str, offload_dir: str | None, quick: bool) -> HardwareSpec:
+def _measure(
+    device_name: str, offload_dir: str | None, quick: bool, watch: LoadMonitor
+) -> HardwareSpec:
     import psutil
 
-    # quick: fewer samples and one retake (the planner may re-measure a noisy quick profile)
-    probe = Probe(repeats=3, retries=1) if quick else Probe()
+    # quick: fewer samples and one retake (the planner may re-measure a noisy quick profile);
+    # no retake at all while the machine is busy (Probe)
+    probe = Probe(repeats=3, retries=1, watch=watch) if quick else Probe(watch=watch)
     device = Device.resolve(device_name)
     scale = 1 if quick else 4
     nbytes = (32 if quick else 256) << 20

@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from engine.profiling.load import LoadMonitor
 from engine.storage.device import Device
 from policy.hardware import MAX_SPREAD
 
@@ -87,13 +88,24 @@ class Probe:
     """Times a profile's measurements and keeps each one's spread under the name of the
     constant it feeds (`HardwareSpec.spread`). A measurement whose samples spread wider than
     `max_spread` is taken again, up to `retries` times, and the least spread one is kept: a
-    burst of another process's work then costs a few seconds, not a wrong constant."""
+    burst of another process's work then costs a few seconds, not a wrong constant. With
+    `watch` (the profile's LoadMonitor), no retake starts while the profile so far has run
+    under load: the neighbour would slow the retake as it slowed the first take, and a
+    profile taken under load is not believed and is measured again once the machine is quiet
+    (engine/profiling/requiet.py), so retakes would only stretch a busy machine's start."""
 
     def __init__(
-        self, repeats: int = REPEATS, max_spread: float = MAX_SPREAD, retries: int = 2
+        self,
+        repeats: int = REPEATS,
+        max_spread: float = MAX_SPREAD,
+        retries: int = 2,
+        watch: LoadMonitor | None = None,
     ) -> None:
         self.repeats, self.max_spread, self.retries = repeats, max_spread, retries
+        self.watch = watch
         self.spread: dict[str, float] = {}
+        self.retakes = 0
+        """Retakes taken, over every measurement."""
 
     def seconds(self, name: str, fn: Callable[[], object], device: Device) -> float:
         """Seconds per call of `fn`: its fastest sample, over every retake (another
@@ -104,13 +116,17 @@ class Probe:
         timing = measure(fn, device, self.repeats)
         best = min(timing.samples)
         for _ in range(self.retries):
-            if timing.spread <= self.max_spread:
+            if timing.spread <= self.max_spread or self._busy():
                 break
+            self.retakes += 1
             again = measure(fn, device, self.repeats)
             best = min(best, *again.samples)
             timing = min(timing, again, key=lambda t: t.spread)
         self.record(name, timing.spread)
         return best
+
+    def _busy(self) -> bool:
+        return self.watch is not None and self.watch.sample().under_load
 
     def record(self, name: str, spread: float) -> None:
         self.spread[name] = max(self.spread.get(name, 0.0), spread)

@@ -1,11 +1,13 @@
 """`KVStore`: the physical paged KV cache, one pool per tier, holding encoded token rows.
 
 A row is one token's keys then values for one layer, (2 * num_kv_heads * head_dim,)
-values, encoded by a `KVRowCodec` into `row_bytes` bytes (a plain view, or 4-bit
-groups). Token t of a sequence lives at slot page_ids[t // page_tokens] *
-page_tokens + t % page_tokens of its home tier's pool, for every layer. Memory
-pools grow by doubling up to the tier's capacity; the disk pool (`DiskKVPool`) is one
-file per layer, written a whole page at a time.
+values, or its keys alone where the model's values are its keys
+(`KVShape.values_are_keys`: MLA's latent, stored once), encoded by a `KVRowCodec` into
+`row_bytes` bytes (a plain view, or 4-bit groups). Every tier, copy and spill moves rows
+as bytes, whatever they hold. Token t of a sequence lives at slot page_ids[t // page_tokens]
+* page_tokens + t % page_tokens of its home tier's pool, for every layer. Memory pools grow
+by doubling up to the tier's capacity; the disk pool (`DiskKVPool`) is one file per layer,
+written a whole page at a time.
 """
 
 from __future__ import annotations

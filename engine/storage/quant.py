@@ -159,7 +159,8 @@ class KVRowCodec:
     """Encodes KV rows into fixed-size byte rows for the CPU and disk tiers.
 
     A row is one token of one layer: D = 2 * num_kv_heads * head_dim values, the
-    keys then the values. Plain rows are the raw bytes of `dtype`; compressed rows
+    keys then the values, or D = num_kv_heads * head_dim, the keys alone, where they are the
+    values too (`KVShape.row_dim`). Plain rows are the raw bytes of `dtype`; compressed rows
     are 4-bit groups of `group_size` along D (the last one padded), laid out as
     [packed codes: G * group_size / 2 | scales: G float16 | minimums: G float16].
     """

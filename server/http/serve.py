@@ -129,7 +129,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=TOOL_PARSERS,
         default=None,
         help="the model's tool-call format, read for tool_choice auto (default: from the "
-        "chat template; hermes when it shows none)",
+        "chat template: openai for gpt-oss's harmony, hermes when it shows none)",
     )
     parser.add_argument(
         "--reasoning-parser",

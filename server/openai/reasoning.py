@@ -9,7 +9,8 @@
   all reasoning.
 
 - `openai_gptoss`: gpt-oss's harmony channels (server/openai/harmony.py): the analysis
-  channel is reasoning, the final one the answer.
+  channel is reasoning, the final one (and commentary preambles) the answer; its tool calls
+  are the `openai` tool parser's (server/openai/tool_parsers.py).
 
 `ReasoningSplitter` does the same on a stream, a delta at a time: text that might be the
 start of a marker is held back until the next delta tells.
@@ -38,16 +39,17 @@ def parser_for_template(template: str | None) -> str | None:
     return "deepseek_r1" if "<think>\\n' }}" in text or "<think>\\n'}}" in text else "qwen3"
 
 
-def splitter_for(parser: str) -> ReasoningSplitter | HarmonySplitter:
-    """The stream splitter of a reasoning format."""
+def splitter_for(parser: str, reads_calls: bool = False) -> ReasoningSplitter | HarmonySplitter:
+    """The stream splitter of a reasoning format; `reads_calls`: harmony's tool calls are
+    read apart from the content (the harmony tool parser's)."""
     if parser == HARMONY:
-        return HarmonySplitter()
+        return HarmonySplitter(reads_calls)
     return ReasoningSplitter(parser)
 
 
-def split_reasoning(parser: str, text: str) -> tuple[str | None, str]:
-    """(reasoning or None, content) of a whole answer."""
-    splitter = splitter_for(parser)
+def split_reasoning(parser: str, text: str, reads_calls: bool = False) -> tuple[str | None, str]:
+    """(reasoning or None, content) of a whole answer (`reads_calls`: splitter_for's)."""
+    splitter = splitter_for(parser, reads_calls)
     reasoning, content = splitter.feed(text)
     more_reasoning, more_content = splitter.finish()
     return (reasoning + more_reasoning if splitter.saw_reasoning else None), content + more_content

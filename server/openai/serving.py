@@ -75,8 +75,15 @@ from server.openai.responses_api import (
     refuse_stored_state,
     response_body,
 )
+from server.openai.tool_parsers import HARMONY as HARMONY_TOOLS
 from server.openai.tool_parsers import parser_for_template as tools_for_template
-from server.openai.tools import ToolPlan, chat_for_template, template_knows_tools, tool_plan
+from server.openai.tools import (
+    ToolPlan,
+    chat_for_template,
+    described,
+    template_knows_tools,
+    tool_plan,
+)
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
@@ -201,6 +208,8 @@ class Serving:
             )
             reasoning = self.reasoning_parser or reasoning_for_template(template)
             reasoning = None if reasoning == "none" else reasoning
+            if tools is not None and tools.parses and tools.parser == HARMONY_TOOLS:
+                reasoning = HARMONY  # harmony's calls are messages: the answer is read as one
             prompts = [self._chat_ids(req.template_messages(), req, tools, template)]
             max_tokens = req.max_completion_tokens or req.max_tokens
             num_logprobs, echo = req.num_logprobs(), False
@@ -293,7 +302,9 @@ class Serving:
             if (req.prompt is None) == (req.messages is None):
                 raise invalid_request("give one of prompt or messages", param="prompt")
             if req.messages is not None:
-                ids = self._chat_ids([m.for_template(i) for i, m in enumerate(req.messages)])
+                messages = [m.for_template(i) for i, m in enumerate(req.messages)]
+                template = self.engine.tokenizer_info().get("chat_template")
+                ids = self._chat_ids(messages, template=template)
             else:
                 assert req.prompt is not None
                 self._check_text_bytes([req.prompt], "prompt")
@@ -414,14 +425,18 @@ class Serving:
         request's tools and template options (`req`); a template that knows no tools gets
         them written into the chat (server/openai/tools.py)."""
         native = template_knows_tools(template)
-        chat = chat_for_template(messages, tools.tools if tools else None, native)
+        harmony = tools_for_template(template) == HARMONY_TOOLS
+        chat = chat_for_template(messages, tools.tools if tools else None, native, harmony)
+        listed = tools.tools if tools and native else None
+        if listed and harmony:
+            listed = described(listed)
         self._check_text_bytes([str(m.get("content") or "") for m in chat], "messages")
         try:
             if req is None:
                 return self.engine.apply_chat_template(chat)
             options = ChatOptions(
                 add_generation_prompt=req.add_generation_prompt and not req.continue_final_message,
-                tools=tools.tools if tools and native else None,
+                tools=listed,
                 continue_final_message=req.continue_final_message,
                 template_kwargs=req.template_kwargs(),
             )
@@ -649,14 +664,15 @@ def chat_answer(
     thinks aloud), tool calls read from the rest (when the request has tools), and the
     finish reason they make ("tool_calls"; "function_call" for the legacy `functions`).
     A call's id is a function of the request's id, so a batch line rerun writes the same."""
-    text = choice.text
+    text, plan = choice.text, prep.tools
     message = AssistantMessage(role="assistant", content=text)
+    harmony = plan is not None and plan.parser == HARMONY_TOOLS
     if prep.reasoning is not None:
-        message.reasoning_content, message.content = split_reasoning(prep.reasoning, text)
-    plan = prep.tools
+        split = split_reasoning(prep.reasoning, text, reads_calls=harmony)
+        message.reasoning_content, message.content = split
     if plan is None:
         return message, finish_reason
-    parsed = plan.answer(message.content or "")
+    parsed = plan.answer(text if harmony else message.content or "")
     if not parsed.calls:
         return message, finish_reason
     message.content = parsed.content

@@ -4,8 +4,10 @@ from where a call may start held back until the answer ends, then sent as whole 
 
 The calls come at the end, each in one delta (id, type, name and all its arguments), which
 the OpenAI clients join as they join OpenAI's own finer deltas; content before the first
-call streams as it comes. The finished choice is read by the same `chat_answer` as a
-request without `stream`, so both give the same calls and finish reason.
+call streams as it comes. gpt-oss's calls are harmony messages apart from its content (the
+`openai` parser): all its content streams, whatever comes between the calls too. The
+finished choice is read by the same `chat_answer` as a request without `stream`, so both
+give the same calls and finish reason.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from server.openai.responses import (
     FunctionCallDelta,
     ToolCallDelta,
 )
-from server.openai.tool_parsers import START_MARKERS
+from server.openai.tool_parsers import HARMONY, START_MARKERS
 from server.openai.tools import ToolPlan
 
 _AT_START = ("{", "[", "<|python_tag|>", "[TOOL_CALLS]")
@@ -41,7 +43,15 @@ class AnswerStream:
     """Characters of `content` sent."""
 
     def __post_init__(self) -> None:
-        self.splitter = None if self.reasoning is None else splitter_for(self.reasoning)
+        if self.reasoning is not None:
+            self.splitter = splitter_for(self.reasoning, self._is_harmony)
+        else:
+            self.splitter = None
+
+    @property
+    def _is_harmony(self) -> bool:
+        """gpt-oss's calls: harmony messages, read apart from the content as they come."""
+        return self.tools is not None and self.tools.parser == HARMONY
 
     def feed(self, text: str) -> list[ChatDelta]:
         """The deltas that `text` (the engine's new text) makes ready."""
@@ -57,7 +67,7 @@ class AnswerStream:
     def _safe_end(self) -> int:
         """Where the content that cannot be part of a call ends."""
         plan, text = self.tools, self.content
-        if plan is None:
+        if plan is None or self._is_harmony:  # harmony's calls are not in the content
             return len(text)
         if plan.mode in ("named", "required"):
             return 0  # the whole answer is the call
@@ -80,6 +90,10 @@ class AnswerStream:
             if reasoning:
                 out.append(ChatDelta(reasoning_content=reasoning))
             self.content += content
+        called = message.function_call is not None or bool(message.tool_calls)
+        if called and self._is_harmony and len(self.content) > self.sent:
+            out.append(ChatDelta(content=self.content[self.sent :]))  # a body's held tail
+            self.sent = len(self.content)
         if message.function_call is not None:
             call = message.function_call
             out.append(ChatDelta(function_call=FunctionCallDelta(**call.model_dump())))

@@ -6,7 +6,11 @@ One parser per format, as vLLM's `--tool-call-parser` names them:
 - `llama3_json`: the answer is `{"name": ..., "parameters": {...}}` objects, several joined
   by `;`, after an optional `<|python_tag|>` (Llama 3.1 and up);
 - `mistral`: `[TOOL_CALLS]` then a JSON list of `{"name", "arguments"}` objects, or (newer
-  tokenizers) `[TOOL_CALLS]name[ARGS]{...}` per call.
+  tokenizers) `[TOOL_CALLS]name[ARGS]{...}` per call;
+- `openai`: gpt-oss's harmony messages to `functions.<name>`, one call each
+  (server/openai/harmony.py); its content is the answer's final and commentary messages
+  (preambles, in order), its reasoning the reasoning parser's. The text keeps the special
+  tokens for this one (server/openai/serving.py).
 
 The daemon decodes with special tokens skipped, so a marker that is a special token of the
 model (`<|python_tag|>`, Mistral's `[TOOL_CALLS]`) may be missing from the text: llama3_json
@@ -23,7 +27,10 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-PARSERS = ("hermes", "llama3_json", "mistral")
+from server.openai.harmony import CHANNEL, HarmonySplitter
+
+HARMONY = "openai"
+PARSERS = ("hermes", "llama3_json", "mistral", HARMONY)
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,7 +148,20 @@ def parse_mistral(text: str) -> ParsedAnswer:
     return ParsedAnswer(_content(before, rest), calls)
 
 
-_BY_NAME = {"hermes": parse_hermes, "llama3_json": parse_llama3_json, "mistral": parse_mistral}
+def parse_harmony(text: str) -> ParsedAnswer:
+    splitter = HarmonySplitter(reads_calls=True)
+    _, content = splitter.feed(text)
+    content += splitter.finish()[1]
+    calls = [ParsedCall(name, arguments) for name, arguments in splitter.calls]
+    return ParsedAnswer(content or None, calls)
+
+
+_BY_NAME = {
+    "hermes": parse_hermes,
+    "llama3_json": parse_llama3_json,
+    "mistral": parse_mistral,
+    HARMONY: parse_harmony,
+}
 
 START_MARKERS = {"hermes": "<tool_call>", "llama3_json": "{", "mistral": "[TOOL_CALLS]"}
 """Where a format's first call starts: a stream holds text back from there."""
@@ -156,6 +176,8 @@ def parser_for_template(template: str | None) -> str:
     """The format a chat template teaches its model (vLLM's parsers by name), hermes when
     it shows none: the tools are then described in hermes' format (server/openai/tools.py)."""
     text = template or ""
+    if CHANNEL in text:
+        return HARMONY
     if "[TOOL_CALLS]" in text:
         return "mistral"
     if "<|python_tag|>" in text or "ipython" in text:

@@ -11,6 +11,13 @@ tool calls.
 - "required": the answer is a JSON list of `{"name", "parameters"}` calls, each valid
   against its tool's schema (one call when `parallel_tool_calls` is false).
 
+gpt-oss (the `openai` parser) writes calls as harmony messages in every mode: a forced call
+is such a message, its arguments held to the schema (`harmony_calls`), after an analysis
+message if the model thinks first; the calls are read from the messages alike. Its template
+renders one call per assistant message and names a tool result after the call before it,
+so an assistant turn of several calls goes to it as one message per call, each followed by
+its result (`one_call_each`).
+
 The legacy `functions` / `function_call` fields are the same with `message.function_call`
 in the answer (one call, finish_reason "function_call"), as OpenAI answered them.
 
@@ -27,9 +34,9 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.core.structured import StructuredOutput, closed_schema
+from engine.core.structured import StructuredOutput, closed_schema, harmony_calls
 from server.openai.errors import invalid_request
-from server.openai.tool_parsers import ParsedAnswer, ParsedCall, parse_tool_calls
+from server.openai.tool_parsers import HARMONY, ParsedAnswer, ParsedCall, parse_tool_calls
 
 COMPACT = {"x-guidance": {"whitespace_flexible": False}}
 """A forced call's JSON is written without blanks between its tokens: clients read it as
@@ -60,11 +67,15 @@ class ToolPlan:
 
     def constraint(self) -> StructuredOutput | None:
         """The grammar a forced call's answer follows (None for none and auto)."""
+        if self.mode not in ("named", "required"):
+            return None
+        if self.parser == HARMONY:
+            names = [self.named] if self.named is not None else list(self.schemas)
+            schemas = {name: json.dumps({**self.schemas[name], **COMPACT}) for name in names}
+            return harmony_calls(schemas, parallel=self.parallel and self.named is None)
         if self.mode == "named":
             assert self.named is not None
             return StructuredOutput("json", json.dumps({**self.schemas[self.named], **COMPACT}))
-        if self.mode != "required":
-            return None
         calls = [
             {
                 "type": "object",
@@ -80,18 +91,19 @@ class ToolPlan:
         return StructuredOutput("json", json.dumps({**array, **COMPACT}))
 
     def answer(self, text: str) -> ParsedAnswer:
-        """The finished answer as content and calls."""
-        if self.mode == "named":
-            assert self.named is not None
-            return ParsedAnswer(None, [ParsedCall(self.named, _compact_json(text))])
-        if self.mode == "required":
-            return _required_calls(text)
-        if self.mode == "auto":
+        """The finished answer as content and calls (harmony's: the whole text, markers
+        and reasoning included)."""
+        if self.mode == "none":
+            return ParsedAnswer(text, [])
+        if self.mode == "auto" or self.parser == HARMONY:
             parsed = parse_tool_calls(self.parser, text)
             if parsed.calls and not self.parallel:
                 return ParsedAnswer(parsed.content, parsed.calls[:1])
             return parsed
-        return ParsedAnswer(text, [])
+        if self.mode == "named":
+            assert self.named is not None
+            return ParsedAnswer(None, [ParsedCall(self.named, _compact_json(text))])
+        return _required_calls(text)
 
 
 def _compact_json(text: str) -> str:
@@ -166,11 +178,17 @@ def template_knows_tools(template: str | None) -> bool:
 
 
 def chat_for_template(
-    messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, native: bool
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    native: bool,
+    harmony: bool = False,
 ) -> list[dict[str, Any]]:
     """The messages as the template takes them: assistant calls' arguments as objects (the
     templates write them with `tojson`); for a template that knows no tools (`native`
-    False), tools, calls and results written into the text in hermes' format."""
+    False), tools, calls and results written into the text in hermes' format; for gpt-oss's
+    (`harmony`), one call per assistant message (`one_call_each`)."""
+    if harmony:
+        messages = one_call_each(messages)
     out: list[dict[str, Any]] = []
     for message in messages:
         calls = message.get("tool_calls")
@@ -195,6 +213,65 @@ def chat_for_template(
         else:
             out.insert(0, {"role": "system", "content": system})
     return out
+
+
+def one_call_each(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """gpt-oss's chat: an assistant message of several calls as one message per call, each
+    followed by its result (the tool message whose `tool_call_id` is the call's id, else the
+    next result whose id names no call). An assistant's reasoning sent back
+    (`reasoning_content`) is the template's `thinking`, as transformers passes it; a call
+    message's chain of thought goes with its first call only, in place of its content (the
+    template renders one of them, as the analysis message harmony feeds back before a call)."""
+    out: list[dict[str, Any]] = []
+    at = 0
+    while at < len(messages):
+        message = _with_thinking(messages[at])
+        at += 1
+        calls = message.get("tool_calls") or []
+        if message["role"] != "assistant" or not calls:
+            out.append(message)
+            continue
+        results: list[dict[str, Any]] = []
+        while at < len(messages) and messages[at]["role"] == "tool":
+            results.append(messages[at])
+            at += 1
+        ids = {call.get("id") for call in calls}
+        for k, call in enumerate(calls):
+            single = {**message, "tool_calls": [call]}
+            if k:
+                single = {key: v for key, v in single.items() if key != "thinking"}
+                single["content"] = ""
+            elif "thinking" in single:
+                single["content"] = ""
+            out.append(single)
+            mine = [r for r in results if r.get("tool_call_id") == call.get("id")]
+            found = mine or [r for r in results if r.get("tool_call_id") not in ids]
+            if found:
+                out.append(found[0])
+                results.remove(found[0])
+        out.extend(results)
+    return out
+
+
+def described(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Tools as gpt-oss's template takes them: it writes each function's description (as a
+    `//` comment) and fails on one without, which OpenAI's tools may leave out ('' then)."""
+    return [
+        {**tool, "function": {**tool["function"], "description": _description(tool)}}
+        for tool in tools
+    ]
+
+
+def _description(tool: dict[str, Any]) -> str:
+    return tool["function"].get("description") or ""
+
+
+def _with_thinking(message: dict[str, Any]) -> dict[str, Any]:
+    reasoning = message.get("reasoning_content")
+    if message["role"] != "assistant" or reasoning is None:
+        return message
+    rest = {key: v for key, v in message.items() if key != "reasoning_content"}
+    return {"thinking": reasoning, **rest}
 
 
 def _call_for_template(call: dict[str, Any]) -> dict[str, Any]:

@@ -11,6 +11,7 @@ from tests.engine.tiny_models import (
     PROMPT_LENS,
     STEPWISE,
     build_tiny,
+    built_once,
     hf_greedy,
     hf_greedy_stepwise,
     random_prompts,
@@ -20,14 +21,7 @@ from tests.engine.tiny_models import (
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory):
-    cache: dict[str, Path] = {}
-
-    def get(kind: str) -> Path:
-        if kind not in cache:
-            cache[kind] = build_tiny(kind, tmp_path_factory.mktemp(f"tiny-{kind}"))
-        return cache[kind]
-
-    return get
+    return built_once(build_tiny, tmp_path_factory, "tiny")
 
 
 @pytest.fixture(scope="session")

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    import pytest
 
 MAX_TOKENS = 8
 """Greedy tokens generated per prompt in the correctness tests."""
@@ -664,6 +668,21 @@ STEPWISE = frozenset({"phi3-long"})
 recomputes the whole sequence with the long factors once it grows past
 original_max_position_embeddings, where each position keeps the factors it was computed with,
 in transformers' own forward with a cache as in nanoflex."""
+
+
+def built_once(
+    build: Callable[[str, Path], Path], factory: pytest.TempPathFactory, prefix: str
+) -> Callable[[str], Path]:
+    """kind -> the checkpoint `build` writes for it, built on first use into a directory of
+    `factory`'s (the fixtures of tiny checkpoints)."""
+    built: dict[str, Path] = {}
+
+    def get(kind: str) -> Path:
+        if kind not in built:
+            built[kind] = build(kind, factory.mktemp(f"{prefix}-{kind}"))
+        return built[kind]
+
+    return get
 
 
 def build_tiny(kind: str, path: Path, seed: int = 0) -> Path:

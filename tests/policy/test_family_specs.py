@@ -91,8 +91,8 @@ def test_hub_ids_name_builtin_shapes(hub_id, name, local_layers, window) -> None
 @pytest.mark.parametrize(
     ("hub_id", "name", "kv_row"),
     [
-        ("deepseek-ai/DeepSeek-R1-0528", "deepseek-v3", 2 * 576),  # MLA: the latent row
-        ("moonshotai/Kimi-K2-Instruct", "kimi-k2", 2 * 576),
+        ("deepseek-ai/DeepSeek-R1-0528", "deepseek-v3", 576),  # MLA: the latent row, once
+        ("moonshotai/Kimi-K2-Instruct", "kimi-k2", 576),
         ("zai-org/GLM-4.6", "glm-4.5", 2 * 8 * 128),
         ("HuggingFaceTB/SmolLM3-3B", "smollm3-3b", 2 * 4 * 128),
     ],
@@ -178,3 +178,22 @@ def test_plan_report_names_the_window() -> None:
     workload = WorkloadSpec(prompt_len=512, gen_len=32)
     report = format_report(gemma, workload, search(gemma, workload, FLEXGEN_T4), {})
     assert "21 of 42 layers attend over their last 4096 tokens only" in report
+
+
+def test_mla_latent_is_priced_once_per_token() -> None:
+    """DeepSeek-V3's latent is stored once (its value is its key): the cost model's KV bytes
+    per token, and the KV a block homes on disk, are half those of the same shape priced as
+    key and value."""
+    spec = resolve_model_spec("deepseek-ai/DeepSeek-R1-0528")
+    as_key_and_value = dataclasses.replace(spec, values_are_keys=False)
+    assert (
+        spec.values_are_keys and 2 * spec.kv_bytes_per_token == as_key_and_value.kv_bytes_per_token
+    )
+    policy = Policy(
+        weights_frac=(0.0, 1.0, 0.0), experts_frac=(0.0, 1.0, 0.0), kv_frac=(0.0, 0.0, 1.0)
+    )
+    work = WorkloadSpec(prompt_len=512, gen_len=32)
+    once, twice = (estimate(policy, s, work, FLEXGEN_T4) for s in (spec, as_key_and_value))
+    home = policy.block_size * (512 + 32) * spec.kv_bytes_per_token
+    assert once.peak_bytes["disk"] == pytest.approx(home)
+    assert twice.peak_bytes["disk"] == pytest.approx(2 * home)

@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import pytest
 
 from engine.core.tokenizer import ChatOptions, Tokenizer
@@ -29,7 +30,16 @@ from server.openai.harmony import HarmonySplitter
 from server.openai.reasoning import HARMONY, parser_for_template, split_reasoning
 from tests.engine.tiny_models import TINY_CONFIGS, build_from_spec
 from tests.server.live import LiveServer, build_engine_client, engine_args, start_server
-from tests.server.test_tools import TIME, TOOLS, chat
+from tests.server.test_tools import (
+    ASK,
+    COMPACT,
+    TIME,
+    TOOLS,
+    WEATHER,
+    calls_of,
+    chat,
+    parsers,
+)
 
 TEMPLATE = Path(__file__).parents[1] / "fixtures" / "gpt-oss" / "chat_template.jinja"
 MARKERS = ("<|start|>", "<|channel|>", "<|message|>", "<|return|>", "<|call|>", "<|constrain|>")
@@ -64,7 +74,10 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     dest = harmony_tokenizer(tmp_path_factory.mktemp("gpt-oss") / "model")
     tokenizer = Tokenizer(dest)
     end = tokenizer.token_to_id("<|return|>")
+    # the context holds the published template's system and developer messages, tools too
     spec = {**TINY_CONFIGS["gpt_oss"], "vocab_size": tokenizer.vocab_size}
+    rope = {**spec["rope_parameters"], "original_max_position_embeddings": 256}  # type: ignore[dict-item]
+    spec |= {"max_position_embeddings": 1024, "rope_parameters": rope}
     build_from_spec(spec, dest, eos_token_id=end)
     return dest
 
@@ -225,3 +238,130 @@ def test_a_constraint_applies_to_the_final_channel() -> None:
     assert accepts(final)
     assert not accepts('<|channel|>final<|message|>{"zone": "GMT"}')
     assert not accepts('{"zone": "UTC"}')  # no final channel
+
+
+WEATHER_ARGUMENTS = json.dumps({**WEATHER, "additionalProperties": False, **COMPACT})
+HARMONY_CALLS = (
+    'start: <|channel|> "analysis" <|message|> /[a-z ]{3,12}/ <|end|> <|start|> "assistant" '
+    '<|channel|> "commentary" <|message|> "Checking." <|end|> <|start|> "assistant" '
+    '" to=functions.get_weather" <|channel|> "commentary " <|constrain|> "json" <|message|> '
+    f"%json {WEATHER_ARGUMENTS} <|call|> "
+    '<|start|> "assistant" <|channel|> "commentary to=functions.get_time " <|constrain|> "json" '
+    '<|message|> "{\\"zone\\": \\"UTC\\"}" <|call|>'
+)
+"""An answer that thinks, says what it will do (a preamble) and calls two functions, the
+first with its recipient before the channel, in harmony's special tokens."""
+
+
+def short_analysis(model_dir: Path) -> dict[str, Any]:
+    """A logit_bias that ends an analysis message at once (<|end|> wherever a grammar allows
+    it): a forced call's grammar lets the model think first, and a random model would think
+    to max_tokens."""
+    return {"logit_bias": {str(Tokenizer(model_dir).token_to_id("<|end|>")): 100}}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_auto_reads_harmony_calls(live: LiveServer, stream: bool) -> None:
+    """tool_choice auto (the template's parser, openai): the analysis message is
+    reasoning_content, the preamble content, each message to functions.<name> a call (with
+    --reasoning-parser none too: the answer is read as harmony to find them)."""
+    client, served = live.openai(), live.state.serving.model_name
+    grammar = {"grammar": HARMONY_CALLS}
+    answer = chat(
+        client, stream, model=served, tools=TOOLS, structured_outputs=grammar, max_tokens=160
+    )
+    assert [name for name, _ in calls_of(answer)] == ["get_weather", "get_time"]
+    assert calls_of(answer)[1] == ("get_time", {"zone": "UTC"})
+    assert answer["message"]["content"] == "Checking."
+    assert re.fullmatch("[a-z ]{3,12}", answer["message"]["reasoning_content"])
+    assert answer["finish_reason"] == "tool_calls"
+    single = chat(
+        client, stream, model=served, tools=TOOLS, structured_outputs=grammar, max_tokens=160,
+        parallel_tool_calls=False,
+    )  # fmt: skip
+    assert [name for name, _ in calls_of(single)] == ["get_weather"]
+    with parsers(live, reasoning="none"):  # the calls are harmony messages all the same
+        unsplit = chat(
+            client, stream, model=served, tools=TOOLS, structured_outputs=grammar, max_tokens=160
+        )
+    assert calls_of(unsplit) == calls_of(answer)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_forced_calls_are_harmony_call_messages(
+    live: LiveServer, model_dir: Path, stream: bool
+) -> None:
+    """tool_choice named and required: the grammar makes the answer a call message (after
+    an analysis message), its arguments valid against the tool's schema."""
+    client, served = live.openai(), live.state.serving.model_name
+    fields = {"model": served, "tools": TOOLS, "max_tokens": 60, **short_analysis(model_dir)}
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    forced = chat(client, stream, tool_choice=named, **fields)
+    assert [name for name, _ in calls_of(forced)] == ["get_weather"]
+    assert forced["finish_reason"] == "stop" and "content" not in forced["message"]
+    required = chat(client, stream, tool_choice="required", **fields)
+    assert len(calls_of(required)) >= 1 and required["finish_reason"] == "tool_calls"
+    single = chat(client, stream, tool_choice="required", parallel_tool_calls=False, **fields)
+    assert len(calls_of(single)) == 1
+
+
+def test_a_call_ended_by_its_stop_token(live: LiveServer, model_dir: Path) -> None:
+    """gpt-oss stops at <|call|> (a stop token, left out of the text): the call is read from
+    a text that ends with its arguments, the same call as when the text keeps <|call|>."""
+    client, served = live.openai(), live.state.serving.model_name
+    call_id = Tokenizer(model_dir).token_to_id("<|call|>")
+    named = {"type": "function", "function": {"name": "get_time"}}
+    fields = {"model": served, "tools": TOOLS, "tool_choice": named, "max_tokens": 60}
+    fields |= short_analysis(model_dir)
+    kept = chat(client, **fields)
+    stopped = chat(client, stop_token_ids=[call_id], **fields)
+    assert calls_of(stopped) == calls_of(kept) and len(calls_of(kept)) == 1
+
+
+def test_tool_result_round_trip_and_responses_api(live: LiveServer, model_dir: Path) -> None:
+    """A forced call, its result sent back as a `tool` message: the template renders both
+    (the call message, then the result from functions.<name>) and a second turn answers;
+    the Responses API gives the call as a function_call item (a call the model reaches
+    within max_output_tokens: an analysis message is free text, which a random model may
+    not end)."""
+    client, served = live.openai(), live.state.serving.model_name
+    named: Any = {"type": "function", "function": {"name": "get_weather"}}
+    first = client.chat.completions.create(
+        model=served, messages=ASK, tools=TOOLS, tool_choice=named, max_tokens=60,
+        temperature=0, extra_body=short_analysis(model_dir),
+    ).choices[0].message  # fmt: skip
+    assert first.tool_calls
+    call: Any = first.tool_calls[0]
+    messages: list[Any] = [
+        *ASK,
+        first.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": '{"temperature_c": 21}'},
+    ]
+    again = client.chat.completions.create(
+        model=served, messages=messages, tools=TOOLS, max_tokens=3, temperature=0
+    )
+    assert again.choices[0].finish_reason == "length"
+    ids = live.http().post("/tokenize", json={"model": served, "messages": messages}).json()
+    text = Tokenizer(model_dir).decode(ids["tokens"], skip_special_tokens=False)
+    arguments = json.dumps(json.loads(call.function.arguments))
+    assert text.endswith(
+        f"<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>"
+        f"{arguments}<|call|><|start|>functions.get_weather to=assistant<|channel|>commentary"
+        '<|message|>"{\\"temperature_c\\": 21}"<|end|><|start|>assistant'
+    )
+
+    tool: Any = {"type": "function", "name": "get_time", "parameters": TIME}
+    called = []
+    for seed in range(6):  # the Responses API takes no logit_bias: some seeds think first
+        answer = client.responses.create(
+            model=served, input="What time is it?", tools=[tool], tool_choice="required",
+            parallel_tool_calls=False, max_output_tokens=60, temperature=1,
+            extra_body={"seed": seed},
+        )  # fmt: skip
+        items: list[Any] = [item for item in answer.output if item.type == "function_call"]
+        assert [item.name for item in items] in ([], ["get_time"])
+        assert bool(items) == (answer.status == "completed")
+        called += [json.loads(item.arguments) for item in items]
+    assert called
+    for arguments in called:
+        jsonschema.validate(arguments, TIME)

@@ -3,6 +3,7 @@ the choice cached; off with plan_check=False."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -75,3 +76,24 @@ def test_a_long_check_runs_shorter_prompts_in_the_planned_blocks() -> None:
     assert plan_check.check_prompt_len(found, 512, 1e9) == 512
     assert plan_check.check_prompt_len(found, 512, 1.0) == plan_check.MIN_CHECK_PROMPT
     assert plan_check.check_prompt_len(found, 8, 1.0) == 8
+
+
+def test_a_profile_measured_under_load_defers_the_check_uncached(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same close candidates, planned from a profile a busy machine measured: the cost
+    model's pick runs, the check is deferred (said so in the report), nothing is cached, so
+    the start planned from the quiet re-measure checks the plan."""
+    model = demo_model_dir()
+    quiet = HardwareSpec.load(default_cache_path())
+    monkeypatch.setenv("NANOFLEX_CACHE", str(tmp_path))
+    busy = dataclasses.replace(quiet, machine_load={"others_cores": 1.6, "steal_share": 0.0})
+    busy.save(default_cache_path())
+    monkeypatch.setenv("NANOFLEX_PLAN_CHECK", "1")
+    trusted, _ = resolve_policy(
+        "auto", model, device="cpu", workload=WORKLOAD, gpu_mem=GPU_MEM, plan_check=False
+    )
+    policy, report = resolve_policy("auto", model, device="cpu", workload=WORKLOAD, gpu_mem=GPU_MEM)
+    assert policy == trusted and report is not None
+    assert "under load" in report["plan_check"]["skipped"]
+    assert not (tmp_path / plan_check.CACHE_FILE).exists()

@@ -7,9 +7,16 @@ import pytest
 import torch
 from torch.nn.functional import scaled_dot_product_attention
 
-from engine.executor.attention import RaggedLayout, join_kv, paged_attention, ragged_attention
+from engine.executor.attention import (
+    RaggedLayout,
+    join_kv,
+    paged_attention,
+    ragged_attention,
+    split_kv,
+)
 from engine.kernels import PagedKernels, paged_kernels
 from engine.models.base import AttentionSpec
+from engine.models.config import KVShape
 
 HEADS, KV_HEADS, DIM = 4, 2, 8
 
@@ -86,18 +93,22 @@ def scattered_pool(
     q_lens: list[int],
     past_lens: list[int],
     g: torch.Generator,
+    values_are_keys: bool = False,
 ) -> tuple[torch.Tensor, list[list[int]]]:
     """A pool holding every sequence's past then new keys and values at random slots, the
-    slots it does not use NaN (a read of one poisons the result); and each one's slots."""
+    slots it does not use NaN (a read of one poisons the result); and each one's slots.
+    `values_are_keys`: rows of the keys alone (v and past_v must be k and past_k)."""
     num_slots = 4 * (k.shape[0] + past_k.shape[0])
-    pool = torch.full((num_slots, 2 * k.shape[1] * k.shape[2]), float("nan"), dtype=k.dtype)
+    sides = 1 if values_are_keys else 2
+    pool = torch.full((num_slots, sides * k.shape[1] * k.shape[2]), float("nan"), dtype=k.dtype)
     order = torch.randperm(num_slots, generator=g).tolist()
     seq_slots, row, past_row = [], 0, 0
     for t, p in zip(q_lens, past_lens, strict=True):
         slots = [order.pop() for _ in range(p + t)]
         keys = torch.cat([past_k[past_row : past_row + p], k[row : row + t]])
         values = torch.cat([past_v[past_row : past_row + p], v[row : row + t]])
-        pool[slots] = torch.cat([keys.flatten(1), values.flatten(1)], dim=1)
+        rows = [keys.flatten(1)] if values_are_keys else [keys.flatten(1), values.flatten(1)]
+        pool[slots] = torch.cat(rows, dim=1)
         seq_slots.append(slots)
         row, past_row = row + t, past_row + p
     return pool, seq_slots
@@ -133,7 +144,7 @@ def test_paged_attention_reads_the_pool_in_place(
     assert paged.in_place and not packed.in_place
     want = ragged_attention(q, k, v, past_k, past_v, packed)
     kernels = native_kernels() if kernel == "native" else None
-    got = paged_attention(q, pool, lambda rows: rows, paged, (KV_HEADS, DIM), kernels)
+    got = paged_attention(q, pool, lambda rows: rows, paged, KVShape(KV_HEADS, DIM), kernels)
     torch.testing.assert_close(got, want)
 
 
@@ -170,22 +181,30 @@ def kernel_equals_sdpa(
     tol: float,
     sinks: torch.Tensor | None = None,
     kernels: PagedKernels | None = None,
+    values_are_keys: bool = False,
+    native: bool = True,
 ) -> list[bool]:
-    """The native kernels (or `kernels`) over a NaN-poisoned scattered pool give SDPA's
-    float32 result over the same values (with `sinks`: the eager product transformers
-    computes), within `tol`; returns which of the layout's groups are prefill chunks."""
+    """The native kernels (or `kernels`; not `native`: none, the gather-and-SDPA path) over a
+    NaN-poisoned scattered pool give SDPA's float32 result over the same values (with
+    `sinks`: the eager product transformers computes), within `tol`; returns which of the
+    layout's groups are prefill chunks. `values_are_keys`: the pool's rows are the keys
+    alone, read as the values too."""
     heads, kv_heads, dim = shape
     g = torch.Generator().manual_seed(2)
     total, past_total = sum(q_lens), sum(past_lens)
     q = torch.randn(total, heads, dim, generator=g).to(dtype)
     k, v = (torch.randn(total, kv_heads, dim, generator=g).to(dtype) for _ in "kv")
     past_k, past_v = (torch.randn(past_total, kv_heads, dim, generator=g).to(dtype) for _ in "kv")
-    pool, seq_slots = scattered_pool(k, v, past_k, past_v, q_lens, past_lens, g)
+    if values_are_keys:
+        v, past_v = k, past_k
+    pool, seq_slots = scattered_pool(k, v, past_k, past_v, q_lens, past_lens, g, values_are_keys)
     cpu = torch.device("cpu")
     paged = RaggedLayout.build(q_lens, past_lens, cpu, window, seq_slots)
     spec = AttentionSpec(sinks=sinks)
-    kernels = kernels or native_kernels()
-    got = paged_attention(q, pool, lambda rows: rows, paged, (kv_heads, dim), kernels, spec)
+    if native:
+        kernels = kernels or native_kernels()
+    kv_shape = KVShape(kv_heads, dim, values_are_keys)
+    got = paged_attention(q, pool, lambda rows: rows, paged, kv_shape, kernels, spec)
     assert got.dtype == dtype
     packed = RaggedLayout.build(q_lens, past_lens, cpu, window)
     f32 = [x.float() for x in (q, k, v, past_k, past_v)]
@@ -235,6 +254,41 @@ def test_native_kernels_take_sinks_and_chunks(
     past_lens = [0, 299, 17, 64, 150, 3] if not prefill else [0, 30, 200, 7, 64, 3]
     q_lens = [1] * 6 if not prefill else [70, 5, 33, 1, 100, 17]
     kernel_equals_sdpa(q_lens, past_lens, (heads, kv_heads, dim), window, dtype, tol, sinks)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(16, 1, 64), (8, 1, 40), (4, 2, 128)])
+@pytest.mark.parametrize("prefill", [False, True], ids=["decode", "prefill"])
+@pytest.mark.parametrize("native", [True, False], ids=["native", "sdpa"])
+def test_values_that_are_keys_are_read_from_the_keys(
+    dtype: torch.dtype,
+    tol: float,
+    heads: int,
+    kv_heads: int,
+    dim: int,
+    prefill: bool,
+    native: bool,
+) -> None:
+    """A pool of rows holding the keys alone (multi-head latent attention's latent, stored
+    once: `KVShape.values_are_keys`), read by both native kernels (the AVX-512 paths at head
+    dims 64 and 128, the portable loops at 40, MLA's one kv head under many query heads) and
+    by the gather-and-SDPA path, gives SDPA's float32 result with the values equal to the
+    keys; a read of the values anywhere past a row's keys would read the next row or a NaN."""
+    past_lens = [0, 299, 17, 64, 150, 3] if not prefill else [0, 30, 200, 7, 64, 3]
+    q_lens = [1] * 6 if not prefill else [70, 5, 33, 1, 100, 17]
+    shape = (heads, kv_heads, dim)
+    kernel_equals_sdpa(q_lens, past_lens, shape, None, dtype, tol, None, None, True, native)
+
+
+def test_values_that_are_keys_join_and_split_as_one_view() -> None:
+    """Where the values are the keys, a KV row is the keys alone: joined without a copy, and
+    split into k and v that are the same view of the rows."""
+    k = torch.randn(5, 1, 12)
+    joined = join_kv(k, k, values_are_keys=True)
+    assert joined.shape == (5, 12) and joined.data_ptr() == k.data_ptr()
+    key, value = split_kv(joined, KVShape(1, 12, values_are_keys=True))
+    assert key is value and key is not None and torch.equal(key, k)
+    assert KVShape(1, 12, values_are_keys=True).row_dim == 12 and KVShape(1, 12).row_dim == 24
 
 
 def test_prefill_kernel_refuses_offsets_that_do_not_fit() -> None:

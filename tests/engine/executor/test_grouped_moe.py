@@ -3,16 +3,20 @@ with a load-balancing correction, top-k within the best groups of experts, weigh
 renormalised and scaled, a shared expert beside the routed ones and dense first layers.
 Greedy tokens equal transformers' with experts and KV on every tier, logits equal its full
 forward pass, the router equals transformers' bit for bit (ties included), MLA's pages hold
-the latent, and the multi-token prediction layer the checkpoints carry is not read."""
+the latent once (its value is its key) on every tier, through the prefix cache's spill,
+nano-batches and preemption, and the multi-token prediction layer the checkpoints carry is
+not read."""
 
 from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 
 import pytest
 import torch
 
+from engine import LLM, SamplingParams
 from engine.models.moe import route_grouped
 from policy import Policy
 from tests.engine.executor.test_correctness import PLACEMENTS, run
@@ -20,8 +24,9 @@ from tests.engine.executor.test_family_features import _prompts, _score, _with_c
 from tests.engine.executor.test_moe import MOE_PLACEMENTS
 from tests.engine.executor.test_prefix_caching import (
     assert_cached_prefixes_give_transformers_tokens,
+    assert_spilled_to_disk_and_loaded_back,
 )
-from tests.engine.tiny_models import GROUPED_MOE_FAMILIES, MAX_TOKENS, hf_greedy
+from tests.engine.tiny_models import GROUPED_MOE_FAMILIES, MAX_TOKENS, hf_greedy, random_prompts
 
 DEFAULT_PLACEMENTS = (
     "all-on-device",
@@ -132,22 +137,93 @@ def test_router_equals_transformers(family):
         assert any(set(a) != set(b) for a, b in zip(got_ids.tolist(), ungrouped.tolist()))
 
 
-def test_mla_pages_hold_the_latent(tiny_model):
+def test_mla_pages_hold_the_latent_once(tiny_model, references, tmp_path):
     """DeepSeek-V3's KV row is the latent and the rotary key, kv_lora_rank + qk_rope_head_dim
-    wide, as key and as value (2 x 40 elements per token and layer here, where per-head keys
-    and values would take 4 heads x (16 + 8 + 12) = 144); the cost model prices the same
-    row."""
-    from engine.executor.executor import Executor
+    wide, stored once (its value is its key: `values_are_keys`): 40 float32 values per token
+    and layer here, where key and value would take 2 x 40 and per-head keys and values 4
+    heads x (16 + 8 + 12) = 144. The pools of every tier (gpu, cpu and the disk files) hold
+    rows of that width and count those bytes; the cost model prices the same row, half what
+    it priced as key and value."""
     from policy.catalog import resolve_model_spec
 
     model_dir = tiny_model("deepseek_v3")
-    executor = Executor(str(model_dir), Policy(), device="cpu")
-    try:
-        assert executor.kv.row_bytes == 2 * (32 + 8) * 4  # float32
-    finally:
-        executor.close()
+    row_bytes = (32 + 8) * 4  # float32
+    policy = Policy(**{**MOE_PLACEMENTS, **PLACEMENTS}["kv-act-mixed"])  # type: ignore[arg-type]
+    prompts, expected = references("deepseek_v3")
+    with LLM(str(model_dir), policy=policy, device="cpu", offload_dir=tmp_path) as llm:
+        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
+        kv = llm.executor.kv
+        assert kv.codec.row_dim == 32 + 8 and kv.row_bytes == row_bytes
+        assert kv.num_pages["gpu"] and kv.num_pages["cpu"] and kv.num_pages["disk"]
+        for tier in ("gpu", "cpu"):
+            pool = kv.pool(tier, 0)
+            assert pool.shape == (kv.num_pages[tier] * kv.page_tokens, row_bytes)
+        assert kv.disk_pool.row_bytes == row_bytes
+        written = sorted(tmp_path.glob("kv-*.bin"))
+        assert len(written) == len(llm.executor.config.kv_layers)
+        assert all(f.stat().st_size % (kv.page_tokens * row_bytes) == 0 for f in written)
+        per_page = kv.page_tokens * row_bytes * len(written)
+        assert kv.page_bytes == per_page
+        assert kv.bytes_per_tier()["gpu"] == kv.num_pages["gpu"] * per_page
     spec = resolve_model_spec(str(model_dir))
-    assert spec.kv_bytes_per_token_per_layer == 2 * (32 + 8) * spec.dtype_bytes
+    assert spec.values_are_keys and spec.kv_bytes_per_token_per_layer == (32 + 8) * spec.dtype_bytes
+    as_key_and_value = replace(spec, values_are_keys=False)
+    assert 2 * spec.kv_bytes_per_token_per_layer == as_key_and_value.kv_bytes_per_token_per_layer
+
+
+@pytest.mark.parametrize(
+    "placement", ["kv-cpu-cpu-attention", "kv-cpu-no-cpu-attention", "kv-act-disk"]
+)
+def test_mla_latent_once_on_every_kv_tier(tiny_model, references, tmp_path, placement):
+    """DeepSeek-V3's latent rows homed on the cpu tier (attended there, or copied to the
+    compute device) and on disk: transformers' tokens."""
+    prompts, expected = references("deepseek_v3")
+    policy = Policy(**{**MOE_PLACEMENTS, **PLACEMENTS}[placement])  # type: ignore[arg-type]
+    assert run(tiny_model("deepseek_v3"), prompts, policy, tmp_path) == expected
+
+
+@pytest.mark.parametrize("placement", ["resident", "offloaded-cpu-attention"])
+def test_mla_latent_once_through_nano_batches(tiny_model, references, tmp_path, placement):
+    """DeepSeek-V3's GPU batches cut into nano-batches (their past read packed, the device's
+    and the CPU's attention apart): transformers' tokens, the nano-batched path taken."""
+    from tests.engine.executor import test_nano_batches as nano
+
+    prompts, expected = references("deepseek_v3")
+    policy = Policy(**nano.SHAPE, **nano.PLACEMENTS[placement], num_nano_batches=2)
+    tokens, layers_run = nano.run(tiny_model("deepseek_v3"), prompts, policy, tmp_path)
+    assert tokens == expected and layers_run > 0
+
+
+def test_mla_latent_spills_to_transformers_tokens(tiny_model, tmp_path):
+    """DeepSeek-V3's latent pages through the prefix cache's spill to cpu and disk files and
+    back: transformers' tokens."""
+    model_dir, policy = tiny_model("deepseek_v3"), Policy(experts_frac=(0.0, 1.0, 0.0))
+    assert_spilled_to_disk_and_loaded_back(model_dir, "deepseek_v3", policy, tmp_path)
+
+
+@pytest.mark.slow  # 16 ragged requests and transformers' tokens for each: about 25 s
+def test_mla_latent_preempts_to_transformers_tokens(tiny_model, tmp_path):
+    """DeepSeek-V3's latent pages under preemption: a pool too small for the block, its
+    newest sequence dropped and recomputed, transformers' tokens still."""
+    model_dir, vocab = tiny_model("deepseek_v3"), 290
+    ragged = random_prompts(16, vocab, 2, 60, seed=3)
+    lengths = torch.randint(1, 25, (16,), generator=torch.Generator().manual_seed(4)).tolist()
+    with LLM(
+        str(model_dir),
+        policy=Policy(gpu_batch_size=4, num_gpu_batches=2, experts_frac=(0.0, 1.0, 0.0)),
+        device="cpu",
+        offload_dir=tmp_path,
+        kv_capacity_pages={"gpu": 8},  # the longest sequence, not 8 running ones
+        async_scheduling=False,  # deterministic step order, so the preemption surely happens
+    ) as llm:
+        scheduler = llm.scheduler
+        scheduler.config = replace(scheduler.config, expected_gen_tokens=1)
+        params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths]
+        out = llm.generate(ragged, params)
+        assert scheduler.num_preemptions > 0, "the small KV pool should have forced preemption"
+    want = [hf_greedy(model_dir, p, n) for p, n in zip(ragged, lengths, strict=True)]
+    assert [o.outputs[0].token_ids for o in out] == want
 
 
 def test_kimi_k2_checkpoint_runs_as_deepseek_v3(tiny_model, references, tmp_path):

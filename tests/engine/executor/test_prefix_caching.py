@@ -3,6 +3,7 @@ loaded back, with greedy tokens equal to transformers' and to the cache switched
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -62,14 +63,20 @@ def test_cached_prefixes_give_transformers_tokens(tiny_model, tmp_path: Path, ki
 
 
 def test_spilled_to_disk_and_loaded_back(tiny_model, tmp_path: Path) -> None:
+    assert_spilled_to_disk_and_loaded_back(tiny_model("llama"), "llama", Policy(), tmp_path)
+
+
+def assert_spilled_to_disk_and_loaded_back(
+    model_dir: Path, kind: str, policy: Policy, tmp_path: Path
+) -> None:
     """A gpu pool of 8 pages and a cpu pool of 4: earlier prompts' pages spill to cpu and
-    disk (real files); asking again loads them back, layer by layer, same tokens."""
-    model = str(tiny_model("llama"))
-    vocab = int(TINY_CONFIGS["llama"]["vocab_size"])  # type: ignore[call-overload]
+    disk (real files); asking again loads them back, layer by layer, same tokens
+    (transformers')."""
+    vocab = int(TINY_CONFIGS[kind]["vocab_size"])  # type: ignore[call-overload]
     prompts = random_prompts(6, vocab, 34, 40, seed=5)  # 2 full pages each
     with LLM(
-        model,
-        policy=Policy(gpu_batch_size=2),
+        str(model_dir),
+        policy=dataclasses.replace(policy, gpu_batch_size=2),
         device="cpu",
         offload_dir=tmp_path,
         kv_capacity_pages={"gpu": 8, "cpu": 4, "disk": 64},
@@ -80,7 +87,7 @@ def test_spilled_to_disk_and_loaded_back(tiny_model, tmp_path: Path) -> None:
         again = generate_one_by_one(llm, prompts[:3])  # the oldest: on disk by now
         assert stats.loaded_pages["disk"] > 0
         assert list(tmp_path.glob("kv-*.bin"))
-    expected = [hf_greedy(Path(model), p, 6) for p in prompts]
+    expected = [hf_greedy(model_dir, p, 6) for p in prompts]
     assert [t for t, _ in first] == expected
     assert [t for t, _ in again] == expected[:3]
     assert all(n == 32 for _, n in again)

@@ -30,6 +30,7 @@ pytest.importorskip("numpy")
 from engine.executor.attention import AttentionSpec, RaggedLayout, paged_attention  # noqa: E402
 from engine.kernels import PagedKernels  # noqa: E402
 from engine.kernels import triton_attention as ta  # noqa: E402
+from engine.models.config import KVShape  # noqa: E402
 
 PAGE = 16
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -39,14 +40,21 @@ TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 
 
 def paged_pool(
-    lens: list[int], kv_heads: int, head_dim: int, dtype: torch.dtype, seed: int
+    lens: list[int],
+    kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    seed: int,
+    values_are_keys: bool = False,
 ) -> tuple[torch.Tensor, list[list[int]]]:
-    """(pool rows (slots, 2 * kv_dim) with NaN in every row no sequence uses, per sequence
-    the slots of its keys on shuffled pages)."""
+    """(pool rows (slots, 2 * kv_dim), or (slots, kv_dim) keys that are the values too
+    (`values_are_keys`), with NaN in every row no sequence uses, per sequence the slots of
+    its keys on shuffled pages)."""
     g = torch.Generator().manual_seed(seed)
     num_pages = sum(-(-n // PAGE) for n in lens) + 3
     pages = torch.randperm(num_pages, generator=g).tolist()
-    pool = torch.full((num_pages * PAGE, 2 * kv_heads * head_dim), float("nan"), dtype=dtype)
+    row_dim = KVShape(kv_heads, head_dim, values_are_keys).row_dim
+    pool = torch.full((num_pages * PAGE, row_dim), float("nan"), dtype=dtype)
     seq_slots = []
     for n in lens:
         mine = [pages.pop() for _ in range(-(-n // PAGE))]
@@ -68,14 +76,17 @@ def reference(
 ) -> torch.Tensor:
     """Float64 attention, sequence by sequence: row t of a sequence with q_len new rows and
     kv_len keys sees keys [0, kv_len - q_len + t] (the last `window`; with window < 0 those
-    of its own chunk); `sinks` (heads,): gpt-oss's sink logits."""
+    of its own chunk); `sinks` (heads,): gpt-oss's sink logits. A pool of kv_dim-wide rows
+    holds keys that are the values too."""
     heads, head_dim = q.shape[1], q.shape[2]
     kv_dim = kv_heads * head_dim
+    v_at = 0 if pool.shape[1] == kv_dim else kv_dim
     out, row = [], 0
     for slots, q_len in zip(seq_slots, q_lens, strict=True):
         kv = pool[slots].double()
         k = kv[:, :kv_dim].view(-1, kv_heads, head_dim).repeat_interleave(heads // kv_heads, 1)
-        v = kv[:, kv_dim:].view(-1, kv_heads, head_dim).repeat_interleave(heads // kv_heads, 1)
+        v = kv[:, v_at : v_at + kv_dim].view(-1, kv_heads, head_dim)
+        v = v.repeat_interleave(heads // kv_heads, 1)
         qs = q[row : row + q_len].double()
         scores = torch.einsum("thd,khd->htk", qs, k) * scale
         pos = torch.arange(len(slots) - q_len, len(slots))[:, None]
@@ -153,13 +164,16 @@ def test_prefill_kernel_equals_the_reference(dtype, heads, kv_heads, head_dim, w
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kernels_through_paged_attention_equal_the_gather_path(dtype):
+@pytest.mark.parametrize("values_are_keys", [False, True], ids=["kv", "values-are-keys"])
+def test_kernels_through_paged_attention_equal_the_gather_path(dtype, values_are_keys):
     """The kernels as the engine calls them (`paged_attention` with a layout of decodes and
-    prefill chunks in one step) against the same call without kernels (gather + SDPA)."""
-    heads, kv_heads, head_dim = 8, 2, 32
+    prefill chunks in one step) against the same call without kernels (gather + SDPA); with
+    rows of keys that are the values too (MLA's latent, stored once: 8 query heads over one
+    kv head of 40, padded to 64), both read the values from the keys."""
+    heads, kv_heads, head_dim = (8, 1, 40) if values_are_keys else (8, 2, 32)
     q_lens, past = [1, 1, 6, 1, 20], [30, 4, 0, 70, 12]
     lens = [q + p for q, p in zip(q_lens, past, strict=True)]
-    pool, seq_slots = paged_pool(lens, kv_heads, head_dim, dtype, seed=11)
+    pool, seq_slots = paged_pool(lens, kv_heads, head_dim, dtype, 11, values_are_keys)
     g = torch.Generator().manual_seed(3)
     q = torch.randn(sum(q_lens), heads, head_dim, generator=g).to(dtype)
     layout = RaggedLayout.build(q_lens, past, DEVICE, None, seq_slots)
@@ -169,12 +183,42 @@ def test_kernels_through_paged_attention_equal_the_gather_path(dtype):
         return rows.view(dtype)
 
     encoded, q_on = pool.view(torch.uint8).to(DEVICE), q.to(DEVICE)
-    shape = (kv_heads, head_dim)
+    shape = KVShape(kv_heads, head_dim, values_are_keys)
     got = paged_attention(q_on, encoded, plain, layout, shape, TRITON, spec).cpu()
     gathered = paged_attention(q_on, encoded, plain, layout, shape, None, spec).cpu()
     want = reference(q, pool, seq_slots, q_lens, kv_heads, head_dim**-0.5, 0)
     assert relative_error(got, want) < TOLERANCE[dtype]
     assert relative_error(gathered, want) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernels_read_values_from_keys_that_are_the_values(dtype):
+    """Rows of keys alone (MLA's latent, stored once: one kv head of 40 under 16 query heads)
+    in decode, with one split and several, and in prefill: the values are the keys."""
+    heads, kv_heads, head_dim = 16, 1, 40
+    lens = [1, 17, 130, 3]
+    pool, seq_slots = paged_pool(lens, kv_heads, head_dim, dtype, 8, values_are_keys=True)
+    assert pool.shape[1] == head_dim
+    g = torch.Generator().manual_seed(9)
+    q = torch.randn(len(lens), heads, head_dim, generator=g).to(dtype)
+    want = reference(q, pool, seq_slots, [1] * len(lens), kv_heads, 0.125, 0)
+    table = torch.tensor([s + [s[0]] * (max(lens) - len(s)) for s in seq_slots]).reshape(-1)
+    on = [t.to(DEVICE) for t in (q, pool, table, torch.tensor(lens))]
+    for split_len in (None, 64):
+        got = ta.paged_decode(*on, kv_heads, 0.125, 0, split_len).cpu()
+        assert relative_error(got, want) < TOLERANCE[dtype], split_len
+    shapes = [(5, 0), (17, 40), (70, 100)]
+    q_lens, lens = [n for n, _ in shapes], [n + p for n, p in shapes]
+    pool, seq_slots = paged_pool(lens, kv_heads, head_dim, dtype, 10, values_are_keys=True)
+    q = torch.randn(sum(q_lens), heads, head_dim, generator=g).to(dtype)
+    want = reference(q, pool, seq_slots, q_lens, kv_heads, 0.125, 0)
+    slots = torch.tensor([s for seq in seq_slots for s in seq])
+    starts = [torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()]) for n in (q_lens, lens)]
+    on = [t.to(DEVICE) for t in (q, pool, slots, *starts)]
+    got = ta.paged_prefill(*on, kv_heads, 0.125, 0, max(q_lens)).cpu()
+    assert relative_error(got, want) < TOLERANCE[dtype]
+    with pytest.raises(ValueError, match="KV rows of 40 values: expected 80 or 160"):
+        ta.paged_decode(*on[:2], table, torch.tensor(lens), 2, 0.125, 0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

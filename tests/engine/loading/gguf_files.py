@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,8 @@ def write_gguf(hf_dir: Path, path: Path) -> Path:
     add_shape_keys(writer, arch, config)
     writer.add_rope_freq_base(float(rope.get("rope_theta", config.get("rope_theta", 10000.0))))
     writer.add_rope_dimension_count(head_dim)
+    if rope.get("rope_type") == "llama3":  # Llama 3.1's scaling, as one factor per pair
+        writer.add_tensor("rope_freqs.weight", llama3_rope_freqs(rope, head_dim))
     writer.add_vocab_size(config["vocab_size"])
     writer.add_bos_token_id(config["bos_token_id"])
     writer.add_eos_token_id(config["eos_token_id"])
@@ -68,6 +71,36 @@ def write_gguf(hf_dir: Path, path: Path) -> Path:
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def llama3_rope(theta: float, factor: float, high: float, original: int) -> dict[str, Any]:
+    """transformers' `llama3` rope parameters (low_freq_factor 1, as every Llama 3.x and 4)."""
+    return {
+        "rope_type": "llama3",
+        "rope_theta": theta,
+        "factor": factor,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": high,
+        "original_max_position_embeddings": original,
+    }
+
+
+def llama3_rope_freqs(rope: dict[str, Any], head_dim: int) -> np.ndarray:
+    """What llama.cpp's converter writes for `llama3` rope parameters: per rotated pair, 1
+    under the short wavelength, `factor` over the long one, the blend between."""
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    original = rope["original_max_position_embeddings"]
+    out = []
+    for i in range(0, head_dim, 2):
+        wavelength = 2 * math.pi * rope["rope_theta"] ** (i / head_dim)
+        if wavelength < original / high:
+            out.append(1.0)
+        elif wavelength > original / low:
+            out.append(factor)
+        else:
+            share = (original / wavelength - low) / (high - low)
+            out.append(1 / ((1 - share) / factor + share))
+    return np.array(out, np.float32)
 
 
 def _checkpoint_tensors(hf_dir: Path, is_moe: bool) -> Iterator[tuple[str, torch.Tensor]]:

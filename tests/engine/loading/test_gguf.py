@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,19 +22,12 @@ from engine.core.model_files import (
 from engine.core.tokenizer import Tokenizer
 from engine.loading.generated import local_model_dir
 from engine.loading.gguf_convert import MANIFEST, file_digest, gguf_model_dir
+from engine.models.config import ModelConfig, read_hf_config
 from engine.models.hf_config import UnsupportedModelError
 from policy import Policy
 from tests.engine.chats import CHATS
-from tests.engine.loading.gguf_files import write_gguf, write_raw_gguf
-from tests.engine.tiny_models import hf_greedy
-
-
-@pytest.fixture
-def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """A cache directory of this test's own (tiny conversions take well under a second)."""
-    root = tmp_path / "cache"
-    monkeypatch.setenv("NANOFLEX_CACHE", str(root))
-    return root
+from tests.engine.loading.gguf_files import llama3_rope, write_gguf, write_raw_gguf
+from tests.engine.tiny_models import TINY_CONFIGS, build_from_spec, hf_greedy
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
@@ -163,3 +155,31 @@ def test_daemon_resolution_converts_in_a_child(tiny_model, cache, tmp_path):
     )
     with pytest.raises(ModelLoadError, match=r"^cannot build model .*architecture 'gpt2'[^\n]*$"):
         resolve_model_dir(str(bad))
+
+
+@pytest.mark.parametrize("high", [16.0, 1.0], ids=["llama-3.1", "scout-band-free"])
+def test_llama3_rope_scaling_read_back_from_rope_freqs(cache, tmp_path, high):
+    """llama.cpp writes Llama 3.1's rope scaling only as per-pair factors (rope_freqs): the
+    llama3 parameters come back from them, with a blended band (Llama 3.1) or without one
+    (Llama 4 Scout's low = high = 1), and greedy tokens equal transformers'."""
+    rope = llama3_rope(10000.0, 8.0, high, 1024)
+    spec = dict(TINY_CONFIGS["llama"], rope_parameters=rope)
+    hf_dir = build_from_spec(spec, tmp_path / "llama3")
+    path = write_gguf(hf_dir, tmp_path / "llama3.gguf")
+    model_dir = gguf_model_dir(path)
+    scaling = ModelConfig.from_hf(read_hf_config(model_dir)).rope_scaling
+    assert scaling == ModelConfig.from_hf(read_hf_config(hf_dir)).rope_scaling
+    assert "rope_freqs.weight" not in load_file(model_dir / "model.safetensors")
+    prompt = [5, 9, 13, 40, 2, 77, 31]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    with LLM(str(path), policy=Policy(), device="cpu") as llm:
+        got = llm.generate([prompt], params)[0].outputs[0].token_ids
+    assert got == hf_greedy(hf_dir, prompt, 8)
+
+
+def test_rope_freqs_not_of_llama3_form_is_refused(tmp_path):
+    from engine.loading.gguf_rope_factors import llama3_parameters
+
+    factors = np.array([1.0, 3.0, 1.0, 8.0, 8.0, 8.0], np.float32)  # not monotonic
+    with pytest.raises(UnsupportedModelError, match=r"^[^\n]*not Llama 3\.1's llama3 scaling"):
+        llama3_parameters(factors, 10000.0, 12, "odd.gguf")

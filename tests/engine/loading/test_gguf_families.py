@@ -23,30 +23,16 @@ from tests.engine.loading.gguf_families import (
     build_gguf_checkpoint,
     write_family_gguf,
 )
-from tests.engine.tiny_models import random_prompts
+from tests.engine.tiny_models import built_once, random_prompts
 
 FAMILIES = ("qwen3", "gemma2", "gemma3", "phi3", "olmo2")
 TRANSFORMERS_CANNOT_READ = frozenset({"olmo2"})
 """Architectures transformers' GGUF loader refuses ("not supported yet")."""
 
 
-@pytest.fixture
-def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    root = tmp_path / "cache"
-    monkeypatch.setenv("NANOFLEX_CACHE", str(root))
-    return root
-
-
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory):
-    built: dict[str, Path] = {}
-
-    def get(kind: str) -> Path:
-        if kind not in built:
-            built[kind] = build_gguf_checkpoint(kind, tmp_path_factory.mktemp(f"gguf-{kind}"))
-        return built[kind]
-
-    return get
+    return built_once(build_gguf_checkpoint, tmp_path_factory, "gguf")
 
 
 def reference_model(kind: str, gguf: Path, hf_dir: Path) -> Any:

@@ -4,12 +4,8 @@ shares not believed, and a background re-measure replaces it once the machine is
 from __future__ import annotations
 
 import dataclasses
-import subprocess
-import sys
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import psutil
@@ -21,20 +17,7 @@ from engine.profiling.load import LoadMonitor, wait_until_quiet
 from engine.profiling.requiet import lock_path as requiet_lock
 from engine.profiling.requiet import requiet
 from policy.hardware import FLEXGEN_T4, HardwareSpec, default_cache_path
-
-
-@contextmanager
-def busy_neighbours(count: int = 1) -> Iterator[list[subprocess.Popen[bytes]]]:
-    """Processes that each keep a core busy (another user's work, as far as we can tell)."""
-    spin = "import time\nend = time.time() + 600\nwhile time.time() < end: pass"
-    procs = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(count)]
-    try:
-        time.sleep(0.3)  # started and spinning
-        yield procs
-    finally:
-        for p in procs:
-            p.kill()
-            p.wait()
+from tests.engine.profiling.neighbours import busy_neighbours
 
 
 def test_a_busy_neighbour_is_seen() -> None:

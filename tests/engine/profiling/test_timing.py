@@ -8,8 +8,10 @@ import time
 import pytest
 import torch
 
+from engine.profiling.load import LoadMonitor
 from engine.profiling.timing import Probe, Timing, measure
 from engine.storage.device import Device
+from tests.engine.profiling.neighbours import busy_neighbours
 
 CPU = Device(torch.device("cpu"))
 
@@ -45,3 +47,32 @@ def test_probe_retakes_a_noisy_measurement_and_records_its_spread() -> None:
     seconds = probe.seconds("gpu_flops", work, CPU)
     assert seconds == pytest.approx(0.001, rel=1.0)
     assert probe.spread["gpu_flops"] <= 0.25
+
+
+def test_probe_takes_no_retake_while_the_machine_is_busy() -> None:
+    """A noisy measurement is retaken (the control: no load monitor); while the profile's
+    load monitor sees other processes busy, no retake starts: the neighbour would slow it
+    too, and a profile taken under load is measured again once the machine is quiet."""
+
+    def noisy(probe: Probe) -> int:
+        """Calls made measuring samples of one call each, alternating 6 and 30 ms: always
+        over the spread."""
+        durations = itertools.cycle([0.006, 0.03])
+        calls = itertools.count()
+
+        def work() -> None:
+            next(calls)
+            time.sleep(next(durations))
+
+        probe.seconds("gpu_flops", work, CPU)
+        return next(calls)
+
+    control = Probe(repeats=5, max_spread=0.25, retries=2)
+    control_calls = noisy(control)
+    assert control.retakes == 2 and control_calls == 3 * 6  # warm-up + 5 samples, 3 takes
+    with busy_neighbours(2), LoadMonitor() as watch:
+        time.sleep(1.0)  # the neighbours' work, seen before the measurement starts
+        assert watch.sample().under_load
+        busy = Probe(repeats=5, max_spread=0.25, retries=2, watch=watch)
+        busy_calls = noisy(busy)
+    assert busy.retakes == 0 and busy_calls == 6 and busy.spread["gpu_flops"] > 0.25
