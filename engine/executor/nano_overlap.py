@@ -103,12 +103,14 @@ class NanoOverlap:
         past: tuple[torch.Tensor | None, torch.Tensor | None],
         batch: GpuBatch,
         graphs: list[StepGraphs] | None = None,
+        mixed: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Decoder layer j over `batch`'s nano-batches, given the batch's packed past KV of its
         (device, CPU) attention groups: (output states (T, hidden), the new (T, row_dim) KV
         rows), the same rows in the same order as the whole-batch path. `graphs`: per
         nano-batch, CUDA graphs of its dense ops (engine/executor/cuda_graphs.py), replayed
-        on its static buffers with the attention run eagerly in between."""
+        on its static buffers with the attention run eagerly in between. `mixed`: the whole
+        batch's output of a state mixer beside the attention (Falcon-H1), or None."""
         span, k = self.tracer.span, batch.index
         self.num_layers_run += 1
         new_kv: list[torch.Tensor] = []
@@ -138,7 +140,8 @@ class NanoOverlap:
                     g.after[j - 1].replay()
                     outs.append(g.h)
                 else:
-                    outs.append(self.model.attention_output(w, h[nano.rows], o))
+                    beside = None if mixed is None else mixed[nano.rows]
+                    outs.append(self.model.layer_output(w, h[nano.rows], o, beside))
         return torch.cat(outs), torch.cat(new_kv)
 
     # -- attention -----------------------------------------------------------------------

@@ -168,7 +168,9 @@ class BlockPipeline:
                     past = wait(self._load_past(j, batch))
                     h = wait(self._load_act(j, batch, None))
                     mids.append(self._before_experts(j, w, h, past, batch))
-                    self._store_kv(j, batch, mids[-1][2], self.device.record())
+                    new_kv = mids[-1][2]
+                    if new_kv is not None:
+                        self._store_kv(j, batch, new_kv, self.device.record())
                 for batch, out in zip(batches, self._experts(j, w, mids, inline), strict=True):
                     self._store_act(j, batch, out, self.device.record(), None)
                 continue
@@ -291,8 +293,10 @@ class BlockPipeline:
             past = wait(pasts.pop((j, k)).result())
             h = wait(acts.pop((j, k)).result())
             mids.append(self._before_experts(j, w, h, past, batch))
-            moves, done = self._kv_store_moves(batch), self.device.record()
-            kv_stores.append(self._store_kv_task(store, moves, j, batch, mids[-1][2], done))
+            new_kv = mids[-1][2]
+            if new_kv is not None:
+                moves, done = self._kv_store_moves(batch), self.device.record()
+                kv_stores.append(self._store_kv_task(store, moves, j, batch, new_kv, done))
         outs = self._experts(j, w, mids, load)
         for k, (batch, out) in enumerate(zip(batches, outs, strict=True)):
             done = self.device.record()
@@ -306,20 +310,23 @@ class BlockPipeline:
             )
 
     def _groups_experts(self, j: int) -> bool:
-        """Layer j is a MoE layer whose rows this step groups per expert over the block."""
+        """Layer j is a MoE layer (after attention, or alone: Nemotron-H's 'dense' ones) whose
+        rows this step groups per expert over the block."""
         return (
             self._grouped
-            and self.model.layer_kind(j) == "decoder"
+            and self.model.layer_kind(j) in ("decoder", "dense")
             and self.model.config.is_moe_layer(j - 1)
         )
 
     def _before_experts(
         self, j: int, w: Weights, h: torch.Tensor | None, past: PastKV, batch: GpuBatch
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """MoE layer j over one batch up to its MLP: (the residual stream, its normed rows,
-        the new (T, row_dim) KV rows)."""
+        the new (T, row_dim) KV rows; None for a layer without attention)."""
         assert self._moe is not None and h is not None
         with self.tracer.span("compute", "compute", j, batch.index):
+            if self.model.layer_kind(j) == "dense":
+                return h, self._moe.input_norm(w, h), None
             q, k, v = self._moe.attention_inputs(j, w, h, batch.positions)
             new_kv = join_kv(k, v, self._kv_shape.values_are_keys)
             spec = self._moe.attention_spec(j, w)
@@ -331,7 +338,7 @@ class BlockPipeline:
         self,
         j: int,
         w: Weights,
-        mids: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+        mids: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]],
         launch: Launch,
     ) -> list[torch.Tensor]:
         """MoE layer j's MLP over every GPU batch's rows at once, each expert run once for
@@ -497,12 +504,18 @@ class BlockPipeline:
         self, j: int, w: Weights, h: torch.Tensor | None, past: PastKV, batch: GpuBatch
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Layer j over one batch: (output states or logits, the new (T, row_dim) KV rows)."""
-        if batch.nano_batches and self.model.layer_kind(j) == "decoder":
+        kind = self.model.layer_kind(j)
+        # Falcon-H1: the state mixer beside the attention, over the whole batch first
+        mixed = None
+        if kind == "decoder" and j in self._state_index:
+            assert h is not None
+            mixed = self._mix(j, w, h, batch)
+        if batch.nano_batches and kind == "decoder":
             assert self.nano is not None and h is not None
             pieces = self._replaying.nanos.get(batch.index)
-            return self.nano.run_layer(j, w, h, (past.device, past.cpu), batch, pieces)
+            return self.nano.run_layer(j, w, h, (past.device, past.cpu), batch, pieces, mixed)
         with self.tracer.span("compute", "compute", j, batch.index):
-            kind, graphs = self.model.layer_kind(j), self._replaying.whole.get(batch.index)
+            graphs = self._replaying.whole.get(batch.index)
             if kind == "embed":
                 if graphs is not None:
                     return GraphRunner.embed(graphs, w), None
@@ -525,7 +538,7 @@ class BlockPipeline:
                 graphs.o.copy_(o)
                 graphs.after[j - 1].replay()
                 return graphs.h, new_kv
-            return self.model.attention_output(w, h, o), new_kv
+            return self.model.layer_output(w, h, o, mixed), new_kv
 
     def _mix(self, j: int, w: Weights, h: torch.Tensor, batch: GpuBatch) -> torch.Tensor:
         """State layer j over one batch: its sequences' states gathered onto the compute

@@ -1,7 +1,7 @@
 """Layer-wise model implementations (OPT, the Llama family and the families built on it: Qwen 3,
 Gemma 2/3, Phi-3/4, OLMo 2/3, SmolLM3, and the mixture-of-experts Mixtral, Qwen2/3-MoE, OLMoE,
-GLM-4.5, DeepSeek-V3, gpt-oss and Llama 4; the hybrids Qwen3-Next, Qwen3.5, Granite 4 and
-Nemotron-H), built for placement and offloading."""
+GLM-4.5, DeepSeek-V3, gpt-oss and Llama 4; the hybrids Qwen3-Next, Qwen3.5, Granite 4,
+Nemotron-H and Falcon-H1), built for placement and offloading."""
 
 from engine.models.base import Model
 from engine.models.config import ModelConfig
@@ -39,6 +39,10 @@ def build_model(config: ModelConfig) -> Model:
             "olmoe": moe.OlmoeModel,
             "glm4_moe": moe.Glm4MoeModel,
         }[config.model_type](config)
+    if config.model_type == "falcon_h1":
+        from engine.models.falcon_h1 import FalconH1Model
+
+        return FalconH1Model(config)
     if config.model_type == "nemotron_h":
         from engine.models.nemotron_h import NemotronHModel
 

@@ -84,16 +84,22 @@ class Model(ABC):
         return AttentionSpec(c.window(j - 1), c.attn_scale, c.attn_softcap, w.get("sinks"))
 
     def layer_kind(self, j: int) -> str:
-        """'embed', 'head', 'decoder' (attention over KV pages), 'state' (a hybrid's layer
-        that mixes tokens through a fixed-size per-sequence state: `state_layer`) or 'dense'
-        (Nemotron-H's MLP alone: `dense_layer`)."""
+        """'embed', 'head', 'decoder' (attention over KV pages; Falcon-H1's also mixes through
+        a state beside it: `has_state`), 'state' (a hybrid's layer that mixes tokens through
+        a fixed-size per-sequence state: `state_layer`) or 'dense' (Nemotron-H's MLP or MoE
+        alone: `dense_layer`)."""
         if j == 0:
             return "embed"
         if j == self.num_layers - 1:
             return "head"
         if j - 1 in self._mlp_layers:
             return "dense"
-        return "state" if j - 1 in self._state_layers else "decoder"
+        return "decoder" if j - 1 in self._kv_index else "state"
+
+    def has_state(self, j: int) -> bool:
+        """Layer j reads and writes per-sequence states (a 'state' layer, or a Falcon-H1
+        'decoder' layer)."""
+        return j - 1 in self._state_layers
 
     def kv_layer(self, j: int) -> int:
         """Attention layer j's index among the KV store's layers (a hybrid's state layers
@@ -113,8 +119,28 @@ class Model(ABC):
         }
 
     def dense_layer(self, w: Weights, h: torch.Tensor) -> torch.Tensor:
-        """A decoder layer that is an MLP alone (Nemotron-H): (T, hidden) -> (T, hidden)."""
+        """A decoder layer that is an MLP alone (Nemotron-H): (T, hidden) -> (T, hidden), h +
+        MLP(input_norm(h)); a routed one's MLP the block pipeline may run as `block_mlp`
+        over the whole block's rows, grouped per expert, and add to h itself."""
         raise NotImplementedError(f"{type(self).__name__} has no MLP-only layers")
+
+    def parallel_output(
+        self, w: Weights, h: torch.Tensor, o: torch.Tensor, mixed: torch.Tensor
+    ) -> torch.Tensor:
+        """The dense ops after attention of a layer whose state mixer ran beside it
+        (Falcon-H1): the layer's input states h (T, hidden), the attention output o (T,
+        num_heads, head_dim) and the mixer's output `mixed` (T, hidden, from `state_layer`)
+        -> the layer's output states (T, hidden)."""
+        raise NotImplementedError(f"{type(self).__name__} has no parallel hybrid layers")
+
+    def layer_output(
+        self, w: Weights, h: torch.Tensor, o: torch.Tensor, mixed: torch.Tensor | None
+    ) -> torch.Tensor:
+        """`attention_output`, or `parallel_output` where a state mixer ran beside the
+        attention (`mixed` not None)."""
+        if mixed is None:
+            return self.attention_output(w, h, o)
+        return self.parallel_output(w, h, o, mixed)
 
     def state_layer(
         self,
@@ -127,7 +153,8 @@ class Model(ABC):
         """Decoder state layer j over (T, hidden) rows whose sequences own the rows `spans`
         ((first row, rows) each, in order; the rows after the last span are padding) and the
         states `states` (name -> (B, *shape), one per span, updated in place) -> the layer's
-        output states (T, hidden)."""
+        output states (T, hidden); for a layer that also attends (`parallel_output`), the
+        mixer's output alone."""
         raise NotImplementedError(f"{type(self).__name__} has no state layers")
 
     @abstractmethod

@@ -31,6 +31,30 @@ class KVShape(NamedTuple):
 
 
 @dataclass(frozen=True)
+class Multipliers:
+    """Falcon-H1's muP multipliers, each as transformers applies it."""
+
+    attention_in: float = 1.0
+    """The normed input to the q, k and v projections."""
+    key: float = 1.0
+    """The keys, before the rotary."""
+    attention_out: float = 1.0
+    """The attention's output after o_proj."""
+    ssm_in: float = 1.0
+    """The normed input to the Mamba-2 in_proj."""
+    ssm_zxbcdt: tuple[float, ...] = (1.0, 1.0, 1.0, 1.0, 1.0)
+    """in_proj's output, per part: z, x, B, C and dt (the mup vector)."""
+    ssm_out: float = 1.0
+    """The Mamba-2 mixer's output after out_proj."""
+    mlp_gate: float = 1.0
+    """The MLP's gate projection, before the SiLU."""
+    mlp_down: float = 1.0
+    """The MLP's output after down_proj."""
+    lm_head: float = 1.0
+    """The logits."""
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """Architecture facts the layer-wise implementation needs; nothing else."""
 
@@ -111,6 +135,10 @@ class ModelConfig:
     routed_scaling_factor: float = 1.0
     """Grouped routing: the routed experts' weights are multiplied by it."""
 
+    moe_latent_size: int = 0
+    """Nemotron-H: the routed experts run over a latent of this width (projected in before
+    them, out after them); 0: over the hidden states."""
+
     swiglu_alpha: float = 0.0
     """gpt-oss's experts: the clamped SwiGLU's sigmoid slope (0: not gpt-oss)."""
     swiglu_limit: float = 0.0
@@ -144,8 +172,20 @@ class ModelConfig:
     """Mamba-2 state layers (Granite 4 hybrid, engine/models/granite_hybrid.py): heads, each
     head's width, the state's width, the B/C groups, the inner width (heads * head dim) and
     the chunk of the chunked scan; 0 heads: the state layers are Gated DeltaNet."""
+    mamba_gate: str = "gate_norm"
+    """How Mamba-2's output is gated by SiLU(z) and normed: 'gate_norm' (Granite, Nemotron-H:
+    gated, then the grouped RMSNorm, cast back, then scaled), 'gate_norm_f32' (Falcon-H1:
+    the same, scaled before the cast), 'norm_gate_f32' (Falcon-H1's mamba_norm_before_gate:
+    normed and scaled, then gated, then cast) or 'gate' (Falcon-H1 without mamba_rms_norm:
+    gated alone)."""
+    parallel_hybrid: bool = False
+    """Falcon-H1: every decoder layer runs attention and a Mamba-2 mixer side by side over the
+    same normed input and sums their outputs, so each layer is a state layer with KV pages."""
+    multipliers: Multipliers = field(default_factory=Multipliers)
+    """Falcon-H1's muP multipliers (all 1 elsewhere)."""
     mlp_layers: tuple[int, ...] = ()
-    """Nemotron-H: decoder layers (0-based) that are an MLP alone (no token mixer)."""
+    """Nemotron-H: decoder layers (0-based) that are an MLP alone (no token mixer), or, when
+    `is_moe_layer`, its 'moe' layers: routed experts of squared ReLU beside shared ones."""
     embedding_multiplier: float = 1.0
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
@@ -170,8 +210,9 @@ class ModelConfig:
 
     @property
     def kv_layers(self) -> tuple[int, ...]:
-        """The decoder layers (0-based) with attention over KV pages, in order."""
-        other = set(self.state_layers) | set(self.mlp_layers)
+        """The decoder layers (0-based) with attention over KV pages, in order (Falcon-H1's
+        are all of them, each beside its state)."""
+        other = set(self.mlp_layers) | (set() if self.parallel_hybrid else set(self.state_layers))
         return tuple(i for i in range(self.num_layers) if i not in other)
 
     @property

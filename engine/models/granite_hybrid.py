@@ -26,15 +26,19 @@ from engine.models.llama import LAYER_NAME, PROJECTION_NAMES
 from engine.models.mamba2 import mamba_mix
 from engine.models.moe import ExpertSource, MoeModel
 
-LOCAL_NAMES = {
-    **PROJECTION_NAMES,
-    "input_layernorm": "ln1",
-    "post_attention_layernorm": "ln2",
+MAMBA_NAMES = {
     "mamba.in_proj": "m_in",
     "mamba.conv1d": "conv",
     "mamba": "ssm",
     "mamba.norm": "ssm_norm",
     "mamba.out_proj": "ssm_out",
+}
+"""A Mamba-2 mixer's modules named `mamba.*` (Granite 4, Falcon-H1) -> local names."""
+LOCAL_NAMES = {
+    **PROJECTION_NAMES,
+    **MAMBA_NAMES,
+    "input_layernorm": "ln1",
+    "post_attention_layernorm": "ln2",
     "shared_mlp.input_linear": "gate_up",
     "shared_mlp.output_linear": "down",
     "block_sparse_moe.router.layer": "router",

@@ -12,6 +12,7 @@ Phi-4-mini's `full_attn_mod`), except the ones that change the weights (`REFUSED
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 from typing import Any
@@ -42,15 +43,21 @@ SUPPORTED_MODEL_TYPES = (
     "llama4_text",
     "llama4",
     "qwen3_next",
+    "qwen3_5",
     "qwen3_5_text",
+    "qwen3_5_moe",
     "qwen3_5_moe_text",
     "granitemoehybrid",
     "nemotron_h",
+    "falcon_h1",
 )
 REFUSED_MODEL_TYPES = {
     "deepseek_v2": "DeepSeek-V2's softmax group-limited routing (nanoflex routes as V3 does)",
 }
 """Mixture-of-experts types refused by name, with what nanoflex does not implement of each."""
+
+
+log = logging.getLogger("nanoflex.engine")
 
 
 class UnsupportedModelError(UserError):
@@ -172,6 +179,7 @@ ROPE_TYPES = {
     "qwen3_5_text": ("default",),
     "qwen3_5_moe_text": ("default",),
     "granitemoehybrid": ("default", "linear", "llama3"),
+    "falcon_h1": ("default", "linear", "llama3"),
 }
 """Rotary scaling types each family implements (engine/models/rotary.py)."""
 
@@ -191,16 +199,34 @@ def model_config_fields(hf: Any) -> dict[str, Any]:
             f"{', '.join(SUPPORTED_MODEL_TYPES)} checkpoints"
         )
     if model_type in TEXT_CONFIGS:  # one checkpoint with a vision tower: its language model
-        hf = _text_config(hf)
-        model_type = hf.model_type
+        text = _text_config(hf)
+        honoured, read = _FAMILIES[text.model_type]
+        refuse_unhonoured(text, honoured)
+        fields = read(text)
+        # the whole checkpoint's head is tied (or not) as the wrapper says, as transformers'
+        # ...ForConditionalGeneration that saved it tied it
+        tied = getattr(hf, "tie_word_embeddings", None)
+        if tied is not None:
+            fields["tie_word_embeddings"] = bool(tied)
+        log.info(
+            "%s: the vision tower is not loaded; nanoflex runs its %s language model on text",
+            model_type,
+            text.model_type,
+        )
+        return fields
     honoured, read = _FAMILIES[model_type]
     refuse_unhonoured(hf, honoured)
     return read(hf)
 
 
-TEXT_CONFIGS = {"gemma3": "gemma3_text", "llama4": "llama4_text"}
-"""Model types of checkpoints with a vision tower (Gemma 3 4B and up, Llama 4) -> their
-language model's type."""
+TEXT_CONFIGS = {
+    "gemma3": "gemma3_text",
+    "llama4": "llama4_text",
+    "qwen3_5": "qwen3_5_text",
+    "qwen3_5_moe": "qwen3_5_moe_text",
+}
+"""Model types of checkpoints with a vision tower (Gemma 3 4B and up, Llama 4, Qwen3.5 as
+published) -> their language model's type."""
 
 
 def _text_config(hf: Any) -> Any:
@@ -348,11 +374,10 @@ _GROUPED_MOE = frozenset(
 """DeepSeek-V3 and GLM-4.5: grouped sigmoid routing, shared experts, dense first layers."""
 
 
-def _grouped_moe(hf: Any) -> dict[str, Any]:
-    """DeepSeek-V3's and GLM-4.5's MoE fields: `n_routed_experts` of `moe_intermediate_size`,
-    `n_shared_experts` as one SwiGLU that many times as wide, the first
-    `first_k_dense_replace` layers dense, grouped sigmoid routing. The multi-token prediction
-    layer the checkpoints carry beyond `num_hidden_layers` is not read (transformers skips it)."""
+def _grouped_routing(hf: Any) -> dict[str, Any]:
+    """Grouped sigmoid routing (DeepSeek-V3, GLM-4.5, Nemotron-H's MoE layers):
+    `n_routed_experts` in `n_group` groups, a token's top k from the best `topk_group` groups,
+    renormalised if `norm_topk_prob`, times `routed_scaling_factor`."""
     num_experts = int(hf.n_routed_experts)
     groups = int(hf.n_group or 1)
     if num_experts % groups or num_experts // groups < 2:
@@ -364,18 +389,28 @@ def _grouped_moe(hf: Any) -> dict[str, Any]:
         raise UnsupportedModelError(
             f"{hf.model_type}: topk_group={hf.topk_group} must be between 1 and n_group={groups}"
         )
-    width = int(hf.moe_intermediate_size)
-    first_dense = min(int(hf.first_k_dense_replace or 0), hf.num_hidden_layers)
     return dict(
         num_experts=num_experts,
         num_experts_per_tok=int(hf.num_experts_per_tok),
-        moe_intermediate_size=width,
         norm_topk_prob=bool(hf.norm_topk_prob),
-        shared_expert_intermediate_size=width * int(hf.n_shared_experts or 0),
-        dense_layers=tuple(range(first_dense)),
         num_expert_groups=groups,
         num_groups_per_tok=int(hf.topk_group or 1),
         routed_scaling_factor=float(hf.routed_scaling_factor),
+    )
+
+
+def _grouped_moe(hf: Any) -> dict[str, Any]:
+    """DeepSeek-V3's and GLM-4.5's MoE fields: `n_routed_experts` of `moe_intermediate_size`,
+    `n_shared_experts` as one SwiGLU that many times as wide, the first
+    `first_k_dense_replace` layers dense, grouped sigmoid routing. The multi-token prediction
+    layer the checkpoints carry beyond `num_hidden_layers` is not read (transformers skips it)."""
+    width = int(hf.moe_intermediate_size)
+    first_dense = min(int(hf.first_k_dense_replace or 0), hf.num_hidden_layers)
+    return dict(
+        _grouped_routing(hf),
+        moe_intermediate_size=width,
+        shared_expert_intermediate_size=width * int(hf.n_shared_experts or 0),
+        dense_layers=tuple(range(first_dense)),
     )
 
 
@@ -651,28 +686,16 @@ _GRANITE_HYBRID = frozenset(
 )
 
 
-def _granite_hybrid(hf: Any) -> dict[str, Any]:
-    """Granite 4 hybrid: Mamba-2 layers ('linear_attention' in `layer_types`) beside
-    attention layers (no rotary unless `position_embedding_type` is 'rope'; scores scaled by
-    `attention_multiplier`), Granite's embedding, residual and logit scalings, a shared
-    SwiGLU on every layer and, with `num_local_experts`, routed experts (top-k logits
-    softmaxed among themselves) beside it."""
+def _mamba(hf: Any, inner: int, inner_named: str) -> dict[str, Any]:
+    """The Mamba-2 fields of a config that names them `mamba_*` (Granite 4, Falcon-H1), the
+    mixer `inner` wide (as `inner_named` says) over mamba_n_heads heads of mamba_d_head."""
     _require_no_time_step_limit(hf)
-    _require(hf, "position_embedding_type", (None, "rope"))
-    inner = int(hf.mamba_expand * hf.hidden_size)
     if inner != hf.mamba_n_heads * hf.mamba_d_head:
         raise UnsupportedModelError(
-            f"granitemoehybrid: mamba_expand * hidden_size = {inner} is not mamba_n_heads * "
-            f"mamba_d_head = {hf.mamba_n_heads * hf.mamba_d_head}"
+            f"{hf.model_type}: {inner_named} = {inner} is not mamba_n_heads * mamba_d_head = "
+            f"{hf.mamba_n_heads * hf.mamba_d_head}"
         )
-    types = list(hf.layer_types)
-    experts = int(hf.num_local_experts or 0)
-    fields = dict(
-        _llama(hf),
-        intermediate_size=int(hf.shared_intermediate_size),
-        layer_windows=(),
-        attn_scale=float(hf.attention_multiplier),
-        state_layers=tuple(i for i, kind in enumerate(types) if kind == "linear_attention"),
+    return dict(
         linear_conv_kernel=int(hf.mamba_d_conv),
         mamba_num_heads=int(hf.mamba_n_heads),
         mamba_head_dim=int(hf.mamba_d_head),
@@ -680,6 +703,25 @@ def _granite_hybrid(hf: Any) -> dict[str, Any]:
         mamba_groups=int(hf.mamba_n_groups),
         mamba_inner=inner,
         mamba_chunk=int(hf.mamba_chunk_size),
+    )
+
+
+def _granite_hybrid(hf: Any) -> dict[str, Any]:
+    """Granite 4 hybrid: Mamba-2 layers ('linear_attention' in `layer_types`) beside
+    attention layers (no rotary unless `position_embedding_type` is 'rope'; scores scaled by
+    `attention_multiplier`), Granite's embedding, residual and logit scalings, a shared
+    SwiGLU on every layer and, with `num_local_experts`, routed experts (top-k logits
+    softmaxed among themselves) beside it."""
+    _require(hf, "position_embedding_type", (None, "rope"))
+    types = list(hf.layer_types)
+    experts = int(hf.num_local_experts or 0)
+    fields = dict(
+        _llama(hf),
+        **_mamba(hf, int(hf.mamba_expand * hf.hidden_size), "mamba_expand * hidden_size"),
+        intermediate_size=int(hf.shared_intermediate_size),
+        layer_windows=(),
+        attn_scale=float(hf.attention_multiplier),
+        state_layers=tuple(i for i, kind in enumerate(types) if kind == "linear_attention"),
         embedding_multiplier=float(hf.embedding_multiplier),
         residual_multiplier=float(hf.residual_multiplier),
         logits_scaling=float(hf.logits_scaling),
@@ -727,7 +769,8 @@ _NEMOTRON_H = _COMMON | frozenset(  # its config class has no rotary or rms_norm
         # the multi-token prediction layers (not read, as transformers skips them)
         "mtp_layers_block_type",
         "num_nextn_predict_layers",
-        # the MoE layers' settings: refused below where a layer is 'moe'
+        # the MoE layers' ('moe' in layers_block_type); n_shared_experts and the overlap
+        # change nothing: transformers runs one shared MLP of its own width
         "n_routed_experts",
         "n_shared_experts",
         "moe_intermediate_size",
@@ -747,19 +790,16 @@ _NEMOTRON_H = _COMMON | frozenset(  # its config class has no rotary or rms_norm
 def _nemotron_h(hf: Any) -> dict[str, Any]:
     """Nemotron-H: each layer one mixer after an RMSNorm (weights multiplied in float32), added
     to the residual stream: Mamba-2 ('linear_attention'), attention without rotary
-    ('full_attention') or an MLP of squared ReLU ('mlp'); its 'moe' layers are not implemented."""
+    ('full_attention'), an MLP of squared ReLU ('mlp') or routed experts of squared ReLU
+    beside a shared one ('moe', Nemotron 3: grouped sigmoid routing, the experts optionally
+    over a latent of `moe_latent_size`)."""
     types = list(hf.layers_block_type)
-    if "moe" in types:
-        raise UnsupportedModelError(
-            "nemotron_h: 'moe' layers (Nemotron 3's latent routed experts) are not supported; "
-            "nanoflex runs Nemotron-H checkpoints of Mamba-2, attention and MLP layers"
-        )
     _require(hf, "mlp_hidden_act", ("relu2",))
     _require(hf, "mamba_hidden_act", ("silu",))
     _require(hf, "residual_in_fp32", (False,))
     _require_no_time_step_limit(hf)
     heads, head_dim = int(hf.mamba_num_heads), int(hf.mamba_head_dim)
-    return dict(
+    fields = dict(
         _shapes(hf),
         intermediate_size=int(hf.intermediate_size),
         num_kv_heads=int(hf.num_key_value_heads),
@@ -769,7 +809,7 @@ def _nemotron_h(hf: Any) -> dict[str, Any]:
         mlp_bias=bool(hf.mlp_bias),
         nope_layers=tuple(range(hf.num_hidden_layers)),
         state_layers=tuple(i for i, kind in enumerate(types) if kind == "linear_attention"),
-        mlp_layers=tuple(i for i, kind in enumerate(types) if kind == "mlp"),
+        mlp_layers=tuple(i for i, kind in enumerate(types) if kind in ("mlp", "moe")),
         linear_conv_kernel=int(hf.conv_kernel),
         mamba_num_heads=heads,
         mamba_head_dim=head_dim,
@@ -777,6 +817,85 @@ def _nemotron_h(hf: Any) -> dict[str, Any]:
         mamba_groups=int(hf.n_groups),
         mamba_inner=heads * head_dim,
         mamba_chunk=int(hf.chunk_size),
+    )
+    if "moe" in types:
+        fields.update(
+            _grouped_routing(hf),
+            moe_intermediate_size=int(hf.moe_intermediate_size),
+            shared_expert_intermediate_size=int(hf.moe_shared_expert_intermediate_size),
+            dense_layers=tuple(i for i, kind in enumerate(types) if kind != "moe"),
+            moe_latent_size=int(hf.moe_latent_size or 0),
+        )
+    return fields
+
+
+_FALCON_H1 = _COMMON | frozenset(
+    {
+        "attention_bias",
+        "mlp_bias",
+        "projectors_bias",
+        "mamba_d_ssm",
+        "mamba_n_heads",
+        "mamba_d_head",
+        "mamba_n_groups",
+        "mamba_d_state",
+        "mamba_d_conv",
+        "mamba_expand",
+        "mamba_chunk_size",
+        "mamba_conv_bias",
+        "mamba_proj_bias",
+        "mamba_norm_before_gate",
+        "mamba_rms_norm",
+        "time_step_limit",
+        "num_logits_to_keep",
+        "embedding_multiplier",
+        "lm_head_multiplier",
+        "mlp_multipliers",
+        "key_multiplier",
+        "attention_in_multiplier",
+        "attention_out_multiplier",
+        "ssm_multipliers",
+        "ssm_in_multiplier",
+        "ssm_out_multiplier",
+    }
+)
+
+
+def _falcon_h1(hf: Any) -> dict[str, Any]:
+    """Falcon-H1: attention (rotary, optional biases) and a Mamba-2 mixer of inner width
+    `mamba_d_ssm` (else mamba_expand * hidden) side by side in every layer, a SwiGLU MLP, and
+    the muP multipliers (`Multipliers`)."""
+    ssm = tuple(float(m) for m in hf.ssm_multipliers)
+    mlp = tuple(float(m) for m in hf.mlp_multipliers)
+    if len(ssm) != 5 or len(mlp) != 2:
+        raise UnsupportedModelError(
+            f"falcon_h1: ssm_multipliers needs 5 values (z, x, B, C, dt), has {len(ssm)}; "
+            f"mlp_multipliers 2 (gate, down), has {len(mlp)}"
+        )
+    from engine.models.config import Multipliers  # config.py imports this module
+
+    gate = "gate"
+    if hf.mamba_rms_norm:
+        gate = "norm_gate_f32" if hf.mamba_norm_before_gate else "gate_norm_f32"
+    inner = int(hf.mamba_d_ssm or hf.mamba_expand * hf.hidden_size)
+    return dict(
+        _llama(hf),
+        **_mamba(hf, inner, "mamba_d_ssm (else mamba_expand * hidden_size)"),
+        state_layers=tuple(range(hf.num_hidden_layers)),
+        parallel_hybrid=True,
+        mamba_gate=gate,
+        embedding_multiplier=float(hf.embedding_multiplier),
+        multipliers=Multipliers(
+            attention_in=float(hf.attention_in_multiplier),
+            key=float(hf.key_multiplier),
+            attention_out=float(hf.attention_out_multiplier),
+            ssm_in=float(hf.ssm_in_multiplier),
+            ssm_zxbcdt=ssm,
+            ssm_out=float(hf.ssm_out_multiplier),
+            mlp_gate=mlp[0],
+            mlp_down=mlp[1],
+            lm_head=float(hf.lm_head_multiplier),
+        ),
     )
 
 
@@ -840,7 +959,8 @@ def _layer_windows(hf: Any) -> tuple[int, ...]:
     types = getattr(hf, "layer_types", None)
     if types is None:
         return (window,) * hf.num_hidden_layers if window else ()
-    by_kind = {"full_attention": 0, "sliding_attention": window, "linear_attention": 0}
+    # Falcon-H1's layers are all 'hybrid': full attention beside a Mamba-2 mixer
+    by_kind = {"full_attention": 0, "sliding_attention": window, "linear_attention": 0, "hybrid": 0}
     if chunk > 0:  # Llama 4's config names its chunk size; no other family has one
         by_kind["chunked_attention"] = -chunk
     for kind in types:
@@ -909,6 +1029,7 @@ _FAMILIES: dict[str, tuple[frozenset[str], Callable[[Any], dict[str, Any]]]] = {
     ),
     "granitemoehybrid": (_COMMON | _GRANITE_HYBRID, _granite_hybrid),
     "nemotron_h": (_NEMOTRON_H, _nemotron_h),
+    "falcon_h1": (_FALCON_H1, _falcon_h1),
     "gemma2": (_COMMON | _WINDOWS | _GEMMA, _gemma),
     "gemma3_text": (_COMMON | _WINDOWS | _GEMMA, _gemma),
 }

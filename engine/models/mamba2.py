@@ -1,6 +1,7 @@
-"""The Mamba-2 token mixer (Granite 4 hybrid): a causal short convolution over x, B and C,
-then the selective state space scan over a (heads, head dim, state dim) state, chunked (SSD)
-for a prompt and step by step for a decode; a sequence's state carries between chunks.
+"""The Mamba-2 token mixer (Granite 4 hybrid, Nemotron-H, Falcon-H1): a causal short
+convolution over x, B and C, then the selective state space scan over a (heads, head dim,
+state dim) state, chunked (SSD) for a prompt and step by step for a decode; a sequence's state
+carries between chunks.
 
 The math follows transformers' torch paths (`mamba2_chunk_scan`,
 `mamba2_selective_state_update`), op for op where it decides rounding, so float32 tokens
@@ -122,20 +123,54 @@ def grouped_gated_norm(
     return weight * h.view(y.shape).to(y.dtype)
 
 
+def gated_norm_f32(
+    y: torch.Tensor,
+    gate: torch.Tensor,
+    weight: torch.Tensor,
+    groups: int,
+    eps: float,
+    gate_first: bool,
+) -> torch.Tensor:
+    """Falcon-H1's gated RMSNorm, all in float32 until the cast back: y times SiLU(gate)
+    (`gate_first`), normalized over each of `groups` groups of channels, scaled by weight,
+    then times SiLU(gate) (not `gate_first`). y, gate (T, I)."""
+    silu = F.silu(gate.to(torch.float32))
+    h = y.to(torch.float32)
+    h = (h * silu if gate_first else h).view(y.shape[0], groups, -1)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    h = (weight.view(groups, -1) * h).view(y.shape)
+    return (h if gate_first else h * silu).to(y.dtype)
+
+
+def mamba_output(c: ModelConfig, w: Weights, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """The scan's output y (T, I) float32 gated by SiLU(gate) and normed as the family does
+    (`ModelConfig.mamba_gate`)."""
+    if c.mamba_gate == "gate":
+        return y * F.silu(gate.to(torch.float32))
+    weight, groups = w["ssm_norm.weight"], c.mamba_groups
+    if c.mamba_gate == "gate_norm":
+        return grouped_gated_norm(y, gate, weight, groups, c.norm_eps)
+    return gated_norm_f32(y, gate, weight, groups, c.norm_eps, c.mamba_gate == "gate_norm_f32")
+
+
 def mamba_mix(
     c: ModelConfig,
     w: Weights,
     x: torch.Tensor,
     states: dict[str, torch.Tensor],
     spans: list[tuple[int, int]],
+    in_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """A Mamba-2 mixer over normed rows x (T, hidden) whose sequences own the rows `spans`
     and the states `states` (updated in place) -> its output (T, hidden), before the
     residual add. The weights: m_in, conv, ssm.A_log / D / dt_bias, ssm_norm, ssm_out
-    (engine/models/granite_hybrid.py)."""
+    (engine/models/granite_hybrid.py). `in_scale`: (conv_dim + I + H,) multipliers of
+    in_proj's output (Falcon-H1's mup vector), or None."""
     heads, head_dim = c.mamba_num_heads, c.mamba_head_dim
     groups, size = c.mamba_groups, c.mamba_state_dim
     proj = linear(x, w, "m_in")
+    if in_scale is not None:
+        proj = proj * in_scale
     gate, mixed, dt = proj.split([c.mamba_inner, c.conv_dim, heads], dim=-1)
     dt = F.softplus(dt + w["ssm.dt_bias"].to(dt.dtype))  # (T, H); >= 0: the clamp is a no-op
     a = -torch.exp(w["ssm.A_log"].float())
@@ -177,5 +212,4 @@ def mamba_mix(
             c.mamba_chunk,
         )
         y[rows_i] = scanned.reshape(n, -1)
-    normed = grouped_gated_norm(y, gate, w["ssm_norm.weight"], groups, c.norm_eps)
-    return linear(normed.to(x.dtype), w, "ssm_out")
+    return linear(mamba_output(c, w, y, gate).to(x.dtype), w, "ssm_out")

@@ -68,6 +68,77 @@ _GRANITE_SHAPE: dict[str, object] = dict(
     initializer_range=0.1,
     layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
 )
+_NEMOTRON_H_SHAPE: dict[str, object] = dict(
+    model_type="nemotron_h",
+    vocab_size=211,
+    hidden_size=64,
+    intermediate_size=80,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+    mamba_num_heads=8,
+    mamba_head_dim=16,
+    n_groups=2,
+    ssm_state_size=8,
+    conv_kernel=4,
+    chunk_size=16,
+    initializer_range=0.1,
+)
+"""What the tiny Nemotron-H checkpoints share."""
+_NEMOTRON_H_MOE: dict[str, object] = dict(
+    _NEMOTRON_H_SHAPE,
+    num_hidden_layers=6,
+    layers_block_type=[
+        "linear_attention",
+        "moe",
+        "full_attention",
+        "mlp",
+        "linear_attention",
+        "moe",
+    ],
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=24,
+    moe_shared_expert_intermediate_size=40,
+    n_group=2,
+    topk_group=1,
+    routed_scaling_factor=2.5,
+)
+"""What the tiny Nemotron-H MoE checkpoints share."""
+_FALCON_H1_SHAPE: dict[str, object] = dict(
+    model_type="falcon_h1",
+    vocab_size=211,
+    hidden_size=64,
+    intermediate_size=80,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=24,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+    attention_bias=True,
+    projectors_bias=True,
+    mamba_d_ssm=96,
+    mamba_n_heads=6,
+    mamba_d_head=16,
+    mamba_n_groups=2,
+    mamba_d_state=8,
+    mamba_d_conv=4,
+    mamba_chunk_size=16,
+    embedding_multiplier=1.5,
+    lm_head_multiplier=0.5,
+    key_multiplier=0.7,
+    attention_in_multiplier=1.3,
+    attention_out_multiplier=0.8,
+    ssm_in_multiplier=1.2,
+    ssm_out_multiplier=0.6,
+    ssm_multipliers=[0.9, 1.1, 0.8, 1.2, 0.7],
+    mlp_multipliers=[1.4, 0.6],
+    initializer_range=0.1,
+)
+"""What the tiny Falcon-H1 checkpoints share."""
 TINY_CONFIGS: dict[str, dict[str, object]] = {
     # OPT: pre-norm, ReLU, learned positions, tied embeddings, head_dim 12
     "opt": dict(
@@ -515,10 +586,7 @@ TINY_CONFIGS: dict[str, dict[str, object]] = {
     "granite4-dense": dict(_GRANITE_SHAPE, num_local_experts=0, position_embedding_type="rope"),
     # Nemotron-H: Mamba-2, MLP-only (squared ReLU) and attention layers, one mixer each
     "nemotron_h": dict(
-        model_type="nemotron_h",
-        vocab_size=211,
-        hidden_size=64,
-        intermediate_size=80,
+        _NEMOTRON_H_SHAPE,
         num_hidden_layers=5,
         layers_block_type=[
             "linear_attention",
@@ -527,20 +595,33 @@ TINY_CONFIGS: dict[str, dict[str, object]] = {
             "mlp",
             "linear_attention",
         ],
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=256,
-        tie_word_embeddings=False,
-        mamba_num_heads=8,
-        mamba_head_dim=16,
-        n_groups=2,
-        ssm_state_size=8,
-        conv_kernel=4,
-        chunk_size=16,
-        initializer_range=0.1,
     ),
+    # Nemotron 3 (Nano's pattern): MoE layers of squared-ReLU experts (top-2 of 8 by grouped
+    # sigmoid routing, 2 groups, renormalised and scaled) beside a shared MLP
+    "nemotron_h-moe": dict(_NEMOTRON_H_MOE),
+    # Nemotron 3 Super's latent MoE: the experts over a 32-wide latent
+    "nemotron_h-latent": dict(_NEMOTRON_H_MOE, moe_latent_size=32),
+    # Falcon-H1: attention (head_dim apart from hidden / heads, biases) and Mamba-2 (an inner
+    # width of its own, the gated norm with the gate after it) in every layer, every muP
+    # multiplier away from 1
+    "falcon_h1": dict(_FALCON_H1_SHAPE, mamba_rms_norm=True, mamba_norm_before_gate=True),
+    # Falcon-H1 as the 0.5B ships: the mixer's output gated alone, without a norm
+    "falcon_h1-plain": dict(_FALCON_H1_SHAPE, mamba_rms_norm=False),
 }
+for _text in ("qwen3_5", "qwen3_5_moe"):  # Qwen3.5 as published: beside a tiny vision tower
+    TINY_CONFIGS[f"{_text}-vision"] = dict(
+        model_type=_text,
+        text_config=TINY_CONFIGS[_text],
+        vision_config=dict(
+            depth=1,
+            hidden_size=16,
+            intermediate_size=32,
+            num_heads=2,
+            patch_size=4,
+            num_position_embeddings=16,
+            out_hidden_size=TINY_CONFIGS[_text]["hidden_size"],
+        ),
+    )
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 """The tiny mixture-of-experts checkpoints (tests/engine/executor/test_moe.py)."""
 NEW_FAMILIES = ("qwen3", "qwen3-tied", "gemma2", "gemma3", "phi3", "olmo2")
@@ -550,7 +631,20 @@ DENSE_2025 = ("smollm3", "olmo3")
 GROUPED_MOE_FAMILIES = ("glm4_moe", "deepseek_v3")
 """The tiny checkpoints of the grouped-routing MoE families (tests/engine/executor/
 test_grouped_moe.py)."""
-HYBRIDS = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "granite4", "granite4-dense", "nemotron_h")
+HYBRIDS = (
+    "qwen3_next",
+    "qwen3_5",
+    "qwen3_5_moe",
+    "qwen3_5-vision",
+    "qwen3_5_moe-vision",
+    "granite4",
+    "granite4-dense",
+    "nemotron_h",
+    "nemotron_h-moe",
+    "nemotron_h-latent",
+    "falcon_h1",
+    "falcon_h1-plain",
+)
 """The tiny hybrid checkpoints (tests/engine/executor/test_hybrids.py)."""
 GPT_OSS = "gpt_oss"
 """The tiny gpt-oss checkpoint (tests/engine/executor/test_moe_giants.py, test_gpt_oss.py)."""
@@ -605,14 +699,17 @@ def build_from_spec(
     """A random checkpoint of transformers' config `spec` (with its model_type) saved at
     `path`; `scaled`: {name part: factor} for weights to scale up after init; `ids`: bos, eos
     and pad token ids (default 1, 2, 0)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     spec = dict(spec)
     model_type = str(spec.pop("model_type"))
     ids = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, **ids}
     config = AutoConfig.for_model(model_type, **ids, **spec)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # a checkpoint with a vision tower is written whole, as the hub ships it (for Qwen3.5,
+    # AutoModelForCausalLM would build the language model alone)
+    auto = AutoModelForImageTextToText if "vision_config" in spec else AutoModelForCausalLM
+    model = auto.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # HF initializes biases and norms to constants; make them matter
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:

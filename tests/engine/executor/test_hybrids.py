@@ -1,5 +1,6 @@
 """Hybrid models (Qwen3-Next, Qwen3.5 dense and MoE: Gated DeltaNet layers beside attention;
-Granite 4 hybrid, dense and MoE, and Nemotron-H: Mamba-2 layers beside attention):
+Granite 4 hybrid, dense and MoE, and Nemotron-H, with and without its MoE layers: Mamba-2
+layers beside attention; Falcon-H1: Mamba-2 and attention side by side in every layer):
 greedy tokens equal transformers' under the placements of the issue (everything on the
 compute device; weights on disk with states and KV in host memory; a mixed split), with
 continuous refill, preemption and chunked prefill in the same run."""
@@ -7,6 +8,8 @@ continuous refill, preemption and chunked prefill in the same run."""
 from __future__ import annotations
 
 import dataclasses
+import json
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -20,6 +23,9 @@ from engine.core.state_slots import state_slot_capacity
 from policy import Policy
 from policy.specs import WorkloadSpec
 from tests.engine.executor.test_correctness import run
+from tests.engine.executor.test_nano_batches import PLACEMENTS as NANO_PLACEMENTS
+from tests.engine.executor.test_nano_batches import SHAPE as NANO_SHAPE
+from tests.engine.executor.test_nano_batches import run as run_nano
 from tests.engine.tiny_models import HYBRIDS, MAX_TOKENS, hf_greedy, random_prompts, vocab_size
 
 PLACEMENTS: dict[str, dict[str, object]] = {
@@ -81,6 +87,47 @@ def test_auto_policy_prices_the_states_and_matches_transformers(
     assert got == expected
 
 
+@pytest.mark.parametrize("placement", ["resident", "mixed-tiers-cpu-attention"])
+def test_falcon_h1_with_nano_batches(tiny_model, references, tmp_path, placement):
+    """Falcon-H1's mixer runs over the whole GPU batch, its attention per nano-batch, each
+    nano-batch's rows of the mixer's output added to its own."""
+    prompts, expected = references("falcon_h1")
+    policy = Policy(**NANO_SHAPE, **NANO_PLACEMENTS[placement], num_nano_batches=2)
+    tokens, layers_run = run_nano(tiny_model("falcon_h1"), prompts, policy, tmp_path)
+    assert tokens == expected and layers_run > 0
+
+
+def test_nemotron_h_moe_layers_group_the_block_per_expert(tiny_model, references, tmp_path):
+    """Nemotron 3's MoE layers (MLP-only) run as the other families' MoE MLPs: weights and
+    experts on disk, three GPU batches, each routed expert runs once over the whole block's
+    rows routed to it, and where a block routes to few experts only those are loaded."""
+    prompts, expected = references("nemotron_h-moe")
+    trace = tmp_path / "trace.json"
+    policy = Policy(
+        weights_frac=(0.0, 0.0, 1.0),
+        experts_frac=(0.0, 0.0, 1.0),
+        gpu_batch_size=2,
+        num_gpu_batches=3,
+    )
+    assert run(tiny_model("nemotron_h-moe"), prompts, policy, tmp_path, trace=str(trace)) == (
+        expected
+    )
+    events = [e for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"]
+    starts = sorted(
+        e["ts"] for e in events if e["name"] == "load_weight" and e["args"]["layer"] == 0
+    )
+    routed_loads = 0
+    for begin, end in zip(starts, [*starts[1:], float("inf")], strict=True):
+        for j in (2, 6):  # the 'moe' layers
+            mine = [e for e in events if begin <= e["ts"] < end and e["args"]["layer"] == j]
+            runs = Counter(e["args"]["expert"] for e in mine if e["name"] == "expert")
+            loads = Counter(e["args"]["expert"] for e in mine if e["name"] == "load_expert")
+            assert runs and max(runs.values()) == 1  # each expert once for the block
+            assert not loads or loads == runs
+            routed_loads += bool(loads)
+    assert routed_loads > 0
+
+
 NUM_PROMPTS = 10
 
 
@@ -111,7 +158,7 @@ def workloads(tiny_model):  # type: ignore[no-untyped-def]
 @pytest.mark.parametrize(
     ("kind", "placement"),
     [("qwen3_next", placement) for placement in PLACEMENTS]
-    + [("granite4", "mixed"), ("nemotron_h", "mixed")],
+    + [(kind, "mixed") for kind in ("granite4", "nemotron_h", "nemotron_h-moe", "falcon_h1")],
 )
 def test_refill_preemption_and_chunked_prefill_keep_each_state(
     workloads, tmp_path, kind, placement

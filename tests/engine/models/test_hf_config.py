@@ -4,6 +4,7 @@ what the layer code does not honour."""
 from __future__ import annotations
 
 import json
+import logging
 import math
 from typing import Any
 
@@ -56,7 +57,10 @@ def test_each_family_reads_its_own_fields() -> None:
         ("mixtral", dict(hidden_act="gelu"), "hidden_act='gelu'"),
         ("granite4", dict(time_step_limit=(0.0, 2.0)), "time_step_limit=\\[0.0, 2.0\\]"),
         ("nemotron_h", dict(mlp_hidden_act="silu"), "mlp_hidden_act='silu'"),
-        ("nemotron_h", dict(layers_block_type=["moe"] * 5), "'moe' layers"),
+        ("nemotron_h-moe", dict(n_group=3), "8 experts in n_group=3 groups"),
+        ("falcon_h1", dict(hidden_act="gelu"), "hidden_act='gelu'"),
+        ("falcon_h1", dict(time_step_limit=(0.0, 2.0)), "time_step_limit=\\[0.0, 2.0\\]"),
+        ("falcon_h1", dict(ssm_multipliers=[1.0, 1.0]), "ssm_multipliers needs 5 values"),
         ("qwen3_next", dict(attention_bias=True), "attention_bias=True"),
     ],
 )
@@ -84,6 +88,62 @@ def test_hybrids_read_their_layers_and_state_shapes() -> None:
         "embed", "state", "dense", "decoder", "dense", "state", "head"
     ]  # fmt: skip
     assert model.kv_layer(3) == 0
+
+
+def test_nemotron_h_moe_layers_route_and_the_rest_do_not() -> None:
+    """Nemotron 3's 'moe' layers are MLP-only ('dense') layers that route; its attention, Mamba-2
+    and MLP layers do not (so no attention layer is taken for a MoE one)."""
+    c = ModelConfig.from_hf(hf_config("nemotron_h-latent"))
+    assert c.mlp_layers == (1, 3, 5) and c.kv_layers == (2,) and c.state_layers == (0, 4)
+    assert [i for i in range(6) if c.is_moe_layer(i)] == [1, 5]
+    assert (c.num_experts, c.num_experts_per_tok, c.num_expert_groups) == (8, 2, 2)
+    assert c.routed_scaling_factor == 2.5 and c.norm_topk_prob and c.moe_latent_size == 32
+    assert c.shared_expert_intermediate_size == 40
+    model = build_model(c)
+    assert [model.layer_kind(j) for j in range(1, 7)] == [
+        "state", "dense", "decoder", "dense", "state", "dense"
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_5_moe"])
+def test_qwen3_5_published_configs_read_their_text_model(kind, caplog) -> None:
+    """A published Qwen3.5 config wraps its text model's beside a vision tower: the text
+    model is read (one log line says the tower is not), its head tied as the wrapper says."""
+    with caplog.at_level(logging.INFO, logger="nanoflex.engine"):
+        wrapped = ModelConfig.from_hf(hf_config(f"{kind}-vision"))
+    assert wrapped == ModelConfig.from_hf(hf_config(kind))
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{kind}: the vision tower is not loaded; nanoflex runs its {kind}_text language "
+        "model on text"
+    ]
+    assert ModelConfig.from_hf(
+        hf_config(f"{kind}-vision", tie_word_embeddings=True)
+    ).tie_word_embeddings
+    with pytest.raises(UnsupportedModelError, match="attention_bias=True"):
+        text = {**TINY_CONFIGS[kind], "attention_bias": True}
+        ModelConfig.from_hf(hf_config(f"{kind}-vision", text_config=text))
+
+
+def test_falcon_h1_layers_attend_and_keep_a_state_each() -> None:
+    """Every Falcon-H1 layer has KV pages and a state slot; its Mamba-2 is d_ssm wide, its
+    gated norm as the config says, its multipliers read."""
+    c = ModelConfig.from_hf(hf_config("falcon_h1"))
+    assert c.parallel_hybrid and c.state_layers == c.kv_layers == (0, 1, 2)
+    assert (c.mamba_inner, c.conv_dim, c.head_dim) == (96, 96 + 2 * 2 * 8, 24)
+    assert c.mamba_gate == "norm_gate_f32" and c.qkv_bias and c.o_bias
+    assert c.multipliers.ssm_zxbcdt == (0.9, 1.1, 0.8, 1.2, 0.7) and c.multipliers.key == 0.7
+    assert (c.multipliers.mlp_gate, c.multipliers.mlp_down, c.embedding_multiplier) == (
+        1.4,
+        0.6,
+        1.5,
+    )
+    assert ModelConfig.from_hf(hf_config("falcon_h1-plain")).mamba_gate == "gate"
+    gate_first = hf_config("falcon_h1", mamba_norm_before_gate=False)
+    assert ModelConfig.from_hf(gate_first).mamba_gate == "gate_norm_f32"
+    model = build_model(c)
+    kinds = [model.layer_kind(j) for j in range(1, 4)]
+    assert kinds == ["decoder"] * 3 and all(model.has_state(j) for j in range(1, 4))
+    assert [model.kv_layer(j) for j in range(1, 4)] == [0, 1, 2]
 
 
 def test_any_field_off_its_default_that_no_family_reads_is_refused() -> None:
