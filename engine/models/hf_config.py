@@ -17,6 +17,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+from engine.models.multipliers import Multipliers
 from engine.models.quant_config import Fp8ConfigError, fp8_block_size, is_mxfp4
 from policy.errors import UserError
 
@@ -872,8 +873,6 @@ def _falcon_h1(hf: Any) -> dict[str, Any]:
             f"falcon_h1: ssm_multipliers needs 5 values (z, x, B, C, dt), has {len(ssm)}; "
             f"mlp_multipliers 2 (gate, down), has {len(mlp)}"
         )
-    from engine.models.config import Multipliers  # config.py imports this module
-
     gate = "gate"
     if hf.mamba_rms_norm:
         gate = "norm_gate_f32" if hf.mamba_norm_before_gate else "gate_norm_f32"
