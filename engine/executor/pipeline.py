@@ -95,8 +95,6 @@ class BlockPipeline:
         self.model, self.weights, self.kv, self.device, self.disk = model, weights, kv, device, disk
         self.states = states
         """A hybrid model's per-sequence states (its state layers read and write them)."""
-        self._state_index = {i + 1: n for n, i in enumerate(model.config.state_layers)}
-        """Decoder layer j -> its index among the state layers."""
         self.overlap, self.dtype = overlap, dtype
         self.tracer = tracer or NoTracer()
         self.graphs = graphs
@@ -507,7 +505,7 @@ class BlockPipeline:
         kind = self.model.layer_kind(j)
         # Falcon-H1: the state mixer beside the attention, over the whole batch first
         mixed = None
-        if kind == "decoder" and j in self._state_index:
+        if kind == "decoder" and self.model.has_state(j):
             assert h is not None
             mixed = self._mix(j, w, h, batch)
         if batch.nano_batches and kind == "decoder":
@@ -545,7 +543,7 @@ class BlockPipeline:
         device, updated by the layer, written back to their slots."""
         rows = batch.states
         assert self.states is not None and rows is not None, "a state layer without states"
-        layer = self._state_index[j]
+        layer = self.model.state_layer_index(j)
         states = self.states.gather(layer, rows.slots, len(rows.spans))
         out = self.model.state_layer(j, w, h, states, rows.spans)
         self.states.scatter(layer, rows.slots, states)

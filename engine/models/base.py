@@ -63,7 +63,8 @@ class Model(ABC):
         self.dense_ops: DenseOps | None = None
         """Fused CPU ops for the work around the GEMMs (`engine.kernels`), set where the
         model computes on a CPU with native kernels on; None: torch's own ops."""
-        self._state_layers = frozenset(config.state_layers)
+        self._state_index = {layer: i for i, layer in enumerate(config.state_layers)}
+        """Decoder layer (0-based) -> its index among the state layers."""
         self._mlp_layers = frozenset(config.mlp_layers)
         self._kv_index = {layer: i for i, layer in enumerate(config.kv_layers)}
         """Decoder layer (0-based) -> its index among the layers with KV pages."""
@@ -99,7 +100,11 @@ class Model(ABC):
     def has_state(self, j: int) -> bool:
         """Layer j reads and writes per-sequence states (a 'state' layer, or a Falcon-H1
         'decoder' layer)."""
-        return j - 1 in self._state_layers
+        return j - 1 in self._state_index
+
+    def state_layer_index(self, j: int) -> int:
+        """State layer j's index among the state store's layers."""
+        return self._state_index[j - 1]
 
     def kv_layer(self, j: int) -> int:
         """Attention layer j's index among the KV store's layers (a hybrid's state layers
