@@ -24,13 +24,13 @@ from typing import Any
 from bench.common import Table, write_json
 from bench.load import launch
 from engine.core.cache import CACHE_ENV, SEED_ENV, cache_root
+from engine.core.planning import BACKGROUND_ENV
 
 
 def start_once(tree: Path | None, tmp: Path) -> dict[str, Any]:
-    saved = {name: os.environ.get(name) for name in (CACHE_ENV, SEED_ENV)}
-    os.environ[SEED_ENV] = str(cache_root())
-    os.environ[CACHE_ENV] = str(tmp / "cache")
-    os.environ["NANOFLEX_BACKGROUND_PROFILE"] = "0"
+    settings = {SEED_ENV: str(cache_root()), CACHE_ENV: str(tmp / "cache"), BACKGROUND_ENV: "0"}
+    saved = {name: os.environ.get(name) for name in settings}
+    os.environ.update(settings)
     try:
         start = time.monotonic()
         daemon, _ = launch(tmp / "data", [], tree=tree)

@@ -23,7 +23,8 @@ DECODE_FLOPS_PER_ELEMENT = 8.0
 """A decode's recurrent step per state element: the delta rule decays the state, reads it
 with k and with q and adds a rank-one update (4 multiply-adds; Mamba-2's 3 rounded up)."""
 GATED_DELTA_CHUNK = 64
-"""Tokens per chunk of the chunked delta rule (engine/models/gated_delta.py)."""
+"""Tokens per chunk of the chunked delta rule (transformers' chunk_size), as the engine runs it
+(engine/models/gated_delta.py) and the cost model prices it."""
 
 STATE_KINDS = frozenset({"linear_attention", "mamba", "M"})
 """A layer kind whose token mixer keeps a state (transformers' names and Nemotron-H's pattern

@@ -13,8 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-CHUNK = 64
-"""Tokens per chunk of the chunked delta rule (transformers' chunk_size)."""
+from policy.hybrid import GATED_DELTA_CHUNK as CHUNK
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

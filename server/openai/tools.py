@@ -257,13 +257,15 @@ def described(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Tools as gpt-oss's template takes them: it writes each function's description (as a
     `//` comment) and fails on one without, which OpenAI's tools may leave out ('' then)."""
     return [
-        {**tool, "function": {**tool["function"], "description": _description(tool)}}
+        {
+            **tool,
+            "function": {
+                **tool["function"],
+                "description": tool["function"].get("description") or "",
+            },
+        }
         for tool in tools
     ]
-
-
-def _description(tool: dict[str, Any]) -> str:
-    return tool["function"].get("description") or ""
 
 
 def _with_thinking(message: dict[str, Any]) -> dict[str, Any]:
