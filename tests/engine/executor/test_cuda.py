@@ -14,6 +14,10 @@ from engine import LLM, SamplingParams
 from policy import Policy
 from tests.engine.executor.test_correctness import MAX_TOKENS, PLACEMENTS
 from tests.engine.tiny_models import (
+    DENSE_2025,
+    GPT_OSS,
+    GROUPED_MOE_FAMILIES,
+    LLAMA4,
     NEW_FAMILIES,
     TINY_CONFIGS,
     hf_reference,
@@ -82,6 +86,34 @@ def test_cuda_newer_families_match_transformers(tiny_model, tmp_path, kind, plac
     policy = Policy(**PLACEMENTS[placement])  # type: ignore[arg-type]
     got = cuda_greedy(tiny_model(kind), prompts, policy, tmp_path, "float32", cuda_graphs=graphs)
     assert got == expected
+
+
+GPU_ONLY_PATHS = (
+    *DENSE_2025,
+    *GROUPED_MOE_FAMILIES,
+    GPT_OSS,
+    LLAMA4,
+    "qwen3_next",
+    "nemotron_h",
+    "granite4",
+    "falcon_h1",
+)
+"""What only a GPU can check of issues 37 and 38: DeepSeek-V3's latent stored once (the
+Triton kernels reading values from the keys), gpt-oss's sinks (in the kernels, and in host
+memory for CPU attention: `HostSinks`), Llama 4's chunks, NoPE layers, and the hybrids'
+state store on the device and in pinned host memory."""
+
+
+@pytest.mark.parametrize(
+    "placement", ["all-on-device", "kv-cpu-cpu-attention", "kv-act-mixed", "three-gpu-batches"]
+)
+@pytest.mark.parametrize("kind", GPU_ONLY_PATHS)
+def test_cuda_giants_and_hybrids_match_transformers(tiny_model, tmp_path, kind, placement):
+    vocab = vocab_size(kind)
+    prompts = random_prompts(6, vocab, 2, 40, seed=len(kind))
+    expected = hf_greedy_cuda(tiny_model(kind), prompts, torch.float32)
+    policy = Policy(**PLACEMENTS[placement])  # type: ignore[arg-type]
+    assert cuda_greedy(tiny_model(kind), prompts, policy, tmp_path, "float32") == expected
 
 
 def test_gpu_mem_budget_is_enforced(tiny_model):
