@@ -135,6 +135,15 @@ class EngineArgs:
         parse=parse_bytes,
     )
     """The most bytes of cached pages nobody holds kept on the disk tier (LRU beyond)."""
+    prefix_state_slots: int = cli(
+        8,
+        "hybrid models: states saved at the ends of shared prefixes, in host memory, for "
+        "their prefix cache (0: no prefix caching for them; default: 8)",
+        type=int,
+    )
+    """A hybrid model's prefix cache: how many saved states (each one sequence's state, every
+    state layer) host memory keeps, least recently used dropped first. A cached prefix of a
+    hybrid is usable only with the state at its end (docs/architecture.md)."""
     cuda_graphs: bool = cli(True, "replay decode steps as CUDA graphs where sound (default: on)")
     """Replay decode steps' dense ops as CUDA graphs at the discrete sizes where sound (resident
     weights, one GPU batch); False runs every op eagerly (vLLM's enforce_eager)."""
@@ -250,6 +259,8 @@ class EngineArgs:
             raise UserError(f"max_step_tokens must be >= 1, got {self.max_step_tokens}")
         if self.engine_nice is not None and not 0 <= self.engine_nice <= 19:
             raise UserError(f"engine_nice must be 0-19, got {self.engine_nice}")
+        if self.prefix_state_slots < 0:
+            raise UserError(f"prefix_state_slots must be >= 0, got {self.prefix_state_slots}")
 
     def plans_ahead(self, steps_on_cpu_here: bool) -> bool:
         """Whether the engine core plans step i+1 while step i runs. `steps_on_cpu_here`: the
@@ -359,6 +370,7 @@ class EngineArgs:
             page_tokens=info.page_tokens,
             kv_capacity_pages={**info.kv_capacity_pages, **(self.kv_capacity_pages or {})},
             state_slots=dict(info.state_slots),
+            state_snapshots=info.state_snapshots,
             static_blocks=self.static_blocks,
             offload_retry_s=self.offload_retry_s,
             eos_token_ids=eos_token_ids(model_dir),
@@ -366,9 +378,7 @@ class EngineArgs:
             max_step_tokens=step_tokens,
             batch_sizes=sizes,
             discrete_batching=self.discrete_batching,
-            # a hybrid's cached prefix would need its states at the page boundary too
-            # (docs/architecture.md: hybrid models)
-            enable_prefix_caching=self.enable_prefix_caching and not info.state_slots,
+            enable_prefix_caching=self.enable_prefix_caching,
             cache_salt=info.cache_salt,
             max_cached_pages=self._max_cached_pages(info),
             min_hit_tokens=self._min_hit_tokens(policy, model_dir, info),

@@ -55,6 +55,12 @@ class CacheStats:
     """Pages loaded back up from each tier for a hit."""
     evicted_pages: int = 0
     """Cached pages dropped (from the last tier with room to spare)."""
+    state_hits: int = 0
+    """A hybrid's admissions that started from a saved state (`StateSnapshots`)."""
+    state_saves: int = 0
+    """A hybrid's states saved at the end of a shared prefix."""
+    state_evictions: int = 0
+    """A hybrid's saved states dropped for room (least recently used)."""
     failed_pages: int = 0
     """Cached pages dropped because they failed verification or could not be read when used
     (a miss: their tokens recomputed)."""

@@ -48,7 +48,15 @@ class SeqChunk:
     """Sent with the first chunk of a sequence; the engine keeps it until the sequence is freed."""
     state_slot: tuple[str, int] | None = None
     """A hybrid model's sequence: (tier, slot) of its state (engine/core/state_slots.py), the
-    same in every chunk until it is freed; the first chunk of a sequence starts it at zero."""
+    same in every chunk until it is freed; the first chunk of a sequence starts it at zero,
+    or from `state_restore`."""
+    state_restore: tuple[str, int] | None = None
+    """With the first chunk of a hybrid's sequence that hit the prefix cache: the snapshot
+    slot (engine/core/state_slots.py, `StateSnapshots`) holding the state at the end of its
+    cached prefix (`start_pos` tokens), copied into `state_slot` before the step runs."""
+    state_save: tuple[str, int] | None = None
+    """A hybrid's chunk that ends where a prefix's state is to be kept: the snapshot slot its
+    state is copied into once the step has run."""
     num_sampled: int = 0
     """Tokens this sequence has already generated (keys the per-request seeded RNG)."""
     cached_token_ids: list[int] = field(default_factory=list)
@@ -204,3 +212,6 @@ class EngineInfo:
     """A hybrid model's per-sequence state slots per tier; empty: no state layers."""
     state_bytes: int = 0
     """Bytes of one sequence's state, every state layer (0: no state layers)."""
+    state_snapshots: dict[str, int] = field(default_factory=dict)
+    """A hybrid model's snapshot slots for the prefix cache of states: {tier: count}, after
+    that tier's running slots (empty: its prefix caching is off)."""

@@ -26,7 +26,7 @@ from engine.core.outputs import SequenceDelta
 from engine.core.prefix_cache import PageRef
 from engine.core.protocol import PENDING_TOKEN_ID, SeqChunk, StepFailure, StepPlan, StepResult
 from engine.core.sequence import Request, Sequence, SequenceStatus
-from engine.core.state_slots import StateSlots
+from engine.core.state_slots import StateSlots, StateSnapshots
 from engine.core.tier_rest import TierRest, largest_pool_tokens, pool_tokens
 from policy import TIERS, Policy, UserError
 from policy.policy import Triple
@@ -67,6 +67,10 @@ class SchedulerConfig:
     state_slots: dict[str, int] = field(default_factory=dict)
     """A hybrid model's per-sequence state slots per tier (engine/core/state_slots.py): a
     sequence is admitted only with a free one on its state tier; empty: no state layers."""
+    state_snapshots: dict[str, int] = field(default_factory=dict)
+    """A hybrid model's snapshot slots for the states of cached prefixes (`StateSnapshots`):
+    {tier: count}, numbered after that tier's `state_slots`; none turns its prefix caching
+    off."""
     max_step_tokens: int = 2048
     """Most tokens (decodes plus prefill chunks) in one step."""
     batch_sizes: tuple[int, ...] = ()
@@ -171,15 +175,26 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, detokenizer: Detokenizer | None = None) -> None:
         self.config = config
         self.detokenizer = detokenizer
+        self.state_slots = StateSlots(config.state_slots)
+        """Each running sequence's state slot, for a hybrid model."""
+        hybrid = self.state_slots.enabled
+        # a hybrid's cached prefix is usable only with the state at its end (StateSnapshots)
+        snapshots = next(iter(config.state_snapshots.items()), ("cpu", 0))
+        caching = config.enable_prefix_caching and (not hybrid or snapshots[1] > 0)
         self.page_manager = PageManager(
             config.page_tokens,
             config.kv_capacity_pages,
-            prefix_caching=config.enable_prefix_caching,
+            prefix_caching=caching,
             salt=config.cache_salt,
             max_cached_pages=config.max_cached_pages,
         )
-        self.state_slots = StateSlots(config.state_slots)
-        """Each running sequence's state slot, for a hybrid model."""
+        self.snapshots = StateSnapshots(
+            snapshots[0],
+            snapshots[1] if caching and hybrid else 0,
+            self.state_slots.capacity.get(snapshots[0], 0),
+            self.page_manager.stats,
+        )
+        """A hybrid's saved states at the end of shared prefixes (its prefix cache)."""
         self.waiting: dict[int, deque[Sequence]] = {}
         """Queues per priority (lower first), FIFO; preempted sequences go back to the front."""
         self.running: list[Sequence] = []
@@ -274,6 +289,7 @@ class Scheduler:
                 continue
             to_run = seq.num_tokens - seq.num_computed_tokens
             num_new = 1 if to_run == 1 else min(to_run, budget)
+            num_new = self._until_state_save(seq, seq.num_computed_tokens, num_new)
             if num_new == 0:
                 continue
             page_ids = self._allocate(seq, num_new)
@@ -298,7 +314,7 @@ class Scheduler:
         plan = StepPlan(self._next_step_id, chunks, self._freed_seq_ids)
         plan.page_moves, plan.cached_disk_pages = self.page_manager.take_moves()
         plan.disk_hits = self.page_manager.take_disk_hits()
-        if self.config.enable_prefix_caching:
+        if self.page_manager.prefix_caching:
             self._plan_epochs[plan.step_id] = {c.seq_id: self._seqs[c.seq_id].epoch for c in chunks}
         discrete = self.config.discrete_batching
         plan.dense_size = self._pick_size(plan.num_tokens) if discrete else plan.num_tokens
@@ -329,6 +345,10 @@ class Scheduler:
         token_ids = known + [PENDING_TOKEN_ID] * (num_new - len(known))
         seq.num_computed_tokens += num_new
         do_sample = seq.num_computed_tokens == seq.num_tokens
+        save = None
+        if seq.state_save is not None and seq.state_save[0] == seq.num_computed_tokens:
+            save = self.snapshots.reserve(self._next_step_id, seq.state_save[1])
+            seq.state_save = None
         chunk = SeqChunk(
             seq_id=seq.seq_id,
             token_ids=token_ids,
@@ -340,12 +360,15 @@ class Scheduler:
             do_sample=do_sample,
             sampling=None if seq.is_sent else seq.sampling,
             state_slot=self.state_slots.slot_of(seq.seq_id),
+            state_restore=seq.state_restore,
+            state_save=save,
             num_sampled=seq.num_generated + seq.num_pending,
             cached_token_ids=seq.token_ids[:start]
             if not seq.is_sent and seq.sampling.needs_history
             else [],
         )
         seq.is_sent = True
+        seq.state_restore = None  # sent with the first chunk
         seq.num_pending += int(do_sample)
         return chunk
 
@@ -369,6 +392,7 @@ class Scheduler:
         self._release(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0
+        seq.state_restore = seq.state_save = None  # looked up again when readmitted
         self.waiting[seq.request.priority].appendleft(seq)
 
     def _admit(self, budget: int) -> tuple[Sequence, int, list[PageRef]] | None:
@@ -380,10 +404,16 @@ class Scheduler:
         if seq is None or seq.num_pending:
             return None
         prefix: list[PageRef] = []
+        restore, save = None, None
         if not seq.wants_prompt_logprobs:  # those need every prompt position's logits
-            prefix = self._worth_loading(self.page_manager.match(seq.token_ids))
+            match = self.page_manager.match(seq.token_ids)
+            prefix = self._worth_loading(match)
+            if self.snapshots.enabled:
+                prefix, restore, save = self._with_states(match, prefix)
         num_cached = len(prefix) * self.config.page_tokens
         num_new = min(seq.num_tokens - num_cached, budget)
+        if save is not None and save[0] < num_cached + num_new:
+            num_new = save[0] - num_cached  # the first chunk ends where the state is saved
         counts = {t: 0 for t in TIERS}
         for s in self.running:
             counts[s.kv_tier] += 1
@@ -405,6 +435,9 @@ class Scheduler:
         seq.act_tier = pick_tier(self.config.act_frac, act_counts)
         seq.slot = heapq.heappop(self._free_slots)
         self.state_slots.allocate(seq.seq_id, seq.kv_tier)
+        seq.state_restore, seq.state_save = restore, save
+        if restore is not None:
+            self.page_manager.stats.state_hits += 1
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
         pages = self.page_manager.start(seq.seq_id, seq.kv_tier, prefix)
@@ -415,6 +448,33 @@ class Scheduler:
         stats.query_tokens += seq.num_tokens
         stats.hit_tokens += num_cached
         return seq, num_new, pages + self.page_manager.append(seq.seq_id, num_new)
+
+    def _with_states(
+        self, match: list[PageRef], prefix: list[PageRef]
+    ) -> tuple[list[PageRef], tuple[str, int] | None, tuple[int, str] | None]:
+        """A hybrid's cached prefix: `prefix` cut to its longest part whose end has a saved
+        state, that state's snapshot slot, and where to save one if the cached KV `match`
+        runs further (a prefix seen twice: the next request with it hits)."""
+        cache, page_tokens = self.page_manager.cache, self.config.page_tokens
+        usable, restore = 0, None
+        for k in range(len(prefix), 0, -1):
+            h = cache.hash_of(prefix[k - 1])
+            restore = None if h is None else self.snapshots.find(h)
+            if restore is not None:
+                usable = k
+                break
+        save = None
+        if len(match) > usable:
+            h = cache.hash_of(match[-1])
+            if h is not None and not self.snapshots.has(h):
+                save = (len(match) * page_tokens, h)
+        return prefix[:usable], restore, save
+
+    def _until_state_save(self, seq: Sequence, start: int, num_new: int) -> int:
+        """A chunk of `num_new` tokens from `start` cut where seq's state is to be saved."""
+        if seq.state_save is None:
+            return num_new
+        return min(num_new, max(0, seq.state_save[0] - start)) or num_new
 
     def _worth_loading(self, prefix: list[PageRef]) -> list[PageRef]:
         """`prefix` cut before its first page on a tier where a hit this long loses to
@@ -491,6 +551,7 @@ class Scheduler:
                 seq.prompt_logprobs = prompt_logprobs
                 scored.add(seq_id)
         epochs = self._plan_epochs.pop(plan.step_id, {})
+        self.snapshots.commit(plan.step_id)  # the states it saved are in their slots now
         for chunk in plan.chunks:  # their KV is computed now: index the pages they filled
             seq = self._seqs.get(chunk.seq_id)
             if seq is not None and epochs.get(seq.seq_id) == seq.epoch:  # not preempted since
@@ -551,6 +612,7 @@ class Scheduler:
         plans = [plan] if unrun is None else [plan, unrun]
         for p in plans:
             self._plan_epochs.pop(p.step_id, None)
+            self.snapshots.cancel(p.step_id)
             for move in p.page_moves:
                 pages.forget_page(move.dst, move.hash)
         if unrun is not None:  # it never reached the executor: its records go with the next

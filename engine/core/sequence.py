@@ -83,6 +83,12 @@ class Sequence:
     """Why it failed (finish_reason 'error'), else None."""
     retryable: bool = False
     """It failed for the engine's storage, not for itself: the same request may succeed later."""
+    state_restore: tuple[str, int] | None = None
+    """A hybrid's admission that hit the prefix cache: the snapshot of the state at the end
+    of its cached prefix, sent with its first chunk."""
+    state_save: tuple[int, str] | None = None
+    """A hybrid's sequence whose cached KV prefix runs past its last saved state: (tokens,
+    hash of the prefix's last page) where its state is to be saved (`StateSnapshots`)."""
     num_offload_faults: int = 0
     """Steps of it that failed on the offload storage (each time it was recomputed)."""
     decodes_at_end: bool = False

@@ -11,7 +11,9 @@ same for every sequence (`EngineInfo.state_bytes`), so admission counts slots, n
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 
+from engine.core.kv_pages import CacheStats
 from policy import TIERS
 
 STATE_TIERS = ("gpu", "cpu")
@@ -80,3 +82,89 @@ def state_slot_capacity(
         if frac > 0:
             out[state_tier(tier)] += math.ceil(block_size * frac - 1e-9)
     return {t: min(n, block_size, fits.get(t, n)) for t, n in out.items()}
+
+
+def snapshot_tier(fits: dict[str, int], needed: dict[str, int]) -> str:
+    """Where saved states live: the cpu tier (host memory, which a GPU's KV cache and weights
+    do not compete for; a hit costs one copy of one state into the sequence's slot) when it
+    has room for one beyond the running slots `needed`, else the gpu tier (on a CPU device,
+    the gpu tier is host memory and the cpu tier usually has no budget)."""
+    return "cpu" if fits.get("cpu", 0) > needed.get("cpu", 0) else "gpu"
+
+
+class StateSnapshots:
+    """A hybrid's prefix cache of states (docs/architecture.md, "Prefix caching for
+    hybrids"): the state at the end of a cached prefix, saved in a snapshot slot and found
+    by the hash of the prefix's last full KV page (`page_hashes`).
+
+    A KV prefix of a hybrid is only usable together with the state at its end, so a hit is
+    the longest cached prefix of full pages whose end has a snapshot. Snapshots are saved
+    where a prefix has shown itself shared: a request whose cached KV prefix runs past its
+    last snapshot recomputes that stretch and saves the state at its end, so that the next
+    requests with that prefix hit. `capacity` slots of `tier`, from `first` on (after the
+    running sequences' slots there); least recently used evicted first. A save is
+    reserved when its step is planned and found only once the step has run (`commit`);
+    a step that failed gives its reservations back (`cancel`). Torch-free."""
+
+    def __init__(
+        self, tier: str, capacity: int, first: int, stats: CacheStats | None = None
+    ) -> None:
+        self.tier = tier
+        self.capacity = max(0, int(capacity))
+        self.stats = stats or CacheStats()
+        """Where saves and evictions are counted (the prefix cache's, for /metrics)."""
+        self._free = list(range(first + self.capacity - 1, first - 1, -1))
+        self._by_hash: OrderedDict[str, int] = OrderedDict()
+        """Committed snapshots, least recently used first."""
+        self._pending: dict[int, list[tuple[str, int]]] = {}
+        """Per planned step, the (hash, slot) saves it makes."""
+        self._pending_hashes: set[str] = set()
+
+    @property
+    def enabled(self) -> bool:
+        return self.capacity > 0
+
+    def __len__(self) -> int:
+        return len(self._by_hash)
+
+    def find(self, h: str) -> tuple[str, int] | None:
+        """The snapshot saved at the end of the prefix whose last page hashes to `h`, most
+        recently used now; None if there is none (or it is not saved yet)."""
+        slot = self._by_hash.get(h)
+        if slot is None:
+            return None
+        self._by_hash.move_to_end(h)
+        return self.tier, slot
+
+    def has(self, h: str) -> bool:
+        """A snapshot for `h` is saved or being saved."""
+        return h in self._by_hash or h in self._pending_hashes
+
+    def reserve(self, step_id: int, h: str) -> tuple[str, int] | None:
+        """A slot to save the state for `h` into after step `step_id` runs: a free one, else
+        the least recently used snapshot's; None if every slot is being saved into."""
+        if not self.enabled or self.has(h):
+            return None
+        if self._free:
+            slot = self._free.pop()
+        elif self._by_hash:
+            _, slot = self._by_hash.popitem(last=False)
+            self.stats.state_evictions += 1
+        else:
+            return None
+        self._pending.setdefault(step_id, []).append((h, slot))
+        self._pending_hashes.add(h)
+        return self.tier, slot
+
+    def commit(self, step_id: int) -> None:
+        """Step `step_id` ran: its saved states can be found."""
+        for h, slot in self._pending.pop(step_id, []):
+            self._pending_hashes.discard(h)
+            self._by_hash[h] = slot
+            self.stats.state_saves += 1
+
+    def cancel(self, step_id: int) -> None:
+        """Step `step_id` did not run to its end: its reserved slots hold nothing."""
+        for h, slot in self._pending.pop(step_id, []):
+            self._pending_hashes.discard(h)
+            self._free.append(slot)

@@ -29,7 +29,12 @@ from engine.core.protocol import (
     TokenLogprobs,
 )
 from engine.core.sampling_params import SamplingParams
-from engine.core.state_slots import STATE_TIERS, state_slot_capacity, state_tier
+from engine.core.state_slots import (
+    STATE_TIERS,
+    snapshot_tier,
+    state_slot_capacity,
+    state_tier,
+)
 from engine.executor.budgets import (
     MemoryBudgetError,
     cap_gpu_memory,
@@ -138,6 +143,7 @@ class Executor:
         hot_experts: bool = True,
         group_experts: bool = True,
         cpu_expert_rows: int | None = None,
+        state_snapshots: int = 0,
         step_tokens: int = RESIDENT_STEP_TOKENS,
         on_progress: Callable[[int, int], None] | None = None,
     ) -> None:
@@ -211,7 +217,9 @@ class Executor:
             ) from e
         if weight_slots:
             self.weights.make_slots()
-        self.states = self._state_store()
+        self.snapshots: dict[str, int] = {}
+        """A hybrid's snapshot slots for the prefix cache of states: {tier: count}."""
+        self.states = self._state_store(state_snapshots)
         row_dim = self.config.kv_shape.row_dim
         codec = KVRowCodec(row_dim, compress=policy.compress_kv, dtype=self.dtype)
         self.kv = KVStore(
@@ -292,10 +300,11 @@ class Executor:
         if done == total:
             print(file=sys.stderr)
 
-    def _state_store(self) -> StateStore | None:
+    def _state_store(self, snapshots: int) -> StateStore | None:
         """A hybrid model's state slots: on each state tier, one per sequence of the block
         its KV share homes there (disk-homed sequences keep theirs in host memory), as many
-        as fit beside the weights; None for a transformer."""
+        as fit beside the weights, then up to `snapshots` slots in host memory for the
+        states of cached prefixes (`StateSnapshots`); None for a transformer."""
         c = self.config
         if not c.is_hybrid:
             return None
@@ -311,7 +320,18 @@ class Executor:
                     f"({format_bytes(one)}) beside the weights: give it more memory or "
                     "move weights off it"
                 )
-        return StateStore(len(c.state_layers), shapes, capacity, self.dtype, self.device)
+        tier = snapshot_tier(fits, capacity)
+        count = max(0, min(snapshots, fits[tier] - capacity[tier]))
+        if count < snapshots:
+            logging.getLogger("nanoflex.engine").warning(
+                "room for %d of %d saved states of cached prefixes (each %s)",
+                count,
+                snapshots,
+                format_bytes(one),
+            )
+        self.snapshots = {tier: count} if count else {}
+        stored = {**capacity, tier: capacity[tier] + count}
+        return StateStore(len(c.state_layers), shapes, stored, self.dtype, self.device)
 
     def _cpu_expert_rows(self, given: int | None) -> int:
         """The most rows for which a CPU-homed expert runs on the CPU (0: never)."""
@@ -392,9 +412,19 @@ class Executor:
             budgets=dict(self.budgets),
             disk_cache_dropped=self.disk_cache.num_dropped,
             warnings=[w for w in [self.disk_cache.warning] if w],
-            state_slots={} if self.states is None else dict(self.states.capacity),
+            state_slots=self._running_state_slots(),
             state_bytes=0 if self.states is None else self.states.slot_bytes,
+            state_snapshots=dict(self.snapshots),
         )
+
+    def _running_state_slots(self) -> dict[str, int]:
+        """A hybrid's state slots per tier for running sequences (the snapshots follow)."""
+        if self.states is None:
+            return {}
+        out = dict(self.states.capacity)
+        for tier, count in self.snapshots.items():
+            out[tier] -= count
+        return out
 
     def cache_salt(self) -> str:
         """A digest of everything besides the tokens that decides a KV page's bytes."""
@@ -477,6 +507,10 @@ class Executor:
             [not self._seqs[c.seq_id].has_sampled for c in to_sample],
         )
         logits = self.pipeline.run(batches, plan.page_moves)
+        for c in plan.chunks:  # a hybrid's state at the end of a shared prefix, kept
+            if c.state_save is not None:
+                assert self.states is not None and c.state_slot is not None
+                self.states.copy(c.state_slot, c.state_save)
         for move in plan.page_moves:  # spilled to disk, or loaded up from there
             if move.dst[0] == "disk":
                 self.disk_cache.add(move.dst[1], move.hash)
@@ -540,8 +574,12 @@ class Executor:
                 chunk.kv_tier, chunk.act_tier, chunk.sampling, state=chunk.state_slot
             )
             if chunk.state_slot is not None:  # a sequence (or its recompute) starts at zero
-                assert self.states is not None and chunk.start_pos == 0
-                self.states.reset(*chunk.state_slot)
+                assert self.states is not None  # or at the state its cached prefix ends with
+                if chunk.state_restore is not None:
+                    self.states.copy(chunk.state_restore, chunk.state_slot)
+                else:
+                    assert chunk.start_pos == 0
+                    self.states.reset(*chunk.state_slot)
             self.sampler.admit(chunk.seq_id, chunk.sampling)
         self.sampler.feed(chunk)
         state.pages.extend(chunk.new_pages)
@@ -590,7 +628,7 @@ class Executor:
         """The state slot `score` uses (no scheduled sequence holds one meanwhile)."""
         if self.states is None:
             return None
-        return next((tier, 0) for tier, n in self.states.capacity.items() if n)
+        return next((tier, 0) for tier, n in self._running_state_slots().items() if n)
 
     def _disk_users(self, plan: StepPlan) -> list[int]:
         """Sequences of the plan that use the disk tier: all of them when weights live there,
@@ -659,6 +697,7 @@ def build_executor(
         hot_experts=args.hot_experts,
         group_experts=args.group_experts,
         cpu_expert_rows=args.cpu_expert_rows,
+        state_snapshots=args.prefix_state_slots if args.enable_prefix_caching else 0,
         step_tokens=args.step_tokens(policy),
         on_progress=on_progress,
     )

@@ -62,6 +62,13 @@ class StateStore:
             for pool in pools.values():
                 pool[slot].zero_()
 
+    def copy(self, src: tuple[str, int], dst: tuple[str, int]) -> None:
+        """Copy the state of slot `src` into slot `dst`, every layer ((tier, slot) each): a
+        saved state of a cached prefix, into a sequence's slot or from it."""
+        for pools_src, pools_dst in zip(self._pools[src[0]], self._pools[dst[0]], strict=True):
+            for name, pool in pools_src.items():
+                pools_dst[name][dst[1]].copy_(pool[src[1]])
+
     def gather(
         self, layer: int, slots: dict[str, tuple[torch.Tensor, torch.Tensor]], count: int
     ) -> dict[str, torch.Tensor]:

@@ -95,6 +95,17 @@ class Metrics:
             "Prompt tokens found in the prefix cache (their KV reused, not computed).",
             registry=r,
         )
+        self.state_hits = Counter(
+            "nanoflex_prefix_cache_state_hits",
+            "Hybrid models: requests that started from a saved state at the end of a cached "
+            "prefix.",
+            registry=r,
+        )
+        self.state_saves = Counter(
+            "nanoflex_prefix_cache_state_saves",
+            "Hybrid models: states saved at the end of a shared prefix.",
+            registry=r,
+        )
         self.cache_hit_pages = Counter(
             "nanoflex_prefix_cache_hit_pages",
             "Cached KV pages reused, by the tier they were found on.",
@@ -191,6 +202,8 @@ class Metrics:
         follow(self.preemptions, stats.num_preemptions)
         follow(self.cache_queries, cache.query_tokens)
         follow(self.cache_hits, cache.hit_tokens)
+        follow(self.state_hits, cache.state_hits)
+        follow(self.state_saves, cache.state_saves)
         follow(self.evicted_pages, cache.evicted_pages)
         follow(self.failed_pages, cache.failed_pages)
         follow(self.offload_faults, stats.offload_faults)

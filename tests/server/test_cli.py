@@ -95,6 +95,10 @@ def test_engine_flags_reach_the_engine() -> None:
     args = EngineArgs.from_cli_args(parse("serve", "--dtype", "bfloat16", "--max-model-len", "64"))
     assert (args.dtype, args.max_model_len) == ("bfloat16", 64)
     assert parse("serve", "--served-model-name", "m").served_model_name == "m"
+    slots = EngineArgs.from_cli_args(parse("serve", "--prefix-state-slots", "3"))
+    assert slots.prefix_state_slots == 3 and EngineArgs().prefix_state_slots == 8
+    with pytest.raises(UserError, match="prefix_state_slots must be >= 0, got -1"):
+        EngineArgs.from_cli_args(parse("serve", "--prefix-state-slots", "-1"))
     serve = parse("serve", "--tool-call-parser", "mistral", "--reasoning-parser", "none")
     settings = ServerSettings.from_args(serve)
     assert (settings.tool_call_parser, settings.reasoning_parser) == ("mistral", "none")

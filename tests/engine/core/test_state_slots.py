@@ -58,3 +58,27 @@ def test_admission_waits_for_a_free_state_slot() -> None:
     assert most == 2 and sched.state_slots.num_used("gpu") == 0
     for r in requests:
         assert outputs[r.request_id].outputs[0].token_ids == reference(r.prompt_token_ids, 8)
+
+
+def test_snapshots_are_found_once_their_step_ran_and_evicted_least_recently_used() -> None:
+    from engine.core.kv_pages import CacheStats
+    from engine.core.state_slots import StateSnapshots, snapshot_tier
+
+    stats = CacheStats()
+    snaps = StateSnapshots("cpu", 2, first=3, stats=stats)  # slots 3 and 4 after 3 running
+    assert snaps.reserve(0, "a") == ("cpu", 3)
+    assert snaps.find("a") is None and snaps.has("a")  # being saved: not found yet
+    assert snaps.reserve(0, "a") is None  # nor saved twice
+    snaps.commit(0)
+    assert snaps.find("a") == ("cpu", 3) and stats.state_saves == 1
+    assert snaps.reserve(1, "b") == ("cpu", 4)
+    assert snaps.reserve(1, "c") == ("cpu", 3)  # "a" was the least recently used
+    assert stats.state_evictions == 1 and snaps.find("a") is None
+    assert snaps.reserve(1, "d") is None  # every slot is being saved into
+    snaps.cancel(1)  # the step failed: nothing it saved is found, its slots are free again
+    assert not snaps.has("b") and snaps.find("c") is None and len(snaps) == 0
+    assert {snaps.reserve(2, "e"), snaps.reserve(2, "f")} == {("cpu", 3), ("cpu", 4)}
+    assert not StateSnapshots("cpu", 0, first=0).enabled
+    # host memory when it has room beyond the running states, else the compute device's
+    assert snapshot_tier({"gpu": 9, "cpu": 5}, {"gpu": 2, "cpu": 4}) == "cpu"
+    assert snapshot_tier({"gpu": 9, "cpu": 0}, {"gpu": 2, "cpu": 0}) == "gpu"

@@ -18,6 +18,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.core.prefix_cache import PageRef
 from engine.core.protocol import SeqChunk
+from engine.core.scheduler import Scheduler
 from engine.core.sequence import Sequence
 from engine.core.state_slots import state_slot_capacity
 from policy import Policy
@@ -183,14 +184,7 @@ def test_refill_preemption_and_chunked_prefill_keep_each_state(
         scheduler = llm.scheduler
         assert sum(scheduler.state_slots.capacity.values()) >= 4
         scheduler.config = dataclasses.replace(scheduler.config, expected_gen_tokens=1)
-        chunks: list[SeqChunk] = []
-        make_chunk = scheduler._chunk
-
-        def recording_chunk(seq: Sequence, num_new: int, pages: list[PageRef]) -> SeqChunk:
-            chunks.append(make_chunk(seq, num_new, pages))
-            return chunks[-1]
-
-        scheduler._chunk = recording_chunk  # type: ignore[method-assign]
+        chunks = record_chunks(scheduler)
         params = [
             SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in max_tokens
         ]
@@ -200,3 +194,95 @@ def test_refill_preemption_and_chunked_prefill_keep_each_state(
         assert any(c.start_pos > 0 and len(c.token_ids) > 1 for c in chunks)  # a later chunk
         assert all(c.state_slot is not None for c in chunks)
         assert not any(scheduler.state_slots.num_used(t) for t in ("gpu", "cpu"))
+
+
+def record_chunks(scheduler: Scheduler) -> list[SeqChunk]:
+    """Every chunk `scheduler` plans from now on, in order."""
+    chunks: list[SeqChunk] = []
+    make_chunk = scheduler._chunk
+
+    def recording_chunk(seq: Sequence, num_new: int, pages: list[PageRef]) -> SeqChunk:
+        chunks.append(make_chunk(seq, num_new, pages))
+        return chunks[-1]
+
+    scheduler._chunk = recording_chunk  # type: ignore[method-assign]
+    return chunks
+
+
+PREFIX_TOKENS = 40
+"""A shared prefix of two full pages and a half: its cached part ends at token 32."""
+
+
+@pytest.fixture(scope="module")
+def shared_prefix(tiny_model):  # type: ignore[no-untyped-def]
+    """kind -> (model dir, six prompts of one 40-token prefix and 3..9 tokens of their own,
+    transformers' greedy outputs)."""
+    cache: dict[str, tuple[Path, list[list[int]], list[list[int]]]] = {}
+
+    def get(kind: str) -> tuple[Path, list[list[int]], list[list[int]]]:
+        if kind not in cache:
+            model_dir = tiny_model(kind)
+            vocab = vocab_size(kind)
+            prefix = random_prompts(1, vocab, PREFIX_TOKENS, PREFIX_TOKENS, seed=7)[0]
+            prompts = [prefix + tail for tail in random_prompts(6, vocab, 3, 9, seed=8)]
+            expected = [hf_greedy(model_dir, p, MAX_TOKENS) for p in prompts]
+            cache[kind] = (model_dir, prompts, expected)
+        return cache[kind]
+
+    return get
+
+
+SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize(
+    ("kind", "placement"),
+    [
+        pytest.param("qwen3_next", "all-on-device", marks=SLOW),
+        ("qwen3_next", "weights-disk-state-cpu"),
+        pytest.param("qwen3_next", "mixed", marks=SLOW),
+        pytest.param("granite4", "mixed", marks=SLOW),  # Mamba-2 as Nemotron-H's
+        ("nemotron_h", "mixed"),
+        ("falcon_h1", "mixed"),
+    ],
+)
+def test_prefix_cache_restores_the_state_at_the_end_of_a_shared_prefix(
+    shared_prefix, tmp_path, kind, placement
+):
+    """Six prompts share a 40-token prefix, sent one after another. The first computes it
+    and its full pages are cached, but no state: the second finds 32 tokens of cached KV and
+    no saved state at their end, so it recomputes them in a first chunk that ends there and
+    saves the state; the other four start from that state and the cached KV (4 hits of 32
+    tokens, their first chunk from position 32), and every request's tokens equal
+    transformers'. With `prefix_state_slots=0` nothing hits, the tokens are the same and so
+    is every generated token's logprob (within 1e-4: the state restored is the state that
+    recomputing the prefix reaches; a tiny random model's tokens alone barely depend on it)."""
+    model_dir, prompts, expected = shared_prefix(kind)
+    spec = {"gpu_batch_size": 2, "num_gpu_batches": 2, **PLACEMENTS[placement]}
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=0)
+    logprobs: dict[int, list[float]] = {}
+    for slots in (8, 0):
+        with LLM(
+            str(model_dir),
+            policy=Policy(**spec),  # type: ignore[arg-type]
+            offload_dir=tmp_path / str(slots),
+            device="cpu",
+            prefix_state_slots=slots,
+        ) as llm:
+            scheduler = llm.scheduler
+            chunks = record_chunks(scheduler)
+            outs = [llm.generate([p], params)[0].outputs[0] for p in prompts]
+            got = [out.token_ids for out in outs]
+            logprobs[slots] = [t.logprob for out in outs for t in out.logprobs or []]
+            stats = scheduler.page_manager.stats
+            first = [c for c in chunks if c.sampling is not None]  # each request's first
+        assert got == expected
+        if slots == 0:
+            assert stats.hit_tokens == stats.state_hits == stats.state_saves == 0
+            assert logprobs[8] == pytest.approx(logprobs[0], abs=1e-4)
+            continue
+        assert (stats.state_saves, stats.state_hits, stats.hit_tokens) == (1, 4, 4 * 32)
+        assert [c.start_pos for c in first] == [0, 0, 32, 32, 32, 32]
+        assert len(first[1].token_ids) == 32 and first[1].state_save is not None
+        assert all(c.state_restore == first[1].state_save for c in first[2:])
+        assert sum(c.state_save is not None for c in chunks) == 1
