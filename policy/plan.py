@@ -89,7 +89,6 @@ def main(args: argparse.Namespace) -> int:
             out["moe"] = moe_summary(model, result)
         if model.is_hybrid:
             out["states"] = state_summary(model, result.policy, result.estimate.peak_bytes)
-            del out["prefix_break_even_tokens"]  # no prefix caching for hybrids
         print(json.dumps(out, indent=2))
     else:
         print(format_report(model, workload, result, break_even))
@@ -193,10 +192,9 @@ def format_report(
     best = result.predicted["generation_throughput"]
     for combo, throughput in sorted(result.alternatives.items(), key=lambda kv: -kv[1]):
         lines.append(f"  best with {combo}: {throughput:.2f} tok/s ({throughput / best:.0%})")
-    if model.is_hybrid:
-        lines += ["", "prefix cache: off for hybrid models (docs/architecture.md)"]
-        return "\n".join(lines)
     lines += ["", "prefix cache: a cached prefix is loaded back instead of recomputed from"]
+    if model.is_hybrid:
+        lines[-1] += " (with the state saved at its end)"
     for tier, tokens in break_even.items():
         when = "never (recomputing is faster)" if tokens is None else f"{tokens} tokens"
         lines.append(f"  {tier:5s} {when}")

@@ -26,17 +26,19 @@ def load_seconds(
     num_tokens: int, tier: str, model: ModelSpec, hardware: HardwareSpec, compress_kv: bool
 ) -> float:
     """Seconds to bring `num_tokens` of cached KV (every layer) from `tier` to the compute
-    device."""
+    device; a hybrid's hit also copies the state saved at the prefix's end, from host
+    memory (engine/core/state_slots.py, `StateSnapshots`)."""
     per_token = float(model.kv_bytes_per_token)
     if compress_kv:
         per_token *= compressed_bytes_per_element(model.dtype_bytes) / model.dtype_bytes
     nbytes = num_tokens * per_token
+    state = model.state_bytes_per_sequence / hardware.ctog_bw if model.is_hybrid else 0.0
     if tier == "gpu":
-        return 0.0
+        return state
     seconds = nbytes / hardware.ctog_bw
     if tier == "disk":
         seconds += nbytes / hardware.dtoc_bw
-    return seconds
+    return seconds + state
 
 
 def recompute_seconds(num_tokens: int, model: ModelSpec, hardware: HardwareSpec) -> float:

@@ -17,6 +17,7 @@ from policy.affine import VARS, Affine
 from policy.catalog import BUILTIN_MODELS, resolve_model_spec
 from policy.cost_model import CostTerms, build_terms, hardware_budgets
 from policy.errors import ModelSpecError
+from policy.prefix import load_seconds
 from policy.specs import ModelSpec, WorkloadSpec
 from policy.state_cost import state_bytes_per_tier, state_terms
 from tests.engine.tiny_models import HYBRIDS, TINY_CONFIGS
@@ -213,11 +214,14 @@ def test_plan_command_reports_the_states(
     assert main(argv) == 0
     report = capsys.readouterr().out
     assert "of KV per token in 1 of 5 layers; 11.8 KiB of state per sequence in 2" in report
-    assert "prefix cache: off for hybrid models" in report
+    assert "recomputed from (with the state saved at its end)" in report
     assert main([*argv, "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     model, policy = resolve_model_spec(str(model_dir)), Policy.from_dict(out["policy"])
     states = out["states"]
     assert states["state_bytes_per_sequence"] == model.state_bytes_per_sequence == 12032
     assert states["state_bytes"] == pytest.approx(state_bytes_per_tier(model, policy))
-    assert "prefix_break_even_tokens" not in out
+    # a hit copies one saved state besides its KV: no shorter hit beats recomputing it
+    assert set(out["prefix_break_even_tokens"]) == {"gpu", "cpu", "disk"}
+    state_seconds = model.state_bytes_per_sequence / FLEXGEN_T4.ctog_bw
+    assert load_seconds(16, "gpu", model, FLEXGEN_T4, False) == pytest.approx(state_seconds)
