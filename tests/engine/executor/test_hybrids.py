@@ -286,3 +286,36 @@ def test_prefix_cache_restores_the_state_at_the_end_of_a_shared_prefix(
         assert len(first[1].token_ids) == 32 and first[1].state_save is not None
         assert all(c.state_restore == first[1].state_save for c in first[2:])
         assert sum(c.state_save is not None for c in chunks) == 1
+
+
+@pytest.mark.parametrize("kind", ["qwen3_next", "falcon_h1"])
+def test_prefix_cache_under_refill_preemption_and_chunked_prefill(tiny_model, tmp_path, kind):
+    """Ten prompts of one 40-token prefix and 2..20 tokens of their own through a block of
+    4, planned one step ahead, 24 tokens generated each: 16-token steps cut every prompt into
+    chunks (the state save falls inside one: the chunk is cut there), a KV pool of 8 pages
+    admits two sequences whose growth then preempts one (a preempted sequence's restore or
+    save is looked up again when it is readmitted), and later requests start from the saved
+    state. Every request's tokens equal transformers'."""
+    model_dir = tiny_model(kind)
+    vocab = vocab_size(kind)
+    prefix = random_prompts(1, vocab, PREFIX_TOKENS, PREFIX_TOKENS, seed=9)[0]
+    prompts = [prefix + tail for tail in random_prompts(10, vocab, 2, 20, seed=10)]
+    expected = [hf_greedy(model_dir, p, 24) for p in prompts]
+    policy = Policy(gpu_batch_size=2, num_gpu_batches=2)
+    with LLM(
+        str(model_dir),
+        policy=policy,
+        offload_dir=tmp_path,
+        device="cpu",
+        max_step_tokens=16,
+        kv_capacity_pages={"gpu": 8},
+    ) as llm:
+        scheduler = llm.scheduler
+        scheduler.config = dataclasses.replace(scheduler.config, expected_gen_tokens=1)
+        params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+        got = [out.outputs[0].token_ids for out in llm.generate(prompts, params)]
+        stats = scheduler.page_manager.stats
+        assert got == expected
+        assert scheduler.num_preemptions > 0
+        assert stats.state_saves >= 1 and stats.state_hits > 0
+        assert not any(scheduler.state_slots.num_used(t) for t in ("gpu", "cpu"))
