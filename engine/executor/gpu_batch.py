@@ -87,6 +87,23 @@ class StateRows:
     slots: dict[str, tuple[torch.Tensor, torch.Tensor]]
     """Per state tier: (its slots, on the pool's device; their sequences' positions in
     `spans`, on the compute device)."""
+    runs: dict[str, list[tuple[int, int, int]]] = field(default_factory=dict)
+    """Per state tier, the same as stretches of consecutive slots at consecutive positions:
+    (first slot, first position, count): a host pool is copied by them (`StateStore`)."""
+
+
+def slot_runs(slots: list[int], positions: list[int]) -> list[tuple[int, int, int]]:
+    """(first slot, first position, count) of each stretch where consecutive `positions`
+    hold consecutive `slots`, in order: one copy each instead of one per slot."""
+    runs: list[tuple[int, int, int]] = []
+    for slot, pos in zip(slots, positions, strict=True):
+        if runs:
+            first, at, n = runs[-1]
+            if slot == first + n and pos == at + n:
+                runs[-1] = (first, at, n + 1)
+                continue
+        runs.append((slot, pos, 1))
+    return runs
 
 
 @dataclass(slots=True)
@@ -275,6 +292,7 @@ class BatchBuilder:
                     )
                     for tier, (slots, order) in state_slots.items()
                 },
+                {tier: slot_runs(slots, order) for tier, (slots, order) in state_slots.items()},
             )
             if spans
             else None,

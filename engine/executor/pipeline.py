@@ -544,9 +544,9 @@ class BlockPipeline:
         rows = batch.states
         assert self.states is not None and rows is not None, "a state layer without states"
         layer = self.model.state_layer_index(j)
-        states = self.states.gather(layer, rows.slots, len(rows.spans))
+        states = self.states.gather(layer, rows.slots, len(rows.spans), rows.runs)
         out = self.model.state_layer(j, w, h, states, rows.spans)
-        self.states.scatter(layer, rows.slots, states)
+        self.states.scatter(layer, rows.slots, states, rows.runs)
         return out
 
     def _attend(

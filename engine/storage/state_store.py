@@ -64,27 +64,43 @@ class StateStore:
 
     def copy(self, src: tuple[str, int], dst: tuple[str, int]) -> None:
         """Copy the state of slot `src` into slot `dst`, every layer ((tier, slot) each): a
-        saved state of a cached prefix, into a sequence's slot or from it."""
+        saved state of a cached prefix, into a sequence's slot or from it. Waits for the
+        device first: a host slot may still be being written back (`scatter`)."""
+        self.device.synchronize()
         for pools_src, pools_dst in zip(self._pools[src[0]], self._pools[dst[0]], strict=True):
             for name, pool in pools_src.items():
                 pools_dst[name][dst[1]].copy_(pool[src[1]])
 
     def gather(
-        self, layer: int, slots: dict[str, tuple[torch.Tensor, torch.Tensor]], count: int
+        self,
+        layer: int,
+        slots: dict[str, tuple[torch.Tensor, torch.Tensor]],
+        count: int,
+        runs: dict[str, list[tuple[int, int, int]]],
     ) -> dict[str, torch.Tensor]:
         """State layer `layer`'s states of `count` sequences on the compute device, name ->
-        (count, *shape): per tier, (its slots on the pool's device, their positions among
-        the count)."""
+        (count, *shape). Per tier: (its slots on the pool's device, their positions among
+        the count), and the same as `runs` (first slot, first position, count): the pool on
+        the compute device is read with one `index_select`, a host pool by one copy per run
+        (from pinned memory, without blocking the host)."""
         out: dict[str, torch.Tensor] = {}
         for tier, (index, positions) in slots.items():
             for name, pool in self._pools[tier][layer].items():
-                part = self.device.to_device(pool.index_select(0, index))
-                if len(slots) == 1:
-                    out[name] = part
+                if tier == "gpu":
+                    part = self.device.to_device(pool.index_select(0, index))
+                    if len(slots) == 1:
+                        out[name] = part
+                        continue
+                    if name not in out:
+                        out[name] = part.new_empty((count, *pool.shape[1:]))
+                    out[name].index_copy_(0, positions, part)
                     continue
                 if name not in out:
-                    out[name] = part.new_empty((count, *pool.shape[1:]))
-                out[name].index_copy_(0, positions, part)
+                    out[name] = torch.empty(
+                        (count, *pool.shape[1:]), dtype=pool.dtype, device=self.device.device
+                    )
+                for first, at, n in runs[tier]:
+                    out[name][at : at + n].copy_(pool[first : first + n], non_blocking=True)
         return out
 
     def scatter(
@@ -92,12 +108,21 @@ class StateStore:
         layer: int,
         slots: dict[str, tuple[torch.Tensor, torch.Tensor]],
         states: dict[str, torch.Tensor],
+        runs: dict[str, list[tuple[int, int, int]]],
     ) -> None:
-        """Write back what `gather` read, after the layer updated it."""
+        """Write back what `gather` read, after the layer updated it: into a host pool by
+        one copy per run, into pinned memory without blocking the host (the step ends with
+        the device synchronized, before anything on the host reads a slot again)."""
         for tier, (index, positions) in slots.items():
             for name, pool in self._pools[tier][layer].items():
-                rows = states[name] if len(slots) == 1 else states[name].index_select(0, positions)
-                pool.index_copy_(0, index, rows.to(pool.device, non_blocking=False))
+                if tier == "gpu":
+                    rows = states[name]
+                    if len(slots) > 1:
+                        rows = rows.index_select(0, positions)
+                    pool.index_copy_(0, index, rows)
+                    continue
+                for first, at, n in runs[tier]:
+                    pool[first : first + n].copy_(states[name][at : at + n], non_blocking=True)
 
 
 def _numel(shape: tuple[int, ...]) -> int:

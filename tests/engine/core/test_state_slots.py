@@ -82,3 +82,13 @@ def test_snapshots_are_found_once_their_step_ran_and_evicted_least_recently_used
     # host memory when it has room beyond the running states, else the compute device's
     assert snapshot_tier({"gpu": 9, "cpu": 5}, {"gpu": 2, "cpu": 4}) == "cpu"
     assert snapshot_tier({"gpu": 9, "cpu": 0}, {"gpu": 2, "cpu": 0}) == "gpu"
+
+
+def test_slot_runs_cover_every_sequence_once() -> None:
+    """A host pool is copied by runs of consecutive slots at consecutive positions: each
+    (slot, position) pair falls in exactly one run, in order."""
+    from engine.executor.gpu_batch import slot_runs
+
+    assert slot_runs([4, 5, 6, 0, 2, 3], [0, 1, 2, 3, 5, 6]) == [(4, 0, 3), (0, 3, 1), (2, 5, 2)]
+    assert slot_runs([3, 2], [0, 1]) == [(3, 0, 1), (2, 1, 1)]  # descending slots: apart
+    assert slot_runs([], []) == []
