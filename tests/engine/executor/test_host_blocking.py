@@ -118,10 +118,25 @@ LOOPS: dict[str, tuple[str, dict[str, object]]] = {
         "mixtral",
         dict(weights_frac=(0.0, 0.5, 0.5), kv_frac=(0.0, 1.0, 0.0)),
     ),
+    # a hybrid's states gathered from and written back to both tiers (StateStore)
+    "hybrid-states-split": (
+        "qwen3_next",
+        dict(weights_frac=(0.0, 0.5, 0.5), kv_frac=(0.5, 0.5, 0.0)),
+    ),
+    "parallel-hybrid-mixed": (
+        "falcon_h1",
+        dict(weights_frac=(0.3, 0.3, 0.4), kv_frac=(0.4, 0.3, 0.3), cpu_attention=True),
+    ),
 }
 
 
-@pytest.mark.parametrize("placement", list(LOOPS))
+@pytest.mark.parametrize(
+    "placement",
+    [
+        pytest.param(name, marks=pytest.mark.slow) if name == "parallel-hybrid-mixed" else name
+        for name in LOOPS
+    ],
+)
 def test_the_layer_loop_never_waits_on_the_host(
     tiny_model: Callable[[str], Path],
     tmp_path: Path,
