@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from engine.core.sampling_params import SamplingParams
+from engine.core.sequence import Request
 from engine.core.state_slots import StateSlots, state_slot_capacity, state_tier
 from tests.engine.core.test_scheduler import drive, make, request
 from tests.engine.fakes import FakeExecutor, reference
@@ -92,3 +94,48 @@ def test_slot_runs_cover_every_sequence_once() -> None:
     assert slot_runs([4, 5, 6, 0, 2, 3], [0, 1, 2, 3, 5, 6]) == [(4, 0, 3), (0, 3, 1), (2, 5, 2)]
     assert slot_runs([3, 2], [0, 1]) == [(3, 0, 1), (2, 1, 1)]  # descending slots: apart
     assert slot_runs([], []) == []
+
+
+def test_a_failed_step_saves_no_state_and_the_next_request_saves_it_again() -> None:
+    """Scheduler bookkeeping of a hybrid's prefix cache: the second request with a cached
+    prefix reserves a save in its first chunk, cut where the cached KV ends; when that step
+    fails, the reservation is given back (nothing found, the slot free), and the request,
+    recomputed, saves the state again; the third request then hits it."""
+    from engine.core.protocol import StepFailure
+
+    sched = make(
+        gpu_batch_size=1,
+        state_slots={"gpu": 1},
+        state_snapshots={"gpu": 1},
+        enable_prefix_caching=True,
+        page_tokens=4,
+    )
+    shared = list(range(100, 112))  # three full pages
+    fake = FakeExecutor(4)
+    first = Request("a", [*shared, 1, 2], SamplingParams(max_tokens=2))
+    sched.add_request(first)
+    while sched.has_unfinished():
+        plan = sched.schedule()
+        assert plan is not None
+        sched.postprocess(plan, fake.execute(plan))
+    sched.add_request(Request("b", [*shared, 3], SamplingParams(max_tokens=2)))
+    plan = sched.schedule()
+    assert plan is not None
+    (chunk,) = plan.chunks
+    assert (chunk.start_pos, len(chunk.token_ids)) == (0, 12) and chunk.state_save == ("gpu", 1)
+    fake.execute(plan)  # it ran, then its storage failed: nothing it did counts
+    sched.recover(plan, StepFailure("EIO", "disk", [chunk.seq_id]))
+    assert not sched.snapshots.has(sched.page_manager.cache.hash_of(("gpu", 2)) or "")
+    saves = []
+    while sched.has_unfinished():
+        plan = sched.schedule()
+        assert plan is not None
+        saves += [c.state_save for c in plan.chunks if c.state_save is not None]
+        sched.postprocess(plan, fake.execute(plan))
+    assert saves == [("gpu", 1)] and sched.page_manager.stats.state_saves == 1
+    sched.add_request(Request("c", [*shared, 4, 5], SamplingParams(max_tokens=2)))
+    plan = sched.schedule()
+    assert plan is not None
+    (chunk,) = plan.chunks
+    assert chunk.start_pos == 12 and chunk.state_restore == ("gpu", 1)
+    assert sched.page_manager.stats.state_hits == 1
