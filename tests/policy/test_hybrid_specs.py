@@ -57,6 +57,30 @@ def test_parameters_and_states_equal_transformers_and_the_engine(kind: str) -> N
         assert ours.total_expert_params == experts
 
 
+@pytest.mark.parametrize(
+    ("kind", "flags"),
+    [
+        ("nemotron_h-latent", dict(use_bias=True, mlp_bias=True, use_conv_bias=False)),
+        ("falcon_h1", dict(mamba_proj_bias=True, projectors_bias=False, mlp_bias=True)),
+        ("falcon_h1", dict(mamba_d_ssm=None, mamba_n_heads=8, mamba_d_head="auto")),
+    ],
+)
+def test_bias_and_width_flags_count_as_transformers_builds_them(
+    kind: str, flags: dict[str, Any]
+) -> None:
+    """Each family's own names for the mixer's, MLPs' and latent projections' biases, and
+    Falcon-H1's mixer width from mamba_expand with an 'auto' head width."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    spec: dict[str, Any] = {**TINY_CONFIGS[kind], **flags}
+    config = AutoConfig.for_model(spec.pop("model_type"), pad_token_id=0, **spec)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    ours = ModelSpec.from_hf_config({**TINY_CONFIGS[kind], **flags})
+    assert ours.total_params == sum(p.numel() for p in model.parameters())
+
+
 def test_falcon_h1_has_kv_and_a_state_in_every_layer_by_hand() -> None:
     """The tiny Falcon-H1 in bfloat16: each of its 3 layers keeps the KV of 2 heads of 24 per
     token and a Mamba-2 state of 6 heads of 16 x a state of 8 (2 groups), kernel 4, per
