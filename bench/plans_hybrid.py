@@ -2,7 +2,8 @@
 
     python -m bench.plans_hybrid [--json bench/results/plans-hybrid-h100.json]
 
-Qwen3-Next-80B-A3B, Qwen3.5-397B-A17B, Granite-4.0-H-Small and Nemotron-H-56B (built-in
+Qwen3-Next-80B-A3B, Qwen3.5-397B-A17B, Granite-4.0-H-Small, Nemotron-H-56B, Nemotron 3 Nano
+(30B-A3B: its MoE layers) and Falcon-H1-34B (attention and Mamba-2 in every layer) (built-in
 shapes, no download), 512-token prompts and 256 generated tokens, on the measured H100 profile
 with an 80 GiB GPU, 512 GiB of host memory and a 4 TiB SSD, as `nanoflex plan` does: the
 policy, the prediction, and what the states take of each tier. The cost model's predictions,
@@ -27,7 +28,14 @@ from policy.units import format_bytes, parse_bytes
 
 WORKLOAD = WorkloadSpec(prompt_len=512, gen_len=256)
 BUDGETS = {"gpu_mem": "80GiB", "cpu_mem": "512GiB", "disk_mem": "4TiB"}
-MODELS = ("qwen3-next-80b-a3b", "qwen3.5-397b-a17b", "granite-4.0-h-small", "nemotron-h-56b")
+MODELS = (
+    "qwen3-next-80b-a3b",
+    "qwen3.5-397b-a17b",
+    "granite-4.0-h-small",
+    "nemotron-h-56b",
+    "nemotron-3-nano-30b-a3b",
+    "falcon-h1-34b",
+)
 
 
 def plan_case(name: str, hardware: HardwareSpec) -> dict[str, Any]:

@@ -373,6 +373,42 @@ BUILTIN_MODELS: dict[str, ModelSpec] = {
             "M-M*-M-M-M-M-M-",
             30720,
         ),
+        # Nemotron 3 Nano: 23 Mamba-2 layers (64 heads of 64, a state of 128 in 8 groups),
+        # 23 MoE layers (top-6 of 128 squared-ReLU experts 1856 wide, a shared one 3712
+        # wide) and 6 attention layers (32 heads over 2 KV heads of 128)
+        _hf(
+            "nemotron-3-nano-30b-a3b",
+            "nemotron_h",
+            **_shape(2688, 1856, 52, 32, 2, 128, 131072),
+            hybrid_override_pattern="MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME",
+            mamba_num_heads=64,
+            mamba_head_dim=64,
+            ssm_state_size=128,
+            n_groups=8,
+            conv_kernel=4,
+            chunk_size=128,
+            n_routed_experts=128,
+            num_experts_per_tok=6,
+            moe_intermediate_size=1856,
+            moe_shared_expert_intermediate_size=3712,
+            tie_word_embeddings=False,
+        ),
+        # Falcon-H1-34B: attention (20 heads over 4 KV heads of 128) and Mamba-2 (32 heads of
+        # 128, a state of 256 in 2 groups, its gated norm) side by side in each of 72 layers
+        _hf(
+            "falcon-h1-34b",
+            "falcon_h1",
+            **_shape(5120, 21504, 72, 20, 4, 128, 261120),
+            mamba_d_ssm=4096,
+            mamba_n_heads=32,
+            mamba_d_head=128,
+            mamba_d_state=256,
+            mamba_n_groups=2,
+            mamba_d_conv=4,
+            mamba_chunk_size=128,
+            mamba_rms_norm=True,
+            tie_word_embeddings=False,
+        ),
         _hf(
             "smollm3-3b",
             "smollm3",
@@ -486,6 +522,10 @@ _ALIASES: dict[str, str] = {
     "granite-4.0-h-small-base": "granite-4.0-h-small",
     "nemotron-h-56b-base-8k": "nemotron-h-56b",
     "nemotron-h-47b-base-8k": "nemotron-h-47b",
+    "nvidia-nemotron-3-nano-30b-a3b-bf16": "nemotron-3-nano-30b-a3b",
+    "nvidia-nemotron-3-nano-30b-a3b-base-bf16": "nemotron-3-nano-30b-a3b",
+    "falcon-h1-34b-instruct": "falcon-h1-34b",
+    "falcon-h1-34b-base": "falcon-h1-34b",
 }
 
 

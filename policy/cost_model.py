@@ -366,6 +366,8 @@ def _peak_memory(
     # Every layer MoE: no dense MLP, the shared expert's width (the routed ones: policy.moe)
     if model.num_moe_layers == model.num_layers:
         mlp_width = 2 * model.shared_expert_intermediate_size
+    if model.parallel_hybrid:  # the state mixer's output waits beside the attention's work
+        attention_pre += s * h * dtype
     mixer_pre = max(attention_pre, states.prefill_workspace)
     workspace_pre = gbs * (2 * s * h * dtype + max(mixer_pre, s * mlp_width * dtype)) + logits
     workspace_gen = (

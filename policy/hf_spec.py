@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from policy.errors import ModelSpecError
-from policy.hybrid import hybrid_fields
+from policy.hybrid import MOE_KINDS, hybrid_fields, layer_kinds
 
 FAMILIES: dict[str, str] = {
     "opt": "opt",
@@ -35,11 +35,12 @@ FAMILIES: dict[str, str] = {
     "qwen3_5_moe_text": "llama",
     "granitemoehybrid": "llama",
     "nemotron_h": "llama",
+    "falcon_h1": "llama",
 }
 """HF `model_type` -> our architecture family (all but OPT: RMSNorm, RoPE, gated MLP)."""
 _GATED_DELTA = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 """Hybrids of Gated DeltaNet layers beside attention with an output gate and q/k norms."""
-HYBRIDS = frozenset({*_GATED_DELTA, "granitemoehybrid", "nemotron_h"})
+HYBRIDS = frozenset({*_GATED_DELTA, "granitemoehybrid", "nemotron_h", "falcon_h1"})
 """Model types with state layers (policy/hybrid.py)."""
 _QWEN_SHARED = ("qwen3_next", "qwen3_5_moe_text")
 """Qwen MoE types whose MoE layers have Qwen2-MoE's gated shared expert."""
@@ -160,6 +161,8 @@ def _llama_family(
     if hybrid:
         fields.update(hybrid_fields(config, model_type, num_layers))
         fields["attention_output_gate"] = model_type in _GATED_DELTA
+    if model_type == "falcon_h1":  # attention_bias on all four projections; mlp_bias
+        fields.update(o_bias=qkv_bias, mlp_bias=bool(config.get("mlp_bias", False)))
     if model_type == "nemotron_h":  # one norm and one mixer or MLP per layer; no q/k/v biases
         fields.update(
             num_norms=1,
@@ -180,6 +183,8 @@ def _experts(config: dict[str, Any], model_type: str, num_layers: int) -> dict[s
         return _llama4_experts(config, num_layers)
     if model_type == "granitemoehybrid":
         return _granite_experts(config, num_layers)
+    if model_type == "nemotron_h":
+        return _nemotron_experts(config, num_layers)
     if model_type == "gpt_oss":  # every layer; experts as wide as intermediate_size
         return dict(
             num_experts=int(config["num_local_experts"]),
@@ -230,6 +235,25 @@ def _granite_experts(config: dict[str, Any], num_layers: int) -> dict[str, Any]:
         shared_expert_intermediate_size=int(config["shared_intermediate_size"]),
         shared_expert_gate=False,
         moe_layer_ids=tuple(range(num_layers)),
+    )
+
+
+def _nemotron_experts(config: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """Nemotron 3's: its 'moe' layers, n_routed_experts of moe_intermediate_size (squared
+    ReLU, up and down, over the moe_latent_size latent where set) beside one shared MLP of
+    moe_shared_expert_intermediate_size, ungated; {} without MoE layers."""
+    kinds = layer_kinds(config, "nemotron_h", num_layers)
+    layers = tuple(i for i, kind in enumerate(kinds) if kind in MOE_KINDS)
+    if not layers:
+        return {}
+    return dict(
+        num_experts=int(config["n_routed_experts"]),
+        num_experts_per_tok=int(config["num_experts_per_tok"]),
+        moe_intermediate_size=int(config["moe_intermediate_size"]),
+        shared_expert_intermediate_size=int(config["moe_shared_expert_intermediate_size"]),
+        shared_expert_gate=False,
+        moe_latent_size=int(config.get("moe_latent_size") or 0),
+        moe_layer_ids=layers,
     )
 
 

@@ -2,12 +2,13 @@
 
 A hybrid (Qwen3-Next, Qwen3.5: Gated DeltaNet; Granite 4 hybrid, Nemotron-H: Mamba-2) mixes
 tokens in most layers through a fixed-size state per sequence instead of attention over KV
-pages: the short convolution's last kernel - 1 inputs (conv channels x (kernel - 1), in the
-model dtype) and the recurrent state (heads x key dim x value dim, float32, as transformers and
-the engine keep it: engine/models/config.py `state_bytes`). The engine keeps a sequence's state
-beside its KV: on the gpu tier for sequences whose KV is there, in host memory for the others
-(disk-homed ones too: engine/core/state_slots.py), and every step reads it onto the compute
-device and writes it back, once per state layer, for a decode and for a prefill chunk alike.
+pages (Falcon-H1, a parallel hybrid: in every layer, beside attention over KV pages): the short
+convolution's last kernel - 1 inputs (conv channels x (kernel - 1), in the model dtype) and the
+recurrent state (heads x key dim x value dim, float32, as transformers and the engine keep it:
+engine/models/config.py `state_bytes`). The engine keeps a sequence's state beside its KV: on
+the gpu tier for sequences whose KV is there, in host memory for the others (disk-homed ones
+too: engine/core/state_slots.py), and every step reads it onto the compute device and writes it
+back, once per state layer, for a decode and for a prefill chunk alike.
 """
 
 from __future__ import annotations
@@ -31,6 +32,10 @@ STATE_KINDS = frozenset({"linear_attention", "mamba", "M"})
 letter)."""
 ATTENTION_KINDS = frozenset({"full_attention", "attention", "*"})
 MLP_KINDS = frozenset({"mlp", "-"})
+MOE_KINDS = frozenset({"moe", "E"})
+"""Nemotron 3's MoE layers: routed experts beside a shared MLP, no token mixer."""
+PARALLEL_KINDS = frozenset({"hybrid"})
+"""Falcon-H1's one kind: attention and a Mamba-2 mixer side by side."""
 
 
 @dataclass(frozen=True)
@@ -89,10 +94,13 @@ class StateShape:
 def layer_kinds(config: dict[str, Any], model_type: str, num_layers: int) -> list[str]:
     """Each layer's kind as the config names it: `layer_types` (Qwen3-Next, Qwen3.5, Granite
     4), `layers_block_type` or `hybrid_override_pattern` (Nemotron-H); else Qwen's default of
-    a full attention layer every full_attention_interval layers."""
+    a full attention layer every full_attention_interval layers, and Falcon-H1's 'hybrid'
+    layers (its config class derives them, config.json need not list them)."""
     kinds = config.get("layers_block_type") or config.get("layer_types")
     if not kinds and isinstance(config.get("hybrid_override_pattern"), str):
         kinds = list(config["hybrid_override_pattern"])
+    if not kinds and model_type == "falcon_h1":
+        kinds = ["hybrid"] * num_layers
     if not kinds and model_type.startswith("qwen3"):
         interval = int(config.get("full_attention_interval", 4))
         kinds = [
@@ -101,7 +109,9 @@ def layer_kinds(config: dict[str, Any], model_type: str, num_layers: int) -> lis
         ]
     if not isinstance(kinds, list) or len(kinds) != num_layers:
         raise ModelSpecError(f"{model_type}: its layer kinds do not list its {num_layers} layers")
-    known = STATE_KINDS | ATTENTION_KINDS | MLP_KINDS
+    known = STATE_KINDS | ATTENTION_KINDS | MLP_KINDS | MOE_KINDS
+    if model_type == "falcon_h1":  # its layers are all of its one kind, none of the others
+        known = PARALLEL_KINDS
     unknown = sorted({str(k) for k in kinds} - known)
     if unknown:
         raise ModelSpecError(f"{model_type}: layer kinds {unknown} are not priced")
@@ -109,17 +119,22 @@ def layer_kinds(config: dict[str, Any], model_type: str, num_layers: int) -> lis
 
 
 def hybrid_fields(config: dict[str, Any], model_type: str, num_layers: int) -> dict[str, Any]:
-    """`ModelSpec` fields of a hybrid's layers: which are state layers (and, in Nemotron-H,
-    MLP-only ones) and the state layers' `StateShape`."""
+    """`ModelSpec` fields of a hybrid's layers: which are state layers (Falcon-H1: all, each
+    beside attention), which, in Nemotron-H, MLP-only ones (dense or MoE) and the state
+    layers' `StateShape`."""
     kinds = layer_kinds(config, model_type, num_layers)
     if model_type.startswith("qwen3"):
         state = _gated_delta_net(config)
     else:
         state = _mamba2(config, model_type)
+    state_kinds = PARALLEL_KINDS | STATE_KINDS
     return dict(
-        state_layer_ids=tuple(i for i, kind in enumerate(kinds) if kind in STATE_KINDS),
-        mlp_only_layer_ids=tuple(i for i, kind in enumerate(kinds) if kind in MLP_KINDS),
+        state_layer_ids=tuple(i for i, kind in enumerate(kinds) if kind in state_kinds),
+        mlp_only_layer_ids=tuple(
+            i for i, kind in enumerate(kinds) if kind in MLP_KINDS | MOE_KINDS
+        ),
         state=state,
+        parallel_hybrid=model_type == "falcon_h1",
     )
 
 
@@ -153,16 +168,21 @@ def _gated_delta_net(config: dict[str, Any]) -> StateShape:
     )
 
 
+_MAMBA_NAMES = dict(
+    heads="mamba_n_heads",
+    head_dim="mamba_d_head",
+    state="mamba_d_state",
+    groups="mamba_n_groups",
+    kernel="mamba_d_conv",
+    chunk="mamba_chunk_size",
+    conv_bias="mamba_conv_bias",
+    in_bias="mamba_proj_bias",
+    out_bias="mamba_proj_bias",
+)
+"""Granite 4's `mamba_*` names, which Falcon-H1 shares but for out_proj's bias."""
 _MAMBA_KEYS: dict[str, dict[str, str]] = {
-    "granitemoehybrid": dict(
-        heads="mamba_n_heads",
-        head_dim="mamba_d_head",
-        state="mamba_d_state",
-        groups="mamba_n_groups",
-        kernel="mamba_d_conv",
-        chunk="mamba_chunk_size",
-        conv_bias="mamba_conv_bias",
-    ),
+    "granitemoehybrid": _MAMBA_NAMES,
+    "falcon_h1": {**_MAMBA_NAMES, "out_bias": "projectors_bias"},
     "nemotron_h": dict(
         heads="mamba_num_heads",
         head_dim="mamba_head_dim",
@@ -171,34 +191,58 @@ _MAMBA_KEYS: dict[str, dict[str, str]] = {
         kernel="conv_kernel",
         chunk="chunk_size",
         conv_bias="use_conv_bias",
+        in_bias="use_bias",
+        out_bias="use_bias",
     ),
 }
-"""Each family's names for Mamba-2's shapes."""
+"""Each family's names for Mamba-2's shapes and biases (transformers' mixer classes)."""
+
+
+def _mamba_inner(config: dict[str, Any], model_type: str, heads: int) -> tuple[int, int]:
+    """(inner width, head dim): heads x head dim; Falcon-H1's inner width is mamba_d_ssm (its
+    config class's 1024 when absent, mamba_expand x hidden when null) and its head dim may be
+    'auto' (inner / heads)."""
+    head_dim = config[_MAMBA_KEYS[model_type]["head_dim"]]
+    if model_type != "falcon_h1":
+        return heads * int(head_dim), int(head_dim)
+    inner = config.get("mamba_d_ssm", 1024)
+    if inner is None:
+        inner = int(config.get("mamba_expand", 2)) * int(config["hidden_size"])
+    head_dim = int(inner) // heads if head_dim == "auto" else int(head_dim)
+    if heads * head_dim != int(inner):
+        raise ModelSpecError(
+            f"falcon_h1: mamba_d_ssm {inner} is not mamba_n_heads x mamba_d_head "
+            f"({heads} x {head_dim})"
+        )
+    return int(inner), head_dim
 
 
 def _mamba2(config: dict[str, Any], model_type: str) -> StateShape:
     """Mamba-2's: x, the gate z, B and C per group and a time step per head projected from the
     hidden state, a depthwise convolution over x, B and C, a decay, time step bias and skip
-    per head, a gated RMSNorm over the inner width, and the output projection."""
+    per head, a gated RMSNorm over the inner width (Falcon-H1's only with mamba_rms_norm), and
+    the output projection."""
     keys = _MAMBA_KEYS[model_type]
     hidden = int(config["hidden_size"])
-    heads, head_dim = int(config[keys["heads"]]), int(config[keys["head_dim"]])
+    heads = int(config[keys["heads"]])
+    inner, head_dim = _mamba_inner(config, model_type, heads)
     state, groups = int(config[keys["state"]]), int(config[keys["groups"]])
     kernel = int(config.get(keys["kernel"], 4))
-    inner = heads * head_dim
     conv = inner + 2 * groups * state
-    proj_bias = bool(config.get("mamba_proj_bias", False))
+    in_bias = bool(config.get(keys["in_bias"], False))
+    out_bias = bool(config.get(keys["out_bias"], False))
     conv_bias = bool(config.get(keys["conv_bias"], True))
+    norm = model_type != "falcon_h1" or bool(config.get("mamba_rms_norm", False))
     in_width = inner + conv + heads
     params = (
         hidden * in_width
-        + (in_width if proj_bias else 0)
+        + (in_width if in_bias else 0)
         + conv * kernel
         + (conv if conv_bias else 0)
         + 3 * heads  # dt_bias, A_log, D
-        + inner  # the gated norm
+        + (inner if norm else 0)  # the gated norm
         + inner * hidden
-        + (hidden if proj_bias else 0)
+        + (hidden if out_bias else 0)
     )
     return StateShape(
         mixer_params=params,

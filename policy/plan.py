@@ -121,9 +121,10 @@ def _state_note(model: ModelSpec) -> str:
     if not model.is_hybrid:
         return ""
     per_sequence = model.state_bytes_per_sequence
+    beside = ", beside attention" if model.parallel_hybrid else ""
     return (
         f" in {model.num_kv_layers} of {model.num_layers} layers; "
-        f"{format_bytes(per_sequence)} of state per sequence in {model.num_state_layers} "
+        f"{format_bytes(per_sequence)} of state per sequence in {model.num_state_layers}{beside} "
         f"(as much as {per_sequence / model.kv_bytes_per_token:,.0f} tokens of KV)"
     )
 

@@ -91,10 +91,15 @@ class ModelSpec:
     """Layers whose MLP is the MoE block; the others have a dense MLP of intermediate_size
     (Qwen MoE's decoder_sparse_step and mlp_only_layers; every layer in Mixtral, OLMoE)."""
     gated_mlp: bool = True
-    """The dense MLP is gated (SwiGLU: gate, up, down); False: up and down only (Nemotron-H's
-    squared ReLU)."""
+    """The MLPs (dense, routed experts, shared expert) are gated (SwiGLU: gate, up, down);
+    False: up and down only (Nemotron-H's squared ReLU)."""
     mlp_bias: bool = False
-    """The dense MLP's projections have biases (Nemotron-H's mlp_bias)."""
+    """The dense and shared MLPs' projections have biases (Nemotron-H's and Falcon-H1's
+    mlp_bias; Nemotron-H's latent projections too)."""
+    moe_latent_size: int = 0
+    """Nemotron 3 Super: the routed experts run over a latent this wide, projected in from the
+    hidden state before them and back out after them (two projections every token of an MoE
+    layer runs); 0: the experts run over the hidden state."""
     attention_output_gate: bool = False
     """q_proj also computes a sigmoid gate per head and channel (Qwen3-Next, Qwen3.5): twice
     as wide."""
@@ -104,8 +109,11 @@ class ModelSpec:
     state: StateShape | None = None
     """The state layers' shapes; None without state layers."""
     mlp_only_layer_ids: tuple[int, ...] = ()
-    """Nemotron-H: layers that are an MLP alone (no token mixer); where there are any, the
-    other layers are a token mixer alone (no MLP)."""
+    """Nemotron-H: layers that are an MLP alone (no token mixer), dense or MoE; where there are
+    any, the other layers are a token mixer alone (no MLP)."""
+    parallel_hybrid: bool = False
+    """Falcon-H1: every state layer also runs attention over KV beside its state mixer (the
+    two outputs summed), then an MLP; False: a state layer has no attention."""
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:
@@ -142,6 +150,8 @@ class ModelSpec:
             raise ModelSpecError("a layer cannot be both a state layer and an MLP-only layer")
         if bool(self.state_layer_ids) != (self.state is not None):
             raise ModelSpecError("state layers and their shape (state) come together")
+        if self.parallel_hybrid and self.state is None:
+            raise ModelSpecError("a parallel hybrid needs state layers")
         if self.num_kv_layers < 1:
             raise ModelSpecError("a model needs at least one attention layer")
 
@@ -160,6 +170,8 @@ class ModelSpec:
             )
         if self.moe_intermediate_size < 1 or self.shared_expert_intermediate_size < 0:
             raise ModelSpecError("an MoE model needs moe_intermediate_size >= 1")
+        if self.moe_latent_size < 0:
+            raise ModelSpecError(f"moe_latent_size must be >= 0, got {self.moe_latent_size}")
         if not self.moe_layer_ids or not all(0 <= i < self.num_layers for i in self.moe_layer_ids):
             raise ModelSpecError(f"moe_layer_ids must be layers in [0, {self.num_layers})")
 
@@ -187,25 +199,39 @@ class ModelSpec:
         h, f = self.hidden_size, self.intermediate_size
         if self.arch == "opt":
             return 2 * h * f + f + h
-        if not self.gated_mlp:
-            return 2 * h * f + (f + h if self.mlp_bias else 0)
-        return 3 * h * f + (2 * f + h if self.mlp_bias else 0)
+        return self._mlp_params(h, f, self.mlp_bias)
+
+    def _mlp_params(self, width: int, inner: int, bias: bool) -> int:
+        """One MLP from `width` through `inner` and back: gate (when gated), up and down, with
+        their biases where `bias` says."""
+        matrices = 3 if self.gated_mlp else 2
+        return matrices * width * inner + ((matrices - 1) * inner + width if bias else 0)
+
+    @property
+    def expert_input_dim(self) -> int:
+        """The width a routed expert reads and writes: the latent (Nemotron 3 Super), else
+        the hidden state."""
+        return self.moe_latent_size or self.hidden_size
 
     @property
     def expert_params(self) -> int:
-        """One routed expert: a SwiGLU MLP of width moe_intermediate_size (0 when dense), with
-        gpt-oss's biases."""
-        h, width = self.hidden_size, self.moe_intermediate_size
-        return 3 * h * width + (2 * width + h if self.moe_biases else 0)
+        """One routed expert: a SwiGLU MLP (Nemotron-H: up and down) of width
+        moe_intermediate_size (0 when dense) over `expert_input_dim`, with gpt-oss's biases."""
+        return self._mlp_params(self.expert_input_dim, self.moe_intermediate_size, self.moe_biases)
 
     @property
     def moe_always_params(self) -> int:
-        """The parts of an MoE block every token uses: the router (hidden -> num_experts) and
-        the shared expert with its sigmoid gate (hidden -> 1) where it has one."""
-        h, shared = self.hidden_size, self.shared_expert_intermediate_size
+        """The parts of an MoE block every token uses: the router (hidden -> num_experts), the
+        shared expert with its sigmoid gate (hidden -> 1) where it has one, and the projections
+        into and out of the experts' latent where they have one."""
+        h, shared, latent = self.hidden_size, self.shared_expert_intermediate_size, 0
         gate = h if self.shared_expert_gate else 0
         router = (h + 1 if self.moe_biases else h) * self.num_experts
-        return router + (3 * h * shared + gate if shared else 0)
+        if self.moe_latent_size:
+            latent = 2 * h * self.moe_latent_size
+            latent += self.moe_latent_size + h if self.mlp_bias else 0
+        shared_params = self._mlp_params(h, shared, self.mlp_bias) + gate if shared else 0
+        return router + shared_params + latent
 
     @property
     def num_moe_layers(self) -> int:
@@ -243,8 +269,10 @@ class ModelSpec:
 
     @property
     def num_kv_layers(self) -> int:
-        """Layers with attention over KV: all but the state and MLP-only layers."""
-        return self.num_layers - self.num_state_layers - len(self.mlp_only_layer_ids)
+        """Layers with attention over KV: all but the state and MLP-only layers (a parallel
+        hybrid's state layers have KV too)."""
+        state = 0 if self.parallel_hybrid else self.num_state_layers
+        return self.num_layers - state - len(self.mlp_only_layer_ids)
 
     @property
     def kv_layer_share(self) -> float:
@@ -267,9 +295,13 @@ class ModelSpec:
         return self.num_state_layers * self.state_bytes_per_layer
 
     def _mixers_params(self) -> int:
-        """Parameters of every layer's token mixer and norms, outside the MLPs."""
+        """Parameters of every layer's token mixer and norms, outside the MLPs (a parallel
+        hybrid's layer: attention with its norms and the state mixer beside it)."""
         norms = self.num_norms * self.hidden_size
-        state = self.num_state_layers * (self.state.mixer_params + norms) if self.state else 0
+        state = 0
+        if self.state is not None:
+            own_norms = 0 if self.parallel_hybrid else norms  # else counted with attention
+            state = self.num_state_layers * (self.state.mixer_params + own_norms)
         return (
             self.num_kv_layers * self.attention_params
             + state

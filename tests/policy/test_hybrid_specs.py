@@ -29,27 +29,11 @@ def _tiny(kind: str, dtype: str = "bfloat16") -> ModelSpec:
     return ModelSpec.from_hf_config({**TINY_CONFIGS[kind], "torch_dtype": dtype}, name=kind)
 
 
-UNPRICED = {
-    "falcon_h1": "falcon_h1",
-    "falcon_h1-plain": "falcon_h1",
-    "nemotron_h-moe": "moe",
-    "nemotron_h-latent": "moe",
-}
-"""The tiny hybrids the planner refuses, each with what its refusal names: Falcon-H1 (attention
-and Mamba-2 side by side in a layer) and Nemotron-H's MoE layers are not priced."""
-PRICED = [kind for kind in HYBRIDS if kind not in UNPRICED]
-
-
-@pytest.mark.parametrize("kind", UNPRICED)
-def test_the_unpriced_hybrids_are_refused_by_name(kind: str) -> None:
-    """`--policy auto` and `nanoflex plan` refuse them in one line naming what is not priced
-    (the engine runs them under a policy file)."""
-    with pytest.raises(ModelSpecError, match=UNPRICED[kind]):
-        _tiny(kind, "float32")
-
-
-@pytest.mark.parametrize("kind", PRICED)
+@pytest.mark.parametrize("kind", HYBRIDS)
 def test_parameters_and_states_equal_transformers_and_the_engine(kind: str) -> None:
+    """Every tiny hybrid (Falcon-H1's parallel layers and Nemotron 3's MoE layers, latent or
+    not, included): the parameters transformers builds, the layers the engine keeps states
+    and KV pages for, a slot's bytes, and the MoE layers and their experts as both hold them."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -65,6 +49,68 @@ def test_parameters_and_states_equal_transformers_and_the_engine(kind: str) -> N
     assert ours.state_layer_ids == engine.state_layers
     assert ours.num_kv_layers == len(engine.kv_layers)
     assert ours.state_bytes_per_sequence == engine.state_bytes(4)  # what a slot holds
+    assert ours.is_moe == engine.is_moe and ours.parallel_hybrid == engine.parallel_hybrid
+    if ours.is_moe:
+        moe_layers = tuple(i for i in range(engine.num_layers) if engine.is_moe_layer(i))
+        assert ours.moe_layer_ids == moe_layers
+        assert ours.num_experts == engine.num_experts
+        experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+        assert ours.total_expert_params == experts
+
+
+@pytest.mark.parametrize(
+    ("kind", "flags"),
+    [
+        ("nemotron_h-latent", dict(use_bias=True, mlp_bias=True, use_conv_bias=False)),
+        ("falcon_h1", dict(mamba_proj_bias=True, projectors_bias=False, mlp_bias=True)),
+        ("falcon_h1", dict(mamba_d_ssm=None, mamba_n_heads=8, mamba_d_head="auto")),
+    ],
+)
+def test_bias_and_width_flags_count_as_transformers_builds_them(
+    kind: str, flags: dict[str, Any]
+) -> None:
+    """Each family's own names for the mixer's, MLPs' and latent projections' biases, and
+    Falcon-H1's mixer width from mamba_expand with an 'auto' head width."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    spec: dict[str, Any] = {**TINY_CONFIGS[kind], **flags}
+    config = AutoConfig.for_model(spec.pop("model_type"), pad_token_id=0, **spec)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    ours = ModelSpec.from_hf_config({**TINY_CONFIGS[kind], **flags})
+    assert ours.total_params == sum(p.numel() for p in model.parameters())
+
+
+def test_falcon_h1_has_kv_and_a_state_in_every_layer_by_hand() -> None:
+    """The tiny Falcon-H1 in bfloat16: each of its 3 layers keeps the KV of 2 heads of 24 per
+    token and a Mamba-2 state of 6 heads of 16 x a state of 8 (2 groups), kernel 4, per
+    sequence; its mixer beside attention (biases on q, k, v, o and out_proj), one MLP."""
+    model = _tiny("falcon_h1")
+    assert model.parallel_hybrid and model.state_layer_ids == (0, 1, 2)
+    assert (model.num_kv_layers, model.kv_layer_share, model.state_layer_share) == (3, 1.0, 1.0)
+    assert model.kv_bytes_per_token == 3 * 2 * (2 * 24) * 2
+    conv_channels = 6 * 16 + 2 * 2 * 8
+    assert model.state_bytes_per_layer == conv_channels * 3 * 2 + 6 * 16 * 8 * 4
+    h, q, kv, inner, f = 64, 4 * 24, 2 * 24, 96, 80
+    attention = 2 * h * q + 2 * h * kv + (q + 2 * kv + h) + 2 * h  # + biases and 2 norms
+    in_width = inner + conv_channels + 6  # z, x B C, dt
+    mixer = h * in_width + conv_channels * 5 + 3 * 6 + inner + inner * h + h  # out_proj bias
+    assert model.layer_params == attention + mixer + 3 * h * f
+
+
+def test_nemotron_moe_layers_by_hand() -> None:
+    """The tiny Nemotron 3: 2 MoE layers of 8 squared-ReLU experts (up and down, 24 wide) of
+    which 2 per token, beside a shared MLP 40 wide and a router; the latent one's experts run
+    over 32 channels between two projections every token runs."""
+    model, latent = _tiny("nemotron_h-moe"), _tiny("nemotron_h-latent")
+    h = 64
+    assert model.moe_layer_ids == (1, 5) and model.num_kv_layers == 1
+    assert model.expert_params == 2 * h * 24
+    assert model.moe_always_params == 8 * h + 2 * h * 40
+    assert latent.expert_params == 2 * 32 * 24
+    assert latent.moe_always_params == model.moe_always_params + 2 * h * 32
+    assert model.total_params - model.active_params == 2 * 6 * model.expert_params
 
 
 def test_granite_state_and_kv_by_hand() -> None:
@@ -90,6 +136,10 @@ def test_granite_state_and_kv_by_hand() -> None:
         ("granite-4.0-h-small", 32.21, 36 * (8448 * 3 * 2 + 128 * 64 * 128 * 4), 4),
         ("nemotron-h-56b", 56.32, 54 * (20480 * 3 * 2 + 256 * 64 * 256 * 4), 10),
         ("nemotron-h-47b", 46.79, 45 * (20480 * 3 * 2 + 256 * 64 * 256 * 4), 5),
+        # 23 Mamba-2 layers: (4096 + 2 x 8 x 128) x 3 windows, 64 heads x 64 x 128
+        ("nemotron-3-nano-30b-a3b", 31.58, 23 * (6144 * 3 * 2 + 64 * 64 * 128 * 4), 6),
+        # every one of 72 layers: (4096 + 2 x 2 x 256) x 3 windows, 32 heads x 128 x 256
+        ("falcon-h1-34b", 33.64, 72 * (5120 * 3 * 2 + 32 * 128 * 256 * 4), 72),
     ],
 )
 def test_builtin_hybrids_match_published_sizes(name, billions, state_bytes, kv_layers) -> None:
@@ -109,16 +159,19 @@ def test_hub_ids_and_vision_wrappers_name_the_hybrids() -> None:
     assert resolve_model_spec("Qwen/Qwen3-Next-80B-A3B-Instruct").name == "qwen3-next-80b-a3b"
     assert resolve_model_spec("ibm-granite/granite-4.0-h-small").name == "granite-4.0-h-small"
     assert resolve_model_spec("nvidia/Nemotron-H-56B-Base-8K").name == "nemotron-h-56b"
+    nano = "nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16"
+    assert resolve_model_spec(nano).name == "nemotron-3-nano-30b-a3b"
+    assert resolve_model_spec("tiiuae/Falcon-H1-34B-Instruct").name == "falcon-h1-34b"
     text = {**TINY_CONFIGS["qwen3_5_moe"], "torch_dtype": "bfloat16"}
     wrapped = ModelSpec.from_hf_config({"model_type": "qwen3_5_moe", "text_config": text})
     assert wrapped.total_params == ModelSpec.from_hf_config(text).total_params
 
 
-def test_layer_kinds_are_read_in_every_spelling_and_moe_layers_refused() -> None:
-    nemotron: dict[str, Any] = dict(TINY_CONFIGS["nemotron_h"])
+def test_layer_kinds_are_read_in_every_spelling_and_unknown_ones_refused() -> None:
+    nemotron: dict[str, Any] = dict(TINY_CONFIGS["nemotron_h-moe"])
     kinds: list[str] = nemotron.pop("layers_block_type")
     letters = "".join(
-        {"linear_attention": "M", "full_attention": "*", "mlp": "-"}[k] for k in kinds
+        {"linear_attention": "M", "full_attention": "*", "mlp": "-", "moe": "E"}[k] for k in kinds
     )
     assert ModelSpec.from_hf_config(
         {**nemotron, "hybrid_override_pattern": letters}
@@ -127,8 +180,12 @@ def test_layer_kinds_are_read_in_every_spelling_and_moe_layers_refused() -> None
     words = ["mamba" if k == "linear_attention" else "attention" for k in granite["layer_types"]]
     read = ModelSpec.from_hf_config
     assert read({**granite, "layer_types": words}) == read(granite)
-    with pytest.raises(ModelSpecError, match=r"layer kinds \['moe'\] are not priced"):
-        ModelSpec.from_hf_config({**nemotron, "layers_block_type": [*kinds[:-1], "moe"]})
+    falcon = dict(TINY_CONFIGS["falcon_h1"])
+    assert read({**falcon, "layers_block_type": ["hybrid"] * 3}) == read(falcon)
+    with pytest.raises(ModelSpecError, match=r"layer kinds \['sliding'\] are not priced"):
+        ModelSpec.from_hf_config({**nemotron, "layers_block_type": [*kinds[:-1], "sliding"]})
+    with pytest.raises(ModelSpecError, match=r"falcon_h1: layer kinds \['mamba'\]"):
+        read({**falcon, "layers_block_type": ["hybrid", "mamba", "hybrid"]})
 
 
 WORKLOAD = WorkloadSpec(prompt_len=32, gen_len=8)
@@ -173,6 +230,27 @@ def test_state_terms_by_hand() -> None:
     assert _coeff(terms.decode["compute"].rows[0], "cg") == pytest.approx(
         _coeff(terms.compute_parts["gpu_attention"], "cg")
     )  # gpu-homed states stay put
+
+
+def test_falcon_h1_terms_price_kv_and_states_in_every_layer() -> None:
+    """8 sequences of the tiny Falcon-H1 (3 layers, each with KV and a state): the KV of every
+    layer and the state of every layer are homed with the sequence; per layer, a decode reads
+    every layer's share of KV, and host-homed states cross PCIe both ways; every layer runs
+    its recurrent step."""
+    model, bls, layers, hw = _tiny("falcon_h1"), 8, 3, FLEXGEN_T4
+    kv_tok, state = 2 * 2 * 24 * 2, 128 * 3 * 2 + 6 * 16 * 8 * 4  # per layer, in bf16
+    assert model.kv_bytes_per_token_per_layer == kv_tok and model.state_bytes_per_layer == state
+    policy = Policy(gpu_batch_size=4, num_gpu_batches=2, kv_frac=(0.5, 0.25, 0.25))
+    terms = _terms(model, policy)
+    kv_home = bls * (32 + 8) * kv_tok * layers
+    assert _coeff(terms.memory["gpu_decode"], "cg") == pytest.approx(kv_home + bls * layers * state)
+    kv_read = bls * (32 + 4) * kv_tok  # one layer's, as a transformer's (kv share 1)
+    assert _coeff(terms.decode["ctog"].rows[0], "cd") * hw.ctog_bw == pytest.approx(kv_read)
+    found = state_terms(model, hw, bls, 32)
+    assert found.host_bytes == pytest.approx(bls * layers * state / layers)
+    assert model.state is not None
+    one = max(model.state.decode_flops / hw.gpu_bmm_flops, 2 * state / hw.gpu_mem_bw_estimate)
+    assert found.decode_seconds == pytest.approx(bls * one)  # every layer a state layer
 
 
 def test_state_compute_by_hand() -> None:
@@ -225,3 +303,45 @@ def test_plan_command_reports_the_states(
     assert set(out["prefix_break_even_tokens"]) == {"gpu", "cpu", "disk"}
     state_seconds = model.state_bytes_per_sequence / FLEXGEN_T4.ctog_bw
     assert load_seconds(16, "gpu", model, FLEXGEN_T4, False) == pytest.approx(state_seconds)
+
+
+@pytest.mark.parametrize(
+    ("kind", "header", "moe_line"),
+    [
+        (
+            "falcon_h1",
+            "of KV per token in 3 of 3 layers; 13.5 KiB of state per sequence in 3, "
+            "beside attention",
+            None,
+        ),
+        (
+            "nemotron_h-moe",
+            "of KV per token in 1 of 6 layers; 11.8 KiB of state per sequence in 2",
+            "mixture of experts: 8 routed experts in 2 of 6 layers, top-2, 12 KiB each",
+        ),
+    ],
+)
+def test_plan_command_reports_falcon_h1_and_nemotron_moe(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], kind: str, header: str, moe_line: str | None
+) -> None:
+    """`nanoflex plan` plans the parallel hybrid and the MoE hybrid it once refused: KV in
+    every Falcon-H1 layer beside its state; Nemotron 3's experts placed per tier and reported
+    (--json: `moe` and `states`)."""
+    from server.cli import main
+
+    hardware = tmp_path / "hardware.json"
+    FLEXGEN_T4.save(hardware)
+    model_dir = tmp_path / kind
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(
+        json.dumps({**TINY_CONFIGS[kind], "torch_dtype": "float32"})
+    )
+    argv = ["plan", "--model", str(model_dir), "--hardware", str(hardware), "--gpu-mem", "16MiB"]
+    assert main(argv) == 0
+    report = capsys.readouterr().out
+    assert header in report
+    assert (moe_line in report) if moe_line else "mixture of experts" not in report
+    assert main([*argv, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["states"]["num_kv_layers"] == resolve_model_spec(str(model_dir)).num_kv_layers
+    assert ("moe" in out) == (moe_line is not None)

@@ -51,16 +51,28 @@ def test_hybrid_matches_transformers(tiny_model, references, tmp_path, kind, pla
     assert run(tiny_model(kind), prompts, policy, tmp_path) == expected
 
 
-AUTO_GPU_BUDGETS = {"nemotron_h": 4 << 20, "qwen3_next": 2 << 20}
+AUTO_GPU_BUDGETS = {
+    "nemotron_h": 4 << 20,
+    "qwen3_next": 2 << 20,
+    "falcon_h1": 1 << 20,
+    "nemotron_h-moe": 2 << 20,
+}
 """GPU budgets a few MiB wide, so that the plan of each tiny hybrid offloads: Nemotron-H's
 splits its block's KV and states between the gpu tier and host memory, Qwen3-Next's homes
-its weights mostly and every state in host memory."""
+its weights mostly and every state in host memory; Falcon-H1's (KV and a state in every
+layer) homes its weights in host memory and splits KV and states; Nemotron 3's homes its
+routed experts in host memory beside split KV and states."""
 
 
 @pytest.mark.parametrize(
     "kind",
     # Qwen3-Next's plan and reference add ~15 s on a 2-core box: run with the slow tests
-    ["nemotron_h", pytest.param("qwen3_next", marks=pytest.mark.slow)],
+    [
+        "nemotron_h",
+        "falcon_h1",
+        "nemotron_h-moe",
+        pytest.param("qwen3_next", marks=pytest.mark.slow),
+    ],
 )
 def test_auto_policy_prices_the_states_and_matches_transformers(
     tiny_model, references, tmp_path, kind
@@ -84,6 +96,8 @@ def test_auto_policy_prices_the_states_and_matches_transformers(
         assert not (policy.compress_weights or policy.compress_kv)  # 4-bit changes tokens
         assert slots == state_slot_capacity(policy.block_size, policy.kv_frac, {})
         assert slots["cpu"] > 0  # the budget leaves states in host memory
+        if kind == "nemotron_h-moe":  # and its routed experts there: priced, placed, run
+            assert policy.experts_frac[0] < 1.0
         got = [out.outputs[0].token_ids for out in llm.generate(prompts, params)]
     assert got == expected
 
