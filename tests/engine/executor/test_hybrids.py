@@ -10,7 +10,10 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -146,6 +149,26 @@ def test_nemotron_h_moe_layers_group_the_block_per_expert(tiny_model, references
 NUM_PROMPTS = 10
 
 
+@contextmanager
+def tight_engine(
+    model_dir: Path, policy: Policy, tmp_path: Path, pages: dict[str, int], **kwargs: Any
+) -> Iterator[LLM]:
+    """An engine on the CPU with 16-token steps (prompts run in chunks) and KV pools of
+    `pages` per tier, whose admission expects one generated token per request, so that
+    sequences growing past it preempt others."""
+    with LLM(
+        str(model_dir),
+        policy=policy,
+        offload_dir=tmp_path,
+        device="cpu",
+        max_step_tokens=16,
+        kv_capacity_pages=pages,
+        **kwargs,
+    ) as llm:
+        llm.scheduler.config = dataclasses.replace(llm.scheduler.config, expected_gen_tokens=1)
+        yield llm
+
+
 Workload = tuple[Path, list[list[int]], list[int], list[list[int]]]
 
 
@@ -186,18 +209,10 @@ def test_refill_preemption_and_chunked_prefill_keep_each_state(
     model_dir, prompts, max_tokens, expected = workloads(kind)
     spec = {"gpu_batch_size": 2, "num_gpu_batches": 2, **PLACEMENTS[placement]}
     policy = Policy(**spec)  # type: ignore[arg-type]
-    with LLM(
-        str(model_dir),
-        policy=policy,
-        offload_dir=tmp_path,
-        device="cpu",
-        max_step_tokens=16,
-        kv_capacity_pages={"gpu": 4, "cpu": 4, "disk": 4},
-        async_scheduling=False,
-    ) as llm:
+    pages = {"gpu": 4, "cpu": 4, "disk": 4}
+    with tight_engine(model_dir, policy, tmp_path, pages, async_scheduling=False) as llm:
         scheduler = llm.scheduler
         assert sum(scheduler.state_slots.capacity.values()) >= 4
-        scheduler.config = dataclasses.replace(scheduler.config, expected_gen_tokens=1)
         chunks = record_chunks(scheduler)
         params = [
             SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in max_tokens
@@ -316,16 +331,8 @@ def test_prefix_cache_under_refill_preemption_and_chunked_prefill(tiny_model, tm
     prompts = [prefix + tail for tail in random_prompts(10, vocab, 2, 20, seed=10)]
     expected = [hf_greedy(model_dir, p, 24) for p in prompts]
     policy = Policy(gpu_batch_size=2, num_gpu_batches=2)
-    with LLM(
-        str(model_dir),
-        policy=policy,
-        offload_dir=tmp_path,
-        device="cpu",
-        max_step_tokens=16,
-        kv_capacity_pages={"gpu": 8},
-    ) as llm:
+    with tight_engine(model_dir, policy, tmp_path, {"gpu": 8}) as llm:
         scheduler = llm.scheduler
-        scheduler.config = dataclasses.replace(scheduler.config, expected_gen_tokens=1)
         params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
         got = [out.outputs[0].token_ids for out in llm.generate(prompts, params)]
         stats = scheduler.page_manager.stats
