@@ -225,6 +225,12 @@ class Model(ABC):
     def head(self, w: Weights, h: torch.Tensor) -> torch.Tensor:
         """(S, hidden) states -> (S, vocab) float32 logits."""
 
+    def stored_dtype(self, name: str, dtype: torch.dtype) -> torch.dtype:
+        """The dtype a layer's tensor `name` is stored and computed in when the model computes
+        in `dtype`: that dtype, unless the family keeps the tensor in float32 (as
+        transformers' `_keep_in_fp32_modules_strict`)."""
+        return dtype
+
     def is_compressible(self, j: int, name: str, tensor: torch.Tensor) -> bool:
         """Group-wise 4-bit applies to the dense matrices of decoder layers and the LM head."""
         return tensor.dim() == 2 and self.layer_kind(j) != "embed"

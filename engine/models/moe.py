@@ -164,6 +164,9 @@ class MoeModel(LlamaModel):
     """Mixtral scales the experts' outputs by float32 router weights (then casts back)."""
     SCALES_INPUTS = False
     """Llama 4 scales each row's input to its expert by the router weight, not its output."""
+    SUMS_F32 = False
+    """Nemotron-H adds the experts' weighted rows up in float32 and casts the sum back (the
+    others cast each expert's weighted rows back to the model's dtype before adding them)."""
     can_capture = False
     """The routing decides each step which experts run over how many rows (read back to the
     host), which a CUDA graph cannot replay."""
@@ -236,8 +239,8 @@ class MoeModel(LlamaModel):
         `SCALES_INPUTS`), (T, hidden). The T * k
         (token, expert) pairs are sorted by expert, so each expert with tokens runs once, as
         one GEMM pair over all its rows; the results scaled and added back per token, in
-        expert order (as transformers adds them). `source`: where each expert runs and
-        gets its weights."""
+        expert order (as transformers adds them), in the model's dtype or, with `SUMS_F32`,
+        in float32. `source`: where each expert runs and gets its weights."""
         num_slots = ids.shape[1]
         flat = ids.flatten()  # (T * k,) the expert of each (token, slot)
         order = torch.argsort(flat, stable=True)  # slots grouped by expert, tokens in order
@@ -264,8 +267,10 @@ class MoeModel(LlamaModel):
 
                 out[start:end] = source.run(e, grouped[start:end], expert)
                 start = end
-        scaled = out if self.SCALES_INPUTS else (out * slot_weights).to(x.dtype)
-        return torch.zeros_like(x).index_add_(0, rows, scaled)
+        scaled = out if self.SCALES_INPUTS else out * slot_weights  # float32 weights promote
+        sum_dtype = torch.float32 if self.SUMS_F32 else x.dtype
+        sums = torch.zeros_like(x, dtype=sum_dtype).index_add_(0, rows, scaled.to(sum_dtype))
+        return sums.to(x.dtype)
 
 
 class MixtralModel(MoeModel):

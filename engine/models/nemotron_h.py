@@ -55,6 +55,8 @@ MOE_NAMES = {
     "mixer.experts.down_proj": "experts.down_proj",
 }
 """A MoE layer's tensors whose names are not '<module>.<param>' of `LOCAL_NAMES`."""
+ROUTER_F32 = frozenset({"router.weight", "router.correction"})
+"""A MoE layer's tensors kept in float32 whatever the model computes in."""
 EXPERT = re.compile(r"^mixer\.experts\.(\d+)\.(up|down)_proj\.weight$")
 
 
@@ -67,6 +69,13 @@ def relu2_mlp(w: Weights, x: torch.Tensor, prefix: str = "") -> torch.Tensor:
 class NemotronHModel(GroupedMoeModel):
     can_capture = False
     """State layers read and write per-sequence states the graphs do not capture."""
+    SUMS_F32 = True
+    """transformers' NemotronHExperts adds the experts' weighted rows up in float32."""
+
+    def stored_dtype(self, name: str, dtype: torch.dtype) -> torch.dtype:
+        """The router's weight and correction stay float32 in every dtype, as transformers
+        keeps them (`_keep_in_fp32_modules_strict`)."""
+        return torch.float32 if name in ROUTER_F32 else dtype
 
     def map_name(self, hf_name: str) -> tuple[int, str] | None:
         if hf_name == "backbone.embeddings.weight":

@@ -153,12 +153,9 @@ class WeightStore:
         for j, names in enumerate(by_layer):
             if not names:
                 raise ModelLoadError(f"checkpoint has no tensors for layer {j}")
-        sizes = [
-            sum(reader.numel(n) for n in names.values()) * dtype.itemsize for names in by_layer
-        ]
+        sizes = [sum(self._bytes(k, n) for k, n in names.items()) for names in by_layer]
         expert_bytes = [
-            sum(reader.numel(n) for k, n in names.items() if k.startswith(EXPERTS_PREFIX))
-            * dtype.itemsize
+            sum(self._bytes(k, n) for k, n in names.items() if k.startswith(EXPERTS_PREFIX))
             for names in by_layer
         ]
         self.num_experts = model.config.num_experts
@@ -213,9 +210,12 @@ class WeightStore:
         """The head layer's bytes without its tied weight."""
         head_name = self.model.tied_head_source()[2]
         names = self._by_layer[-1]
-        return sum(self.reader.numel(n) for k, n in names.items() if k != head_name) * (
-            self.dtype.itemsize
-        )
+        return sum(self._bytes(k, n) for k, n in names.items() if k != head_name)
+
+    def _bytes(self, local: str, hf_name: str) -> int:
+        """Checkpoint tensor `hf_name`'s bytes as stored under local name `local`."""
+        itemsize = self.model.stored_dtype(local, self.dtype).itemsize
+        return self.reader.numel(hf_name) * itemsize
 
     def read_all(self, progress: Callable[[int, int], None] | None = None) -> None:
         """Read, cast, compress and home every layer."""
@@ -226,7 +226,7 @@ class WeightStore:
             for local, hf_name in sorted(names.items()):
                 if j == len(self._by_layer) - 1 and local == head_name and self._shares_head():
                     continue  # added below: the embedding's stored tensor itself
-                read[local] = self.reader.get(hf_name).to(dtype)
+                read[local] = self.reader.get(hf_name).to(model.stored_dtype(local, dtype))
             values: dict[str, Stored] = {
                 local: quantize(t, group_size=64, dim=0)
                 if compress and model.is_compressible(j, local, t)
