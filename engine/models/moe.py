@@ -267,7 +267,7 @@ class MoeModel(LlamaModel):
 
                 out[start:end] = source.run(e, grouped[start:end], expert)
                 start = end
-        scaled = out if self.SCALES_INPUTS else out * slot_weights  # float32 weights promote
+        scaled = out if self.SCALES_INPUTS else out * slot_weights  # float32 if the weights are
         sum_dtype = torch.float32 if self.SUMS_F32 else x.dtype
         sums = torch.zeros_like(x, dtype=sum_dtype).index_add_(0, rows, scaled.to(sum_dtype))
         return sums.to(x.dtype)
