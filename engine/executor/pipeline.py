@@ -728,10 +728,15 @@ class BlockPipeline:
                 self._after_moves(j)
                 self.kv.write(tier, self.model.kv_layer(j), kv_rows, rows)
             elif self.device.is_cuda:
+                # the rows were selected on this stream after `done`: the copy waits for them
+                # too (waiting for `done` alone, it read rows not yet written: every placement
+                # with KV off the GPU gave wrong tokens on the H200, 2026-11-28)
+                selected = self.device.record()
                 with (
                     self.device.on_store_stream(done),
                     self.tracer.span("store_cache", "store", j, batch.index),
                 ):
+                    self.device.wait(Ready(rows, selected))
                     staged.append((tier, kv_rows, self.device.to_host_async(rows)))
             else:
                 staged.append((tier, kv_rows, Ready(rows)))
