@@ -168,7 +168,7 @@ class BlockPipeline:
                     mids.append(self._before_experts(j, w, h, past, batch))
                     new_kv = mids[-1][2]
                     if new_kv is not None:
-                        self._store_kv(j, batch, new_kv, self.device.record())
+                        self._store_kv(j, batch, new_kv)
                 for batch, out in zip(batches, self._experts(j, w, mids, inline), strict=True):
                     self._store_act(j, batch, out, self.device.record(), None)
                 continue
@@ -182,7 +182,7 @@ class BlockPipeline:
                 done = self.device.record()
                 self._store_act(j, batch, out, done, None)
                 if new_kv is not None:
-                    self._store_kv(j, batch, new_kv, done)
+                    self._store_kv(j, batch, new_kv)
             self.weights.release(j)
         return logits
 
@@ -250,7 +250,7 @@ class BlockPipeline:
                 )
                 if new_kv is not None:
                     moves = self._kv_store_moves(batch)
-                    kv_stores.append(self._store_kv_task(store, moves, j, batch, new_kv, done))
+                    kv_stores.append(self._store_kv_task(store, moves, j, batch, new_kv))
                 if nxt[0] < num_layers and nxt[1] == k:
                     acts[nxt] = load(
                         self._acts_move(nxt[0], batch), self._load_act, nxt[0], batch, act_stored[k]
@@ -293,8 +293,8 @@ class BlockPipeline:
             mids.append(self._before_experts(j, w, h, past, batch))
             new_kv = mids[-1][2]
             if new_kv is not None:
-                moves, done = self._kv_store_moves(batch), self.device.record()
-                kv_stores.append(self._store_kv_task(store, moves, j, batch, new_kv, done))
+                moves = self._kv_store_moves(batch)
+                kv_stores.append(self._store_kv_task(store, moves, j, batch, new_kv))
         outs = self._experts(j, w, mids, load)
         for k, (batch, out) in enumerate(zip(batches, outs, strict=True)):
             done = self.device.record()
@@ -683,41 +683,38 @@ class BlockPipeline:
         j: int,
         batch: GpuBatch,
         new_kv: torch.Tensor,
-        done: torch.cuda.Event | None,
     ) -> Future[None]:
         """Layer j's KV store, handed to a store thread: on CUDA its copy to the host is
         enqueued here first (`_stage_kv`), so the thread only waits for it and writes the
         rows; on a CPU compute device the whole store (encoding and writing the rows is the
         work to keep off the layer loop there)."""
         if self.device.is_cuda:
-            staged = self._stage_kv(j, batch, new_kv, done)
+            staged = self._stage_kv(j, batch, new_kv)
             return store(moves, self._finish_kv, j, batch, staged)
-        return store(moves, self._store_kv, j, batch, new_kv, done)
+        return store(moves, self._store_kv, j, batch, new_kv)
 
-    def _store_kv(
-        self, j: int, batch: GpuBatch, new_kv: torch.Tensor, done: torch.cuda.Event | None
-    ) -> None:
+    def _store_kv(self, j: int, batch: GpuBatch, new_kv: torch.Tensor) -> None:
         """Write layer j's new KV rows to each sequence's home tier, in this thread."""
         if self.device.is_cuda:
-            self._finish_kv(j, batch, self._stage_kv(j, batch, new_kv, done))
+            self._finish_kv(j, batch, self._stage_kv(j, batch, new_kv))
             return
         with self.tracer.span("store_cache", "store", j, batch.index):
-            staged = self._stage_kv(j, batch, new_kv, done)
+            staged = self._stage_kv(j, batch, new_kv)
             if staged:
                 self._after_moves(j)
             for tier, kv_rows, ready in staged:
                 self.kv.write(tier, self.model.kv_layer(j), kv_rows, ready.value)
 
     def _stage_kv(
-        self, j: int, batch: GpuBatch, new_kv: torch.Tensor, done: torch.cuda.Event | None
+        self, j: int, batch: GpuBatch, new_kv: torch.Tensor
     ) -> list[tuple[str, KVRows, Ready[torch.Tensor]]]:
         """The first half of storing layer j's new KV, blocking nothing: the rows for each
         home tier encoded (on the compute stream); the gpu tier's written to its pool there
         (unless attention wrote them first); on CUDA a host tier's copied into a staging
-        buffer on the store stream once `done`, so the device rows are held only until
-        their copy has run, not until a store thread gets to them (a queue of them, a whole
-        step's layers, ran the first H200 run out of memory); on a CPU the host tier's
-        rows as they are."""
+        buffer on the store stream once the compute stream has made them, so the device
+        rows are held only until their copy has run, not until a store thread gets to them
+        (a queue of them, a whole step's layers, ran the first H200 run out of memory); on a
+        CPU the host tier's rows as they are."""
         staged: list[tuple[str, KVRows, Ready[torch.Tensor]]] = []
         written = self._in_place(batch)  # the gpu tier's rows went in before attention
         for tier, kv_rows in batch.new_kv.items():
@@ -728,15 +725,14 @@ class BlockPipeline:
                 self._after_moves(j)
                 self.kv.write(tier, self.model.kv_layer(j), kv_rows, rows)
             elif self.device.is_cuda:
-                # the rows were selected on this stream after `done`: the copy waits for them
-                # too (waiting for `done` alone, it read rows not yet written: every placement
-                # with KV off the GPU gave wrong tokens on the H200, 2026-11-28)
-                selected = self.device.record()
+                # the copy waits for the rows' selection on this (the compute) stream, which
+                # follows the layer's compute (waiting for the compute alone, it read rows not
+                # yet written: every placement with KV off the GPU gave wrong tokens on the
+                # H200, 2026-11-28)
                 with (
-                    self.device.on_store_stream(done),
+                    self.device.on_store_stream(self.device.record()),
                     self.tracer.span("store_cache", "store", j, batch.index),
                 ):
-                    self.device.wait(Ready(rows, selected))
                     staged.append((tier, kv_rows, self.device.to_host_async(rows)))
             else:
                 staged.append((tier, kv_rows, Ready(rows)))
