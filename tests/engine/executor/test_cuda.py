@@ -274,3 +274,25 @@ def test_cuda_trace_shows_nano_batches_overlapping(tmp_path, placement, attentio
     assert next(iter(attending)).startswith(prefix)
     hits, total = nano_overlaps(events)
     assert total > 0 and hits >= total // 2, (hits, total)
+
+
+@pytest.mark.parametrize("kind", ["qwen3_next", "nemotron_h"])
+def test_cuda_hybrid_prefix_cache_restores_saved_states(tiny_model, tmp_path, kind):
+    """A hybrid's prefix cache on CUDA (the CPU test: test_hybrids.py): six prompts of one
+    40-token prefix sent one after another, KV and states split between the GPU and host
+    memory; one state saved, four restored, tokens equal transformers' on CUDA."""
+    from tests.engine.executor.test_hybrids import PREFIX_TOKENS
+
+    vocab = vocab_size(kind)
+    prefix = random_prompts(1, vocab, PREFIX_TOKENS, PREFIX_TOKENS, seed=7)[0]
+    prompts = [prefix + tail for tail in random_prompts(6, vocab, 3, 9, seed=8)]
+    expected = hf_greedy_cuda(tiny_model(kind), prompts, torch.float32)
+    policy = Policy(gpu_batch_size=2, num_gpu_batches=2, kv_frac=(0.5, 0.5, 0.0))
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    with LLM(
+        str(tiny_model(kind)), policy=policy, offload_dir=tmp_path / "off", device="cuda"
+    ) as llm:
+        got = [llm.generate([p], params)[0].outputs[0].token_ids for p in prompts]
+        stats = llm.scheduler.page_manager.stats
+    assert got == expected
+    assert (stats.state_saves, stats.state_hits) == (1, 4)
