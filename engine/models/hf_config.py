@@ -484,9 +484,15 @@ def _gpt_oss(hf: Any) -> dict[str, Any]:
         num_experts=int(hf.num_local_experts),
         num_experts_per_tok=int(hf.num_experts_per_tok),
         moe_intermediate_size=int(hf.intermediate_size),
-        swiglu_alpha=float(hf.swiglu_alpha),
-        swiglu_limit=float(hf.swiglu_limit),
+        swiglu_alpha=float(getattr(hf, "swiglu_alpha", GPT_OSS_SWIGLU[0])),
+        swiglu_limit=float(getattr(hf, "swiglu_limit", GPT_OSS_SWIGLU[1])),
     )
+
+
+GPT_OSS_SWIGLU = (1.702, 7.0)
+"""gpt-oss's SwiGLU alpha and limit where a config does not say: the released checkpoints'
+config.json has the limit and no alpha, and transformers before its config gained both fields
+(5.17 has neither) took these two as constants."""
 
 
 _LLAMA4 = frozenset(

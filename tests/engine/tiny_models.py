@@ -686,7 +686,32 @@ def built_once(
 
 
 def build_tiny(kind: str, path: Path, seed: int = 0) -> Path:
-    return build_from_spec(TINY_CONFIGS[kind], path, seed, SCALED_WEIGHTS.get(kind, {}))
+    spec = TINY_CONFIGS[kind]
+    spec = dict(spec, **older_transformers_fields(str(spec["model_type"])))
+    return build_from_spec(spec, path, seed, SCALED_WEIGHTS.get(kind, {}))
+
+
+def older_transformers_fields(model_type: str) -> dict[str, object]:
+    """Config values under which the installed transformers computes `model_type` as nanoflex
+    does, where it is an older one that computes the tiny configs' values otherwise: before
+    5.2x, Granite 4's gated RMSNorm normalized all its channels at once (Granite's kernels,
+    mamba_ssm's, nanoflex and transformers 5.24: each of `mamba_n_groups` groups), and
+    gpt-oss's SwiGLU took alpha 1.702 and limit 7.0 as constants whatever the config said. The
+    GPU machine's transformers 5.17 is one (its reference differed from the first token on);
+    the released checkpoints have one group and limit 7.0, where all versions agree. Empty
+    with a transformers that has both."""
+    import inspect
+
+    if model_type == "granitemoehybrid":
+        from transformers.models.granitemoehybrid import modeling_granitemoehybrid as granite
+
+        init = inspect.signature(granite.GraniteMoeHybridRMSNormGated.__init__)
+        return {} if "group_size" in init.parameters else {"mamba_n_groups": 1}
+    if model_type == "gpt_oss":
+        from transformers import GptOssConfig
+
+        return {} if hasattr(GptOssConfig, "swiglu_limit") else {"swiglu_limit": 7.0}
+    return {}
 
 
 def build_from_spec(

@@ -221,6 +221,21 @@ def test_issue_37_families_read_their_fields() -> None:
     assert gpt_oss.rope_scaling["rope_type"] == "yarn" and not gpt_oss.rope_scaling["truncate"]
 
 
+def test_gpt_oss_config_without_swiglu_fields() -> None:
+    """A gpt-oss config as the released checkpoints and transformers before 5.2x hold it (no
+    `swiglu_alpha`; 5.17 has no `swiglu_limit` field either): the constants transformers used
+    then, not an AttributeError (the GPU machine's transformers 5.17 raised it)."""
+    from transformers import PretrainedConfig
+
+    fields = hf_config("gpt_oss").to_dict()
+    config = PretrainedConfig(**{k: v for k, v in fields.items() if not k.startswith("swiglu")})
+    config.model_type = "gpt_oss"
+    assert not hasattr(config, "swiglu_alpha")
+    gpt_oss = ModelConfig.from_hf(config)
+    assert (gpt_oss.swiglu_alpha, gpt_oss.swiglu_limit) == (1.702, 7.0)
+    assert gpt_oss.layer_windows == (10, 0, 10, 0)
+
+
 def test_mixture_of_experts_tensor_names() -> None:
     """Per-expert names (transformers' save_pretrained, Mixtral's w1/w3/w2) and stacked ones
     (transformers 5 in memory) map to the layer's local names; dense layers keep the MLP's."""
