@@ -31,34 +31,42 @@ def cases() -> dict[str, tuple[Kernel, list[str], dict[str, Any]]]:
     return out
 
 
-def compile_report(
-    arch: int = 90, dtypes: tuple[str, ...] = ("fp16", "bf16")
-) -> list[dict[str, Any]]:
-    """Compile every kernel for `arch` (sm_90: the H100 and H200) from its source, no GPU
-    needed: per kernel and type, its registers, spills, shared memory and cubin size."""
+def compile_case(name: str, dtype: str, arch: int = 90) -> Any:
+    """One kernel of `cases()` compiled for `arch` with `dtype` as its compute type, no GPU
+    needed: Triton's compiled kernel (its `asm`: "ptx", "cubin"; its `metadata`)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    source, types, constants = cases()[name]
+    kernel = source.jit
+    args = [a for a in kernel.arg_names if a not in constants]
+    if len(args) != len(types):
+        raise ValueError(f"{name}: {len(args)} arguments, {len(types)} types")
+    signature = {a: t.format(t=dtype) for a, t in zip(args, types, strict=True)}
+    signature.update(dict.fromkeys(constants, "constexpr"))
+    # what a launch specializes on for this shape: pointers 16-byte aligned, strides and split
+    # lengths multiples of 16 (so loads go 16 bytes wide)
+    aligned = {
+        (i,): [["tt.divisibility", 16]]
+        for i, a in enumerate(kernel.arg_names)
+        if signature[a].startswith("*") or a.startswith("stride_") or a == "split_len"
+    }
+    ast = ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=aligned)
+    return triton.compile(ast, target=GPUTarget("cuda", arch, 32), options=source.options)
+
+
+def compile_report(
+    arch: int = 90, dtypes: tuple[str, ...] = ("fp16", "bf16"), names: tuple[str, ...] = ()
+) -> list[dict[str, Any]]:
+    """Compile every kernel (or those `names`) for `arch` (sm_90: the H100 and H200) from its
+    source, no GPU needed: per kernel and type, its registers, spills, shared memory, cubin
+    size and float32 fused multiply-adds (where a kernel rounds products as torch does, the
+    compiler must not contract them)."""
     out = []
-    for name, (source, types, constants) in cases().items():
-        kernel = source.jit
-        args = [a for a in kernel.arg_names if a not in constants]
-        if len(args) != len(types):
-            raise ValueError(f"{name}: {len(args)} arguments, {len(types)} types")
+    for name in names or tuple(cases()):
         for dtype in dtypes:
-            signature = {a: t.format(t=dtype) for a, t in zip(args, types, strict=True)}
-            signature.update(dict.fromkeys(constants, "constexpr"))
-            # what a launch specializes on for this shape: pointers 16-byte aligned, strides
-            # and split lengths multiples of 16 (so loads go 16 bytes wide)
-            aligned = {
-                (i,): [["tt.divisibility", 16]]
-                for i, a in enumerate(kernel.arg_names)
-                if signature[a].startswith("*") or a.startswith("stride_") or a == "split_len"
-            }
-            ast = ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=aligned)
-            target = GPUTarget("cuda", arch, 32)
-            compiled = triton.compile(ast, target=target, options=source.options)
+            compiled = compile_case(name, dtype, arch)
             cubin = compiled.asm["cubin"]
             out.append(
                 {
@@ -70,6 +78,7 @@ def compile_report(
                     "num_warps": compiled.metadata.num_warps,
                     "num_stages": compiled.metadata.num_stages,
                     "cubin_bytes": len(cubin),
+                    "fma_f32": compiled.asm["ptx"].count("fma.rn.f32"),
                 }
             )
     return out
@@ -106,11 +115,19 @@ def _resource_usage(cubin: bytes) -> dict[str, int]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--arch", type=int, default=90, help="the compute capability x 10")
+    parser.add_argument("--dtypes", default="fp16,bf16", help="compute types, comma-separated")
+    parser.add_argument("--kernels", default="", help="kernel names, comma-separated (all)")
     args = parser.parse_args(argv)
     if not available():
         print("triton is not installed", file=sys.stderr)
         return 1
-    print(json.dumps(compile_report(args.arch), indent=1))
+    names = tuple(n for n in args.kernels.split(",") if n)
+    unknown = sorted(set(names) - set(cases()))
+    if unknown:
+        print(f"unknown kernels {unknown}; known: {sorted(cases())}", file=sys.stderr)
+        return 2
+    dtypes = tuple(args.dtypes.split(","))
+    print(json.dumps(compile_report(args.arch, dtypes, names), indent=1))
     return 0
 
 

@@ -57,7 +57,8 @@ class Kernel:
 
 
 def kernel(**options: int) -> Callable[[Callable[..., None]], Kernel]:
-    """`@kernel(num_warps=4, num_stages=2)` over a Triton kernel's source."""
+    """`@kernel(num_warps=4, num_stages=2)` over a Triton kernel's source (any of Triton's launch
+    options: `enable_fp_fusion=False` keeps multiplies and adds apart)."""
 
     def wrap(fn: Callable[..., None]) -> Kernel:
         return Kernel(fn, options)

@@ -8,6 +8,10 @@ step. Rotary rounds as torch does, product by product: float32 bit for bit."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -64,6 +68,26 @@ def test_fused_ops_equal_the_torch_ops_they_replace(dtype, add_tol, rotary_tol, 
 
     gate_up = (3 * torch.randn(rows, 2 * hidden, generator=g)).to(dtype)
     close(td.silu_mul(gate_up.to(DEVICE)), TORCH_OPS.silu_mul(gate_up), tol)
+
+
+def test_rotary_compiles_without_fused_multiply_adds():
+    """In float32 the rotary kernel rounds each product as torch does only if the compiler
+    does not contract `a * b + c * d` into an FMA (the interpreter never does; the H200's
+    compiled kernel did, 2.4e-7 off): compiled for sm_90 (in a process of its own: this one
+    runs Triton's interpreter), its PTX has no float32 FMA."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    argv = ["--arch", "90", "--dtypes", "fp32", "--kernels", "rotary_rows"]
+    done = subprocess.run(
+        [sys.executable, "-m", "engine.kernels.triton_compile", *argv],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    (row,) = json.loads(done.stdout)
+    assert (row["kernel"], row["dtype"], row["fma_f32"]) == ("rotary_rows", "fp32", 0)
 
 
 def test_long_rows_and_empty_steps():
