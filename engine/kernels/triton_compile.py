@@ -112,6 +112,27 @@ def _resource_usage(cubin: bytes) -> dict[str, int]:
     }
 
 
+def report_in_own_process(*argv: str) -> list[dict[str, Any]]:
+    """`compile_report` with this module's command-line arguments, run in a process of its own
+    without `TRITON_INTERPRET` (a process that runs Triton's interpreter cannot compile)."""
+    import os
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run(
+        [sys.executable, "-m", "engine.kernels.triton_compile", *argv],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        check=False,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"triton_compile {' '.join(argv)} failed: {done.stderr[-3000:]}")
+    report: list[dict[str, Any]] = json.loads(done.stdout)
+    return report
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--arch", type=int, default=90, help="the compute capability x 10")

@@ -16,11 +16,6 @@ in the type, probabilities rounded to it, as flash attention does; bfloat16 keep
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -264,18 +259,9 @@ def test_kernels_compile_for_hopper():
     source, here, without a GPU (in a process of its own: this one runs Triton's
     interpreter): a cubin each, and no register spills."""
     from engine.kernels import triton_dense
+    from engine.kernels.triton_compile import report_in_own_process
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run(
-        [sys.executable, "-m", "engine.kernels.triton_compile", "--arch", "90"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads(done.stdout)
+    report = report_in_own_process("--arch", "90")
     kernels = {*ta.COMPILE_CASES, *triton_dense.COMPILE_CASES}
     assert {(r["kernel"], r["dtype"]) for r in report} == {
         (k, t) for k in kernels for t in ("fp16", "bf16")

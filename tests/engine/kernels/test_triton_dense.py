@@ -8,10 +8,6 @@ step. Rotary rounds as torch does, product by product: float32 bit for bit."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from typing import Any
 
 import pytest
@@ -75,18 +71,9 @@ def test_rotary_compiles_without_fused_multiply_adds():
     does not contract `a * b + c * d` into an FMA (the interpreter never does; the H200's
     compiled kernel did, 2.4e-7 off): compiled for sm_90 (in a process of its own: this one
     runs Triton's interpreter), its PTX has no float32 FMA."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    argv = ["--arch", "90", "--dtypes", "fp32", "--kernels", "rotary_rows"]
-    done = subprocess.run(
-        [sys.executable, "-m", "engine.kernels.triton_compile", *argv],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    (row,) = json.loads(done.stdout)
+    from engine.kernels.triton_compile import report_in_own_process
+
+    (row,) = report_in_own_process("--arch", "90", "--dtypes", "fp32", "--kernels", "rotary_rows")
     assert (row["kernel"], row["dtype"], row["fma_f32"]) == ("rotary_rows", "fp32", 0)
 
 
