@@ -4,7 +4,7 @@
 # bench/fetch_gpu_wheels.sh flexgen==0.1.8), and a profile directory to reuse one.
 #
 #   bash bench/gpu_pass.sh 1            = suite profile overlap     (the first call)
-#   bash bench/gpu_pass.sh 2            = offloaded resident        (the second call)
+#   bash bench/gpu_pass.sh 2            = offloaded resident breakdown  (the second call)
 #   bash bench/gpu_pass.sh attention offloaded resident suite       (any steps, in order)
 #   bash bench/gpu_pass.sh run python3 -m bench.nano_batches ...    (any command, one step)
 #   GPU_PASS_DRY_RUN=1 bash bench/gpu_pass.sh 1                     (on a CPU: see below)
@@ -17,6 +17,8 @@
 #   offloaded  OPT-6.7B 512+32 under 16 GiB: FlexGen 0.1.8 and nanoflex's searched policy
 #              (GPU_PASS_OFFLOADED_SYSTEMS, default flexgen,nanoflex)
 #   resident   Llama-3-8B 512+32 on the whole card: nanoflex's searched policy
+#   breakdown  bench/gpu_breakdown.py: Llama-3-8B resident, prefill and decode under torch's
+#              profiler: the device's busy share of the wall and its busiest kernels
 #
 # What each step writes goes to $OUT as soon as the step ends (logs packed into one
 # archive: $OUT takes 8 files), so a call cut short still returns what was done; a short
@@ -29,7 +31,7 @@ set -uo pipefail
 [ $# -gt 0 ] || { echo "usage: bench/gpu_pass.sh 1|2|STEP...|run COMMAND..." >&2; exit 2; }
 case "$1" in
   1) set -- suite profile overlap ;;
-  2) set -- offloaded resident ;;
+  2) set -- offloaded resident breakdown ;;
 esac
 PYTHON=${PYTHON:-python3}
 dry=${GPU_PASS_DRY_RUN:-}
@@ -103,6 +105,10 @@ for step in "$@"; do
       small=(); [ -n "$dry" ] && small=(--device cpu --layers 2 --seqs 4 --prompt-len 32 --gen-len 2)
       run_step overlap "${GPU_PASS_OVERLAP_S:-100}" "$PYTHON" -m bench.gpu_overlap \
         "${small[@]}" --json "$results/gpu-overlap.json" ;;
+    breakdown)
+      small=(); [ -n "$dry" ] && small=(--model opt-125m --prompts 4 --prompt-len 32 --gen-len 2)
+      run_step breakdown "${GPU_PASS_BREAKDOWN_S:-100}" "$PYTHON" -m bench.gpu_breakdown \
+        "${small[@]}" --json "$results/gpu-breakdown.json" ;;
     offloaded|resident)
       if [ ! -f "$profile" ]; then  # a fresh machine: a quick profile (seconds), flagged quick
         device=cuda; [ -n "$dry" ] && device=cpu
@@ -129,6 +135,7 @@ if [ -f "$results/pytest-gpu.log" ]; then
   tail -n 1 "$results/pytest-gpu.log"
 fi
 [ -f "$results/attention.log" ] && tail -n 8 "$results/attention.log"
+[ -f "$results/breakdown.log" ] && grep -E "^\|" "$results/breakdown.log"
 [ -f "$results/overlap.log" ] && grep -E "^(engine|pinned|pageable|host)" "$results/overlap.log"
 "$PYTHON" - "$results" <<'PY'
 import json, pathlib, sys

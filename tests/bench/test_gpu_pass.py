@@ -44,16 +44,17 @@ def dry_run(tmp_path: Path, *steps: str) -> subprocess.CompletedProcess[str]:
 def test_every_step_runs_on_the_cpu(tmp_path: Path) -> None:
     """Each step of the GPU pass, planning from the suite's fixed profile (the profile step
     apart: its measuring is tested with the profiler, and would add 15 s here)."""
-    done = dry_run(tmp_path, "suite", "attention", "overlap", "offloaded", "resident")
+    done = dry_run(tmp_path, "suite", "attention", "overlap", "offloaded", "resident", "breakdown")
     assert done.returncode == 0, done.stderr[-2000:]
     steps = dict(re.findall(r"^(\S+): exit (\d+) after", done.stdout, re.M))
-    names = ("pytest-gpu", "attention", "overlap", "suite-offloaded", "suite-resident")
+    names = ("pytest-gpu", "attention", "overlap", "suite-offloaded", "suite-resident", "breakdown")
     assert steps == dict.fromkeys(names, "0"), done.stdout[-3000:]
     assert "tests collected" in done.stdout  # the suite, collected
     targets = re.findall(r"^target (.+?): (.+)$", done.stdout, re.M)  # the report's targets
     assert len(targets) == 4 and all(result for _, result in targets), done.stdout[-3000:]
     out = {p.name for p in (tmp_path / "out").iterdir()}
     assert {"logs.tgz", "gpu-attention.json", "gpu-overlap.json", "hardware.json"} <= out
+    assert "gpu-breakdown.json" in out and "| prefill |" in done.stdout  # the breakdown's table
     assert len(out) <= 8  # what the device tool brings back
 
 
