@@ -12,8 +12,9 @@ whole card, one warm-up, then two phases, each a `generate` under torch's profil
 - **prefill**: `--prompts` prompts of `--prompt-len` tokens, one token each;
 - **decode**: as many prompts of 16 tokens, `--gen-len` tokens each (decode steps dominate).
 
-Per phase: the wall time and steps; the device's busy time (the sum of its kernels' times; on
-the CPU, the operators' own times) and its share of the wall, so that a host-bound step shows
+Per phase: the wall time and steps; the device's busy time (the sum of its kernels' times,
+over 100% of the wall where streams overlap; on the CPU, the operators' own times) and its
+share of the wall, so that a host-bound step shows
 as a low share; the busiest kernels by total time, with calls and share. On the CPU (the GPU
 pass's dry run) the same runs small, with the CPU's operators in place of kernels.
 """
@@ -26,6 +27,7 @@ import time
 from typing import Any
 
 import torch
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from bench.common import Table, write_json
@@ -69,8 +71,11 @@ def phase(llm: Any, name: str, prompts: list[list[int]], max_tokens: int, cuda: 
         del core.step
     kernels: list[tuple[str, int, float]] = []
     for event in prof.key_averages():
-        own = _device_time(event) if cuda else float(event.self_cpu_time_total)
-        if own <= 0 or (not cuda and not event.key.startswith(CPU_OPERATORS)):
+        if cuda:  # the kernels themselves (an operator's row repeats its kernels' time)
+            own = _device_time(event) if event.device_type == DeviceType.CUDA else 0.0
+        else:
+            own = float(event.self_cpu_time_total) if event.key.startswith(CPU_OPERATORS) else 0.0
+        if own <= 0:
             continue
         kernels.append((event.key, event.count, own / 1e6))
     kernels.sort(key=lambda k: -k[2])
