@@ -40,7 +40,7 @@ CPU_OPERATORS = ("aten::", "nanoflex::", "mkldnn::")
 def _device_time(event: Any) -> float:
     """An event's own time on the device in microseconds (torch >= 2.4 names it "device";
     older ones "cuda")."""
-    value = getattr(event, "self_device_time_total", None)
+    value: Any = getattr(event, "self_device_time_total", None)
     if value is None:
         value = getattr(event, "self_cuda_time_total", 0.0)
     return float(value)
@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     result = run(args)
     table = Table(["phase", "wall", "steps", "tok/s", "device busy", "top kernel"])
     for p in result["phases"]:
-        top = p["top"][0] if p["top"] else {"name": "-", "share_of_wall": 0.0}
+        top: dict[str, Any] = p["top"][0] if p["top"] else {"name": "-", "share_of_wall": 0.0}
         table.rows.append(
             [
                 p["phase"],
