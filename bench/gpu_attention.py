@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import sys
 import time
 from pathlib import Path
@@ -28,6 +27,7 @@ import torch
 from engine.executor.attention import RaggedLayout, paged_attention
 from engine.kernels import PagedKernels
 from engine.models.config import KVShape
+from engine.profiling.profiler import paged_slots
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
 
@@ -40,15 +40,9 @@ PREFILL_CASES = [(8, 2048, 0), (4, 1024, 3072)]
 def _pool(
     lens: list[int], dtype: torch.dtype, device: torch.device, seed: int
 ) -> tuple[torch.Tensor, list[list[int]]]:
-    rng = random.Random(seed)
-    num_pages = sum(-(-n // PAGE) for n in lens) + 8
-    pages = list(range(num_pages))
-    rng.shuffle(pages)
-    pool = torch.randn(num_pages * PAGE, 2 * KV_HEADS * HEAD_DIM, dtype=dtype, device=device)
-    seq_slots = []
-    for n in lens:
-        mine = [pages.pop() for _ in range(-(-n // PAGE))]
-        seq_slots.append([mine[t // PAGE] * PAGE + t % PAGE for t in range(n)])
+    seq_slots = paged_slots(lens, seed, PAGE)
+    rows = 1 + max(map(max, seq_slots))
+    pool = torch.randn(rows, 2 * KV_HEADS * HEAD_DIM, dtype=dtype, device=device)
     return pool, seq_slots
 
 

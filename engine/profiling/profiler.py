@@ -29,6 +29,7 @@ from engine.storage.quant import dequantize, quantize
 from policy import Policy
 from policy.hardware import HardwareSpec, default_cache_path
 from policy.machine import machine_key
+from policy.prefix import PAGE_TOKENS
 
 
 def _copy_bw(
@@ -55,7 +56,29 @@ def _bmm_flops(dtype: torch.dtype, device: Device, scale: int, probe: Probe) -> 
 
 
 ATTENTION_SHAPE = (16, 4, 64)
-"""(heads, kv heads, head dim) of the attention probes: a small GQA model's layer."""
+"""(heads, kv heads, head dim) of the CPU's attention probes: a small GQA model's layer."""
+CUDA_ATTENTION_SHAPE = (32, 8, 128)
+"""The same on CUDA: Llama-3-8B's layer (the models a GPU serves; 64-wide heads of 4 kv heads
+read 128-byte rows, half the width the kernels are tuned for, and measured 36% of the copy rate
+on the H200 where Llama's shape reached 67% in bench.gpu_attention)."""
+
+
+def attention_shape(device: Device) -> tuple[int, int, int]:
+    return CUDA_ATTENTION_SHAPE if device.is_cuda else ATTENTION_SHAPE
+
+
+def paged_slots(lens: list[int], seed: int, page_tokens: int = PAGE_TOKENS) -> list[list[int]]:
+    """Each sequence's KV slots as the engine lays them out: `page_tokens` consecutive rows a
+    page, the pages of a pool of sum(ceil(len / page_tokens)) shuffled among the sequences (a
+    token-by-token shuffle would price a gather the engine never does)."""
+    counts = [-(-n // page_tokens) for n in lens]
+    pages = torch.randperm(sum(counts), generator=torch.Generator().manual_seed(seed)).tolist()
+    out, at = [], 0
+    for n, count in zip(lens, counts, strict=True):
+        mine = pages[at : at + count]
+        at += count
+        out.append([mine[t // page_tokens] * page_tokens + t % page_tokens for t in range(n)])
+    return out
 
 
 def _prefill_attention_flops(dtype: torch.dtype, device: Device, scale: int, probe: Probe) -> float:
@@ -63,12 +86,11 @@ def _prefill_attention_flops(dtype: torch.dtype, device: Device, scale: int, pro
     pool (`paged_attention` with the kernels the engine runs by default), counted as the
     cost model counts them: 4 s^2 q per sequence. On CUDA the chunks are long enough (8 of
     2,048 tokens at full scale, 550 GFLOP) that one call outlasts its launches."""
-    heads, kv_heads, d = ATTENTION_SHAPE
+    heads, kv_heads, d = attention_shape(device)
     seqs, length = (8, 512 * scale) if device.is_cuda else (4, 128 * scale)
     on = device.device
-    pool = torch.randn(2 * seqs * length, 2 * kv_heads * d, dtype=dtype, device=on)
-    slots = torch.randperm(pool.shape[0]).tolist()
-    seq_slots = [slots[i * length : (i + 1) * length] for i in range(seqs)]
+    seq_slots = paged_slots([length] * seqs, seed=0)
+    pool = torch.randn(1 + max(map(max, seq_slots)), 2 * kv_heads * d, dtype=dtype, device=on)
     layout = RaggedLayout.build([length] * seqs, [0] * seqs, on, seq_slots=seq_slots)
     q = torch.randn(seqs * length, heads, d, dtype=dtype, device=on)
     kernels = attention_kernels(device.is_cuda)
@@ -87,15 +109,15 @@ def _device_attention_bw(
     key of a sequence read in place from a pool by slot (`paged_attention`, where the KV is
     on the compute device's pool), by the kernels the engine runs by default (gathered into
     the padded layout for one SDPA without them). On CUDA the step reads 537 MB at full
-    scale (32 sequences of 4,096 keys), so HBM, not the launches, is what it measures.
+    scale (32 sequences of 4,096 keys), so HBM, not the launches, is what it measures. Keys
+    on shuffled pages (`paged_slots`), as the engine stores them.
     `packed`: without the kernels, every key gathered into a padded copy for SDPA, as
     nano-batched steps read their KV (`packed_attention_bw`)."""
-    heads, kv_heads, d = ATTENTION_SHAPE
+    heads, kv_heads, d = attention_shape(device)
     seqs, past = (32, 1024 * scale) if device.is_cuda else (8, 256 * scale)
     on = device.device
-    pool = torch.randn(2 * seqs * (past + 1), 2 * kv_heads * d, dtype=dtype, device=on)
-    slots = torch.randperm(pool.shape[0]).tolist()
-    seq_slots = [slots[i * (past + 1) : (i + 1) * (past + 1)] for i in range(seqs)]
+    seq_slots = paged_slots([past + 1] * seqs, seed=1)
+    pool = torch.randn(1 + max(map(max, seq_slots)), 2 * kv_heads * d, dtype=dtype, device=on)
     layout = RaggedLayout.build([1] * seqs, [past] * seqs, on, seq_slots=seq_slots)
     q = torch.randn(seqs, heads, d, dtype=dtype, device=on)
     kernels = None if packed else attention_kernels(device.is_cuda)

@@ -44,3 +44,26 @@ def test_a_nano_batch_has_a_fixed_cost_through_the_engine() -> None:
     measurement runs both through the engine and gives a per-piece cost of at most a few ms
     (not asserted above 0: on a loaded machine the difference can drown in the noise)."""
     assert 0.0 <= nano_batch_overhead("cpu", Probe()) < 0.05
+
+
+def test_attention_probes_read_keys_on_pages_as_the_engine_stores_them() -> None:
+    """The probes' slots: each sequence's tokens on whole 16-token pages of consecutive rows,
+    the pages shuffled among sequences, no row shared; the GPU's probes take Llama-3-8B's
+    layer, the CPU's a small one."""
+    from engine.profiling.profiler import attention_shape, paged_slots
+
+    lens = [1025, 40, 16]
+    slots = paged_slots(lens, seed=3)
+    assert [len(s) for s in slots] == lens
+    rows = [r for s in slots for r in s]
+    assert len(set(rows)) == len(rows) and max(rows) < 16 * (65 + 3 + 1)
+    for s in slots:
+        for page in range(0, len(s), 16):
+            run = s[page : page + 16]
+            assert run[0] % 16 == 0 and run == list(range(run[0], run[0] + len(run)))
+    starts = [s[t] // 16 for s in slots for t in range(0, len(s), 16)]
+    assert starts != sorted(starts)  # shuffled, not laid out in order
+    cuda = Device(torch.device("cuda")) if torch.cuda.is_available() else None
+    assert attention_shape(Device(torch.device("cpu"))) == (16, 4, 64)
+    if cuda is not None:
+        assert attention_shape(cuda) == (32, 8, 128)
