@@ -116,6 +116,30 @@ def test_cuda_giants_and_hybrids_match_transformers(tiny_model, tmp_path, kind, 
     assert cuda_greedy(tiny_model(kind), prompts, policy, tmp_path, "float32") == expected
 
 
+def test_cuda_compresses_weights_on_the_device(tiny_model, tmp_path, monkeypatch):
+    """4-bit weights are quantized on the GPU, then homed on every tier from there (the host
+    took the H200 pass's whole 131 s for OPT-6.7B): every `quantize` call gets a CUDA tensor,
+    and the tokens are the same wherever the weights live, the device's quantization being
+    the CPU's bit for bit (tests/engine/storage/test_quant.py::test_cuda_matches_cpu)."""
+    from engine.storage import weight_store
+
+    devices: list[str] = []
+    quantize = weight_store.quantize
+
+    def seen(x, *args, **kwargs):
+        devices.append(x.device.type)
+        return quantize(x, *args, **kwargs)
+
+    monkeypatch.setattr(weight_store, "quantize", seen)
+    prompts = random_prompts(5, vocab_size("llama"), 4, 30, seed=3)
+    tokens = []
+    for weights in ((1.0, 0.0, 0.0), (0.3, 0.4, 0.3)):
+        policy = Policy(compress_weights=True, weights_frac=weights)
+        tokens.append(cuda_greedy(tiny_model("llama"), prompts, policy, tmp_path, "float32"))
+    assert devices and set(devices) == {"cuda"}
+    assert tokens[0] == tokens[1]
+
+
 def test_gpu_mem_budget_is_enforced(tiny_model):
     with pytest.raises(Exception, match="budget"):
         LLM(str(tiny_model("llama")), policy=Policy(), device="cuda", gpu_mem=1024)
