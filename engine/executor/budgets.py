@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from engine.models.config import ModelConfig
 from engine.storage.device import Device
 from policy import TIERS, Policy
 from policy.errors import UserError
@@ -94,16 +95,49 @@ def check_host_memory(placed: dict[str, int], device: Device) -> None:
 
 
 def kv_capacity_pages(
-    budgets: dict[str, int], placed: dict[str, int], page_bytes: int, in_flight: int = 0
+    budgets: dict[str, int],
+    placed: dict[str, int],
+    page_bytes: int,
+    in_flight: int = 0,
+    workspace: int = 0,
 ) -> dict[str, int | None]:
-    """KV pages each tier may hold: its budget less its weights (and, on the gpu tier,
-    less GPU_RESERVE_FRAC of the budget and the `in_flight` bytes of `stores_in_flight`)."""
+    """KV pages each tier may hold: its budget less its weights (and, on the gpu tier, less
+    the larger of GPU_RESERVE_FRAC of the budget and a step's `workspace`
+    (`step_workspace_bytes`), and the `in_flight` bytes of `stores_in_flight`)."""
     out: dict[str, int | None] = {}
     for tier in TIERS:
-        reserve = GPU_RESERVE_FRAC if tier == "gpu" else 0.0
-        free = budgets[tier] * (1 - reserve) - placed[tier] - (in_flight if tier == "gpu" else 0)
-        out[tier] = max(0, int(free // page_bytes))
+        if tier == "gpu":
+            reserve = max(GPU_RESERVE_FRAC * budgets[tier], workspace) + in_flight
+        else:
+            reserve = 0
+        out[tier] = max(0, int((budgets[tier] - placed[tier] - reserve) // page_bytes))
     return out
+
+
+def step_workspace_bytes(
+    config: ModelConfig,
+    itemsize: int,
+    tokens: int,
+    rows: int,
+    dequantized_layer: int = 0,
+) -> int:
+    """Device bytes one step's compute holds at its peak beside the homed weights and KV,
+    an upper bound the gpu tier keeps free of KV pages: `tokens` rows through one layer at
+    once (the residual, its normed copy, and the larger of the attention's projections and
+    output and the MLP's widest intermediates; a MoE layer's routed copies of its rows), the
+    sampled `rows`' logits in the compute type, in float32 and their float32 softmax, and
+    two `dequantized_layer`s (a 4-bit layer decoded beside the next one's). A flat 10% of a
+    4 GiB budget did not hold OPT-125M's 1,024 rows of 50,272 logits on the H200
+    (tests/engine/executor/test_budgets.py measures a step's buffers against it)."""
+    c = config
+    h, q_dim = c.hidden_size, c.num_heads * c.head_dim
+    attention = c.kv_shape.row_dim + 2 * q_dim  # q, k, v, then the attention's output
+    width = max(c.intermediate_size, c.shared_expert_intermediate_size)
+    routed = c.num_experts_per_tok * (c.moe_intermediate_size + h) if c.num_experts else 0
+    mlp = 3 * max(width, routed)  # gate and up (or fc1), then the activation's output
+    per_token = (2 * h + max(attention, mlp)) * itemsize
+    logits = rows * c.vocab_size * (itemsize + 2 * 4)
+    return tokens * per_token + logits + 2 * dequantized_layer
 
 
 def stores_in_flight(

@@ -42,6 +42,7 @@ from engine.executor.budgets import (
     check_host_memory,
     derive_budgets,
     kv_capacity_pages,
+    step_workspace_bytes,
     stores_in_flight,
 )
 from engine.executor.cuda_graphs import GraphRunner
@@ -379,21 +380,32 @@ class Executor:
 
     def kv_capacity_pages(self) -> dict[str, int | None]:
         """KV pages each tier may hold: its budget less its weights, the slots offloaded
-        layers load into and, on a GPU, the stores a step keeps in flight (budgets.py)."""
+        layers load into and, on a GPU, the stores a step keeps in flight and its compute's
+        workspace (budgets.py)."""
         in_flight = 0 if self.weights.slots is None else self.weights.slots.total_bytes
+        workspace = 0
         if self.device.is_cuda:
-            item = self.dtype.itemsize
+            item, policy = self.dtype.itemsize, self.policy
             in_flight += stores_in_flight(
-                self.policy,
+                policy,
                 self.step_tokens,
                 len(self.config.kv_layers),
                 self.config.kv_shape.row_dim * item,
                 self.config.hidden_size * item,
             )
+            workspace = step_workspace_bytes(
+                self.config,
+                item,
+                tokens=-(-self.step_tokens // policy.num_gpu_batches),  # one GPU batch's
+                rows=min(policy.block_size, self.step_tokens),
+                dequantized_layer=self.weights.largest_layer_bytes()
+                if policy.compress_weights
+                else 0,
+            )
         placed = self.weights.bytes_per_tier()
         for tier, nbytes in self._state_bytes().items():
             placed[tier] += nbytes
-        return kv_capacity_pages(self.budgets, placed, self.kv.page_bytes, in_flight)
+        return kv_capacity_pages(self.budgets, placed, self.kv.page_bytes, in_flight, workspace)
 
     def _state_bytes(self) -> dict[str, int]:
         return {} if self.states is None else self.states.bytes_per_tier()

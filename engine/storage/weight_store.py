@@ -197,6 +197,11 @@ class WeightStore:
             out[self.tiers[-1]] -= self._sizes[-1] - self._head_only_bytes()
         return out
 
+    def largest_layer_bytes(self) -> int:
+        """The largest layer's bytes uncompressed (embeddings and head included): what one
+        4-bit layer takes once decoded for its compute."""
+        return max(self._sizes)
+
     def _shares_head(self) -> bool:
         """Tied embeddings on one memory tier, uncompressed: the head holds the embedding's
         tensor itself instead of a second copy (unless the head's is prepacked, a layout the
