@@ -2,7 +2,7 @@
 which kernels take the busy time.
 
     python -m bench.gpu_breakdown [--model llama-3-8b] [--prompts 256] [--prompt-len 512]
-        [--gen-len 16] [--device cuda] [--json gpu-breakdown.json]
+        [--gen-len 16] [--policy auto|JSON] [--device cuda] [--json gpu-breakdown.json]
 
 The H200 ran Llama-3-8B 512+32 resident at 25% of gpu_flops / (2 x params): prefill 163 ms a
 step of ~2,000 tokens, where the GEMMs alone need ~45 ms. A throughput figure cannot say why;
@@ -98,9 +98,11 @@ def phase(llm: Any, name: str, prompts: list[list[int]], max_tokens: int, cuda: 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from engine import LLM
     from engine.loading.generated import local_model_dir
+    from policy import Policy
 
     cuda = args.device == "cuda"
-    llm = LLM(str(local_model_dir(f"dummy:{args.model}")), policy="auto", device=args.device)
+    policy = "auto" if args.policy == "auto" else Policy.from_json(args.policy)
+    llm = LLM(str(local_model_dir(f"dummy:{args.model}")), policy=policy, device=args.device)
     try:
         vocab = llm.executor.config.vocab_size
         g = torch.Generator().manual_seed(0)
@@ -134,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts", type=int, default=256)
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--gen-len", type=int, default=16)
+    parser.add_argument("--policy", default="auto", help="auto (searched), or a Policy's JSON")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
