@@ -14,6 +14,10 @@ from policy.errors import UserError
 
 GPU_RESERVE_FRAC = 0.1
 """Share of the gpu budget kept for activations and workspace, never given to KV pages."""
+STORE_WINDOW = 3
+"""Copies of new KV rows to host memory the layer loop may run ahead of (`CopyWindow`, in
+the block pipeline): the device holds at most this many GPU batches' layers of them, plus
+the one being made (`stores_in_flight` reserves as much)."""
 DEVICE_SHARE = 0.9
 """Without --gpu-mem: this share of the device memory free at start."""
 RAM_SHARE = 0.8
@@ -143,14 +147,19 @@ def step_workspace_bytes(
 def stores_in_flight(
     policy: Policy, step_tokens: int, num_layers: int, kv_row_bytes: int, act_row_bytes: int
 ) -> int:
-    """Device bytes a step's stores to host memory can hold at once: each layer's new KV rows
-    (and output rows) headed for the cpu or disk tier stay on the device until their copy to
-    the host has run on the store stream, and the host enqueues a whole step's layers ahead
-    of the GPU (allocating each layer's rows as it enqueues it), so every layer's rows of a
-    step can be alive together (the H200's OPT-6.7B run under 16 GiB: 2,048 tokens x 32
-    layers x 16 KiB of KV rows, 1 GiB, beside a KV pool grown to its capacity, ran out of
-    memory). Zero when both stay on the device."""
-    per_token = (kv_row_bytes if policy.kv_frac[0] < 1.0 else 0) + (
-        act_row_bytes if policy.act_frac[0] < 1.0 else 0
-    )
-    return step_tokens * num_layers * per_token
+    """Device bytes a step's stores to host memory can hold at once. A layer's new KV rows
+    headed for the cpu or disk tier stay on the device until their copy to the host has run
+    on the store stream; the layer loop runs at most `STORE_WINDOW` such copies ahead
+    (`CopyWindow`), so `STORE_WINDOW` + 1 GPU batches' layers of rows are alive at once, each
+    at most a GPU batch's share of the step (before the window, every layer of a step could
+    be: the H200's OPT-6.7B run under 16 GiB ran out of memory with 2,048 tokens x 32 layers
+    x 16 KiB, and a 49,152-token step would hold 25.8 GB). A layer's output rows headed for
+    the host are stored on a store thread and may all be alive: every layer's. Zero when
+    both stay on the device."""
+    out = 0
+    if policy.kv_frac[0] < 1.0:
+        rows = -(-step_tokens // policy.num_gpu_batches)
+        out += min(STORE_WINDOW + 1, num_layers * policy.num_gpu_batches) * rows * kv_row_bytes
+    if policy.act_frac[0] < 1.0:
+        out += step_tokens * num_layers * act_row_bytes
+    return out

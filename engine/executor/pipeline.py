@@ -32,6 +32,7 @@ from engine.executor.attention import (
     ragged_attention,
     split_kv,
 )
+from engine.executor.budgets import STORE_WINDOW
 from engine.executor.cuda_graphs import GraphRunner, StepReplay
 from engine.executor.gpu_batch import AttentionGroup, GpuBatch
 from engine.executor.moe_block import BlockExperts, loads_all_experts
@@ -41,7 +42,7 @@ from engine.executor.trace import NoTracer, Tracer
 from engine.kernels import PagedKernels
 from engine.models.base import AttentionSpec, Model, Weights
 from engine.models.moe import MoeModel
-from engine.storage.device import Device, Ready
+from engine.storage.device import CopyWindow, Device, Ready
 from engine.storage.disk import DiskFile, DiskIO
 from engine.storage.kv_store import KVRows, KVStore
 from engine.storage.state_store import StateStore
@@ -122,6 +123,8 @@ class BlockPipeline:
         """MoE layers group the whole block's rows per expert (else each GPU batch's alone)."""
         self._moe = model if isinstance(model, MoeModel) else None
         self._grouped = self._routed_loads = False
+        self.store_window = CopyWindow(STORE_WINDOW)
+        """Bounds the KV rows a step's stores to host memory keep on the device (`_stage_kv`)."""
 
     def close(self) -> None:
         self._loads.shutdown(wait=True)
@@ -733,7 +736,9 @@ class BlockPipeline:
                     self.device.on_store_stream(self.device.record()),
                     self.tracer.span("store_cache", "store", j, batch.index),
                 ):
-                    staged.append((tier, kv_rows, self.device.to_host_async(rows)))
+                    ready = self.device.to_host_async(rows)
+                staged.append((tier, kv_rows, ready))
+                self.store_window.admit(ready.event)  # the loop runs STORE_WINDOW copies ahead
             else:
                 staged.append((tier, kv_rows, Ready(rows)))
         return staged

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from engine.executor.budgets import (
     GPU_RESERVE_FRAC,
+    STORE_WINDOW,
     kv_capacity_pages,
     step_workspace_bytes,
     stores_in_flight,
@@ -15,11 +16,16 @@ GiB = 1 << 30
 
 def test_a_step_of_kv_headed_for_the_host_is_reserved_on_the_gpu() -> None:
     """The H200's OPT-6.7B case under 16 GiB: 12.4 GiB of weights on the GPU, 94% of the KV
-    cache in CPU memory, 2,048-token steps over 32 layers of 16 KiB KV rows: 1 GiB of rows in
-    flight, taken from the KV pool's share instead of from the margin activations need."""
+    cache in CPU memory, 2,048-token steps of 16 KiB KV rows: the rows of STORE_WINDOW + 1
+    layers in flight (the layer loop waits for older copies), taken from the KV pool's share
+    instead of from the margin activations need; a step's tokens split over its GPU batches;
+    output rows bound for the host, every layer's."""
     offloaded_kv = Policy(gpu_batch_size=32, kv_frac=(0.06, 0.94, 0.0))
     in_flight = stores_in_flight(offloaded_kv, 2048, 32, 16 << 10, 8 << 10)
-    assert in_flight == 1 * GiB
+    assert in_flight == (STORE_WINDOW + 1) * 2048 * (16 << 10)
+    two = Policy(gpu_batch_size=48, num_gpu_batches=2, kv_frac=(0.3, 0.7, 0.0))
+    assert stores_in_flight(two, 49152, 32, 16 << 10, 8 << 10) == 4 * 24576 * (16 << 10)
+    assert stores_in_flight(offloaded_kv, 2048, 2, 16 << 10, 0) == 2 * 2048 * (16 << 10)
     budgets = {"gpu": 16 * GiB, "cpu": 96 * GiB, "disk": 64 * GiB}
     placed = {"gpu": int(12.4 * GiB), "cpu": 0, "disk": 0}
     page = 16 * 32 * (16 << 10)  # 16 tokens x 32 layers x 16 KiB
@@ -28,6 +34,30 @@ def test_a_step_of_kv_headed_for_the_host_is_reserved_on_the_gpu() -> None:
     assert without["gpu"] == int((16 * GiB * (1 - GPU_RESERVE_FRAC) - placed["gpu"]) // page)
     assert without["gpu"] - with_stores["gpu"] == in_flight // page
     assert with_stores["cpu"] == without["cpu"]  # host tiers are not charged
+
+
+def test_the_copy_window_waits_for_the_oldest_copy_beyond_its_depth() -> None:
+    """`CopyWindow(3)`: the fourth copy admitted makes the host wait for the first, the
+    fifth for the second; CPU copies (no event) are never waited for."""
+    from engine.storage.device import CopyWindow
+
+    class Copy:
+        def __init__(self) -> None:
+            self.waited = False
+
+        def synchronize(self) -> None:
+            self.waited = True
+
+    window = CopyWindow(3)
+    copies = [Copy() for _ in range(5)]
+    for c in copies[:3]:
+        window.admit(c)
+    window.admit(None)
+    assert not any(c.waited for c in copies) and window.waits == 0
+    window.admit(copies[3])
+    assert [c.waited for c in copies] == [True, False, False, False, False]
+    window.admit(copies[4])
+    assert [c.waited for c in copies] == [True, True, False, False, False] and window.waits == 2
 
 
 def test_nothing_is_in_flight_when_kv_and_activations_stay_on_the_device() -> None:

@@ -140,6 +140,28 @@ def test_cuda_compresses_weights_on_the_device(tiny_model, tmp_path, monkeypatch
     assert tokens[0] == tokens[1]
 
 
+def test_cuda_stores_to_host_memory_run_at_most_a_window_ahead(tiny_model, tmp_path):
+    """KV rows bound for the cpu tier are copied at most STORE_WINDOW ahead of the layer loop
+    (`CopyWindow`: the loop waited for older copies), and the tokens are transformers'."""
+    from engine.executor.budgets import STORE_WINDOW
+
+    prompts = random_prompts(6, vocab_size("llama"), 2, 40, seed=5)
+    expected = hf_greedy_cuda(tiny_model("llama"), prompts, torch.float32)
+    policy = Policy(gpu_batch_size=2, num_gpu_batches=3, kv_frac=(0.0, 1.0, 0.0))
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    with LLM(
+        str(tiny_model("llama")),
+        policy=policy,
+        offload_dir=tmp_path / "off",
+        device="cuda",
+        dtype="float32",
+    ) as llm:
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        window = llm.executor.pipeline.store_window
+        assert window.depth == STORE_WINDOW and window.waits > 0
+    assert got == expected
+
+
 def test_gpu_mem_budget_is_enforced(tiny_model):
     with pytest.raises(Exception, match="budget"):
         LLM(str(tiny_model("llama")), policy=Policy(), device="cuda", gpu_mem=1024)

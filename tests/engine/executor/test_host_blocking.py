@@ -8,7 +8,10 @@ sampler after the last layer. On the CPU the same code runs through the Device's
 and event interface, so this test records what the thread that runs the layers asks for
 between the first layer and the sampler, for every placement with overlap on: it fails on
 any of them. (With overlap off, the ablation, loads and stores run inline in the loop and
-wait by design.)
+wait by design. On CUDA one bounded wait is by design too: `CopyWindow` holds the loop to
+STORE_WINDOW copies of new KV rows to host memory ahead of the device, so that a step's rows
+do not all wait on the device at once; by then the device has that many layers queued. On
+the CPU copies carry no event and it never waits.)
 """
 
 from __future__ import annotations
