@@ -48,8 +48,9 @@ def hf_greedy_cuda(model_dir, prompts, dtype):
     return out
 
 
-def cuda_greedy(model_dir, prompts, policy, tmp_path, dtype, **options):
-    """nanoflex's greedy MAX_TOKENS tokens for each prompt on CUDA, EOS ignored."""
+def cuda_greedy(model_dir, prompts, policy, tmp_path, dtype, check=None, **options):
+    """nanoflex's greedy MAX_TOKENS tokens for each prompt on CUDA, EOS ignored; `check(llm)`
+    runs after the generation, before the engine closes."""
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     with LLM(
         str(model_dir),
@@ -59,7 +60,10 @@ def cuda_greedy(model_dir, prompts, policy, tmp_path, dtype, **options):
         dtype=dtype,
         **options,
     ) as llm:
-        return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        if check is not None:
+            check(llm)
+        return tokens
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
@@ -148,17 +152,12 @@ def test_cuda_stores_to_host_memory_run_at_most_a_window_ahead(tiny_model, tmp_p
     prompts = random_prompts(6, vocab_size("llama"), 2, 40, seed=5)
     expected = hf_greedy_cuda(tiny_model("llama"), prompts, torch.float32)
     policy = Policy(gpu_batch_size=2, num_gpu_batches=3, kv_frac=(0.0, 1.0, 0.0))
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    with LLM(
-        str(tiny_model("llama")),
-        policy=policy,
-        offload_dir=tmp_path / "off",
-        device="cuda",
-        dtype="float32",
-    ) as llm:
-        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+    def waited(llm):
         window = llm.executor.pipeline.store_window
         assert window.depth == STORE_WINDOW and window.waits > 0
+
+    got = cuda_greedy(tiny_model("llama"), prompts, policy, tmp_path, "float32", check=waited)
     assert got == expected
 
 
@@ -244,17 +243,13 @@ def test_cuda_nano_batches_match_transformers(tiny_model, tmp_path, placement, n
         num_nano_batches=num_nano,
         **PLACEMENTS[placement],  # type: ignore[arg-type]
     )
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    with LLM(
-        str(tiny_model("llama")),
-        policy=policy,
-        offload_dir=tmp_path / "off",
-        device="cuda",
-        dtype="float32",
-    ) as llm:
-        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+    def ran_nano_batches(llm):
         nano = llm.executor.pipeline.nano
         assert nano is not None and nano.num_layers_run > 0
+
+    check = ran_nano_batches
+    got = cuda_greedy(tiny_model("llama"), prompts, policy, tmp_path, "float32", check=check)
     assert got == expected
 
 
