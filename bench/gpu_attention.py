@@ -27,9 +27,9 @@ import torch
 from engine.executor.attention import RaggedLayout, paged_attention
 from engine.kernels import PagedKernels
 from engine.models.config import KVShape
-from engine.profiling.profiler import paged_slots
+from engine.profiling.profiler import paged_pool
 
-HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
+HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 
 DECODE_CASES = [(64, 2048), (256, 512), (8, 8192), (1, 32768)]
 """(sequences, keys each): a block, many short, a few long, one very long (splits)."""
@@ -40,10 +40,7 @@ PREFILL_CASES = [(8, 2048, 0), (4, 1024, 3072)]
 def _pool(
     lens: list[int], dtype: torch.dtype, device: torch.device, seed: int
 ) -> tuple[torch.Tensor, list[list[int]]]:
-    seq_slots = paged_slots(lens, seed, PAGE)
-    rows = 1 + max(map(max, seq_slots))
-    pool = torch.randn(rows, 2 * KV_HEADS * HEAD_DIM, dtype=dtype, device=device)
-    return pool, seq_slots
+    return paged_pool(lens, 2 * KV_HEADS * HEAD_DIM, dtype, device, seed)
 
 
 def _timed(fn: Any, on_gpu: bool) -> float:

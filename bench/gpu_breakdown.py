@@ -37,15 +37,6 @@ CPU_OPERATORS = ("aten::", "nanoflex::", "mkldnn::")
 """On the CPU, the operators whose own time is the device's (the rest is Python around them)."""
 
 
-def _device_time(event: Any) -> float:
-    """An event's own time on the device in microseconds (torch >= 2.4 names it "device";
-    older ones "cuda")."""
-    value: Any = getattr(event, "self_device_time_total", None)
-    if value is None:
-        value = getattr(event, "self_cuda_time_total", 0.0)
-    return float(value)
-
-
 def phase(llm: Any, name: str, prompts: list[list[int]], max_tokens: int, cuda: bool) -> dict:
     """One profiled `generate`: wall, steps, busy time, the top kernels."""
     from engine import SamplingParams
@@ -72,7 +63,7 @@ def phase(llm: Any, name: str, prompts: list[list[int]], max_tokens: int, cuda: 
     kernels: list[tuple[str, int, float]] = []
     for event in prof.key_averages():
         if cuda:  # the kernels themselves (an operator's row repeats its kernels' time)
-            own = _device_time(event) if event.device_type == DeviceType.CUDA else 0.0
+            own = event.self_device_time_total if event.device_type == DeviceType.CUDA else 0.0
         else:
             own = float(event.self_cpu_time_total) if event.key.startswith(CPU_OPERATORS) else 0.0
         if own <= 0:

@@ -81,6 +81,16 @@ def paged_slots(lens: list[int], seed: int, page_tokens: int = PAGE_TOKENS) -> l
     return out
 
 
+def paged_pool(
+    lens: list[int], row_dim: int, dtype: torch.dtype, device: torch.device, seed: int
+) -> tuple[torch.Tensor, list[list[int]]]:
+    """A pool of random KV rows `row_dim` wide holding sequences of `lens` tokens on shuffled
+    pages (`paged_slots`), and each sequence's slots."""
+    seq_slots = paged_slots(lens, seed)
+    pool = torch.randn(1 + max(map(max, seq_slots)), row_dim, dtype=dtype, device=device)
+    return pool, seq_slots
+
+
 def _prefill_attention_flops(dtype: torch.dtype, device: Device, scale: int, probe: Probe) -> float:
     """FLOP/s of the engine's attention over prefill chunks (no past) read in place from a
     pool (`paged_attention` with the kernels the engine runs by default), counted as the
@@ -89,8 +99,7 @@ def _prefill_attention_flops(dtype: torch.dtype, device: Device, scale: int, pro
     heads, kv_heads, d = attention_shape(device)
     seqs, length = (8, 512 * scale) if device.is_cuda else (4, 128 * scale)
     on = device.device
-    seq_slots = paged_slots([length] * seqs, seed=0)
-    pool = torch.randn(1 + max(map(max, seq_slots)), 2 * kv_heads * d, dtype=dtype, device=on)
+    pool, seq_slots = paged_pool([length] * seqs, 2 * kv_heads * d, dtype, on, seed=0)
     layout = RaggedLayout.build([length] * seqs, [0] * seqs, on, seq_slots=seq_slots)
     q = torch.randn(seqs * length, heads, d, dtype=dtype, device=on)
     kernels = attention_kernels(device.is_cuda)
@@ -116,8 +125,7 @@ def _device_attention_bw(
     heads, kv_heads, d = attention_shape(device)
     seqs, past = (32, 1024 * scale) if device.is_cuda else (8, 256 * scale)
     on = device.device
-    seq_slots = paged_slots([past + 1] * seqs, seed=1)
-    pool = torch.randn(1 + max(map(max, seq_slots)), 2 * kv_heads * d, dtype=dtype, device=on)
+    pool, seq_slots = paged_pool([past + 1] * seqs, 2 * kv_heads * d, dtype, on, seed=1)
     layout = RaggedLayout.build([1] * seqs, [past] * seqs, on, seq_slots=seq_slots)
     q = torch.randn(seqs, heads, d, dtype=dtype, device=on)
     kernels = None if packed else attention_kernels(device.is_cuda)

@@ -45,10 +45,11 @@ class CopyWindow:
             return
         with self._lock:
             self._pending.append(event)
-            oldest = self._pending.popleft() if len(self._pending) > self.depth else None
-        if oldest is not None:
+            if len(self._pending) <= self.depth:
+                return
+            oldest = self._pending.popleft()
             self.waits += 1
-            oldest.synchronize()
+        oldest.synchronize()
 
 
 class Device:

@@ -228,7 +228,6 @@ class WeightStore:
         4-bit parts homed from there: on the host, group-wise quantization of OPT-6.7B alone
         took the H200 pass's whole 131 s (the CPU's amin, amax and round over 6.7B numbers)."""
         model, dtype, compress = self.model, self.dtype, self.compress
-        on = self.device.to_device if self.device.is_cuda else _same
         embed_j, embed_name, head_name = model.tied_head_source()
         for j, names in enumerate(self._by_layer):
             read: Weights = {}
@@ -237,7 +236,7 @@ class WeightStore:
                     continue  # added below: the embedding's stored tensor itself
                 read[local] = self.reader.get(hf_name).to(model.stored_dtype(local, dtype))
             values: dict[str, Stored] = {
-                local: quantize(on(t), group_size=64, dim=0)
+                local: quantize(self.device.to_device(t), group_size=64, dim=0)
                 if compress and model.is_compressible(j, local, t)
                 else t
                 for local, t in model.fuse(read).items()
@@ -458,8 +457,3 @@ class WeightStore:
         if self.device.is_cuda:
             self._recycle_staging(staging)
         return values
-
-
-def _same(t: torch.Tensor) -> torch.Tensor:
-    """The tensor where it is (quantized where it was read: on the CPU)."""
-    return t

@@ -248,8 +248,9 @@ def test_cuda_nano_batches_match_transformers(tiny_model, tmp_path, placement, n
         nano = llm.executor.pipeline.nano
         assert nano is not None and nano.num_layers_run > 0
 
-    check = ran_nano_batches
-    got = cuda_greedy(tiny_model("llama"), prompts, policy, tmp_path, "float32", check=check)
+    got = cuda_greedy(
+        tiny_model("llama"), prompts, policy, tmp_path, "float32", check=ran_nano_batches
+    )
     assert got == expected
 
 
