@@ -8,7 +8,9 @@ layer, with no loop over sequences:
   gather reads every key and value of the group from the pool, in place, straight into
   the padded layout (vLLM's write-then-attend). A decode's query needs no padding at all.
   On the CPU no group gathers: the native kernels (`engine.kernels`, decode and prefill)
-  read each key where it lies in the pool.
+  read each key where it lies in the pool. On CUDA no group at all: one Triton kernel
+  (engine/kernels/triton_paged.py) attends every sequence of the step in one call
+  (`PagedStep`), decodes and prefill chunks alike.
 - `ragged_attention`, the general path: past KV that the copy threads gathered from any
   tier (and decoded) arrives packed by sequence, and it and the new rows are scattered
   into the padded tensors.
@@ -138,6 +140,47 @@ class PaddedGroup:
             out.index_copy_(0, self.new_rows, rows)
 
 
+@dataclass(frozen=True, slots=True)
+class PagedStep:
+    """A layout's sequences as one call of a paged kernel over the whole step
+    (`PagedKernels.attention`): decodes and prefill chunks together, each key read through
+    the slot table, nothing padded."""
+
+    table: torch.Tensor
+    """(B, W) int64 each sequence's key slots, past then new (a column past its length is
+    never read)."""
+    q_starts: torch.Tensor
+    """(B + 1,) int64 where each sequence's rows begin among the layout's new rows."""
+    kv_lens: torch.Tensor
+    """(B,) int64 each sequence's keys, past and new."""
+    q_max: int
+    kv_max: int
+    window: int = 0
+    """The sliding window; 0: none; negative: chunked attention (`in_window`)."""
+
+    @classmethod
+    def build(
+        cls,
+        q_lens: list[int],
+        past_lens: list[int],
+        table: torch.Tensor,
+        sliding_window: int | None,
+    ) -> PagedStep:
+        """The call's inputs: the offsets and lengths in one copy to the table's device."""
+        kv_lens = [p + q for p, q in zip(past_lens, q_lens, strict=True)]
+        starts = [0, *itertools.accumulate(q_lens)]
+        both = torch.tensor([*starts, *kv_lens], dtype=torch.long, device=table.device)
+        num_seqs = len(q_lens)
+        return cls(
+            table if table.stride(-1) == 1 else table.contiguous(),
+            both[: num_seqs + 1],
+            both[num_seqs + 1 :],
+            max(q_lens),
+            max(kv_lens),
+            sliding_window or 0,
+        )
+
+
 @dataclass(slots=True)
 class RaggedLayout:
     """Where each row goes in the padded attention tensors of B sequences (T new rows in
@@ -150,6 +193,9 @@ class RaggedLayout:
     groups: list[PaddedGroup]
     num_past: int
     """P: past rows over all groups."""
+    paged: PagedStep | None = None
+    """Every sequence as one call of a whole-step paged kernel, where the layout reads its
+    keys in place; None: packed."""
 
     @property
     def q_max(self) -> int:
@@ -176,12 +222,15 @@ class RaggedLayout:
         gets them packed."""
         if isinstance(seq_slots, list):
             seq_slots = padded_table(seq_slots, device)
+        paged = None
+        if seq_slots is not None:
+            paged = PagedStep.build(q_lens, past_lens, seq_slots, sliding_window)
         decodes = [i for i, q in enumerate(q_lens) if q == 1]
         chunks = [i for i, q in enumerate(q_lens) if q > 1]
         members = [m for m in (decodes, chunks) if m]
         if len(members) == 1:
             group = _padded(q_lens, past_lens, device, sliding_window, None, None, seq_slots)
-            return cls([group], sum(past_lens))
+            return cls([group], sum(past_lens), paged)
         new_starts = [0, *itertools.accumulate(q_lens)]
         past_starts = [0, *itertools.accumulate(past_lens)]
 
@@ -207,7 +256,7 @@ class RaggedLayout:
             if seqs[-1] - seqs[0] + 1 == len(seqs):  # one run of sequences, so of rows
                 group.new_span = (new_starts[seqs[0]], new_starts[seqs[-1] + 1])
             groups.append(group)
-        return cls(groups, sum(past_lens))
+        return cls(groups, sum(past_lens), paged)
 
 
 def padded_table(rows: list[list[int]], device: torch.device) -> torch.Tensor:
@@ -375,16 +424,24 @@ def paged_attention(
     spec: AttentionSpec = FULL,
 ) -> torch.Tensor:
     """Causal attention of the new rows over every key of their sequences, read in place from
-    one layer's KV pool (its new keys already written there), one call per group, scored as
-    `spec` says (the layout's mask and `window` carry the layer's window).
+    one layer's KV pool (its new keys already written there), scored as `spec` says (the
+    layout's mask and `window` carry the layer's window).
 
     q: (T, num_heads, head_dim); pool: (slots, row_bytes) encoded rows; `decode` turns
     gathered rows into (N, kv_shape.row_dim) KV rows, keys then values or, where
     `kv_shape.values_are_keys`, keys read as the values too (a view for plain rows, and so of
-    the whole pool). `kernels`: the native CPU kernels (`engine.kernels`), which every group
-    calls on the pool as it lies instead of gathering a copy (the row's width tells them
-    where its values are).
+    the whole pool). `kernels`: the native CPU kernels or Triton's (`engine.kernels`), which
+    read the pool as it lies instead of gathering a copy (the row's width tells them where
+    its values are): with a whole-step kernel (`PagedKernels.attention`, CUDA), one call for
+    every sequence of the layout; else one call per group.
     Returns (T, num_heads, head_dim)."""
+    step, one = layout.paged, None if kernels is None else kernels.attention
+    if one is not None and step is not None and not spec.softcap:  # the kernels do not soft-cap
+        q, scale, sinks = _kernel_inputs(q, spec)
+        return one(
+            q, decode(pool), step.table, step.q_starts, step.kv_lens, kv_shape[0], scale,
+            step.window, step.q_max, step.kv_max, sinks,
+        )  # fmt: skip
     if len(layout.groups) == 1:
         return _paged_group(q, pool, decode, layout.groups[0], kv_shape, kernels, spec)
     out = torch.empty_like(q)
@@ -413,10 +470,7 @@ def _paged_group(
     if native and (g.kv_lens is not None or (g.starts is not None and prefill is not None)):
         assert kernels is not None
         rows = decode(pool)  # plain rows: a view of the whole pool
-        scale = head_dim**-0.5 if spec.scale is None else spec.scale
-        sinks = None if spec.sinks is None else spec.sinks.float().contiguous()
-        if q.stride()[1:] != (head_dim, 1):  # the kernels take rows strided, heads adjacent
-            q = q.contiguous()
+        q, scale, sinks = _kernel_inputs(q, spec)
         if g.kv_lens is not None:
             return kernels.decode(
                 q, rows, g.slots, g.kv_lens, kv_shape[0], scale, g.window, sinks=sinks
@@ -458,6 +512,18 @@ def _paged_group(
     out = sdpa(qp, k, v, g.mask, False, spec)  # (B, nh, Qm, hd)
     out = out.transpose(1, 2).reshape(b * q_max, num_heads, head_dim)
     return out if q_max == 1 else out[g.q_dest]
+
+
+def _kernel_inputs(
+    q: torch.Tensor, spec: AttentionSpec
+) -> tuple[torch.Tensor, float, torch.Tensor | None]:
+    """(q with its heads adjacent, the scale, the sinks as they lie on the compute device in
+    float32) for the paged kernels, which take rows strided and heads adjacent."""
+    head_dim = q.shape[2]
+    if q.stride()[1:] != (head_dim, 1):
+        q = q.contiguous()
+    scale = head_dim**-0.5 if spec.scale is None else spec.scale
+    return q, scale, None if spec.sinks is None else spec.sinks.float().contiguous()
 
 
 def join_kv(k: torch.Tensor, v: torch.Tensor, values_are_keys: bool = False) -> torch.Tensor:

@@ -60,6 +60,14 @@ rows of q and of slots begin, num_kv_heads, scale, window) -> (T, heads, head_di
 of a sequence sees its keys [0, kv_len - q_len + t] (the last `window` of them; 0: all;
 negative: its own chunk), `sinks` as in decode."""
 
+PagedAttention = Callable[..., torch.Tensor]
+"""A whole step in one call, decodes and prefill chunks together: (q (T, heads, head_dim),
+each sequence's rows back to back, pool (slots, 2 * kv_dim), table (B, W) int64: each
+sequence's key slots, q_starts (B + 1,) int64: where its rows begin in q, kv_lens (B,) int64:
+its keys, the new rows' last, num_kv_heads, scale, window, q_max, kv_max: the most new rows
+and keys of a sequence (host ints), sinks) -> (T, heads, head_dim); query t of a sequence
+sees its keys as in `PagedPrefill`."""
+
 _lock = threading.Lock()
 
 
@@ -107,6 +115,9 @@ class PagedKernels:
     prefill: PagedPrefill | None
     """Prefill chunks: any number of query tokens a sequence, causal; None: prefill chunks
     gather their keys for SDPA."""
+    attention: PagedAttention | None = None
+    """One call for a whole step's sequences, decodes and chunks alike (Triton's one paged
+    kernel, triton_paged.py); None: a call per group (`decode`, `prefill`)."""
 
 
 def paged_kernels() -> PagedKernels | None:
@@ -119,17 +130,19 @@ def paged_kernels() -> PagedKernels | None:
     return PagedKernels(torch.ops.nanoflex.paged_decode, torch.ops.nanoflex.paged_prefill)
 
 
-def cuda_paged_kernels() -> PagedKernels | None:
-    """The Triton decode kernel (triton_attention.py), or None, with one warning, where
-    Triton is not installed. Prefill chunks keep gathering their keys for SDPA, whose flash
-    kernel the H200 measured at 4.6x the Triton prefill kernel (bench/gpu_attention.py,
-    docs/benchmarks.md): 360 against 79 TFLOP/s; the gather costs it less than that."""
-    from engine.kernels import triton_attention
+def cuda_paged_kernels(one_kernel: bool = True) -> PagedKernels | None:
+    """Triton's one paged kernel (triton_paged.py) for every step, decode, prefill and mixed,
+    or None, with one warning, where Triton is not installed. `one_kernel=False`: the
+    previous pair, the Triton decode kernel (triton_attention.py) for decodes and prefill
+    chunks gathered for SDPA, whose flash kernel the H200 measured at 4.6x the first Triton
+    prefill kernel (bench/gpu_attention.py compares them all)."""
+    from engine.kernels import triton_attention, triton_paged
 
     if not triton_attention.available():
         logger.warning("triton is not installed: CUDA attention gathers the keys for SDPA")
         return None
-    return PagedKernels(triton_attention.paged_decode, None)
+    one = triton_paged.paged_attention if one_kernel else None
+    return PagedKernels(triton_attention.paged_decode, None, one)
 
 
 @dataclass(frozen=True, slots=True)

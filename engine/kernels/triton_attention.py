@@ -1,30 +1,27 @@
-"""Attention read in place from one layer's KV pool on CUDA, in Triton.
+"""The Triton decode kernel and the pieces the one step kernel (triton_paged.py) shares.
 
-The CPU runs its own C++ kernels (paged_decode.cpp, paged_prefill.cpp); these are their CUDA
-counterparts, with the same arguments (`PagedKernels`), so `engine.executor.attention` calls
-either the same way. Without them the CUDA path gathers every key of a step into a padded
-copy and calls SDPA: the first GPU sessions measured that at 71-82 GB/s, 2% of the HBM
-bandwidth, for decode, and at 2% of the GEMM rate for prefill.
-
-- **Decode** (flash-decoding): one program per (sequence, kv head, split of the keys). It
-  loads the kv head's query heads once (grouped-query attention: the keys are read once for
-  all of them, never repeated), walks its split's keys `BLOCK_N` at a time through the block
-  table, reading each row where it lies in the pool, and keeps an online softmax in float32.
-  Long contexts are cut into splits so that short batches still fill the GPU; a second
-  kernel merges the splits' partial sums. With one split the first kernel writes the output.
-- **Prefill** (flash attention over a paged past): one program per (sequence, block of
-  `BLOCK_M` query rows, query head). Query row t of a sequence with `q_len` new rows and
-  `kv_len` keys is at position kv_len - q_len + t and sees keys [0, that position] (its last
-  `window` of them, or those of its own chunk with chunked attention): causal over the
-  paged past and the new rows alike, ragged across sequences.
+The CPU runs its own C++ kernels (paged_decode.cpp, paged_prefill.cpp); on CUDA, one kernel
+(triton_paged.py) attends a whole step, decodes and prefill chunks alike. This module keeps
+what came before it and what it shares:
+- **Decode** (flash-decoding), `paged_decode`, the CUDA path's decode kernel before the step
+  kernel (`cuda_paged_kernels(one_kernel=False)`, benchmarked beside it): one program per
+  (sequence, kv head, split of the keys). It loads the kv head's query heads once
+  (grouped-query attention: the keys are read once for all of them), walks its split's keys
+  `BLOCK_N` at a time through the slot table, reading each row where it lies in the pool,
+  and keeps an online softmax in float32. Long contexts are cut into splits so that short
+  batches still fill the GPU.
+- **Merge** of split partial sums (`decode_merge`, `merge_splits`), which both kernels use,
+  with the windows, products and row layouts they share (`_bounds`, `_products`,
+  `values_at`). The first Triton prefill kernel (one program per query head, 11% of the
+  GEMM rate on the H200) is gone: the step kernel's prefill replaced it.
 
 With gpt-oss's sinks, each query head's sink logit is one more term of its softmax's sum
-(e^(sink - max)), with no value. Both compute scores and the softmax in float32, multiply
-half-precision tiles on the tensor cores (float32 tiles in IEEE float32, not TF32), and round
-the probabilities to the values' type before the second product, as flash attention does.
-Soft-capped scores (Gemma 2) and 4-bit KV rows stay on the gather-and-SDPA path.
+(e^(sink - max)), with no value. Scores and the softmax are float32, half-precision tiles
+multiply on the tensor cores (float32 tiles in IEEE float32, not TF32), and the
+probabilities are rounded to the values' type before the second product, as flash attention
+does. Soft-capped scores (Gemma 2) and 4-bit KV rows stay on the gather-and-SDPA path.
 
-CI runs both kernels under Triton's interpreter on CPU tensors (a launch picks the
+CI runs the kernels under Triton's interpreter on CPU tensors (a launch picks the
 interpreter when its tensors are on the CPU; `TRITON_INTERPRET=1` must be set before Triton
 is imported, for Triton's own jit functions the kernels call) and compiles them for sm_90
 with no GPU present: `python -m engine.kernels.triton_compile` prints each
@@ -46,12 +43,10 @@ try:
 except ImportError:  # no Triton: the gather-and-SDPA path runs instead
     triton = None
 
-__all__ = ["available", "paged_decode", "paged_prefill"]
+__all__ = ["available", "paged_decode"]
 
 DECODE_BLOCK_N = 64
 """Keys per tile of the decode kernel."""
-PREFILL_BLOCK_M, PREFILL_BLOCK_N = 64, 64
-"""Query rows and keys per tile of the prefill kernel."""
 MAX_SPLITS = 64
 """At most this many splits of one sequence's keys in decode."""
 PROGRAMS_PER_SM = 2
@@ -61,8 +56,7 @@ INTERPRETER_SMS = 2
 """The multiprocessor count assumed under the interpreter (small, so tests exercise splits)."""
 # Warps and software-pipelining stages per kernel (`@kernel`): with two stages the decode
 # kernel's key tiles stream through shared memory (cp.async), 80 registers a thread (one
-# stage: 128); the prefill kernel's 64 x 64 tiles take 167 registers with 8 warps and two
-# stages, 235 with 4 (compiled for sm_90: `python -m engine.kernels.triton_compile`).
+# stage: 128) (compiled for sm_90: `python -m engine.kernels.triton_compile`).
 
 
 if triton is not None:
@@ -86,7 +80,7 @@ if triton is not None:
         PRECISION: tl.constexpr,
         UPCAST: tl.constexpr,
     ):
-        """One tile of keys for both kernels: kv head `kvh`'s keys and values of the tile's
+        """One tile of keys for the decode kernel: kv head `kvh`'s keys and values of the tile's
         slots read where they lie in the pool (the values V_AT past the keys; 0: the keys
         are the values, loaded once), the query rows' scores (`seen`: which rows see which
         keys), and the online softmax's running maximum, sum and output updated. A row that
@@ -243,82 +237,6 @@ if triton is not None:
             mask=dims < HEAD_DIM,
         )
 
-    @kernel(num_warps=8, num_stages=2)
-    def prefill(
-        Q,
-        KV,
-        OUT,
-        SLOTS,
-        Q_STARTS,
-        KV_STARTS,
-        SINKS,
-        stride_qt,
-        stride_qh,
-        stride_row,
-        stride_ot,
-        stride_oh,
-        scale,
-        window,
-        chunk,
-        HEAD_DIM: tl.constexpr,
-        HEAD_PAD: tl.constexpr,
-        V_AT: tl.constexpr,
-        GROUP: tl.constexpr,
-        BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        HAS_SINKS: tl.constexpr,
-        PRECISION: tl.constexpr,
-        UPCAST: tl.constexpr,
-    ):
-        """Program (b, block of query rows, head): causal flash attention of the rows over
-        sequence b's keys, read through its slots."""
-        b = tl.program_id(0)
-        block = tl.program_id(1)
-        h = tl.program_id(2)
-        q_start = tl.load(Q_STARTS + b)
-        q_len = tl.load(Q_STARTS + b + 1) - q_start
-        kv_start = tl.load(KV_STARTS + b)
-        kv_len = tl.load(KV_STARTS + b + 1) - kv_start
-        rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
-        row_ok = rows < q_len
-        pos = kv_len - q_len + rows  # each query row's own key position
-        dims = tl.arange(0, HEAD_PAD)
-        dim_ok = dims < HEAD_DIM
-        kvh = h // GROUP
-        q = tl.load(
-            Q + (q_start + rows)[:, None] * stride_qt + h * stride_qh + dims[None, :],
-            mask=row_ok[:, None] & dim_ok[None, :],
-            other=0.0,
-        )
-        if UPCAST:
-            q = q.to(tl.float32)
-        first = kv_len - q_len + block * BLOCK_M
-        hi = tl.minimum(kv_len, first + BLOCK_M)
-        lo = tl.maximum(first - window + 1, 0)
-        lo = tl.maximum(lo, first - first % chunk)  # the first row's chunk
-        top = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        total = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
-        for start in range(lo, hi, BLOCK_N):
-            keys = start + tl.arange(0, BLOCK_N)
-            key_ok = keys < hi
-            slot = tl.load(SLOTS + kv_start + keys, mask=key_ok, other=0)
-            seen = key_ok[None, :] & (keys[None, :] <= pos[:, None])
-            seen = seen & (keys[None, :] > pos[:, None] - window)
-            seen = seen & (keys[None, :] >= pos[:, None] - pos[:, None] % chunk)
-            top, total, acc = _attend_tile(
-                q, KV, slot, key_ok, seen, top, total, acc, stride_row, kvh, scale,
-                HEAD_DIM, HEAD_PAD, V_AT, PRECISION, UPCAST,
-            )  # fmt: skip
-        if HAS_SINKS:
-            total += tl.exp(tl.load(SINKS + h) - top)
-        out = acc / tl.where(total > 0, total, 1.0)[:, None]
-        tl.store(
-            OUT + (q_start + rows)[:, None] * stride_ot + h * stride_oh + dims[None, :],
-            out.to(OUT.dtype.element_ty),
-            mask=row_ok[:, None] & dim_ok[None, :],
-        )
-
 
 NO_WINDOW = 1 << 30
 """The window (and chunk) the kernels get for none: every key is within it (branch-free
@@ -345,15 +263,61 @@ def _multiprocessors(index: int) -> int:
     return int(torch.cuda.get_device_properties(index).multi_processor_count)
 
 
-def decode_splits(batch: int, kv_heads: int, kv_max: int, sms: int) -> tuple[int, int]:
-    """(splits, keys a split): enough programs to give each multiprocessor PROGRAMS_PER_SM,
+def decode_splits(
+    batch: int, kv_heads: int, kv_max: int, sms: int, programs_per_sm: int = PROGRAMS_PER_SM
+) -> tuple[int, int]:
+    """(splits, keys a split): enough programs to give each multiprocessor `programs_per_sm`,
     each split a whole number of key tiles, at most MAX_SPLITS."""
     tiles = -(-max(1, kv_max) // DECODE_BLOCK_N)
-    wanted = -(-(PROGRAMS_PER_SM * sms) // max(1, batch * kv_heads))
+    wanted = -(-(programs_per_sm * sms) // max(1, batch * kv_heads))
     split_tiles = max(1, tiles // min(wanted, MAX_SPLITS))
     while -(-tiles // split_tiles) > MAX_SPLITS:
         split_tiles += 1
     return -(-tiles // split_tiles), split_tiles * DECODE_BLOCK_N
+
+
+def multiprocessors(q: torch.Tensor) -> int:
+    """The multiprocessors q's GPU has; INTERPRETER_SMS for CPU tensors."""
+    return _multiprocessors(q.device.index or 0) if q.is_cuda else INTERPRETER_SMS
+
+
+def split_parts(out: torch.Tensor, num_splits: int) -> tuple[torch.Tensor, ...]:
+    """(accumulators (rows x heads x splits, HEAD_PAD), maxima, sums) in float32 for the
+    splits' partial sums of an output (rows, heads, head_dim); with one split, `out` three
+    times (not written)."""
+    if num_splits == 1:
+        return out, out, out
+    parts = out.shape[0] * out.shape[1] * num_splits
+    acc = torch.empty(parts, next_pow2(out.shape[2]), dtype=torch.float32, device=out.device)
+    top = torch.empty(parts, dtype=torch.float32, device=out.device)
+    return acc, top, torch.empty_like(top)
+
+
+def merge_splits(
+    out: torch.Tensor, parts: tuple[torch.Tensor, ...], sinks: torch.Tensor | None
+) -> None:
+    """`decode_merge` of the splits' partial sums (`split_parts`) into out (rows, heads,
+    head_dim), with the sinks."""
+    acc, top, total = parts
+    rows, num_heads, head_dim = out.shape
+    num_splits = top.shape[0] // max(1, rows * num_heads)
+    decode_merge.launch(
+        (rows, num_heads),
+        out.is_cuda,
+        out,
+        acc,
+        top,
+        total,
+        top if sinks is None else sinks,  # not read without sinks
+        out.stride(0),
+        out.stride(1),
+        num_heads,
+        num_splits,
+        HEAD_DIM=head_dim,
+        HEAD_PAD=next_pow2(head_dim),
+        SPLITS_PAD=next_pow2(num_splits, floor=2),
+        HAS_SINKS=sinks is not None,
+    )
 
 
 def values_at(rows: torch.Tensor, kv_dim: int) -> int:
@@ -384,20 +348,12 @@ def paged_decode(
     group = num_heads // num_kv_heads
     kv_max = slots.shape[0] // max(1, batch)
     on_gpu = q.is_cuda
-    sms = _multiprocessors(q.device.index or 0) if on_gpu else INTERPRETER_SMS
     if split_len is None:
-        num_splits, split_len = decode_splits(batch, num_kv_heads, kv_max, sms)
+        num_splits, split_len = decode_splits(batch, num_kv_heads, kv_max, multiprocessors(q))
     else:
         num_splits = -(-max(1, kv_max) // split_len)
     out = torch.empty_like(q)
-    head_pad = next_pow2(head_dim)
-    if num_splits > 1:
-        parts = batch * num_heads * num_splits
-        acc = torch.empty(parts, head_pad, dtype=torch.float32, device=q.device)
-        top = torch.empty(parts, dtype=torch.float32, device=q.device)
-        total = torch.empty(parts, dtype=torch.float32, device=q.device)
-    else:
-        acc = top = total = out  # not written
+    parts = split_parts(out, num_splits)
     if batch == 0:
         return out
     decode_split.launch(
@@ -406,9 +362,7 @@ def paged_decode(
         q,
         rows,
         out,
-        acc,
-        top,
-        total,
+        *parts,
         slots,
         kv_lens,
         out if sinks is None else sinks,  # not read without sinks
@@ -423,7 +377,7 @@ def paged_decode(
         scale,
         *_bounds(window),
         HEAD_DIM=head_dim,
-        HEAD_PAD=head_pad,
+        HEAD_PAD=next_pow2(head_dim),
         KV_DIM=num_kv_heads * head_dim,
         V_AT=values_at(rows, num_kv_heads * head_dim),
         GROUP=group,
@@ -434,76 +388,7 @@ def paged_decode(
         **_products(q.dtype, on_gpu),
     )
     if num_splits > 1:
-        decode_merge.launch(
-            (batch, num_heads),
-            on_gpu,
-            out,
-            acc,
-            top,
-            total,
-            top if sinks is None else sinks,  # not read without sinks
-            out.stride(0),
-            out.stride(1),
-            num_heads,
-            num_splits,
-            HEAD_DIM=head_dim,
-            HEAD_PAD=head_pad,
-            SPLITS_PAD=next_pow2(num_splits, floor=2),
-            HAS_SINKS=sinks is not None,
-        )
-    return out
-
-
-def paged_prefill(
-    q: torch.Tensor,
-    rows: torch.Tensor,
-    slots: torch.Tensor,
-    q_starts: torch.Tensor,
-    kv_starts: torch.Tensor,
-    num_kv_heads: int,
-    scale: float,
-    window: int,
-    q_max: int | None = None,
-    sinks: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Prefill attention (`PagedPrefill`): q (T, heads, head_dim); rows as in decode; slots
-    (sum of kv_len,) int64, each sequence's keys back to back; q_starts, kv_starts (B + 1,)
-    int64. `q_max`: the longest sequence's new rows (the grid's size); None reads it from
-    q_starts, which on a GPU waits for them (the engine does not run this kernel: SDPA's
-    flash kernel over gathered keys measured faster, `cuda_paged_kernels`)."""
-    total, num_heads, head_dim = q.shape
-    batch = q_starts.shape[0] - 1
-    out = torch.empty_like(q)
-    if batch <= 0 or total == 0:
-        return out
-    if q_max is None:
-        q_max = int((q_starts[1:] - q_starts[:-1]).max())
-    prefill.launch(
-        (batch, -(-q_max // PREFILL_BLOCK_M), num_heads),
-        q.is_cuda,
-        q,
-        rows,
-        out,
-        slots,
-        q_starts,
-        kv_starts,
-        out if sinks is None else sinks,  # not read without sinks
-        q.stride(0),
-        q.stride(1),
-        rows.stride(0),
-        out.stride(0),
-        out.stride(1),
-        scale,
-        *_bounds(window),
-        HEAD_DIM=head_dim,
-        HEAD_PAD=next_pow2(head_dim),
-        V_AT=values_at(rows, num_kv_heads * head_dim),
-        GROUP=num_heads // num_kv_heads,
-        BLOCK_M=PREFILL_BLOCK_M,
-        BLOCK_N=PREFILL_BLOCK_N,
-        HAS_SINKS=sinks is not None,
-        **_products(q.dtype, q.is_cuda),
-    )
+        merge_splits(out, parts, sinks)
     return out
 
 
@@ -521,15 +406,6 @@ COMPILE_CASES: dict[str, tuple[list[str], dict[str, Any]]] = {
     "decode_merge": (
         ["*{t}", "*fp32", "*fp32", "*fp32", "*fp32"] + ["i32"] * 4,
         dict(HEAD_DIM=128, HEAD_PAD=128, SPLITS_PAD=16, HAS_SINKS=True),
-    ),
-    "prefill": (
-        ["*{t}", "*{t}", "*{t}", "*i64", "*i64", "*i64", "*fp32"]
-        + ["i32"] * 5
-        + ["fp32", "i32", "i32"],
-        dict(
-            HEAD_DIM=128, HEAD_PAD=128, V_AT=1024, GROUP=4, BLOCK_M=PREFILL_BLOCK_M,
-            BLOCK_N=PREFILL_BLOCK_N, HAS_SINKS=True, PRECISION="tf32", UPCAST=False,
-        ),
     ),
 }  # fmt: skip
 """Each kernel's arguments (tensors typed by the compute type {t}) and constants for a

@@ -18,14 +18,14 @@ import json
 import sys
 from typing import Any
 
-from engine.kernels import triton_attention, triton_dense
+from engine.kernels import triton_attention, triton_dense, triton_paged
 from engine.kernels.triton_launch import Kernel, available
 
 
 def cases() -> dict[str, tuple[Kernel, list[str], dict[str, Any]]]:
     """Kernel name -> (its source, argument types ({t}: the compute type), constants)."""
     out: dict[str, tuple[Kernel, list[str], dict[str, Any]]] = {}
-    for module in (triton_attention, triton_dense):
+    for module in (triton_attention, triton_paged, triton_dense):
         for name, (types, constants) in module.COMPILE_CASES.items():
             out[name] = (getattr(module, name), types, constants)
     return out

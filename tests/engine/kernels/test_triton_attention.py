@@ -1,13 +1,13 @@
-"""The CUDA attention kernels (engine/kernels/triton_attention.py), proved on the CPU.
+"""The CUDA decode kernel (engine/kernels/triton_attention.py), proved on the CPU.
 
-Triton's interpreter runs both kernels on CPU tensors here (on a machine with a GPU, the
-compiled kernels on the GPU); each is compared with a float64
-reference and with the CPU's gather-and-SDPA path on small ragged shapes: keys on shuffled
-pages of a pool whose unused rows are NaN, a sequence of one token, sequences longer than a
-decode split and than a prefill block, grouped-query heads, a sliding window, chunked
-attention (Llama 4), a head_dim
-that is not a power of two. And each kernel is compiled for sm_90 (the H100 and H200) with
-no GPU present: one that does not compile for Hopper fails here.
+Triton's interpreter runs it on CPU tensors here (on a machine with a GPU, the compiled
+kernel on the GPU); it is compared with a float64 reference and with the CPU's
+gather-and-SDPA path on small ragged shapes: keys on shuffled pages of a pool whose unused
+rows are NaN, a sequence of one token, sequences longer than a split, grouped-query heads, a
+sliding window, chunked attention (Llama 4), a head_dim that is not a power of two. The one
+step kernel (triton_paged.py) has its own tests (test_triton_paged.py), which share this
+file's pool and reference. And every CUDA kernel is compiled for sm_90 (the H100 and H200)
+with no GPU present: one that does not compile for Hopper, or spills, fails here.
 
 Tolerances, relative (|out - ref| / |ref| over the whole output against float64): float32
 1e-5 (the products in IEEE float32); float16 and bfloat16 2e-3 and 1e-2 (tiles multiplied
@@ -106,7 +106,8 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.double() - want).norm() / want.norm())
 
 
-TRITON = PagedKernels(ta.paged_decode, ta.paged_prefill)
+TRITON = PagedKernels(ta.paged_decode, None)
+"""The decode kernel, as `cuda_paged_kernels(one_kernel=False)` gives it."""
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -132,37 +133,12 @@ def test_decode_kernel_equals_the_reference(dtype, heads, kv_heads, head_dim, wi
         assert relative_error(got, want) < TOLERANCE[dtype], split_len
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize(
-    "heads,kv_heads,head_dim,window",
-    [(8, 2, 64, 0), (12, 4, 96, 0), (8, 2, 64, 24), (8, 2, 64, -48)],
-    ids=["gqa", "head96", "window", "chunks"],
-)
-def test_prefill_kernel_equals_the_reference(dtype, heads, kv_heads, head_dim, window):
-    # (new rows, past rows): a first chunk, chunks over a past, one row, a chunk longer than
-    # a query block (64 rows) over a past longer than a key tile
-    shapes = [(5, 0), (17, 40), (1, 9), (70, 100), (64, 3)]
-    q_lens = [q for q, _ in shapes]
-    lens = [q + p for q, p in shapes]
-    pool, seq_slots = paged_pool(lens, kv_heads, head_dim, dtype, seed=7 + abs(window))
-    g = torch.Generator().manual_seed(2)
-    q = torch.randn(sum(q_lens), heads, head_dim, generator=g).to(dtype)
-    scale = 0.2
-    want = reference(q, pool, seq_slots, q_lens, kv_heads, scale, window)
-    slots = torch.tensor([s for seq in seq_slots for s in seq])
-    q_starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()])
-    kv_starts = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
-    on = [t.to(DEVICE) for t in (q, pool, slots, q_starts, kv_starts)]
-    got = ta.paged_prefill(*on, kv_heads, scale, window, q_max=max(q_lens)).cpu()
-    assert got.dtype == dtype and got.shape == q.shape
-    assert relative_error(got, want) < TOLERANCE[dtype]
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("values_are_keys", [False, True], ids=["kv", "values-are-keys"])
 def test_kernels_through_paged_attention_equal_the_gather_path(dtype, values_are_keys):
-    """The kernels as the engine calls them (`paged_attention` with a layout of decodes and
-    prefill chunks in one step) against the same call without kernels (gather + SDPA); with
+    """The decode kernel as the engine calls it (`paged_attention` with a layout of decodes
+    and prefill chunks in one step, the chunks gathered for SDPA) against the same call
+    without kernels (gather + SDPA); with
     rows of keys that are the values too (MLA's latent, stored once: 8 query heads over one
     kv head of 40, padded to 64), both read the values from the keys."""
     heads, kv_heads, head_dim = (8, 1, 40) if values_are_keys else (8, 2, 32)
@@ -189,7 +165,7 @@ def test_kernels_through_paged_attention_equal_the_gather_path(dtype, values_are
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernels_read_values_from_keys_that_are_the_values(dtype):
     """Rows of keys alone (MLA's latent, stored once: one kv head of 40 under 16 query heads)
-    in decode, with one split and several, and in prefill: the values are the keys."""
+    in decode, with one split and several: the values are the keys."""
     heads, kv_heads, head_dim = 16, 1, 40
     lens = [1, 17, 130, 3]
     pool, seq_slots = paged_pool(lens, kv_heads, head_dim, dtype, 8, values_are_keys=True)
@@ -202,16 +178,6 @@ def test_kernels_read_values_from_keys_that_are_the_values(dtype):
     for split_len in (None, 64):
         got = ta.paged_decode(*on, kv_heads, 0.125, 0, split_len).cpu()
         assert relative_error(got, want) < TOLERANCE[dtype], split_len
-    shapes = [(5, 0), (17, 40), (70, 100)]
-    q_lens, lens = [n for n, _ in shapes], [n + p for n, p in shapes]
-    pool, seq_slots = paged_pool(lens, kv_heads, head_dim, dtype, 10, values_are_keys=True)
-    q = torch.randn(sum(q_lens), heads, head_dim, generator=g).to(dtype)
-    want = reference(q, pool, seq_slots, q_lens, kv_heads, 0.125, 0)
-    slots = torch.tensor([s for seq in seq_slots for s in seq])
-    starts = [torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()]) for n in (q_lens, lens)]
-    on = [t.to(DEVICE) for t in (q, pool, slots, *starts)]
-    got = ta.paged_prefill(*on, kv_heads, 0.125, 0, max(q_lens)).cpu()
-    assert relative_error(got, want) < TOLERANCE[dtype]
     with pytest.raises(ValueError, match="KV rows of 40 values: expected 80 or 160"):
         ta.paged_decode(*on[:2], table, torch.tensor(lens), 2, 0.125, 0)
 
@@ -219,7 +185,7 @@ def test_kernels_read_values_from_keys_that_are_the_values(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernels_take_sinks(dtype):
     """gpt-oss's sink logits (some far above the scores, some below), in decode with one
-    split and several (merged with the sinks) and in prefill, with a sliding window."""
+    split and several (merged with the sinks), with a sliding window."""
     heads, kv_heads, head_dim, window = 8, 2, 64, 40
     sinks = torch.linspace(-3.0, 6.0, heads)
     lens = [1, 17, 130, 3]
@@ -232,16 +198,6 @@ def test_kernels_take_sinks(dtype):
     for split_len in (None, 64):
         got = ta.paged_decode(*on[:4], kv_heads, 0.125, window, split_len, sinks=on[4]).cpu()
         assert relative_error(got, want) < TOLERANCE[dtype], split_len
-    shapes = [(5, 0), (17, 40), (70, 100)]
-    q_lens, lens = [n for n, _ in shapes], [n + p for n, p in shapes]
-    pool, seq_slots = paged_pool(lens, kv_heads, head_dim, dtype, seed=6)
-    q = torch.randn(sum(q_lens), heads, head_dim, generator=g).to(dtype)
-    want = reference(q, pool, seq_slots, q_lens, kv_heads, 0.125, window, sinks)
-    slots = torch.tensor([s for seq in seq_slots for s in seq])
-    starts = [torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()]) for n in (q_lens, lens)]
-    on = [t.to(DEVICE) for t in (q, pool, slots, *starts, sinks)]
-    got = ta.paged_prefill(*on[:5], kv_heads, 0.125, window, max(q_lens), sinks=on[5]).cpu()
-    assert relative_error(got, want) < TOLERANCE[dtype]
 
 
 def test_decode_splits_fill_the_gpu():
@@ -255,14 +211,14 @@ def test_decode_splits_fill_the_gpu():
 
 
 def test_kernels_compile_for_hopper():
-    """Every CUDA kernel (attention and the fused dense ops) compiled for sm_90 from its
-    source, here, without a GPU (in a process of its own: this one runs Triton's
-    interpreter): a cubin each, and no register spills."""
-    from engine.kernels import triton_dense
+    """Every CUDA kernel (attention, the one paged kernel's two configurations, and the
+    fused dense ops) compiled for sm_90 from its source, here, without a GPU (in a process
+    of its own: this one runs Triton's interpreter): a cubin each, and no register spills."""
+    from engine.kernels import triton_dense, triton_paged
     from engine.kernels.triton_compile import report_in_own_process
 
     report = report_in_own_process("--arch", "90")
-    kernels = {*ta.COMPILE_CASES, *triton_dense.COMPILE_CASES}
+    kernels = {*ta.COMPILE_CASES, *triton_paged.COMPILE_CASES, *triton_dense.COMPILE_CASES}
     assert {(r["kernel"], r["dtype"]) for r in report} == {
         (k, t) for k in kernels for t in ("fp16", "bf16")
     }
