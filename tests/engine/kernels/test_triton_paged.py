@@ -13,6 +13,9 @@ gather-and-SDPA path. The compile test for sm_90 (no spills) covers it with the 
 
 from __future__ import annotations
 
+from dataclasses import replace
+from typing import Any
+
 import pytest
 import torch
 
@@ -156,3 +159,40 @@ def test_a_mixed_step_is_one_launch_through_paged_attention():
     capped = AttentionSpec(softcap=30.0)  # soft-capped scores stay on the gather path
     paged_attention(q_on, encoded, plain, layout, shape, one, capped)
     assert calls == [sum(q_lens)]
+
+
+@pytest.mark.slow  # 20-40 s each under the interpreter: every layer of every step
+@pytest.mark.skipif(DEVICE.type == "cuda", reason="on a GPU the CUDA suite runs the engine so")
+@pytest.mark.parametrize("kind", ["llama", "gpt_oss", "llama4_text"])
+def test_engine_through_the_one_kernel_matches_transformers(tiny_model, references, kind):
+    """A whole model's greedy tokens with every attention of every step through the one kernel
+    (interpreted here, as `cuda_paged_kernels()` gives it on CUDA): transformers' tokens.
+    Llama brings three query heads a kv head, gpt-oss sinks and sliding windows, Llama 4
+    chunked attention beside full layers."""
+    from engine import LLM, SamplingParams
+    from engine.kernels import cuda_paged_kernels
+    from policy import Policy
+    from tests.engine.tiny_models import MAX_TOKENS
+
+    prompts, expected = references(kind)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    kernels = cuda_paged_kernels()
+    assert kernels is not None and kernels.attention is not None
+    one, steps = kernels.attention, []
+
+    def counted(*args: Any, **kwargs: Any) -> torch.Tensor:
+        steps.append(args[8])  # q_max: 1 for a decode-only step
+        return one(*args, **kwargs)
+
+    with LLM(
+        str(tiny_model(kind)),
+        policy=Policy(),
+        device="cpu",
+        dtype="float32",
+        native_kernels=False,
+        prepack_weights=False,
+    ) as llm:
+        llm.executor.pipeline.kernels = replace(kernels, attention=counted)
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert got == expected
+    assert 1 in steps and max(steps) > 1, steps  # decode steps and prefill steps ran through it
