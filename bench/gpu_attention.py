@@ -2,6 +2,7 @@
 
     python -m bench.gpu_attention [--dtype bfloat16] [--json bench/results/gpu-attention.json]
     python -m bench.gpu_attention --small        # the same on CPU tensors (Triton's interpreter)
+    python -m bench.gpu_attention --sweep [--json ...]   # the one kernel's tiles, timed
 
 Llama-3-8B's attention shape (32 query heads over 8 kv heads of 128), keys on shuffled
 16-token pages of a pool, as the engine lays them out. For each step (decodes at 1K+ keys,
@@ -15,14 +16,19 @@ second against the device's copy bandwidth (a 1 GiB device-to-device copy, bytes
 written, measured here), target >= 80%; prefill the causal FLOP/s (the masked half not
 counted) against a bf16 GEMM of 8192^3 measured here, target >= 50%. A mixed step reports
 both rates of its time (its decodes' bytes and its chunks' FLOPs), without a target.
+`--sweep` times the one kernel alone over launch configurations (`Tiles`: rows and keys a
+tile, warps, pipelining stages) on a prefill and a decode step, to choose its defaults.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +36,7 @@ import torch
 
 from engine.executor.attention import RaggedLayout, paged_attention
 from engine.kernels import PagedKernels
+from engine.kernels.triton_paged import Tiles
 from engine.models.config import KVShape
 from engine.profiling.profiler import paged_pool
 
@@ -118,13 +125,19 @@ def run_case(
 
 
 def table(rows: list[dict[str, Any]], ceiling: dict[str, float] | None) -> dict[str, Any]:
-    paths = list(rows[0]["seconds"])
-    header = ["step", *paths, "one kernel's rate", "of the ceiling", "target"]
+    """The rows as text: every path's time, the first path's rate and share of its ceiling;
+    rows of a sweep (each its own path: a `Tiles`) name theirs in the step."""
+    swept = len({tuple(r["seconds"]) for r in rows}) > 1
+    paths = ["time (m, n, warps, stages)"] if swept else list(rows[0]["seconds"])
+    header = ["step", *paths, "rate", "of the ceiling", "target"]
     out = []
     for r in rows:
         name = " + ".join(f"{s} x ({p} + {n})" for s, n, p in r["shapes"])
-        seconds = r["seconds"][paths[0]]
-        cells = [f"{r['kind']} {name}", *(f"{r['seconds'][p] * 1e3:.3f} ms" for p in paths)]
+        times = {p: t * 1e3 for p, t in r["seconds"].items()}
+        seconds = next(iter(r["seconds"].values()))
+        if swept:
+            name += f" {next(iter(times))}"
+        cells = [f"{r['kind']} {name}", *(f"{t:.3f} ms" for t in times.values())]
         rates, shares = [], []
         for key, unit, scale, ceil_key in (
             ("kv_bytes", "GB/s", 1e9, "copy_bytes_per_s"),
@@ -141,10 +154,44 @@ def table(rows: list[dict[str, Any]], ceiling: dict[str, float] | None) -> dict[
     return {"header": header, "rows": out}
 
 
+SWEEP_PREFILL = [
+    Tiles(m, n, w, s) for m in (64, 128) for n in (32, 64, 128) for w in (4, 8) for s in (2, 3)
+]
+SWEEP_DECODE = [Tiles(16, n, w, s) for n in (32, 64, 128) for w in (2, 4) for s in (2, 3, 4)]
+
+
+def sweep(dtype: torch.dtype, device: torch.device, small: bool) -> list[dict[str, Any]]:
+    """The one kernel over each configuration of SWEEP_PREFILL on a prefill step and of
+    SWEEP_DECODE on a decode step (on the interpreter, two of each, to check the script);
+    a configuration that does not compile (too much shared memory) is left out."""
+    from engine.kernels import cuda_paged_kernels, triton_paged
+
+    base = cuda_paged_kernels()
+    assert base is not None
+    steps = [
+        ("prefill", [(2, 20, 0)] if small else [PREFILL_CASES[0]], SWEEP_PREFILL),
+        ("decode", [(2, 1, 99)] if small else [(DECODE_CASES[0][0], 1, DECODE_CASES[0][1] - 1)],
+         SWEEP_DECODE),
+    ]  # fmt: skip
+    rows = []
+    for kind, shapes, configs in steps:
+        paths: dict[str, PagedKernels | None] = {}
+        for tiles in configs[:2] if small else configs:
+            one = functools.partial(triton_paged.paged_attention, tiles=tiles)
+            paths[str(dataclasses.astuple(tiles))] = replace(base, attention=one)
+        for name, kernels in paths.items():
+            try:
+                rows.append(run_case(kind, shapes, dtype, device, {name: kernels}))
+            except Exception as e:  # a configuration past the device's limits
+                print(f"{kind} {name}: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     parser.add_argument("--small", action="store_true", help="tiny cases on CPU tensors")
+    parser.add_argument("--sweep", action="store_true", help="time the one kernel's tiles")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     from engine.kernels import cuda_paged_kernels
@@ -160,9 +207,12 @@ def main(argv: list[str] | None = None) -> int:
     decode = [(2, 100), (1, 300)] if small else DECODE_CASES
     prefill = [(2, 20, 0), (2, 9, 30)] if small else PREFILL_CASES
     mixed = [((1, 20, 0), (2, 1, 40))] if small else MIXED_CASES
-    rows = [run_case("decode", [(s, 1, n - 1)], dtype, device, paths) for s, n in decode]
-    rows += [run_case("prefill", [shape], dtype, device, paths) for shape in prefill]
-    rows += [run_case("mixed", list(step), dtype, device, paths) for step in mixed]
+    if args.sweep:
+        rows = sweep(dtype, device, small)
+    else:
+        rows = [run_case("decode", [(s, 1, n - 1)], dtype, device, paths) for s, n in decode]
+        rows += [run_case("prefill", [shape], dtype, device, paths) for shape in prefill]
+        rows += [run_case("mixed", list(step), dtype, device, paths) for step in mixed]
     ceiling = None if small else ceilings(device)
     record: dict[str, Any] = {
         "device": "cpu (interpreter)" if small else torch.cuda.get_device_name(),

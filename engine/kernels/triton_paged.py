@@ -30,20 +30,24 @@ queries, no Python loop over sequences or chunks.
   prefill chunk run one split: their blocks fill the GPU.
 
 Block sizes for sm_90 (H100, H200; compiled with no GPU: `python -m
-engine.kernels.triton_compile`): a step with prefill rows takes BLOCK_M = 128 rows (two
-warpgroups of 64 rows, 8 warps, the wgmma shape) and BLOCK_N = 64 keys, four 16-token pages a
-tile, with two pipelining stages (cp.async gathers of the next tile's rows behind the current
-tile's products: 2 x 2 x 64 x 128 x 2 bytes = 64 KiB of shared memory at head_dim 128, so two
-programs fit a multiprocessor). A decode-only step takes the smallest tile the tensor cores
-multiply (16 rows: Llama-3-8B's 4 heads a kv head fill 4 of them, and its memory traffic, not
-its products, sets its time), 4 warps and three stages, so more programs, each with more
-bytes in flight, stream the keys. Soft-capped scores (Gemma 2) and 4-bit KV rows stay on the
-gather-and-SDPA path.
+engine.kernels.triton_compile`), `PREFILL` and `DECODE`: a step with prefill rows takes
+BLOCK_M = 128 rows (two warpgroups of 64 rows, 8 warps, the wgmma shape) and BLOCK_N = 64
+keys, four 16-token pages a tile, with two pipelining stages (cp.async gathers of the next
+tile's rows behind the current tile's products): at head_dim 128, 96 KiB of shared memory
+and 192 registers a thread, no spills, one program of 8 warps a multiprocessor, as flash
+attention 2 runs on Hopper. A decode-only step takes the smallest tile the tensor cores
+multiply (16 rows: Llama-3-8B's 4 heads a kv head fill 4 of them; its memory traffic, not
+its products, sets its time), 4 warps and three stages (118 registers, 39 KiB: four
+programs a multiprocessor), so more programs, each with more bytes in flight, stream the
+keys. `python -m bench.gpu_attention --sweep` times other `Tiles` on a GPU. Soft-capped
+scores (Gemma 2) and 4-bit KV rows stay on the gather-and-SDPA path.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -70,11 +74,27 @@ except ImportError:  # no Triton: the gather-and-SDPA path runs instead
 __all__ = ["paged_attention"]
 
 LOG2E = math.log2(math.e)
-PREFILL_BLOCK_M, PREFILL_BLOCK_N = 128, 64
-"""Rows (query tokens x heads of a kv head) and keys per tile in a step with prefill rows."""
-DECODE_BLOCK_M = 16
-"""Rows in a decode-only step (at least the heads of one kv head); its tiles are
-DECODE_BLOCK_N keys, 64, as the decode kernel's, in whole tiles per split."""
+
+
+@dataclass(frozen=True, slots=True)
+class Tiles:
+    """One launch configuration of the kernel: its tile and how it runs on a multiprocessor."""
+
+    block_m: int
+    """Rows a program (query tokens x the heads of a kv head), a power of two >= 16."""
+    block_n: int
+    """Keys a tile, a power of two >= 16."""
+    num_warps: int
+    num_stages: int
+    """Software-pipelining stages: tiles of keys in flight through shared memory."""
+
+
+PREFILL = Tiles(block_m=128, block_n=64, num_warps=8, num_stages=2)
+"""A step with prefill rows: two warpgroups of 64 rows (the wgmma shape), four 16-token
+pages a key tile, the next tile's rows gathered (cp.async) behind the current products."""
+DECODE = Tiles(block_m=16, block_n=DECODE_BLOCK_N, num_warps=4, num_stages=3)
+"""A decode-only step: the smallest tile the tensor cores multiply (its bytes, not its
+products, set its time), more stages and programs to keep more bytes in flight."""
 PROGRAMS_PER_SM = 4
 """A decode-only step splits keys until it has this many programs per multiprocessor: a
 program streams one split's keys, so more programs keep more loads in flight (the split
@@ -279,10 +299,18 @@ if triton is not None:
             tl.store(MAX + part, top * 0.6931471805599453, mask=row_ok)
             tl.store(SUM + part, total, mask=row_ok)
 
-    prefill_step = Kernel(_paged_attention, {"num_warps": 8, "num_stages": 2})
-    """The kernel for a step with prefill rows (PREFILL_BLOCK_M x PREFILL_BLOCK_N tiles)."""
-    decode_step = Kernel(_paged_attention, {"num_warps": 4, "num_stages": 3})
-    """The same source for a decode-only step (DECODE_BLOCK_M x DECODE_BLOCK_N tiles)."""
+
+@functools.cache
+def step_kernel(num_warps: int, num_stages: int) -> Kernel:
+    """The kernel's source with these launch options (one compiled kernel per `Tiles`)."""
+    return Kernel(_paged_attention, {"num_warps": num_warps, "num_stages": num_stages})
+
+
+if triton is not None:
+    prefill_step = step_kernel(PREFILL.num_warps, PREFILL.num_stages)
+    """The kernel for a step with prefill rows (`PREFILL`)."""
+    decode_step = step_kernel(DECODE.num_warps, DECODE.num_stages)
+    """The kernel for a decode-only step (`DECODE`)."""
 
 
 def paged_attention(
@@ -298,6 +326,7 @@ def paged_attention(
     kv_max: int,
     sinks: torch.Tensor | None = None,
     split_len: int | None = None,
+    tiles: Tiles | None = None,
 ) -> torch.Tensor:
     """Attention of a step's new rows over their sequences' keys, read in place
     (`PagedAttention`): q (T, heads, head_dim), each sequence's rows back to back; rows
@@ -308,7 +337,9 @@ def paged_attention(
     the most new rows and keys of a sequence, known to the host (they choose the tiles and
     the splits, with no read-back). `window` > 0: a sliding window; < 0: chunked attention
     of -window; `sinks`: (heads,) float32 (gpt-oss). `split_len`: keys a split in a
-    decode-only step (tests); by default as many splits as fill the GPU."""
+    decode-only step (tests); by default as many splits as fill the GPU. `tiles`: the launch
+    configuration (benchmarks sweep them); by default DECODE for a decode-only step, else
+    PREFILL."""
     total, num_heads, head_dim = q.shape
     num_seqs = kv_lens.shape[0]
     out = torch.empty_like(q)
@@ -317,8 +348,8 @@ def paged_attention(
     group = num_heads // num_kv_heads
     on_gpu = q.is_cuda
     decode = q_max == 1
-    block_m = max(DECODE_BLOCK_M if decode else PREFILL_BLOCK_M, next_pow2(group))
-    block_n = DECODE_BLOCK_N if decode else PREFILL_BLOCK_N
+    tiles = tiles or (DECODE if decode else PREFILL)
+    block_m = max(tiles.block_m, next_pow2(group))
     block_q = block_m // group
     num_blocks = total // block_q + num_seqs  # >= sum of ceil(q_len / block_q)
     reach = min(kv_max, window if window > 0 else NO_WINDOW, -window if window < 0 else NO_WINDOW)
@@ -330,8 +361,7 @@ def paged_attention(
             num_seqs, num_kv_heads, reach, multiprocessors(q), PROGRAMS_PER_SM
         )
     parts = split_parts(out, num_splits)
-    step = decode_step if decode else prefill_step
-    step.launch(
+    step_kernel(tiles.num_warps, tiles.num_stages).launch(
         (num_blocks, num_kv_heads, num_splits),
         on_gpu,
         q,
@@ -358,7 +388,7 @@ def paged_attention(
         V_AT=values_at(rows, num_kv_heads * head_dim),
         GROUP=group,
         BLOCK_M=block_m,
-        BLOCK_N=block_n,
+        BLOCK_N=tiles.block_n,
         ONE_SPLIT=num_splits == 1,
         HAS_SINKS=sinks is not None,
         **_products(q.dtype, on_gpu),
@@ -378,14 +408,14 @@ COMPILE_CASES: dict[str, tuple[list[str], dict[str, Any]]] = {
     "prefill_step": (
         _TYPES,
         dict(
-            _LLAMA_3_8B, BLOCK_M=PREFILL_BLOCK_M, BLOCK_N=PREFILL_BLOCK_N, ONE_SPLIT=True,
+            _LLAMA_3_8B, BLOCK_M=PREFILL.block_m, BLOCK_N=PREFILL.block_n, ONE_SPLIT=True,
             PRECISION="tf32", UPCAST=False,
         ),
     ),
     "decode_step": (
         _TYPES,
         dict(
-            _LLAMA_3_8B, BLOCK_M=DECODE_BLOCK_M, BLOCK_N=DECODE_BLOCK_N, ONE_SPLIT=False,
+            _LLAMA_3_8B, BLOCK_M=DECODE.block_m, BLOCK_N=DECODE.block_n, ONE_SPLIT=False,
             PRECISION="tf32", UPCAST=False,
         ),
     ),
