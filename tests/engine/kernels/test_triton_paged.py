@@ -98,6 +98,16 @@ def test_windows_chunks_and_sinks(window, with_sinks):
     assert relative_error(got, want) < TOLERANCE[torch.float32]
 
 
+@pytest.mark.parametrize("window", [80, -80], ids=["window", "chunks"])
+def test_whole_tiles_within_a_long_window(window):
+    """A window (or chunk) longer than a key tile: a block's first rows see whole tiles its
+    last rows must not (past their window, or before their chunk), which only the masked
+    runs may read."""
+    shapes = [(1, 200), (40, 150), (3, 10)]
+    got, want = run_step(shapes, 8, 2, 64, torch.float32, window, seed=6)
+    assert relative_error(got, want) < TOLERANCE[torch.float32]
+
+
 @pytest.mark.parametrize("window", [0, 40, -48], ids=["full", "window", "chunks"])
 def test_decode_splits_merge(window):
     """A decode-only step cut into splits of 64 keys (and the default cut), merged with the
