@@ -8,9 +8,8 @@ layer, with no loop over sequences:
   gather reads every key and value of the group from the pool, in place, straight into
   the padded layout (vLLM's write-then-attend). A decode's query needs no padding at all.
   On the CPU no group gathers: the native kernels (`engine.kernels`, decode and prefill)
-  read each key where it lies in the pool. On CUDA no group at all: one Triton kernel
-  (engine/kernels/triton_paged.py) attends every sequence of the step in one call
-  (`PagedStep`), decodes and prefill chunks alike.
+  read each key where it lies in the pool; on CUDA one Triton kernel
+  (engine/kernels/triton_paged.py) does, for decodes and prefill chunks alike (`PagedStep`).
 - `ragged_attention`, the general path: past KV that the copy threads gathered from any
   tier (and decoded) arrives packed by sequence, and it and the new rows are scattered
   into the padded tensors.
@@ -80,6 +79,46 @@ def in_window(k_pos: torch.Tensor, q_pos: torch.Tensor, window: int) -> torch.Te
     return k_pos >= q_pos - q_pos % -window
 
 
+@dataclass(frozen=True, slots=True)
+class PagedStep:
+    """A group's sequences as one call of the one paged kernel (`PagedKernels.attention`),
+    each key read through the slot table, nothing padded."""
+
+    table: torch.Tensor
+    """(B, W) int64 each sequence's key slots, past then new (a column past its length is
+    never read)."""
+    q_starts: torch.Tensor
+    """(B + 1,) int64 where each sequence's rows begin among the group's new rows."""
+    kv_lens: torch.Tensor
+    """(B,) int64 each sequence's keys, past and new."""
+    q_max: int
+    kv_max: int
+    window: int = 0
+    """The sliding window; 0: none; negative: chunked attention (`in_window`)."""
+
+    @classmethod
+    def build(
+        cls,
+        q_lens: list[int],
+        past_lens: list[int],
+        table: torch.Tensor,
+        sliding_window: int | None,
+    ) -> PagedStep:
+        """The call's inputs: the offsets and lengths in one copy to the table's device."""
+        kv_lens = [p + q for p, q in zip(past_lens, q_lens, strict=True)]
+        starts = [0, *itertools.accumulate(q_lens)]
+        both = torch.tensor([*starts, *kv_lens], dtype=torch.long, device=table.device)
+        num_seqs = len(q_lens)
+        return cls(
+            table if table.stride(-1) == 1 else table.contiguous(),
+            both[: num_seqs + 1],
+            both[num_seqs + 1 :],
+            max(q_lens),
+            max(kv_lens),
+            sliding_window or 0,
+        )
+
+
 @dataclass(slots=True)
 class PaddedGroup:
     """Sequences of a layout padded together into one SDPA call over (B_g, heads, q_max,
@@ -119,6 +158,8 @@ class PaddedGroup:
     attention (`in_window`)."""
     new_span: tuple[int, int] | None = None
     """[start, stop) when `new_rows` are one run of rows (a slice, not a gather)."""
+    paged: PagedStep | None = None
+    """The group as one call of the one paged kernel, where it reads its keys in place."""
 
     @property
     def num_past(self) -> int:
@@ -140,47 +181,6 @@ class PaddedGroup:
             out.index_copy_(0, self.new_rows, rows)
 
 
-@dataclass(frozen=True, slots=True)
-class PagedStep:
-    """A layout's sequences as one call of a paged kernel over the whole step
-    (`PagedKernels.attention`): decodes and prefill chunks together, each key read through
-    the slot table, nothing padded."""
-
-    table: torch.Tensor
-    """(B, W) int64 each sequence's key slots, past then new (a column past its length is
-    never read)."""
-    q_starts: torch.Tensor
-    """(B + 1,) int64 where each sequence's rows begin among the layout's new rows."""
-    kv_lens: torch.Tensor
-    """(B,) int64 each sequence's keys, past and new."""
-    q_max: int
-    kv_max: int
-    window: int = 0
-    """The sliding window; 0: none; negative: chunked attention (`in_window`)."""
-
-    @classmethod
-    def build(
-        cls,
-        q_lens: list[int],
-        past_lens: list[int],
-        table: torch.Tensor,
-        sliding_window: int | None,
-    ) -> PagedStep:
-        """The call's inputs: the offsets and lengths in one copy to the table's device."""
-        kv_lens = [p + q for p, q in zip(past_lens, q_lens, strict=True)]
-        starts = [0, *itertools.accumulate(q_lens)]
-        both = torch.tensor([*starts, *kv_lens], dtype=torch.long, device=table.device)
-        num_seqs = len(q_lens)
-        return cls(
-            table if table.stride(-1) == 1 else table.contiguous(),
-            both[: num_seqs + 1],
-            both[num_seqs + 1 :],
-            max(q_lens),
-            max(kv_lens),
-            sliding_window or 0,
-        )
-
-
 @dataclass(slots=True)
 class RaggedLayout:
     """Where each row goes in the padded attention tensors of B sequences (T new rows in
@@ -193,9 +193,6 @@ class RaggedLayout:
     groups: list[PaddedGroup]
     num_past: int
     """P: past rows over all groups."""
-    paged: PagedStep | None = None
-    """Every sequence as one call of a whole-step paged kernel, where the layout reads its
-    keys in place; None: packed."""
 
     @property
     def q_max(self) -> int:
@@ -222,15 +219,12 @@ class RaggedLayout:
         gets them packed."""
         if isinstance(seq_slots, list):
             seq_slots = padded_table(seq_slots, device)
-        paged = None
-        if seq_slots is not None:
-            paged = PagedStep.build(q_lens, past_lens, seq_slots, sliding_window)
         decodes = [i for i, q in enumerate(q_lens) if q == 1]
         chunks = [i for i, q in enumerate(q_lens) if q > 1]
         members = [m for m in (decodes, chunks) if m]
         if len(members) == 1:
             group = _padded(q_lens, past_lens, device, sliding_window, None, None, seq_slots)
-            return cls([group], sum(past_lens), paged)
+            return cls([group], sum(past_lens))
         new_starts = [0, *itertools.accumulate(q_lens)]
         past_starts = [0, *itertools.accumulate(past_lens)]
 
@@ -256,7 +250,7 @@ class RaggedLayout:
             if seqs[-1] - seqs[0] + 1 == len(seqs):  # one run of sequences, so of rows
                 group.new_span = (new_starts[seqs[0]], new_starts[seqs[-1] + 1])
             groups.append(group)
-        return cls(groups, sum(past_lens), paged)
+        return cls(groups, sum(past_lens))
 
 
 def padded_table(rows: list[list[int]], device: torch.device) -> torch.Tensor:
@@ -324,6 +318,9 @@ def _padded(
         kv_lens=past_t + q_len_t if seq_slots is not None and q_max == 1 else None,
         starts=starts,
         window=sliding_window or 0,
+        paged=None
+        if seq_slots is None
+        else PagedStep.build(q_lens, past_lens, seq_slots, sliding_window),
     )
 
 
@@ -432,16 +429,9 @@ def paged_attention(
     `kv_shape.values_are_keys`, keys read as the values too (a view for plain rows, and so of
     the whole pool). `kernels`: the native CPU kernels or Triton's (`engine.kernels`), which
     read the pool as it lies instead of gathering a copy (the row's width tells them where
-    its values are): with a whole-step kernel (`PagedKernels.attention`, CUDA), one call for
-    every sequence of the layout; else one call per group.
+    its values are), one call per group (decodes, prefill chunks): on CUDA the one paged
+    kernel for both (`PagedKernels.attention`), each with its own tiles.
     Returns (T, num_heads, head_dim)."""
-    step, one = layout.paged, None if kernels is None else kernels.attention
-    if one is not None and step is not None and not spec.softcap:  # the kernels do not soft-cap
-        q, scale, sinks = _kernel_inputs(q, spec)
-        return one(
-            q, decode(pool), step.table, step.q_starts, step.kv_lens, kv_shape[0], scale,
-            step.window, step.q_max, step.kv_max, sinks,
-        )  # fmt: skip
     if len(layout.groups) == 1:
         return _paged_group(q, pool, decode, layout.groups[0], kv_shape, kernels, spec)
     out = torch.empty_like(q)
@@ -459,13 +449,21 @@ def _paged_group(
     kernels: PagedKernels | None,
     spec: AttentionSpec,
 ) -> torch.Tensor:
-    """One group: a native kernel over the pool (when given them; they do not soft-cap), or
-    one gather from the pool and SDPA. A decode group uses q as it is, without a padded copy.
-    Sinks reach the kernels as they lie, on the compute device (in float32)."""
+    """One group: the one paged kernel or a native kernel over the pool (when given them;
+    they do not soft-cap), or one gather from the pool and SDPA. A decode group uses q as it
+    is, without a padded copy. Sinks reach the kernels as they lie, on the compute device (in
+    float32)."""
     assert g.slots is not None
     b, q_max, kv_max = g.num_seqs, g.q_max, g.kv_max
     num_heads, head_dim = q.shape[1], q.shape[2]
     native = kernels is not None and not spec.softcap
+    one, step = None if kernels is None else kernels.attention, g.paged
+    if native and one is not None and step is not None:
+        q, scale, sinks = _kernel_inputs(q, spec)
+        return one(
+            q, decode(pool), step.table, step.q_starts, step.kv_lens, kv_shape[0], scale,
+            step.window, step.q_max, step.kv_max, sinks,
+        )  # fmt: skip
     prefill = None if kernels is None else kernels.prefill
     if native and (g.kv_lens is not None or (g.starts is not None and prefill is not None)):
         assert kernels is not None

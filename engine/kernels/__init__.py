@@ -61,7 +61,7 @@ of a sequence sees its keys [0, kv_len - q_len + t] (the last `window` of them; 
 negative: its own chunk), `sinks` as in decode."""
 
 PagedAttention = Callable[..., torch.Tensor]
-"""A whole step in one call, decodes and prefill chunks together: (q (T, heads, head_dim),
+"""Decodes and prefill chunks, any mix of them, in one call: (q (T, heads, head_dim),
 each sequence's rows back to back, pool (slots, 2 * kv_dim), table (B, W) int64: each
 sequence's key slots, q_starts (B + 1,) int64: where its rows begin in q, kv_lens (B,) int64:
 its keys, the new rows' last, num_kv_heads, scale, window, q_max, kv_max: the most new rows
@@ -116,8 +116,8 @@ class PagedKernels:
     """Prefill chunks: any number of query tokens a sequence, causal; None: prefill chunks
     gather their keys for SDPA."""
     attention: PagedAttention | None = None
-    """One call for a whole step's sequences, decodes and chunks alike (Triton's one paged
-    kernel, triton_paged.py); None: a call per group (`decode`, `prefill`)."""
+    """Decodes and prefill chunks alike (Triton's one paged kernel, triton_paged.py), called
+    once per group of a step; None: `decode` and `prefill`."""
 
 
 def paged_kernels() -> PagedKernels | None:

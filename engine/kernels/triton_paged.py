@@ -2,9 +2,11 @@
 
 A step's sequences each bring `q_len` new rows (1: a decode; more: a prefill chunk) over
 `kv_len` keys (its paged past, then the new rows' own keys, already written to the pool).
-`paged_attention` runs all of them in one launch, reading every key where it lies in the
+`paged_attention` runs any mix of them in one launch, reading every key where it lies in the
 layer's KV pool through the sequences' slot table (B, W): no gathered copy, no padding of the
-queries, no Python loop over sequences or chunks.
+queries, no Python loop over sequences or chunks. The engine (`engine.executor.attention`)
+launches it once for a step's decodes and once for its chunks, each with its own `Tiles`: a
+decode in a 128-row tile of a chunk would multiply 32 times the products it needs.
 
 - **Programs.** One program per (block of `BLOCK_Q` query rows of one sequence, kv head,
   split of the keys). The block's rows for the kv head's `GROUP` query heads are one tile of

@@ -6,9 +6,9 @@ one), against a float64 reference, on small ragged steps of each kind: prefill c
 and several), and both mixed in one call; grouped-query ratios 1, 4 and 8 over head dims 64
 and 128 (and 96, padded); sliding windows, chunked attention and sinks. Keys lie on shuffled
 pages of a pool whose unused rows are NaN (`paged_pool`), so a read of a wrong slot shows.
-Through `paged_attention` (the engine's call), a mixed step is one launch, equal to the
-gather-and-SDPA path. The compile test for sm_90 (no spills) covers it with the others
-(tests/engine/kernels/test_triton_attention.py).
+Through `paged_attention` (the engine's call), a mixed step is one launch for its decodes and
+one for its chunks, equal to the gather-and-SDPA path. The compile test for sm_90 (no
+spills) covers it with the others (tests/engine/kernels/test_triton_attention.py).
 """
 
 from __future__ import annotations
@@ -136,10 +136,10 @@ def test_odd_groups_and_keys_that_are_the_values():
     assert relative_error(got, want) < TOLERANCE[torch.float32]
 
 
-def test_a_mixed_step_is_one_launch_through_paged_attention():
+def test_the_engine_call_launches_it_once_per_group():
     """The engine's call (`paged_attention`) on a layout of decodes and prefill chunks runs the
-    kernel once for the whole step (a layout without the one kernel: once per group), and
-    equals the same call without kernels (gather + SDPA) and the reference."""
+    kernel once for the decodes (decode tiles: q_max 1) and once for the chunks, every row
+    once, and equals the same call without kernels (gather + SDPA) and the reference."""
     heads, kv_heads, head_dim, dtype = 8, 2, 64, torch.float32
     shapes = STEPS["mixed"]
     q_lens, past = [n for n, _ in shapes], [p for _, p in shapes]
@@ -147,11 +147,11 @@ def test_a_mixed_step_is_one_launch_through_paged_attention():
     pool, seq_slots = paged_pool(lens, kv_heads, head_dim, dtype, seed=11)
     q = torch.randn(sum(q_lens), heads, head_dim, generator=torch.Generator().manual_seed(3))
     layout = RaggedLayout.build(q_lens, past, DEVICE, None, seq_slots)
-    assert len(layout.groups) == 2 and layout.paged is not None
+    assert len(layout.groups) == 2 and all(g.paged is not None for g in layout.groups)
     calls = []
 
     def counted(*args, **kwargs):
-        calls.append(args[0].shape[0])
+        calls.append((args[0].shape[0], args[8]))  # (rows, q_max)
         return tp.paged_attention(*args, **kwargs)
 
     one = PagedKernels(ta.paged_decode, None, counted)
@@ -161,14 +161,15 @@ def test_a_mixed_step_is_one_launch_through_paged_attention():
         return rows.view(dtype)
 
     got = paged_attention(q_on, encoded, plain, layout, shape, one, AttentionSpec()).cpu()
-    assert calls == [sum(q_lens)]  # one launch, every row of the step
+    decodes, chunks = [n for n in q_lens if n == 1], [n for n in q_lens if n > 1]
+    assert sorted(calls) == sorted([(len(decodes), 1), (sum(chunks), max(chunks))])
     gathered = paged_attention(q_on, encoded, plain, layout, shape, None, AttentionSpec()).cpu()
     want = reference(q, pool, seq_slots, q_lens, kv_heads, head_dim**-0.5, 0)
     assert relative_error(got, want) < TOLERANCE[dtype]
     assert relative_error(gathered, want) < TOLERANCE[dtype]
     capped = AttentionSpec(softcap=30.0)  # soft-capped scores stay on the gather path
     paged_attention(q_on, encoded, plain, layout, shape, one, capped)
-    assert calls == [sum(q_lens)]
+    assert len(calls) == 2
 
 
 @pytest.mark.slow  # 20-40 s each under the interpreter: every layer of every step
