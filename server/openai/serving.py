@@ -663,6 +663,8 @@ def chat_answer(
     """A chat choice's whole answer as OpenAI's message: reasoning apart (when the model
     thinks aloud), tool calls read from the rest (when the request has tools), and the
     finish reason they make ("tool_calls"; "function_call" for the legacy `functions`).
+    An answer cut by max_tokens keeps its whole calls and the cut one (its arguments as
+    generated) with finish_reason "length" (server/openai/cut_calls.py).
     A call's id is a function of the request's id, so a batch line rerun writes the same."""
     text, plan = choice.text, prep.tools
     message = AssistantMessage(role="assistant", content=text)
@@ -672,14 +674,17 @@ def chat_answer(
         message.reasoning_content, message.content = split
     if plan is None:
         return message, finish_reason
-    parsed = plan.answer(text if harmony else message.content or "")
+    cut = finish_reason == "length"
+    parsed = plan.answer(text if harmony else message.content or "", cut)
+    if not parsed.calls and not plan.forces:
+        return message, finish_reason
+    message.content = parsed.content  # a forced answer cut inside its first name: none
     if not parsed.calls:
         return message, finish_reason
-    message.content = parsed.content
     if plan.legacy:
         first = parsed.calls[0]
         message.function_call = FunctionCallOut(name=first.name, arguments=first.arguments)
-        return message, "function_call" if plan.mode != "named" else finish_reason
+        return message, "function_call" if plan.mode != "named" and not cut else finish_reason
     message.tool_calls = [
         ToolCall(
             id=_call_id(prep.request_id, choice.index, k),
