@@ -159,6 +159,8 @@ class Tokenizer:
                 "(save one with transformers' tokenizer.save_pretrained)."
             )
         self._tokenizer = HFTokenizer.from_file(str(path))
+        self._tokenizer.no_padding()  # a file that pads (all-MiniLM's: to 128) adds no tokens
+        self._tokenizer.no_truncation()
         self._one: dict[int, str] = {}
         """The text of single tokens, decoded once each (at most the vocabulary): logprobs
         name each sampled and top candidate token on its own."""
@@ -216,6 +218,12 @@ class Tokenizer:
         if add_special_tokens and self.add_bos_token and bos is not None and ids[:1] != [bos]:
             ids.insert(0, bos)
         return ids
+
+    def encode_pair(self, first: str, second: str) -> tuple[list[int], list[int]]:
+        """A cross-encoder's input (`[CLS] first [SEP] second [SEP]` for BERT): its token ids
+        and their token type ids (0 for `first`'s, 1 for `second`'s)."""
+        encoding = self._tokenizer.encode(first, second)
+        return list(encoding.ids), list(encoding.type_ids)
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         if len(token_ids) == 1 and skip_special_tokens:

@@ -63,6 +63,7 @@ from engine.runtime.executor_client import (
     ExecutorDiedError,
     InProcessExecutor,
 )
+from engine.runtime.pooling_client import pooling_client_for
 from engine.runtime.restarts import RestartPolicy, RestartTracker
 from policy import TIERS, Policy
 from policy.errors import UserError
@@ -604,8 +605,12 @@ def _one_line(e: Exception) -> str:
     return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
-def build_engine_client(args: argparse.Namespace) -> CoreEngineClient:
-    """`nanoflex serve`'s engine, not started: nothing is loaded until `start()`."""
+def build_engine_client(args: argparse.Namespace) -> EngineClient:
+    """`nanoflex serve`'s engine, not started: nothing is loaded until `start()`. A local
+    directory of a pooling model gets the pooling engine (engine/runtime/pooling_client.py)."""
+    pooling = pooling_client_for(args)
+    if pooling is not None:
+        return pooling
     engine_args = EngineArgs.from_cli_args(args)
     name = getattr(args, "served_model_name", None) or served_model_name(engine_args.model)
     return CoreEngineClient(

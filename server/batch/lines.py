@@ -20,12 +20,13 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from server.openai.embeddings import EMBEDDINGS
 from server.openai.errors import APIError, invalid_request
 from server.openai.json_body import JSONBodyError, loads_json
 from server.openai.responses import new_id
 from server.openai.serving import CHAT, COMPLETIONS, RESPONSES, Serving
 
-ENDPOINTS = (COMPLETIONS, CHAT, RESPONSES)
+ENDPOINTS = (COMPLETIONS, CHAT, RESPONSES, EMBEDDINGS)
 SERVER_ERROR = "server_error"
 """Error-file code of a line the server failed on (an unexpected exception)."""
 

@@ -55,7 +55,7 @@ class RequestCounts(BaseModel):
 class Batch(BaseModel):
     id: str
     object: Literal["batch"]
-    endpoint: Literal["/v1/completions", "/v1/chat/completions", "/v1/responses"]
+    endpoint: Literal["/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings"]
     errors: BatchErrors | None
     input_file_id: str
     completion_window: Literal["24h"]

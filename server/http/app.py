@@ -37,6 +37,7 @@ from server.http.request_body import decode_json, read_body
 from server.http.responses import json_response
 from server.http.settings import ServerSettings
 from server.http.state import AppState, get_state
+from server.openai.embeddings import EMBEDDINGS, RERANK, SCORE
 from server.openai.errors import not_found
 from server.openai.metrics import CONTENT_TYPE, Metrics
 from server.openai.responses import Health, Model, ModelList, NotReady, Ready, now
@@ -209,6 +210,24 @@ async def _generate(request: Request, endpoint: str) -> Response:
     return StreamingResponse(sse_body(), media_type="text/event-stream")
 
 
+POOLING_ROUTES = {
+    EMBEDDINGS: EMBEDDINGS,
+    SCORE: SCORE,
+    "/score": SCORE,
+    RERANK: RERANK,
+    "/rerank": RERANK,
+    "/v2/rerank": RERANK,
+}
+"""Pooling paths (vLLM serves score and rerank with and without /v1) -> their endpoint."""
+
+
+def _add_pooling_route(app: FastAPI, path: str, endpoint: str) -> None:
+    async def pooling(request: Request) -> Response:
+        return await _generate(request, endpoint)
+
+    app.post(path, name=f"pooling {path}")(pooling)
+
+
 def _add_online_routes(app: FastAPI) -> None:
     @app.post(COMPLETIONS)
     async def completions(request: Request) -> Response:
@@ -221,6 +240,9 @@ def _add_online_routes(app: FastAPI) -> None:
     @app.post(RESPONSES)
     async def responses(request: Request) -> Response:
         return await _generate(request, RESPONSES)
+
+    for path, endpoint in POOLING_ROUTES.items():
+        _add_pooling_route(app, path, endpoint)
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:

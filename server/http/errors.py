@@ -48,10 +48,10 @@ def _validation_error(exc: RequestValidationError) -> APIError:
 
 SERVED = (
     "POST /v1/chat/completions, POST /v1/completions, POST /v1/responses, GET /v1/models, "
-    "the Batch API (/v1/files, /v1/batches), POST /tokenize, POST /detokenize"
+    "the Batch API (/v1/files, /v1/batches), POST /tokenize, POST /detokenize, and for a "
+    "pooling model POST /v1/embeddings, POST /v1/score, POST /v1/rerank"
 )
 OTHER_OPENAI_ROUTES = {
-    "/v1/embeddings": "embeddings",
     "/v1/audio": "audio",
     "/v1/images": "images",
     "/v1/moderations": "moderations",
@@ -64,8 +64,6 @@ OTHER_OPENAI_ROUTES = {
     "/v1/evals": "evals",
     "/v1/containers": "containers",
     "/v1/conversations": "conversations",
-    "/v1/rerank": "reranking",
-    "/v1/score": "scoring",
     "/pooling": "pooling",
 }
 

@@ -29,6 +29,7 @@ may be the start of a marker is held back until the next delta tells.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 from dataclasses import dataclass, field
@@ -140,7 +141,7 @@ class HarmonySplitter:
                 if end is None:  # the body goes on; `text` may begin a marker
                     self.held = text
                     break
-                self._end_call(whole=True)
+                self._end_call()
                 self.state = "between"
             else:  # between messages: the next opens with <|start|>, anything else is kept
                 if text.startswith(START):
@@ -160,27 +161,24 @@ class HarmonySplitter:
         if self.state == "body":
             if self.call is not None:
                 self.arguments += held
-                self._end_call(whole=False)
+                self._end_call()
                 return "", ""
             return (held, "") if self.channel == REASONING_CHANNEL else ("", held)
         if self.state in ("plain", "opening"):
             return "", held
         return "", ""
 
-    def _end_call(self, whole: bool) -> None:
+    def _end_call(self) -> None:
         """The call message just read, as a call. JSON arguments (the content type `json`,
-        or none) are written compact; if they do not parse they stay as written when the
-        message was ended, and the call is dropped when the answer was cut inside it."""
+        or none) are written compact; if they do not parse (the message ended early, or the
+        answer was cut by max_tokens inside it) they stay as written."""
         call, arguments = self.call, self.arguments.strip()
         self.call, self.arguments = None, ""
         if call is None or call.function is None:
             return
         if not call.content_type or "json" in call.content_type:
-            try:
+            with contextlib.suppress(ValueError):  # else cut short: kept as generated
                 arguments = json.dumps(json.loads(arguments), ensure_ascii=False)
-            except ValueError:
-                if not whole:
-                    return  # cut short (max_tokens): no whole call
         self.calls.append((call.function, arguments))
 
 

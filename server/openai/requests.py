@@ -484,7 +484,7 @@ class BatchCreateRequest(_Strict):
     """POST /v1/batches."""
 
     input_file_id: str
-    endpoint: Literal["/v1/completions", "/v1/chat/completions", "/v1/responses"]
+    endpoint: Literal["/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings"]
     completion_window: Literal["24h"]
     metadata: (
         dict[

@@ -248,10 +248,20 @@ def output_items(
                 "call_id": call.id,
                 "name": call.function.name,
                 "arguments": call.function.arguments,
-                "status": "completed",
+                "status": "completed" if _whole(call.function.arguments) else "incomplete",
             }
         )
     return items
+
+
+def _whole(arguments: str) -> bool:
+    """A call's arguments were written to their end (a call cut by max_output_tokens keeps
+    them as generated: a JSON object's text cut short, which never parses)."""
+    try:
+        json.loads(arguments)
+    except ValueError:
+        return False
+    return True
 
 
 def response_body(

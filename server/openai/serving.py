@@ -24,6 +24,8 @@ from contextlib import aclosing
 from dataclasses import dataclass, replace
 from typing import Any
 
+from pydantic import BaseModel
+
 from engine.core.outputs import ChoiceAccumulator, SequenceDelta
 from engine.core.sampling_params import SamplingError, SamplingParams
 from engine.core.structured import (
@@ -34,7 +36,15 @@ from engine.core.structured import (
 )
 from engine.core.tokenizer import ChatOptions
 from engine.runtime.engine_client import EngineClient, EngineDeadError, StorageUnavailableError
+from engine.runtime.pooling_client import PoolingEngineClient
 from policy.errors import UserError
+from server.openai.embeddings import (
+    EMBEDDINGS,
+    POOLING_ENDPOINTS,
+    PoolingJob,
+    pooling_job,
+    run_job,
+)
 from server.openai.errors import (
     APIError,
     engine_unavailable,
@@ -116,6 +126,8 @@ class Prepared:
     """The reasoning parser that splits a chat's answer (server/openai/reasoning.py)."""
     responses: ResponsesRequest | None = None
     """A Responses API request, run as the chat it means and answered as a Response."""
+    pooling: PoolingJob | None = None
+    """A pooling request (server/openai/embeddings.py): its inputs are `prompts`."""
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -183,6 +195,8 @@ class Serving:
             raise _translate(e) from e
 
     def _prepare(self, endpoint: str, body: Any) -> Prepared:
+        if endpoint in POOLING_ENDPOINTS or isinstance(self.engine, PoolingEngineClient):
+            return self._prepare_pooling(endpoint, body)
         if endpoint == RESPONSES:
             refuse_stored_state(body)
             responses = parse_body(ResponsesRequest, body)
@@ -347,6 +361,30 @@ class Serving:
         for item in prompt:
             if isinstance(item, list):
                 self._check_num_tokens(len(item))
+
+    def _prepare_pooling(self, endpoint: str, body: Any) -> Prepared:
+        """A pooling route on a pooling model; any other pairing is refused (400)."""
+        engine = self.engine
+        if not isinstance(engine, PoolingEngineClient):
+            raise invalid_request(
+                f"{self.model_name} generates text: {endpoint} needs a pooling model (an "
+                "embedding model or a cross-encoder) served by `nanoflex serve MODEL_DIR`",
+                code="unsupported_task",
+            )
+        if endpoint not in POOLING_ENDPOINTS:
+            raise invalid_request(
+                f"{self.model_name} is a pooling model: it does not generate text ({endpoint}); "
+                f"it serves {', '.join(POOLING_ENDPOINTS)} as its task allows",
+                code="unsupported_task",
+            )
+        if isinstance(body, dict) and body.get("model") is not None:
+            self._check_model(body["model"])
+        job = pooling_job(engine, endpoint, body)
+        return Prepared(
+            is_chat=False, request_id=new_id("embd-" if endpoint == EMBEDDINGS else "score-"),
+            created=int(time.time()), model=self.model_name, prompts=job.inputs, params=[],
+            n=1, echo=False, num_logprobs=None, stream=False, include_usage=False, pooling=job,
+        )  # fmt: skip
 
     def _check_model(self, model: str) -> None:
         if model != self.model_name:
@@ -563,8 +601,14 @@ class Serving:
             return self._prompt_choices(prep, priority, 0, choices)
         return self._merged(prep, priority, choices)
 
-    async def run(self, prep: Prepared, priority: int) -> Completion | ChatCompletion | Response:
+    async def run(self, prep: Prepared, priority: int) -> BaseModel:
         """The whole (non-streaming) response body."""
+        if prep.pooling is not None:
+            assert isinstance(self.engine, PoolingEngineClient)
+            try:
+                return await run_job(self.engine, prep.pooling, prep.request_id, prep.created)
+            except Exception as e:
+                raise _translate(e) from e
         return self.body(prep, await self.run_choices(prep, priority))
 
     async def run_choices(self, prep: Prepared, priority: int) -> list[ChoiceAccumulator]:
@@ -663,6 +707,8 @@ def chat_answer(
     """A chat choice's whole answer as OpenAI's message: reasoning apart (when the model
     thinks aloud), tool calls read from the rest (when the request has tools), and the
     finish reason they make ("tool_calls"; "function_call" for the legacy `functions`).
+    An answer cut by max_tokens keeps its whole calls and the cut one (its arguments as
+    generated) with finish_reason "length" (server/openai/cut_calls.py).
     A call's id is a function of the request's id, so a batch line rerun writes the same."""
     text, plan = choice.text, prep.tools
     message = AssistantMessage(role="assistant", content=text)
@@ -672,14 +718,17 @@ def chat_answer(
         message.reasoning_content, message.content = split
     if plan is None:
         return message, finish_reason
-    parsed = plan.answer(text if harmony else message.content or "")
+    cut = finish_reason == "length"
+    parsed = plan.answer(text if harmony else message.content or "", cut)
+    if not parsed.calls and not plan.forces:
+        return message, finish_reason
+    message.content = parsed.content  # a forced answer cut inside its first name: none
     if not parsed.calls:
         return message, finish_reason
-    message.content = parsed.content
     if plan.legacy:
         first = parsed.calls[0]
         message.function_call = FunctionCallOut(name=first.name, arguments=first.arguments)
-        return message, "function_call" if plan.mode != "named" else finish_reason
+        return message, "function_call" if plan.mode != "named" and not cut else finish_reason
     message.tool_calls = [
         ToolCall(
             id=_call_id(prep.request_id, choice.index, k),

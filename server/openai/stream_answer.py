@@ -108,7 +108,7 @@ class AnswerStream:
                 for k, call in enumerate(message.tool_calls)
             ]
             out.append(ChatDelta(tool_calls=deltas))
-        elif len(self.content) > self.sent:
-            out.append(ChatDelta(content=self.content[self.sent :]))
+        elif len(self.content) > self.sent and message.content is not None:
+            out.append(ChatDelta(content=self.content[self.sent :]))  # not a forced call's
         self.sent = len(self.content)
         return out

@@ -48,7 +48,7 @@ class ParsedAnswer:
     calls: list[ParsedCall]
 
 
-def _call(value: Any, arguments_key: str) -> ParsedCall | None:
+def call_of(value: Any, arguments_key: str) -> ParsedCall | None:
     """A call from a decoded `{"name": str, <arguments_key>: object}`, else None."""
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
@@ -63,7 +63,7 @@ def _call(value: Any, arguments_key: str) -> ParsedCall | None:
     return ParsedCall(value["name"], json.dumps(arguments, ensure_ascii=False))
 
 
-def _json_values(text: str) -> tuple[list[Any], int]:
+def json_values(text: str) -> tuple[list[Any], int]:
     """The JSON values at the start of `text`, separated by blanks, `;` or `,`, and where
     the readable part ends."""
     decoder, at = json.JSONDecoder(), 0
@@ -93,8 +93,8 @@ def parse_hermes(text: str) -> ParsedAnswer:
     outside: list[str] = []
     at = 0
     for match in _HERMES.finditer(text):
-        values, _ = _json_values(match.group(1))
-        call = _call(values[0], "arguments") if len(values) == 1 else None
+        values, _ = json_values(match.group(1))
+        call = call_of(values[0], "arguments") if len(values) == 1 else None
         if call is None:
             continue  # not a call: it stays content
         outside.append(text[at : match.start()])
@@ -107,14 +107,14 @@ def parse_hermes(text: str) -> ParsedAnswer:
 def parse_llama3_json(text: str) -> ParsedAnswer:
     body = text.lstrip()
     body = body.removeprefix("<|python_tag|>")
-    values, end = _json_values(body)
-    calls = [_call(v, "parameters") for v in values]
+    values, end = json_values(body)
+    calls = [call_of(v, "parameters") for v in values]
     if not values or any(c is None for c in calls) or body[end:].strip():
         return ParsedAnswer(text, [])
     return ParsedAnswer(None, [c for c in calls if c is not None])
 
 
-_MISTRAL_NAMED = re.compile(r"\s*([A-Za-z0-9_.\-]+)\[ARGS\]")
+MISTRAL_NAMED = re.compile(r"\s*([A-Za-z0-9_.\-]+)\[ARGS\]")
 
 
 def parse_mistral(text: str) -> ParsedAnswer:
@@ -124,20 +124,24 @@ def parse_mistral(text: str) -> ParsedAnswer:
         if not text.lstrip().startswith("[{"):
             return ParsedAnswer(text, [])
     calls: list[ParsedCall] = []
-    values, end = _json_values(after)
+    values, end = json_values(after)
     if values and isinstance(values[0], list):
-        read = [_call(v, "arguments") for v in values[0]]
+        read = [call_of(v, "arguments") for v in values[0]]
         calls = [c for c in read if c is not None]
         if len(calls) != len(read):
             calls = []
         rest = after[end:]
     else:  # name[ARGS]{...}, repeated (after [TOOL_CALLS] each)
         rest = after
-        while match := _MISTRAL_NAMED.match(rest):
-            arguments, end = _json_values(rest[match.end() :])
+        while match := MISTRAL_NAMED.match(rest):
+            arguments, end = json_values(rest[match.end() :])
             if (
                 not arguments
-                or (call := _call({"name": match.group(1), "arguments": arguments[0]}, "arguments"))
+                or (
+                    call := call_of(
+                        {"name": match.group(1), "arguments": arguments[0]}, "arguments"
+                    )
+                )
                 is None
             ):
                 break

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.core.structured import StructuredOutput, closed_schema, harmony_calls
+from server.openai.cut_calls import cut_answer, cut_list
 from server.openai.errors import invalid_request
 from server.openai.tool_parsers import HARMONY, ParsedAnswer, ParsedCall, parse_tool_calls
 
@@ -67,7 +68,7 @@ class ToolPlan:
 
     def constraint(self) -> StructuredOutput | None:
         """The grammar a forced call's answer follows (None for none and auto)."""
-        if self.mode not in ("named", "required"):
+        if not self.forces:
             return None
         if self.parser == HARMONY:
             names = [self.named] if self.named is not None else list(self.schemas)
@@ -90,13 +91,22 @@ class ToolPlan:
             array["maxItems"] = 1
         return StructuredOutput("json", json.dumps({**array, **COMPACT}))
 
-    def answer(self, text: str) -> ParsedAnswer:
+    @property
+    def forces(self) -> bool:
+        """The answer is constrained to calls (required, named): none of it is content."""
+        return self.mode in ("named", "required")
+
+    def answer(self, text: str, cut: bool = False) -> ParsedAnswer:
         """The finished answer as content and calls (harmony's: the whole text, markers
-        and reasoning included)."""
+        and reasoning included). An answer `cut` by max_tokens inside a call keeps that
+        call, its arguments as generated (server/openai/cut_calls.py)."""
         if self.mode == "none":
             return ParsedAnswer(text, [])
         if self.mode == "auto" or self.parser == HARMONY:
             parsed = parse_tool_calls(self.parser, text)
+            cut_short = cut_answer(self.parser, text) if cut else None
+            if cut_short is not None and len(cut_short.calls) > len(parsed.calls):
+                parsed = cut_short
             if parsed.calls and not self.parallel:
                 return ParsedAnswer(parsed.content, parsed.calls[:1])
             return parsed
@@ -118,8 +128,8 @@ def _compact_json(text: str) -> str:
 def _required_calls(text: str) -> ParsedAnswer:
     try:
         values = json.loads(text)
-    except ValueError:  # cut short by max_tokens: no whole call
-        return ParsedAnswer(text, [])
+    except ValueError:  # cut short by max_tokens: the whole calls and the cut one
+        return ParsedAnswer(None, cut_list(text, "parameters") or [])
     calls = [ParsedCall(v["name"], json.dumps(v["parameters"], ensure_ascii=False)) for v in values]
     return ParsedAnswer(None, calls)
 

@@ -99,7 +99,7 @@ def test_batch_create_validation(live: LiveServer, client: httpx.Client) -> None
     file_id = upload(live.openai(), [request_line("a", "x")])
     base = {"input_file_id": file_id, "endpoint": URL, "completion_window": "24h"}
     for change in (
-        {"endpoint": "/v1/embeddings"},
+        {"endpoint": "/v1/moderations"},
         {"completion_window": "1h"},
         {"metadata": {"k": 5}},
         {"input_file_id": 7},

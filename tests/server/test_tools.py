@@ -476,13 +476,13 @@ def test_refusals_say_what_is_missing(live: LiveServer, caplog: pytest.LogCaptur
             assert response.status_code == 400
             error = response.json()["error"]
             assert "text only" in error["message"] and error["param"] == "messages.0.content.1"
-        for path in ("/v1/embeddings", "/v1/audio/transcriptions", "/v1/images/generations"):
+        for path in ("/v1/moderations", "/v1/audio/transcriptions", "/v1/images/generations"):
             response = http.post(path, json={"model": MODEL, "input": "x"})
             assert response.status_code == 404
             assert response.json()["error"]["code"] == "route_not_served"
             assert "does not serve" in response.json()["error"]["message"]
     refused = [r.getMessage() for r in caplog.records if r.getMessage().startswith("refused")]
-    assert any("/v1/embeddings" in m and "route_not_served" in m for m in refused)
+    assert any("/v1/moderations" in m and "route_not_served" in m for m in refused)
     assert sum("unsupported_content_type" in m for m in refused) == 2
     metrics = http.get("/metrics").text
     assert 'nanoflex_requests_rejected_total{reason="route_not_served"} 3.0' in metrics

@@ -1,0 +1,110 @@
+"""What a pooling model declares (torch-free): whether a checkpoint embeds or scores, the
+pooling its sentence-transformers files ask, and how long its inputs may be.
+
+- A checkpoint with sentence-transformers' `modules.json` naming a `Pooling` module embeds,
+  pooled as `1_Pooling/config.json` says (CLS, mean of the real tokens, last token), then
+  normalized when a `Normalize` module follows. A decoder (Qwen3-Embedding) is one too.
+- `BertModel`, `RobertaModel`, `XLMRobertaModel` without those files embed with CLS
+  pooling, normalized (vLLM's default for them).
+- `*ForSequenceClassification` of those families scores (a cross-encoder: one logit a pair).
+- Anything else generates (None).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ENCODER_TYPES = ("bert", "roberta", "xlm-roberta")
+"""model_type values run by engine/models/bert.py; other pooling models are decoders."""
+POOLINGS = ("cls", "mean", "last")
+
+
+@dataclass(frozen=True, slots=True)
+class PoolingSpec:
+    """How one pooling model turns tokens into its answer."""
+
+    task: str
+    """'embed' (a vector per input) or 'score' (a relevance logit per (query, document))."""
+    pooling: str
+    """'cls' (the first token), 'mean' (over the real tokens) or 'last' (the last token)."""
+    normalize: bool
+    """Vectors are scaled to unit L2 norm."""
+    is_encoder: bool
+    """BERT-style (bidirectional, engine/models/bert.py); else a decoder."""
+    dimensions: int
+    """The vector's length (the hidden size)."""
+    max_length: int
+    """The most tokens of one input."""
+    vocab_size: int
+    """Token ids the model embeds (its config's, which a tokenizer may not fill)."""
+    matryoshka: tuple[int, ...] | bool = False
+    """Shorter vectors the model was trained for (`dimensions` in a request): the sizes it
+    lists, True when any size, False when none."""
+
+    def __post_init__(self) -> None:
+        assert self.task in ("embed", "score") and self.pooling in POOLINGS
+
+    def check_dimensions(self, asked: int) -> str | None:
+        """Why a request's `dimensions` cannot be served (None: it can)."""
+        if not self.matryoshka:
+            return f"this model does not support matryoshka shortening (dimensions={asked})"
+        if asked < 1 or asked > self.dimensions:
+            return f"dimensions must be between 1 and {self.dimensions}, got {asked}"
+        if isinstance(self.matryoshka, tuple) and asked not in self.matryoshka:
+            sizes = ", ".join(str(d) for d in self.matryoshka)
+            return f"dimensions must be one of {sizes} for this model, got {asked}"
+        return None
+
+
+def _read(path: Path) -> Any:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def pooling_spec(model_dir: Path) -> PoolingSpec | None:
+    """The pooling `model_dir` declares, None for a generation model."""
+    config = _read(model_dir / "config.json") or {}
+    architectures = config.get("architectures") or []
+    model_type = config.get("model_type", "")
+    is_encoder = model_type in ENCODER_TYPES
+    modules = _read(model_dir / "modules.json") or []
+    kinds = [str(m.get("type", "")).rsplit(".", 1)[-1] for m in modules]
+    limit = (_read(model_dir / "sentence_bert_config.json") or {}).get("max_seq_length")
+    positions = config.get("max_position_embeddings", 512)
+    if is_encoder and model_type != "bert":
+        positions -= config.get("pad_token_id", 1) + 1  # RoBERTa's positions skip padding
+    common: dict[str, Any] = {
+        "is_encoder": is_encoder,
+        "dimensions": config.get("hidden_size", 0),
+        "max_length": min(limit or positions, positions),
+        "vocab_size": config.get("vocab_size", 0),
+        "matryoshka": _matryoshka(config),
+    }
+    if "Pooling" in kinds:
+        path = modules[kinds.index("Pooling")].get("path", "1_Pooling")
+        pooled = _read(model_dir / path / "config.json") or {}
+        return PoolingSpec("embed", _pooling(pooled), "Normalize" in kinds, **common)
+    if not is_encoder:
+        return None
+    if any(a.endswith("ForSequenceClassification") for a in architectures):
+        return PoolingSpec("score", "cls", False, **common)
+    if any(a.endswith("Model") for a in architectures):
+        return PoolingSpec("embed", "cls", True, **common)
+    return None
+
+
+def _pooling(config: dict[str, Any]) -> str:
+    if config.get("pooling_mode_lasttoken"):
+        return "last"
+    if config.get("pooling_mode_mean_tokens"):
+        return "mean"
+    return "cls"
+
+
+def _matryoshka(config: dict[str, Any]) -> tuple[int, ...] | bool:
+    sizes = config.get("matryoshka_dimensions")
+    if sizes:
+        return tuple(int(d) for d in sizes)
+    return bool(config.get("is_matryoshka"))

@@ -1,0 +1,108 @@
+"""Tool calls cut short by max_tokens: the calls an answer finished, then the one it was
+writing when the budget ran out, its arguments as generated (a JSON text cut anywhere, so
+it does not parse; empty when the cut came before them).
+
+A client gets them as `tool_calls` with finish_reason "length" (server/openai/serving.py),
+so an agent sees the call it was about to make and can ask again with more tokens, rather
+than take the call's JSON text for the answer. A call is kept once its name is whole; text
+cut inside a name names no function and is dropped. gpt-oss's harmony calls are kept alike
+by server/openai/harmony.py.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+from server.openai.tool_parsers import (
+    MISTRAL_NAMED,
+    ParsedAnswer,
+    ParsedCall,
+    call_of,
+    json_values,
+    parse_hermes,
+    parse_mistral,
+)
+
+_NAMED = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"(.*)\Z', re.DOTALL)
+_ARGUMENTS = re.compile(r'\s*,\s*"(?:arguments|parameters)"\s*:\s*(.*)\Z', re.DOTALL)
+
+
+def cut_call(text: str) -> ParsedCall | None:
+    """The call object cut short at the start of `text` (`{"name": "f", "arguments": {...`),
+    None unless its name is whole."""
+    named = _NAMED.match(text)
+    if named is None:
+        return None
+    name = json.loads(f'"{named.group(1)}"')
+    arguments = _ARGUMENTS.match(named.group(2))
+    if arguments is None:
+        return ParsedCall(name, "")
+    text = arguments.group(1)
+    try:  # whole arguments, the call cut after them: they end where their JSON ends
+        value, _ = json.JSONDecoder().raw_decode(text)
+    except ValueError:
+        return ParsedCall(name, text.rstrip())
+    return ParsedCall(name, json.dumps(value, ensure_ascii=False))
+
+
+def cut_list(text: str, arguments_key: str) -> list[ParsedCall] | None:
+    """A JSON list of call objects cut short (the "required" answer, Mistral's): its whole
+    calls, then the cut one; None when `text` is no such list."""
+    body = text.lstrip()
+    if not body.startswith("["):
+        return None
+    values, end = json_values(body[1:])
+    calls = [call_of(value, arguments_key) for value in values]
+    whole = [call for call in calls if call is not None]
+    if len(whole) != len(calls):
+        return None
+    cut = cut_call(body[1 + end :])
+    return whole if cut is None else [*whole, cut]
+
+
+def cut_answer(parser: str, text: str) -> ParsedAnswer | None:
+    """An answer cut inside a call, read by the named parser: the content before the calls,
+    the whole calls and the cut one. None when the cut is not inside a call the parser
+    reads (the ordinary parse then stands)."""
+    if parser == "hermes":
+        return _cut_hermes(text)
+    if parser == "llama3_json":
+        body = text.lstrip().removeprefix("<|python_tag|>")
+        values, end = json_values(body)
+        calls = [call_of(value, "parameters") for value in values]
+        cut = cut_call(body[end:])
+        if cut is None or any(call is None for call in calls):
+            return None
+        return ParsedAnswer(None, [*(c for c in calls if c is not None), cut])
+    if parser == "mistral":
+        return _cut_mistral(text)
+    return None
+
+
+def _cut_hermes(text: str) -> ParsedAnswer | None:
+    marker = "<tool_call>"
+    at = text.rfind(marker)
+    if at < 0 or "</tool_call>" in text[at:]:
+        return None
+    cut = cut_call(text[at + len(marker) :])
+    if cut is None:
+        return None
+    head = parse_hermes(text[:at])
+    return ParsedAnswer((head.content or "").strip() or None, [*head.calls, cut])
+
+
+def _cut_mistral(text: str) -> ParsedAnswer | None:
+    marker = "[TOOL_CALLS]"
+    at = text.rfind(marker)
+    head, tail = (text[:at], text[at + len(marker) :]) if at >= 0 else ("", text)
+    listed = cut_list(tail, "arguments")
+    if listed:
+        return ParsedAnswer(head.strip() or None, listed)
+    named = MISTRAL_NAMED.match(tail)
+    if at < 0 or named is None:
+        return None
+    before = parse_mistral(head) if head.strip() else ParsedAnswer(None, [])
+    cut = ParsedCall(named.group(1), tail[named.end() :].strip())
+    content = before.content if before.calls else head.strip() or None
+    return ParsedAnswer(content, [*before.calls, cut])

