@@ -68,13 +68,14 @@ def hardware_profile(device: str = "auto") -> HardwareSpec:
 
 def remeasure_when_quiet(device: str, path: Path) -> bool:
     """Start engine/profiling/requiet.py, detached, for the profile at `path` (one at a time:
-    it holds a lock); False when `NANOFLEX_BACKGROUND_PROFILE=0` forbids it."""
+    it holds a lock); it exits with this process. False when `NANOFLEX_BACKGROUND_PROFILE=0`
+    forbids it."""
     if os.environ.get(BACKGROUND_ENV, "1") == "0":
         return False
     log = open(path.with_name("requiet.log"), "a")  # noqa: SIM115 (the child owns it)
     with log:
         subprocess.Popen(
-            [sys.executable, "-m", "engine.profiling.requiet", device, str(path)],
+            [sys.executable, "-m", "engine.profiling.requiet", device, str(path), str(os.getpid())],
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=log,
