@@ -19,6 +19,7 @@ from typing import Any
 from engine.core.dtypes import checkpoint_dtype, default_dtype
 from policy import Policy, UserError
 from policy.catalog import resolve_model_spec
+from policy.dtypes import DTYPE_BYTES
 from policy.errors import ModelSpecError
 from policy.hardware import HardwareSpec, default_cache_path
 from policy.machine import machine_key
@@ -26,9 +27,6 @@ from policy.specs import ModelSpec, WorkloadSpec
 
 DEFAULT_WORKLOAD = WorkloadSpec(prompt_len=512, gen_len=32)
 """What an automatic policy is planned for when no workload is given."""
-
-
-DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 
 
 def model_spec(model_dir: Path, compute_device: str, dtype: str | None = None) -> ModelSpec:
