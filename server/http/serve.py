@@ -115,6 +115,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "long for it, then gets 503 with Retry-After (0: at once) (default: %(default)s)",
     )
     parser.add_argument(
+        "--max-batches",
+        type=int,
+        default=ServerSettings.max_batches,
+        metavar="N",
+        help="batches unfinished at once; creating one more is answered 429 (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--max-stored-bytes",
+        default=None,
+        metavar="SIZE",
+        help="bytes of files (uploads, batch results) the data directory may hold, e.g. 20GiB; "
+        "an upload past it is answered 507 (default: no limit but the disk's)",
+    )
+    parser.add_argument(
         "--header-timeout",
         type=float,
         default=ServerSettings.header_timeout_s,

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from policy.errors import UserError
+from policy.units import parse_bytes
 from server.batch.data_dir import DB_NAME, FILES_DIR
 from server.batch.runner import BatchConfig
 
@@ -37,6 +38,12 @@ class ServerSettings:
     """Largest upload to POST /v1/files (OpenAI's batch input limit)."""
     max_batch_requests: int = 50_000
     """Most lines in one batch input file (OpenAI's limit)."""
+    max_batches: int = 16
+    """Batches unfinished at once (validating, running, finalizing); beyond: 429 on create,
+    so that batches' memory and disk stay bounded."""
+    max_stored_bytes: int | None = None
+    """Bytes of files (uploads and batch results) the data directory may hold; an upload
+    past it: 507. None: bounded by the disk alone (a full disk is 507 too)."""
     batch_concurrency: int = 64
     """Batch requests handed to the engine at once (all batches together)."""
     storage_retry_s: float = 2.0
@@ -73,6 +80,10 @@ class ServerSettings:
             raise UserError(f"--max-queue must be >= 1, got {self.max_queue}")
         if self.max_seqs_per_request < 1:
             raise UserError(f"max_seqs_per_request must be >= 1, got {self.max_seqs_per_request}")
+        if self.max_batches < 1:
+            raise UserError(f"--max-batches must be >= 1, got {self.max_batches}")
+        if self.max_stored_bytes is not None and self.max_stored_bytes < 1:
+            raise UserError(f"--max-stored-bytes must be > 0, got {self.max_stored_bytes}")
         if self.batch_concurrency < 1:
             raise UserError(f"batch_concurrency must be >= 1, got {self.batch_concurrency}")
         if self.ready_wait_s < 0:
@@ -114,6 +125,10 @@ class ServerSettings:
             body_timeout_s=args.body_timeout,
             body_total_timeout_s=args.body_total_timeout,
             keep_alive_s=args.keep_alive,
+            max_batches=args.max_batches,
+            max_stored_bytes=None
+            if args.max_stored_bytes is None
+            else parse_bytes(args.max_stored_bytes),
             bind_host=args.host,
             allowed_hosts=_names(args.allowed_hosts),
             allowed_origins=_names(args.allowed_origins),
