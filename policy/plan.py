@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
 from policy.catalog import resolve_model_spec
+from policy.dtypes import DTYPE_BYTES, DTYPES, default_dtype
 from policy.hardware import HardwareSpec, load_cached
 from policy.moe import ExpertStage, experts_per_tier
 from policy.policy import Policy
@@ -41,6 +43,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cpu-mem", default=None, help="CPU memory budget, e.g. 64GiB")
     parser.add_argument("--disk-mem", default=None, help="disk budget, e.g. 500GiB")
     parser.add_argument("--hardware", default=None, help="hardware JSON (default: cached profile)")
+    parser.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default=None,
+        help="the compute dtype to price, as `nanoflex serve --dtype` (default: the engine's on "
+        "the profile's compute device: float32 on a CPU, unless it has bfloat16 in hardware "
+        "and the checkpoint is half precision; the checkpoint's half type on CUDA)",
+    )
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
@@ -69,9 +79,9 @@ def add_length_args(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """Run the search for the parsed `nanoflex plan` arguments; print JSON or a report."""
-    model = resolve_model_spec(args.model)
     workload = WorkloadSpec(prompt_len=args.prompt_len, gen_len=args.gen_len)
     hardware = HardwareSpec.load(args.hardware) if args.hardware else load_cached()
+    model = engine_priced(resolve_model_spec(args.model), hardware.compute_device, args.dtype)
     if hardware.compute_device == "cpu" and args.cpu_mem is not None:
         print(cpu_only_note(args.hardware), file=sys.stderr)
     result = search(
@@ -85,6 +95,7 @@ def main(args: argparse.Namespace) -> int:
     break_even = break_even_tokens(model, hardware, compress_kv=result.policy.compress_kv)
     if args.json:
         out = {**result.to_dict(), "prefix_break_even_tokens": break_even}
+        out["dtype_bytes"] = model.dtype_bytes
         if model.is_moe:
             out["moe"] = moe_summary(model, result)
         if model.is_hybrid:
@@ -93,6 +104,16 @@ def main(args: argparse.Namespace) -> int:
     else:
         print(format_report(model, workload, result, break_even))
     return 0
+
+
+def engine_priced(model: ModelSpec, compute_device: str, dtype: str | None) -> ModelSpec:
+    """`model` with the element size the engine computes in on `compute_device`: `dtype` if
+    given, else the engine's default (policy/dtypes.py) for a checkpoint of the spec's
+    element size; a CPU without bfloat16 in hardware computes a half checkpoint in float32,
+    twice its bytes (engine/core/planning.py prices the same for `--policy auto`)."""
+    checkpoint = "float16" if model.dtype_bytes == 2 else "float32"
+    chosen = dtype or default_dtype(compute_device, checkpoint)
+    return dataclasses.replace(model, dtype_bytes=DTYPE_BYTES[chosen])
 
 
 def cpu_only_note(hardware_file: str | None) -> str:
@@ -148,6 +169,7 @@ def format_report(
         f"{format_bytes(model.total_weight_bytes)} of weights, "
         f"{format_bytes(model.kv_bytes_per_token)} of KV per token{_window_note(model)}"
         + _state_note(model),
+        f"priced in {model.dtype_bytes}-byte elements (the engine's compute dtype; --dtype)",
         f"workload: prompt {workload.prompt_len:g} tokens, generate {workload.gen_len:g}",
         "",
         "policy (gpu / cpu / disk):",

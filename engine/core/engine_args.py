@@ -26,11 +26,11 @@ from engine.core.protocol import EngineInfo
 from engine.core.scheduler import Scheduler, SchedulerConfig, discrete_sizes
 from policy import Policy, UserError
 from policy.catalog import resolve_model_spec
+from policy.dtypes import DTYPES
 from policy.errors import ModelSpecError
 from policy.specs import WorkloadSpec
 from policy.units import parse_bytes
 
-DTYPES = ("float16", "bfloat16", "float32")
 RESIDENT_STEP_TOKENS = 2048
 ENGINE_NICE = 10
 """The engine process's nice increment when it computes on the CPU (`engine_nice`):

@@ -19,6 +19,7 @@ from typing import Any
 from engine.core.dtypes import checkpoint_dtype, default_dtype
 from policy import Policy, UserError
 from policy.catalog import resolve_model_spec
+from policy.dtypes import DTYPE_BYTES
 from policy.errors import ModelSpecError
 from policy.hardware import HardwareSpec, default_cache_path
 from policy.machine import machine_key
@@ -26,9 +27,6 @@ from policy.specs import ModelSpec, WorkloadSpec
 
 DEFAULT_WORKLOAD = WorkloadSpec(prompt_len=512, gen_len=32)
 """What an automatic policy is planned for when no workload is given."""
-
-
-DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 
 
 def model_spec(model_dir: Path, compute_device: str, dtype: str | None = None) -> ModelSpec:
@@ -68,13 +66,14 @@ def hardware_profile(device: str = "auto") -> HardwareSpec:
 
 def remeasure_when_quiet(device: str, path: Path) -> bool:
     """Start engine/profiling/requiet.py, detached, for the profile at `path` (one at a time:
-    it holds a lock); False when `NANOFLEX_BACKGROUND_PROFILE=0` forbids it."""
+    it holds a lock); it exits with this process. False when `NANOFLEX_BACKGROUND_PROFILE=0`
+    forbids it."""
     if os.environ.get(BACKGROUND_ENV, "1") == "0":
         return False
     log = open(path.with_name("requiet.log"), "a")  # noqa: SIM115 (the child owns it)
     with log:
         subprocess.Popen(
-            [sys.executable, "-m", "engine.profiling.requiet", device, str(path)],
+            [sys.executable, "-m", "engine.profiling.requiet", device, str(path), str(os.getpid())],
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=log,

@@ -1,7 +1,7 @@
 """Measure a profile taken under load, or a noisy quick one, again in the background once the
 machine is quiet.
 
-    python -m engine.profiling.requiet DEVICE PROFILE_PATH
+    python -m engine.profiling.requiet DEVICE PROFILE_PATH [STARTER_PID]
 
 The planner starts this, detached, when the cached profile it plans from was measured while
 other work ran (`HardwareSpec.under_load`) or is a quick one whose measurements spread too
@@ -11,7 +11,10 @@ full one). One measured under load again is dropped and the wait starts over, fo
 `TIMEOUT_S` in all. Otherwise it is counted (`attempts`) and kept in the cache if the cached
 one was the loaded one or was noisier; a noisy one is measured again while attempts remain
 (`MAX_ATTEMPTS`). The next start plans from the cached one. One such process runs per
-profile (a lock beside it); its log is `requiet.log` beside it.
+profile (a lock beside it); its log is `requiet.log` beside it. It lives no longer than the
+process that started it (STARTER_PID: the daemon, `LLM`, `run-batch`): within a second of
+that one's exit it exits too, so a stopped daemon leaves no process behind (the next start
+tries again).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import dataclasses
 import fcntl
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -34,8 +38,30 @@ def lock_path(profile: Path) -> Path:
     return profile.with_name(profile.name + ".requiet.lock")
 
 
+WATCH_S = 0.5
+"""How often the starter's presence is checked."""
+
+
+def exit_with_starter(starter_pid: int) -> None:
+    """Exit this process (at once, whatever it is measuring: the cached profile is only ever
+    replaced by an atomic rename) as soon as the process `starter_pid` is gone: this one is
+    then re-parented, so its parent pid changes."""
+
+    def watch() -> None:
+        while os.getppid() == starter_pid:
+            time.sleep(WATCH_S)
+        print(
+            f"the process that started this one (pid {starter_pid}) is gone: stopping", flush=True
+        )
+        os._exit(0)
+
+    threading.Thread(target=watch, name="starter-watch", daemon=True).start()
+
+
 def main(argv: list[str]) -> int:
     device, profile = argv[1], Path(argv[2])
+    if len(argv) > 3:
+        exit_with_starter(int(argv[3]))
     with open(lock_path(profile), "w") as lock:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)

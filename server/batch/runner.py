@@ -141,6 +141,11 @@ class BatchRunner:
         return self.with_pause(batch)
 
     def with_pause(self, batch: Batch) -> Batch:
+        """`batch` with the reason it is paused in its `errors`. A pause for the engine ends
+        the moment the engine is ready (its lines run again from then), not when the first
+        of them finishes, which may take a while."""
+        if self._is_paused(batch.id, ENGINE_PAUSED) and self.serving.engine.is_ready():
+            self._resume(batch.id, ENGINE_PAUSED)
         pause = self._pauses.get(batch.id)
         if pause is None:
             return batch

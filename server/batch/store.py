@@ -167,6 +167,13 @@ class Store:
         )
         return [dict(r) for r in self._query(sql, (*args, limit))]
 
+    def stored_bytes(self) -> int:
+        """The bytes of every file recorded (uploads and batch results)."""
+        return int(self._query("SELECT COALESCE(SUM(bytes), 0) AS n FROM files")[0]["n"])
+
+    def num_unfinished_batches(self) -> int:
+        return len(self.unfinished_batch_ids())
+
     def file_ids(self) -> set[str]:
         return {r["id"] for r in self._query("SELECT id FROM files")}
 

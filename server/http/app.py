@@ -30,7 +30,7 @@ from policy.errors import UserError
 from server.batch.data_dir import open_data_dir
 from server.batch.runner import BatchRunner
 from server.http.batch_routes import router as batch_router
-from server.http.errors import install_error_handlers
+from server.http.errors import CLIENT_CLOSED_REQUEST, install_error_handlers
 from server.http.middleware import Guard
 from server.http.openapi import install_openapi
 from server.http.request_body import decode_json, read_body
@@ -46,7 +46,6 @@ from server.openai.streaming import stream_chunks, stream_response_events
 
 logger = logging.getLogger("nanoflex.server")
 T = TypeVar("T")
-CLIENT_CLOSED_REQUEST = 499
 
 
 class ClientDisconnected(Exception):
@@ -149,6 +148,7 @@ def create_app(
         max_body_bytes=settings.max_body_bytes,
         max_file_bytes=settings.max_file_bytes,
         body_timeout_s=settings.body_timeout_s,
+        body_total_timeout_s=settings.body_total_timeout_s,
         bind_host=settings.bind_host,
         allowed_hosts=settings.allowed_hosts,
         allowed_origins=settings.allowed_origins,
@@ -193,9 +193,11 @@ async def _generate(request: Request, endpoint: str) -> Response:
         chunks = stream_chunks(state.serving, prep, ONLINE_PRIORITY)
     try:
         first = await _unless_disconnected(request, anext(chunks))
-    except BaseException:
+    except BaseException as e:
         state.release(prep.num_seqs)
         await chunks.aclose()
+        if isinstance(e, ClientDisconnected):  # gone before its first chunk: nothing to log
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
         raise
 
     async def sse_body() -> AsyncIterator[bytes]:

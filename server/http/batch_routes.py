@@ -15,7 +15,13 @@ from server.batch.storage_faults import storage_error
 from server.http.request_body import read_json
 from server.http.responses import json_response
 from server.http.state import AppState, get_state
-from server.openai.errors import APIError, invalid_request, not_found
+from server.openai.errors import (
+    APIError,
+    invalid_request,
+    not_found,
+    storage_limit_reached,
+    too_many_batches,
+)
 from server.openai.requests import BatchCreateRequest, parse_body
 from server.openai.responses import new_id, now
 
@@ -59,6 +65,9 @@ async def upload_file(request: Request) -> Response:
                 f"purpose must be one of {list(UPLOAD_PURPOSES)}, got {purpose!r}.",
                 param="purpose",
             )
+        limit = state.settings.max_stored_bytes
+        if limit is not None and state.store.stored_bytes() + (upload.size or 0) > limit:
+            raise storage_limit_reached(limit, state.store.stored_bytes())
         file_id = new_id("file-")
         num_bytes = await asyncio.to_thread(state.storage.write_stream, file_id, upload.file)
         if num_bytes == 0:
@@ -132,6 +141,8 @@ async def delete_file(request: Request, file_id: str) -> Response:
 async def create_batch(request: Request) -> Response:
     state = get_state(request)
     req = parse_body(BatchCreateRequest, await read_json(request))
+    if state.store.num_unfinished_batches() >= state.settings.max_batches:
+        raise too_many_batches(state.settings.max_batches)
     record = state.store.get_file(req.input_file_id)
     if record is None:
         raise not_found("file", req.input_file_id, param="input_file_id")

@@ -10,6 +10,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from engine.core.sampling_params import SamplingError
 from server.batch.storage_faults import StorageError
@@ -77,6 +78,9 @@ def not_served(method: str, path: str) -> APIError:
     return APIError(404, f"{head}. Served routes: {SERVED}.", code="route_not_served")
 
 
+CLIENT_CLOSED_REQUEST = 499
+"""nginx's status for a request whose client went away before its answer (never seen by it)."""
+
 _STATUS_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
 
 
@@ -109,6 +113,10 @@ def install_error_handlers(app: FastAPI) -> None:
         err = APIError(status, str(exc.detail), type=kind, code=_STATUS_CODES.get(status))
         err.headers = dict(exc.headers or {})
         return error_response(err, request.scope)
+
+    @app.exception_handler(ClientDisconnect)
+    async def _gone(_: Request, exc: ClientDisconnect) -> Response:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)  # closed mid-body: nothing to log
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> Response:

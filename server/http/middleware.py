@@ -12,8 +12,9 @@ how long it takes to arrive.
 - Sizes are enforced without buffering: a declared Content-Length over the limit
   is refused at once, and the body is counted as it streams in, so an upload that
   lies about (or omits) its length is cut off at the limit (413).
-- A body that stops arriving for `body_timeout_s` is answered 408 and the
-  connection closed, so a slow client cannot hold a request open.
+- A body that stops arriving for `body_timeout_s`, or still arrives `body_total_timeout_s`
+  after the request began, is answered 408 and the connection closed, so a slow client
+  cannot hold a request open (the headers' deadline is server/http/connection.py's).
 - After a large body, the heap pages it freed go back to the OS (`server.http.memory`).
 """
 
@@ -44,10 +45,10 @@ class BodyTooLarge(APIError):
 class BodyTimeout(APIError):
     """The request body stopped arriving."""
 
-    def __init__(self, timeout_s: float) -> None:
+    def __init__(self, why: str) -> None:
         super().__init__(
             408,
-            f"The request body did not arrive within {timeout_s:g} s; send it without pauses.",
+            f"The request body did not arrive in time ({why}); send it faster, without pauses.",
             code="request_timeout",
             headers={"Connection": "close"},
         )
@@ -83,6 +84,7 @@ class Guard:
         max_body_bytes: int,
         max_file_bytes: int,
         body_timeout_s: float,
+        body_total_timeout_s: float,
         bind_host: str,
         allowed_hosts: tuple[str, ...],
         allowed_origins: tuple[str, ...],
@@ -92,6 +94,7 @@ class Guard:
         self.max_body_bytes = max_body_bytes
         self.max_file_bytes = max_file_bytes
         self.body_timeout_s = body_timeout_s
+        self.body_total_timeout_s = body_total_timeout_s
         self.hosts = {h.lower().rstrip(".") for h in (*allowed_hosts, bind_host)}
         self.origins = {o.lower().rstrip("/") for o in allowed_origins}
 
@@ -116,15 +119,20 @@ class Guard:
         received = 0
         body_done = False
         response_started = False
+        loop = asyncio.get_running_loop()
+        body_deadline = loop.time() + self.body_total_timeout_s
 
         async def guarded_receive() -> Message:
             nonlocal received, body_done
             if body_done:  # after the body only a disconnect can come: no deadline
                 return await receive()
+            left_s = body_deadline - loop.time()
             try:
-                message = await asyncio.wait_for(receive(), self.body_timeout_s)
+                message = await asyncio.wait_for(receive(), min(self.body_timeout_s, left_s))
             except asyncio.TimeoutError:
-                raise BodyTimeout(self.body_timeout_s) from None
+                if left_s <= self.body_timeout_s:
+                    raise BodyTimeout(f"it took over {self.body_total_timeout_s:g} s") from None
+                raise BodyTimeout(f"it paused over {self.body_timeout_s:g} s") from None
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 body_done = not message.get("more_body", False)

@@ -37,6 +37,7 @@ from engine.runtime.engine_client import EngineClient
 from policy.errors import UserError
 from server.batch.data_dir import check_data_dir
 from server.http.app import create_app
+from server.http.connection import DaemonConfig
 from server.http.memory import keep_heaps_trimmed
 from server.http.settings import API_KEY_ENV, ServerSettings
 from server.openai.reasoning import PARSERS as REASONING_PARSERS
@@ -114,6 +115,50 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "long for it, then gets 503 with Retry-After (0: at once) (default: %(default)s)",
     )
     parser.add_argument(
+        "--max-batches",
+        type=int,
+        default=ServerSettings.max_batches,
+        metavar="N",
+        help="batches unfinished at once; creating one more is answered 429 (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--max-stored-bytes",
+        default=None,
+        metavar="SIZE",
+        help="bytes of files (uploads, batch results) the data directory may hold, e.g. 20GiB; "
+        "an upload past it is answered 507 (default: no limit but the disk's)",
+    )
+    parser.add_argument(
+        "--header-timeout",
+        type=float,
+        default=ServerSettings.header_timeout_s,
+        metavar="SECONDS",
+        help="close a connection whose request headers have not all arrived this long after "
+        "it opened (or after its first byte of a new request) (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--body-timeout",
+        type=float,
+        default=ServerSettings.body_timeout_s,
+        metavar="SECONDS",
+        help="answer 408 and close when a request body pauses this long (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--body-total-timeout",
+        type=float,
+        default=ServerSettings.body_total_timeout_s,
+        metavar="SECONDS",
+        help="answer 408 and close when a request body (an upload included) takes longer than "
+        "this in all (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--keep-alive",
+        type=int,
+        default=ServerSettings.keep_alive_s,
+        metavar="SECONDS",
+        help="close a kept-alive connection idle this long (default: %(default)s)",
+    )
+    parser.add_argument(
         "--allowed-hosts",
         default=None,
         help="comma-separated Host names accepted besides IP addresses and localhost ('*': any)"
@@ -149,10 +194,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def uvicorn_config(
     app: FastAPI, settings: ServerSettings, port: int, log_level: str = "info"
-) -> uvicorn.Config:
-    """uvicorn's config for the daemon's app: its address, keep-alive timeout, shutdown."""
-    return uvicorn.Config(
+) -> DaemonConfig:
+    """uvicorn's config for the daemon's app: its address, its connections' deadlines
+    (request headers, idle keep-alive), shutdown."""
+    return DaemonConfig(
         app,
+        header_timeout_s=settings.header_timeout_s,
         host=settings.bind_host,
         port=port,
         log_level=log_level,
@@ -164,10 +211,13 @@ def uvicorn_config(
 def bind_socket(host: str, port: int) -> socket.socket:
     """The daemon's listening socket, bound before anything loads; a port in use is one line."""
     try:
-        family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        family, _, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
     except socket.gaierror as e:
         raise UserError(f"cannot listen on {host}:{port}: {e.strerror}; check --host") from e
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # With the TCP protocol number (not 0) asyncio turns Nagle's algorithm off on every
+    # accepted connection (TCP_NODELAY): otherwise a response written as headers, then body
+    # waits ~40 ms for the client's delayed ACK on every request of a kept-alive connection.
+    sock = socket.socket(family, socket.SOCK_STREAM, proto)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # not a port in use: TIME_WAIT
     try:
         sock.bind(address)

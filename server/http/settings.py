@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from policy.errors import UserError
+from policy.units import parse_bytes
 from server.batch.data_dir import DB_NAME, FILES_DIR
 from server.batch.runner import BatchConfig
 
@@ -37,6 +38,12 @@ class ServerSettings:
     """Largest upload to POST /v1/files (OpenAI's batch input limit)."""
     max_batch_requests: int = 50_000
     """Most lines in one batch input file (OpenAI's limit)."""
+    max_batches: int = 16
+    """Batches unfinished at once (validating, running, finalizing); beyond: 429 on create,
+    so that batches' memory and disk stay bounded."""
+    max_stored_bytes: int | None = None
+    """Bytes of files (uploads and batch results) the data directory may hold; an upload
+    past it: 507. None: bounded by the disk alone (a full disk is 507 too)."""
     batch_concurrency: int = 64
     """Batch requests handed to the engine at once (all batches together)."""
     storage_retry_s: float = 2.0
@@ -44,10 +51,16 @@ class ServerSettings:
     ready_wait_s: float = 60.0
     """A request that arrives while the engine is not ready (loading, restarting) waits at
     most this long for it, then is answered 503 with Retry-After."""
+    header_timeout_s: float = 20.0
+    """A connection whose request headers have not all arrived this long after it opened (or
+    after the first byte of its next request) is closed (nginx: `client_header_timeout`)."""
     body_timeout_s: float = 30.0
     """A request body that stops arriving for this long is answered 408 and closed."""
+    body_total_timeout_s: float = 300.0
+    """A request body (an upload included) still arriving after this long is answered 408
+    and closed: a client trickling a byte now and then cannot hold a request for hours."""
     keep_alive_s: int = 5
-    """An idle keep-alive connection is closed after this long."""
+    """An idle keep-alive connection is closed after this long (uvicorn's default)."""
     bind_host: str = "127.0.0.1"
     """The address the daemon listens on (a Host header naming it is always accepted)."""
     allowed_hosts: tuple[str, ...] = ()
@@ -67,10 +80,22 @@ class ServerSettings:
             raise UserError(f"--max-queue must be >= 1, got {self.max_queue}")
         if self.max_seqs_per_request < 1:
             raise UserError(f"max_seqs_per_request must be >= 1, got {self.max_seqs_per_request}")
+        if self.max_batches < 1:
+            raise UserError(f"--max-batches must be >= 1, got {self.max_batches}")
+        if self.max_stored_bytes is not None and self.max_stored_bytes < 1:
+            raise UserError(f"--max-stored-bytes must be > 0, got {self.max_stored_bytes}")
         if self.batch_concurrency < 1:
             raise UserError(f"batch_concurrency must be >= 1, got {self.batch_concurrency}")
         if self.ready_wait_s < 0:
             raise UserError(f"--ready-wait must be >= 0, got {self.ready_wait_s}")
+        for flag, seconds in (
+            ("--header-timeout", self.header_timeout_s),
+            ("--body-timeout", self.body_timeout_s),
+            ("--body-total-timeout", self.body_total_timeout_s),
+            ("--keep-alive", self.keep_alive_s),
+        ):
+            if not seconds > 0:
+                raise UserError(f"{flag} must be > 0 seconds, got {seconds}")
         if self.api_key is not None and not self.api_key:
             raise UserError("--api-key must not be empty; omit it to disable authentication")
 
@@ -96,6 +121,14 @@ class ServerSettings:
             api_key=api_key_from(args.api_key, args.api_key_file, environ),
             max_queue=args.max_queue,
             ready_wait_s=args.ready_wait,
+            header_timeout_s=args.header_timeout,
+            body_timeout_s=args.body_timeout,
+            body_total_timeout_s=args.body_total_timeout,
+            keep_alive_s=args.keep_alive,
+            max_batches=args.max_batches,
+            max_stored_bytes=None
+            if args.max_stored_bytes is None
+            else parse_bytes(args.max_stored_bytes),
             bind_host=args.host,
             allowed_hosts=_names(args.allowed_hosts),
             allowed_origins=_names(args.allowed_origins),

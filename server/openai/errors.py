@@ -83,6 +83,29 @@ def queue_full(retry_after_s: int) -> APIError:
     )
 
 
+def too_many_batches(limit: int) -> APIError:
+    """429: `limit` batches are unfinished already; nothing was created."""
+    return APIError(
+        429,
+        f"{limit} batches are running or waiting already (the server's limit); create this one "
+        "once one of them has finished, or cancel one.",
+        type="rate_limit_error",
+        code="too_many_batches",
+    )
+
+
+def storage_limit_reached(limit_bytes: int, stored_bytes: int) -> APIError:
+    """507: an upload would take the data directory's files past their byte limit."""
+    return APIError(
+        507,
+        f"The server stores at most {limit_bytes} bytes of files and holds {stored_bytes}; "
+        "this upload does not fit. Nothing was stored; delete files you no longer need "
+        "(DELETE /v1/files/{file_id}) and retry.",
+        type="server_error",
+        code="insufficient_storage",
+    )
+
+
 def unauthorized() -> APIError:
     """401: missing or wrong bearer API key."""
     return APIError(

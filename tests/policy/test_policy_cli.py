@@ -22,7 +22,14 @@ def test_plan_json(hardware_file: str, capsys: pytest.CaptureFixture[str]) -> No
     argv = ["plan", "--prompt-len", "64", "--gen-len", "8", "--hardware", hardware_file]
     assert main([*argv, "--gpu-mem", "2GiB", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert set(out) == {"policy", "predicted", "bottleneck", "prefix_break_even_tokens"}
+    assert set(out) == {
+        "policy",
+        "predicted",
+        "bottleneck",
+        "prefix_break_even_tokens",
+        "dtype_bytes",
+    }
+    assert out["dtype_bytes"] == 2  # a CUDA profile: the checkpoint's half type
     assert set(out["prefix_break_even_tokens"]) == {"gpu", "cpu", "disk"}
     assert set(out["predicted"]) == {
         "prefill_throughput",
@@ -116,3 +123,29 @@ def test_cpu_profile_says_cpu_mem_is_unused(
     assert "compute device is the CPU" in note and "--hardware FILE" in note
     assert main([*base, "--hardware", hardware_file]) == 0
     assert "compute device is the CPU" not in capsys.readouterr().err
+
+
+def test_plan_prices_the_dtype_the_engine_computes_in(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a CPU without bfloat16 in hardware the engine computes OPT-6.7B's half checkpoint in
+    float32 (24.8 GiB of weights): under --gpu-mem 16GiB the plan cannot home them all in the
+    gpu tier (it priced 12.4 GiB of half-precision weights before, and homed 92% there)."""
+    import policy.dtypes
+
+    cpu_profile = Path(__file__).resolve().parents[1] / "fixtures" / "hardware-cpu.json"
+    argv = ["plan", "--model", "facebook/opt-6.7b", "--gpu-mem", "16GiB", "--json"]
+    argv += ["--hardware", str(cpu_profile)]
+    monkeypatch.setattr(policy.dtypes, "cpu_has_native_bf16", lambda: False)
+    assert main(argv) == 0
+    wide = json.loads(capsys.readouterr().out)
+    gib = 1 << 30
+    assert wide["dtype_bytes"] == 4
+    assert wide["policy"]["weights_frac"][0] * 24.8 * gib < 16 * gib
+    monkeypatch.setattr(policy.dtypes, "cpu_has_native_bf16", lambda: True)  # bfloat16
+    assert main(argv) == 0
+    half = json.loads(capsys.readouterr().out)
+    assert half["dtype_bytes"] == 2
+    assert half["policy"]["weights_frac"][0] > wide["policy"]["weights_frac"][0]
+    assert main([*argv, "--dtype", "float32"]) == 0  # as `nanoflex serve --dtype float32`
+    assert json.loads(capsys.readouterr().out)["dtype_bytes"] == 4

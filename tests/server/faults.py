@@ -10,6 +10,7 @@ the disk is "full".
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import subprocess
 import threading
@@ -33,6 +34,9 @@ FAIL_IN_TOKENIZER = "FAIL-IN-TOKENIZER"
 """A prompt containing this makes `FaultyEngine.encode` raise."""
 BLOCK = "BLOCK-IN-TOKENIZER"
 """A prompt containing this makes `BlockingEngine.encode` wait until released."""
+HOLD = "HOLD-FIRST-TOKEN"
+"""A prompt containing this makes `FaultyEngine.generate` wait for `FaultyEngine.release`
+before it starts (as a first token that takes a while when the engine is busy elsewhere)."""
 
 
 def like_demo(cls: type[CoreEngineClient]) -> Any:
@@ -44,7 +48,21 @@ def like_demo(cls: type[CoreEngineClient]) -> Any:
 
 
 class FaultyEngine(CoreEngineClient):
-    """Raises RuntimeError in `encode` or `generate` for marked prompts."""
+    """Raises RuntimeError in `encode` or `generate` for marked prompts, or holds `generate`
+    (`held` is set once it waits, `release` lets it go), or holds `start` (`may_start`)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.held = threading.Event()
+        self.release = threading.Event()
+        self.may_start = threading.Event()
+        """Cleared: `start` waits until it is set (the model loading for as long)."""
+        self.may_start.set()
+
+    async def start(self) -> None:
+        while not self.may_start.is_set():
+            await asyncio.sleep(0.01)
+        await super().start()
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if FAIL_IN_TOKENIZER in text:
@@ -60,8 +78,13 @@ class FaultyEngine(CoreEngineClient):
         *,
         stream: bool = True,
     ) -> AsyncGenerator[SequenceDelta, None]:
-        if FAIL_IN_ENGINE in self.decode(prompt_token_ids):
+        text = self.decode(prompt_token_ids)
+        if FAIL_IN_ENGINE in text:
             raise RuntimeError("injected engine failure")
+        if HOLD in text:
+            self.held.set()
+            while not self.release.is_set():
+                await asyncio.sleep(0.01)
         deltas = super().generate(request_id, prompt_token_ids, params, priority, stream=stream)
         async for output in deltas:
             yield output

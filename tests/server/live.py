@@ -30,7 +30,7 @@ from engine.runtime.engine_client import EngineClient
 from policy import Policy
 from server.cli import build_parser
 from server.http.app import create_app
-from server.http.serve import uvicorn_config
+from server.http.serve import bind_socket, uvicorn_config
 from server.http.settings import ServerSettings
 from server.http.state import AppState
 
@@ -92,11 +92,12 @@ def start_server(
     """uvicorn on a free loopback port; with `wait_ready`, returns once the engine, which
     loads in the background, is ready (and fails if it cannot start)."""
     app = create_app(settings, engine)
-    port = free_port()
+    sock = bind_socket("127.0.0.1", 0)  # the daemon's own listening socket, on a free port
+    port = int(sock.getsockname()[1])
     server = uvicorn.Server(uvicorn_config(app, settings, port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 300  # a loaded 2-core box takes minutes to start the first engine
     while not server.started:
         if time.monotonic() > deadline or not thread.is_alive():
             raise RuntimeError("uvicorn did not start")

@@ -10,7 +10,9 @@ import openai
 import pytest
 
 from tests.server.batch_files import URL, read_lines, request_line, upload, wait_batch
+from tests.server.faults import HOLD, FaultyEngine, like_demo
 from tests.server.live import MODEL, LiveServer, Reference, ServerFactory, engine_is_idle, wait_for
+from tests.server.test_errors import assert_error
 
 
 def test_files_api(live: LiveServer) -> None:
@@ -190,3 +192,24 @@ def test_online_requests_run_before_batch_work(make_server: ServerFactory) -> No
     counts = client.batches.retrieve(batch.id).request_counts
     assert counts is not None and counts.completed < 16, counts
     assert wait_batch(client, batch.id).status == "completed"
+
+
+def test_batches_at_once_and_stored_bytes_are_bounded(make_server: ServerFactory) -> None:
+    """Past `--max-batches` unfinished batches a new one is 429, past `--max-stored-bytes` an
+    upload is 507 with nothing stored; both in OpenAI's envelope, and both lift once work is
+    done or files deleted."""
+    engine = like_demo(FaultyEngine)
+    live = make_server(engine, max_batches=1, max_stored_bytes=8192)
+    client = live.openai()
+    held = upload(client, [request_line("held", f"{HOLD} runs until released")])
+    with live.http() as http:
+        too_big = {"file": ("big.jsonl", b"x" * 9000), "purpose": (None, "batch")}
+        assert_error(http.post("/v1/files", files=too_big), 507, "insufficient_storage")
+        assert [f.id for f in client.files.list().data] == [held]  # nothing stored
+        first = client.batches.create(input_file_id=held, endpoint=URL, completion_window="24h")
+        assert engine.held.wait(60)
+        body = {"input_file_id": held, "endpoint": URL, "completion_window": "24h"}
+        assert_error(http.post("/v1/batches", json=body), 429, "too_many_batches")
+        engine.release.set()
+        assert wait_batch(client, first.id).status == "completed"
+        assert http.post("/v1/batches", json=body).status_code == 200

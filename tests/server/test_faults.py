@@ -21,6 +21,7 @@ import pytest
 
 from server.batch.files import FileStorage
 from server.batch.store import Store
+from server.http.settings import ServerSettings
 from tests.server.batch_files import (
     URL,
     assert_accounted,
@@ -34,12 +35,13 @@ from tests.server.batch_files import (
 from tests.server.faults import (
     FAIL_IN_ENGINE,
     FAIL_IN_TOKENIZER,
+    HOLD,
     Disk,
     FaultyEngine,
     like_demo,
     small_disk,  # noqa: F401 (a fixture)
 )
-from tests.server.live import MODEL, Reference, ServerFactory, wait_for
+from tests.server.live import MODEL, Reference, ServerFactory, start_server, wait_for
 from tests.server.test_errors import assert_error
 
 NANOFLEX = Path(sys.executable).parent / "nanoflex"
@@ -173,6 +175,38 @@ def _data_dir_with_a_file(data_dir: Path) -> None:
         }
     )
     store.close()
+
+
+def test_an_engine_pause_ends_when_the_engine_is_ready(tmp_path: Path) -> None:
+    """A batch whose lines met an engine still loading (or restarting) says so in its `errors`
+    until the engine is ready, not until its first line finishes (20 s later, seen after a
+    restart)."""
+    engine = like_demo(FaultyEngine)
+    engine.may_start.clear()  # the model loads until the test says
+    live = start_server(ServerSettings(data_dir=tmp_path / "data"), engine, wait_ready=False)
+    try:
+        client = live.openai()
+        file_id = upload(client, [request_line("held", f"{HOLD} a line that runs long")])
+        batch = client.batches.create(input_file_id=file_id, endpoint=URL, completion_window="24h")
+
+        def paused_for_the_engine() -> bool:
+            errors = client.batches.retrieve(batch.id).errors
+            return errors is not None and any(
+                e.code == "engine_unavailable" for e in errors.data or []
+            )
+
+        wait_for(paused_for_the_engine)
+        engine.may_start.set()
+        wait_for(engine.is_ready, timeout_s=300)
+        wait_for(engine.held.is_set)  # its line runs now (held before its first token)
+        assert not paused_for_the_engine()
+        engine.release.set()
+        done = wait_batch(client, batch.id)
+        assert done.status == "completed" and done.request_counts.completed == 1
+    finally:
+        engine.may_start.set()
+        engine.release.set()
+        live.stop()
 
 
 def test_truncated_database_refuses_to_start(tmp_path: Path) -> None:

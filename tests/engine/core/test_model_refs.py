@@ -76,7 +76,7 @@ def test_a_hub_id_that_cannot_be_served_fails_once_without_retries(
 def test_default_dtype_is_bfloat16_only_for_half_checkpoints_on_bf16_cpus(monkeypatch) -> None:
     """As vLLM's CPU backend: a half checkpoint computes in bfloat16 where the CPU has
     bfloat16 dot products; a float32 checkpoint, or a CPU without them, stays float32."""
-    from engine.core import dtypes
+    from policy import dtypes  # the rule engine/core/dtypes.py re-exports
 
     monkeypatch.setattr(dtypes, "cpu_has_native_bf16", lambda: True)
     assert dtypes.default_dtype("cpu", "bfloat16") == "bfloat16"

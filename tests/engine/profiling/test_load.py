@@ -4,6 +4,8 @@ shares not believed, and a background re-measure replaces it once the machine is
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -170,3 +172,43 @@ def test_a_first_profile_under_load_is_marked_then_measured_again_when_quiet(
     assert spec.quick and spec.attempts >= 2 and "replaced" in log
     _, again = resolve_policy("auto", model, device="cpu")
     assert again is not None and "quiet" in again["hardware"]
+
+
+def test_the_background_re_measure_exits_with_the_process_that_started_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A daemon (here a Python process that plans from a profile taken under load, as the
+    daemon does at start) leaves no re-measure behind: once it is stopped (SIGTERM), the
+    re-measure it started, still waiting for a quiet machine, exits within 10 s."""
+    suite_profile = HardwareSpec.load(default_cache_path())
+    monkeypatch.setenv("NANOFLEX_CACHE", str(tmp_path))
+    loaded = dataclasses.replace(
+        suite_profile, spread={}, machine_load={"others_cores": 1.5, "steal_share": 0.0}
+    )
+    loaded.save(default_cache_path())
+    monkeypatch.setenv("NANOFLEX_BACKGROUND_PROFILE", "1")
+    monkeypatch.setenv("NANOFLEX_REQUIET_WINDOW_S", "3600")  # it waits: never done by itself
+    plans = "from engine.core.planning import hardware_profile as h; h('cpu'); input()"
+    starter = subprocess.Popen([sys.executable, "-c", plans], stdin=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 60
+        spawned: list[psutil.Process] = []
+        while not spawned and time.monotonic() < deadline:
+            time.sleep(0.1)
+            spawned = [
+                p
+                for p in psutil.process_iter(["cmdline"])
+                if "engine.profiling.requiet" in " ".join(p.info["cmdline"] or [])
+                and str(tmp_path) in " ".join(p.info["cmdline"] or [])
+            ]
+        assert spawned, "no background re-measure started"
+        time.sleep(1.0)  # it runs, waiting for quiet
+        assert all(p.is_running() for p in spawned)
+    finally:
+        starter.terminate()
+        starter.wait(timeout=30)
+    _, alive = psutil.wait_procs(spawned, timeout=10)
+    for p in alive:
+        p.kill()
+    assert not alive, "the re-measure outlived the process that started it"
+    assert "is gone: stopping" in (tmp_path / "requiet.log").read_text()
