@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from engine.core.dtypes import checkpoint_dtype
-from engine.core.engine_args import RESIDENT_STEP_TOKENS, EngineArgs
+from engine.core.engine_args import EngineArgs
 from engine.core.kv_pages import PageManager
 from engine.core.offload_dir import OffloadDirError, OffloadDirLock, lock_offload_dir
 from engine.core.planning import cached_hardware, model_spec
@@ -71,6 +71,7 @@ from engine.storage.weight_store import WeightStore
 from policy import TIERS, Policy
 from policy.moe import cpu_expert_break_even
 from policy.prefix import PAGE_TOKENS
+from policy.steps import RESIDENT_STEP_TOKENS
 from policy.units import format_bytes
 
 
