@@ -138,7 +138,10 @@ def counting_steps(
     yield counter, kinds, copies
 
 
-@pytest.mark.parametrize("placement", list(RESIDENT))
+@pytest.mark.parametrize(
+    "placement",
+    [pytest.param(n, marks=pytest.mark.slow) if n != "one-gpu-batch" else n for n in RESIDENT],
+)
 def test_a_resident_step_reads_the_device_once_and_copies_its_inputs_once(
     tiny_model: Callable[[str], Path],
     tmp_path: Path,
