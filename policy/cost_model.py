@@ -23,6 +23,7 @@ from policy.nano_batching import dense_seconds, overlapped_compute
 from policy.policy import Policy
 from policy.specs import ModelSpec, WorkloadSpec, compressed_bytes_per_element
 from policy.state_cost import StateTerms, state_terms
+from policy.steps import prefill_steps
 
 TASKS: tuple[str, ...] = ("ctog", "gtoc", "dtoc", "ctod", "compute")
 """Overlapped tasks per layer: the four copy directions and compute (gpu + cpu)."""
@@ -191,9 +192,14 @@ def build_terms(
         "dtoc": (Affine.of(wd=layer_bytes, hd=act_pre) + moe_pre.dtoc) * (1 / hardware.dtoc_bw),
         "ctod": Affine.of(cd=kv_pre, hd=act_pre) * (1 / hardware.ctod_bw),
     }
+    # A step's fixed cost (launches, the host's work per layer and per step: the profile's
+    # layer_overhead_s) is paid once per layer by every step: dense_pre charges it once per
+    # GPU batch, and resident weights run the block's prompts in many chunked steps.
+    num_steps = prefill_steps(choice, s)
+    step_fixed = max(0, num_steps - num_batches) * hardware.layer_overhead_s
     # Nothing overlaps these; the routed experts run once per block, not cut in nano-batches.
     serial_pre = (
-        Affine.of(dequant_weights + quant_kv_pre + states.prefill_seconds)
+        Affine.of(dequant_weights + quant_kv_pre + states.prefill_seconds + step_fixed)
         + states.host_seconds
         + moe_pre.gpu
     )

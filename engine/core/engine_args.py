@@ -29,13 +29,12 @@ from policy.catalog import resolve_model_spec
 from policy.dtypes import DTYPES
 from policy.errors import ModelSpecError
 from policy.specs import WorkloadSpec
+from policy.steps import RESIDENT_STEP_TOKENS
 from policy.units import parse_bytes
 
-RESIDENT_STEP_TOKENS = 2048
 ENGINE_NICE = 10
 """The engine process's nice increment when it computes on the CPU (`engine_nice`):
 docs/benchmarks.md measures it against 0."""
-"""Default step budget when the weights stay on the compute device (chunked prefill)."""
 
 
 def cli(

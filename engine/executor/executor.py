@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from engine.core.dtypes import checkpoint_dtype
-from engine.core.engine_args import RESIDENT_STEP_TOKENS, EngineArgs
+from engine.core.engine_args import EngineArgs
 from engine.core.kv_pages import PageManager
 from engine.core.offload_dir import OffloadDirError, OffloadDirLock, lock_offload_dir
 from engine.core.planning import cached_hardware, model_spec
@@ -51,6 +51,7 @@ from engine.executor.nano_batches import NanoBatcher
 from engine.executor.nano_overlap import NanoOverlap
 from engine.executor.pipeline import BlockPipeline
 from engine.executor.sampler import top_logprobs
+from engine.executor.step_inputs import StepInputs
 from engine.executor.step_sampler import StepSampler
 from engine.executor.trace import NoTracer, Tracer
 from engine.kernels import attention_kernels, fused_dense_ops, token_mask
@@ -70,6 +71,7 @@ from engine.storage.weight_store import WeightStore
 from policy import TIERS, Policy
 from policy.moe import cpu_expert_break_even
 from policy.prefix import PAGE_TOKENS
+from policy.steps import RESIDENT_STEP_TOKENS
 from policy.units import format_bytes
 
 
@@ -263,6 +265,9 @@ class Executor:
             group_experts=group_experts,
             states=self.states,
         )
+        self.inputs = StepInputs(self.device.device, pinned=self.device.is_cuda)
+        """The step's index inputs and sampling settings, staged on the host and copied to
+        the device at once (engine/executor/step_inputs.py)."""
         self.sampler = StepSampler(
             self.model_dir,
             self.config.vocab_size,
@@ -270,6 +275,7 @@ class Executor:
             # beside a GPU's forward pass the cores are free; on a CPU it needs them
             grammar_threads=min(8, max(1, (os.cpu_count() or 2) - 1)) if self.device.is_cuda else 1,
             overlap_masks=self.device.is_cuda,
+            inputs=self.inputs,
         )
         self._closed = False
         self._seqs: dict[int, SeqState] = {}
@@ -281,6 +287,7 @@ class Executor:
             pool_device=self.kv.pool_device,
             positions=lambda ids: self.model.positions(ids, self.dtype),
             paged_attention=paged_attention and not policy.compress_kv,
+            inputs=self.inputs,
         )
         self._nano_batcher = (
             NanoBatcher(policy.num_nano_batches, self._builder)
@@ -501,23 +508,24 @@ class Executor:
             by_batch.setdefault(chunk.gpu_batch, []).append(chunk)
         padding = max(0, plan.dense_size - plan.num_tokens)  # to the step's discrete size
         last = max(by_batch)
-        batches = []
-        for k, chunks in sorted(by_batch.items()):
-            members = [(c, self._seqs[c.seq_id]) for c in chunks]
-            batch = self._builder.build(k, members, padding if k == last else 0)
-            if self._nano_batcher is not None:
-                batch.nano_batches = self._nano_batcher.split(batch, members)
-            batches.append(batch)
-        self.kv.reserve_pages([m.dst for m in plan.page_moves])
-        moved_to_disk = [m.dst[1] for m in plan.page_moves if m.dst[0] == "disk"]
-        self.kv.disk_pool.begin_pages(moved_to_disk)
-        self.disk_cache.forget(moved_to_disk + self._disk_pages_written(plan))  # new contents
+        self.inputs.begin_step()
         to_sample = [c for _, cs in sorted(by_batch.items()) for c in cs if c.do_sample]
-        self.sampler.prepare(  # grammar masks start now, while the layers run
+        self.sampler.prepare(  # stages the draws; grammar masks start now, while layers run
             to_sample,
             [self._seqs[c.seq_id].sampling for c in to_sample],
             [not self._seqs[c.seq_id].has_sampled for c in to_sample],
         )
+        members = {k: [(c, self._seqs[c.seq_id]) for c in cs] for k, cs in by_batch.items()}
+        batches = self._builder.build_step(  # stages the batches, copies all in one go
+            [(k, members[k], padding if k == last else 0) for k in sorted(by_batch)]
+        )
+        if self._nano_batcher is not None:
+            for batch in batches:
+                batch.nano_batches = self._nano_batcher.split(batch, members[batch.index])
+        self.kv.reserve_pages([m.dst for m in plan.page_moves])
+        moved_to_disk = [m.dst[1] for m in plan.page_moves if m.dst[0] == "disk"]
+        self.kv.disk_pool.begin_pages(moved_to_disk)
+        self.disk_cache.forget(moved_to_disk + self._disk_pages_written(plan))  # new contents
         logits = self.pipeline.run(batches, plan.page_moves)
         for c in plan.chunks:  # a hybrid's state at the end of a shared prefix, kept
             if c.state_save is not None:
@@ -554,7 +562,8 @@ class Executor:
         )
         by_seq = {c.seq_id: i for i, c in enumerate(sampled)}
         order = [by_seq[c.seq_id] for c in plan.chunks if c.do_sample]
-        self.device.synchronize()
+        if self._copies_off_device(plan):  # their stores run on other streams: fence them
+            self.device.synchronize()
         return StepResult(
             plan.step_id,
             [sampled[i].seq_id for i in order],
@@ -564,6 +573,20 @@ class Executor:
             bytes_per_tier=self.bytes_per_tier(),
             errors=errors,
         )
+
+    def _copies_off_device(self, plan: StepPlan) -> bool:
+        """The step copied to or from another tier than the gpu tier's (weights, KV, states
+        or activations homed there, or pages moved): a resident step's only read of the
+        device is its sampled tokens, which already waits for everything it queued."""
+        policy = self.policy
+        resident = (
+            not self.weights.uses_tier("cpu")
+            and not self.weights.uses_tier("disk")
+            and policy.kv_frac[0] == 1.0
+            and policy.act_frac[0] == 1.0
+            and self.states is None
+        )
+        return not resident or bool(plan.page_moves)
 
     def _disk_pages_written(self, plan: StepPlan) -> list[int]:
         """Disk pages the plan's chunks write new KV into."""

@@ -14,7 +14,8 @@ import torch
 from engine.core.prefix_cache import PageRef
 from engine.core.protocol import SeqChunk, TokenLogprobs
 from engine.core.sampling_params import SamplingParams
-from engine.executor.attention import RaggedLayout, padded_table
+from engine.executor.attention import RaggedLayout
+from engine.executor.step_inputs import Staged, StepInputs
 from engine.models.base import Positions
 from engine.models.config import shared_window
 from engine.storage.kv_store import KVRows
@@ -187,15 +188,10 @@ def add_slots(
         t, row = t + n, row + n
 
 
-def slot_table(
-    page_tables: list[list[int]], page_tokens: int, device: torch.device
-) -> torch.Tensor:
-    """(B, W) the pool slot of each token position of B sequences with these page tables
-    (W: the longest table's tokens; a shorter sequence's tail repeats its last page's slots,
-    never read)."""
-    pages = padded_table(page_tables, device)
-    offsets = torch.arange(page_tokens, device=device)
-    return (pages[:, :, None] * page_tokens + offsets).view(len(page_tables), -1)
+def page_slots(pages: torch.Tensor, page_tokens: int) -> torch.Tensor:
+    """(B, W) pool slots of (B, W / page_tokens) padded page tables (`slot_table`)."""
+    offsets = torch.arange(page_tokens, device=pages.device)
+    return (pages[:, :, None] * page_tokens + offsets).view(pages.shape[0], -1)
 
 
 class BatchBuilder:
@@ -212,6 +208,7 @@ class BatchBuilder:
         pool_device: Callable[[str], torch.device],
         positions: Callable[[torch.Tensor], Positions] = Positions,
         paged_attention: bool = False,
+        inputs: StepInputs | None = None,
     ) -> None:
         self.device, self.page_tokens = device, page_tokens
         self.cpu_attention = cpu_attention
@@ -226,14 +223,36 @@ class BatchBuilder:
         self.paged_attention = paged_attention
         """The device group reads its KV in place from the gpu tier's pool when all of it is
         there (`engine.executor.attention.paged_attention`); False: always packed."""
+        self.inputs = inputs or StepInputs(device, pinned=device.type == "cuda")
+        """The step's index inputs, staged and copied at once (engine/executor/step_inputs.py);
+        the sampler may have staged its draws into it first."""
 
     def build(
         self, index: int, chunks: list[tuple[SeqChunk, SeqState]], num_padding: int = 0
     ) -> GpuBatch:
-        """Flatten the chunks of one GPU batch into token rows and precompute, once for every
+        """One GPU batch (`build_step` of one)."""
+        self.inputs.begin_step()
+        return self.build_step([(index, chunks, num_padding)])[0]
+
+    def build_step(
+        self, specs: list[tuple[int, list[tuple[SeqChunk, SeqState]], int]]
+    ) -> list[GpuBatch]:
+        """The step's GPU batches, each from (index, its chunks, its padding rows): every
+        index list of every batch staged in host memory first, then moved to the device in
+        one copy (`StepInputs`), then the batches made from views of it. The caller has
+        begun the step (`StepInputs.begin_step`)."""
+        makers = [self._stage(*spec) for spec in specs]
+        self.inputs.flush()
+        return [make() for make in makers]
+
+    def _stage(
+        self, index: int, chunks: list[tuple[SeqChunk, SeqState]], num_padding: int
+    ) -> Callable[[], GpuBatch]:
+        """Flatten the chunks of one GPU batch into token rows and stage, once for every
         layer of the step, where each row's KV and activations live and where its attention
         runs. `num_padding` rows follow the chunks' rows (discrete batching): they go through
-        the dense ops only (no attention, no KV, no logits) and stay on the compute device."""
+        the dense ops only (no attention, no KV, no logits) and stay on the compute device.
+        Returns what makes the `GpuBatch` once the staged lists are on the device."""
         token_ids: list[int] = []
         positions: list[int] = []
         logit_rows: list[int] = []
@@ -270,33 +289,44 @@ class BatchBuilder:
             positions.extend([0] * num_padding)
             act_rows.setdefault("gpu", []).extend(range(row, row + num_padding))
         num_rows = row + num_padding
-        return GpuBatch(
-            index=index,
-            token_ids=self._index(token_ids),
-            positions=self.positions(self._index(positions)),
-            logit_rows=self._index(logit_rows),
-            logit_counts=logit_counts,
-            device_group=self._group(members[False], num_rows, self.device),
-            cpu_group=self._group(members[True], num_rows, torch.device("cpu")),
-            new_kv={tier: self._kv_rows(tier, *slots_rows) for tier, slots_rows in new_kv.items()},
-            act_rows={}
-            if set(act_rows) == {"gpu"}
-            else {tier: self._index(rows) for tier, rows in act_rows.items()},
-            num_padding=num_padding,
-            states=StateRows(
-                spans,
-                {
-                    tier: (
-                        torch.tensor(slots, dtype=torch.long, device=self.pool_device(tier)),
-                        self._index(order),
-                    )
-                    for tier, (slots, order) in state_slots.items()
-                },
-                {tier: slot_runs(slots, order) for tier, (slots, order) in state_slots.items()},
-            )
-            if spans
-            else None,
+        stage = self._stage_index
+        staged_ids, staged_positions, staged_logits = (
+            stage(token_ids),
+            stage(positions),
+            stage(logit_rows),
         )
+        kv = {tier: self._stage_kv_rows(tier, *slots_rows) for tier, slots_rows in new_kv.items()}
+        acts = {} if set(act_rows) == {"gpu"} else {t: stage(r) for t, r in act_rows.items()}
+        states = {
+            tier: (self._stage_pool_index(tier, slots), stage(order))
+            for tier, (slots, order) in state_slots.items()
+        }
+        device_group = self._stage_group(members[False], num_rows, self.device)
+        cpu_group = self._stage_group(members[True], num_rows, torch.device("cpu"))
+        tensor = self.inputs.tensor
+
+        def make() -> GpuBatch:
+            return GpuBatch(
+                index=index,
+                token_ids=tensor(staged_ids),
+                positions=self.positions(tensor(staged_positions)),
+                logit_rows=tensor(staged_logits),
+                logit_counts=logit_counts,
+                device_group=device_group(),
+                cpu_group=cpu_group(),
+                new_kv={tier: make_rows() for tier, make_rows in kv.items()},
+                act_rows={tier: tensor(rows) for tier, rows in acts.items()},
+                num_padding=num_padding,
+                states=StateRows(
+                    spans,
+                    {tier: (slots(), tensor(order)) for tier, (slots, order) in states.items()},
+                    {tier: slot_runs(*slots_order) for tier, slots_order in state_slots.items()},
+                )
+                if spans
+                else None,
+            )
+
+        return make
 
     def past_start(self, chunk: SeqChunk) -> int:
         """The first past token the chunk's attention can see: the first the shared window
@@ -327,13 +357,15 @@ class BatchBuilder:
         memory) runs on the CPU; only q and the new k, v cross PCIe."""
         return self.cpu_attention and state.kv_tier != "gpu" and len(chunk.token_ids) == 1
 
-    def _group(
+    def _stage_group(
         self, members: list[tuple[SeqChunk, SeqState, int]], num_rows: int, where: torch.device
-    ) -> AttentionGroup | None:
-        """The attention inputs of sequences attending on `where`: their rows, the padding
-        layout, and per tier the slots of their past tokens packed in sequence order."""
+    ) -> Callable[[], AttentionGroup | None]:
+        """Stage the attention inputs of sequences attending on `where`: their rows, and
+        their page tables when they read the gpu tier in place; returns what makes the
+        group (the padding layout, and per tier the slots of their past tokens packed in
+        sequence order, built on first use) once they are on the device."""
         if not members:
-            return None
+            return lambda: None
         q_lens = [len(c.token_ids) for c, _, _ in members]
         past_lens = [self.past_len(c) for c, _, _ in members]
 
@@ -346,24 +378,33 @@ class BatchBuilder:
                 packed += c.start_pos - first
             return {tier: self._kv_rows(tier, *slots_dest) for tier, slots_dest in past.items()}
 
-        rows = None
+        rows: Staged | None = None
         if sum(q_lens) != num_rows:
-            rows = self._index(
+            rows = self._stage_index(
                 [r for c, _, start in members for r in range(start, start + len(c.token_ids))]
             )
-        seq_slots = None
+        tables = None
         if self.paged_attention and where == self.device:
-            seq_slots = self._gpu_slots(members)
-        return AttentionGroup(
-            rows=rows,
-            layouts=self.layouts(q_lens, past_lens, where, seq_slots),
-            build_past=build_past,
-        )
+            tables = self._stage_gpu_pages(members)
 
-    def _gpu_slots(self, members: list[tuple[SeqChunk, SeqState, int]]) -> torch.Tensor | None:
-        """(B, W) per sequence, the gpu tier's pool slots of all the tokens it attends over
-        (past from `past_start`, and new), from its page table, page by page; None when any
-        of them lives on another tier."""
+        def make() -> AttentionGroup:
+            return AttentionGroup(
+                rows=None if rows is None else self.inputs.tensor(rows),
+                layouts=self.layouts(
+                    q_lens, past_lens, where, None if tables is None else tables()
+                ),
+                build_past=build_past,
+            )
+
+        return make
+
+    def _stage_gpu_pages(
+        self, members: list[tuple[SeqChunk, SeqState, int]]
+    ) -> Callable[[], torch.Tensor] | None:
+        """Stage, per sequence, the gpu tier's pages of all the tokens it attends over (past
+        from `past_start`, and new) and where in its first page they start; returns what
+        makes the (B, W) table of their pool slots from them on the device (`slot_table`).
+        None when any of those pages lives on another tier."""
         size = self.page_tokens
         tables, offsets = [], []
         for c, state, _ in members:
@@ -373,23 +414,48 @@ class BatchBuilder:
                 return None
             tables.append([page for _, page in pages])
             offsets.append(first % size)
-        table = slot_table(tables, size, self.device)
-        if not any(offsets):
-            return table
-        # row b's tokens start offsets[b] slots into its first page (columns past its
-        # length are never read)
-        width = table.shape[1]
-        shift = torch.tensor(offsets, device=self.device)[:, None]
-        columns = (torch.arange(width, device=self.device)[None, :] + shift).clamp(max=width - 1)
-        return table.gather(1, columns)
+        width = max(map(len, tables))
+        padded = [p for table in tables for p in table + table[-1:] * (width - len(table))]
+        staged_pages = self._stage_index(padded)
+        staged_offsets = self._stage_index(offsets) if any(offsets) else None
+
+        def make() -> torch.Tensor:
+            pages = self.inputs.tensor(staged_pages).view(len(tables), width)
+            table = page_slots(pages, size)
+            if staged_offsets is None:
+                return table
+            # row b's tokens start offsets[b] slots into its first page (columns past its
+            # length are never read)
+            columns = table.shape[1]
+            shift = self.inputs.tensor(staged_offsets)[:, None]
+            at = (torch.arange(columns, device=self.device)[None, :] + shift).clamp(max=columns - 1)
+            return table.gather(1, at)
+
+        return make
+
+    def _stage_index(self, values: list[int]) -> Staged:
+        return self.inputs.stage(values, torch.long)
+
+    def _stage_pool_index(self, tier: str, values: list[int]) -> Callable[[], torch.Tensor]:
+        """Stage indices into a tier's pool: read on the compute device, or in host memory
+        for a pool that lives there."""
+        staged = self._stage_index(values)
+        if self.pool_device(tier) == self.device:
+            return lambda: self.inputs.tensor(staged)
+        return lambda: self.inputs.host(staged)
+
+    def _stage_kv_rows(self, tier: str, slots: list[int], rows: list[int]) -> Callable[[], KVRows]:
+        slot_index = None if tier == "disk" else self._stage_pool_index(tier, slots)
+        staged_rows = self._stage_index(rows)
+        return lambda: KVRows(
+            slots, None if slot_index is None else slot_index(), self.inputs.tensor(staged_rows)
+        )
 
     def _kv_rows(self, tier: str, slots: list[int], rows: list[int]) -> KVRows:
+        """KV rows made on first use inside the step (a packed past): their own copies."""
         slot_index = (
             None
             if tier == "disk"
             else torch.tensor(slots, dtype=torch.long, device=self.pool_device(tier))
         )
-        return KVRows(slots, slot_index, self._index(rows))
-
-    def _index(self, values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long, device=self.device)
+        return KVRows(slots, slot_index, torch.tensor(rows, dtype=torch.long, device=self.device))

@@ -15,6 +15,7 @@ from engine.core.sampling_params import SamplingParams
 from engine.executor.grammar import GrammarBank, GrammarError
 from engine.executor.logits import LogitsProcessor, Masks, RowTokens
 from engine.executor.sampler import Sampler
+from engine.executor.step_inputs import StepInputs
 from engine.executor.tasks import wait_all
 from engine.kernels import TokenMask
 
@@ -29,7 +30,9 @@ class StepSampler:
     (they depend only on the tokens sampled before), so that on a GPU they cost the step
     nothing; `sample` waits for them. `overlap_masks` False: `sample` computes them itself,
     after the layers (on a CPU the worker would take a core from the forward pass's
-    threads, which then wait for each other). `grammar_threads`: llguidance's threads."""
+    threads, which then wait for each other). `grammar_threads`: llguidance's threads.
+    `inputs`: the step's inputs, which `prepare` stages the draws into before the batches'
+    copy (engine/executor/step_inputs.py); None: `sample` copies them itself."""
 
     def __init__(
         self,
@@ -38,6 +41,7 @@ class StepSampler:
         token_mask: TokenMask | None,
         grammar_threads: int = 1,
         overlap_masks: bool = True,
+        inputs: StepInputs | None = None,
     ) -> None:
         eos = eos_token_ids(model_dir)
         tokenizer = model_dir / "tokenizer.json"
@@ -47,7 +51,9 @@ class StepSampler:
             else None
         )
         self.logits = LogitsProcessor(vocab_size, eos, self.grammars, token_mask)
-        self.sampler = Sampler()
+        self.sampler = Sampler(inputs=inputs)
+        self.vocab_size = vocab_size
+        self._uses_inputs = inputs is not None
         self._tokens: dict[int, list[int]] = {}
         """Sequence id -> every token it has fed, for those whose settings read them."""
         self.overlap_masks = overlap_masks
@@ -97,9 +103,16 @@ class StepSampler:
         ]
         num_sampled = [c.num_sampled for c in chunks]
         constrained = any(row.params.structured is not None for row in rows)
+        if rows and self.uses_inputs:
+            self.sampler.prepare(params, num_sampled, self.vocab_size)
         self._pending = (rows, num_sampled, replays, constrained)
         if constrained and self.overlap_masks:
             self._masks_ahead = self._worker.submit(self._masks, rows, replays)
+
+    @property
+    def uses_inputs(self) -> bool:
+        """`prepare` stages the draws into the step's inputs (the caller copies them)."""
+        return self._uses_inputs
 
     def _masks(self, rows: list[RowTokens], replays: list[RowTokens]) -> Masks:
         start = time.perf_counter()
@@ -139,7 +152,7 @@ class StepSampler:
             logits,
             [row.params for row in rows],
             num_sampled,
-            lambda x: self.logits.apply(x, rows, masks),
+            lambda x: self.logits.apply(x, rows, masks, check_empty=False),
         )
         failed = {rows[r].seq_id: message for r, message in errors.items()}
         ok = [r for r in range(len(rows)) if rows[r].seq_id not in failed]
@@ -151,6 +164,7 @@ class StepSampler:
     def discard(self) -> None:
         """The prepared step will not be sampled (it failed): wait for its masks, drop them."""
         ahead, self._pending, self._masks_ahead = self._masks_ahead, None, None
+        self.sampler.discard()
         if ahead is not None:
             ahead.cancel()  # still queued: it never runs
             wait_all([ahead])

@@ -9,7 +9,8 @@ import torch
 
 from engine import LLM, SamplingError, SamplingParams
 from engine.core.model_files import DEMO_MODEL
-from engine.executor.sampler import Sampler, draw
+from engine.executor.draws import draw_rows
+from engine.executor.sampler import Sampler
 from policy import Policy
 from policy.errors import UserError
 
@@ -108,15 +109,15 @@ def test_bad_input_is_a_clear_error(llm, tmp_path):
 
 def test_draw_follows_the_distribution_and_never_takes_an_impossible_token() -> None:
     """The inverse-CDF draw: each token as often as its probability (within 4 standard
-    deviations over 20,000 draws), never one of probability 0, also where u is at the ends."""
+    deviations over 20,000 draws, all drawn as the rows of one batch), never one of
+    probability 0, also where u is at the ends."""
     probs = torch.tensor([0.1, 0.0, 0.6, 0.0, 0.3, 0.0])
-    generator = torch.Generator().manual_seed(0)
-    counts = torch.zeros(6)
     num = 20_000
-    for _ in range(num):
-        counts[draw(probs, float(torch.rand((), generator=generator)))] += 1
+    u = torch.rand(num, generator=torch.Generator().manual_seed(0))
+    counts = torch.bincount(draw_rows(probs.expand(num, -1), u), minlength=6)
     assert counts[1] == counts[3] == counts[5] == 0
     for i in (0, 2, 4):
         p = float(probs[i])
         assert abs(counts[i] / num - p) < 4 * (p * (1 - p) / num) ** 0.5
-    assert draw(probs, 0.0) == 0 and draw(probs, 1.0 - 1e-9) == 4
+    ends = draw_rows(probs.expand(2, -1), torch.tensor([0.0, 1.0 - 1e-9]))
+    assert ends.tolist() == [0, 4]
