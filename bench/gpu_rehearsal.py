@@ -54,6 +54,13 @@ def plan(args: argparse.Namespace, gpu_mem: int, cpu_mem: int) -> tuple[Policy, 
     return policy, planned
 
 
+def _shown(path: Path) -> str:
+    """`path`, relative to the repository where it lies inside it."""
+    repo = H200.parents[2]
+    resolved = path.resolve()
+    return str(resolved.relative_to(repo)) if resolved.is_relative_to(repo) else str(path)
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from engine.loading.generated import local_model_dir
     from engine.rehearsal import rehearse
@@ -92,7 +99,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "kv_capacity_pages": found.kv_capacity_pages,
         "error": found.error,
         "policy": policy.to_dict(),
-        "hardware": str(args.hardware),
+        "hardware": _shown(args.hardware),
         "seconds": round(found.seconds, 1),
     }
 

@@ -2,7 +2,7 @@
 
 The engine is built and run as on a CUDA device (`device="cuda"`: the budgets, weight homes
 and slots, KV pools, stores, staging, graphs and sampler a GPU gets), under `fake_cuda`
-(engine/storage/fake_cuda.py): tensors hold no data, so OPT-30B's weights cost nothing here,
+(engine/fake_cuda.py): tensors hold no data, so OPT-30B's weights cost nothing here,
 and `DeviceLedger` counts what would live on the device. The workload is the plan's: a block
 of `prompt_len`-token prompts generating `gen_len` tokens each, through the real scheduler.
 The record says whether the peak stayed within the cap and where it happened (step, task,
@@ -38,6 +38,8 @@ class Rehearsal:
     """Per step: its name and the most bytes alive during it."""
     kv_capacity_pages: dict[str, int | None]
     """The KV pages the engine gave each tier after its reserves."""
+    label_peaks: dict[str, int]
+    """The most bytes alive at once by what made them (weights, kv pool, load_cache...)."""
     seconds: float
     error: str | None = None
     """The engine's own refusal (a budget error), if it refused to run."""
@@ -123,9 +125,9 @@ def rehearse(
     import warnings
 
     from engine.executor.budgets import MemoryBudgetError
+    from engine.fake_cuda import fake_cuda
     from engine.loading.dummy import is_dummy
     from engine.loading.generated import local_model_dir
-    from engine.storage.fake_cuda import fake_cuda
     from policy.specs import WorkloadSpec
 
     if not is_dummy(model_dir):
@@ -191,6 +193,7 @@ def rehearse(
         peak=ledger.to_dict(),
         steps=steps,
         kv_capacity_pages=capacity,
+        label_peaks=dict(ledger.label_peaks),
         seconds=time.perf_counter() - start,
         error=error,
     )

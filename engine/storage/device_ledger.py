@@ -1,5 +1,5 @@
 """`DeviceLedger`: every byte a CUDA device would hold, counted as the engine allocates and
-frees it (the rehearsal's memory: engine/storage/fake_cuda.py).
+frees it (the rehearsal's memory: engine/fake_cuda.py).
 
 A buffer is counted from the operator that makes it until its last tensor is gone, as torch's
 caching allocator does, with one refinement that matters for an offloaded step: a buffer a
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -64,6 +64,10 @@ class DeviceLedger:
     _by_label: dict[str, int] = field(default_factory=dict)
     _clock: int = 0
     _completed: int = 0
+    label_peaks: dict[str, int] = field(default_factory=dict)
+    """The most bytes alive at once by what made them, over the whole run."""
+    on_complete: list[Callable[[int], None]] = field(default_factory=list)
+    """Called with the clock the host has seen the device reach (after `complete`)."""
     _lock: threading.RLock = field(default_factory=threading.RLock)
     _local: threading.local = field(default_factory=threading.local)
 
@@ -109,6 +113,7 @@ class DeviceLedger:
     def _add(self, label: str, nbytes: int) -> None:
         self.live_bytes += nbytes
         self._by_label[label] = self._by_label.get(label, 0) + nbytes
+        self.label_peaks[label] = max(self.label_peaks.get(label, 0), self._by_label[label])
         self.step_peak = max(self.step_peak, self.live_bytes)
         if self.live_bytes > self.peak.nbytes:
             task, layer, gpu_batch = self._where()
@@ -170,6 +175,9 @@ class DeviceLedger:
                 else:
                     kept.append(buffer)
             self._deferred = kept
+            completed = self._completed
+        for hook in self.on_complete:
+            hook(completed)
 
     def to_dict(self) -> dict[str, Any]:
         p = self.peak

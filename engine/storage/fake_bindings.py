@@ -1,6 +1,6 @@
 """Tensor methods whose Python bindings take a CUDA device guard, which a CPU build of torch
 refuses even for fake tensors: the same operations through the dispatcher, for the rehearsal
-of the CUDA path (engine/storage/fake_cuda.py). Host tensors keep torch's own methods."""
+of the CUDA path (engine/fake_cuda.py). Host tensors keep torch's own methods."""
 
 from __future__ import annotations
 
@@ -131,6 +131,19 @@ def indexing(
             target.fill_(value)
 
     return getitem, setitem
+
+
+def fused_attention(sdpa: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """`scaled_dot_product_attention` as CUDA runs it for half types: a fused kernel (flash
+    or memory-efficient, masks included) that allocates its output alone; the fake's
+    decomposition would allocate the (B, nh, Q, L) scores, which no GPU run does."""
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: Any, **kwargs: Any):
+        if q.device.type != "cuda":
+            return sdpa(q, k, v, *args, **kwargs)
+        return torch.empty((*q.shape[:-1], v.shape[-1]), dtype=q.dtype, device=q.device)
+
+    return attend
 
 
 def methods() -> dict[str, Any]:

@@ -1,31 +1,50 @@
 """The engine's worker pools run in the submitting thread, for the rehearsal of the CUDA path
-(engine/storage/fake_cuda.py: fake tensors are not safe across threads)."""
+(engine/fake_cuda.py: fake tensors are not safe across threads)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, ClassVar
+
+CLOCK: list[Callable[[], int]] = [lambda: 0]
+"""The device ledger's clock (engine/storage/device_ledger.py), set by the rehearsal."""
 
 
 class LazyFuture(Future[Any]):
-    """A store handed to a store thread, run only when someone waits for it: the store
-    threads as slow as they can be, so what a queued store keeps alive on the device is
-    held for as long as it could be."""
+    """A store handed to a store thread, run when someone waits for it or once the host has
+    seen the device get past the moment it was handed over (`release`): a store thread
+    waits for the device, so what a queued store keeps alive on the device is held for as
+    long as the device lags the host."""
+
+    pending: ClassVar[list[LazyFuture]] = []
+    """Not yet run, oldest first."""
 
     def __init__(
         self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> None:
         super().__init__()
+        self.clock = CLOCK[0]()
+        LazyFuture.pending.append(self)
         self._call: tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]] | None = (
             fn,
             args,
             kwargs,
         )
 
+    @classmethod
+    def release(cls, clock: int) -> None:
+        """Run the stores handed over before the device reached `clock`."""
+        ready = [f for f in cls.pending if f.clock <= clock]
+        cls.pending = [f for f in cls.pending if f.clock > clock]
+        for future in ready:
+            future.run_now()
+
     def run_now(self) -> None:
         if self._call is None:
             return
+        if self in LazyFuture.pending:
+            LazyFuture.pending.remove(self)
         fn, args, kwargs = self._call
         self._call = None
         try:

@@ -27,7 +27,7 @@ def size_class(nbytes: int) -> int:
 
 def buffer_key(t: torch.Tensor) -> int:
     """The buffer a tensor `take` handed out lies in (its address; the rehearsal's tensors,
-    which have none, are told apart another way: engine/storage/fake_cuda.py)."""
+    which have none, are told apart another way: engine/fake_cuda.py)."""
     return t.data_ptr()
 
 

@@ -278,7 +278,7 @@ def fake_cuda(ledger: DeviceLedger, device_bytes: int, host_bytes: int) -> Itera
     no data and every device byte in `ledger`."""
     import psutil
 
-    from engine.executor import nano_overlap, tasks
+    from engine.executor import attention, nano_overlap, tasks
     from engine.kernels.triton_launch import Kernel
     from engine.storage import fake_bindings, inline_tasks, staging
 
@@ -314,9 +314,16 @@ def fake_cuda(ledger: DeviceLedger, device_bytes: int, host_bytes: int) -> Itera
             stack.enter_context(mock.patch.object(cuda, name, value))
         stack.enter_context(mock.patch.object(nano_overlap, "Event", FakeEvent))
         stack.enter_context(mock.patch.object(ThreadPoolExecutor, "submit", inline_tasks.submit))
+        stack.enter_context(mock.patch.object(inline_tasks, "CLOCK", [ledger.now]))
+        stack.enter_context(mock.patch.object(inline_tasks.LazyFuture, "pending", []))
+        stack.enter_context(
+            mock.patch.object(ledger, "on_complete", [inline_tasks.LazyFuture.release])
+        )
         stack.enter_context(mock.patch.object(tasks, "wait", inline_tasks.waiting(tasks.wait)))
         stack.enter_context(mock.patch.object(staging, "buffer_key", storage_key))
         stack.enter_context(mock.patch.object(Kernel, "launch", lambda *a, **k: None))
+        sdpa = fake_bindings.fused_attention(attention.scaled_dot_product_attention)
+        stack.enter_context(mock.patch.object(attention, "scaled_dot_product_attention", sdpa))
         stack.enter_context(mock.patch.object(psutil, "virtual_memory", lambda: memory))
         record = lambda t, stream=None: ledger.record_stream(t)  # noqa: E731
         getitem, setitem = fake_bindings.indexing(torch.Tensor.__getitem__, counting.twins)
