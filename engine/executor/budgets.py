@@ -18,6 +18,14 @@ STORE_WINDOW = 3
 """Copies of new KV rows to host memory the layer loop may run ahead of (`CopyWindow`, in
 the block pipeline): the device holds at most this many GPU batches' layers of them, plus
 the one being made (`stores_in_flight` reserves as much)."""
+LOAD_WINDOW = 1
+"""Computes that read what the layer loop loaded (weights decoded on the device, past KV,
+activations) the loop may run ahead of the device (`CopyWindow`, in the block pipeline):
+what a compute reads stays on the device until it has run, so the device holds the loads of
+the batch computing, of this many queued before it and of the one prefetched: three (the
+planner prices two, double buffering); unbounded, a host ahead of the device held every
+layer's (OPT-6.7B's 96-sequence batches of
+512 past tokens: 48 GiB, found by the rehearsal, engine/rehearsal.py)."""
 DEVICE_SHARE = 0.9
 """Without --gpu-mem: this share of the device memory free at start."""
 RAM_SHARE = 0.8

@@ -32,7 +32,7 @@ from engine.executor.attention import (
     ragged_attention,
     split_kv,
 )
-from engine.executor.budgets import STORE_WINDOW
+from engine.executor.budgets import LOAD_WINDOW, STORE_WINDOW
 from engine.executor.cuda_graphs import GraphRunner, StepReplay
 from engine.executor.gpu_batch import AttentionGroup, GpuBatch
 from engine.executor.moe_block import BlockExperts, loads_all_experts
@@ -125,6 +125,8 @@ class BlockPipeline:
         self._grouped = self._routed_loads = False
         self.store_window = CopyWindow(STORE_WINDOW)
         """Bounds the KV rows a step's stores to host memory keep on the device (`_stage_kv`)."""
+        self.load_window = CopyWindow(LOAD_WINDOW)
+        """Bounds the loads that computes not yet run keep on the device (`_overlapped_layers`)."""
 
     def close(self) -> None:
         self._loads.shutdown(wait=True)
@@ -193,22 +195,29 @@ class BlockPipeline:
         """The zig-zag loop with loads and stores on copy threads. If one fails, every task
         already started is waited for before the error goes up: none of them may still
         write into the KV pools when the next step (or a recompute) reuses their pages."""
-        started: list[Future[Any]] = []
+        # Tasks not yet done: a done one is dropped, so that what it loaded (a layer's past
+        # KV, its decoded weights) is freed once the loop is through with it, not kept by
+        # this set to the step's end (the rehearsal found a whole step's past KV held so:
+        # 48 GiB for OPT-6.7B's 96-sequence batches, engine/rehearsal.py).
+        started: set[Future[Any]] = set()
+
+        def track(future: Future[T]) -> Future[T]:
+            started.add(future)
+            future.add_done_callback(started.discard)
+            return future
 
         # A load or store with bytes to move goes to a copy thread; one without runs inline
         # (a hand-off would cost more than the nothing it does).
         def load(moves: bool, fn: Callable[..., T], *args: Any) -> Future[T]:
-            started.append(start(self._loads if moves else None, fn, *args))
-            return started[-1]
+            return track(start(self._loads if moves else None, fn, *args))
 
         def store(moves: bool, fn: Callable[..., T], *args: Any) -> Future[T]:
-            started.append(start(self._stores if moves else None, fn, *args))
-            return started[-1]
+            return track(start(self._stores if moves else None, fn, *args))
 
         try:
             return self._overlapped_layers(batches, load, store)
         except BaseException:  # a failed load or store: let the others land before we return
-            wait_all(started)
+            wait_all(list(started))
             raise
 
     def _overlapped_layers(
@@ -248,6 +257,8 @@ class BlockPipeline:
                     logits.append(out)
                     continue
                 done = self.device.record()
+                if self._loads_for(j, batch):  # the loop runs LOAD_WINDOW computes ahead
+                    self.load_window.admit(done)
                 act_stored[k] = store(
                     bool(batch.act_rows), self._store_act, j, batch, out, done, act_stored.get(k)
                 )
@@ -387,6 +398,10 @@ class BlockPipeline:
         packed = dev is not None and dev.layout.num_past and not self._in_place(batch)
         host = cpu is not None and cpu.layout.num_past
         return self.model.layer_kind(j) == "decoder" and bool(packed or host)
+
+    def _loads_for(self, j: int, batch: GpuBatch) -> bool:
+        """Layer j's compute for `batch` reads something loaded onto the device for it."""
+        return self._weights_move(j) or self._past_moves(j, batch) or self._acts_move(j, batch)
 
     def _kv_store_moves(self, batch: GpuBatch) -> bool:
         """New KV goes somewhere besides the gpu tier rows written before attention."""

@@ -25,6 +25,12 @@ def size_class(nbytes: int) -> int:
     return max(MIN_BYTES, 1 << (max(1, nbytes) - 1).bit_length())
 
 
+def buffer_key(t: torch.Tensor) -> int:
+    """The buffer a tensor `take` handed out lies in (its address; the rehearsal's tensors,
+    which have none, are told apart another way: engine/fake_cuda.py)."""
+    return t.data_ptr()
+
+
 class StagingPool:
     def __init__(self, pinned: bool) -> None:
         self.pinned = pinned
@@ -48,14 +54,14 @@ class StagingPool:
             if buf is None:
                 buf = torch.empty(size, dtype=torch.uint8, pin_memory=self.pinned)
                 self.allocations += 1
-            self._lent[buf.data_ptr()] = buf
+            self._lent[buffer_key(buf)] = buf
         return buf[:nbytes].view(dtype).view(shape)
 
     def give(self, t: torch.Tensor, event: Any = None) -> None:
         """Return a tensor `take` handed out; its buffer is reused once `event` (the last copy
         that touches it; None: none pending) has completed."""
         with self._lock:
-            buf = self._lent.pop(t.data_ptr())
+            buf = self._lent.pop(buffer_key(t))
             self._free.setdefault(buf.numel(), []).append((buf, event))
 
     @property

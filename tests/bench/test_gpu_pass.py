@@ -18,9 +18,10 @@ pytest.importorskip("triton")
 REPO = Path(__file__).resolve().parents[2]
 
 
-def dry_run(tmp_path: Path, *steps: str) -> subprocess.CompletedProcess[str]:
+def dry_run(tmp_path: Path, *steps: str, **limits: str) -> subprocess.CompletedProcess[str]:
     env = {
         **os.environ,
+        **limits,
         "PYTHON": sys.executable,
         "GPU_PASS_DRY_RUN": "1",
         "OUT": str(tmp_path / "out"),
@@ -56,6 +57,14 @@ def test_every_step_runs_on_the_cpu(tmp_path: Path) -> None:
     assert {"logs.tgz", "gpu-attention.json", "gpu-overlap.json", "hardware.json"} <= out
     assert "gpu-breakdown.json" in out and "| prefill |" in done.stdout  # the breakdown's table
     assert len(out) <= 8  # what the device tool brings back
+
+
+def test_the_dry_run_ignores_the_gpus_time_limits(tmp_path: Path) -> None:
+    """A slow box is no failure: a step past its GPU limit, after the GPU deadline, still runs
+    to its end in the dry run (on the GPU it would be skipped, or cut at 1 s)."""
+    done = dry_run(tmp_path, "run", "sleep", "2", GPU_PASS_DEADLINE_S="0", GPU_PASS_RUN_S="1")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert re.search(r"^run: exit 0 after \d+ s", done.stdout, re.M), done.stdout[-2000:]
 
 
 def test_an_unknown_step_is_refused(tmp_path: Path) -> None:

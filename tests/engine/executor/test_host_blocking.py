@@ -6,12 +6,13 @@ stalls the enqueueing of every later kernel and copy: the zig-zag schedule then 
 nothing. Waiting belongs to the copy threads (which hand the loop an event) and to the
 sampler after the last layer. On the CPU the same code runs through the Device's stream
 and event interface, so this test records what the thread that runs the layers asks for
-between the first layer and the sampler, for every placement with overlap on: it fails on
-any of them. (With overlap off, the ablation, loads and stores run inline in the loop and
-wait by design. On CUDA one bounded wait is by design too: `CopyWindow` holds the loop to
-STORE_WINDOW copies of new KV rows to host memory ahead of the device, so that a step's rows
-do not all wait on the device at once; by then the device has that many layers queued. On
-the CPU copies carry no event and it never waits.)
+between the first layer and the sampler, for every placement with overlap on (weights, KV
+and activations on each tier, 4-bit weights and KV, CPU attention, nano-batches, offloaded
+experts and states): it fails on any of them. (With overlap off, the ablation, loads and
+stores run inline in the loop and wait by design. On CUDA one bounded wait is by design too:
+`CopyWindow` holds the loop to STORE_WINDOW copies of new KV rows to host memory ahead of
+the device, so that a step's rows do not all wait on the device at once; by then the device
+has that many layers queued. On the CPU copies carry no event and it never waits.)
 """
 
 from __future__ import annotations
@@ -116,6 +117,31 @@ LOOPS: dict[str, tuple[str, dict[str, object]]] = {
     "nano-batches": (
         "llama",
         dict(num_nano_batches=2, kv_frac=(0.5, 0.5, 0.0), cpu_attention=True),
+    ),
+    "nano-batches-weights-offloaded": (
+        "llama",
+        dict(num_nano_batches=2, weights_frac=(0.0, 0.5, 0.5), kv_frac=(0.0, 0.5, 0.5)),
+    ),
+    "activations-cpu": ("llama", dict(act_frac=(0.0, 1.0, 0.0), kv_frac=(0.5, 0.5, 0.0))),
+    # 4-bit weights and KV decoded on the compute device, on every tier
+    "compressed-weights-kv-cpu-attention": (
+        "llama",
+        dict(
+            compress_weights=True,
+            compress_kv=True,
+            weights_frac=(0.3, 0.3, 0.4),
+            kv_frac=(0.3, 0.4, 0.3),
+            cpu_attention=True,
+        ),
+    ),
+    "compressed-kv-on-host": (
+        "llama",
+        dict(compress_kv=True, kv_frac=(0.0, 0.5, 0.5), cpu_attention=False),
+    ),
+    # OPT's layer (biases, learned positions) offloaded the way the GPU pass runs it
+    "opt-weights-kv-offloaded": (
+        "opt",
+        dict(weights_frac=(0.2, 0.8, 0.0), kv_frac=(0.0, 1.0, 0.0), cpu_attention=True),
     ),
     "moe-experts-offloaded": (
         "mixtral",

@@ -1,0 +1,199 @@
+"""`rehearse`: the engine's CUDA path for one plan, run without a GPU, every device byte counted.
+
+The engine is built and run as on a CUDA device (`device="cuda"`: the budgets, weight homes
+and slots, KV pools, stores, staging, graphs and sampler a GPU gets), under `fake_cuda`
+(engine/fake_cuda.py): tensors hold no data, so OPT-30B's weights cost nothing here,
+and `DeviceLedger` counts what would live on the device. The workload is the plan's: a block
+of `prompt_len`-token prompts generating `gen_len` tokens each, through the real scheduler.
+The record says whether the peak stayed within the cap and where it happened (step, task,
+layer, which buffers).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+from engine.storage.device_ledger import DeviceLedger
+from policy import Policy
+
+
+@dataclass(frozen=True)
+class Rehearsal:
+    """What one rehearsal found."""
+
+    device_peak_bytes: int
+    """The most bytes alive on the device at once, setup and steps."""
+    gpu_mem_bytes: int
+    """The cap (`--gpu-mem`)."""
+    peak: dict[str, Any]
+    """Where: step, task, layer, gpu_batch, buffers (live bytes by what made them)."""
+    steps: list[dict[str, Any]]
+    """Per step: its name and the most bytes alive during it."""
+    kv_capacity_pages: dict[str, int | None]
+    """The KV pages the engine gave each tier after its reserves."""
+    label_peaks: dict[str, int]
+    """The most bytes alive at once by what made them (weights, kv pool, load_cache...)."""
+    seconds: float
+    error: str | None = None
+    """The engine's own refusal (a budget error), if it refused to run."""
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.device_peak_bytes <= self.gpu_mem_bytes
+
+
+class LedgerTracer:
+    """The pipeline's tracer interface, attributing what each task allocates (the ledger's
+    labels are the trace's task names: load_weight, compute, store_cache, ...)."""
+
+    def __init__(self, ledger: DeviceLedger) -> None:
+        self.ledger = ledger
+
+    def span(
+        self,
+        name: str,
+        cat: str,
+        layer: int,
+        gpu_batch: int = 0,
+        nano_batch: int = 0,
+        host: bool = False,
+        expert: int | None = None,
+    ) -> Any:
+        return self.ledger.task(name, layer, gpu_batch)
+
+
+def _labelled(ledger: DeviceLedger, label: str, method: Callable[..., Any]) -> Callable[..., Any]:
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with ledger.task(label):
+            return method(*args, **kwargs)
+
+    return run
+
+
+@contextmanager
+def _setup_labels(ledger: DeviceLedger) -> Iterator[None]:
+    """What the engine makes at start, by name: homed weights, the slots offloaded layers
+    load into, KV pools (also grown in steps), the sampler's buffers."""
+    from engine.executor.step_sampler import StepSampler
+    from engine.storage.kv_store import KVStore
+    from engine.storage.weight_store import WeightStore
+
+    labels = (
+        (WeightStore, "read_all", "weights"),
+        (WeightStore, "make_slots", "weight slots"),
+        (KVStore, "reserve", "kv pool"),
+        (StepSampler, "sample", "sampler"),
+    )
+    with ExitStack() as stack:
+        for owner, name, label in labels:
+            if hasattr(owner, name):
+                method = getattr(owner, name)
+                stack.enter_context(
+                    mock.patch.object(owner, name, _labelled(ledger, label, method))
+                )
+        yield
+
+
+def _step_name(plan: Any, counts: dict[str, int]) -> str:
+    kind = "prefill" if any(len(c.token_ids) > 1 for c in plan.chunks) else "decode"
+    counts[kind] = counts.get(kind, 0) + 1
+    return f"{kind} {counts[kind]}"
+
+
+def rehearse(
+    model_dir: Path,
+    policy: Policy,
+    *,
+    gpu_mem: int,
+    cpu_mem: int,
+    disk_mem: int | None = None,
+    prompt_len: int,
+    gen_len: int,
+    num_prompts: int | None = None,
+    progress: bool = False,
+) -> Rehearsal:
+    """Run `num_prompts` (default: the policy's block) prompts of `prompt_len` tokens for
+    `gen_len` tokens on a rehearsed CUDA device of `gpu_mem` bytes beside `cpu_mem` of RAM.
+    The weights are generated from the directory's config (`dummy:`), whatever it holds."""
+    import warnings
+
+    from engine.executor.budgets import MemoryBudgetError
+    from engine.fake_cuda import fake_cuda
+    from engine.loading.dummy import is_dummy
+    from engine.loading.generated import local_model_dir
+    from policy.specs import WorkloadSpec
+
+    if not is_dummy(model_dir):
+        model_dir = local_model_dir(f"dummy:{model_dir}")
+    ledger = DeviceLedger()
+    steps: list[dict[str, Any]] = []
+    counts: dict[str, int] = {}
+    capacity: dict[str, int | None] = {}
+    error = None
+    start = time.perf_counter()
+    host = max(cpu_mem, 1 << 30) * 2  # the budgets' share of RAM is cpu_mem, as given
+    with (
+        warnings.catch_warnings(),
+        fake_cuda(ledger, device_bytes=gpu_mem, host_bytes=host),
+        _setup_labels(ledger),
+    ):
+        warnings.simplefilter("ignore")  # fake tensors' data pointers, read by layout checks
+        from engine import LLM, SamplingParams
+
+        try:
+            llm = LLM(
+                str(model_dir),
+                policy=policy,
+                device="cuda",
+                gpu_mem=gpu_mem,
+                cpu_mem=cpu_mem,
+                disk_mem=disk_mem,
+                workload=WorkloadSpec(prompt_len, gen_len),
+            )
+        except MemoryBudgetError as e:
+            error = str(e)
+        else:
+            with llm:
+                executor = llm.executor
+                capacity = dict(executor.kv_capacity_pages())
+                tracer = LedgerTracer(ledger)
+                executor.pipeline.tracer = tracer  # type: ignore[assignment]
+                if executor.pipeline.nano is not None:
+                    executor.pipeline.nano.tracer = tracer  # type: ignore[assignment]
+                execute = executor.execute
+
+                def execute_counted(plan: Any) -> Any:
+                    ledger.step = _step_name(plan, counts)
+                    ledger.step_peak = ledger.live_bytes
+                    out = execute(plan)
+                    steps.append({"step": ledger.step, "peak_bytes": ledger.step_peak})
+                    if progress:
+                        elapsed = time.perf_counter() - start
+                        print(
+                            f"rehearsal: {ledger.step} peak {ledger.step_peak / 2**30:.2f} GiB "
+                            f"({elapsed:.0f} s)",
+                            file=sys.stderr,
+                        )
+                    return out
+
+                executor.execute = execute_counted  # type: ignore[method-assign]
+                params = SamplingParams(max_tokens=gen_len, temperature=0.0, ignore_eos=True)
+                count = num_prompts or policy.block_size
+                llm.generate([[5] * prompt_len for _ in range(count)], params)
+    return Rehearsal(
+        device_peak_bytes=ledger.peak.nbytes,
+        gpu_mem_bytes=gpu_mem,
+        peak=ledger.to_dict(),
+        steps=steps,
+        kv_capacity_pages=capacity,
+        label_peaks=dict(ledger.label_peaks),
+        seconds=time.perf_counter() - start,
+        error=error,
+    )

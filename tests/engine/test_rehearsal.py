@@ -1,0 +1,97 @@
+"""The rehearsal of the CUDA path (engine/rehearsal.py) on a machine without a GPU: it runs the
+engine's CUDA branches on fake tensors and counts what the device would hold."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from unittest import mock
+
+import pytest
+
+from engine.executor import pipeline
+from engine.executor.budgets import LOAD_WINDOW
+from engine.rehearsal import rehearse
+from policy import Policy
+
+MiB = 1 << 20
+OFFLOADED = Policy(
+    gpu_batch_size=4,
+    num_gpu_batches=2,
+    weights_frac=(0.4, 0.6, 0.0),
+    kv_frac=(0.25, 0.75, 0.0),
+)
+
+
+def small(model_dir: Path, policy: Policy = OFFLOADED, gpu_mem: int = 64 * MiB) -> object:
+    return rehearse(model_dir, policy, gpu_mem=gpu_mem, cpu_mem=1 << 30, prompt_len=24, gen_len=3)
+
+
+def test_the_cuda_path_is_rehearsed_and_counted(tiny_model: Callable[[str], Path]) -> None:
+    """Prefill and decode run on the CUDA path (staging, the store stream, weight slots, the
+    graph pool), and the peak names its step, task and buffers."""
+    found = small(tiny_model("opt"))
+    assert found.ok, found  # type: ignore[attr-defined]
+    steps = [s["step"] for s in found.steps]  # type: ignore[attr-defined]
+    assert steps[0] == "prefill 1" and "decode 2" in steps
+    peak = found.peak  # type: ignore[attr-defined]
+    assert {"weights", "kv pool", "weight slots"} <= set(peak["buffers"])
+    assert peak["step"] != "setup" and sum(peak["buffers"].values()) == found.device_peak_bytes  # type: ignore[attr-defined]
+
+
+@pytest.mark.slow
+def test_a_cap_too_small_is_found(tiny_model: Callable[[str], Path]) -> None:
+    """Below what a step holds beside its weights the rehearsal says so (the engine itself,
+    which checks its weights alone against the cap, would start)."""
+    fits = small(tiny_model("opt"))
+    cap = fits.device_peak_bytes - 1  # type: ignore[attr-defined]
+    found = small(tiny_model("opt"), gpu_mem=cap)
+    assert found.error is None and not found.ok  # type: ignore[attr-defined]
+
+
+@pytest.mark.slow
+def test_stores_ahead_of_the_device_are_held(tiny_model: Callable[[str], Path]) -> None:
+    """New KV rows bound for host memory stay on the device until the host has seen their
+    copy run: with no store window (as before d990c5c) every layer's rows of a step are
+    held at once, with the window only its depth's."""
+    windowed = small(tiny_model("opt"), gpu_mem=1 << 30)
+    with mock.patch.object(pipeline, "STORE_WINDOW", 10**9):
+        unbounded = small(tiny_model("opt"), gpu_mem=1 << 30)
+    assert unbounded.device_peak_bytes > windowed.device_peak_bytes  # type: ignore[attr-defined]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("compress", [False, True])
+def test_weights_homed_on_the_device_count(
+    tiny_model: Callable[[str], Path], compress: bool
+) -> None:
+    """All weights on the device: the peak holds them (4-bit: packed, a quarter or so)."""
+    policy = Policy(compress_weights=compress)
+    found = small(tiny_model("llama"), policy=policy, gpu_mem=1 << 30)
+    assert found.ok and found.peak["buffers"]["weights"] > 0  # type: ignore[attr-defined]
+
+
+def test_loads_are_freed_once_used(tiny_model: Callable[[str], Path]) -> None:
+    """Past KV loaded from host memory for a GPU batch is freed once its layer has run: the
+    loop keeps no finished load to the step's end, and runs LOAD_WINDOW computes ahead of
+    the device at most (a whole step's past KV was held before: 48 GiB for OPT-6.7B)."""
+    policy = Policy(gpu_batch_size=4, num_gpu_batches=2, kv_frac=(0.0, 1.0, 0.0))
+    found = rehearse(
+        tiny_model("opt"), policy, gpu_mem=1 << 30, cpu_mem=1 << 30, prompt_len=40, gen_len=3
+    )
+    loaded = found.label_peaks["load_cache"]  # type: ignore[attr-defined]
+    one = 4 * 42 * 2 * 48 * 2  # a GPU batch's past rows of one layer at the last step, fp16
+    # the batch computing, LOAD_WINDOW computes queued before it, the next batch's prefetch
+    assert 0 < loaded <= (LOAD_WINDOW + 2) * one + 1024
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["opt-6.7b", "opt-30b"])
+def test_the_gpu_pass_cases_fit_16_gib(model: str, tmp_path: Path) -> None:
+    """The next GPU pass's offloaded cases, as planned on the H200's profile, fit 16 GiB
+    (minutes each: bench/results/gpu-rehearsal-opt-6.7b-16g.json holds a full record)."""
+    from bench.gpu_rehearsal import main
+
+    out = tmp_path / "rehearsal.json"
+    args = ["--model", model, "--input-len", "512", "--output-len", "32", "--gpu-mem", "16GiB"]
+    assert main([*args, "--json", str(out)]) == 0
