@@ -128,6 +128,22 @@ class EngineArgs:
     )
     """Reuse the KV of cached full-page prefixes across requests, keeping finished ones in
     an LRU cache that spills GPU -> CPU -> disk (vLLM's name for the switch)."""
+    prefix_ordering: bool = cli(
+        True,
+        "with prefix caching, run batch work grouped by shared prompt prefix and let a prompt "
+        "wait a step for a prefix another request is computing (default: on)",
+    )
+    """Batch work (Batch API lines, `LLM`) waits in the trie order of its prompts' page hashes
+    and the daemon hands a job's lines to the engine sorted by prompt; a prompt whose next
+    uncached page a running request computes waits a step to hit it, so n choices prefill
+    their prompt once (SchedulerConfig.prefix_ordering)."""
+    batch_share: float = cli(
+        0.25,
+        "while online requests wait or run, the share of each step's tokens and of the "
+        "block's slots batch work may take (default: 0.25; 1: priority alone)",
+        type=float,
+    )
+    """Online before batch: see SchedulerConfig.batch_share."""
     kv_cache_disk_bytes: int | None = cli(
         None,
         "most bytes of idle cached KV kept on disk, e.g. 20GiB (default: the disk budget)",
@@ -258,6 +274,8 @@ class EngineArgs:
             raise UserError(f"max_step_tokens must be >= 1, got {self.max_step_tokens}")
         if self.engine_nice is not None and not 0 <= self.engine_nice <= 19:
             raise UserError(f"engine_nice must be 0-19, got {self.engine_nice}")
+        if not 0.0 < self.batch_share <= 1.0:
+            raise UserError(f"batch_share must lie in (0, 1], got {self.batch_share}")
         if self.prefix_state_slots < 0:
             raise UserError(f"prefix_state_slots must be >= 0, got {self.prefix_state_slots}")
 
@@ -378,6 +396,8 @@ class EngineArgs:
             batch_sizes=sizes,
             discrete_batching=self.discrete_batching,
             enable_prefix_caching=self.enable_prefix_caching,
+            prefix_ordering=self.prefix_ordering,
+            batch_share=self.batch_share,
             cache_salt=info.cache_salt,
             max_cached_pages=self._max_cached_pages(info),
             min_hit_tokens=self._min_hit_tokens(policy, model_dir, info),

@@ -295,6 +295,11 @@ class PageManager:
                 else:
                     self._free[ref[0]].append(ref[1])
 
+    def num_indexed_pages(self, seq_id: int) -> int:
+        """Full pages of the sequence indexed in the prefix cache (its own or hits)."""
+        seq = self._seqs.get(seq_id)
+        return 0 if seq is None else len(seq.hashes)
+
     def page_table(self, seq_id: int) -> list[PageRef]:
         return list(self._seqs[seq_id].pages)
 

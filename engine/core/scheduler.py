@@ -18,14 +18,22 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from engine.core.detokenizer import Detokenizer
 from engine.core.kv_pages import PageManager, pick_tier
 from engine.core.outputs import SequenceDelta
 from engine.core.prefix_cache import PageRef
+from engine.core.prefix_order import (
+    LOOKAHEAD,
+    PageHashes,
+    PrefixGate,
+    PrefixQueue,
+    prompt_page_hashes,
+)
 from engine.core.protocol import PENDING_TOKEN_ID, SeqChunk, StepFailure, StepPlan, StepResult
-from engine.core.sequence import Request, Sequence, SequenceStatus
+from engine.core.sequence import BATCH_PRIORITY, Request, Sequence, SequenceStatus
 from engine.core.state_slots import StateSlots, StateSnapshots
 from engine.core.tier_rest import TierRest, largest_pool_tokens, pool_tokens
 from policy import TIERS, Policy, UserError
@@ -106,6 +114,15 @@ class SchedulerConfig:
     offload_retry_s: float = 2.0
     """After a tier's storage failed in a step (a full disk, an I/O error), how long it takes
     no new KV (no sequence homed there, no spill, no hit read there); then it is tried again."""
+    prefix_ordering: bool = True
+    """With prefix caching: batch work waits in the trie order of its prompts' page hashes, so
+    lines that share a prefix run back to back while it is cached, and a prompt whose next
+    uncached page a running sequence is computing waits a step to hit it (`PrefixQueue`,
+    `PrefixGate`). False: FIFO, and shared pages computed at once are computed twice."""
+    batch_share: float = 0.25
+    """While online requests wait or run, the most batch work takes: this share of a step's
+    token budget for its prefill chunks and of the block's slots (rounded up) for its lines.
+    Batch lines past it are never preempted; new ones wait. 1.0: priority alone."""
     max_offload_faults: int = 2
     """Storage faults a sequence goes through (recomputed after each); at this many it ends
     with a retryable error instead (`SequenceDelta.retryable`)."""
@@ -126,6 +143,8 @@ class SchedulerConfig:
                 f"block ({self.block_size}): raise max_step_tokens or lower the block size"
             )
         object.__setattr__(self, "batch_sizes", sizes)
+        if not 0.0 < self.batch_share <= 1.0:
+            raise SchedulerConfigError(f"batch_share must lie in (0, 1], got {self.batch_share}")
         unknown = set(self.kv_capacity_pages) - set(TIERS)
         if unknown:
             raise SchedulerConfigError(f"kv_capacity_pages has unknown tiers {sorted(unknown)}")
@@ -195,8 +214,12 @@ class Scheduler:
             self.page_manager.stats,
         )
         """A hybrid's saved states at the end of shared prefixes (its prefix cache)."""
-        self.waiting: dict[int, deque[Sequence]] = {}
-        """Queues per priority (lower first), FIFO; preempted sequences go back to the front."""
+        self.waiting: dict[int, deque[Sequence] | PrefixQueue[Sequence]] = {}
+        """Queues per priority (lower first), FIFO (batch work in prefix order with
+        prefix_ordering); preempted sequences go back to the front."""
+        self.prefix_ordering = config.prefix_ordering and self.page_manager.prefix_caching
+        self._prompt_hashes: dict[int, PageHashes] = {}
+        """With prefix_ordering: each unfinished sequence's prompt page hashes."""
         self.running: list[Sequence] = []
         """Admission order: the last one is the newest (the first to preempt)."""
         self.requests: dict[str, Sequence] = {}
@@ -218,6 +241,8 @@ class Scheduler:
         """Tokens the largest allowed KV pool holds: the most one sequence can ever have in KV."""
         self.max_len = min(config.max_model_len, self.kv_tokens + 1)
         """Sequences end ('length') at this many tokens, so a lone one always fits a pool."""
+        self._batch_budget = config.max_step_tokens
+        """Prefill tokens batch work may still take in the step being planned."""
         self.rest = TierRest(config.offload_retry_s)
         """The tiers that rest after a storage fault (read from the daemon's event loop too)."""
 
@@ -248,7 +273,18 @@ class Scheduler:
         self._next_seq_id += 1
         self.requests[request.request_id] = seq
         self._seqs[seq.seq_id] = seq
-        self.waiting.setdefault(request.priority, deque()).append(seq)
+        if self.prefix_ordering:
+            self._prompt_hashes[seq.seq_id] = prompt_page_hashes(
+                request.prompt_token_ids, self.config.page_tokens, self.config.cache_salt
+            )
+        if request.priority not in self.waiting:
+            self.waiting[request.priority] = self._new_queue(request.priority)
+        self.waiting[request.priority].append(seq)
+
+    def _new_queue(self, priority: int) -> deque[Sequence] | PrefixQueue[Sequence]:
+        if self.prefix_ordering and priority >= BATCH_PRIORITY:
+            return PrefixQueue(lambda seq: self._prompt_hashes[seq.seq_id])
+        return deque()
 
     def abort_request(self, request_id: str) -> SequenceDelta | None:
         """Drop a request wherever it is and free its KV; its last delta ('abort'), or None
@@ -268,6 +304,15 @@ class Scheduler:
     def num_waiting(self) -> int:
         return sum(len(q) for q in self.waiting.values())
 
+    def queue_lengths(self) -> dict[str, tuple[int, int]]:
+        """(waiting, running) sequences of the online and the batch class."""
+        counts = {"online": [0, 0], "batch": [0, 0]}
+        for priority, queue in self.waiting.items():
+            counts["batch" if priority >= BATCH_PRIORITY else "online"][0] += len(queue)
+        for seq in self.running:
+            counts["batch" if seq.request.priority >= BATCH_PRIORITY else "online"][1] += 1
+        return {name: (waiting, running) for name, (waiting, running) in counts.items()}
+
     # -- schedule ----------------------------------------------------------------------
     def schedule(self) -> StepPlan | None:
         """The next step's plan, or None when nothing can run now."""
@@ -284,11 +329,12 @@ class Scheduler:
 
         planned: list[tuple[int, SeqChunk]] = []
         preempted = False
+        self._batch_budget = self._batch_tokens()
         for seq in live:  # oldest first; victims are always newer or seq itself
             if seq.status is not SequenceStatus.RUNNING:
                 continue
             to_run = seq.num_tokens - seq.num_computed_tokens
-            num_new = 1 if to_run == 1 else min(to_run, budget)
+            num_new = 1 if to_run == 1 else min(to_run, self._prefill_budget(seq, budget))
             num_new = self._until_state_save(seq, seq.num_computed_tokens, num_new)
             if num_new == 0:
                 continue
@@ -297,6 +343,7 @@ class Scheduler:
                 preempted = True
                 continue
             budget -= num_new if to_run > 1 else 0
+            self._spend(seq, num_new if to_run > 1 else 0)
             planned.append((seq.slot, self._chunk(seq, num_new, page_ids)))
         if not planned:  # the budget reserved for preempted decodes is free again
             budget = self.config.max_step_tokens
@@ -307,6 +354,7 @@ class Scheduler:
                 break
             seq, num_new, page_ids = admitted
             budget -= num_new
+            self._spend(seq, num_new)
             planned.append((seq.slot, self._chunk(seq, num_new, page_ids)))
         if not planned:
             return self._records_plan()
@@ -400,8 +448,11 @@ class Scheduler:
         With prefix caching its longest cached prefix is taken, not recomputed, unless it
         wants its prompt's logprobs (as vLLM does): those need the logits at every prompt
         position, which a cached prefix never computes."""
-        seq = next((q[0] for q in self._queues()), None)
+        seq = self._next_to_admit()
         if seq is None or seq.num_pending:
+            return None
+        budget = self._prefill_budget(seq, budget)
+        if budget == 0:
             return None
         prefix: list[PageRef] = []
         restore, save = None, None
@@ -429,7 +480,7 @@ class Scheduler:
         )
         if not any(fracs):
             return None
-        self.waiting[seq.request.priority].popleft()
+        self.waiting[seq.request.priority].remove(seq)
         seq.kv_tier = pick_tier((fracs[0], fracs[1], fracs[2]), counts)
         act_counts = {t: sum(1 for s in self.running if s.act_tier == t) for t in TIERS}
         seq.act_tier = pick_tier(self.config.act_frac, act_counts)
@@ -529,9 +580,65 @@ class Scheduler:
         if queue is not None and seq in queue:
             queue.remove(seq)
         self._seqs.pop(seq.seq_id, None)
+        self._prompt_hashes.pop(seq.seq_id, None)
 
-    def _queues(self) -> list[deque[Sequence]]:
+    def _queues(self) -> list[deque[Sequence] | PrefixQueue[Sequence]]:
         return [q for _, q in sorted(self.waiting.items()) if q]
+
+    # -- online before batch, prefix order -------------------------------------------------
+    def _next_to_admit(self) -> Sequence | None:
+        """The queued sequence to admit next: the head of the first non-empty queue, or with
+        prefix ordering its first sequence that `PrefixGate` lets through (a FIFO queue's head
+        only, a batch queue's first LOOKAHEAD). None when it holds them all (nothing of a
+        later queue goes ahead), or a batch line would pass `batch_share` of the slots while
+        online work is present."""
+        queues = self._queues()
+        if not queues:
+            return None
+        queue = queues[0]
+        head = next(iter(queue))
+        if head.request.priority >= BATCH_PRIORITY and self._online_present():
+            num_batch = sum(1 for s in self.running if s.request.priority >= BATCH_PRIORITY)
+            if num_batch >= self._share_of(self.config.block_size):
+                return None
+        if not self.prefix_ordering:
+            return head
+        pages = self.page_manager
+        in_flight = (
+            self._prompt_hashes[s.seq_id][pages.num_indexed_pages(s.seq_id) :] for s in self.running
+        )
+        gate = PrefixGate(pages.cache, in_flight)
+        if isinstance(queue, deque):
+            candidates: Iterable[Sequence] = [head]
+        else:
+            candidates = itertools.islice(queue, LOOKAHEAD)
+        return next((s for s in candidates if not gate.holds(self._prompt_hashes[s.seq_id])), None)
+
+    def _online_present(self) -> bool:
+        """Some online request (priority before BATCH_PRIORITY) waits or runs."""
+        return any(p < BATCH_PRIORITY and q for p, q in self.waiting.items()) or any(
+            s.request.priority < BATCH_PRIORITY for s in self.running
+        )
+
+    def _share_of(self, total: int) -> int:
+        """batch_share of `total`, rounded up (at least 1 of a positive total)."""
+        return -(-total * round(self.config.batch_share * 1000) // 1000)
+
+    def _batch_tokens(self) -> int:
+        """Prefill tokens batch work may take this step (batch_share of the step's budget
+        while online work is present; the whole budget otherwise)."""
+        total = self.config.max_step_tokens
+        return self._share_of(total) if self._online_present() else total
+
+    def _prefill_budget(self, seq: Sequence, budget: int) -> int:
+        """`budget` capped by what is left of the batch share, for a batch sequence."""
+        if seq.request.priority < BATCH_PRIORITY:
+            return budget
+        return min(budget, self._batch_budget)
+
+    def _spend(self, seq: Sequence, num_prefill: int) -> None:
+        if seq.request.priority >= BATCH_PRIORITY:
+            self._batch_budget -= num_prefill
 
     # -- postprocess -------------------------------------------------------------------
     def postprocess(self, plan: StepPlan, result: StepResult) -> list[SequenceDelta]:

@@ -506,6 +506,7 @@ class CoreEngineClient(EngineClient):
                 batch_size=batch_size,
                 num_waiting=scheduler.num_waiting,
                 num_running=len(scheduler.running),
+                queues=scheduler.queue_lengths(),
                 bytes_per_tier=self._counter.bytes_per_tier if self._counter else {},
                 num_preemptions=self._preemptions_before + scheduler.num_preemptions,
                 prefix_cache=copy.deepcopy(pages.stats),

@@ -46,6 +46,8 @@ class StepStats:
     (requests aborted, engine restarted): then only the gauges are updated."""
     num_waiting: int
     num_running: int
+    queues: dict[str, tuple[int, int]] = field(default_factory=dict)
+    """(waiting, running) sequences per class, 'online' and 'batch' (Scheduler.queue_lengths)."""
     bytes_per_tier: dict[str, int] = field(default_factory=dict)
     """Bytes resident per tier ('gpu', 'cpu', 'disk'): weights + KV + activations."""
     num_preemptions: int = 0

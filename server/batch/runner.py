@@ -33,6 +33,7 @@ from server.batch.lines import (
     stored_line,
 )
 from server.batch.objects import Batch, BatchError, BatchErrors
+from server.batch.order import in_prefix_order
 from server.batch.storage_faults import StorageError
 from server.batch.store import Store
 from server.openai.errors import OFFLOAD_UNAVAILABLE, APIError, invalid_request
@@ -57,6 +58,10 @@ class BatchConfig:
     """Most lines in one batch input file (OpenAI's limit)."""
     storage_retry_s: float = 2.0
     """How often a batch paused on a full (or read-only) data directory tries again."""
+    prefix_order: bool = True
+    """Hand a job's lines to the engine sorted by prompt text (`server.batch.order`), so
+    lines that share a prefix run together; False: input order. The output file keeps the
+    input's order either way."""
 
 
 class BatchRunner:
@@ -265,7 +270,8 @@ class BatchRunner:
         self.store.update_batch(batch_id, status="failed", failed_at=now(), errors=errors)
 
     async def _execute(self, batch_id: str, pending: list[tuple[int, str, str]]) -> None:
-        """Run `pending` requests, `batch_concurrency` at a time over all batches."""
+        """Run `pending` requests, `batch_concurrency` at a time over all batches, in prefix
+        order (`BatchConfig.prefix_order`)."""
         batch = self.store.get_batch(batch_id)
         assert batch is not None and self._slots is not None, "call start() first"
         endpoint = batch.endpoint
@@ -273,14 +279,16 @@ class BatchRunner:
         in_flight = self._in_flight.setdefault(batch_id, set())
         try:
             parsed = self._lines.get(batch_id, {})
-            for line_index, custom_id, stored in pending:
+            lines = [parsed.get(i) or stored_line(i, c, stored) for i, c, stored in pending]
+            if self.config.prefix_order:
+                lines = in_prefix_order(lines, lambda line: line)
+            for line in lines:
                 while self._is_paused(batch_id, STORAGE_PAUSED) and not cancelled.is_set():
                     await asyncio.sleep(self.config.storage_retry_s)  # no new work meanwhile
                 await self._slots.acquire()
                 if cancelled.is_set() or now() >= (batch.expires_at or 0):
                     self._slots.release()
                     break
-                line = parsed.get(line_index) or stored_line(line_index, custom_id, stored)
                 task = asyncio.create_task(self._one(batch_id, endpoint, line))
                 in_flight.add(task)
                 task.add_done_callback(in_flight.discard)

@@ -48,6 +48,8 @@ class ServerSettings:
     """Batch requests handed to the engine at once (all batches together)."""
     storage_retry_s: float = 2.0
     """How often a batch paused on a full (or read-only) data directory tries again."""
+    prefix_order: bool = True
+    """Hand a batch job's lines to the engine sorted by prompt (`--[no-]prefix-ordering`)."""
     ready_wait_s: float = 60.0
     """A request that arrives while the engine is not ready (loading, restarting) waits at
     most this long for it, then is answered 503 with Retry-After."""
@@ -109,7 +111,9 @@ class ServerSettings:
 
     def batch_config(self) -> BatchConfig:
         """What the batch runner takes of these settings."""
-        return BatchConfig(self.batch_concurrency, self.max_batch_requests, self.storage_retry_s)
+        return BatchConfig(
+            self.batch_concurrency, self.max_batch_requests, self.storage_retry_s, self.prefix_order
+        )
 
     @classmethod
     def from_args(
@@ -135,6 +139,7 @@ class ServerSettings:
             served_model_name=getattr(args, "served_model_name", None),
             tool_call_parser=getattr(args, "tool_call_parser", None),
             reasoning_parser=getattr(args, "reasoning_parser", None),
+            prefix_order=getattr(args, "prefix_ordering", True),
         )
 
 

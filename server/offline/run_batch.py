@@ -36,6 +36,7 @@ from tqdm import tqdm
 from engine.core.engine_args import EngineArgs
 from engine.runtime.engine_client import EngineClient
 from server.batch.lines import BatchLine, ParsedLine, parse_lines, problem_line
+from server.batch.order import in_prefix_order
 from server.offline.result_log import ResultLog, read_back
 from server.offline.work import (
     BatchWork,
@@ -116,7 +117,8 @@ def main(args: argparse.Namespace) -> int:
         if args.replicas is not None or args.gpus_per_replica is not None:
             raise RunBatchError("--replicas and --gpus-per-replica need --ray")
         runner = local_runner(lambda: _client(args))
-    summary = asyncio.run(run_batch(Path(args.input), output, errors, runner))
+    prefix_order = getattr(args, "prefix_ordering", True)
+    summary = asyncio.run(run_batch(Path(args.input), output, errors, runner, prefix_order))
     written = [
         f"results in {output}" if summary.num_completed else "",
         f"errors in {errors}" if summary.num_failed else "",
@@ -142,10 +144,16 @@ def _client(args: argparse.Namespace) -> EngineClient:
 
 
 async def run_batch(
-    input_path: Path, output_path: Path, error_path: Path, runner: Runner
+    input_path: Path,
+    output_path: Path,
+    error_path: Path,
+    runner: Runner,
+    prefix_order: bool = True,
 ) -> Summary:
-    """Answer every line of `input_path` not yet answered in the output or error file.
-    `runner` is not called when nothing is left."""
+    """Answer every line of `input_path` not yet answered in the output or error file, in
+    prefix order (`server.batch.order`) unless `prefix_order` is False; results are written
+    as they finish (matched to their lines by custom_id). `runner` is not called when
+    nothing is left."""
     check_paths(input_path, output_path, error_path)
     try:
         with open(input_path, "rb") as f:
@@ -156,6 +164,8 @@ async def run_batch(
     output, errors = ResultLog(output_path), ResultLog(error_path)
     try:
         todo, num_resumed = _pending(lines, output, errors)
+        if prefix_order:
+            todo = in_prefix_order(todo, lambda item: item.line)
         if todo:
             await _run(BatchWork(endpoint, created, todo), runner, output, errors, len(lines))
     except OSError as e:  # the disk filled up or a file went away mid-run

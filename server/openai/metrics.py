@@ -48,6 +48,18 @@ class Metrics:
         self.requests_running = Gauge(
             "nanoflex_requests_running", "Requests in the running block.", registry=r
         )
+        self.queue_waiting = Gauge(
+            "nanoflex_queue_waiting",
+            "Sequences queued in the scheduler, per class (online requests, batch work).",
+            ["queue"],
+            registry=r,
+        )
+        self.queue_running = Gauge(
+            "nanoflex_queue_running",
+            "Sequences in the running block, per class (online requests, batch work).",
+            ["queue"],
+            registry=r,
+        )
         self.online_in_flight = Gauge(
             "nanoflex_online_requests_in_flight",
             "Sequences (prompts x n) of online requests admitted and not finished "
@@ -222,6 +234,9 @@ class Metrics:
                 self.capacity_pages.labels(tier=tier).set(capacity)
         self.requests_waiting.set(stats.num_waiting)
         self.requests_running.set(stats.num_running)
+        for name, (num_waiting, num_running) in stats.queues.items():
+            self.queue_waiting.labels(queue=name).set(num_waiting)
+            self.queue_running.labels(queue=name).set(num_running)
         for tier, num_bytes in stats.bytes_per_tier.items():
             self.tier_bytes.labels(tier=tier).set(num_bytes)
 

@@ -164,7 +164,8 @@ def test_preemption_and_abort_while_pages_are_shared() -> None:
     while their prefix pages are held by others, one is aborted; outputs stay exact."""
     system = tokens(50, 2 * P)
     prompts = [system + tokens(51 + i, 2) for i in range(4)]
-    sched = make(kv_capacity_pages={"gpu": 9}, expected_gen_tokens=1)
+    # all four admitted at once (no PrefixGate: it would admit three a step later, hitting)
+    sched = make(kv_capacity_pages={"gpu": 9}, expected_gen_tokens=1, prefix_ordering=False)
     fake = FakeExecutor(P)
     for i, prompt in enumerate(prompts):
         sp = SamplingParams(max_tokens=3 * P, temperature=0.0, ignore_eos=True)
