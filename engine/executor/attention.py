@@ -230,11 +230,14 @@ class RaggedLayout:
 
         def rows(starts: list[int], seqs: list[int]) -> torch.Tensor:
             """Rows [starts[i], starts[i + 1]) of each sequence i of `seqs`, back to back."""
-            lens = torch.tensor([starts[i + 1] - starts[i] for i in seqs], device=device)
-            firsts = torch.tensor([starts[i] for i in seqs], device=device)
-            total = int(lens.sum())
-            shift = torch.repeat_interleave(firsts - (torch.cumsum(lens, 0) - lens), lens)
-            return shift + torch.arange(total, device=device)
+            counts = [starts[i + 1] - starts[i] for i in seqs]
+            total = sum(counts)  # known on the host: no read of the device
+            both = torch.tensor([*counts, *(starts[i] for i in seqs)], device=device)
+            lens, firsts = both[: len(seqs)], both[len(seqs) :]
+            shift = firsts - (torch.cumsum(lens, 0) - lens)
+            return torch.repeat_interleave(shift, lens, output_size=total) + torch.arange(
+                total, device=device
+            )
 
         groups = []
         for seqs in members:

@@ -34,9 +34,7 @@ ENGINE = Path(__file__).resolve().parents[3] / "engine"
 # small per-sequence length tensors themselves: they become the paged attention kernel's
 # metadata, staged with the rest, when that kernel lands (docs/architecture.md, CUDA).
 ALLOWED_LISTS = ("engine/executor/attention.py",)
-# ... and a mixed step's layout reads the number of rows of each of its groups
-# (`RaggedLayout.build`: `int(lens.sum())`, the lengths known on the host beside it).
-ALLOWED_READS = ("item at engine/executor/attention.py",)
+ALLOWED_READS: tuple[str, ...] = ()
 # The staging's own write of a step's lists into its host buffer (a numpy view of it).
 HOST_WRITES = ("numpy at engine/executor/step_inputs.py",)
 
