@@ -264,8 +264,14 @@ PREPACK_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
-    """oneDNN prepacks linear weights for the CPU, in float32 and bfloat16."""
-    return device.type == "cpu" and dtype in PREPACK_DTYPES and torch.backends.mkldnn.is_available()
+    """oneDNN prepacks linear weights for the CPU, in float32, and in bfloat16 where the CPU
+    has the instructions its bfloat16 GEMM needs (AVX512-BW/VL/DQ or AVX-NE-CONVERT: oneDNN
+    refuses the reorder elsewhere, e.g. on an AVX2-only EPYC, and `F.linear` runs instead)."""
+    if device.type != "cpu" or dtype not in PREPACK_DTYPES:
+        return False
+    if not torch.backends.mkldnn.is_available():
+        return False
+    return dtype != torch.bfloat16 or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def prepack(weight: torch.Tensor) -> torch.Tensor:
