@@ -4,15 +4,12 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, BinaryIO
 
 from server.batch.objects import FileObject
 from server.batch.storage_faults import DataDirError, storage_error
-
-COPY_CHUNK_BYTES = 1 << 20
-
 
 MAX_FILENAME_CHARS = 255
 _UNSAFE_FILENAME = re.compile(r'[\x00-\x1f\x7f"\\]')
@@ -61,45 +58,88 @@ class FileStorage:
     def path_for(self, file_id: str) -> Path:
         return self.files_dir / file_id
 
-    def write_stream(self, file_id: str, src: BinaryIO) -> int:
-        """Copy `src` to the file's path atomically; return the byte count."""
-        return self._write(file_id, iter(lambda: src.read(COPY_CHUNK_BYTES), b""))
+    def open_upload(self, file_id: str) -> PendingFile:
+        """A temporary file beside the file's final path, written as an upload streams in;
+        `commit` renames it into place, `discard` removes it."""
+        return PendingFile(self.files_dir, file_id)
 
     def write_lines(self, file_id: str, lines: Iterable[str]) -> int:
-        """Write JSONL `lines` (without newlines) atomically; return the byte count."""
-        return self._write(file_id, ((line + "\n").encode() for line in lines))
-
-    def _write(self, file_id: str, chunks: Iterable[bytes]) -> int:
-        """Write to a temporary file, fsync, rename: all or nothing. A full disk (or any
-        storage failure) raises `StorageError` and leaves nothing behind."""
-        final = self.path_for(file_id)
-        tmp = self.files_dir / f".tmp-{file_id}"
-        num_bytes = 0
+        """Write JSONL `lines` (without newlines) atomically; return the byte count. A full
+        disk (or any storage failure) raises `StorageError` and leaves nothing behind."""
+        pending = self.open_upload(file_id)
         try:
-            with open(tmp, "wb") as f:
-                for chunk in chunks:
-                    f.write(chunk)
-                    num_bytes += len(chunk)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, final)
-            self._fsync_dir()
-        except OSError as e:
-            final.unlink(missing_ok=True)
-            error = storage_error(e, f"writing {file_id}")
-            if error is None:
-                raise
-            raise error from e
+            for line in lines:
+                pending.write((line + "\n").encode())
+            pending.commit()
         finally:
-            tmp.unlink(missing_ok=True)
-        return num_bytes
-
-    def _fsync_dir(self) -> None:
-        fd = os.open(self.files_dir, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+            pending.discard()
+        return pending.num_bytes
 
     def remove(self, file_id: str) -> None:
         self.path_for(file_id).unlink(missing_ok=True)
+
+
+class PendingFile:
+    """One file's contents on their way in: `.tmp-<file_id>` in `files_dir`, written once,
+    then fsynced and renamed to `<file_id>` (all or nothing). Any storage failure (full
+    disk, quota, read-only) raises `StorageError`; `discard` (always safe to call) removes
+    whatever was written unless the file was committed."""
+
+    def __init__(self, files_dir: Path, file_id: str) -> None:
+        self.file_id = file_id
+        self.final = files_dir / file_id
+        self.tmp = files_dir / f".tmp-{file_id}"
+        self.num_bytes = 0
+        self.committed = False
+        self._file: BinaryIO | None = None
+        # closed by commit or discard
+        self._failing(lambda: setattr(self, "_file", open(self.tmp, "wb")))  # noqa: SIM115
+
+    def write(self, data: bytes) -> None:
+        assert self._file is not None, "write after commit or discard"
+        file = self._file
+        self._failing(lambda: file.write(data))
+        self.num_bytes += len(data)
+
+    def commit(self) -> None:
+        """Flush, fsync, rename into place, fsync the folder."""
+        assert self._file is not None, "commit after discard"
+        file, self._file = self._file, None
+
+        def finish() -> None:
+            with file:
+                file.flush()
+                os.fsync(file.fileno())
+            os.replace(self.tmp, self.final)
+            _fsync_dir(self.final.parent)
+
+        self._failing(finish)
+        self.committed = True
+
+    def discard(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if not self.committed:  # a failure after the rename leaves the final path too
+            self.tmp.unlink(missing_ok=True)
+            self.final.unlink(missing_ok=True)
+
+    def _failing(self, step: Callable[[], object]) -> None:
+        """Run `step`; an OS failure of the storage becomes `StorageError` (the partial file
+        removed)."""
+        try:
+            step()
+        except OSError as e:
+            self.discard()
+            error = storage_error(e, f"writing {self.file_id}")
+            if error is None:
+                raise
+            raise error from e
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

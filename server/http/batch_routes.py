@@ -7,20 +7,20 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import FileResponse, Response
-from starlette.datastructures import UploadFile
 
 from server.batch.files import file_object, safe_filename
 from server.batch.objects import Batch, BatchList, FileDeleted, FileList
-from server.batch.storage_faults import storage_error
 from server.http.request_body import read_json
 from server.http.responses import json_response
 from server.http.state import AppState, get_state
+from server.http.upload_stream import NoRoom, receive_upload
 from server.openai.errors import (
     APIError,
     invalid_request,
     not_found,
     storage_limit_reached,
     too_many_batches,
+    too_many_uploads,
 )
 from server.openai.requests import BatchCreateRequest, parse_body
 from server.openai.responses import new_id, now
@@ -49,47 +49,57 @@ def _file(state: AppState, file_id: str) -> dict[str, Any]:
 @router.post("/v1/files")
 async def upload_file(request: Request) -> Response:
     state = get_state(request)
+    if state.num_uploads >= state.settings.max_uploads:
+        raise too_many_uploads(state.settings.max_uploads, state.settings.retry_after_s)
+    state.num_uploads += 1
     try:
-        form = await request.form(max_files=1, max_fields=8)
-    except OSError as e:  # the multipart parser spools large parts to a temporary file
-        error = storage_error(e, "receiving the upload")
-        if error is None:
-            raise
-        raise error from e
+        return await _receive_file(state, request)
+    finally:
+        state.num_uploads -= 1
+
+
+async def _receive_file(state: AppState, request: Request) -> Response:
+    """The upload streamed into the data directory (server/http/upload_stream.py), checked,
+    committed and recorded; on any refusal nothing is stored."""
+    limit = state.settings.max_stored_bytes
+    room = None if limit is None else limit - state.store.stored_bytes()
+    file_id = new_id("file-")
+    content_type = request.headers.get("content-type", "")
     try:
-        upload, purpose = form.get("file"), form.get("purpose")
-        if not isinstance(upload, UploadFile):
-            raise invalid_request("Send the file as the multipart field 'file'.", param="file")
+        upload = await receive_upload(request.stream(), content_type, state.storage, file_id, room)
+    except NoRoom as e:
+        assert limit is not None
+        raise storage_limit_reached(limit, state.store.stored_bytes()) from e
+    pending = upload.pending
+    assert pending is not None
+    try:
+        purpose = upload.fields.get("purpose")
         if purpose not in UPLOAD_PURPOSES:
             raise invalid_request(
                 f"purpose must be one of {list(UPLOAD_PURPOSES)}, got {purpose!r}.",
                 param="purpose",
             )
-        limit = state.settings.max_stored_bytes
-        if limit is not None and state.store.stored_bytes() + (upload.size or 0) > limit:
-            raise storage_limit_reached(limit, state.store.stored_bytes())
-        file_id = new_id("file-")
-        num_bytes = await asyncio.to_thread(state.storage.write_stream, file_id, upload.file)
-        if num_bytes == 0:
-            state.storage.remove(file_id)
+        if pending.num_bytes == 0:
             raise invalid_request("The uploaded file is empty.", param="file", code="empty_file")
+        await asyncio.to_thread(pending.commit)
+        stored = state.store.stored_bytes()  # others may have been stored meanwhile
+        if limit is not None and stored + pending.num_bytes > limit:
+            raise storage_limit_reached(limit, stored)
         record = {
             "id": file_id,
-            "bytes": num_bytes,
+            "bytes": pending.num_bytes,
             "filename": safe_filename(upload.filename),
             "purpose": purpose,
             "created_at": now(),
             "status": "processed",
             "path": file_id,
         }
-        try:
-            state.store.insert_file(record)
-        except BaseException:
-            state.storage.remove(file_id)
-            raise
-        return json_response(file_object(record))
-    finally:
-        await form.close()
+        state.store.insert_file(record)
+    except BaseException:
+        pending.discard()
+        state.storage.remove(file_id)  # committed but recorded nowhere: it goes too
+        raise
+    return json_response(file_object(record))
 
 
 @router.get("/v1/files")

@@ -40,7 +40,7 @@ ERRORS = {
     408: "The request body stopped arriving.",
     413: "The body is larger than the daemon accepts.",
     415: "The body is not application/json.",
-    429: "The online queue is full; retry after the Retry-After header's seconds.",
+    429: "Too much at once (online queue, uploads, batches); retry after Retry-After seconds.",
     503: "The engine is starting or restarting; retry after the Retry-After header's seconds.",
     507: "The data directory is full or read-only; nothing was stored.",
 }
@@ -76,7 +76,7 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ),
     ("get", "/v1/models"): Operation(responses.ModelList),
     ("get", "/v1/models/{model_id}"): Operation(responses.Model, errors=(404,)),
-    ("post", "/v1/files"): Operation(objects.FileObject, errors=(507,)),
+    ("post", "/v1/files"): Operation(objects.FileObject, errors=(429, 507)),
     ("get", "/v1/files"): Operation(objects.FileList),
     ("get", "/v1/files/{file_id}"): Operation(objects.FileObject, errors=(404,)),
     ("delete", "/v1/files/{file_id}"): Operation(objects.FileDeleted, errors=(404, 507)),

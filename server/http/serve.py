@@ -115,6 +115,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "long for it, then gets 503 with Retry-After (0: at once) (default: %(default)s)",
     )
     parser.add_argument(
+        "--max-uploads",
+        type=int,
+        default=ServerSettings.max_uploads,
+        metavar="N",
+        help="uploads to POST /v1/files received at once; one more is answered 429 "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
         "--max-batches",
         type=int,
         default=ServerSettings.max_batches,

@@ -36,6 +36,9 @@ class ServerSettings:
     """Largest JSON body for completions, chat and batches."""
     max_file_bytes: int = 200 * MiB
     """Largest upload to POST /v1/files (OpenAI's batch input limit)."""
+    max_uploads: int = 4
+    """Uploads to POST /v1/files received at once; beyond: 429. Each holds up to 1 MiB of
+    memory and up to `max_file_bytes` of the data directory while it arrives."""
     max_batch_requests: int = 50_000
     """Most lines in one batch input file (OpenAI's limit)."""
     max_batches: int = 16
@@ -84,6 +87,8 @@ class ServerSettings:
             raise UserError(f"max_seqs_per_request must be >= 1, got {self.max_seqs_per_request}")
         if self.max_batches < 1:
             raise UserError(f"--max-batches must be >= 1, got {self.max_batches}")
+        if self.max_uploads < 1:
+            raise UserError(f"--max-uploads must be >= 1, got {self.max_uploads}")
         if self.max_stored_bytes is not None and self.max_stored_bytes < 1:
             raise UserError(f"--max-stored-bytes must be > 0, got {self.max_stored_bytes}")
         if self.batch_concurrency < 1:
@@ -130,6 +135,7 @@ class ServerSettings:
             body_total_timeout_s=args.body_total_timeout,
             keep_alive_s=args.keep_alive,
             max_batches=args.max_batches,
+            max_uploads=args.max_uploads,
             max_stored_bytes=None
             if args.max_stored_bytes is None
             else parse_bytes(args.max_stored_bytes),

@@ -30,6 +30,8 @@ class AppState:
     num_online: int = 0
     """Sequences (prompts x n) of online requests admitted and not yet finished, bounded by
     settings.max_queue."""
+    num_uploads: int = 0
+    """Uploads to POST /v1/files being received, bounded by settings.max_uploads."""
     engine_error: str | None = field(default=None)
     """Why the engine failed to start, shown by GET /ready."""
 

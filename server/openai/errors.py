@@ -94,6 +94,18 @@ def too_many_batches(limit: int) -> APIError:
     )
 
 
+def too_many_uploads(limit: int, retry_after_s: int) -> APIError:
+    """429: `limit` uploads are arriving already; this one was not read."""
+    return APIError(
+        429,
+        f"{limit} uploads are in progress already (the server's limit); retry after "
+        f"{retry_after_s} s.",
+        type="rate_limit_error",
+        code="too_many_uploads",
+        headers={"Retry-After": str(retry_after_s)},
+    )
+
+
 def storage_limit_reached(limit_bytes: int, stored_bytes: int) -> APIError:
     """507: an upload would take the data directory's files past their byte limit."""
     return APIError(

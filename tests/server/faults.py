@@ -144,7 +144,7 @@ def _inject_enospc(state: AppState, is_full: Any) -> None:
     store, storage = state.store, state.storage
     for name in ("commit_result", "insert_file", "insert_batch", "finalize_batch"):
         setattr(store, name, failing(getattr(store, name), "writing the database"))
-    for name in ("write_stream", "write_lines"):
+    for name in ("open_upload", "write_lines"):
         setattr(storage, name, failing(getattr(storage, name), "writing a file"))
 
 
