@@ -95,6 +95,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "planned_peak_bytes": int(planned),
         "planned_over_rehearsed": planned / peak if peak else None,
         "peak": found.peak,
+        "side_stream_peak_bytes": found.side_stream_peak,
         "steps": found.steps,
         "kv_capacity_pages": found.kv_capacity_pages,
         "error": found.error,

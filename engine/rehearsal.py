@@ -40,6 +40,9 @@ class Rehearsal:
     """The KV pages the engine gave each tier after its reserves."""
     label_peaks: dict[str, int]
     """The most bytes alive at once by what made them (weights, kv pool, load_cache...)."""
+    side_stream_peak: int
+    """The most bytes alive at once only because a side stream may still read them (stores
+    in flight to host memory)."""
     seconds: float
     error: str | None = None
     """The engine's own refusal (a budget error), if it refused to run."""
@@ -194,6 +197,7 @@ def rehearse(
         steps=steps,
         kv_capacity_pages=capacity,
         label_peaks=dict(ledger.label_peaks),
+        side_stream_peak=ledger.deferred_peak,
         seconds=time.perf_counter() - start,
         error=error,
     )

@@ -743,6 +743,12 @@ class BlockPipeline:
                 self._after_moves(j)
                 self.kv.write(tier, self.model.kv_layer(j), kv_rows, rows)
             elif self.device.is_cuda:
+                if rows.untyped_storage().nbytes() > rows.numel() * rows.element_size():
+                    # a view of the layer's fused q, k, v output: copied out on this stream,
+                    # so the store in flight holds its rows alone, not the whole output (a
+                    # 65,536-token OPT-30B prefill: 2.8 GB a layer for 1.9 GB of rows)
+                    with self.tracer.span("compact_cache", "compute", j, batch.index):
+                        rows = rows.clone(memory_format=torch.contiguous_format)
                 # the copy waits for the rows' selection on this (the compute) stream, which
                 # follows the layer's compute (waiting for the compute alone, it read rows not
                 # yet written: every placement with KV off the GPU gave wrong tokens on the

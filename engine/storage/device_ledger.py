@@ -66,6 +66,10 @@ class DeviceLedger:
     _completed: int = 0
     label_peaks: dict[str, int] = field(default_factory=dict)
     """The most bytes alive at once by what made them, over the whole run."""
+    deferred_bytes: int = 0
+    """Bytes alive only because a side stream may still read them (stores in flight)."""
+    deferred_peak: int = 0
+    """The most `deferred_bytes` at once, over the whole run."""
     on_complete: list[Callable[[int], None]] = field(default_factory=list)
     """Called with the clock the host has seen the device reach (after `complete`)."""
     _lock: threading.RLock = field(default_factory=threading.RLock)
@@ -135,6 +139,8 @@ class DeviceLedger:
                 del self._buffers[key]
             if buffer.recorded is not None and buffer.recorded > self._completed:
                 self._deferred.append(buffer)  # a side stream may still read it
+                self.deferred_bytes += buffer.nbytes
+                self.deferred_peak = max(self.deferred_peak, self.deferred_bytes)
             else:
                 self._free(buffer)
 
@@ -172,6 +178,7 @@ class DeviceLedger:
             for buffer in self._deferred:
                 if buffer.recorded is not None and buffer.recorded <= self._completed:
                     self._free(buffer)
+                    self.deferred_bytes -= buffer.nbytes
                 else:
                     kept.append(buffer)
             self._deferred = kept
