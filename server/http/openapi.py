@@ -19,7 +19,7 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from server.batch import objects
-from server.openai import responses
+from server.openai import embeddings, responses
 from server.openai.requests import (
     BatchCreateRequest,
     ChatCompletionRequest,
@@ -64,7 +64,25 @@ class Operation:
     """No API key needed."""
 
 
+POOLING_ERRORS = (404, 415, 429, 503)
+"""A pooling route's statuses: 400 also when the model does not pool (or pools otherwise)."""
+POOLING: dict[tuple[str, str], Operation] = {
+    ("post", path): Operation(ok, body, POOLING_ERRORS)
+    for paths, ok, body in (
+        ((embeddings.EMBEDDINGS,), embeddings.EmbeddingList, embeddings.EmbeddingRequest),
+        ((embeddings.SCORE, "/score"), embeddings.ScoreList, embeddings.ScoreRequest),
+        (
+            (embeddings.RERANK, "/rerank", "/v2/rerank"),
+            embeddings.RerankList,
+            embeddings.RerankRequest,
+        ),
+    )
+    for path in paths
+}
+"""vLLM's pooling routes (served with and without /v1, as vLLM does)."""
+
 OPERATIONS: dict[tuple[str, str], Operation] = {
+    **POOLING,
     ("post", "/v1/completions"): Operation(
         responses.Completion, CompletionRequest, (404, 415, 429, 503), streams=True
     ),

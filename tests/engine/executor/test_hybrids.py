@@ -155,7 +155,8 @@ def tight_engine(
 ) -> Iterator[LLM]:
     """An engine on the CPU with 16-token steps (prompts run in chunks) and KV pools of
     `pages` per tier, whose admission expects one generated token per request, so that
-    sequences growing past it preempt others."""
+    sequences growing past it preempt others (in arrival order: prefix ordering off, since
+    its queue order and one-step waits would spare the preemptions these tests are about)."""
     with LLM(
         str(model_dir),
         policy=policy,
@@ -163,6 +164,7 @@ def tight_engine(
         device="cpu",
         max_step_tokens=16,
         kv_capacity_pages=pages,
+        prefix_ordering=False,
         **kwargs,
     ) as llm:
         llm.scheduler.config = dataclasses.replace(llm.scheduler.config, expected_gen_tokens=1)
