@@ -288,7 +288,9 @@ def test_plan_command_reports_the_states(
     model_dir.mkdir()
     config = {**TINY_CONFIGS["nemotron_h"], "torch_dtype": "float32"}
     (model_dir / "config.json").write_text(json.dumps(config))
+    # float32 as the figures below (on a GPU profile the engine would compute float16)
     argv = ["plan", "--model", str(model_dir), "--hardware", str(hardware), "--gpu-mem", "16MiB"]
+    argv += ["--dtype", "float32"]
     assert main(argv) == 0
     report = capsys.readouterr().out
     assert "of KV per token in 1 of 5 layers; 11.8 KiB of state per sequence in 2" in report
@@ -336,7 +338,9 @@ def test_plan_command_reports_falcon_h1_and_nemotron_moe(
     (model_dir / "config.json").write_text(
         json.dumps({**TINY_CONFIGS[kind], "torch_dtype": "float32"})
     )
+    # float32 as the figures below (on a GPU profile the engine would compute float16)
     argv = ["plan", "--model", str(model_dir), "--hardware", str(hardware), "--gpu-mem", "16MiB"]
+    argv += ["--dtype", "float32"]
     assert main(argv) == 0
     report = capsys.readouterr().out
     assert header in report
