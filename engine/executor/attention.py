@@ -214,7 +214,7 @@ class RaggedLayout:
     ) -> RaggedLayout:
         """The layout of sequences with `q_lens` new tokens after `past_lens` past ones.
         `seq_slots`: per sequence, the KV pool slots of all its tokens, past and new, when
-        its attention reads them in place (on `device`): a (B, W) table (`slot_table`; a
+        its attention reads them in place (on `device`): a (B, W) table (`page_slots`; a
         row past its sequence's length is never read) or one list per sequence; None: it
         gets them packed."""
         if isinstance(seq_slots, list):
@@ -256,12 +256,17 @@ class RaggedLayout:
         return cls(groups, sum(past_lens))
 
 
-def padded_table(rows: list[list[int]], device: torch.device) -> torch.Tensor:
-    """(B, W) int64 of B lists of ids, each padded with its last id to the longest (W)."""
+def padded_rows(rows: list[list[int]]) -> tuple[list[int], int]:
+    """B lists of ids, each padded with its last id to the longest (W), back to back:
+    (B * W ids, W)."""
     width = max(map(len, rows))
-    return torch.tensor(
-        [row + row[-1:] * (width - len(row)) for row in rows], dtype=torch.long, device=device
-    )
+    return [i for row in rows for i in row + row[-1:] * (width - len(row))], width
+
+
+def padded_table(rows: list[list[int]], device: torch.device) -> torch.Tensor:
+    """(B, W) int64 of B lists of ids (`padded_rows`)."""
+    flat, width = padded_rows(rows)
+    return torch.tensor(flat, dtype=torch.long, device=device).view(len(rows), width)
 
 
 def _padded(

@@ -277,6 +277,16 @@ class Executor:
             overlap_masks=self.device.is_cuda,
             inputs=self.inputs,
         )
+        self._resident = (
+            not self.weights.uses_tier("cpu")
+            and not self.weights.uses_tier("disk")
+            and policy.kv_frac[0] == 1.0
+            and policy.act_frac[0] == 1.0
+            and self.states is None
+        )
+        """Nothing is homed off the gpu tier (weights, KV, activations, states), so a step
+        copies to or from another tier only when its plan moves pages; otherwise its one
+        read of the device, the sampled tokens, already waits for all it queued."""
         self._closed = False
         self._seqs: dict[int, SeqState] = {}
         self._builder = BatchBuilder(
@@ -562,7 +572,7 @@ class Executor:
         )
         by_seq = {c.seq_id: i for i, c in enumerate(sampled)}
         order = [by_seq[c.seq_id] for c in plan.chunks if c.do_sample]
-        if self._copies_off_device(plan):  # their stores run on other streams: fence them
+        if not self._resident or plan.page_moves:  # stores on other streams: fence them
             self.device.synchronize()
         return StepResult(
             plan.step_id,
@@ -573,20 +583,6 @@ class Executor:
             bytes_per_tier=self.bytes_per_tier(),
             errors=errors,
         )
-
-    def _copies_off_device(self, plan: StepPlan) -> bool:
-        """The step copied to or from another tier than the gpu tier's (weights, KV, states
-        or activations homed there, or pages moved): a resident step's only read of the
-        device is its sampled tokens, which already waits for everything it queued."""
-        policy = self.policy
-        resident = (
-            not self.weights.uses_tier("cpu")
-            and not self.weights.uses_tier("disk")
-            and policy.kv_frac[0] == 1.0
-            and policy.act_frac[0] == 1.0
-            and self.states is None
-        )
-        return not resident or bool(plan.page_moves)
 
     def _disk_pages_written(self, plan: StepPlan) -> list[int]:
         """Disk pages the plan's chunks write new KV into."""

@@ -14,7 +14,7 @@ import torch
 from engine.core.prefix_cache import PageRef
 from engine.core.protocol import SeqChunk, TokenLogprobs
 from engine.core.sampling_params import SamplingParams
-from engine.executor.attention import RaggedLayout
+from engine.executor.attention import RaggedLayout, padded_rows
 from engine.executor.step_inputs import Staged, StepInputs
 from engine.models.base import Positions
 from engine.models.config import shared_window
@@ -189,7 +189,9 @@ def add_slots(
 
 
 def page_slots(pages: torch.Tensor, page_tokens: int) -> torch.Tensor:
-    """(B, W) pool slots of (B, W / page_tokens) padded page tables (`slot_table`)."""
+    """(B, W) the pool slot of each token position of B sequences, from their (B, W /
+    page_tokens) page tables padded with their last page (`padded_rows`; a shorter
+    sequence's tail repeats its last page's slots, never read)."""
     offsets = torch.arange(page_tokens, device=pages.device)
     return (pages[:, :, None] * page_tokens + offsets).view(pages.shape[0], -1)
 
@@ -403,7 +405,7 @@ class BatchBuilder:
     ) -> Callable[[], torch.Tensor] | None:
         """Stage, per sequence, the gpu tier's pages of all the tokens it attends over (past
         from `past_start`, and new) and where in its first page they start; returns what
-        makes the (B, W) table of their pool slots from them on the device (`slot_table`).
+        makes the (B, W) table of their pool slots from them on the device (`page_slots`).
         None when any of those pages lives on another tier."""
         size = self.page_tokens
         tables, offsets = [], []
@@ -414,8 +416,7 @@ class BatchBuilder:
                 return None
             tables.append([page for _, page in pages])
             offsets.append(first % size)
-        width = max(map(len, tables))
-        padded = [p for table in tables for p in table + table[-1:] * (width - len(table))]
+        padded, width = padded_rows(tables)
         staged_pages = self._stage_index(padded)
         staged_offsets = self._stage_index(offsets) if any(offsets) else None
 

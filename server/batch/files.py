@@ -111,7 +111,7 @@ class PendingFile:
                 file.flush()
                 os.fsync(file.fileno())
             os.replace(self.tmp, self.final)
-            _fsync_dir(self.final.parent)
+            fsync_dir(self.final.parent)
 
         self._failing(finish)
         self.committed = True
@@ -137,7 +137,8 @@ class PendingFile:
             raise error from e
 
 
-def _fsync_dir(directory: Path) -> None:
+def fsync_dir(directory: Path) -> None:
+    """Make a rename or a new file in `directory` durable (fsync of the directory itself)."""
     fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(fd)

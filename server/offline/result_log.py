@@ -12,6 +12,8 @@ import os
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from server.batch.files import fsync_dir
+
 
 class ResultLog:
     """One JSONL file of JSON objects, appended to one line at a time (flush + fsync)."""
@@ -28,7 +30,7 @@ class ResultLog:
             is_new = not self.path.exists()
             self._file = open(self.path, "ab")  # noqa: SIM115 (closed by close())
             if is_new:
-                _fsync_dir(self.path.parent)
+                fsync_dir(self.path.parent)
         self._file.write(line.encode() + b"\n")
         self._file.flush()
         os.fsync(self._file.fileno())
@@ -61,11 +63,3 @@ def read_back(path: Path) -> list[dict[str, Any]]:
     if keep < len(data):
         os.truncate(path, keep)
     return records
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

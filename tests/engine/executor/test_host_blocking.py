@@ -17,7 +17,6 @@ has that many layers queued. On the CPU copies carry no event and it never waits
 
 from __future__ import annotations
 
-import inspect
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -31,10 +30,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from engine import LLM, SamplingParams
 from engine.storage.device import Device
 from policy import Policy
+from tests.engine.executor.engine_frames import engine_caller
 from tests.engine.executor.test_correctness import PLACEMENTS
 
 GREEDY = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
-ENGINE = Path(__file__).resolve().parents[3] / "engine"
 
 # The ways the host waits for the device: Device methods and tensor methods that copy a
 # device value to the host before returning.
@@ -46,15 +45,6 @@ SCALAR_OPS = ("aten._local_scalar_dense",)  # .item(), bool(t), int(t), float(t)
 # layer and block, to run (and, offloaded, fetch) only the experts picked. Data-dependent
 # by nature; the offloading engines (MoE-Gen, KTransformers) read the routing too.
 ALLOWED = ("Tensor.tolist at engine/models/moe.py",)
-
-
-def engine_caller() -> str | None:
-    """`file:line` of the innermost engine frame on the stack (None outside the engine)."""
-    for frame in inspect.stack(context=0)[2:]:
-        path = Path(frame.filename).resolve()
-        if path.is_relative_to(ENGINE):
-            return f"{path.relative_to(ENGINE.parent)}:{frame.lineno}"
-    return None
 
 
 class Recorder(TorchDispatchMode):

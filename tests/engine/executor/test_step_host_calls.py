@@ -12,7 +12,6 @@ calls the CUDA path makes: prefill, decode and mixed steps; greedy and drawn row
 
 from __future__ import annotations
 
-import inspect
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -27,8 +26,7 @@ from engine import LLM, SamplingParams
 from engine.core.protocol import StepPlan
 from engine.storage.device import Device
 from policy import Policy
-
-ENGINE = Path(__file__).resolve().parents[3] / "engine"
+from tests.engine.executor.engine_frames import engine_caller
 
 # The attention layouts (engine/executor/attention.py: RaggedLayout) still build their
 # small per-sequence length tensors themselves: they become the paged attention kernel's
@@ -50,15 +48,6 @@ SETTINGS = [
     SamplingParams(max_tokens=3, temperature=1.0, min_p=0.1, seed=7, ignore_eos=True),
     SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
 ]
-
-
-def engine_caller() -> str | None:
-    """`file:line` of the innermost engine frame on the stack (None outside the engine)."""
-    for frame in inspect.stack(context=0)[2:]:
-        path = Path(frame.filename).resolve()
-        if path.is_relative_to(ENGINE):
-            return f"{path.relative_to(ENGINE.parent)}:{frame.lineno}"
-    return None
 
 
 class StepCounter(TorchDispatchMode):
