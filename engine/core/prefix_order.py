@@ -70,7 +70,9 @@ class PrefixQueue(Generic[Item]):
         return len(self._items)
 
     def __iter__(self) -> Iterator[Item]:
-        return iter(list(self._items))
+        """From the front; like a deque's, not to be held across a change of the queue (a
+        copy here made each admission's look at the head cost the whole queue)."""
+        return iter(self._items)
 
     def _insert(self, item: Item, key: QueueKey) -> None:
         index = bisect.bisect_right(self._keys, key)
