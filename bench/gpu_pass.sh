@@ -1,21 +1,23 @@
 #!/usr/bin/env bash
-# The GPU pass (issues 39 and 40): named steps run in order on the GPU machine, each under a
+# The GPU pass: named steps run in order on the GPU machine, each under a
 # hard timeout, the whole within GPU_PASS_DEADLINE_S seconds; carry: [".whl"] (filled by
 # bench/fetch_gpu_wheels.sh flexgen==0.1.8), and a profile directory to reuse one.
 #
-#   bash bench/gpu_pass.sh 1            = suite profile overlap     (the first call)
-#   bash bench/gpu_pass.sh 2            = offloaded resident breakdown  (the second call)
+#   bash bench/gpu_pass.sh 1            = offloaded resident breakdown  (the first call)
+#   bash bench/gpu_pass.sh 2            = suite attention profile overlap  (the second call)
 #   bash bench/gpu_pass.sh attention offloaded resident suite       (any steps, in order)
 #   bash bench/gpu_pass.sh run python3 -m bench.nano_batches ...    (any command, one step)
 #   GPU_PASS_DRY_RUN=1 bash bench/gpu_pass.sh 1                     (on a CPU: see below)
 #
 # Steps:
-#   suite      the CUDA suite and the Triton kernel tests, -v, every test named in a log
+#   suite      the CUDA suite and the Triton kernel tests (the one paged attention kernel
+#              among them), -v, every test named in a log
 #   attention  bench/gpu_attention.py: the Triton kernels against gather + SDPA
 #   profile    `nanoflex profile` (the hardware constants the planner reads)
 #   overlap    bench/gpu_overlap.py: a layer's copy beside compute, hardware and engine
 #   offloaded  OPT-6.7B 512+32 under 16 GiB: FlexGen 0.1.8 and nanoflex's searched policy
-#              (GPU_PASS_OFFLOADED_SYSTEMS, default flexgen,nanoflex)
+#              (GPU_PASS_OFFLOADED_SYSTEMS, default flexgen,nanoflex), then OPT-30B under
+#              16 GiB when its estimate fits what is left (GPU_PASS_OFFLOADED_CASES)
 #   resident   Llama-3-8B 512+32 on the whole card: nanoflex's searched policy
 #   breakdown  bench/gpu_breakdown.py: Llama-3-8B resident, prefill and decode under torch's
 #              profiler: the device's busy share of the wall and its busiest kernels
@@ -30,8 +32,8 @@
 set -uo pipefail
 [ $# -gt 0 ] || { echo "usage: bench/gpu_pass.sh 1|2|STEP...|run COMMAND..." >&2; exit 2; }
 case "$1" in
-  1) set -- suite profile overlap ;;
-  2) set -- offloaded resident breakdown ;;
+  1) set -- offloaded resident breakdown ;;
+  2) set -- suite attention profile overlap ;;
 esac
 PYTHON=${PYTHON:-python3}
 dry=${GPU_PASS_DRY_RUN:-}
@@ -96,6 +98,7 @@ for step in "$@"; do
         -p no:cacheprovider -m "gpu or not gpu" --timeout 200 --tb=short -rfE --durations=25 \
         tests/engine/executor/test_cuda.py tests/engine/storage/test_quant.py \
         tests/engine/kernels/test_triton_attention.py tests/engine/kernels/test_triton_dense.py \
+        tests/engine/kernels/test_triton_paged.py \
         tests/bench/test_gpu_compare.py::test_smoke_case_on_cuda ;;
     attention)
       run_step attention "${GPU_PASS_ATTENTION_S:-90}" "$PYTHON" -m bench.gpu_attention \
@@ -122,7 +125,8 @@ for step in "$@"; do
           > "$results/profile-quick.log" 2>&1
       fi
       if [ "$step" = offloaded ]; then
-        case_name=opt-6.7b-p512-16g systems=${GPU_PASS_OFFLOADED_SYSTEMS:-flexgen,nanoflex}
+        case_name=${GPU_PASS_OFFLOADED_CASES:-opt-6.7b-p512-16g,opt-30b-p512-16g}
+        systems=${GPU_PASS_OFFLOADED_SYSTEMS:-flexgen,nanoflex}
         wanted=${GPU_PASS_OFFLOADED_S:-170}
       else
         case_name=llama-3-8b-p512-full systems=nanoflex wanted=${GPU_PASS_RESIDENT_S:-180}
