@@ -95,12 +95,9 @@ def _setup_labels(ledger: DeviceLedger) -> Iterator[None]:
         (StepSampler, "sample", "sampler"),
     )
     with ExitStack() as stack:
-        for owner, name, label in labels:
-            if hasattr(owner, name):
-                method = getattr(owner, name)
-                stack.enter_context(
-                    mock.patch.object(owner, name, _labelled(ledger, label, method))
-                )
+        for owner, name, label in labels:  # a renamed method fails here, not silently
+            method = getattr(owner, name)
+            stack.enter_context(mock.patch.object(owner, name, _labelled(ledger, label, method)))
         yield
 
 

@@ -53,7 +53,8 @@ class StepSampler:
         self.logits = LogitsProcessor(vocab_size, eos, self.grammars, token_mask)
         self.sampler = Sampler(inputs=inputs)
         self.vocab_size = vocab_size
-        self._uses_inputs = inputs is not None
+        self.uses_inputs = inputs is not None
+        """`prepare` stages the draws into the step's inputs (the caller copies them)."""
         self._tokens: dict[int, list[int]] = {}
         """Sequence id -> every token it has fed, for those whose settings read them."""
         self.overlap_masks = overlap_masks
@@ -108,11 +109,6 @@ class StepSampler:
         self._pending = (rows, num_sampled, replays, constrained)
         if constrained and self.overlap_masks:
             self._masks_ahead = self._worker.submit(self._masks, rows, replays)
-
-    @property
-    def uses_inputs(self) -> bool:
-        """`prepare` stages the draws into the step's inputs (the caller copies them)."""
-        return self._uses_inputs
 
     def _masks(self, rows: list[RowTokens], replays: list[RowTokens]) -> Masks:
         start = time.perf_counter()

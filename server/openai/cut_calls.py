@@ -52,13 +52,24 @@ def cut_list(text: str, arguments_key: str) -> list[ParsedCall] | None:
     body = text.lstrip()
     if not body.startswith("["):
         return None
-    values, end = json_values(body[1:])
+    found = _calls_then_cut(body[1:], arguments_key)
+    if found is None:
+        return None
+    whole, cut = found
+    return whole if cut is None else [*whole, cut]
+
+
+def _calls_then_cut(
+    body: str, arguments_key: str
+) -> tuple[list[ParsedCall], ParsedCall | None] | None:
+    """The whole call objects `body` starts with and the one cut short after them (None:
+    none is); None when one of the whole values is no call."""
+    values, end = json_values(body)
     calls = [call_of(value, arguments_key) for value in values]
     whole = [call for call in calls if call is not None]
     if len(whole) != len(calls):
         return None
-    cut = cut_call(body[1 + end :])
-    return whole if cut is None else [*whole, cut]
+    return whole, cut_call(body[end:])
 
 
 def cut_answer(parser: str, text: str) -> ParsedAnswer | None:
@@ -68,13 +79,10 @@ def cut_answer(parser: str, text: str) -> ParsedAnswer | None:
     if parser == "hermes":
         return _cut_hermes(text)
     if parser == "llama3_json":
-        body = text.lstrip().removeprefix("<|python_tag|>")
-        values, end = json_values(body)
-        calls = [call_of(value, "parameters") for value in values]
-        cut = cut_call(body[end:])
-        if cut is None or any(call is None for call in calls):
+        found = _calls_then_cut(text.lstrip().removeprefix("<|python_tag|>"), "parameters")
+        if found is None or found[1] is None:
             return None
-        return ParsedAnswer(None, [*(c for c in calls if c is not None), cut])
+        return ParsedAnswer(None, [*found[0], found[1]])
     if parser == "mistral":
         return _cut_mistral(text)
     return None

@@ -53,7 +53,7 @@ ANSWERS: list[tuple[str, str | None, str | None, list[ParsedCall]]] = [
     ),
     ("<|channel|>final<|message|>Paris.<|return|>", None, "Paris.", []),
     ('<|channel|>commentary to=functions.get_time <|constrain|>json<|message|>{"zone": "U', None,
-     None, []),
+     None, [ParsedCall("get_time", '{"zone": "U')]),
     ("<|channel|>commentary to=functions.run code<|message|>print(1)<|call|>", None, None,
      [ParsedCall("run", "print(1)")]),
     (CALL.format("note", '{"text": "a<|b"}'), None, None, [ParsedCall("note", '{"text": "a<|b"}')]),
@@ -63,10 +63,11 @@ ANSWERS: list[tuple[str, str | None, str | None, list[ParsedCall]]] = [
 ]  # fmt: skip
 """(answer text, reasoning_content, content, calls): analysis then a call; the recipient
 before the channel and the stop token <|call|> left out (as generated); a preamble and two
-calls, one recipient each way; a final answer, no call; cut inside a call's JSON (no call);
-a call that is not JSON; a marker's start inside the arguments; arguments that do not
-parse, ended by <|call|> (kept as written, as vLLM keeps them); a built-in tool's call (no
-function: its body stays on its channel); no harmony at all (content)."""
+calls, one recipient each way; a final answer, no call; cut inside a call's JSON (the cut
+call, its arguments as generated: finish_reason "length" tells the client); a call that is
+not JSON; a marker's start inside the arguments; arguments that do not parse, ended by
+<|call|> (kept as written, as vLLM keeps them); a built-in tool's call (no function: its
+body stays on its channel); no harmony at all (content)."""
 
 
 def _read_in_pieces(text: str, cuts: list[int]) -> tuple[str, str, list[ParsedCall]]:
