@@ -57,9 +57,10 @@ class StepShape:
     prefill_tokens: int
     """A GPU batch's prompt tokens in one prefill step (at most the step's)."""
     prefill_past: int
-    """Past tokens a GPU batch's prefill chunk attends to (prompts cut over steps)."""
+    """Past tokens a GPU batch's prefill chunk attends to (a prompt cut over steps: one
+    sequence's chunk fills the step)."""
     decode_past: int
-    """Keys a GPU batch's sequence attends to in its last decode step."""
+    """Keys a GPU batch's sequences attend to, all together, in their last decode step."""
     logit_rows: int
     """Rows of logits alive at once: the block's (one per sequence), at most a step's."""
 
@@ -72,7 +73,7 @@ def step_shape(
     gbs = policy.gpu_batch_size
     whole = gbs * prompt_len
     tokens = min(whole, steps)
-    past = 0 if steps >= prompt_len else min(prompt_len - steps, prompt_len) * gbs
+    past = max(0, prompt_len - steps)  # a prompt longer than a step: its last chunk's past
     return StepShape(
         prefill_tokens=tokens,
         prefill_past=past,
@@ -157,7 +158,7 @@ def gpu_reserves(
 
 def reserve_bytes(reserves: dict[str, Affine], policy: Policy) -> int:
     """The most the reserves hold at `policy`'s fractions, over the stages."""
-    from policy.cost_model import policy_vector
+    from policy.cost_model import policy_vector  # the cost model imports this module
 
     x = policy_vector(policy)
     return int(max(row(x) for row in reserves.values()))

@@ -25,5 +25,7 @@ def prefill_steps(policy: Policy, prompt_len: float) -> int:
     resident weights reload nothing, so prompts run in chunks of RESIDENT_STEP_TOKENS
     (or one token per sequence of the block, if more); offloaded ones load each layer once
     per block, so the block's prompts run as one step."""
+    if policy.weights_frac[0] < 1.0:
+        return 1
     tokens = policy.block_size * prompt_len
     return max(1, math.ceil(tokens / default_step_tokens(policy, prompt_len)))
