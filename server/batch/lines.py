@@ -8,27 +8,35 @@ The daemon's Batch API (`server/batch/runner.py`: SQLite), `nanoflex run-batch`
 A valid line is `{"custom_id": str, "method": "POST", "url": <the batch's endpoint>,
 "body": {...}}`. Broken, duplicate and wrong-url lines become error lines, with OpenAI's
 codes, while the other lines run. Each line is decoded once.
+
+The daemon reads its input files one line at a time (`read_batch_lines`): a line is read in
+one allocation, decoded, parsed, checked and dropped before the next, so validating holds at
+most about twice the longest line (its text and its parsed value), never the file.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Iterable
+from collections.abc import Generator, Iterable, Iterator
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, BinaryIO
 
 from pydantic import BaseModel
 
+from server.batch.order import prefix_key
 from server.openai.embeddings import EMBEDDINGS
 from server.openai.errors import APIError, invalid_request
-from server.openai.json_body import JSONBodyError, loads_json
+from server.openai.json_body import JSONBodyError, decode_text, loads_json
 from server.openai.responses import new_id
 from server.openai.serving import CHAT, COMPLETIONS, RESPONSES, Serving
 
 ENDPOINTS = (COMPLETIONS, CHAT, RESPONSES, EMBEDDINGS)
 SERVER_ERROR = "server_error"
 """Error-file code of a line the server failed on (an unexpected exception)."""
+READ_CHUNK_BYTES = 1 << 20
+"""`read_lines` reads this much at a time; a longer line is read again in one piece."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +73,95 @@ class LineProblem:
 ParsedLine = BatchLine | LineProblem
 
 
+@dataclass(frozen=True, slots=True)
+class CheckedLine:
+    """A valid input line as validation passes it on: its text, not its parsed body."""
+
+    index: int
+    """Its place among the file's non-blank lines, from 0."""
+    custom_id: str
+    text: str
+    """The line as read, decoded (what a store keeps to answer it later)."""
+    key: str
+    """Its prompt's leading text (`order.prefix_key`), to run it in prefix order."""
+
+
+def read_lines(
+    f: BinaryIO, long_lines: AbstractContextManager[Any] | None = None
+) -> Iterator[bytes]:
+    """Each line of the seekable binary file `f`, without its newline. A line longer than
+    `READ_CHUNK_BYTES` is found by reading ahead to its end, then read again in one
+    allocation of its size (`readline` would join the chunks it read: twice the line), inside
+    `long_lines` (entered from its read until the caller asks for the next line: a lock
+    shared by readers keeps one long line in memory at a time)."""
+    pending = b""  # the start of a line whose end is not read yet
+    while True:
+        chunk = f.read(READ_CHUNK_BYTES)
+        if not chunk:
+            if pending:
+                yield pending
+            return
+        pieces = (pending + chunk).split(b"\n")
+        pending = pieces.pop()
+        yield from pieces
+        del pieces
+        if len(pending) >= READ_CHUNK_BYTES:
+            start = f.tell() - len(pending)
+            pending = b""
+            end = _next_newline(f)
+            with long_lines or nullcontext():
+                f.seek(start)
+                yield f.read(end - start)  # not bound to a name: the caller holds the only copy
+            f.seek(end + 1)
+
+
+def _next_newline(f: BinaryIO) -> int:
+    """The offset of the next newline at or after `f`'s position, or of the file's end."""
+    while True:
+        chunk = f.read(READ_CHUNK_BYTES)
+        at = chunk.find(b"\n")
+        if at >= 0:
+            return f.tell() - len(chunk) + at
+        if not chunk:
+            return f.tell()
+
+
+def read_batch_lines(
+    f: BinaryIO, endpoint: str, long_lines: AbstractContextManager[Any] | None = None
+) -> Generator[CheckedLine | LineProblem, None, None]:
+    """Every non-blank line of the batch input `f`, in file order, one at a time: checked as
+    `parse_lines` checks it for `endpoint`. Each line's bytes are dropped once decoded and its
+    parsed value once checked, before the caller gets it; the caller should drop each line
+    before asking for the next, and close the iterator if it stops early. `long_lines`: as
+    `read_lines` takes it."""
+    seen: set[str] = set()
+    index = line_number = 0
+    for raw in read_lines(f, long_lines):
+        line_number += 1
+        if not raw or raw.isspace():
+            continue
+        text, not_json = "", None
+        value: Any = None
+        try:
+            text = decode_text(raw)
+            raw = b""
+            value = loads_json(text)
+        except JSONBodyError as e:
+            not_json = f"Line {line_number} is not valid JSON: {e}."
+        raw = b""
+        custom_id, problem = _verdict(value, not_json, endpoint, seen)
+        if problem is None:
+            assert custom_id is not None
+            key = prefix_key(value["body"])
+            value = None
+            yield CheckedLine(index, custom_id, text, key)
+        else:
+            value, text = None, ""
+            yield LineProblem(index, line_number, custom_id, *problem)
+        text = ""
+        index += 1
+
+
 def parse_lines(raw_lines: Iterable[bytes], endpoint: str | None) -> tuple[str, list[ParsedLine]]:
     """(the batch's endpoint, every non-blank line in file order, valid or not). `endpoint`
     None: the url of the first line that names a supported one (`run-batch`, whose input
@@ -83,12 +180,9 @@ def parse_lines(raw_lines: Iterable[bytes], endpoint: str | None) -> tuple[str, 
     seen: set[str] = set()
     lines: list[ParsedLine] = []
     for index, (line_number, raw, value, not_json) in enumerate(decoded):
-        problem = ("invalid_json_line", not_json) if not_json else _check(value, endpoint, seen)
-        custom_id = value.get("custom_id") if isinstance(value, dict) else None
-        custom_id = custom_id if isinstance(custom_id, str) else None
+        custom_id, problem = _verdict(value, not_json, endpoint, seen)
         if problem is None:
             assert custom_id is not None
-            seen.add(custom_id)
             lines.append(BatchLine(index, custom_id, value["body"], raw))
         else:
             lines.append(LineProblem(index, line_number, custom_id, *problem))
@@ -96,12 +190,25 @@ def parse_lines(raw_lines: Iterable[bytes], endpoint: str | None) -> tuple[str, 
 
 
 def stored_line(index: int, custom_id: str, stored: str) -> BatchLine:
-    """A line a store kept as valid (a resumed batch's), decoded again: the raw line, or just
-    its body (what stores written before kept)."""
-    raw = stored.encode()
-    value = loads_json(raw)
+    """A line a store kept as valid, parsed again: the line as read, or just its body (what
+    stores written before kept). The line it returns keeps only the body (`raw` empty)."""
+    value = loads_json(stored)
     body = value["body"] if "custom_id" in value and isinstance(value.get("body"), dict) else value
-    return BatchLine(index, custom_id, body, raw)
+    return BatchLine(index, custom_id, body)
+
+
+def _verdict(
+    value: Any, not_json: str | None, endpoint: str, seen: set[str]
+) -> tuple[str | None, tuple[str, str] | None]:
+    """(the line's custom_id if it has a usable one, (code, message) of its problem or None
+    if it is valid); a valid line's custom_id joins `seen`. `not_json`: why it did not decode."""
+    problem = ("invalid_json_line", not_json) if not_json else _check(value, endpoint, seen)
+    custom_id = value.get("custom_id") if isinstance(value, dict) else None
+    custom_id = custom_id if isinstance(custom_id, str) else None
+    if problem is None:
+        assert custom_id is not None
+        seen.add(custom_id)
+    return custom_id, problem
 
 
 def _check(value: Any, endpoint: str, seen: set[str]) -> tuple[str, str] | None:

@@ -11,28 +11,54 @@ share a prefix (but for the last token or so), so the two orders agree.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from server.batch.lines import BatchLine
+if TYPE_CHECKING:
+    from server.batch.lines import BatchLine
 
 Item = TypeVar("Item")
 FIELD, RECORD = "\x1f", "\x1e"  # separators that do not occur in text
+PREFIX_KEY_CHARS = 4096
+"""How much of a prompt's text the daemon sorts a job by (`prefix_key`): lines that share
+more than this keep their input order among themselves."""
 
 
 def prompt_text(body: dict[str, Any]) -> str:
     """The text a request body's prompt starts with, in the order a chat template lays it
     out: tools, instructions, then each message's role and content (chat and responses), or
     the prompt (completions)."""
-    parts = [_text(body.get("tools")), _text(body.get("instructions"))]
+    return "".join(_prompt_parts(body))
+
+
+def prefix_key(body: dict[str, Any]) -> str:
+    """The first `PREFIX_KEY_CHARS` characters of `prompt_text(body)`, built without copying
+    the rest (a job's keys are held while it runs; its prompts need not be)."""
+    parts: list[str] = []
+    size = 0
+    for part in _prompt_parts(body):
+        parts.append(part[: PREFIX_KEY_CHARS - size])
+        size += len(parts[-1])
+        if size >= PREFIX_KEY_CHARS:
+            break
+    return "".join(parts)
+
+
+def _prompt_parts(body: dict[str, Any]) -> Iterator[str]:
+    """`prompt_text(body)` in pieces: the separators, and each field's text."""
+    yield _text(body.get("tools"))
+    yield RECORD
+    yield _text(body.get("instructions"))
     messages = body.get("messages", body.get("input"))
     if isinstance(messages, list) and all(isinstance(m, dict) for m in messages):
-        parts += [_text(m.get("role")) + FIELD + _text(m.get("content")) for m in messages]
-    elif messages is not None:
-        parts.append(_text(messages))
+        for m in messages:
+            yield RECORD
+            yield _text(m.get("role"))
+            yield FIELD
+            yield _text(m.get("content"))
     else:
-        parts.append(_text(body.get("prompt")))
-    return RECORD.join(parts)
+        yield RECORD
+        yield _text(body.get("prompt") if messages is None else messages)
 
 
 def _text(value: Any) -> str:

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
+from contextlib import closing, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,17 +27,19 @@ from server.batch.files import FileStorage
 from server.batch.lines import (
     SERVER_ERROR,
     BatchLine,
+    CheckedLine,
     LineProblem,
     answer_line,
     error_line,
-    parse_lines,
     problem_line,
+    read_batch_lines,
     stored_line,
 )
 from server.batch.objects import Batch, BatchError, BatchErrors
-from server.batch.order import in_prefix_order
+from server.batch.order import prefix_key
 from server.batch.storage_faults import StorageError
-from server.batch.store import Store
+from server.batch.store import RequestRow, Store
+from server.http.memory import LARGE_BODY_BYTES, return_freed_memory
 from server.openai.errors import OFFLOAD_UNAVAILABLE, APIError, invalid_request
 from server.openai.responses import new_id, now
 from server.openai.serving import Serving
@@ -46,6 +50,12 @@ STORAGE_PAUSED = "storage_unavailable"
 ENGINE_PAUSED = "engine_unavailable"
 OFFLOAD_PAUSED = OFFLOAD_UNAVAILABLE
 SERVER_PAUSED = "server_error"
+ROWS_PER_WRITE = 512
+WRITE_BYTES = 4 << 20
+"""Validation stores a file's lines `ROWS_PER_WRITE` lines or `WRITE_BYTES` of text at a time
+(a longer line on its own), so the store's lock is never held for long."""
+MAX_ERRORS = 100
+"""A failed batch lists at most this many line errors (the first ones)."""
 
 
 @dataclass(frozen=True)
@@ -79,9 +89,13 @@ class BatchRunner:
         self._in_flight: dict[str, set[asyncio.Task[None]]] = {}
         self._cancelled: dict[str, asyncio.Event] = {}
         self._slots: asyncio.Semaphore | None = None
-        self._lines: dict[str, dict[int, BatchLine]] = {}
-        """batch id -> its valid lines as validation parsed them (a resumed batch's are read
-        back from the store instead)."""
+        self._long_lines = threading.Lock()
+        """Held while a long line (over `LARGE_BODY_BYTES`) is read, parsed and stored or
+        answered, in every batch: the daemon holds one long line at a time."""
+        self._keys: dict[str, dict[int, str]] = {}
+        """batch id -> line index -> its prefix-order key (`order.prefix_key`), as validation
+        read them (a resumed batch's are read back from the store instead). Lines themselves
+        are read from the store one at a time as they run."""
         self._pauses: dict[str, BatchError] = {}
         """batch id -> the error entry that says why it is paused (in memory: the disk may
         be full, and a restart retries anyway)."""
@@ -108,7 +122,7 @@ class BatchRunner:
 
     def _forget(self, batch_id: str) -> None:
         self._tasks.pop(batch_id, None)
-        self._lines.pop(batch_id, None)
+        self._keys.pop(batch_id, None)
         self._cancelled.pop(batch_id, None)
         self._pauses.pop(batch_id, None)
 
@@ -233,7 +247,8 @@ class BatchRunner:
         return now() >= (batch.expires_at or 0)
 
     def _validate(self, batch_id: str) -> None:
-        """Split the input file into runnable requests and error lines (worker thread)."""
+        """Split the input file into runnable requests and error lines (worker thread), one
+        line at a time: no more than one line (and its parse) is held at once."""
         batch = self.store.get_batch(batch_id)
         assert batch is not None
         record = self.store.get_file(batch.input_file_id)
@@ -242,21 +257,43 @@ class BatchRunner:
             message = f"Input file {batch.input_file_id} is gone; upload it again."
             self._fail(batch_id, "file_not_found", message)
             return
-        with open(path, "rb") as f:
-            _, lines = parse_lines(f, batch.endpoint)
-        if len(lines) > self.config.max_batch_requests:
-            message = f"{len(lines)} requests; the limit is {self.config.max_batch_requests}."
+        self.store.clear_requests(batch_id)
+        keys: dict[int, str] = {}
+        problems: list[dict[str, Any]] = []
+        rows: list[RequestRow] = []
+        num_lines = num_bytes = 0
+        with (
+            open(path, "rb") as f,
+            closing(read_batch_lines(f, batch.endpoint, self._long_lines)) as checked,
+        ):
+            for line in checked:
+                num_lines += 1
+                if num_lines > self.config.max_batch_requests:
+                    break
+                if isinstance(line, CheckedLine):
+                    keys[line.index] = line.key
+                    num_bytes += len(line.text)
+                elif len(problems) < MAX_ERRORS:
+                    problems.append(line.error())
+                rows.append(_row(line))
+                del line  # the rows hold the only copy of its text
+                if len(rows) >= ROWS_PER_WRITE or num_bytes >= WRITE_BYTES:
+                    self.store.add_requests(batch_id, rows)
+                    rows, num_bytes = [], 0
+        self.store.add_requests(batch_id, rows)
+        del rows
+        return_freed_memory()
+        if num_lines > self.config.max_batch_requests:
+            message = f"More than {self.config.max_batch_requests} requests; that is the limit."
+            self.store.clear_requests(batch_id)
             self._fail(batch_id, "too_many_requests", message)
             return
-        problems = [line.error() for line in lines if isinstance(line, LineProblem)]
-        if len(problems) == len(lines):
-            self._fail(
-                batch_id, "no_valid_requests", "No line of the input file is valid.", problems
-            )
+        if not keys:
+            self.store.clear_requests(batch_id)
+            message = "No line of the input file is valid."
+            self._fail(batch_id, "no_valid_requests", message, problems)
             return
-        rows = [_row(line) for line in lines]
-        self.store.insert_requests(batch_id, rows)
-        self._lines[batch_id] = {line.index: line for line in lines if isinstance(line, BatchLine)}
+        self._keys[batch_id] = keys
         if self._status(batch_id) == "validating":
             self.store.update_batch(batch_id, status="in_progress", in_progress_at=now())
 
@@ -269,27 +306,29 @@ class BatchRunner:
         errors = {"object": "list", "data": data[:100]}
         self.store.update_batch(batch_id, status="failed", failed_at=now(), errors=errors)
 
-    async def _execute(self, batch_id: str, pending: list[tuple[int, str, str]]) -> None:
+    async def _execute(self, batch_id: str, pending: list[tuple[int, str]]) -> None:
         """Run `pending` requests, `batch_concurrency` at a time over all batches, in prefix
-        order (`BatchConfig.prefix_order`)."""
+        order (`BatchConfig.prefix_order`); each line is read from the store as it starts."""
         batch = self.store.get_batch(batch_id)
         assert batch is not None and self._slots is not None, "call start() first"
         endpoint = batch.endpoint
         cancelled = self._cancelled.setdefault(batch_id, asyncio.Event())
         in_flight = self._in_flight.setdefault(batch_id, set())
         try:
-            parsed = self._lines.get(batch_id, {})
-            lines = [parsed.get(i) or stored_line(i, c, stored) for i, c, stored in pending]
             if self.config.prefix_order:
-                lines = in_prefix_order(lines, lambda line: line)
-            for line in lines:
+                keys = self._keys.get(batch_id)
+                if keys is None or any(index not in keys for index, _ in pending):
+                    keys = await asyncio.to_thread(self._read_keys, batch_id, pending)
+                    self._keys[batch_id] = keys
+                pending = sorted(pending, key=lambda item: (keys[item[0]], item[0]))
+            for line in pending:
                 while self._is_paused(batch_id, STORAGE_PAUSED) and not cancelled.is_set():
                     await asyncio.sleep(self.config.storage_retry_s)  # no new work meanwhile
                 await self._slots.acquire()
                 if cancelled.is_set() or now() >= (batch.expires_at or 0):
                     self._slots.release()
                     break
-                task = asyncio.create_task(self._one(batch_id, endpoint, line))
+                task = asyncio.create_task(self._one(batch_id, endpoint, *line))
                 in_flight.add(task)
                 task.add_done_callback(in_flight.discard)
                 task.add_done_callback(lambda _: self._release())
@@ -304,12 +343,47 @@ class BatchRunner:
         assert self._slots is not None
         self._slots.release()
 
-    async def _one(self, batch_id: str, endpoint: str, line: BatchLine) -> None:
-        """Answer one line and commit it, whatever happens to it."""
-        ok, output = await self._answer(batch_id, endpoint, line)
+    def _read_keys(self, batch_id: str, pending: list[tuple[int, str]]) -> dict[int, str]:
+        """The prefix-order keys of `pending` lines, read back from the store one line at a
+        time (a resumed batch; worker thread)."""
+        keys: dict[int, str] = {}
+        for index, custom_id in pending:
+            try:
+                keys[index] = prefix_key(self._read_line(batch_id, index, custom_id).body)
+            except Exception:  # answering it reports the failure on its line
+                keys[index] = ""
+        return keys
+
+    def _read_line(self, batch_id: str, index: int, custom_id: str) -> BatchLine:
+        """A pending line, read from the store and parsed (worker thread)."""
+        return stored_line(index, custom_id, self.store.request_line(batch_id, index))
+
+    def _read_sized_line(self, batch_id: str, index: int, custom_id: str) -> tuple[BatchLine, int]:
+        """(a pending line as `_read_line` gives it, its size in bytes) (worker thread). Holds
+        the line's text and its parse at once, no more; a long line inside `_long_lines`."""
+        num_bytes = self.store.request_line_bytes(batch_id, index)
+        with self._long_lines if num_bytes >= LARGE_BODY_BYTES else nullcontext():
+            return self._read_line(batch_id, index, custom_id), num_bytes
+
+    async def _one(self, batch_id: str, endpoint: str, index: int, custom_id: str) -> None:
+        """Read one line, answer it and commit it, whatever happens to it."""
+        num_bytes = 0
+        try:
+            line, num_bytes = await asyncio.to_thread(
+                self._read_sized_line, batch_id, index, custom_id
+            )
+        except Exception as e:  # a line the store cannot give back must not be lost
+            logger.exception("batch %s: line %r cannot be read", batch_id, custom_id)
+            message = f"The server failed to read this request ({type(e).__name__}: {e})."
+            ok, output = False, error_line(new_id("batch_req_"), custom_id, SERVER_ERROR, message)
+        else:
+            ok, output = await self._answer(batch_id, endpoint, line)
+            del line
+        if num_bytes >= LARGE_BODY_BYTES:  # what its parse left: back to the OS
+            await asyncio.to_thread(return_freed_memory)
         while True:  # the line is computed: keep it until the store takes it
             try:
-                await asyncio.to_thread(self.store.commit_result, batch_id, line.index, ok, output)
+                await asyncio.to_thread(self.store.commit_result, batch_id, index, ok, output)
                 self._resume(batch_id, STORAGE_PAUSED)
                 return
             except StorageError as e:
@@ -352,7 +426,7 @@ class BatchRunner:
         reason = {"cancelled": "batch_cancelled", "expired": "batch_expired"}.get(status)
         if reason is not None:
             message = f"The batch was {status} before this request ran."
-            for line_index, custom_id, _ in self.store.pending_requests(batch_id):
+            for line_index, custom_id in self.store.pending_requests(batch_id):
                 line = error_line(new_id("batch_req_"), custom_id, reason, message)
                 self.store.commit_result(batch_id, line_index, False, line)
         elif self._status(batch_id) != "finalizing":
@@ -387,9 +461,9 @@ class BatchRunner:
             raise
 
 
-def _row(line: BatchLine | LineProblem) -> tuple[int, str | None, str | None, str, str | None]:
-    """The store's row of a parsed input line: (line index, custom_id, the line as read,
+def _row(line: CheckedLine | LineProblem) -> RequestRow:
+    """The store's row of a checked input line: (line index, custom_id, the line as read,
     'pending') or (line index, custom_id, None, 'failed', its error line)."""
-    if isinstance(line, BatchLine):
-        return line.index, line.custom_id, line.raw.decode(), "pending", None
+    if isinstance(line, CheckedLine):
+        return line.index, line.custom_id, line.text, "pending", None
     return line.index, line.custom_id, None, "failed", problem_line(new_id("batch_req_"), line)

@@ -1,7 +1,9 @@
 """`Store`: the durable SQLite (WAL) record of files, batches and per-request batch results.
 
-One connection guarded by a lock, so any thread (the event loop or a worker
-thread) may call it. Every method is one transaction: a request's result is
+Two connections, each guarded by a lock, so any thread (the event loop or a worker
+thread) may call it: one writes, one reads. In WAL mode a read does not wait for a write, so
+the event loop's reads (a batch's status) are not held up while a worker thread stores a
+long batch line. Every method is one transaction: a request's result is
 written in the same transaction that marks it done and bumps the batch's counts.
 A write that fails because the disk is full (or read-only) raises `StorageError`
 and changes nothing; a database that cannot be opened raises `DataDirError`.
@@ -12,13 +14,14 @@ from __future__ import annotations
 import json
 import sqlite3
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from server.batch.objects import Batch, RequestCounts
 from server.batch.storage_faults import DataDirError, storage_error
+from server.openai.json_body import utf8_pieces, utf8_size
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS files (
@@ -65,8 +68,19 @@ CREATE TABLE IF NOT EXISTS batch_requests (
     PRIMARY KEY (batch_id, line_index)
 );
 CREATE INDEX IF NOT EXISTS batch_requests_status ON batch_requests (batch_id, status);
+CREATE TABLE IF NOT EXISTS batch_request_lines (
+    batch_id TEXT NOT NULL,
+    line_index INTEGER NOT NULL,
+    line BLOB NOT NULL,
+    PRIMARY KEY (batch_id, line_index)
+);
 """
 
+RequestRow = tuple[int, str | None, str | None, str, str | None]
+"""A batch request row: (line index, custom_id, the input line as read, 'pending'), or
+(line index, custom_id, None, 'failed', its error line)."""
+PIECE_CHARS = 1 << 20
+"""A line's text is written into the store this many characters at a time."""
 FILE_FIELDS = ("id", "bytes", "filename", "purpose", "created_at", "status", "path")
 UNFINISHED_BATCH_STATUSES = ("validating", "in_progress", "finalizing", "cancelling")
 BATCH_TIMESTAMPS = (
@@ -91,6 +105,7 @@ class Store:
 
     def __init__(self, db_path: Path) -> None:
         self._lock = threading.RLock()
+        self._read_lock = threading.Lock()
         try:
             db_path.parent.mkdir(parents=True, exist_ok=True)
             self._conn = sqlite3.connect(db_path, check_same_thread=False, isolation_level=None)
@@ -104,6 +119,8 @@ class Store:
             self._conn.execute("PRAGMA journal_mode=WAL")
             self._conn.execute("PRAGMA synchronous=FULL")
             self._conn.executescript(SCHEMA)
+            self._reader = sqlite3.connect(db_path, check_same_thread=False, isolation_level=None)
+            self._reader.row_factory = sqlite3.Row
         except sqlite3.Error as e:
             self._conn.close()
             if storage_error(e, "opening the database") is not None:
@@ -113,6 +130,8 @@ class Store:
             raise DataDirError(f"cannot use the database {db_path} ({e}): {advice}") from e
 
     def close(self) -> None:
+        with self._read_lock:
+            self._reader.close()
         with self._lock:
             self._conn.close()
 
@@ -136,8 +155,8 @@ class Store:
                 raise error from e
 
     def _query(self, sql: str, args: tuple[Any, ...] = ()) -> list[sqlite3.Row]:
-        with self._lock:
-            return self._conn.execute(sql, args).fetchall()
+        with self._read_lock:
+            return self._reader.execute(sql, args).fetchall()
 
     # -- files -----------------------------------------------------------------------
     def insert_file(self, record: dict[str, Any]) -> None:
@@ -226,33 +245,64 @@ class Store:
         return [r["id"] for r in rows]
 
     # -- batch requests --------------------------------------------------------------
-    def insert_requests(
-        self, batch_id: str, rows: list[tuple[int, str | None, str | None, str, str | None]]
-    ) -> None:
-        """Replace the batch's requests with `rows` of (line_index, custom_id, the input line
-        as read, status, result) and set its counts, in one transaction (validation is redone
-        on resume)."""
-        num_failed = sum(1 for r in rows if r[3] == "failed")
+    def insert_requests(self, batch_id: str, rows: Sequence[RequestRow]) -> None:
+        """Replace the batch's requests with `rows` and set its counts, in one transaction."""
         with self._tx() as conn:
-            conn.execute("DELETE FROM batch_requests WHERE batch_id = ?", (batch_id,))
-            conn.executemany(
-                "INSERT INTO batch_requests VALUES (?, ?, ?, ?, ?, ?)",
-                [(batch_id, *r) for r in rows],
-            )
-            conn.execute(
-                "UPDATE batches SET total = ?, completed = 0, failed = ? WHERE id = ?",
-                (len(rows), num_failed, batch_id),
-            )
+            _clear_requests(conn, batch_id)
+            _add_requests(conn, batch_id, rows)
 
-    def pending_requests(self, batch_id: str) -> list[tuple[int, str, str]]:
-        """(line_index, custom_id, the input line as read) of requests not yet done, in input
-        order (stores written before kept only the line's body: `lines.stored_line` reads both)."""
+    def clear_requests(self, batch_id: str) -> None:
+        """Remove the batch's requests and zero its counts (validation starts over)."""
+        with self._tx() as conn:
+            _clear_requests(conn, batch_id)
+
+    def add_requests(self, batch_id: str, rows: Sequence[RequestRow]) -> None:
+        """Add `rows` to the batch's requests and count them, in one transaction. Each line's
+        text is written into its row in 1 MiB pieces (SQLite's incremental blob I/O), so the
+        store holds no copy of it: a bound value would be copied twice."""
+        with self._tx() as conn:
+            _add_requests(conn, batch_id, rows)
+
+    def pending_requests(self, batch_id: str) -> list[tuple[int, str]]:
+        """(line_index, custom_id) of requests not yet done, in input order."""
         rows = self._query(
-            "SELECT line_index, custom_id, body FROM batch_requests "
+            "SELECT line_index, custom_id FROM batch_requests "
             "WHERE batch_id = ? AND status = 'pending' ORDER BY line_index",
             (batch_id,),
         )
-        return [(r["line_index"], r["custom_id"], r["body"]) for r in rows]
+        return [(r["line_index"], r["custom_id"]) for r in rows]
+
+    def request_line_bytes(self, batch_id: str, line_index: int) -> int:
+        """The size of a pending request's input line as stored (0 if a store written before
+        kept it), without reading it."""
+        row = self._query(
+            "SELECT length(line) FROM batch_request_lines WHERE batch_id = ? AND line_index = ?",
+            (batch_id, line_index),
+        )
+        return int(row[0][0]) if row else 0
+
+    def request_line(self, batch_id: str, line_index: int) -> str:
+        """A pending request's input line as read: read into one buffer of its size, then
+        decoded (the buffer is dropped before this returns). Stores written before kept it
+        in `batch_requests.body` (the oldest just its body: see `lines.stored_line`)."""
+        with self._read_lock:
+            row = self._reader.execute(
+                "SELECT rowid FROM batch_request_lines WHERE batch_id = ? AND line_index = ?",
+                (batch_id, line_index),
+            ).fetchone()
+            if row is None:
+                (text,) = self._reader.execute(
+                    "SELECT body FROM batch_requests WHERE batch_id = ? AND line_index = ?",
+                    (batch_id, line_index),
+                ).fetchone()
+                return str(text)
+            with self._reader.blobopen(
+                "batch_request_lines", "line", row[0], readonly=True
+            ) as blob:
+                data = blob.read()
+        text = data.decode("utf-8", "surrogatepass")
+        del data
+        return str(text)
 
     def commit_result(self, batch_id: str, line_index: int, ok: bool, result: str) -> bool:
         """Mark a pending request done (ok) or failed with its output line, and bump the
@@ -289,6 +339,38 @@ class Store:
             for record in new_files:
                 _insert_file(conn, record)
             conn.execute(f"UPDATE batches SET {sets} WHERE id = ?", (*fields.values(), batch_id))
+
+
+def _clear_requests(conn: sqlite3.Connection, batch_id: str) -> None:
+    conn.execute("DELETE FROM batch_requests WHERE batch_id = ?", (batch_id,))
+    conn.execute("DELETE FROM batch_request_lines WHERE batch_id = ?", (batch_id,))
+    conn.execute(
+        "UPDATE batches SET total = 0, completed = 0, failed = 0 WHERE id = ?", (batch_id,)
+    )
+
+
+def _add_requests(conn: sqlite3.Connection, batch_id: str, rows: Sequence[RequestRow]) -> None:
+    for line_index, custom_id, text, status, result in rows:
+        conn.execute(
+            "INSERT INTO batch_requests VALUES (?, ?, ?, NULL, ?, ?)",
+            (batch_id, line_index, custom_id, status, result),
+        )
+        if text is None:
+            continue
+        # The blob last in its row: SQLite then writes its zeros without making them first.
+        cursor = conn.execute(
+            "INSERT INTO batch_request_lines VALUES (?, ?, zeroblob(?))",
+            (batch_id, line_index, utf8_size(text)),
+        )
+        assert cursor.lastrowid is not None
+        with conn.blobopen("batch_request_lines", "line", cursor.lastrowid) as blob:
+            for piece in utf8_pieces(text, PIECE_CHARS):
+                blob.write(piece)
+    num_failed = sum(1 for r in rows if r[3] == "failed")
+    conn.execute(
+        "UPDATE batches SET total = total + ?, failed = failed + ? WHERE id = ?",
+        (len(rows), num_failed, batch_id),
+    )
 
 
 def _check_accounted(conn: sqlite3.Connection, batch_id: str) -> None:

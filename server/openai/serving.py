@@ -52,6 +52,7 @@ from server.openai.errors import (
     not_found,
     offload_unavailable,
 )
+from server.openai.json_body import utf8_size
 from server.openai.logprobs import chat_logprobs, completion_logprobs
 from server.openai.metrics import Metrics
 from server.openai.reasoning import HARMONY, split_reasoning
@@ -404,7 +405,7 @@ class Serving:
         limit = self.max_prompt_bytes
         if 4 * sum(len(t) for t in texts) <= limit:  # a character is at most 4 bytes
             return
-        num_bytes = sum(len(t.encode()) for t in texts)
+        num_bytes = sum(utf8_size(t) for t in texts)  # no copy of a long text
         if num_bytes > limit:
             raise invalid_request(
                 f"The prompt is {num_bytes} bytes of text; no text over {limit} bytes fits "
