@@ -12,10 +12,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
-
-if TYPE_CHECKING:
-    from server.batch.lines import BatchLine
+from typing import Any, Protocol, TypeVar
 
 Item = TypeVar("Item")
 FIELD, RECORD = "\x1f", "\x1e"  # separators that do not occur in text
@@ -69,6 +66,16 @@ def _text(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False)
 
 
-def in_prefix_order(items: Sequence[Item], line_of: Callable[[Item], BatchLine]) -> list[Item]:
+class Line(Protocol):
+    """What sorting needs of a job's line (a `server.batch.lines.BatchLine`)."""
+
+    @property
+    def index(self) -> int: ...
+
+    @property
+    def body(self) -> dict[str, Any]: ...
+
+
+def in_prefix_order(items: Sequence[Item], line_of: Callable[[Item], Line]) -> list[Item]:
     """`items` sorted by their lines' prompt text, input order among equal prompts."""
     return sorted(items, key=lambda item: (prompt_text(line_of(item).body), line_of(item).index))

@@ -39,8 +39,8 @@ from server.batch.objects import Batch, BatchError, BatchErrors
 from server.batch.order import prefix_key
 from server.batch.storage_faults import StorageError
 from server.batch.store import RequestRow, Store
-from server.http.memory import LARGE_BODY_BYTES, return_freed_memory
 from server.openai.errors import OFFLOAD_UNAVAILABLE, APIError, invalid_request
+from server.openai.memory import LARGE_BODY_BYTES, return_freed_memory
 from server.openai.responses import new_id, now
 from server.openai.serving import Serving
 

@@ -15,7 +15,7 @@ how long it takes to arrive.
 - A body that stops arriving for `body_timeout_s`, or still arrives `body_total_timeout_s`
   after the request began, is answered 408 and the connection closed, so a slow client
   cannot hold a request open (the headers' deadline is server/http/connection.py's).
-- After a large body, the heap pages it freed go back to the OS (`server.http.memory`).
+- After a large body, the heap pages it freed go back to the OS (`server.openai.memory`).
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ import ipaddress
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from server.http.memory import LARGE_BODY_BYTES, return_freed_memory
 from server.http.responses import error_response
 from server.openai.errors import APIError, payload_too_large, unauthorized
+from server.openai.memory import LARGE_BODY_BYTES, return_freed_memory
 
 OPEN_PATHS = ("/health", "/ready")
 """Paths that never need the API key (liveness and readiness probes)."""

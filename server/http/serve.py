@@ -38,8 +38,8 @@ from policy.errors import UserError
 from server.batch.data_dir import check_data_dir
 from server.http.app import create_app
 from server.http.connection import DaemonConfig
-from server.http.memory import keep_heaps_trimmed
 from server.http.settings import API_KEY_ENV, ServerSettings
+from server.openai.memory import keep_heaps_trimmed
 from server.openai.reasoning import PARSERS as REASONING_PARSERS
 from server.openai.tool_parsers import PARSERS as TOOL_PARSERS
 
