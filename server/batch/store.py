@@ -245,12 +245,6 @@ class Store:
         return [r["id"] for r in rows]
 
     # -- batch requests --------------------------------------------------------------
-    def insert_requests(self, batch_id: str, rows: Sequence[RequestRow]) -> None:
-        """Replace the batch's requests with `rows` and set its counts, in one transaction."""
-        with self._tx() as conn:
-            _clear_requests(conn, batch_id)
-            _add_requests(conn, batch_id, rows)
-
     def clear_requests(self, batch_id: str) -> None:
         """Remove the batch's requests and zero its counts (validation starts over)."""
         with self._tx() as conn:
