@@ -49,7 +49,8 @@ def test_result_commit_is_atomic_and_once(tmp_path: Path) -> None:
         (0, "a", "{}", "pending", None),
         (1, "b", "{}", "pending", None),
     ]
-    store.insert_requests("batch_1", rows)
+    store.clear_requests("batch_1")
+    store.add_requests("batch_1", rows)
     assert store.commit_result("batch_1", 0, True, '{"line": 0}')
     assert not store.commit_result("batch_1", 0, True, '{"line": "again"}')
     store.close()
