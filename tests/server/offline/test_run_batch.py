@@ -132,6 +132,9 @@ def test_chat_batch_and_rerun_of_a_finished_batch_is_a_no_op(tmp_path: Path) -> 
         assert body["usage"]["prompt_tokens"] > 0
     run_cli(inp, out)
     assert out.read_bytes() == first
+    out.write_bytes(b"".join(reversed(first.splitlines(keepends=True))))  # a driver lost while
+    run_cli(inp, out)  # it sorted (or a file from before sorting): nothing to run, only sorting
+    assert out.read_bytes() == first
     assert not Path(f"{out}.errors").exists()
 
 
