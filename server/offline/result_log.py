@@ -2,13 +2,15 @@
 
 A process killed mid-write (SIGKILL, power loss) leaves at most one torn line at
 the end; opening the log again reads back every whole line and cuts the rest
-off, so the next append starts on a clean line.
+off, so the next append starts on a clean line. Lines are appended in the order they
+finish; `sort_log` rewrites a finished log in the input's order, atomically.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -43,10 +45,15 @@ class ResultLog:
 
 def read_back(path: Path) -> list[dict[str, Any]]:
     """Every whole JSON-object line of `path`; a torn or unreadable tail is truncated away."""
+    return [record for _, record in _whole_lines(path)]
+
+
+def _whole_lines(path: Path) -> Iterator[tuple[bytes, dict[str, Any]]]:
+    """(raw line with its newline, its record) for every whole JSON-object line of `path`,
+    in file order; once they are all read, a torn or unreadable tail is truncated away."""
     if not path.exists():
-        return []
+        return
     data = path.read_bytes()
-    records: list[dict[str, Any]] = []
     keep = 0
     while True:
         end = data.find(b"\n", keep)
@@ -58,8 +65,32 @@ def read_back(path: Path) -> list[dict[str, Any]]:
             break  # a torn write: this line and anything after it are dropped
         if not isinstance(record, dict):
             break
-        records.append(record)
+        yield data[keep : end + 1], record
         keep = end + 1
     if keep < len(data):
         os.truncate(path, keep)
-    return records
+
+
+def sort_log(path: Path, rank: Callable[[dict[str, Any]], int]) -> None:
+    """Rewrite `path` with its lines sorted by `rank(record)` (the input line's index; ties
+    keep file order), one line per `id` (the first), each line's bytes unchanged. The new
+    file replaces the old by rename after an fsync, so a crash leaves one or the other whole;
+    a file already in order is left untouched."""
+    lines = list(_whole_lines(path))
+    seen: set[Any] = set()
+    unique = []
+    for raw, record in lines:
+        if record.get("id") not in seen:
+            seen.add(record.get("id"))
+            unique.append((rank(record), raw))
+    ordered = sorted(unique, key=lambda pair: pair[0])  # stable: ties keep file order
+    if len(ordered) == len(lines) and all(a is b for a, b in zip(ordered, unique, strict=True)):
+        return
+    temp = path.with_name(f"{path.name}.sorting")
+    with open(temp, "wb") as f:
+        for _, raw in ordered:
+            f.write(raw)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(temp, path)
+    fsync_dir(path.parent)

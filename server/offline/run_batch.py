@@ -9,7 +9,9 @@ OpenAI's API: the url of the first line that names a supported one; lines with a
 are `invalid_url` errors.
 
 Each result is appended (flush + fsync) to the output file (status 200) or the
-error file (invalid lines, refused bodies) the moment it is ready. Run the same
+error file (invalid lines, refused bodies) the moment it is ready; once every line is
+answered, both files are rewritten in the input's order (`sort_log`: one atomic rename
+each, a finished file left as it is). Run the same
 command after a kill and it resumes: whole lines are read back, a torn last
 line is cut off, and lines already answered are skipped, so the output ends
 with exactly one line per custom_id. Line ids, request ids and `created` are
@@ -37,7 +39,7 @@ from engine.core.engine_args import EngineArgs
 from engine.runtime.engine_client import EngineClient
 from server.batch.lines import BatchLine, ParsedLine, parse_lines, problem_line
 from server.batch.order import in_prefix_order
-from server.offline.result_log import ResultLog, read_back
+from server.offline.result_log import ResultLog, read_back, sort_log
 from server.offline.work import (
     BatchWork,
     Pending,
@@ -152,8 +154,8 @@ async def run_batch(
 ) -> Summary:
     """Answer every line of `input_path` not yet answered in the output or error file, in
     prefix order (`server.batch.order`) unless `prefix_order` is False; results are written
-    as they finish (matched to their lines by custom_id). `runner` is not called when
-    nothing is left."""
+    as they finish, and once all are in, each file is put in the input's order. `runner` is
+    not called when nothing is left."""
     check_paths(input_path, output_path, error_path)
     try:
         with open(input_path, "rb") as f:
@@ -168,6 +170,9 @@ async def run_batch(
             todo = in_prefix_order(todo, lambda item: item.line)
         if todo:
             await _run(BatchWork(endpoint, created, todo), runner, output, errors, len(lines))
+        output.close()
+        errors.close()
+        _sort_in_input_order(lines, output_path, error_path)
     except OSError as e:  # the disk filled up or a file went away mid-run
         raise RunBatchError(
             f"cannot write the results ({e}); free the space and rerun the same command to resume"
@@ -181,6 +186,13 @@ async def run_batch(
         num_failed=len(read_back(error_path)),
         num_resumed=num_resumed,
     )
+
+
+def _sort_in_input_order(lines: list[ParsedLine], *paths: Path) -> None:
+    """Rewrite each finished result file in the order of its lines in the input."""
+    index: dict[object, int] = {line_id(line.index, line.custom_id): line.index for line in lines}
+    for path in paths:
+        sort_log(path, lambda record: index.get(record.get("id"), len(lines)))
 
 
 def check_paths(input_path: Path, output_path: Path, error_path: Path) -> None:

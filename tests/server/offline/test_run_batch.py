@@ -16,7 +16,7 @@ import pytest
 
 from engine.core.model_files import DEMO_MODEL
 from server.cli import main as cli_main
-from server.offline.result_log import read_back
+from server.offline.result_log import read_back, sort_log
 
 ROOT = Path(__file__).resolve().parents[3]
 MODEL = DEMO_MODEL
@@ -49,6 +49,15 @@ def by_custom_id(path: Path) -> dict[str, str]:
     ids = [json.loads(raw)["custom_id"] for raw in lines]
     assert len(ids) == len(set(ids)), "a custom_id appears twice"
     return dict(zip(ids, lines, strict=True))
+
+
+def without_cache_hits(raw: str) -> str:
+    """A line without `usage.prompt_tokens_details`: how many prompt tokens came from the
+    prefix cache says where and after what a request ran, not what it answered."""
+    record = json.loads(raw)
+    body = (record.get("response") or {}).get("body") or {}
+    body.get("usage", {}).pop("prompt_tokens_details", None)
+    return json.dumps(record)
 
 
 def ragged_lines(num: int) -> list[str]:
@@ -123,6 +132,9 @@ def test_chat_batch_and_rerun_of_a_finished_batch_is_a_no_op(tmp_path: Path) -> 
         assert body["usage"]["prompt_tokens"] > 0
     run_cli(inp, out)
     assert out.read_bytes() == first
+    out.write_bytes(b"".join(reversed(first.splitlines(keepends=True))))  # a driver lost while
+    run_cli(inp, out)  # it sorted (or a file from before sorting): nothing to run, only sorting
+    assert out.read_bytes() == first
     assert not Path(f"{out}.errors").exists()
 
 
@@ -134,8 +146,12 @@ def test_resume_after_a_torn_write_completes_each_custom_id_once(tmp_path: Path)
     torn = full.read_bytes().splitlines(keepends=True)[5][:40]  # a write cut mid-line
     partial.write_bytes(b"".join(kept) + torn)
     run_cli(inp, partial)
-    assert by_custom_id(partial) == by_custom_id(full)
     assert partial.read_bytes().startswith(b"".join(kept))
+    in_input_order = [f"r{i}" for i in range(12)]  # they ran in prefix order, not this one
+    assert list(by_custom_id(full)) == list(by_custom_id(partial)) == in_input_order
+    assert [without_cache_hits(raw) for raw in partial.read_text().splitlines()] == [
+        without_cache_hits(raw) for raw in full.read_text().splitlines()
+    ]
 
 
 def test_read_back_truncates_a_torn_tail(tmp_path: Path) -> None:
@@ -143,6 +159,21 @@ def test_read_back_truncates_a_torn_tail(tmp_path: Path) -> None:
     path.write_bytes(b'{"id": 1}\n{"id": 2}\n{"id": ')
     assert read_back(path) == [{"id": 1}, {"id": 2}]
     assert path.read_bytes() == b'{"id": 1}\n{"id": 2}\n'
+
+
+def test_sort_log_puts_lines_in_input_order_once_each_and_leaves_a_sorted_file(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "log.jsonl"
+    raw = [b'{"id": "c", "x": 1}\n', b'{"id":"a"}\n', b'{"id": "c", "x": 2}\n', b'{"id": "b"}\n']
+    path.write_bytes(b"".join(raw) + b'{"id": "d", ')  # a torn tail too
+    rank = {"a": 0, "b": 1, "c": 2}
+    sort_log(path, lambda record: rank[record["id"]])
+    assert path.read_bytes() == raw[1] + raw[3] + raw[0]  # bytes kept, the first "c" only
+    inode = path.stat().st_ino
+    sort_log(path, lambda record: rank[record["id"]])
+    assert path.stat().st_ino == inode, "a sorted file was rewritten"
+    assert not list(tmp_path.glob("*.sorting"))
 
 
 @pytest.mark.slow  # 17-25 s idle, more on a loaded machine: three model loads

@@ -3,7 +3,6 @@ the demo model: the same files as the local run-batch, through a lost actor and 
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -20,19 +19,25 @@ from pytest import CaptureFixture
 
 from server.cli import main as cli_main
 from server.offline.scale_out.pool import ACTOR_NAME_PREFIX
-from tests.server.offline.test_run_batch import MODEL, by_custom_id, line, write_input
+from tests.server.offline.test_run_batch import (
+    MODEL,
+    by_custom_id,
+    line,
+    without_cache_hits,
+    write_input,
+)
 
 ROOT = Path(__file__).resolve().parents[4]
-NUM_LINES = 96
+NUM_LINES = 48
 
 
 def job_lines() -> list[str]:
-    """Ragged prompts and lengths, long enough (~5,000 tokens) to kill something mid-run."""
+    """Ragged prompts and lengths, long enough (~1,500 tokens) to kill something mid-run."""
     lines = [
-        line(f"r{i}", prompt="word " * (1 + 7 * i % 23), max_tokens=30 + (17 * i) % 61)
+        line(f"r{i}", prompt="word " * (1 + 7 * i % 23), max_tokens=16 + (17 * i) % 33)
         for i in range(NUM_LINES)
     ]
-    return [*lines[:50], "{bad", line("r3"), *lines[50:]]  # an invalid and a duplicate line
+    return [*lines[:25], "{bad", line("r3"), *lines[25:]]  # an invalid and a duplicate line
 
 
 def run_batch_argv(inp: Path, out: Path, *extra: str) -> list[str]:
@@ -69,26 +74,14 @@ def copy_input(inp: Path, tmp_path: Path) -> Path:
     return copy
 
 
-def without_cache_hits(raw: str) -> str:
-    """A line without `usage.prompt_tokens_details`: how many prompt tokens came from the
-    prefix cache says where and after what a request ran, not what it answered."""
-    record = json.loads(raw)
-    body = (record.get("response") or {}).get("body") or {}
-    body.get("usage", {}).pop("prompt_tokens_details", None)
-    return json.dumps(record)
-
-
 def assert_same_files(out: Path, reference: Path) -> None:
-    """One line per custom_id, byte for byte the reference's but for cache-hit counts."""
-    lines, expected = by_custom_id(out), by_custom_id(reference)
-    assert len(lines) == NUM_LINES
-    assert {k: without_cache_hits(v) for k, v in lines.items()} == {
-        k: without_cache_hits(v) for k, v in expected.items()
-    }
-    errors, reference_errors = Path(f"{out}.errors"), Path(f"{reference}.errors")
-    assert sorted(errors.read_text().splitlines()) == sorted(
-        reference_errors.read_text().splitlines()
-    )
+    """Line for line the reference's files (input order, one line per custom_id), byte for
+    byte but for cache-hit counts."""
+    assert len(by_custom_id(out)) == NUM_LINES  # by_custom_id fails on a duplicate
+    for path, expected in ((out, reference), (Path(f"{out}.errors"), Path(f"{reference}.errors"))):
+        assert [without_cache_hits(raw) for raw in path.read_text().splitlines()] == [
+            without_cache_hits(raw) for raw in expected.read_text().splitlines()
+        ]
 
 
 def answered_per_replica(stderr: str) -> list[int]:
@@ -97,6 +90,7 @@ def answered_per_replica(stderr: str) -> list[int]:
     return [int(n) for n in re.findall(r"replica \d+ (\d+)", match.group(1))]
 
 
+@pytest.mark.slow  # 30-60 s: its own two replicas; the killed-replica test checks the same files
 def test_two_replicas_write_what_the_local_run_writes(
     ray_cluster: Any, local_run: tuple[Path, Path], tmp_path: Path, capfd: CaptureFixture[str]
 ) -> None:
@@ -120,20 +114,40 @@ def wait_for_lines(path: Path, num_lines: int, proc: subprocess.Popen[bytes] | N
         time.sleep(0.01)
 
 
-def kill_a_replica_after(ray: Any, out: Path, num_lines: int, killed: list[int]) -> None:
-    """Once `out` has `num_lines` lines, kill one replica actor; note how many lines there were."""
+def kill_a_replica_after(
+    ray: Any, out: Path, num_lines: int, killed: list[int], by_signal: bool
+) -> None:
+    """Once `out` has `num_lines` lines, kill one replica (SIGKILL to its worker process, or
+    `ray.kill`); note how many lines there were."""
     wait_for_lines(out, num_lines)
     names = sorted(n for n in ray.util.list_named_actors() if ACTOR_NAME_PREFIX in n)
-    ray.kill(ray.get_actor(names[-1]))
+    actor = ray.get_actor(names[-1])
+    if by_signal:
+        os.kill(ray.get(actor.describe.remote()).pid, signal.SIGKILL)
+    else:
+        ray.kill(actor)
     killed.append(num_lines_in(out))
 
 
+@pytest.mark.parametrize(
+    "by_signal",
+    [
+        pytest.param(True, id="sigkill"),
+        pytest.param(False, id="ray_kill", marks=pytest.mark.slow),  # 30-60 s more
+    ],
+)
 def test_a_replica_killed_mid_job_loses_and_repeats_no_line(
-    ray_cluster: Any, local_run: tuple[Path, Path], tmp_path: Path, capfd: CaptureFixture[str]
+    ray_cluster: Any,
+    local_run: tuple[Path, Path],
+    tmp_path: Path,
+    capfd: CaptureFixture[str],
+    by_signal: bool,
 ) -> None:
     inp, out = copy_input(local_run[0], tmp_path), tmp_path / "out.jsonl"
     killed: list[int] = []
-    killer = threading.Thread(target=kill_a_replica_after, args=(ray_cluster, out, 2, killed))
+    killer = threading.Thread(
+        target=kill_a_replica_after, args=(ray_cluster, out, 2, killed, by_signal)
+    )
     killer.start()
     try:
         assert cli_main(run_batch_argv(inp, out, "--ray", "--replicas", "2")) == 0
