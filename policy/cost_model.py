@@ -21,6 +21,7 @@ from policy.hardware import HardwareSpec
 from policy.moe import ExpertStage, ExpertTerms, expert_stage, expert_terms
 from policy.nano_batching import dense_seconds, overlapped_compute
 from policy.policy import Policy
+from policy.reserves import gpu_reserves
 from policy.specs import ModelSpec, WorkloadSpec, compressed_bytes_per_element
 from policy.state_cost import StateTerms, state_terms
 from policy.steps import prefill_steps
@@ -61,6 +62,9 @@ class CostTerms:
     prompt_len: float
     gen_len: float
     overlap: bool
+    resident: bool = False
+    """Terms for weights that stay on the device (`choice.weights_frac[0]` 1: the engine's
+    resident steps, policy/steps.py); False: for weights partly elsewhere."""
     copy_hidden: float = 1.0
     """Share of the shorter of copies and compute that overlap hides (HardwareSpec
     `copy_hidden_estimate`): 1.0 is FlexGen's max."""
@@ -132,6 +136,12 @@ def build_terms(
     layer_full = layer_elems * dtype  # bytes once dequantized
     layer_bytes = layer_full * weight_ratio  # bytes as stored and moved
     total_weight_bytes = (model.total_params - expert_elems) * dtype * weight_ratio
+    if choice.compress_weights:  # the engine packs no embedding, and a tied head apart
+        head = model.vocab_size * (model.word_embed_dim or h)
+        embeddings = head + model.max_position_embeddings * h
+        total_weight_bytes += embeddings * dtype * (1 - weight_ratio)
+        if model.tie_word_embeddings:
+            total_weight_bytes += head * dtype * weight_ratio
     total_expert_bytes = expert_elems * dtype * weight_ratio
     kv_tok_full = model.kv_bytes_per_token_per_layer  # 2 * kv_dim * dtype (1x: values are keys)
     kv_tok = kv_tok_full * kv_ratio
@@ -303,6 +313,7 @@ def build_terms(
         total_expert_bytes,
         (moe_pre, moe_gen),
         states,
+        gpu_reserves(model, choice, int(s), int(n)),
     )
     usable = {tier: budgets[tier] * USABLE_FRAC[tier] for tier in ("gpu", "cpu", "disk")}
     capacity = {row: usable[row.split("_")[0]] for row in memory}
@@ -326,6 +337,7 @@ def build_terms(
         prompt_len=s,
         gen_len=n,
         overlap=choice.overlap,
+        resident=choice.weights_frac[0] >= 1.0,
         copy_hidden=hardware.copy_hidden_estimate,
     )
 
@@ -344,15 +356,14 @@ def _peak_memory(
     total_expert_bytes: float,
     moe: tuple[ExpertTerms, ExpertTerms],
     states: StateTerms,
+    reserves: dict[str, Affine],
 ) -> dict[str, Affine]:
-    """Peak bytes per tier: homed tensors (KV at its final length s + n) plus working buffers.
-
-    Working buffers are double-buffered (the next layer / batch loads while this one
-    computes), hence the factors of 2. Prefill and decode peaks are separate rows.
+    """Peak bytes per tier: homed tensors (KV at its final length s + n) plus working buffers:
+    on the GPU, the engine's `reserves` (policy/reserves.py, the bytes the engine keeps out
+    of its KV pool); in host memory, double-buffered (the next layer / batch loads while
+    this one computes), hence the factors of 2. Prefill and decode peaks are separate rows.
     """
-    gbs, bls = choice.gpu_batch_size, choice.block_size
-    dtype, h, f = model.dtype_bytes, model.hidden_size, model.intermediate_size
-    q_dim, nh = model.num_heads * model.head_dim, model.num_heads
+    gbs, bls, nh = choice.gpu_batch_size, choice.block_size, model.num_heads
     # every token's KV is kept, windows or not, in every attention layer
     kv_home = bls * kv_end * kv_tok * model.num_kv_layers
     kv_read = model.attended_len(kv_end)  # keys one layer's attention loads at the end
@@ -362,39 +373,19 @@ def _peak_memory(
         e = "e" + w[1]  # the routed experts homed on the same tier
         return Affine.of(**{w: total_weight_bytes, e: total_expert_bytes, c: kv_home, a: act_home})
 
-    # Double-buffered weights of layers not on the GPU; a full-width copy when compressed.
-    weight_staging = Affine.of(2 * layer_bytes, wg=-2 * layer_bytes)
-    dequantized_layer = layer_full if choice.compress_weights else 0.0
-    logits = gbs * model.vocab_size * 4  # fp32 logits for sampling
-    # (gbs, s, *) activations: residual + input, then the larger of attention and MLP.
-    attention_pre = s * (q_dim + model.kv_row_dim) * dtype + nh * s * s * dtype
-    mlp_width = f if model.arch == "opt" else 2 * f  # fc1 output, or SwiGLU's gate and up
-    # Every layer MoE: no dense MLP, the shared expert's width (the routed ones: policy.moe)
-    if model.num_moe_layers == model.num_layers:
-        mlp_width = 2 * model.shared_expert_intermediate_size
-    if model.parallel_hybrid:  # the state mixer's output waits beside the attention's work
-        attention_pre += s * h * dtype
-    mixer_pre = max(attention_pre, states.prefill_workspace)
-    workspace_pre = gbs * (2 * s * h * dtype + max(mixer_pre, s * mlp_width * dtype)) + logits
-    workspace_gen = (
-        gbs * (2 * h * dtype + max(2 * nh * kv_read * dtype, mlp_width * dtype)) + logits
+    # The GPU: weights and KV homed there, the engine's reserves (policy/reserves.py: the
+    # step's workspace, loads and stores in flight, the activations homed there), and a
+    # hybrid's states: homed with their sequences' KV, one GPU batch's of one layer gathered
+    # while that layer runs, and its prefill's mixer beside them.
+    gpu_home = Affine.of(
+        wg=total_weight_bytes, eg=total_expert_bytes, cg=kv_home + bls * states.sequence_bytes
     )
-    # States: homed with their sequences' KV (disk-homed sequences' in host memory), and one
-    # GPU batch's of one layer gathered onto the compute device while that layer runs.
-    workspace_pre += gbs * states.layer_bytes
-    workspace_gen += gbs * states.layer_bytes
-    gpu_common = (
-        home("wg", "cg", "hg")
-        + weight_staging
-        + Affine.of(dequantized_layer, cg=bls * states.sequence_bytes)
+    state_work = gbs * states.layer_bytes
+    gpu_prefill = (
+        gpu_home + reserves["prefill"] + Affine.of(state_work + gbs * states.prefill_workspace)
     )
+    gpu_decode = gpu_home + reserves["decode"] + Affine.of(state_work)
     state_host = Affine.of(cc=bls * states.sequence_bytes, cd=bls * states.sequence_bytes)
-    gpu_prefill = gpu_common + Affine.of(
-        workspace_pre + gbs * s * kv_tok_full,  # this batch's new KV before it is stored
-        hc=2 * gbs * s * act_tok,
-        hd=2 * gbs * s * act_tok,
-    )
-    gpu_decode = gpu_common + Affine.of(workspace_gen, hc=2 * gbs * act_tok, hd=2 * gbs * act_tok)
     batch_kv = gbs * kv_read * kv_tok  # one GPU batch's KV for one layer
     kv_full_copy = gbs * kv_read * kv_tok_full if choice.compress_kv else 0.0
     cpu_decode = (
@@ -407,7 +398,7 @@ def _peak_memory(
         cpu_workspace = 2 * gbs * nh * kv_read * 4 + kv_full_copy  # fp32 scores and probs
         cpu_decode += Affine.of(cc=cpu_workspace, cd=cpu_workspace)
     else:
-        gpu_decode += Affine.of(kv_full_copy, cc=2 * batch_kv, cd=2 * batch_kv)
+        gpu_decode += Affine.of(kv_full_copy)
     cpu_prefill = (
         home("wc", "cc", "hc")
         + state_host
