@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from policy.affine import Affine
+from policy.affine import Affine, policy_vector
 from policy.policy import Policy
 from policy.specs import ModelSpec, compressed_bytes_per_element
 from policy.steps import default_step_tokens
@@ -158,7 +158,5 @@ def gpu_reserves(
 
 def reserve_bytes(reserves: dict[str, Affine], policy: Policy) -> int:
     """The most the reserves hold at `policy`'s fractions, over the stages."""
-    from policy.cost_model import policy_vector  # the cost model imports this module
-
     x = policy_vector(policy)
     return int(max(row(x) for row in reserves.values()))

@@ -149,7 +149,8 @@ def test_the_planner_prices_what_the_rehearsal_holds(small_case: tuple[object, o
     """One memory model: the planner's gpu peak for a plan is within 15% of what the engine's
     CUDA path holds for it (the issue's bar; OPT-6.7B and OPT-30B under 16 GiB in
     bench/results/gpu-rehearsal-*.json)."""
-    from policy.cost_model import evaluate, policy_vector
+    from policy.affine import policy_vector
+    from policy.cost_model import evaluate
 
     found, terms = small_case
     peak = evaluate(terms, policy_vector(SMALL_CASE)).peak_bytes["gpu"]  # type: ignore[arg-type]

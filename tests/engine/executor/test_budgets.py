@@ -7,8 +7,8 @@ import dataclasses
 
 from engine.executor.budgets import GPU_RESERVE_FRAC, kv_capacity_pages
 from policy import Policy
+from policy.affine import policy_vector
 from policy.catalog import resolve_model_spec
-from policy.cost_model import policy_vector
 from policy.reserves import STORE_WINDOW, gpu_reserves, reserve_bytes, step_workspace_bytes
 
 GiB = 1 << 30
