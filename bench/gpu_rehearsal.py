@@ -16,7 +16,9 @@ rehearsed).
 The JSON: `ok` (the peak within the cap and the engine ran), `device_peak_bytes`,
 `gpu_mem_bytes`, `planned_peak_bytes` (the cost model's gpu peak for the same plan) and
 `planned_over_rehearsed`, `peak` (step, task, layer, GPU batch and the live buffers by what
-made them), each step's peak, the KV pages the engine gave each tier, and the policy. Exit
+made them), the most bytes alive at once by what made them (`label_peak_bytes`), each step's
+peak, the KV pages the engine gave each tier and the reserve it kept out of the gpu tier's
+(`gpu_reserve_bytes`, the planner's: policy/reserves.py), and the policy. Exit
 status 1 when not `ok`.
 """
 
@@ -95,9 +97,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "planned_peak_bytes": int(planned),
         "planned_over_rehearsed": planned / peak if peak else None,
         "peak": found.peak,
+        "label_peak_bytes": found.label_peaks,
         "side_stream_peak_bytes": found.side_stream_peak,
         "steps": found.steps,
         "kv_capacity_pages": found.kv_capacity_pages,
+        "gpu_reserve_bytes": found.gpu_reserve_bytes,
         "error": found.error,
         "policy": policy.to_dict(),
         "hardware": _shown(args.hardware),

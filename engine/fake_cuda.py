@@ -278,7 +278,7 @@ def fake_cuda(ledger: DeviceLedger, device_bytes: int, host_bytes: int) -> Itera
     no data and every device byte in `ledger`."""
     import psutil
 
-    from engine.executor import attention, nano_overlap, tasks
+    from engine.executor import attention, nano_overlap, step_inputs, tasks
     from engine.kernels.triton_launch import Kernel
     from engine.storage import fake_bindings, inline_tasks, staging
 
@@ -321,6 +321,7 @@ def fake_cuda(ledger: DeviceLedger, device_bytes: int, host_bytes: int) -> Itera
         )
         stack.enter_context(mock.patch.object(tasks, "wait", inline_tasks.waiting(tasks.wait)))
         stack.enter_context(mock.patch.object(staging, "buffer_key", storage_key))
+        stack.enter_context(mock.patch.object(step_inputs, "host_buffer", _real_host_buffer))
         stack.enter_context(mock.patch.object(Kernel, "launch", lambda *a, **k: None))
         sdpa = fake_bindings.fused_attention(attention.scaled_dot_product_attention)
         stack.enter_context(mock.patch.object(attention, "scaled_dot_product_attention", sdpa))
@@ -354,6 +355,13 @@ def fake_cuda(ledger: DeviceLedger, device_bytes: int, host_bytes: int) -> Itera
         stack.enter_context(fake_mode)
         stack.enter_context(counting)
         yield
+
+
+def _real_host_buffer(capacity: int, pinned: bool) -> torch.Tensor:
+    """A step's input arrays in real host memory whatever their size (OPT-30B's 73,728-token
+    prefill stages more than SMALL_BYTES of them, and the host writes their values)."""
+    with unset_fake_temporarily():
+        return torch.empty(capacity, dtype=torch.uint8)
 
 
 def is_fake(t: torch.Tensor) -> bool:

@@ -44,6 +44,13 @@ class Rehearsal:
     """The most bytes alive at once only because a side stream may still read them (stores
     in flight to host memory)."""
     seconds: float
+    gpu_reserve_bytes: int = 0
+    """What the engine kept out of the gpu tier's KV pages for a step: the planner's reserves
+    (policy/reserves.py)."""
+    kv_page_bytes: int = 0
+    """One KV page's bytes over all layers."""
+    gpu_weight_bytes: int = 0
+    """The weights the engine homed on the device."""
     error: str | None = None
     """The engine's own refusal (a budget error), if it refused to run."""
 
@@ -107,6 +114,14 @@ def _step_name(plan: Any, counts: dict[str, int]) -> str:
     return f"{kind} {counts[kind]}"
 
 
+def distinct_prompts(count: int, prompt_len: int, vocab_size: int) -> list[list[int]]:
+    """`count` prompts of `prompt_len` tokens that share no KV page: each starts with its own
+    token (the prefix cache would otherwise hold one prompt's pages for all of them, and the
+    rehearsal counted OPT-6.7B's GPU KV pool at 512 MiB where the plan puts 5.6 GiB)."""
+    first = 5
+    return [[first + i % (vocab_size - first)] + [first] * (prompt_len - 1) for i in range(count)]
+
+
 def rehearse(
     model_dir: Path,
     policy: Policy,
@@ -136,6 +151,7 @@ def rehearse(
     steps: list[dict[str, Any]] = []
     counts: dict[str, int] = {}
     capacity: dict[str, int | None] = {}
+    reserve = page_bytes = weights = 0
     error = None
     start = time.perf_counter()
     host = max(cpu_mem, 1 << 30) * 2  # the budgets' share of RAM is cpu_mem, as given
@@ -163,6 +179,8 @@ def rehearse(
             with llm:
                 executor = llm.executor
                 capacity = dict(executor.kv_capacity_pages())
+                reserve, page_bytes = executor.gpu_reserve_bytes(), executor.kv.page_bytes
+                weights = executor.weights.bytes_per_tier()["gpu"]
                 tracer = LedgerTracer(ledger)
                 executor.pipeline.tracer = tracer  # type: ignore[assignment]
                 if executor.pipeline.nano is not None:
@@ -186,7 +204,9 @@ def rehearse(
                 executor.execute = execute_counted  # type: ignore[method-assign]
                 params = SamplingParams(max_tokens=gen_len, temperature=0.0, ignore_eos=True)
                 count = num_prompts or policy.block_size
-                llm.generate([[5] * prompt_len for _ in range(count)], params)
+                llm.generate(
+                    distinct_prompts(count, prompt_len, executor.config.vocab_size), params
+                )
     return Rehearsal(
         device_peak_bytes=ledger.peak.nbytes,
         gpu_mem_bytes=gpu_mem,
@@ -196,5 +216,8 @@ def rehearse(
         label_peaks=dict(ledger.label_peaks),
         side_stream_peak=ledger.deferred_peak,
         seconds=time.perf_counter() - start,
+        gpu_reserve_bytes=reserve,
+        kv_page_bytes=page_bytes,
+        gpu_weight_bytes=weights,
         error=error,
     )

@@ -8,8 +8,12 @@ the LP in `policy.search` can minimize them with epigraph variables.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from policy.policy import Policy
 
 VARS: tuple[str, ...] = ("wg", "wc", "wd", "cg", "cc", "cd", "hg", "hc", "hd", "eg", "ec", "ed")
 """The LP variables: weights, KV cache, activations and routed experts on (gpu, cpu, disk)."""
@@ -65,3 +69,8 @@ class MaxOf:
 
     def __add__(self, other: Affine) -> MaxOf:
         return MaxOf(tuple(row + other for row in self.rows))
+
+
+def policy_vector(policy: Policy) -> np.ndarray:
+    """The policy's fractions in VARS order."""
+    return np.array([*policy.weights_frac, *policy.kv_frac, *policy.act_frac, *policy.experts_frac])

@@ -16,11 +16,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from policy.affine import ZERO, Affine, MaxOf
+from policy.affine import ZERO, Affine, MaxOf, policy_vector
 from policy.hardware import HardwareSpec
 from policy.moe import ExpertStage, ExpertTerms, expert_stage, expert_terms
 from policy.nano_batching import dense_seconds, overlapped_compute
 from policy.policy import Policy
+from policy.reserves import gpu_reserves
 from policy.specs import ModelSpec, WorkloadSpec, compressed_bytes_per_element
 from policy.state_cost import StateTerms, state_terms
 from policy.steps import prefill_steps
@@ -29,11 +30,6 @@ TASKS: tuple[str, ...] = ("ctog", "gtoc", "dtoc", "ctod", "compute")
 """Overlapped tasks per layer: the four copy directions and compute (gpu + cpu)."""
 USABLE_FRAC: dict[str, float] = {"gpu": 0.9, "cpu": 0.95, "disk": 0.95}
 """Share of each budget the plan may fill (CUDA context, fragmentation, page cache)."""
-
-
-def policy_vector(policy: Policy) -> np.ndarray:
-    """The policy's fractions in VARS order."""
-    return np.array([*policy.weights_frac, *policy.kv_frac, *policy.act_frac, *policy.experts_frac])
 
 
 @dataclass(frozen=True)
@@ -61,6 +57,9 @@ class CostTerms:
     prompt_len: float
     gen_len: float
     overlap: bool
+    resident: bool = False
+    """Terms for weights that stay on the device (`choice.weights_frac[0]` 1: the engine's
+    resident steps, policy/steps.py); False: for weights partly elsewhere."""
     copy_hidden: float = 1.0
     """Share of the shorter of copies and compute that overlap hides (HardwareSpec
     `copy_hidden_estimate`): 1.0 is FlexGen's max."""
@@ -132,6 +131,12 @@ def build_terms(
     layer_full = layer_elems * dtype  # bytes once dequantized
     layer_bytes = layer_full * weight_ratio  # bytes as stored and moved
     total_weight_bytes = (model.total_params - expert_elems) * dtype * weight_ratio
+    if choice.compress_weights:  # the engine packs no embedding, and a tied head apart
+        head = model.vocab_size * (model.word_embed_dim or h)
+        embeddings = head + model.max_position_embeddings * h
+        total_weight_bytes += embeddings * dtype * (1 - weight_ratio)
+        if model.tie_word_embeddings:
+            total_weight_bytes += head * dtype * weight_ratio
     total_expert_bytes = expert_elems * dtype * weight_ratio
     kv_tok_full = model.kv_bytes_per_token_per_layer  # 2 * kv_dim * dtype (1x: values are keys)
     kv_tok = kv_tok_full * kv_ratio
@@ -296,13 +301,16 @@ def build_terms(
         kv_end,
         total_weight_bytes,
         layer_bytes,
-        layer_full,
         kv_tok,
         kv_tok_full,
         act_tok,
         total_expert_bytes,
         (moe_pre, moe_gen),
         states,
+        _step_reserves(
+            model, hardware, choice, s, n, kv_end, layer_bytes, layer_full, kv_tok, states
+        ),
+        host_staging=hardware.compute_device == "cuda",
     )
     usable = {tier: budgets[tier] * USABLE_FRAC[tier] for tier in ("gpu", "cpu", "disk")}
     capacity = {row: usable[row.split("_")[0]] for row in memory}
@@ -326,8 +334,73 @@ def build_terms(
         prompt_len=s,
         gen_len=n,
         overlap=choice.overlap,
+        resident=choice.weights_frac[0] >= 1.0,
         copy_hidden=hardware.copy_hidden_estimate,
     )
+
+
+def _step_reserves(
+    model: ModelSpec,
+    hardware: HardwareSpec,
+    choice: Policy,
+    s: float,
+    n: float,
+    kv_end: float,
+    layer_bytes: float,
+    layer_full: float,
+    kv_tok: float,
+    states: StateTerms,
+) -> dict[str, Affine]:
+    """What a step holds on the compute device beside the weights and KV homed there, by
+    stage ("prefill", "decode"), as the engine keeps it out of its KV pool there.
+
+    On a GPU, the reserves of policy/reserves.py (a step's workspace, loads and stores in
+    flight, the activations homed there) plus a hybrid's states: one GPU batch's of one
+    layer gathered while it runs, and its prefill's mixer beside them. Where the compute
+    device is the CPU, the engine keeps a flat share of the budget and the slots disk layers
+    load into (engine/executor/budgets.py) and runs no copy to a device: a step's buffers
+    are priced as they run there, double-buffered weights of layers off the tier, the
+    widest of a layer's intermediates for one GPU batch, and a prefill's new KV.
+    """
+    gbs, bls = choice.gpu_batch_size, choice.block_size
+    state_work = gbs * states.layer_bytes
+    if hardware.compute_device == "cuda":
+        reserves = gpu_reserves(model, choice, int(s), int(n))
+        return {
+            "prefill": reserves["prefill"] + Affine.of(state_work + gbs * states.prefill_workspace),
+            "decode": reserves["decode"] + Affine.of(state_work),
+        }
+    dtype, h, f = model.dtype_bytes, model.hidden_size, model.intermediate_size
+    q_dim, nh = model.num_heads * model.head_dim, model.num_heads
+    act_tok = model.hidden_bytes_per_token
+    kv_read = model.attended_len(kv_end)
+    logits = gbs * model.vocab_size * 4  # fp32 logits for sampling
+    # (gbs, s, *) activations: residual + input, then the larger of attention and MLP.
+    attention_pre = s * (q_dim + model.kv_row_dim) * dtype + nh * s * s * dtype
+    mlp_width = f if model.arch == "opt" else 2 * f  # fc1 output, or SwiGLU's gate and up
+    if model.num_moe_layers == model.num_layers:  # the shared expert's (routed: policy.moe)
+        mlp_width = 2 * model.shared_expert_intermediate_size
+    if model.parallel_hybrid:  # the state mixer's output waits beside the attention's work
+        attention_pre += s * h * dtype
+    mixer_pre = max(attention_pre, states.prefill_workspace)
+    workspace_pre = gbs * (2 * s * h * dtype + max(mixer_pre, s * mlp_width * dtype)) + logits
+    workspace_gen = (
+        gbs * (2 * h * dtype + max(2 * nh * kv_read * dtype, mlp_width * dtype)) + logits
+    )
+    dequantized_layer = layer_full if choice.compress_weights else 0.0
+    common = Affine.of(2 * layer_bytes + dequantized_layer + state_work, wg=-2 * layer_bytes)
+    common += Affine.of(hg=bls * s * act_tok)
+    past = 0.0 if choice.cpu_attention else 2 * gbs * kv_read * kv_tok
+    return {
+        "prefill": common
+        + Affine.of(
+            workspace_pre + gbs * s * model.kv_bytes_per_token_per_layer,
+            hc=2 * gbs * s * act_tok,
+            hd=2 * gbs * s * act_tok,
+        ),
+        "decode": common
+        + Affine.of(workspace_gen, cc=past, cd=past, hc=2 * gbs * act_tok, hd=2 * gbs * act_tok),
+    }
 
 
 def _peak_memory(
@@ -337,22 +410,21 @@ def _peak_memory(
     kv_end: float,
     total_weight_bytes: float,
     layer_bytes: float,
-    layer_full: float,
     kv_tok: float,
     kv_tok_full: float,
     act_tok: float,
     total_expert_bytes: float,
     moe: tuple[ExpertTerms, ExpertTerms],
     states: StateTerms,
+    reserves: dict[str, Affine],
+    host_staging: bool,
 ) -> dict[str, Affine]:
-    """Peak bytes per tier: homed tensors (KV at its final length s + n) plus working buffers.
-
-    Working buffers are double-buffered (the next layer / batch loads while this one
-    computes), hence the factors of 2. Prefill and decode peaks are separate rows.
+    """Peak bytes per tier: homed tensors (KV at its final length s + n) plus working buffers:
+    on the compute device, the `reserves` the engine keeps out of its KV pool there
+    (`_step_reserves`); in host memory, double-buffered (the next layer / batch loads while
+    this one computes), hence the factors of 2. Prefill and decode peaks are separate rows.
     """
-    gbs, bls = choice.gpu_batch_size, choice.block_size
-    dtype, h, f = model.dtype_bytes, model.hidden_size, model.intermediate_size
-    q_dim, nh = model.num_heads * model.head_dim, model.num_heads
+    gbs, bls, nh = choice.gpu_batch_size, choice.block_size, model.num_heads
     # every token's KV is kept, windows or not, in every attention layer
     kv_home = bls * kv_end * kv_tok * model.num_kv_layers
     kv_read = model.attended_len(kv_end)  # keys one layer's attention loads at the end
@@ -362,56 +434,34 @@ def _peak_memory(
         e = "e" + w[1]  # the routed experts homed on the same tier
         return Affine.of(**{w: total_weight_bytes, e: total_expert_bytes, c: kv_home, a: act_home})
 
-    # Double-buffered weights of layers not on the GPU; a full-width copy when compressed.
-    weight_staging = Affine.of(2 * layer_bytes, wg=-2 * layer_bytes)
-    dequantized_layer = layer_full if choice.compress_weights else 0.0
-    logits = gbs * model.vocab_size * 4  # fp32 logits for sampling
-    # (gbs, s, *) activations: residual + input, then the larger of attention and MLP.
-    attention_pre = s * (q_dim + model.kv_row_dim) * dtype + nh * s * s * dtype
-    mlp_width = f if model.arch == "opt" else 2 * f  # fc1 output, or SwiGLU's gate and up
-    # Every layer MoE: no dense MLP, the shared expert's width (the routed ones: policy.moe)
-    if model.num_moe_layers == model.num_layers:
-        mlp_width = 2 * model.shared_expert_intermediate_size
-    if model.parallel_hybrid:  # the state mixer's output waits beside the attention's work
-        attention_pre += s * h * dtype
-    mixer_pre = max(attention_pre, states.prefill_workspace)
-    workspace_pre = gbs * (2 * s * h * dtype + max(mixer_pre, s * mlp_width * dtype)) + logits
-    workspace_gen = (
-        gbs * (2 * h * dtype + max(2 * nh * kv_read * dtype, mlp_width * dtype)) + logits
+    # The compute device: weights and KV homed there (a hybrid's states with their
+    # sequences' KV) and what a step holds beside them (`_step_reserves`).
+    gpu_home = Affine.of(
+        wg=total_weight_bytes, eg=total_expert_bytes, cg=kv_home + bls * states.sequence_bytes
     )
-    # States: homed with their sequences' KV (disk-homed sequences' in host memory), and one
-    # GPU batch's of one layer gathered onto the compute device while that layer runs.
-    workspace_pre += gbs * states.layer_bytes
-    workspace_gen += gbs * states.layer_bytes
-    gpu_common = (
-        home("wg", "cg", "hg")
-        + weight_staging
-        + Affine.of(dequantized_layer, cg=bls * states.sequence_bytes)
-    )
+    gpu_prefill = gpu_home + reserves["prefill"]
+    gpu_decode = gpu_home + reserves["decode"]
     state_host = Affine.of(cc=bls * states.sequence_bytes, cd=bls * states.sequence_bytes)
-    gpu_prefill = gpu_common + Affine.of(
-        workspace_pre + gbs * s * kv_tok_full,  # this batch's new KV before it is stored
-        hc=2 * gbs * s * act_tok,
-        hd=2 * gbs * s * act_tok,
-    )
-    gpu_decode = gpu_common + Affine.of(workspace_gen, hc=2 * gbs * act_tok, hd=2 * gbs * act_tok)
     batch_kv = gbs * kv_read * kv_tok  # one GPU batch's KV for one layer
     kv_full_copy = gbs * kv_read * kv_tok_full if choice.compress_kv else 0.0
+    # Tensors homed on disk are read through host memory on their way to a GPU; where the
+    # compute device is the CPU they are read into its memory (`_step_reserves`' slots).
+    staged = 1.0 if host_staging else 0.0
     cpu_decode = (
         home("wc", "cc", "hc")
         + state_host
-        + Affine.of(wd=2 * layer_bytes, cd=2 * batch_kv, hd=2 * gbs * act_tok)
+        + Affine.of(wd=2 * layer_bytes, cd=2 * batch_kv, hd=2 * gbs * act_tok) * staged
     )
     if choice.cpu_attention:
         gpu_decode += Affine.of(cg=kv_full_copy)
         cpu_workspace = 2 * gbs * nh * kv_read * 4 + kv_full_copy  # fp32 scores and probs
         cpu_decode += Affine.of(cc=cpu_workspace, cd=cpu_workspace)
     else:
-        gpu_decode += Affine.of(kv_full_copy, cc=2 * batch_kv, cd=2 * batch_kv)
+        gpu_decode += Affine.of(kv_full_copy)
     cpu_prefill = (
         home("wc", "cc", "hc")
         + state_host
-        + Affine.of(wd=2 * layer_bytes, cd=2 * gbs * s * kv_tok, hd=2 * gbs * s * act_tok)
+        + Affine.of(wd=2 * layer_bytes, cd=2 * gbs * s * kv_tok, hd=2 * gbs * s * act_tok) * staged
     )
     moe_pre, moe_gen = moe
     return {

@@ -104,7 +104,9 @@ class PlacementLP:
         self.b_gen = cp.Parameter(num_tasks)
         self.a_mem = cp.Parameter((num_rows, num_vars))
         self.b_mem = cp.Parameter(num_rows)
+        self.wg_floor = cp.Parameter(nonneg=True)
         constraints = [
+            self.x[0] >= self.wg_floor,  # 1: the weights stay on the device (resident steps)
             t_pre >= self.a_pre @ self.x + self.b_pre,
             t_gen >= self.a_gen @ self.x + self.b_gen,
             self.a_mem @ self.x <= self.b_mem,
@@ -135,6 +137,7 @@ class PlacementLP:
             a.value = np.array([r.coeffs for r in rows]) * weight
             b.value = np.array([r.const for r in rows]) * weight
         self.c_sum.value = c_sum
+        self.wg_floor.value = 1.0 if terms.resident else 0.0
         rows = [terms.memory[r] for r in MEMORY_ROWS]
         # Normalize each memory row so its numbers are O(1) whatever the byte sizes.
         norms = np.array(
@@ -218,8 +221,11 @@ def search(
     overlaps = hardware.nano_overlap_device_estimate or hardware.nano_overlap_host_estimate
     nano_counts = NUM_NANO_BATCHES if overlaps else (1,)
     expert_values = (False, True) if model.is_moe else (False,)
-    for compress_weights, compress_kv, cpu_attention, cpu_experts in itertools.product(
-        flag_values, flag_values, attention_values, expert_values
+    # The engine's steps differ with the weights' home (policy/steps.py: resident weights run
+    # prompts in chunks, offloaded ones the block's prompts at once) and so do its reserves:
+    # each is its own design, its LP held to its side (`CostTerms.resident`).
+    for compress_weights, compress_kv, cpu_attention, cpu_experts, resident in itertools.product(
+        flag_values, flag_values, attention_values, expert_values, (True, False)
     ):
         penalty = 1 + COMPRESSION_MIN_GAIN * (compress_weights + compress_kv)
         combo = f"compress_weights={compress_weights} compress_kv={compress_kv} " + (
@@ -243,6 +249,7 @@ def search(
                         compress_kv=compress_kv,
                         cpu_experts=cpu_experts,
                         num_cpu_threads=max_compute_threads(hardware),
+                        weights_frac=(1.0, 0.0, 0.0) if resident else (0.0, 1.0, 0.0),
                     )
                     nano_penalty = penalty + NANO_MIN_GAIN * (num_nano > 1)
                     terms = build_terms(model, workload, hardware, choice, budgets)

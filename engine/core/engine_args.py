@@ -29,7 +29,7 @@ from policy.catalog import resolve_model_spec
 from policy.dtypes import DTYPES
 from policy.errors import ModelSpecError
 from policy.specs import WorkloadSpec
-from policy.steps import RESIDENT_STEP_TOKENS
+from policy.steps import default_step_tokens
 from policy.units import parse_bytes
 
 ENGINE_NICE = 10
@@ -298,9 +298,7 @@ class EngineArgs:
                     f"of the block's {policy.block_size} sequences: raise it or omit it"
                 )
             return self.max_step_tokens
-        if policy.weights_frac[0] >= 1.0:
-            return max(RESIDENT_STEP_TOKENS, policy.block_size)
-        return max(policy.block_size * int(self.workload.prompt_len), policy.block_size)
+        return default_step_tokens(policy, self.workload.prompt_len)
 
     def context_len(self, model_dir: Path) -> int:
         """The context window the engine serves: `max_model_len`, or the model's own."""

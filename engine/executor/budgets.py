@@ -7,25 +7,14 @@ from pathlib import Path
 
 import torch
 
-from engine.models.config import ModelConfig
 from engine.storage.device import Device
 from policy import TIERS, Policy
+from policy.cost_model import USABLE_FRAC
 from policy.errors import UserError
 
-GPU_RESERVE_FRAC = 0.1
-"""Share of the gpu budget kept for activations and workspace, never given to KV pages."""
-STORE_WINDOW = 3
-"""Copies of new KV rows to host memory the layer loop may run ahead of (`CopyWindow`, in
-the block pipeline): the device holds at most this many GPU batches' layers of them, plus
-the one being made (`stores_in_flight` reserves as much)."""
-LOAD_WINDOW = 1
-"""Computes that read what the layer loop loaded (weights decoded on the device, past KV,
-activations) the loop may run ahead of the device (`CopyWindow`, in the block pipeline):
-what a compute reads stays on the device until it has run, so the device holds the loads of
-the batch computing, of this many queued before it and of the one prefetched: three (the
-planner prices two, double buffering); unbounded, a host ahead of the device held every
-layer's (OPT-6.7B's 96-sequence batches of
-512 past tokens: 48 GiB, found by the rehearsal, engine/rehearsal.py)."""
+GPU_RESERVE_FRAC = 1 - USABLE_FRAC["gpu"]
+"""Share of the gpu budget never given to KV pages (the planner's: CUDA context,
+fragmentation); on a GPU the planner's reserves come off besides (policy/reserves.py)."""
 DEVICE_SHARE = 0.9
 """Without --gpu-mem: this share of the device memory free at start."""
 RAM_SHARE = 0.8
@@ -111,63 +100,15 @@ def kv_capacity_pages(
     placed: dict[str, int],
     page_bytes: int,
     in_flight: int = 0,
-    workspace: int = 0,
+    gpu_reserve: int = 0,
 ) -> dict[str, int | None]:
-    """KV pages each tier may hold: its budget less its weights (and, on the gpu tier, less
-    the larger of GPU_RESERVE_FRAC of the budget and a step's `workspace`
-    (`step_workspace_bytes`), and the `in_flight` bytes of `stores_in_flight`)."""
+    """KV pages each tier may hold: its budget less its weights and, on the gpu tier, less
+    GPU_RESERVE_FRAC of its budget, the `in_flight` bytes of the slots offloaded layers load
+    into (on the CPU) and `gpu_reserve`, what a step holds on a GPU as the planner prices it
+    (policy/reserves.py: `gpu_reserves`). So a plan that fills the gpu tier gets the KV pages
+    it priced, none taken by a reserve the planner did not see."""
     out: dict[str, int | None] = {}
     for tier in TIERS:
-        if tier == "gpu":
-            reserve = max(GPU_RESERVE_FRAC * budgets[tier], workspace) + in_flight
-        else:
-            reserve = 0
+        reserve = GPU_RESERVE_FRAC * budgets[tier] + in_flight + gpu_reserve if tier == "gpu" else 0
         out[tier] = max(0, int((budgets[tier] - placed[tier] - reserve) // page_bytes))
-    return out
-
-
-def step_workspace_bytes(
-    config: ModelConfig,
-    itemsize: int,
-    tokens: int,
-    rows: int,
-    dequantized_layer: int = 0,
-) -> int:
-    """Device bytes one step's compute holds at its peak beside the homed weights and KV,
-    an upper bound the gpu tier keeps free of KV pages: `tokens` rows through one layer at
-    once (the residual, its normed copy, and the larger of the attention's projections and
-    output and the MLP's widest intermediates; a MoE layer's routed copies of its rows), the
-    sampled `rows`' logits in the compute type, in float32 and their float32 softmax, and
-    two `dequantized_layer`s (a 4-bit layer decoded beside the next one's). A flat 10% of a
-    4 GiB budget did not hold OPT-125M's 1,024 rows of 50,272 logits on the H200
-    (tests/engine/executor/test_budgets.py measures a step's buffers against it)."""
-    c = config
-    h, q_dim = c.hidden_size, c.num_heads * c.head_dim
-    attention = c.kv_shape.row_dim + 2 * q_dim  # q, k, v, then the attention's output
-    width = max(c.intermediate_size, c.shared_expert_intermediate_size)
-    routed = c.num_experts_per_tok * (c.moe_intermediate_size + h) if c.num_experts else 0
-    mlp = 3 * max(width, routed)  # gate and up (or fc1), then the activation's output
-    per_token = (2 * h + max(attention, mlp)) * itemsize
-    logits = rows * c.vocab_size * (itemsize + 2 * 4)
-    return tokens * per_token + logits + 2 * dequantized_layer
-
-
-def stores_in_flight(
-    policy: Policy, step_tokens: int, num_layers: int, kv_row_bytes: int, act_row_bytes: int
-) -> int:
-    """Device bytes a step's stores to host memory can hold at once. A layer's new KV rows
-    headed for the cpu or disk tier stay on the device until their copy to the host has run
-    on the store stream; the layer loop runs at most `STORE_WINDOW` such copies ahead
-    (`CopyWindow`), so `STORE_WINDOW` + 1 GPU batches' layers of rows are alive at once, each
-    at most a GPU batch's share of the step (before the window, every layer of a step could
-    be: the H200's OPT-6.7B run under 16 GiB ran out of memory with 2,048 tokens x 32 layers
-    x 16 KiB, and a 49,152-token step would hold 25.8 GB). A layer's output rows headed for
-    the host are stored on a store thread and may all be alive: every layer's. Zero when
-    both stay on the device."""
-    out = 0
-    if policy.kv_frac[0] < 1.0:
-        rows = -(-step_tokens // policy.num_gpu_batches)
-        out += min(STORE_WINDOW + 1, num_layers * policy.num_gpu_batches) * rows * kv_row_bytes
-    if policy.act_frac[0] < 1.0:
-        out += step_tokens * num_layers * act_row_bytes
     return out

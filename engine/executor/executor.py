@@ -18,7 +18,7 @@ from engine.core.dtypes import checkpoint_dtype
 from engine.core.engine_args import EngineArgs
 from engine.core.kv_pages import PageManager
 from engine.core.offload_dir import OffloadDirError, OffloadDirLock, lock_offload_dir
-from engine.core.planning import cached_hardware, model_spec
+from engine.core.planning import DEFAULT_WORKLOAD, cached_hardware, model_spec
 from engine.core.protocol import (
     EngineInfo,
     Placement,
@@ -42,8 +42,6 @@ from engine.executor.budgets import (
     check_host_memory,
     derive_budgets,
     kv_capacity_pages,
-    step_workspace_bytes,
-    stores_in_flight,
 )
 from engine.executor.cuda_graphs import GraphRunner
 from engine.executor.gpu_batch import BatchBuilder, SeqState
@@ -71,6 +69,8 @@ from engine.storage.weight_store import WeightStore
 from policy import TIERS, Policy
 from policy.moe import cpu_expert_break_even
 from policy.prefix import PAGE_TOKENS
+from policy.reserves import gpu_reserves, reserve_bytes
+from policy.specs import WorkloadSpec
 from policy.steps import RESIDENT_STEP_TOKENS
 from policy.units import format_bytes
 
@@ -117,8 +117,10 @@ class Executor:
         most this many rows of a block route to runs on the CPU instead of being copied
         (engine/executor/moe_block.py); None: the cost model's break-even on the cached
         hardware profile (`nanoflex profile`; without one, never).
-    step_tokens: the most tokens one step runs (`EngineArgs.step_tokens`): on a GPU, what
-        a step's stores keep in flight is left out of the KV pool (budgets.stores_in_flight).
+    step_tokens: the most tokens one step runs (`EngineArgs.step_tokens`).
+    workload: the prompt and output lengths planned for (`EngineArgs.workload`): on a GPU,
+        the reserves the planner priced for them and `step_tokens` (policy/reserves.py: a
+        step's workspace, loads and stores in flight) are left out of the KV pool.
     on_progress: called with (layers loaded, layers) while the weights load (the engine
         process reports it to the daemon); None: `show_progress` decides.
     """
@@ -148,10 +150,12 @@ class Executor:
         cpu_expert_rows: int | None = None,
         state_snapshots: int = 0,
         step_tokens: int = RESIDENT_STEP_TOKENS,
+        workload: WorkloadSpec = DEFAULT_WORKLOAD,
         on_progress: Callable[[int, int], None] | None = None,
     ) -> None:
         self.policy = policy
         self.step_tokens = step_tokens
+        self.workload = workload
         self.device = Device.resolve(device)
         self.model_dir = local_model_dir(model)
         hf_config = read_hf_config(self.model_dir)
@@ -396,33 +400,35 @@ class Executor:
     # -- what the scheduler needs ------------------------------------------------------
 
     def kv_capacity_pages(self) -> dict[str, int | None]:
-        """KV pages each tier may hold: its budget less its weights, the slots offloaded
-        layers load into and, on a GPU, the stores a step keeps in flight and its compute's
-        workspace (budgets.py)."""
-        in_flight = 0 if self.weights.slots is None else self.weights.slots.total_bytes
-        workspace = 0
-        if self.device.is_cuda:
-            item, policy = self.dtype.itemsize, self.policy
-            in_flight += stores_in_flight(
-                policy,
-                self.step_tokens,
-                len(self.config.kv_layers),
-                self.config.kv_shape.row_dim * item,
-                self.config.hidden_size * item,
-            )
-            workspace = step_workspace_bytes(
-                self.config,
-                item,
-                tokens=-(-self.step_tokens // policy.num_gpu_batches),  # one GPU batch's
-                rows=min(policy.block_size, self.step_tokens),
-                dequantized_layer=self.weights.largest_layer_bytes()
-                if policy.compress_weights
-                else 0,
-            )
+        """KV pages each tier may hold: its budget less its weights and, on a GPU, less the
+        reserves the planner prices (`gpu_reserve_bytes`); on the CPU, less the slots disk
+        layers load into and GPU_RESERVE_FRAC of the "gpu" tier (budgets.py)."""
         placed = self.weights.bytes_per_tier()
         for tier, nbytes in self._state_bytes().items():
             placed[tier] += nbytes
-        return kv_capacity_pages(self.budgets, placed, self.kv.page_bytes, in_flight, workspace)
+        if self.device.is_cuda:
+            return kv_capacity_pages(
+                self.budgets, placed, self.kv.page_bytes, gpu_reserve=self.gpu_reserve_bytes()
+            )
+        slots = 0 if self.weights.slots is None else self.weights.slots.total_bytes
+        return kv_capacity_pages(self.budgets, placed, self.kv.page_bytes, in_flight=slots)
+
+    def gpu_reserve_bytes(self) -> int:
+        """What a step holds on the GPU beside the weights and KV homed there, as the planner
+        prices it for this policy, workload and step budget (policy/reserves.py)."""
+        spec = model_spec(
+            self.model_dir, str(self.device.device), str(self.dtype).removeprefix("torch.")
+        )
+        slots = None if self.weights.slots is None else self.weights.slots.total_bytes
+        reserves = gpu_reserves(
+            spec,
+            self.policy,
+            int(self.workload.prompt_len),
+            int(self.workload.gen_len),
+            self.step_tokens,
+            slot_bytes=slots,
+        )
+        return reserve_bytes(reserves, self.policy)
 
     def _state_bytes(self) -> dict[str, int]:
         return {} if self.states is None else self.states.bytes_per_tier()
@@ -730,6 +736,7 @@ def build_executor(
         cpu_expert_rows=args.cpu_expert_rows,
         state_snapshots=args.prefix_state_slots if args.enable_prefix_caching else 0,
         step_tokens=args.step_tokens(policy),
+        workload=args.workload,
         on_progress=on_progress,
     )
 

@@ -32,7 +32,6 @@ from engine.executor.attention import (
     ragged_attention,
     split_kv,
 )
-from engine.executor.budgets import LOAD_WINDOW, STORE_WINDOW
 from engine.executor.cuda_graphs import GraphRunner, StepReplay
 from engine.executor.gpu_batch import AttentionGroup, GpuBatch
 from engine.executor.moe_block import BlockExperts, loads_all_experts
@@ -47,6 +46,7 @@ from engine.storage.disk import DiskFile, DiskIO
 from engine.storage.kv_store import KVRows, KVStore
 from engine.storage.state_store import StateStore
 from engine.storage.weight_store import WeightStore
+from policy.reserves import LOAD_WINDOW, STORE_WINDOW
 
 
 @dataclass(slots=True)

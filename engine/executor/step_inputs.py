@@ -34,6 +34,12 @@ class Staged:
         return self.start + self.count * self.dtype.itemsize
 
 
+def host_buffer(capacity: int, pinned: bool) -> torch.Tensor:
+    """`capacity` bytes of host memory the host writes a step's arrays into (the rehearsal,
+    engine/fake_cuda.py, keeps them real at any size: their values are read)."""
+    return torch.empty(capacity, dtype=torch.uint8, pin_memory=pinned)
+
+
 class StepInputs:
     """Host staging and device copies of a step's inputs. The contract: `stage` every array,
     `flush` once, then read them with `tensor` (the device's copy) or `host` (the staged
@@ -55,9 +61,7 @@ class StepInputs:
         """Times the buffers grew (a step larger than any before it)."""
 
     def _allocate(self, capacity: int) -> None:
-        self._host = [
-            torch.empty(capacity, dtype=torch.uint8, pin_memory=self.pinned) for _ in range(2)
-        ]
+        self._host = [host_buffer(capacity, self.pinned) for _ in range(2)]
         self._device = [
             torch.empty(capacity, dtype=torch.uint8, device=self.device) for _ in range(2)
         ]

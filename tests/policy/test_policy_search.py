@@ -55,7 +55,7 @@ def test_offloaded_plan_is_consistent_with_the_cost_model() -> None:
     ("budgets", "message"),
     [
         ({"gpu_mem": 256 * 1024**2}, "gpu working memory"),
-        ({"gpu_mem": 2 * GiB, "cpu_mem": GiB, "disk_mem": GiB}, "across gpu\\+cpu\\+disk"),
+        ({"gpu_mem": 5 * GiB, "cpu_mem": GiB, "disk_mem": GiB}, "across gpu\\+cpu\\+disk"),
     ],
 )
 def test_infeasible_budgets_say_what_does_not_fit(budgets: dict[str, int], message: str) -> None:

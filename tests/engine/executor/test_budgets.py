@@ -1,39 +1,46 @@
-"""The KV pool's share of the GPU budget: what a step's stores keep in flight is left out."""
+"""The KV pool's share of the GPU budget: the planner's reserves (policy/reserves.py) are left
+out, and nothing else."""
 
 from __future__ import annotations
 
-from engine.executor.budgets import (
-    GPU_RESERVE_FRAC,
-    STORE_WINDOW,
-    kv_capacity_pages,
-    step_workspace_bytes,
-    stores_in_flight,
-)
+import dataclasses
+
+from engine.executor.budgets import GPU_RESERVE_FRAC, kv_capacity_pages
 from policy import Policy
+from policy.affine import policy_vector
+from policy.catalog import resolve_model_spec
+from policy.reserves import STORE_WINDOW, gpu_reserves, reserve_bytes, step_workspace_bytes
 
 GiB = 1 << 30
 
 
 def test_a_step_of_kv_headed_for_the_host_is_reserved_on_the_gpu() -> None:
-    """The H200's OPT-6.7B case under 16 GiB: 12.4 GiB of weights on the GPU, 94% of the KV
-    cache in CPU memory, 2,048-token steps of 16 KiB KV rows: the rows of STORE_WINDOW + 1
-    layers in flight (the layer loop waits for older copies), taken from the KV pool's share
-    instead of from the margin activations need; a step's tokens split over its GPU batches;
-    output rows bound for the host, every layer's."""
-    offloaded_kv = Policy(gpu_batch_size=32, kv_frac=(0.06, 0.94, 0.0))
-    in_flight = stores_in_flight(offloaded_kv, 2048, 32, 16 << 10, 8 << 10)
-    assert in_flight == (STORE_WINDOW + 1) * 2048 * (16 << 10)
-    two = Policy(gpu_batch_size=48, num_gpu_batches=2, kv_frac=(0.3, 0.7, 0.0))
-    assert stores_in_flight(two, 49152, 32, 16 << 10, 8 << 10) == 4 * 24576 * (16 << 10)
-    assert stores_in_flight(offloaded_kv, 2048, 2, 16 << 10, 0) == 2 * 2048 * (16 << 10)
+    """OPT-6.7B's shape, resident weights, 2,048-token steps: the new KV rows of
+    STORE_WINDOW + 1 layers in flight to host memory (the layer loop waits for older copies)
+    for the share of sequences homed there, none when all stay on the device; the KV pool
+    gives up exactly the reserve, the host tiers nothing."""
+    model = resolve_model_spec("opt-6.7b")
+    kv_row = model.kv_bytes_per_token_per_layer
+    on_device = Policy(gpu_batch_size=32)
+    offloaded = dataclasses.replace(on_device, kv_frac=(0.0, 1.0, 0.0))
+    prefill = {
+        p: gpu_reserves(model, p, 512, 32, step_tokens=2048)["prefill"]
+        for p in (on_device, offloaded)
+    }
+
+    gap = prefill[offloaded](policy_vector(offloaded)) - prefill[on_device](
+        policy_vector(on_device)
+    )
+    assert gap == (STORE_WINDOW + 1) * 2048 * kv_row  # no past: a 512-token prompt fits a step
     budgets = {"gpu": 16 * GiB, "cpu": 96 * GiB, "disk": 64 * GiB}
     placed = {"gpu": int(12.4 * GiB), "cpu": 0, "disk": 0}
-    page = 16 * 32 * (16 << 10)  # 16 tokens x 32 layers x 16 KiB
+    page = 16 * 32 * kv_row  # 16 tokens x 32 layers
+    reserve = reserve_bytes(gpu_reserves(model, offloaded, 512, 32, 2048), offloaded)
     without = kv_capacity_pages(budgets, placed, page)
-    with_stores = kv_capacity_pages(budgets, placed, page, in_flight)
+    with_reserve = kv_capacity_pages(budgets, placed, page, gpu_reserve=reserve)
     assert without["gpu"] == int((16 * GiB * (1 - GPU_RESERVE_FRAC) - placed["gpu"]) // page)
-    assert without["gpu"] - with_stores["gpu"] == in_flight // page
-    assert with_stores["cpu"] == without["cpu"]  # host tiers are not charged
+    assert without["gpu"] - with_reserve["gpu"] in (reserve // page, reserve // page + 1)
+    assert with_reserve["cpu"] == without["cpu"]  # host tiers are not charged
 
 
 def test_the_copy_window_waits_for_the_oldest_copy_beyond_its_depth() -> None:
@@ -60,12 +67,6 @@ def test_the_copy_window_waits_for_the_oldest_copy_beyond_its_depth() -> None:
     assert [c.waited for c in copies] == [True, True, False, False, False] and window.waits == 2
 
 
-def test_nothing_is_in_flight_when_kv_and_activations_stay_on_the_device() -> None:
-    assert stores_in_flight(Policy(), 2048, 32, 16 << 10, 8 << 10) == 0
-    acts_off = Policy(act_frac=(0.0, 1.0, 0.0))
-    assert stores_in_flight(acts_off, 100, 4, 64, 32) == 100 * 4 * 32
-
-
 def _opt_125m():
     from engine.loading.generated import local_model_dir
     from engine.models.config import ModelConfig, read_hf_config
@@ -74,29 +75,17 @@ def _opt_125m():
     return model_dir, ModelConfig.from_hf(read_hf_config(model_dir))
 
 
-def test_a_steps_workspace_is_kept_from_the_kv_pool() -> None:
-    """The gpu tier's KV pages leave the larger of 10% of its budget and a step's workspace:
-    OPT-125M's 1,024 rows of 50,272 logits (float16, float32, the softmax) are over 10% of
-    4 GiB (the H200's smoke case ran out of memory there), a 2,048-token step's layer is not."""
-    config = _opt_125m()[1]
-    workspace = step_workspace_bytes(config, 2, tokens=2048, rows=1024)
+def test_a_steps_workspace_counts_the_logits() -> None:
+    """A step's workspace: OPT-125M's 1,024 rows of 50,272 logits (float16, float32, the
+    softmax) beside a 2,048-token step's layer (the H200's smoke case ran out of memory
+    without them); two 4-bit layers decoded at once."""
+    model = resolve_model_spec("opt-125m")
+    workspace = step_workspace_bytes(model, tokens=2048, rows=1024)
     logits = 1024 * 50272 * (2 + 8)
     assert workspace - logits == 2048 * (2 * 768 + 3 * 3072) * 2  # the MLP's intermediates
     assert workspace > GPU_RESERVE_FRAC * 4 * GiB
-    budgets = {"gpu": 4 * GiB, "cpu": 8 * GiB, "disk": 64 * GiB}
-    placed = {"gpu": 250 << 20, "cpu": 0, "disk": 0}
-    page = 16 * 12 * 3072
-    flat = kv_capacity_pages(budgets, placed, page)
-    kept = kv_capacity_pages(budgets, placed, page, workspace=workspace)
-    assert kept["gpu"] == int((4 * GiB - placed["gpu"] - workspace) // page) < flat["gpu"]
-    small = step_workspace_bytes(config, 2, tokens=2048, rows=8)
-    assert kv_capacity_pages(budgets, placed, page, workspace=small) == flat  # 10% holds it
-    # two 4-bit layers decoded at once
-    assert (
-        step_workspace_bytes(config, 2, 16, 8, dequantized_layer=100)
-        - step_workspace_bytes(config, 2, 16, 8)
-        == 200
-    )
+    decoded = step_workspace_bytes(model, 16, 8, dequantized_layer=100)
+    assert decoded - step_workspace_bytes(model, 16, 8) == 200
 
 
 def test_the_workspace_bounds_what_a_step_allocates() -> None:
@@ -126,7 +115,8 @@ def test_the_workspace_bounds_what_a_step_allocates() -> None:
             live += nbytes
             peak = max(peak, live)
         item = ex.dtype.itemsize
-        estimate = step_workspace_bytes(ex.config, item, ex.step_tokens, 256)
+        spec = dataclasses.replace(resolve_model_spec(str(model_dir)), dtype_bytes=item)
+        estimate = step_workspace_bytes(spec, ex.step_tokens, 256)
         logits = 256 * ex.config.vocab_size * (item + 8)
     assert abs(live) < 1 << 20  # the step's buffers all given back: none was the pool's
     assert estimate - logits < peak <= estimate, (peak, estimate)

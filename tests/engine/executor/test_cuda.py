@@ -147,7 +147,7 @@ def test_cuda_compresses_weights_on_the_device(tiny_model, tmp_path, monkeypatch
 def test_cuda_stores_to_host_memory_run_at_most_a_window_ahead(tiny_model, tmp_path):
     """KV rows bound for the cpu tier are copied at most STORE_WINDOW ahead of the layer loop
     (`CopyWindow`: the loop waited for older copies), and the tokens are transformers'."""
-    from engine.executor.budgets import STORE_WINDOW
+    from policy.reserves import STORE_WINDOW
 
     prompts = random_prompts(6, vocab_size("llama"), 2, 40, seed=5)
     expected = hf_greedy_cuda(tiny_model("llama"), prompts, torch.float32)
