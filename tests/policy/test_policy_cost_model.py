@@ -196,3 +196,20 @@ def test_overlap_that_hides_a_share_charges_the_rest_of_the_shorter() -> None:
     cpu_box = dataclasses.replace(FLEXGEN_T4, compute_device="cpu")
     on_cpu = estimate(PAPER_30B, OPT_30B, WORKLOAD, dataclasses.replace(cpu_box, copy_hidden=0.0))
     assert on_cpu.decode_time == estimate(PAPER_30B, OPT_30B, WORKLOAD, cpu_box).decode_time
+
+
+def test_disk_weights_stage_in_host_memory_on_a_gpu_and_in_compute_memory_on_a_cpu() -> None:
+    """A GPU reads what lies on disk through host memory (the cpu rows hold two layers of
+    it); where the compute device is the CPU, the engine reads it into the memory it
+    computes in (its slots, engine/executor/budgets.py), so the cpu tier, empty there by
+    default (`hardware_budgets`), holds none of it and a plan may keep weights on disk."""
+    on_disk = dataclasses.replace(
+        PAPER_30B, weights_frac=(0.0, 0.0, 1.0), kv_frac=(1.0, 0.0, 0.0), act_frac=(1.0, 0.0, 0.0)
+    )
+    layer = OPT_30B.total_params / OPT_30B.num_layers * OPT_30B.dtype_bytes
+    on_gpu = estimate(on_disk, OPT_30B, WORKLOAD, FLEXGEN_T4).peak_bytes
+    assert on_gpu["cpu"] >= 2 * layer
+    cpu_box = dataclasses.replace(FLEXGEN_T4, compute_device="cpu")
+    on_cpu = estimate(on_disk, OPT_30B, WORKLOAD, cpu_box).peak_bytes
+    assert on_cpu["cpu"] == 0
+    assert on_cpu["gpu"] >= 2 * layer  # the two slots, in compute memory
