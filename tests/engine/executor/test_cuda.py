@@ -254,10 +254,10 @@ def test_cuda_nano_batches_match_transformers(tiny_model, tmp_path, placement, n
     assert got == expected
 
 
-def _wide_llama(path):
-    """A 2-layer Llama wide enough (hidden 2048) that one nano-batch's operations outlast the
-    host's kernel launches: with tiny models a GPU finishes each kernel before the next is
-    issued, and nothing can overlap."""
+def _wide_llama(path, layers=2):
+    """A Llama of `layers` layers wide enough (hidden 2048) that one nano-batch's operations
+    outlast the host's kernel launches: with tiny models a GPU finishes each kernel before the
+    next is issued, and nothing can overlap."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.for_model(
@@ -265,7 +265,7 @@ def _wide_llama(path):
         vocab_size=512,
         hidden_size=2048,
         intermediate_size=8192,
-        num_hidden_layers=2,
+        num_hidden_layers=layers,
         num_attention_heads=16,
         num_key_value_heads=4,
         max_position_embeddings=2048,
@@ -316,6 +316,35 @@ def test_cuda_trace_shows_nano_batches_overlapping(tmp_path, placement, attentio
     assert next(iter(attending)).startswith(prefix)
     hits, total = nano_overlaps(events)
     assert total > 0 and hits >= total // 2, (hits, total)
+
+
+def test_cuda_trace_shows_the_next_layers_load_beside_this_layers_compute(tmp_path):
+    """The engine's own offloaded steps on the CUDA path (device spans timed with CUDA
+    events): with overlap on, the copy of layer j+1's weights from host memory runs while
+    layer j computes, in at least half of the layers that have one. Each layer's 120 MB of
+    float16 weights copy in about as long as 8 x 1,024 prompt tokens take through it, so a
+    load issued after the compute cannot hide. With overlap off the tokens are the same; its
+    spans are not asserted apart: the host waits for each load in turn, but a copy enqueued on
+    the copy stream while the compute stream still runs may still meet it on the device."""
+    import json
+
+    from tests.engine.executor.test_trace_overlap import overlapping
+
+    model = _wide_llama(tmp_path / "wide", layers=6)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 512, (1024,), generator=g).tolist() for _ in range(8)]
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    runs = {}
+    for overlap in (True, False):
+        path = tmp_path / f"trace-{overlap}.json"
+        policy = Policy(overlap=overlap, weights_frac=(0.0, 1.0, 0.0))
+        with LLM(str(model), policy=policy, device="cuda", trace=str(path)) as llm:
+            tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        runs[overlap] = tokens, json.loads(path.read_text())["traceEvents"]
+    assert runs[True][0] == runs[False][0]
+    hits, total = overlapping(runs[True][1], "load_weight")
+    off = overlapping(runs[False][1], "load_weight")
+    assert total >= 5 and hits >= total // 2, (hits, total, "off:", off)
 
 
 @pytest.mark.parametrize("kind", ["qwen3_next", "nemotron_h"])
