@@ -7,7 +7,9 @@
   that copy costs more than the attention itself.
 - `paged_prefill` (paged_prefill.cpp) is the prefill chunks' attention, also read from the
   pool: flash attention with register-blocked products, where torch's CPU flash kernel
-  reaches about a quarter of the GEMM rate (measured in bench/prefill_attention.py).
+  reaches about a quarter of the GEMM rate (measured in bench/prefill_attention.py). Its
+  tiles need AVX-512; without it the engine runs torch's flash kernel instead
+  (`tiled_prefill`).
 - `apply_token_bitmask` (token_mask.cpp) sets the logits of tokens a structured output's
   grammar forbids to -inf, straight from llguidance's bits (engine/executor/logits.py).
 - `dense_ops` (dense_ops.cpp) are the small operations around a layer's GEMMs, one pass
@@ -28,6 +30,7 @@ say), one warning says why and torch's own ops run instead: the same results, sl
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import threading
@@ -72,14 +75,14 @@ _lock = threading.Lock()
 
 
 @functools.cache
-def _build() -> bool:
+def _build() -> str | None:
     """Load the library built ahead for this CPU where there is one (`$NANOFLEX_KERNEL_DIR`),
-    else build (or find built) and load it; False, with one warning, where it cannot be
-    built."""
+    else build (or find built) and load it; the instruction-set level it was built for
+    (`ISA_LEVELS`), or None, with one warning, where it cannot be built."""
     from engine.kernels import prebuilt
 
     if prebuilt.load():
-        return True
+        return prebuilt.pick_level() or "native"
     try:
         from torch.utils.cpp_extension import load
 
@@ -101,8 +104,17 @@ def _build() -> bool:
             "(same results, slower)",
             reason,
         )
-        return False
-    return True
+        return None
+    return isa_level()
+
+
+def tiled_prefill(level: str, cpu_levels: list[str]) -> bool:
+    """Whether a library built for `level` on a CPU that runs `cpu_levels` has the prefill
+    kernel's AVX-512 register tiles (paged_prefill.cpp). Without them each query row runs in
+    plain loops, and torch's flash attention over a gathered copy is faster: on a 2-core
+    AVX2 EPYC, 16 prompts of 1,024 tokens prefill 1.9x faster through it (docs/benchmarks.md,
+    "Prefill attention without AVX-512")."""
+    return level.startswith("avx512") or (level == "native" and "avx512" in cpu_levels)
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,8 +187,17 @@ def dense_ops() -> DenseOps | None:
 
 def attention_kernels(cuda: bool) -> PagedKernels | None:
     """The attention kernels the engine runs on its compute device: native on a CPU (where
-    they build), Triton on CUDA (where it is installed)."""
-    return cuda_paged_kernels() if cuda else paged_kernels()
+    they build; prefill chunks only where the library has the prefill kernel's AVX-512
+    tiles, `tiled_prefill`, else they gather their keys for SDPA), Triton on CUDA (where it
+    is installed)."""
+    if cuda:
+        return cuda_paged_kernels()
+    kernels = paged_kernels()
+    with _lock:
+        level = _build()
+    if kernels is None or level is None or tiled_prefill(level, supported_levels()):
+        return kernels
+    return dataclasses.replace(kernels, prefill=None)
 
 
 def fused_dense_ops(cuda: bool) -> DenseOps | None:

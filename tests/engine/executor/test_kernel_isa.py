@@ -42,3 +42,19 @@ def run_kernel_checks(env: dict[str, str]) -> None:
 @pytest.mark.parametrize("level", [lv for lv in supported_levels() if lv != "native"])
 def test_kernels_at_each_level_equal_torch(level: str) -> None:
     run_kernel_checks({**os.environ, ISA_ENV: level})
+
+
+def test_prefill_chunks_use_the_native_kernel_only_with_its_avx512_tiles() -> None:
+    """Without AVX-512 the prefill kernel's rows run in plain loops, slower than SDPA's flash
+    kernel over a gathered copy: the engine's CPU kernels drop it there (decodes keep theirs)."""
+    from engine.kernels import attention_kernels, isa_level, supported_levels, tiled_prefill
+
+    assert tiled_prefill("avx512", ["native", "avx2", "avx512"])
+    assert tiled_prefill("avx512-bf16", ["native", "avx2"])  # built so: its tiles, wherever
+    assert tiled_prefill("native", ["native", "avx2", "avx512"])
+    assert not tiled_prefill("native", ["native", "avx2"])
+    assert not tiled_prefill("avx2", ["native", "avx2", "avx512"])
+    kernels = attention_kernels(cuda=False)
+    assert kernels is not None and kernels.decode is not None
+    has_tiles = tiled_prefill(isa_level(), supported_levels())
+    assert (kernels.prefill is not None) == has_tiles
