@@ -14,9 +14,10 @@ the engine, once its weights are placed and before it says it is ready, makes th
   prefill and decode tiles, one split and several with their merge, each layer's window and
   sinks; the fused norm, rotary and SiLU kernels): a prefill long enough for a split
   decode (in chunks within the step's tokens), its decode (several splits), a mixed step,
-  and a decode of two fresh sequences (one split). The paged kernel leaves what changes
-  from step to step unspecialized (`triton_paged.VARYING`), so no later step meets a new
-  specialization.
+  and a decode of sequences with a short past (one split) beside a one-token prompt, then
+  of one alone (with nano-batches, a batch of one sequence runs whole). The paged kernel
+  leaves what changes from step to step unspecialized (`triton_paged.VARYING`), so no later
+  step meets a new specialization.
 
 The dummy sequences use pages of a private page table on the gpu (or cpu) tier, freed after,
 before the scheduler hands out any; a placement whose KV or activations live on disk, or a
@@ -157,8 +158,9 @@ def _run_steps(executor: Executor, batch_sizes: tuple[int, ...]) -> int:
     steps = [[chunk(a, min(most, LONG_PROMPT - n))] for n in range(0, LONG_PROMPT, most)]
     steps += [
         [chunk(a, 1)],  # decode, keys in several splits
-        [chunk(a, 1), chunk(b, 3)],  # mixed
-        [chunk(c, 1), chunk(d, 1)],  # decode, one split
+        [chunk(a, 1), chunk(b, 3), chunk(c, 2)],  # mixed
+        [chunk(b, 1), chunk(c, 1), chunk(d, 1)],  # decode over a short past (one split), and
+        [chunk(b, 1)],  # a one-token prompt; alone (a batch of one is never cut in nano-batches)
     ]
     for i, chunks in enumerate(steps):
         plan = StepPlan(FIRST_SEQ_ID + i, chunks)

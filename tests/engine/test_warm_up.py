@@ -32,8 +32,8 @@ from policy import Policy
 GiB = 1 << 30
 # ragged prompts (one past a decode key tile, for split decodes) and lengths: sequences
 # finish at different steps, so decodes run at many batch sizes and refills make mixed steps
-PROMPTS = [[5 + i] * n for i, n in enumerate([3, 70, 9, 4, 2, 5])]
-MAX_TOKENS = [1, 4, 3, 6, 1, 5]
+PROMPTS = [[5 + i] * n for i, n in enumerate([3, 70, 4, 2, 9])]
+MAX_TOKENS = [1, 3, 2, 4, 2]
 
 
 @contextmanager
