@@ -91,6 +91,7 @@ def run_bench(
     prefill_s = (prefill_done or end) - start
     decode_s = end - (prefill_done or end)
     placement = llm.placement()
+    warmed = llm.executor.warmed
     result = {
         "model": str(llm.executor.model_dir),
         "device": placement.device,
@@ -106,6 +107,8 @@ def run_bench(
         "generation_throughput": num_prompts * gen_len / (prefill_s + decode_s),
         "num_steps": steps,
         "placement": dataclasses.asdict(placement),
+        # start-up's warm-up (CUDA graphs captured, Triton kernels compiled), before the timing
+        "warm_up": None if warmed is None else dataclasses.asdict(warmed),
         # for the block these prompts actually ran in (a plan is made for a full block)
         "predicted": predict(
             realized_policy(llm.policy, num_prompts),
@@ -163,6 +166,12 @@ def print_bench(r: dict[str, Any]) -> None:
     print(f"prefill      {r['prefill_throughput']:10.1f} tokens/s  ({r['prefill_seconds']:.3f} s)")
     print(f"decode       {r['decode_throughput']:10.1f} tokens/s  ({r['decode_seconds']:.3f} s)")
     print(f"generation   {r['generation_throughput']:10.1f} tokens/s  ({r['num_steps']} steps)")
+    if r.get("warm_up"):
+        w = r["warm_up"]
+        print(
+            f"warm-up      {w['seconds']:.1f} s at start: {w['graphs_captured']} CUDA graphs, "
+            f"{w['kernels_compiled']} Triton specializations"
+        )
     if r["predicted"]:
         predicted = r["predicted"]
         print(

@@ -4,8 +4,9 @@ data, with every byte the device would hold counted (`DeviceLedger`).
 Inside `with fake_cuda(ledger, ...)`, torch reports one CUDA device: tensors are torch's fake
 tensors (`FakeTensorMode`: shapes, dtypes and devices, no storage), streams and events are
 stand-ins that keep the ledger's clock (engine/storage/device_ledger.py), graph capture runs
-its body once and keeps what it held as the graph's pool, Triton launches do nothing (their
-outputs are allocated by the callers, as on a GPU), and host memory is the GPU machine's
+its body once and keeps what it held as the graph's pool, Triton launches run nothing (their
+outputs are allocated by the callers, as on a GPU) but count the specializations a GPU would
+compile (`Kernel.note`), and host memory is the GPU machine's
 (`host_bytes`). `Device`, the weight and KV stores, the block pipeline and the sampler run
 unchanged, `is_cuda` true: the branches a GPU takes are the ones rehearsed. A value read back
 to the host (`.item()`, `.tolist()`) is zero. The engine's pools run their tasks in the
@@ -322,7 +323,7 @@ def fake_cuda(ledger: DeviceLedger, device_bytes: int, host_bytes: int) -> Itera
         stack.enter_context(mock.patch.object(tasks, "wait", inline_tasks.waiting(tasks.wait)))
         stack.enter_context(mock.patch.object(staging, "buffer_key", storage_key))
         stack.enter_context(mock.patch.object(step_inputs, "host_buffer", _real_host_buffer))
-        stack.enter_context(mock.patch.object(Kernel, "launch", lambda *a, **k: None))
+        stack.enter_context(mock.patch.object(Kernel, "launch", _noted))
         sdpa = fake_bindings.fused_attention(attention.scaled_dot_product_attention)
         stack.enter_context(mock.patch.object(attention, "scaled_dot_product_attention", sdpa))
         stack.enter_context(mock.patch.object(psutil, "virtual_memory", lambda: memory))
@@ -362,6 +363,12 @@ def _real_host_buffer(capacity: int, pinned: bool) -> torch.Tensor:
     prefill stages more than SMALL_BYTES of them, and the host writes their values)."""
     with unset_fake_temporarily():
         return torch.empty(capacity, dtype=torch.uint8)
+
+
+def _noted(kernel: Any, grid: tuple[int, ...], on_gpu: bool, *args: Any, **kwargs: Any) -> None:
+    """A Triton launch on fake tensors: nothing runs, but the specialization a GPU would
+    compile for these arguments is counted (`Kernel.note`)."""
+    kernel.note(*args, **kwargs)
 
 
 def is_fake(t: torch.Tensor) -> bool:

@@ -133,10 +133,13 @@ def rehearse(
     gen_len: int,
     num_prompts: int | None = None,
     progress: bool = False,
+    warmup: bool = True,
 ) -> Rehearsal:
     """Run `num_prompts` (default: the policy's block) prompts of `prompt_len` tokens for
     `gen_len` tokens on a rehearsed CUDA device of `gpu_mem` bytes beside `cpu_mem` of RAM.
-    The weights are generated from the directory's config (`dummy:`), whatever it holds."""
+    The weights are generated from the directory's config (`dummy:`), whatever it holds.
+    `warmup`: the engine's warm-up at start (engine/executor/warm_up.py: its graphs and
+    dummy steps count in the setup's bytes), as `serve` runs it."""
     import warnings
 
     from engine.executor.budgets import MemoryBudgetError
@@ -172,6 +175,7 @@ def rehearse(
                 cpu_mem=cpu_mem,
                 disk_mem=disk_mem,
                 workload=WorkloadSpec(prompt_len, gen_len),
+                warmup=warmup,
             )
         except MemoryBudgetError as e:
             error = str(e)

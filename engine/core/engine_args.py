@@ -162,6 +162,15 @@ class EngineArgs:
     cuda_graphs: bool = cli(True, "replay decode steps as CUDA graphs where sound (default: on)")
     """Replay decode steps' dense ops as CUDA graphs at the discrete sizes where sound (resident
     weights, one GPU batch); False runs every op eagerly (vLLM's enforce_eager)."""
+    warmup: bool = cli(
+        True,
+        "on CUDA, capture every decode step's graphs and compile every Triton kernel "
+        "specialization at start, before the first request (default: on)",
+    )
+    """On CUDA, before the engine says it is ready: every row count a decode step can run
+    captured as CUDA graphs and every Triton specialization a step can meet compiled, by a
+    few steps on dummy sequences (engine/executor/warm_up.py; EngineInfo.warm_up says how
+    long it took). False: each is made the first time a step needs it, inside that step."""
     weight_slots: bool = cli(
         True,
         "offloaded layers load into two fixed device buffers in turn, FlexGen's double "
@@ -374,12 +383,6 @@ class EngineArgs:
         """The scheduler's settings: the block shape and tier fractions of `policy`, the KV
         capacity the executor reports, stop ids and context length from the model directory."""
         step_tokens = self.step_tokens(policy)
-        if self.batch_sizes is not None:
-            sizes = tuple(s for s in self.batch_sizes if s <= step_tokens)
-        else:
-            hardware = cached_hardware()
-            flat = None if hardware is None else hardware.dense_flat_rows()
-            sizes = discrete_sizes(step_tokens, flat, policy.block_size)
         return SchedulerConfig.from_policy(
             policy,
             page_tokens=info.page_tokens,
@@ -391,7 +394,7 @@ class EngineArgs:
             eos_token_ids=eos_token_ids(model_dir),
             max_model_len=self.context_len(model_dir),
             max_step_tokens=step_tokens,
-            batch_sizes=sizes,
+            batch_sizes=self.discrete_batch_sizes(policy),
             discrete_batching=self.discrete_batching,
             enable_prefix_caching=self.enable_prefix_caching,
             prefix_ordering=self.prefix_ordering,
@@ -400,6 +403,19 @@ class EngineArgs:
             max_cached_pages=self._max_cached_pages(info),
             min_hit_tokens=self._min_hit_tokens(policy, model_dir, info),
         )
+
+    def discrete_batch_sizes(self, policy: Policy) -> tuple[int, ...]:
+        """The dense batch sizes the scheduler runs steps at under `policy`, ascending: the
+        given ones up to the step's tokens, or `discrete_sizes` from the cached hardware
+        profile's flat rows."""
+        step_tokens = self.step_tokens(policy)
+        if self.batch_sizes is not None:
+            sizes = tuple(s for s in self.batch_sizes if s <= step_tokens)
+        else:
+            hardware = cached_hardware()
+            flat = None if hardware is None else hardware.dense_flat_rows()
+            sizes = discrete_sizes(step_tokens, flat, policy.block_size)
+        return tuple(sorted(set(sizes)))
 
     def _min_hit_tokens(self, policy: Policy, model_dir: Path, info: EngineInfo) -> dict[str, int]:
         """Per tier, the shortest cached prefix worth loading instead of recomputing (the

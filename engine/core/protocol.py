@@ -182,6 +182,21 @@ class Placement:
 
 
 @dataclass(frozen=True, slots=True)
+class WarmUp:
+    """The engine's warm-up at start (engine/executor/warm_up.py): every CUDA graph a decode
+    step can replay captured, every Triton specialization a step can meet compiled."""
+
+    seconds: float
+    """Wall time of the warm-up: part of the start-up, before the engine says it is ready."""
+    graphs_captured: int
+    """CUDA graphs captured (two a decoder layer, one embedding, per row count)."""
+    kernels_compiled: int
+    """Triton specializations compiled (on a GPU) or met (the rehearsal)."""
+    num_steps: int
+    """Steps run on dummy sequences to meet the kernels' specializations."""
+
+
+@dataclass(frozen=True, slots=True)
 class EngineInfo:
     """What a scheduler (in this process or the daemon) needs from a freshly built executor."""
 
@@ -215,3 +230,6 @@ class EngineInfo:
     state_snapshots: dict[str, int] = field(default_factory=dict)
     """A hybrid model's snapshot slots for the prefix cache of states: {tier: count}, after
     that tier's running slots (empty: its prefix caching is off)."""
+    warm_up: WarmUp | None = None
+    """What the engine made ready before its first step (CUDA graphs, Triton kernels) and
+    how long it took; None: no warm-up ran (`--no-warmup`, or the CPU)."""

@@ -20,6 +20,9 @@ Used only where it is sound: CUDA, every decoder layer resident or slotted, unco
 decode-only steps at a size seen before or captured now; each GPU batch of the block has
 its own static buffers and graphs, and so does each nano-batch of a batch cut into them
 (its dense ops replayed, its attention eager beside them: engine/executor/nano_overlap.py).
+The engine's warm-up captures every row count a decode step can give each GPU batch before
+the first request (engine/executor/warm_up.py); nano-batches' graphs, whose row counts follow
+each step's balance of attention work, are still captured at first use.
 `EngineArgs.cuda_graphs=False` (`--no-cuda-graphs`) turns it off; tokens are identical
 either way (the GPU suite checks; on the CPU, tests/engine/executor/test_graph_capture.py
 replays the same bodies checking every address they read).
@@ -82,6 +85,9 @@ class GraphRunner:
         self._pool: Any = None
         self.num_replays = 0
         """Steps run through graphs (the GPU suite checks the path was taken)."""
+        self.num_captures = 0
+        """Graphs captured so far: after the engine's warm-up (`capture`) a new one is a
+        capture inside a step."""
 
     @staticmethod
     def applies(batches: list[GpuBatch]) -> bool:
@@ -117,6 +123,11 @@ class GraphRunner:
         for static, table in zip(graphs.tables.tables, batch.positions.tables, strict=True):
             static.copy_(table[nano.rows])
         return graphs
+
+    def capture(self, batch_index: int, rows: int) -> None:
+        """Capture GPU batch `batch_index`'s graphs for a decode step of `rows` rows now (the
+        engine's warm-up), unless they are already."""
+        self._get((batch_index, rows), rows, embed=True)
 
     def _get(self, key: tuple[int, ...], rows: int, embed: bool) -> StepGraphs:
         graphs = self._graphs.get(key)
@@ -193,4 +204,5 @@ class GraphRunner:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
             body()
+        self.num_captures += 1
         return graph

@@ -27,6 +27,7 @@ from engine.core.protocol import (
     StepPlan,
     StepResult,
     TokenLogprobs,
+    WarmUp,
 )
 from engine.core.sampling_params import SamplingParams
 from engine.core.state_slots import (
@@ -52,6 +53,7 @@ from engine.executor.sampler import top_logprobs
 from engine.executor.step_inputs import StepInputs
 from engine.executor.step_sampler import StepSampler
 from engine.executor.trace import NoTracer, Tracer
+from engine.executor.warm_up import warm_up
 from engine.kernels import attention_kernels, fused_dense_ops, token_mask
 from engine.loading.checkpoint import open_reader
 from engine.loading.generated import local_model_dir
@@ -308,6 +310,8 @@ class Executor:
             if policy.num_nano_batches > 1
             else None
         )
+        self.warmed: WarmUp | None = None
+        """What `warm_up` made ready, if it ran."""
 
     # -- setup -------------------------------------------------------------------------
 
@@ -397,6 +401,13 @@ class Executor:
             return None
         return GraphRunner(self.model, weights, self.device.device, self.dtype)
 
+    def warm_up(self, batch_sizes: tuple[int, ...] | None) -> WarmUp:
+        """Capture every decode graph and compile every Triton specialization a step of the
+        scheduler's discrete sizes `batch_sizes` (None: no discrete batching) can meet, before
+        the first step (engine/executor/warm_up.py)."""
+        self.warmed = warm_up(self, batch_sizes)
+        return self.warmed
+
     # -- what the scheduler needs ------------------------------------------------------
 
     def kv_capacity_pages(self) -> dict[str, int | None]:
@@ -450,6 +461,7 @@ class Executor:
             state_slots=self._running_state_slots(),
             state_bytes=0 if self.states is None else self.states.slot_bytes,
             state_snapshots=dict(self.snapshots),
+            warm_up=self.warmed,
         )
 
     def _running_state_slots(self) -> dict[str, int]:
@@ -712,8 +724,9 @@ def build_executor(
     on_progress: Callable[[int, int], None] | None = None,
 ) -> Executor:
     """The executor `args` describe, for the resolved model directory and policy: what `LLM`
-    and the engine process (`engine.runtime`) build, the record passed as it is."""
-    return Executor(
+    and the engine process (`engine.runtime`) build, the record passed as it is; on CUDA,
+    warmed up (`Executor.warm_up`) unless `args.warmup` is off."""
+    executor = Executor(
         model_dir,
         policy,
         device=args.device,
@@ -739,6 +752,14 @@ def build_executor(
         workload=args.workload,
         on_progress=on_progress,
     )
+    if args.warmup and executor.device.is_cuda:
+        try:
+            sizes = args.discrete_batch_sizes(policy) if args.discrete_batching else None
+            executor.warm_up(sizes)
+        except BaseException:
+            executor.close()
+            raise
+    return executor
 
 
 def score_prompt(chunk: SeqChunk, state: SeqState, logits: torch.Tensor) -> None:

@@ -49,6 +49,10 @@ DECODE_BLOCK_N = 64
 """Keys per tile of the decode kernel."""
 MAX_SPLITS = 64
 """At most this many splits of one sequence's keys in decode."""
+SPLITS_PAD = MAX_SPLITS
+"""The merge's tile of splits: any count fits in it, so one compiled merge serves every step
+(a tile sized to each count would be one compile per power of two, met first mid-serving);
+the splits past the count are masked loads, which move no bytes."""
 PROGRAMS_PER_SM = 2
 """Decode splits keys until (sequences x kv heads x splits) reaches this many programs per
 multiprocessor, so that a short batch of long sequences still fills the GPU."""
@@ -194,7 +198,7 @@ if triton is not None:
             tl.store(MAX + part, top, mask=head_ok)
             tl.store(SUM + part, total, mask=head_ok)
 
-    @kernel(num_warps=4, num_stages=1)
+    @kernel(num_warps=4, num_stages=1, do_not_specialize=("num_splits",))
     def decode_merge(
         OUT,
         ACC,
@@ -315,7 +319,7 @@ def merge_splits(
         num_splits,
         HEAD_DIM=head_dim,
         HEAD_PAD=next_pow2(head_dim),
-        SPLITS_PAD=next_pow2(num_splits, floor=2),
+        SPLITS_PAD=SPLITS_PAD,
         HAS_SINKS=sinks is not None,
     )
 
@@ -405,7 +409,7 @@ COMPILE_CASES: dict[str, tuple[list[str], dict[str, Any]]] = {
     ),
     "decode_merge": (
         ["*{t}", "*fp32", "*fp32", "*fp32", "*fp32"] + ["i32"] * 4,
-        dict(HEAD_DIM=128, HEAD_PAD=128, SPLITS_PAD=16, HAS_SINKS=True),
+        dict(HEAD_DIM=128, HEAD_PAD=128, SPLITS_PAD=SPLITS_PAD, HAS_SINKS=True),
     ),
 }  # fmt: skip
 """Each kernel's arguments (tensors typed by the compute type {t}) and constants for a

@@ -46,11 +46,14 @@ def compile_case(name: str, dtype: str, arch: int = 90) -> Any:
     signature = {a: t.format(t=dtype) for a, t in zip(args, types, strict=True)}
     signature.update(dict.fromkeys(constants, "constexpr"))
     # what a launch specializes on for this shape: pointers 16-byte aligned, strides and split
-    # lengths multiples of 16 (so loads go 16 bytes wide)
+    # lengths multiples of 16 (so loads go 16 bytes wide), but for the arguments that vary
+    # from step to step, which the JIT leaves unspecialized
+    varying = {*source.do_not_specialize, *source.do_not_specialize_on_alignment}
     aligned = {
         (i,): [["tt.divisibility", 16]]
         for i, a in enumerate(kernel.arg_names)
-        if signature[a].startswith("*") or a.startswith("stride_") or a == "split_len"
+        if (signature[a].startswith("*") or a.startswith("stride_") or a == "split_len")
+        and a not in varying
     }
     ast = ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=aligned)
     return triton.compile(ast, target=GPUTarget("cuda", arch, 32), options=source.options)

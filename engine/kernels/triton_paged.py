@@ -302,10 +302,19 @@ if triton is not None:
             tl.store(SUM + part, total, mask=row_ok)
 
 
+VARYING = ("stride_table", "num_seqs", "num_splits")
+"""The kernel's arguments that change from step to step (the table's width, the sequences,
+the splits): compiled for any value, so that no step meets a specialization the warm-up did
+not (`triton_launch`); each is only an offset or a bound, where a known divisor buys little."""
+VARYING_ALIGNMENT = ("TABLE", "Q_STARTS", "KV_LENS")
+"""Index tensors that may lie at any 8-byte offset (lengths after offsets in one copy)."""
+
+
 @functools.cache
 def step_kernel(num_warps: int, num_stages: int) -> Kernel:
     """The kernel's source with these launch options (one compiled kernel per `Tiles`)."""
-    return Kernel(_paged_attention, {"num_warps": num_warps, "num_stages": num_stages})
+    options = {"num_warps": num_warps, "num_stages": num_stages}
+    return Kernel(_paged_attention, options, VARYING, VARYING_ALIGNMENT)
 
 
 if triton is not None:

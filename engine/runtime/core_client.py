@@ -45,7 +45,7 @@ from engine.core.engine_core import EngineCore
 from engine.core.model_files import generation_defaults, resolve_model_dir, served_model_name
 from engine.core.outputs import SequenceDelta
 from engine.core.parent_request import ParentRequest
-from engine.core.protocol import StepPlan, StepResult
+from engine.core.protocol import EngineInfo, StepPlan, StepResult
 from engine.core.sampling_params import SamplingParams
 from engine.core.sequence import ONLINE_PRIORITY, Request
 from engine.core.tier_rest import largest_pool_tokens
@@ -236,7 +236,7 @@ class CoreEngineClient(EngineClient):
         length, and keep this engine's budgets for every restart."""
         assert self._executor is not None and self.policy is not None
         info = self._executor.describe()
-        self._took(info.warnings, info.disk_cache_dropped)
+        self._took(info)
         tokens = largest_pool_tokens(info.kv_capacity_pages, self.policy.kv_frac, info.page_tokens)
         if tokens < self._max_model_len:
             budgets = ", ".join(f"{t} {b / 2**20:.1f} MiB" for t, b in info.budgets.items())
@@ -258,7 +258,7 @@ class CoreEngineClient(EngineClient):
         """A restarted engine must have the capacity the first one announced."""
         assert self._executor is not None
         info = self._executor.describe()
-        self._took(info.warnings, info.disk_cache_dropped)
+        self._took(info)
         now = info.kv_capacity_pages
         smaller = [
             t
@@ -271,10 +271,20 @@ class CoreEngineClient(EngineClient):
                 f"({self._capacity})"
             )
 
-    def _took(self, warnings: list[str], index_dropped: int) -> None:
-        for line in warnings:
+    def _took(self, info: EngineInfo) -> None:
+        """Log what a freshly built engine reports: its warnings and its warm-up's time."""
+        for line in info.warnings:
             log.warning("%s", line)
-        self._index_dropped += index_dropped
+        self._index_dropped += info.disk_cache_dropped
+        if info.warm_up is not None:
+            w = info.warm_up
+            log.info(
+                "engine: warm-up %.1f s (%d CUDA graphs captured, %d Triton specializations "
+                "compiled)",
+                w.seconds,
+                w.graphs_captured,
+                w.kernels_compiled,
+            )
 
     def _new_core(self) -> EngineCore:
         assert self.policy is not None and self.model_dir is not None and self._executor

@@ -98,6 +98,7 @@ def test_a_store_in_flight_holds_its_rows_alone(tiny_model: Callable[[str], Path
         prompt_len=24,
         gen_len=2,
         num_prompts=1,
+        warmup=False,  # its dummy prefill's stores would be the largest
     )
     rows = 24 * 2 * 48 * 2  # the one prompt's new rows of one layer, fp16
     # held past their tensors: the rows of the copies the loop ran ahead of, STORE_WINDOW

@@ -206,6 +206,40 @@ def test_cuda_graphs_replay_decode_steps_with_identical_tokens(
     assert outputs[True] == outputs[False]
 
 
+@pytest.mark.parametrize("warmup", [True, False], ids=["warmed", "cold"])
+def test_cuda_warm_up_leaves_nothing_to_capture_or_compile(tiny_model, tmp_path, warmup):
+    """After the engine's warm-up, prefill, decode (prompts past one 64-key tile: split
+    decodes) and mixed steps capture no graph and make Triton compile nothing (its own
+    post-compile hook counts); the tokens equal the cold engine's, which captures and
+    compiles as it goes (unless an earlier test of this process compiled the same)."""
+    from engine.kernels.triton_launch import compiled_count
+
+    prompts = random_prompts(10, vocab_size("llama"), 2, 90, seed=7)
+    max_tokens = [1 + i % MAX_TOKENS for i in range(len(prompts))]  # ragged: mixed steps
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in max_tokens]
+    with LLM(
+        str(tiny_model("llama")),
+        policy=Policy(gpu_batch_size=4),
+        device="cuda",
+        dtype="float16",
+        offload_dir=tmp_path / "off",
+        warmup=warmup,
+    ) as llm:
+        info = llm.executor.describe().warm_up
+        runner = llm.executor.pipeline.graphs
+        assert runner is not None
+        before = (runner.num_captures, compiled_count())
+        tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        after = (runner.num_captures, compiled_count())
+    assert [len(t) for t in tokens] == max_tokens
+    if warmup:
+        assert info is not None and info.graphs_captured > 0, info
+        print(f"warm-up: {info}")
+        assert after == before, f"(captures, compiles) grew from {before} to {after}"
+    else:
+        assert info is None and after[0] > before[0]
+
+
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "cuda-graphs"])
 @pytest.mark.parametrize("placement", ["all-on-device", "kv-act-mixed"])
 def test_cuda_paged_attention_equals_packed(tiny_model, tmp_path, placement, graphs):
