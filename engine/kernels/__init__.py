@@ -17,8 +17,8 @@
 The library is built with torch's C++ extension loader (a C++ compiler and ninja) for this
 CPU's own instruction set (`-march=native`; `$NANOFLEX_KERNEL_ISA` picks a baseline level
 instead, `ISA_LEVELS`), into torch's extensions folder
-(`TORCH_EXTENSIONS_DIR`, by default ~/.cache/torch_extensions), once per source, flags and
-CPU: a later process loads the built library in well under a second. Where
+(`TORCH_EXTENSIONS_DIR`, by default ~/.cache/torch_extensions), once per source, flags, CPU
+and checkout (`build_name`): a later process loads the built library in well under a second. Where
 `$NANOFLEX_KERNEL_DIR` names a folder of libraries built ahead for each baseline level
 (prebuilt.py: the Docker images do, and carry no compiler), the best level this CPU runs is
 loaded from there and nothing is compiled. Where the library cannot be built (no compiler,
@@ -38,10 +38,11 @@ import torch
 
 from engine.kernels.sources import CFLAGS as CFLAGS
 from engine.kernels.sources import HEADERS as HEADERS
-from engine.kernels.sources import HERE, SOURCES, cflags, library_name
+from engine.kernels.sources import HERE, SOURCES, build_name, cflags
 from engine.kernels.sources import ISA_ENV as ISA_ENV
 from engine.kernels.sources import ISA_LEVELS as ISA_LEVELS
 from engine.kernels.sources import isa_level as isa_level
+from engine.kernels.sources import library_name as library_name
 from engine.kernels.sources import supported_levels as supported_levels
 
 logger = logging.getLogger("nanoflex.engine")
@@ -84,7 +85,7 @@ def _build() -> bool:
         from torch.utils.cpp_extension import load
 
         load(
-            name=library_name(),
+            name=build_name(),
             sources=[str(p) for p in SOURCES],
             extra_include_paths=[str(HERE)],
             extra_cflags=list(cflags()),

@@ -25,6 +25,18 @@ def test_a_baseline_level_is_named_alike_on_every_cpu(monkeypatch: pytest.Monkey
     assert len(set(here.values())) == len(here)  # one name a level
 
 
+def test_a_first_use_build_is_named_by_its_checkout(tmp_path: Path) -> None:
+    """Two checkouts of the same sources build apart (torch's build file names the sources by
+    path: sharing one name, each would rebuild over the other); one checkout, one name."""
+    other = tmp_path / "engine" / "kernels"
+    other.mkdir(parents=True)
+    name = kernels.build_name()
+    assert name == sources.build_name(checkout=sources.HERE)
+    assert name.startswith(kernels.library_name())
+    assert sources.build_name(checkout=other) != name
+    assert sources.build_name(checkout=other).startswith(kernels.library_name())
+
+
 def test_the_best_level_this_cpu_runs_is_picked(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(ISA_ENV, raising=False)
     monkeypatch.setattr(prebuilt, "supported_levels", lambda: ["native", "avx2", "avx512"])
