@@ -8,6 +8,7 @@ file's bytes, the transformers version and the source of the code that normalize
 later start with the same config reads the JSON and never imports transformers. A record
 JSON cannot carry unchanged (one that does not read back equal) is not cached, and the log
 lines the first read wrote (a vision tower left out) are written again at each cached read.
+`NANOFLEX_CONFIG_CACHE=0` turns it off.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import hashlib
 import importlib.metadata
 import json
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +26,8 @@ from engine.core.cache import cache_root, publish_file
 from engine.models.config import ModelConfig, read_hf_config
 from engine.models.multipliers import Multipliers
 
+ENV = "NANOFLEX_CONFIG_CACHE"
+"""Set to 0 to read every config through transformers."""
 LOGGER = "nanoflex.engine"
 """The logger whose lines a first read writes are replayed on cached reads."""
 NORMALIZERS = ("config.py", "hf_config.py", "multipliers.py", "quant_config.py")
@@ -35,6 +39,8 @@ FORMAT = 1
 def read_model_config(model_dir: Path) -> ModelConfig:
     """`ModelConfig.from_hf(read_hf_config(model_dir))`, read from the cache where this
     config file was normalized before by the same code; raises as that does."""
+    if os.environ.get(ENV, "1") == "0":
+        return ModelConfig.from_hf(read_hf_config(model_dir))
     path = _cache_path(model_dir)
     cached = _load(path) if path is not None else None
     if cached is not None:

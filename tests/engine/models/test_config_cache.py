@@ -1,6 +1,6 @@
 """`read_model_config`: a config file is read through transformers once, then from the cache,
-to the same `ModelConfig` (one tiny family of each kind of field); a changed file or an
-unreadable record is read afresh."""
+to the same `ModelConfig` (one tiny family of each kind of field); a changed file, an
+unreadable record or `NANOFLEX_CONFIG_CACHE=0` reads afresh."""
 
 from __future__ import annotations
 
@@ -35,6 +35,7 @@ per-layer tuples (windows, dense, NoPE, state and MLP layers), Falcon-H1's multi
 def counted(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[Path]:
     """The directories read through transformers, in a cache of this test's own."""
     monkeypatch.setenv("NANOFLEX_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv(config_cache.ENV, raising=False)
     reads: list[Path] = []
 
     def read(model_dir: Path) -> Any:
@@ -64,7 +65,9 @@ def test_each_kind_of_field_reads_back_from_the_cache_as_it_was_read(
     assert counted == [tmp_path / kind for kind in KINDS]  # each read once
 
 
-def test_a_changed_or_damaged_record_is_read_afresh(counted: list[Path], tmp_path: Path) -> None:
+def test_a_changed_or_damaged_record_or_the_switch_reads_afresh(
+    counted: list[Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     model_dir = write_config("qwen3", tmp_path / "model")
     assert config_cache.read_model_config(model_dir).num_layers == 3
     write_config("qwen3", model_dir, num_hidden_layers=2)
@@ -77,6 +80,9 @@ def test_a_changed_or_damaged_record_is_read_afresh(counted: list[Path], tmp_pat
     assert len(counted) == 3
     assert config_cache.read_model_config(model_dir).num_layers == 2  # rewritten whole
     assert len(counted) == 3
+    monkeypatch.setenv(config_cache.ENV, "0")
+    assert config_cache.read_model_config(model_dir).num_layers == 2
+    assert len(counted) == 4
 
 
 def test_a_cached_read_logs_what_the_first_read_logged(
