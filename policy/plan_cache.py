@@ -79,6 +79,7 @@ def _store(path: Path, result: PlanResult) -> None:
         try:
             with os.fdopen(fd, "wb") as f:
                 pickle.dump(result, f)
+            os.chmod(tmp, 0o644)  # mkstemp makes it private; readable like any cache file
             os.replace(tmp, path)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
