@@ -28,10 +28,12 @@ say), one warning says why and torch's own ops run instead: the same results, sl
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
+import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -84,15 +86,16 @@ def _build() -> bool:
     try:
         from torch.utils.cpp_extension import load
 
-        load(
-            name=build_name(),
-            sources=[str(p) for p in SOURCES],
-            extra_include_paths=[str(HERE)],
-            extra_cflags=list(cflags()),
-            extra_ldflags=["-fopenmp"],
-            is_python_module=False,
-            verbose=False,
-        )
+        with _ninja_of_the_package():
+            load(
+                name=build_name(),
+                sources=[str(p) for p in SOURCES],
+                extra_include_paths=[str(HERE)],
+                extra_cflags=list(cflags()),
+                extra_ldflags=["-fopenmp"],
+                is_python_module=False,
+                verbose=False,
+            )
     except Exception as e:
         text = str(e.__cause__ or e).strip()  # a load error's cause names the symbol
         reason = text.splitlines()[-1] if text else type(e).__name__
@@ -104,6 +107,29 @@ def _build() -> bool:
         )
         return False
     return True
+
+
+@contextlib.contextmanager
+def _ninja_of_the_package() -> Iterator[None]:
+    """PATH with the `ninja` package's own binary (a dependency of nanoflex) first, while
+    torch's loader runs `ninja` from PATH. Ninja versions keep their build logs apart (1.12
+    changed the log's command hash): with a system ninja 1.11 beside the package's 1.13, a
+    process with the virtualenv's bin on PATH and one without each rebuilt the library whole
+    over the other's build (a minute or more of compiling at every alternation)."""
+    try:
+        import ninja
+    except ImportError:  # the system's ninja, if any, then
+        yield
+        return
+    before = os.environ.get("PATH")
+    os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, *([before] if before else [])])
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("PATH", None)
+        else:
+            os.environ["PATH"] = before
 
 
 @dataclass(frozen=True, slots=True)

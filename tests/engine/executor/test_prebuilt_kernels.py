@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -35,6 +37,27 @@ def test_a_first_use_build_is_named_by_its_checkout(tmp_path: Path) -> None:
     assert name.startswith(kernels.library_name())
     assert sources.build_name(checkout=other) != name
     assert sources.build_name(checkout=other).startswith(kernels.library_name())
+
+
+def test_the_build_runs_the_ninja_package_whatever_path_says(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A first-use build runs the `ninja` package's binary (ninja versions keep their build
+    logs apart: two on PATH by turns rebuilt the library whole), and PATH is as it was
+    after."""
+    ninja = pytest.importorskip("ninja")
+    other = tmp_path / "bin"
+    other.mkdir()
+    (other / "ninja").write_text("#!/bin/sh\necho 0.0.other\n")
+    (other / "ninja").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{other}{os.pathsep}/usr/bin{os.pathsep}/bin")
+    assert shutil.which("ninja") == str(other / "ninja")
+    with kernels._ninja_of_the_package():
+        found = shutil.which("ninja")
+        assert found is not None and Path(found).parent == Path(ninja.BIN_DIR)
+        version = subprocess.run([found, "--version"], capture_output=True, text=True).stdout
+    assert version.startswith(ninja.__version__) and "0.0.other" not in version
+    assert os.environ["PATH"] == f"{other}{os.pathsep}/usr/bin{os.pathsep}/bin"
 
 
 def test_the_best_level_this_cpu_runs_is_picked(monkeypatch: pytest.MonkeyPatch) -> None:
