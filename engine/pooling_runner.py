@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from engine.core.pooling import PoolingSpec, pooling_spec
 from engine.loading.checkpoint import CheckpointReader
 from engine.models.bert import BertConfig, BertEncoder, encoder_weights
-from engine.models.config import ModelConfig, read_hf_config
+from engine.models.config import read_hf_config
+from engine.models.config_cache import read_model_config
 from engine.models.decoder_embed import DecoderEncoder
 
 Pair = tuple[list[int], list[int]]
@@ -45,7 +46,7 @@ class PoolingRunner:
             config = BertConfig.from_hf(read_hf_config(model_dir).to_dict())
             model = BertEncoder(config, encoder_weights(weights))
         else:
-            model = DecoderEncoder(ModelConfig.from_hf(read_hf_config(model_dir)), weights)
+            model = DecoderEncoder(read_model_config(model_dir), weights)
         return PoolingRunner(spec, model, torch.device(device))
 
     def _batches(self, lengths: list[int]) -> list[list[int]]:

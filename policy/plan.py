@@ -11,9 +11,10 @@ from policy.catalog import resolve_model_spec
 from policy.dtypes import DTYPE_BYTES, DTYPES, default_dtype
 from policy.hardware import HardwareSpec, load_cached
 from policy.moe import ExpertStage, experts_per_tier
+from policy.plan_cache import cached_search
 from policy.policy import Policy
 from policy.prefix import break_even_tokens
-from policy.search import PlanResult, search
+from policy.search import PlanResult
 from policy.specs import ModelSpec, WorkloadSpec
 from policy.state_cost import state_bytes_per_tier, state_summary
 from policy.units import format_bytes, parse_bytes
@@ -84,7 +85,7 @@ def main(args: argparse.Namespace) -> int:
     model = engine_priced(resolve_model_spec(args.model), hardware.compute_device, args.dtype)
     if hardware.compute_device == "cpu" and args.cpu_mem is not None:
         print(cpu_only_note(args.hardware), file=sys.stderr)
-    result = search(
+    result = cached_search(
         model,
         workload,
         hardware,

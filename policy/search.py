@@ -13,7 +13,6 @@ import itertools
 from dataclasses import dataclass
 from typing import Any
 
-import cvxpy as cp
 import numpy as np
 
 from policy.affine import NUM_TRIPLES, VARS
@@ -92,9 +91,13 @@ class PlanResult:
 
 
 class PlacementLP:
-    """One parametrized LP (DPP: compiled once, re-solved with new coefficients)."""
+    """One parametrized LP (DPP: compiled once, re-solved with new coefficients). cvxpy is
+    imported here, when a search builds its LP, not with this module: a search remembered on
+    disk (policy/plan_cache.py) is read back without it (an import of seconds)."""
 
     def __init__(self) -> None:
+        import cvxpy as cp
+
         num_vars, num_tasks, num_rows = len(VARS), STAGE_ROWS, len(MEMORY_ROWS)
         self.x = cp.Variable(num_vars, nonneg=True)
         t_pre, t_gen = cp.Variable(), cp.Variable()
@@ -123,6 +126,8 @@ class PlacementLP:
 
     def solve(self, terms: CostTerms) -> np.ndarray | None:
         """Fractions minimizing T / bls, or None when no placement fits."""
+        import cvxpy as cp
+
         # Seconds per token, in units of its lower bound: the objective is O(1), so the solver's
         # tolerances (1e-8) are far below the tie-breaker's effect.
         scale = terms.num_layers / (terms.block_size * terms.gen_len) * _upper_bound(terms)

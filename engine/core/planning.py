@@ -154,7 +154,7 @@ def resolve_policy(
     if spec not in (None, "auto"):
         return Policy.load(str(spec)), None
     from engine.core import plan_check as checking
-    from policy.search import search
+    from policy.plan_cache import cached_search
 
     hardware = hardware_profile(device)
     planned_from = hardware.describe()
@@ -165,7 +165,9 @@ def resolve_policy(
             f"the planner cannot size this model ({e}); run it with a policy of your own "
             "(--policy FILE, a Policy as JSON: docs/policy.md)"
         ) from e
-    result = search(model, workload, hardware, gpu_mem=gpu_mem, cpu_mem=cpu_mem, disk_mem=disk_mem)
+    result = cached_search(
+        model, workload, hardware, gpu_mem=gpu_mem, cpu_mem=cpu_mem, disk_mem=disk_mem
+    )
     report: dict[str, Any] = {
         "predicted": result.predicted,
         "bottleneck": result.bottleneck,

@@ -58,7 +58,7 @@ from engine.kernels import attention_kernels, fused_dense_ops, token_mask
 from engine.loading.checkpoint import open_reader
 from engine.loading.generated import local_model_dir
 from engine.models import build_model
-from engine.models.config import ModelConfig, read_hf_config
+from engine.models.config_cache import read_model_config
 from engine.storage.device import Device
 from engine.storage.disk import DiskIO, OffloadIOError
 from engine.storage.disk_cache import DiskCacheIndex
@@ -160,8 +160,7 @@ class Executor:
         self.workload = workload
         self.device = Device.resolve(device)
         self.model_dir = local_model_dir(model)
-        hf_config = read_hf_config(self.model_dir)
-        self.config = ModelConfig.from_hf(hf_config)
+        self.config = read_model_config(self.model_dir)
         self.model = build_model(self.config)
         native = native_kernels and not self.device.is_cuda
         if native_kernels:

@@ -19,8 +19,8 @@
 The library is built with torch's C++ extension loader (a C++ compiler and ninja) for this
 CPU's own instruction set (`-march=native`; `$NANOFLEX_KERNEL_ISA` picks a baseline level
 instead, `ISA_LEVELS`), into torch's extensions folder
-(`TORCH_EXTENSIONS_DIR`, by default ~/.cache/torch_extensions), once per source, flags and
-CPU: a later process loads the built library in well under a second. Where
+(`TORCH_EXTENSIONS_DIR`, by default ~/.cache/torch_extensions), once per source, flags, CPU
+and checkout (`build_name`): a later process loads the built library in well under a second. Where
 `$NANOFLEX_KERNEL_DIR` names a folder of libraries built ahead for each baseline level
 (prebuilt.py: the Docker images do, and carry no compiler), the best level this CPU runs is
 loaded from there and nothing is compiled. Where the library cannot be built (no compiler,
@@ -30,21 +30,24 @@ say), one warning says why and torch's own ops run instead: the same results, sl
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
+import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 
 from engine.kernels.sources import CFLAGS as CFLAGS
 from engine.kernels.sources import HEADERS as HEADERS
-from engine.kernels.sources import HERE, SOURCES, cflags, library_name
+from engine.kernels.sources import HERE, SOURCES, build_name, cflags
 from engine.kernels.sources import ISA_ENV as ISA_ENV
 from engine.kernels.sources import ISA_LEVELS as ISA_LEVELS
 from engine.kernels.sources import isa_level as isa_level
+from engine.kernels.sources import library_name as library_name
 from engine.kernels.sources import supported_levels as supported_levels
 
 logger = logging.getLogger("nanoflex.engine")
@@ -86,15 +89,16 @@ def _build() -> str | None:
     try:
         from torch.utils.cpp_extension import load
 
-        load(
-            name=library_name(),
-            sources=[str(p) for p in SOURCES],
-            extra_include_paths=[str(HERE)],
-            extra_cflags=list(cflags()),
-            extra_ldflags=["-fopenmp"],
-            is_python_module=False,
-            verbose=False,
-        )
+        with _ninja_of_the_package():
+            load(
+                name=build_name(),
+                sources=[str(p) for p in SOURCES],
+                extra_include_paths=[str(HERE)],
+                extra_cflags=list(cflags()),
+                extra_ldflags=["-fopenmp"],
+                is_python_module=False,
+                verbose=False,
+            )
     except Exception as e:
         text = str(e.__cause__ or e).strip()  # a load error's cause names the symbol
         reason = text.splitlines()[-1] if text else type(e).__name__
@@ -115,6 +119,29 @@ def tiled_prefill(level: str, cpu_levels: list[str]) -> bool:
     AVX2 EPYC, 16 prompts of 1,024 tokens prefill 1.9x faster through it (docs/benchmarks.md,
     "Prefill attention without AVX-512")."""
     return level.startswith("avx512") or (level == "native" and "avx512" in cpu_levels)
+
+
+@contextlib.contextmanager
+def _ninja_of_the_package() -> Iterator[None]:
+    """PATH with the `ninja` package's own binary (a dependency of nanoflex) first, while
+    torch's loader runs `ninja` from PATH. Ninja versions keep their build logs apart (1.12
+    changed the log's command hash): with a system ninja 1.11 beside the package's 1.13, a
+    process with the virtualenv's bin on PATH and one without each rebuilt the library whole
+    over the other's build (a minute or more of compiling at every alternation)."""
+    try:
+        import ninja
+    except ImportError:  # the system's ninja, if any, then
+        yield
+        return
+    before = os.environ.get("PATH")
+    os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, *([before] if before else [])])
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("PATH", None)
+        else:
+            os.environ["PATH"] = before
 
 
 @dataclass(frozen=True, slots=True)

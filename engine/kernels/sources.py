@@ -85,3 +85,13 @@ def library_name(level: str | None = None) -> str:
     for part in parts:
         digest.update(part)
     return f"nanoflex_kernels_{digest.hexdigest()[:12]}"
+
+
+def build_name(level: str | None = None, checkout: Path = HERE) -> str:
+    """The first-use build's name: `library_name(level)` and, apart, the folder the sources
+    are compiled from. torch's loader builds a name in one folder of its extensions
+    directory, and its build file names the sources by path: two checkouts of the same
+    sources (a release and a source tree, or two worktrees) sharing a name would each
+    rebuild the library over the other's at every first use, a minute or more of compiling."""
+    where = hashlib.sha256(str(checkout.resolve()).encode()).hexdigest()[:8]
+    return f"{library_name(level)}_{where}"

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -23,6 +25,39 @@ def test_a_baseline_level_is_named_alike_on_every_cpu(monkeypatch: pytest.Monkey
     assert here["native"] != elsewhere["native"]
     assert all(here[level] == elsewhere[level] for level in prebuilt.BEST_FIRST)
     assert len(set(here.values())) == len(here)  # one name a level
+
+
+def test_a_first_use_build_is_named_by_its_checkout(tmp_path: Path) -> None:
+    """Two checkouts of the same sources build apart (torch's build file names the sources by
+    path: sharing one name, each would rebuild over the other); one checkout, one name."""
+    other = tmp_path / "engine" / "kernels"
+    other.mkdir(parents=True)
+    name = kernels.build_name()
+    assert name == sources.build_name(checkout=sources.HERE)
+    assert name.startswith(kernels.library_name())
+    assert sources.build_name(checkout=other) != name
+    assert sources.build_name(checkout=other).startswith(kernels.library_name())
+
+
+def test_the_build_runs_the_ninja_package_whatever_path_says(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A first-use build runs the `ninja` package's binary (ninja versions keep their build
+    logs apart: two on PATH by turns rebuilt the library whole), and PATH is as it was
+    after."""
+    ninja = pytest.importorskip("ninja")
+    other = tmp_path / "bin"
+    other.mkdir()
+    (other / "ninja").write_text("#!/bin/sh\necho 0.0.other\n")
+    (other / "ninja").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{other}{os.pathsep}/usr/bin{os.pathsep}/bin")
+    assert shutil.which("ninja") == str(other / "ninja")
+    with kernels._ninja_of_the_package():
+        found = shutil.which("ninja")
+        assert found is not None and Path(found).parent == Path(ninja.BIN_DIR)
+        version = subprocess.run([found, "--version"], capture_output=True, text=True).stdout
+    assert version.startswith(ninja.__version__) and "0.0.other" not in version
+    assert os.environ["PATH"] == f"{other}{os.pathsep}/usr/bin{os.pathsep}/bin"
 
 
 def test_the_best_level_this_cpu_runs_is_picked(monkeypatch: pytest.MonkeyPatch) -> None:
