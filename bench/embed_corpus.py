@@ -1,6 +1,6 @@
 """Embedding a corpus through the Batch API against sentence-transformers on the same box.
 
-    python -m bench.embed_corpus [--passages 20000] [--per-line 64] [--json FILE]
+    python -m bench.embed_corpus [--passages 3000] [--per-line 64] [--json FILE]
         [--model DIR] [--st-python /opt/venvs/sentence-transformers/bin/python]
 
 The bulk job people run on an embedder: a corpus of short passages, here synthetic (words
@@ -134,7 +134,7 @@ def cosines(ours: list[list[float]], theirs: list[list[float]]) -> np.ndarray:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--passages", type=int, default=20000)
+    parser.add_argument("--passages", type=int, default=3000)
     parser.add_argument("--per-line", type=int, default=64, help="passages per Batch API line")
     parser.add_argument("--model", type=Path, default=None, help="default: all-MiniLM-L6-v2")
     parser.add_argument("--st-python", default=ST_PYTHON)
