@@ -183,6 +183,12 @@ def discrete_sizes(max_rows: int, flat_rows: int | None, block_size: int) -> tup
     return tuple(sorted(sizes))
 
 
+def pick_size(batch_sizes: tuple[int, ...], num_tokens: int) -> int:
+    """The dense size a step of `num_tokens` runs padded to: the smallest of `batch_sizes`
+    that holds them, else the largest."""
+    return next((s for s in batch_sizes if s >= num_tokens), batch_sizes[-1])
+
+
 class Scheduler:
     """Decides what every step runs; owns the queues, the KV page tables and the slots.
 
@@ -382,10 +388,7 @@ class Scheduler:
         return plan
 
     def _pick_size(self, num_tokens: int) -> int:
-        """Smallest efficient dense size holding num_tokens, else the largest."""
-        return next(
-            (s for s in self.config.batch_sizes if s >= num_tokens), self.config.batch_sizes[-1]
-        )
+        return pick_size(self.config.batch_sizes, num_tokens)
 
     def _chunk(self, seq: Sequence, num_new: int, pages: list[PageRef]) -> SeqChunk:
         start = seq.num_computed_tokens

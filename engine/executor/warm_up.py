@@ -36,6 +36,7 @@ from typing import Any, Protocol
 from engine.core.kv_pages import PageManager
 from engine.core.protocol import SeqChunk, StepPlan, StepResult, WarmUp
 from engine.core.sampling_params import SamplingParams
+from engine.core.scheduler import pick_size
 from engine.executor.pipeline import BlockPipeline
 from engine.kernels.triton_attention import DECODE_BLOCK_N
 from engine.kernels.triton_launch import compiled_count
@@ -60,12 +61,6 @@ LONG_PROMPT = DECODE_BLOCK_N + 1
 """A dummy prompt's tokens: more than one decode key tile, so its decode splits its keys."""
 FIRST_SEQ_ID = -(1 << 40)
 """Dummy sequences count up from here: never the scheduler's ids (>= 0) nor `score`'s."""
-
-
-def pick_size(batch_sizes: tuple[int, ...], num_tokens: int) -> int:
-    """The scheduler's dense size for `num_tokens` (`Scheduler._pick_size`): the smallest
-    size that holds them, else the largest."""
-    return next((s for s in batch_sizes if s >= num_tokens), batch_sizes[-1])
 
 
 def decode_rows(

@@ -22,7 +22,8 @@ from pathlib import Path
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.executor.warm_up import decode_rows, pick_size
+from engine.core.scheduler import pick_size
+from engine.executor.warm_up import decode_rows
 from engine.fake_cuda import fake_cuda
 from engine.kernels.triton_launch import KERNELS, compiled_count
 from engine.loading.generated import local_model_dir
