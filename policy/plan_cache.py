@@ -13,10 +13,10 @@ from __future__ import annotations
 import hashlib
 import os
 import pickle
-import tempfile
 from pathlib import Path
 
 from policy.hardware import HardwareSpec, default_cache_path
+from policy.jsonfile import publish_file
 from policy.search import PlanResult, search
 from policy.specs import ModelSpec, WorkloadSpec
 
@@ -38,17 +38,20 @@ def cached_search(
     """`policy.search.search(model, workload, hardware, gpu_mem=..., cpu_mem=...,
     disk_mem=...)`, read from the cache where the same search ran before; raises as it does
     (a failed search is not cached)."""
-    if os.environ.get(ENV, "1") == "0":
+
+    def run() -> PlanResult:
         return search(
             model, workload, hardware, gpu_mem=gpu_mem, cpu_mem=cpu_mem, disk_mem=disk_mem
         )
+
+    if os.environ.get(ENV, "1") == "0":
+        return run()
     path = _path(repr((FORMAT, model, workload, hardware, gpu_mem, cpu_mem, disk_mem)))
     cached = _load(path)
-    if cached is not None:
-        return cached
-    result = search(model, workload, hardware, gpu_mem=gpu_mem, cpu_mem=cpu_mem, disk_mem=disk_mem)
-    _store(path, result)
-    return result
+    if cached is None:
+        cached = run()
+        _store(path, cached)
+    return cached
 
 
 def _path(inputs: str) -> Path:
@@ -71,18 +74,10 @@ def _load(path: Path) -> PlanResult | None:
 
 
 def _store(path: Path, result: PlanResult) -> None:
-    """Write the result in one step (a temporary sibling renamed into place); a cache that
-    cannot be written is no error (the next start searches again)."""
+    """Write the result in one step (`publish_file`); a cache that cannot be written is no
+    error (the next start searches again)."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                pickle.dump(result, f)
-            os.chmod(tmp, 0o644)  # mkstemp makes it private; readable like any cache file
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        publish_file(path, pickle.dumps(result))
     except OSError:
         pass

@@ -8,6 +8,8 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from policy.jsonfile import publish_file as publish_file  # the cache's files, written whole
+
 CACHE_ENV = "NANOFLEX_CACHE"
 SEED_ENV = "NANOFLEX_SEED_CACHE"
 """A read-only cache filled ahead (the Docker images' converted default model): entries found
@@ -48,18 +50,3 @@ def publish_dir(final: Path, build: Callable[[Path], None], complete_file: str) 
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final
-
-
-def publish_file(path: Path, text: str) -> None:
-    """Write `text` to `path` in one step: a temporary sibling renamed into place, so a reader
-    (or a process that crashes mid-write) sees the old file or the new one whole. The
-    temporary is removed when the write fails; the error (OSError) is the caller's."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.chmod(tmp, 0o644)  # mkstemp makes it private; readable as write_text's would be
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
