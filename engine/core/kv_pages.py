@@ -27,6 +27,19 @@ class PageMove:
     """The content hash of the page (the disk tier's persistent index records it)."""
 
 
+@dataclass(frozen=True, slots=True)
+class PageCopy:
+    """Copy-on-write: before the step, copy page `src` (every layer) into `dst`, which takes
+    its place as page `index` of sequence `seq_id`'s page table. A partial last page that
+    forked choices share (`PageManager.fork`) is copied by each holder that writes into it
+    while others still hold it; `src` stays with them."""
+
+    seq_id: int
+    index: int
+    src: PageRef
+    dst: PageRef
+
+
 @dataclass(slots=True)
 class SeqPages:
     """The pages one sequence holds, in token order (token t in pages[t // page_tokens])."""
@@ -100,6 +113,7 @@ class PageManager:
         self._held = dict.fromkeys(TIERS, 0)
         self._seqs: dict[int, SeqPages] = {}
         self._moves: list[PageMove] = []
+        self._copies: list[PageCopy] = []
         self._disk_cached: list[tuple[int, str]] = []
         self._disk_hits: list[tuple[int, str]] = []
         self.paused: set[str] = set()
@@ -258,6 +272,8 @@ class PageManager:
         have = len(seq.pages) if seq else 0
         used = seq.num_tokens if seq else 0
         need = self.num_pages_for(used + num_new_tokens) - have
+        if seq is not None and num_new_tokens and self._shared_tail(seq):
+            need += 1  # its copy of the shared partial page
         free = self.num_free_pages(home)
         return free is None or need <= free
 
@@ -272,6 +288,8 @@ class PageManager:
             raise KVCapacityError(
                 f"KV pool on {seq.tier} is full: sequence {seq_id} needs {need} more page(s)"
             )
+        if num_new_tokens and self._shared_tail(seq):
+            self._copy_tail(seq_id, seq)
         new_pages = [(seq.tier, self._take(seq.tier)) for _ in range(need)]
         for ref in new_pages:
             self._hold(ref)
@@ -279,21 +297,31 @@ class PageManager:
         seq.num_tokens += num_new_tokens
         return new_pages
 
+    def fork(self, parent_id: int, child_id: int) -> list[PageRef]:
+        """Sequence `child_id` starts holding every page of `parent_id` (another choice of the
+        same prompt, its KV computed once), on the same home tier; a partial last page is
+        shared until one of them writes into it (`PageCopy`). Returns the child's pages."""
+        parent = self._seqs[parent_id]
+        assert child_id not in self._seqs, f"sequence {child_id} already holds pages"
+        for ref in parent.pages:
+            self._hold(ref)
+        child = SeqPages(parent.tier, list(parent.pages), parent.num_tokens, list(parent.hashes))
+        self._seqs[child_id] = child
+        return list(child.pages)
+
+    def take_copies(self) -> list[PageCopy]:
+        """The copy-on-write copies decided since the last call, in order (they run after
+        the plan's page moves, which may free the pages they fill)."""
+        copies, self._copies = self._copies, []
+        return copies
+
     def free(self, seq_id: int) -> None:
         """The sequence is gone: its pages go back, cached ones stay in the LRU."""
         seq = self._seqs.pop(seq_id, None)
         if seq is None:
             return
         for ref in reversed(seq.pages):
-            self._refs[ref] -= 1
-            if self._refs[ref] == 0:
-                del self._refs[ref]
-                self._held[ref[0]] -= 1
-                if self.cache.hash_of(ref) is not None:
-                    self.cache.release(ref)
-                    self._trim(ref[0])
-                else:
-                    self._free[ref[0]].append(ref[1])
+            self._drop(ref)
 
     def num_indexed_pages(self, seq_id: int) -> int:
         """Full pages of the sequence indexed in the prefix cache (its own or hits)."""
@@ -320,6 +348,31 @@ class PageManager:
             self._held[ref[0]] += 1
             self.cache.acquire(ref)
         self._refs[ref] = count + 1
+
+    def _drop(self, ref: PageRef) -> None:
+        """One holder less; a page nobody holds goes back (a cached one to the LRU)."""
+        self._refs[ref] -= 1
+        if self._refs[ref] == 0:
+            del self._refs[ref]
+            self._held[ref[0]] -= 1
+            if self.cache.hash_of(ref) is not None:
+                self.cache.release(ref)
+                self._trim(ref[0])
+            else:
+                self._free[ref[0]].append(ref[1])
+
+    def _shared_tail(self, seq: SeqPages) -> bool:
+        """Its last page is partial and someone else holds it too (a forked choice): the
+        next token it writes goes into its own copy."""
+        return seq.num_tokens % self.page_tokens != 0 and self._refs[seq.pages[-1]] > 1
+
+    def _copy_tail(self, seq_id: int, seq: SeqPages) -> None:
+        src = seq.pages[-1]
+        dst = (seq.tier, self._take(seq.tier))
+        self._hold(dst)
+        self._drop(src)  # others still hold it: it stays
+        seq.pages[-1] = dst
+        self._copies.append(PageCopy(seq_id, len(seq.pages) - 1, src, dst))
 
     def _return(self, ref: PageRef) -> None:
         """An unheld page whose contents moved away: free for reuse."""

@@ -2,7 +2,8 @@
 
 The one fan-out of `n` (vLLM's parent request): the engine runs every request with n == 1;
 `LLM` and the daemon's engine client hand it a parent's children and map the children's
-deltas back to choice indices. Choice i samples with seed + i when a seed is set, so a
+deltas back to choice indices. The children share a `Request.group`, so the scheduler
+computes their prompt once and forks its KV. Choice i samples with seed + i when a seed is set, so a
 seeded request is reproducible whatever else shares the batch.
 """
 
@@ -30,7 +31,9 @@ class ParentRequest:
         seed = None if base.seed is None else base.seed + index
         sampling = dataclasses.replace(base, n=1, seed=seed)
         request_id = f"{self.request.request_id}-{index}"
-        return dataclasses.replace(self.request, request_id=request_id, sampling=sampling)
+        return dataclasses.replace(
+            self.request, request_id=request_id, sampling=sampling, group=self.request.request_id
+        )
 
     def index_of(self, child_id: str) -> int:
         """The choice index of the child `child_id`."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.core.kv_pages import PageMove
+from engine.core.kv_pages import PageCopy, PageMove
 from engine.core.prefix_cache import PageRef
 from engine.core.sampling_params import SamplingParams
 
@@ -63,6 +63,11 @@ class SeqChunk:
     """With the first chunk, for settings that read the sequence's tokens (penalties,
     structured outputs: `SamplingParams.needs_history`): its tokens before `start_pos`,
     whose KV came from the prefix cache."""
+    forked_from: int | None = None
+    """A fork: another choice of the prompt that sequence `forked_from` computes in this step
+    (n > 1). It runs no tokens (`token_ids` is empty, `start_pos` the prompt's length): it
+    takes `new_pages`, the prompt's pages it now shares, and samples its first token from the
+    same logits row as `forked_from`, with its own settings and seed."""
 
 
 @dataclass(slots=True)
@@ -80,6 +85,9 @@ class StepPlan:
     page_moves: list[PageMove] = field(default_factory=list)
     """Cached pages to copy between tiers, in order, before this step reads or writes any
     KV (a spill down, a load back up for a hit); the source page is free afterwards."""
+    page_copies: list[PageCopy] = field(default_factory=list)
+    """Copy-on-write of shared partial pages, in order, after `page_moves` and before the
+    step reads or writes any KV: each copy's `dst` replaces `src` in its sequence's table."""
     disk_hits: list[tuple[int, str]] = field(default_factory=list)
     """(disk page id, hash) of cached disk pages a sequence starts to read in place in this
     step: the executor verifies them (and the disk sources of `page_moves`) first."""

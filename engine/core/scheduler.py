@@ -4,10 +4,13 @@ Each `schedule()` refills the running block from priority queues, gives every
 running sequence its decode token and fills the rest of a discrete dense batch
 size with prefill chunks; KV admission uses projected peak pages per tier and,
 when a projection proves wrong, the newest sequence is preempted and later
-recomputed. `postprocess()` applies sampled tokens and hands back what each request
-gained (`SequenceDelta`); `recover()` takes a step the executor could not run (its offload
-storage failed, a cached page failed verification) and recomputes its sequences. Every
-request has one choice: `ParentRequest` fans out n in front.
+recomputed. The n choices of one request (`Request.group`) compute their prompt once: the
+first to sample forks its pages to the others (`PageManager.fork`), which sample their first
+token from its logits row and wait in the queue holding their KV. `postprocess()` applies
+sampled tokens and hands back what each request gained (`SequenceDelta`); `recover()` takes
+a step the executor could not run (its offload storage failed, a cached page failed
+verification) and recomputes its sequences. Every request has one choice: `ParentRequest`
+fans out n in front.
 Plans may be built one step ahead (asynchronous): a decode whose input token is
 still in flight carries PENDING_TOKEN_ID, and a token sampled for a sequence
 that has meanwhile finished is dropped.
@@ -224,6 +227,10 @@ class Scheduler:
         """Queues per priority (lower first), FIFO (batch work in prefix order with
         prefix_ordering); preempted sequences go back to the front."""
         self.prefix_ordering = config.prefix_ordering and self.page_manager.prefix_caching
+        self.forking = caching and not hybrid
+        """The n choices of a request share one prefill (a hybrid's state is not forked)."""
+        self._groups: dict[str, list[Sequence]] = {}
+        """With forking: the unfinished choices of each request with n > 1, by group."""
         self._prompt_hashes: dict[int, PageHashes] = {}
         """With prefix_ordering: each unfinished sequence's prompt page hashes."""
         self.running: list[Sequence] = []
@@ -283,6 +290,8 @@ class Scheduler:
             self._prompt_hashes[seq.seq_id] = prompt_page_hashes(
                 request.prompt_token_ids, self.config.page_tokens, self.config.cache_salt
             )
+        if self.forking and request.group is not None:
+            self._groups.setdefault(request.group, []).append(seq)
         if request.priority not in self.waiting:
             self.waiting[request.priority] = self._new_queue(request.priority)
         self.waiting[request.priority].append(seq)
@@ -329,7 +338,7 @@ class Scheduler:
         can_admit = not self.config.static_blocks or not self.running
         num_joining = len(self._free_slots) if can_admit else 0
         queued = itertools.islice(itertools.chain(*self._queues()), num_joining)
-        demand += sum(s.num_tokens for s in queued)
+        demand += sum(s.num_tokens - s.num_computed_tokens for s in queued)
         step_tokens = self._pick_size(demand) if self.config.discrete_batching else None
         budget = (step_tokens or self.config.max_step_tokens) - num_decodes  # prefill tokens
 
@@ -365,8 +374,10 @@ class Scheduler:
         if not planned:
             return self._records_plan()
         chunks = [chunk for _, chunk in sorted(planned, key=lambda p: p[0])]
+        chunks += [fork for chunk in chunks for fork in self._forks(chunk)]
         plan = StepPlan(self._next_step_id, chunks, self._freed_seq_ids)
         plan.page_moves, plan.cached_disk_pages = self.page_manager.take_moves()
+        plan.page_copies = self.page_manager.take_copies()
         plan.disk_hits = self.page_manager.take_disk_hits()
         if self.page_manager.prefix_caching:
             self._plan_epochs[plan.step_id] = {c.seq_id: self._seqs[c.seq_id].epoch for c in chunks}
@@ -423,6 +434,52 @@ class Scheduler:
         seq.num_pending += int(do_sample)
         return chunk
 
+    def _forks(self, chunk: SeqChunk) -> list[SeqChunk]:
+        """With `chunk` a choice samples its first token: the other choices of its request
+        that have not started fork its pages (a partial last page is copied when first
+        written), each a chunk of no tokens that samples from the same logits row. Not from
+        a sequence homed on disk (its partial pages are staged in host memory, not copied)."""
+        leader = self._seqs[chunk.seq_id]
+        group = self._groups.get(leader.request.group or "")
+        first_sample = chunk.do_sample and not leader.num_generated and leader.num_pending == 1
+        if group is None or not first_sample or leader.kv_tier == "disk":
+            return []
+        return [self._fork(leader, seq, chunk) for seq in group if self._can_fork(seq)]
+
+    def _can_fork(self, seq: Sequence) -> bool:
+        """seq waits and has computed nothing (and wants no prompt logprobs: those need its
+        own pass over the prompt)."""
+        return (
+            seq.status is SequenceStatus.WAITING
+            and seq.seq_id not in self.page_manager
+            and not seq.num_pending
+            and not seq.num_generated
+            and not seq.wants_prompt_logprobs
+        )
+
+    def _fork(self, leader: Sequence, seq: Sequence, chunk: SeqChunk) -> SeqChunk:
+        """seq takes leader's prompt KV; it stays queued, holding it, until a slot is free."""
+        pages = self.page_manager.fork(leader.seq_id, seq.seq_id)
+        seq.kv_tier, seq.act_tier = leader.kv_tier, leader.act_tier
+        seq.num_computed_tokens = leader.num_computed_tokens
+        if seq.num_cached_tokens is None:  # the request's prefix hit, as its leader's
+            seq.num_cached_tokens = leader.num_cached_tokens
+        history = list(seq.token_ids) if seq.sampling.needs_history else []
+        seq.is_sent, seq.num_pending = True, 1
+        return SeqChunk(
+            seq_id=seq.seq_id,
+            token_ids=[],
+            start_pos=seq.num_computed_tokens,
+            gpu_batch=chunk.gpu_batch,
+            new_pages=pages,
+            kv_tier=seq.kv_tier,
+            act_tier=seq.act_tier,
+            do_sample=True,
+            sampling=seq.sampling,
+            cached_token_ids=history,
+            forked_from=leader.seq_id,
+        )
+
     # -- KV: allocation, admission, preemption ----------------------------------------------
     def _allocate(self, seq: Sequence, num_new: int) -> list[PageRef] | None:
         """Pages for seq's next tokens, preempting newer ones on its tier; None if seq went."""
@@ -457,6 +514,8 @@ class Scheduler:
         budget = self._prefill_budget(seq, budget)
         if budget == 0:
             return None
+        if seq.seq_id in self.page_manager:  # a fork: it holds its prompt's KV already
+            return self._admit_fork(seq, budget)
         prefix: list[PageRef] = []
         restore, save = None, None
         if not seq.wants_prompt_logprobs:  # those need every prompt position's logits
@@ -483,17 +542,14 @@ class Scheduler:
         )
         if not any(fracs):
             return None
-        self.waiting[seq.request.priority].remove(seq)
         seq.kv_tier = pick_tier((fracs[0], fracs[1], fracs[2]), counts)
         act_counts = {t: sum(1 for s in self.running if s.act_tier == t) for t in TIERS}
         seq.act_tier = pick_tier(self.config.act_frac, act_counts)
-        seq.slot = heapq.heappop(self._free_slots)
+        self._enter(seq)
         self.state_slots.allocate(seq.seq_id, seq.kv_tier)
         seq.state_restore, seq.state_save = restore, save
         if restore is not None:
             self.page_manager.stats.state_hits += 1
-        seq.status = SequenceStatus.RUNNING
-        self.running.append(seq)
         pages = self.page_manager.start(seq.seq_id, seq.kv_tier, prefix)
         seq.num_computed_tokens = num_cached
         if seq.num_cached_tokens is None:  # the first admission's hit is the request's
@@ -502,6 +558,22 @@ class Scheduler:
         stats.query_tokens += seq.num_tokens
         stats.hit_tokens += num_cached
         return seq, num_new, pages + self.page_manager.append(seq.seq_id, num_new)
+
+    def _admit_fork(self, seq: Sequence, budget: int) -> tuple[Sequence, int, list[PageRef]] | None:
+        """A fork into the block on its home tier (its first decode copies the shared partial
+        page), if the projected KV fits."""
+        num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+        if seq.kv_tier in self.page_manager.paused or not self._kv_fits(seq, num_new, seq.kv_tier):
+            return None
+        self._enter(seq)
+        return seq, num_new, self.page_manager.append(seq.seq_id, num_new)
+
+    def _enter(self, seq: Sequence) -> None:
+        """Move seq from its queue into a slot of the block."""
+        self.waiting[seq.request.priority].remove(seq)
+        seq.slot = heapq.heappop(self._free_slots)
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
 
     def _with_states(
         self, match: list[PageRef], prefix: list[PageRef]
@@ -584,6 +656,11 @@ class Scheduler:
             queue.remove(seq)
         self._seqs.pop(seq.seq_id, None)
         self._prompt_hashes.pop(seq.seq_id, None)
+        group = self._groups.get(seq.request.group or "")
+        if group is not None:
+            group.remove(seq)
+            if not group:
+                del self._groups[seq.request.group or ""]
 
     def _queues(self) -> list[deque[Sequence] | PrefixQueue[Sequence]]:
         return [q for _, q in sorted(self.waiting.items()) if q]
@@ -615,7 +692,14 @@ class Scheduler:
             candidates: Iterable[Sequence] = [head]
         else:
             candidates = itertools.islice(queue, LOOKAHEAD)
-        return next((s for s in candidates if not gate.holds(self._prompt_hashes[s.seq_id])), None)
+        return next(
+            (
+                s
+                for s in candidates
+                if s.seq_id in pages or not gate.holds(self._prompt_hashes[s.seq_id])
+            ),
+            None,
+        )
 
     def _online_present(self) -> bool:
         """Some online request (priority before BATCH_PRIORITY) waits or runs."""
@@ -746,10 +830,16 @@ class Scheduler:
             if seq is not None:
                 seq.is_sent = False
         deltas = []
-        for seq in reversed(list(self.running)):  # newest first: the oldest ends up in front
+        forks = [s for s in self._seqs.values() if s.seq_id in pages and s not in self.running]
+        for seq in [*reversed(self.running), *forks]:  # newest first: the oldest ends in front
             holds_bad = bool(bad) and any(ref in bad for ref in pages.page_table(seq.seq_id))
             on_tier = failure.tier is not None and seq.kv_tier == failure.tier
             if seq.seq_id not in involved and not holds_bad and not on_tier:
+                continue
+            if seq not in self.running:  # a fork waiting with its KV: drop it, stay queued
+                seq.epoch += 1
+                self._release(seq)
+                seq.num_computed_tokens = 0
                 continue
             self._requeue(seq)
             if seq.seq_id in failure.seq_ids:

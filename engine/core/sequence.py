@@ -38,6 +38,10 @@ class Request:
     """Lower runs first: ONLINE_PRIORITY (0) before BATCH_PRIORITY (1); FIFO within one."""
     arrival_time: float = field(default_factory=time.monotonic)
     """When the request arrived (monotonic seconds), for latency figures."""
+    group: str | None = None
+    """The caller's request this is one choice of (`ParentRequest`'s n > 1 children share
+    it): the first of them to compute the prompt forks its KV to the others, which then skip
+    the prompt (`Scheduler`, with prefix caching)."""
     final_only: bool = False
     """Its caller reads only the finished choice (an answer that does not stream, `LLM`'s
     outputs; vLLM's RequestOutputKind.FINAL_ONLY): the engine hands out no delta until the

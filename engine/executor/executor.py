@@ -16,7 +16,7 @@ import torch
 
 from engine.core.dtypes import checkpoint_dtype
 from engine.core.engine_args import EngineArgs
-from engine.core.kv_pages import PageManager
+from engine.core.kv_pages import PageManager, PageMove
 from engine.core.offload_dir import OffloadDirError, OffloadDirLock, lock_offload_dir
 from engine.core.planning import DEFAULT_WORKLOAD, cached_hardware, model_spec
 from engine.core.protocol import (
@@ -530,13 +530,20 @@ class Executor:
 
     def _run(self, plan: StepPlan) -> StepResult:
         by_batch: dict[int, list[SeqChunk]] = {}
+        forks: list[SeqChunk] = []  # no tokens to run: they sample from their leader's row
         for chunk in plan.chunks:
             self._admit(chunk)
-            by_batch.setdefault(chunk.gpu_batch, []).append(chunk)
+            if chunk.forked_from is None:
+                by_batch.setdefault(chunk.gpu_batch, []).append(chunk)
+            else:
+                forks.append(chunk)
+        for copy in plan.page_copies:  # copy-on-write: the copy is made with the page moves
+            self._seqs[copy.seq_id].pages[copy.index] = copy.dst
+        moves = [*plan.page_moves, *(PageMove(c.src, c.dst, "") for c in plan.page_copies)]
         padding = max(0, plan.dense_size - plan.num_tokens)  # to the step's discrete size
         last = max(by_batch)
         self.inputs.begin_step()
-        to_sample = [c for _, cs in sorted(by_batch.items()) for c in cs if c.do_sample]
+        to_sample = [c for _, cs in sorted(by_batch.items()) for c in cs if c.do_sample] + forks
         self.sampler.prepare(  # stages the draws; grammar masks start now, while layers run
             to_sample,
             [self._seqs[c.seq_id].sampling for c in to_sample],
@@ -549,11 +556,11 @@ class Executor:
         if self._nano_batcher is not None:
             for batch in batches:
                 batch.nano_batches = self._nano_batcher.split(batch, members[batch.index])
-        self.kv.reserve_pages([m.dst for m in plan.page_moves])
+        self.kv.reserve_pages([m.dst for m in moves])
         moved_to_disk = [m.dst[1] for m in plan.page_moves if m.dst[0] == "disk"]
         self.kv.disk_pool.begin_pages(moved_to_disk)
         self.disk_cache.forget(moved_to_disk + self._disk_pages_written(plan))  # new contents
-        logits = self.pipeline.run(batches, plan.page_moves)
+        logits = self.pipeline.run(batches, moves)
         for c in plan.chunks:  # a hybrid's state at the end of a shared prefix, kept
             if c.state_save is not None:
                 assert self.states is not None and c.state_slot is not None
@@ -582,14 +589,20 @@ class Executor:
                     sample_rows.append(rows[-1:])
                     sampled.append(c)
                     state.has_sampled = True
-        whole = len(logits) == 1 and len(sample_rows) == logits[0].shape[0]
+        row_of = {c.seq_id: i for i, c in enumerate(sampled)}
+        for fork in forks:  # the same logits row, sampled with the fork's own settings
+            assert fork.forked_from is not None
+            sample_rows.append(sample_rows[row_of[fork.forked_from]])
+            sampled.append(fork)
+            self._seqs[fork.seq_id].has_sampled = True
+        whole = not forks and len(logits) == 1 and len(sample_rows) == logits[0].shape[0]
         token_ids, logprobs, errors = self.sampler.sample(
             # every row of the one batch, in order (a decode step): no copy
             logits[0] if whole else torch.cat(sample_rows) if sampled else torch.empty(0)
         )
         by_seq = {c.seq_id: i for i, c in enumerate(sampled)}
         order = [by_seq[c.seq_id] for c in plan.chunks if c.do_sample]
-        if not self._resident or plan.page_moves:  # stores on other streams: fence them
+        if not self._resident or moves:  # stores on other streams: fence them
             self.device.synchronize()
         return StepResult(
             plan.step_id,
@@ -605,6 +618,8 @@ class Executor:
         """Disk pages the plan's chunks write new KV into."""
         out: list[int] = []
         for c in plan.chunks:
+            if not c.token_ids:  # a fork writes nothing
+                continue
             pages = self._seqs[c.seq_id].pages
             first, last = (
                 c.start_pos // PAGE_TOKENS,

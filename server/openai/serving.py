@@ -136,7 +136,7 @@ class Prepared:
 
     def num_cached_tokens(self, choices: Iterable[ChoiceAccumulator]) -> int:
         """Cached prompt tokens, counted like `num_prompt_tokens`: once per prompt (its first
-        choice's; with n > 1 the other choices of a prompt usually hit the same pages)."""
+        choice's; with n > 1 the other choices fork its KV and report the same hit)."""
         return sum(c.num_cached_tokens for c in choices if c.index % self.n == 0)
 
     def prompt_index(self, choice: ChoiceAccumulator) -> int:

@@ -3,7 +3,8 @@
 The fake keeps each page's tokens as its "KV cache" and checks every plan the way a
 real engine relies on it: chunks start where the KV ends, sampling arrives with a
 sequence's first chunk, page tables cover the tokens, no page is written while another
-live sequence holds it, moves land in free pages, and no placeholder token reaches it.
+live sequence holds it, moves and copies land in free pages, a fork samples where its
+leader does, and no placeholder token reaches it.
 """
 
 from __future__ import annotations
@@ -60,9 +61,19 @@ class FakeExecutor:
             assert move.src in self.store, f"moved page {move.src} holds nothing"
             assert not self._holders(move.dst), f"moved into page {move.dst}, which is held"
             self.store[move.dst] = self.store.pop(move.src)
+        for copy in plan.page_copies:  # copy-on-write of a shared partial page
+            table = self.tables[copy.seq_id]
+            assert table[copy.index] == copy.src, f"copy of {copy.src} not in its table"
+            assert not self._holders(copy.dst), f"copied into page {copy.dst}, which is held"
+            self.store[copy.dst] = list(self.store[copy.src])
+            table[copy.index] = copy.dst
+        sampled_here = {c.seq_id for c in plan.chunks if c.do_sample and c.token_ids}
         seq_ids, token_ids, logprobs = [], [], []
         for chunk in plan.chunks:
             assert PENDING_TOKEN_ID not in chunk.token_ids, "placeholder reached the engine"
+            if chunk.forked_from is not None:  # its history is read from the shared pages
+                assert chunk.forked_from in sampled_here, "forked from a row not sampled"
+                assert not chunk.token_ids and chunk.seq_id not in self.tables
             if chunk.seq_id not in self.tables:
                 assert chunk.sampling is not None, "first chunk must carry sampling"
                 self.tables[chunk.seq_id] = []

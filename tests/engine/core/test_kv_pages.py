@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from engine.core.kv_pages import KVCapacityError, PageManager, pick_tier
+from engine.core.kv_pages import KVCapacityError, PageCopy, PageManager, pick_tier
 
 
 def test_append_allocates_pages_as_tokens_cross_boundaries() -> None:
@@ -19,6 +19,34 @@ def test_append_allocates_pages_as_tokens_cross_boundaries() -> None:
     assert pages.tier_of(0) == "gpu"
     assert pages.num_used_pages("gpu") == 3
     assert pages.num_free_pages("gpu") == 7
+
+
+def test_forked_sequences_copy_a_shared_partial_page_on_first_write() -> None:
+    """Two choices fork a 6-token prompt (a full page and a half page): the full page is never
+    copied, each writer of the half page copies it while another holds it, the last holder
+    writes in place, and the room for the copy is counted before it is made."""
+    pages = PageManager(4, {"gpu": 4})
+    prompt = pages.append(0, 6, "gpu")
+    assert pages.fork(0, 1) == pages.fork(0, 2) == prompt
+    assert pages.num_used_pages("gpu") == 2
+    assert pages.can_append(1, 1) and pages.append(1, 1) == []  # 7 tokens: still 2 pages
+    assert pages.take_copies() == [PageCopy(1, 1, ("gpu", 1), ("gpu", 2))]
+    assert pages.append(1, 1) == [] and pages.take_copies() == []  # its own page now
+    pages.append(0, 1)
+    assert pages.take_copies() == [PageCopy(0, 1, ("gpu", 1), ("gpu", 3))]
+    assert not pages.can_append(2, 3)  # a third page: the pool is full
+    pages.free(0)
+    assert pages.can_append(2, 1)
+    pages.append(2, 1)
+    assert pages.take_copies() == []  # the last holder writes in place
+    assert pages.page_table(2) == prompt
+    for seq_id in (1, 2):
+        pages.free(seq_id)
+    assert pages.num_used_pages("gpu") == 0
+    full = PageManager(4, {"gpu": 2})
+    full.append(0, 6, "gpu")
+    full.fork(0, 1)
+    assert not full.can_append(1, 1)  # its 7th token fits its pages, but needs the copy
 
 
 def test_free_returns_pages_for_reuse() -> None:

@@ -83,14 +83,22 @@ def prefill_tokens(plans: list[StepPlan], prompt_len: int) -> int:
 
 
 def test_n_choices_prefill_their_prompt_once() -> None:
-    """n = 64: the first choice computes the prompt; the others wait a step for its pages and
-    compute only the prompt's tail past its last full page (its logits are theirs to sample)."""
+    """n = 64: the first choice computes the prompt; the others fork its pages and sample from
+    its logits row (their seeds their own), and each copies the shared partial last page when
+    it first writes into it (the last holder writes in place). Without the gate a first block
+    of 8 computes it 8 times and forks the rest; without prefix caching (the off switch) every
+    choice computes it."""
     prompt = tokens(7, 100)
     parent = ParentRequest(Request("n64", prompt, SamplingParams(n=64, max_tokens=4, seed=3)))
     results = {}
-    for ordering in (True, False):
-        config = SchedulerConfig(page_tokens=P, enable_prefix_caching=True)
-        sched = Scheduler(SchedulerConfig(**{**config.__dict__, "prefix_ordering": ordering}))
+    for name, settings in {
+        "forked": {},
+        "no gate": {"prefix_ordering": False},
+        "off": {"enable_prefix_caching": False},
+    }.items():
+        sched = Scheduler(
+            SchedulerConfig(**{"page_tokens": P, "enable_prefix_caching": True, **settings})
+        )  # type: ignore[arg-type]
         for child in parent.children:
             sched.add_request(child)
         fake, outputs = FakeExecutor(P), Outputs(sched)
@@ -102,10 +110,12 @@ def test_n_choices_prefill_their_prompt_once() -> None:
         final = outputs.final()
         for i, child in enumerate(parent.children):
             assert final[child.request_id].outputs[0].token_ids == reference(prompt, 4, 3 + i)
-        results[ordering] = prefill_tokens(fake.plans, len(prompt))
-    tail = len(prompt) - (len(prompt) - 1) // P * P  # 4 tokens past the 6th full page
-    assert results[True] == len(prompt) + 63 * tail
-    assert results[False] >= 8 * len(prompt)  # the first block of 8 computes it 8 times
+        assert all(sched.page_manager.num_used_pages(t) == 0 for t in TIERS)
+        copies = sum(len(plan.page_copies) for plan in fake.plans)
+        results[name] = (prefill_tokens(fake.plans, len(prompt)), copies)
+    assert results["forked"] == (len(prompt), 63)
+    assert results["no gate"] == (8 * len(prompt), 56)  # 56 forks of the first block's first
+    assert results["off"] == (64 * len(prompt), 0)
 
 
 def test_queue_keeps_trie_order_and_requeued_in_front() -> None:

@@ -115,6 +115,46 @@ def test_failed_steps_are_recomputed_to_the_same_tokens(
     assert set(fake.tables) == set(scheduler._freed_seq_ids)
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_failed_forks_and_page_copies_are_recomputed_to_the_same_tokens(
+    async_scheduling: bool,
+) -> None:
+    """n = 3 choices fork their prompt: the first step that forks and the first that copies a
+    shared partial page fail; the forks are dropped (still queued) and the outputs equal the
+    clean run's, with nothing held afterwards."""
+
+    def outputs(decide: Decide | None) -> tuple[list[list[list[int]]], Scheduler, FakeExecutor]:
+        config = SchedulerConfig(
+            page_tokens=4, max_step_tokens=32, enable_prefix_caching=True, offload_retry_s=0.0
+        )
+        scheduler = Scheduler(config, FakeDetokenizer())
+        fake = FakeExecutor(4) if decide is None else FaultyExecutor(4, decide)
+        core = EngineCore(scheduler, fake, async_scheduling=async_scheduling)
+        sampling = [SamplingParams(n=3, max_tokens=6, seed=i, ignore_eos=True) for i in range(3)]
+        prompts = [[(i * 7 + j * 3 + 1) % VOCAB for j in range(6 + 5 * i)] for i in range(3)]
+        done = core.generate(Request(f"r{i}", p, sampling[i]) for i, p in enumerate(prompts))
+        core.close()
+        return [[c.token_ids for c in o.outputs] for o in done], scheduler, fake
+
+    failed_kinds: set[str] = set()
+
+    def decide(plan: StepPlan) -> StepFailure | None:
+        kinds = {"fork"} if any(c.forked_from is not None for c in plan.chunks) else set()
+        kinds |= {"copy"} if plan.page_copies else set()
+        if kinds <= failed_kinds:
+            return None
+        failed_kinds.update(kinds)
+        return StepFailure(f"a failed {' and '.join(sorted(kinds))}")
+
+    clean, _, clean_fake = outputs(None)
+    assert any(c.forked_from is not None for plan in clean_fake.plans for c in plan.chunks)
+    faulty, scheduler, fake = outputs(decide)
+    assert failed_kinds == {"fork", "copy"}
+    assert faulty == clean
+    assert all(scheduler.page_manager.num_used_pages(t) == 0 for t in TIERS)
+    assert set(fake.tables) == set(scheduler._freed_seq_ids)
+
+
 def test_a_tier_that_keeps_failing_rests_then_fails_its_requests_retryably() -> None:
     """All KV on disk and every disk step failing: each request is tried twice (the tier
     rests in between, so no step runs meanwhile), then ends with a retryable error and no
