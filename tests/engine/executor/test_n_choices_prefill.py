@@ -1,10 +1,13 @@
 """n choices from one prefill through the real executor: the first choice computes the
 prompt, the others fork its pages and sample from its logits row; seeded and greedy outputs
-equal the off switch's (no prefix caching: every choice computes its prompt), with the KV
-resident and homed on the cpu tier (greedy equals transformers' in the slow test)."""
+equal the unforked path's (each choice sent alone, n = 1, with its seed), with the KV
+resident and homed on the cpu tier (greedy equals transformers' in the slow test). The
+off switch (no prefix caching: every choice computes its prompt) is counted in
+tests/engine/core/test_prefix_order.py."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
@@ -20,30 +23,13 @@ SEEDED = SamplingParams(n=8, max_tokens=5, temperature=1.0, seed=11, ignore_eos=
 GREEDY = SamplingParams(n=3, max_tokens=5, temperature=0.0, ignore_eos=True)
 
 
-Run = tuple[list[list[list[int]]], int, int, list[tuple[int, int]]]
-
-
-def run(model_dir: Path, prompts: list[list[int]], policy: Policy, caching: bool) -> Run:
-    """The two requests' choices, the prompt positions the executor computed, and the
-    partial pages it copied."""
-    with LLM(str(model_dir), policy=policy, device="cpu", enable_prefix_caching=caching) as llm:
-        plans: list[StepPlan] = []
-        execute = llm.executor.execute
-
-        def recording(plan: StepPlan) -> StepResult:  # the real executor runs every plan
-            plans.append(plan)
-            return execute(plan)
-
-        llm.executor.execute = recording  # type: ignore[method-assign]
-        out = llm.generate(prompts, [SEEDED, GREEDY])
-    computed = sum(
-        max(0, min(c.start_pos + len(c.token_ids), PROMPT_LEN) - c.start_pos)
-        for plan in plans
-        for c in plan.chunks
-    )
-    copies = sum(len(plan.page_copies) for plan in plans)
-    usage = [(len(o.prompt_token_ids), len(o.outputs)) for o in out]
-    return [[c.token_ids for c in o.outputs] for o in out], computed, copies, usage
+def alone(params: SamplingParams) -> list[SamplingParams]:
+    """Each choice of `params` as a request of its own (choice i samples with seed + i)."""
+    seed = params.seed
+    return [
+        dataclasses.replace(params, n=1, seed=None if seed is None else seed + i)
+        for i in range(params.n)
+    ]
 
 
 @pytest.mark.parametrize("kv_tier", ["gpu", "cpu"])  # on the CPU the gpu tier is resident
@@ -53,21 +39,38 @@ def test_n_choices_fork_one_prefill_with_unchanged_outputs(
     model_dir = tiny_model("llama")
     prompts = random_prompts(2, vocab_size("llama"), PROMPT_LEN, PROMPT_LEN, seed=3)
     kv_frac = (1.0, 0.0, 0.0) if kv_tier == "gpu" else (0.0, 1.0, 0.0)
-    policy = Policy(kv_frac=kv_frac)
-    forked = run(model_dir, prompts, policy, caching=True)
-    unforked = run(model_dir, prompts, policy, caching=False)
-    assert forked[0] == unforked[0]
-    assert len(set(map(tuple, forked[0][0]))) > 1  # the seeded choices differ from each other
-    assert forked[1] == 2 * PROMPT_LEN  # each request's prompt once
-    assert unforked[1] == (8 + 3) * PROMPT_LEN
-    assert forked[2] == (8 - 1) + (3 - 1)  # the last holder of the half page writes in place
-    assert unforked[2] == 0
-    assert forked[3] == unforked[3] == [(PROMPT_LEN, 8), (PROMPT_LEN, 3)]
+    with LLM(str(model_dir), policy=Policy(kv_frac=kv_frac), device="cpu") as llm:
+        plans: list[StepPlan] = []
+        execute = llm.executor.execute
+
+        def recording(plan: StepPlan) -> StepResult:  # the real executor runs every plan
+            plans.append(plan)
+            return execute(plan)
+
+        llm.executor.execute = recording  # type: ignore[method-assign]
+        forked = llm.generate(prompts, [SEEDED, GREEDY])
+        forked_plans = list(plans)
+        singles = [*alone(SEEDED), *alone(GREEDY)]
+        unforked = llm.generate([prompts[0]] * 8 + [prompts[1]] * 3, singles)
+    choices = [c.token_ids for o in forked for c in o.outputs]
+    assert choices == [o.outputs[0].token_ids for o in unforked]
+    assert len(set(map(tuple, choices[:8]))) > 1  # the seeded choices differ from each other
+    computed = sum(
+        max(0, min(c.start_pos + len(c.token_ids), PROMPT_LEN) - c.start_pos)
+        for plan in forked_plans
+        for c in plan.chunks
+    )
+    assert computed == 2 * PROMPT_LEN  # each request's prompt once
+    assert all(c.kv_tier == kv_tier for plan in forked_plans for c in plan.chunks)
+    copies = sum(len(plan.page_copies) for plan in forked_plans)
+    assert copies == (8 - 1) + (3 - 1)  # the last holder of the half page writes in place
+    assert [len(o.prompt_token_ids) for o in forked] == [PROMPT_LEN, PROMPT_LEN]
 
 
 @pytest.mark.slow  # transformers' reference
 def test_forked_greedy_choices_equal_transformers(tiny_model: Callable[[str], Path]) -> None:
     model_dir = tiny_model("llama")
     prompts = random_prompts(2, vocab_size("llama"), PROMPT_LEN, PROMPT_LEN, seed=3)
-    outputs = run(model_dir, prompts, Policy(), caching=True)[0]
-    assert outputs[1] == [hf_greedy(model_dir, prompts[1], 5)] * 3
+    with LLM(str(model_dir), policy=Policy(), device="cpu") as llm:
+        out = llm.generate(prompts, [SEEDED, GREEDY])
+    assert [c.token_ids for c in out[1].outputs] == [hf_greedy(model_dir, prompts[1], 5)] * 3
