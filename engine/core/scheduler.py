@@ -669,9 +669,10 @@ class Scheduler:
     def _next_to_admit(self) -> Sequence | None:
         """The queued sequence to admit next: the head of the first non-empty queue, or with
         prefix ordering its first sequence that `PrefixGate` lets through (a FIFO queue's head
-        only, a batch queue's first LOOKAHEAD). None when it holds them all (nothing of a
-        later queue goes ahead), or a batch line would pass `batch_share` of the slots while
-        online work is present."""
+        only, a batch queue's first LOOKAHEAD). A choice whose request's prompt another choice
+        is computing waits for its fork (`_forks`) as the gate's prompts wait. None when they
+        are all held (nothing of a later queue goes ahead), or a batch line would pass
+        `batch_share` of the slots while online work is present."""
         queues = self._queues()
         if not queues:
             return None
@@ -681,8 +682,14 @@ class Scheduler:
             num_batch = sum(1 for s in self.running if s.request.priority >= BATCH_PRIORITY)
             if num_batch >= self._share_of(self.config.block_size):
                 return None
+        forking = {  # groups whose prompt a choice is computing (it forks at its first sample)
+            s.request.group
+            for s in self.running
+            if s.request.group in self._groups and not s.num_generated and s.kv_tier != "disk"
+        }
         if not self.prefix_ordering:
-            return head
+            waits = head.request.group in forking and self._can_fork(head)
+            return None if waits else head
         pages = self.page_manager
         in_flight = (
             self._prompt_hashes[s.seq_id][pages.num_indexed_pages(s.seq_id) :] for s in self.running
@@ -692,14 +699,14 @@ class Scheduler:
             candidates: Iterable[Sequence] = [head]
         else:
             candidates = itertools.islice(queue, LOOKAHEAD)
-        return next(
-            (
-                s
-                for s in candidates
-                if s.seq_id in pages or not gate.holds(self._prompt_hashes[s.seq_id])
-            ),
-            None,
-        )
+        for s in candidates:
+            if s.seq_id in pages:  # a fork: its KV is held
+                return s
+            if s.request.group in forking and self._can_fork(s):
+                continue
+            if not gate.holds(self._prompt_hashes[s.seq_id]):
+                return s
+        return None
 
     def _online_present(self) -> bool:
         """Some online request (priority before BATCH_PRIORITY) waits or runs."""

@@ -83,22 +83,22 @@ def prefill_tokens(plans: list[StepPlan], prompt_len: int) -> int:
 
 
 def test_n_choices_prefill_their_prompt_once() -> None:
-    """n = 64: the first choice computes the prompt; the others fork its pages and sample from
-    its logits row (their seeds their own), and each copies the shared partial last page when
-    it first writes into it (the last holder writes in place). Without the gate a first block
-    of 8 computes it 8 times and forks the rest; without prefix caching (the off switch) every
-    choice computes it."""
-    prompt = tokens(7, 100)
-    parent = ParentRequest(Request("n64", prompt, SamplingParams(n=64, max_tokens=4, seed=3)))
+    """n = 64: the first choice computes the prompt while the others wait; they fork its pages
+    and sample from its logits row (their seeds their own), and each copies the shared
+    partial last page when it first writes into it (the last holder writes in place). So with
+    ordering off too, and for a prompt shorter than a page (the gate has no page to hold it
+    on); without prefix caching (the off switch) every choice computes its prompt."""
     results = {}
-    for name, settings in {
-        "forked": {},
-        "no gate": {"prefix_ordering": False},
-        "off": {"enable_prefix_caching": False},
-    }.items():
-        sched = Scheduler(
-            SchedulerConfig(**{"page_tokens": P, "enable_prefix_caching": True, **settings})
-        )  # type: ignore[arg-type]
+    for name, length, settings in [
+        ("forked", 100, {}),
+        ("ordering off", 100, {"prefix_ordering": False}),
+        ("short", 10, {}),
+        ("off", 100, {"enable_prefix_caching": False}),
+    ]:
+        prompt = tokens(7, length)
+        parent = ParentRequest(Request("n64", prompt, SamplingParams(n=64, max_tokens=4, seed=3)))
+        config = {"page_tokens": P, "enable_prefix_caching": True, **settings}
+        sched = Scheduler(SchedulerConfig(**config))  # type: ignore[arg-type]
         for child in parent.children:
             sched.add_request(child)
         fake, outputs = FakeExecutor(P), Outputs(sched)
@@ -113,9 +113,9 @@ def test_n_choices_prefill_their_prompt_once() -> None:
         assert all(sched.page_manager.num_used_pages(t) == 0 for t in TIERS)
         copies = sum(len(plan.page_copies) for plan in fake.plans)
         results[name] = (prefill_tokens(fake.plans, len(prompt)), copies)
-    assert results["forked"] == (len(prompt), 63)
-    assert results["no gate"] == (8 * len(prompt), 56)  # 56 forks of the first block's first
-    assert results["off"] == (64 * len(prompt), 0)
+    assert results["forked"] == results["ordering off"] == (100, 63)
+    assert results["short"] == (10, 63)
+    assert results["off"] == (64 * 100, 0)
 
 
 def test_queue_keeps_trie_order_and_requeued_in_front() -> None:
