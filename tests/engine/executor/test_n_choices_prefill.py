@@ -21,6 +21,9 @@ from tests.engine.tiny_models import hf_greedy, random_prompts, vocab_size
 PROMPT_LEN = 40  # 2.5 pages of 16: two full pages shared, the half page copied on write
 SEEDED = SamplingParams(n=8, max_tokens=5, temperature=1.0, seed=11, ignore_eos=True)
 GREEDY = SamplingParams(n=3, max_tokens=5, temperature=0.0, ignore_eos=True)
+PENALIZED = SamplingParams(n=2, max_tokens=5, temperature=0.0, repetition_penalty=0.05)
+"""Its settings read the prompt's tokens (a penalty below 1 favours them): a fork gets them
+without computing the prompt, or it would pick other tokens."""
 
 
 def alone(params: SamplingParams) -> list[SamplingParams]:
@@ -37,7 +40,7 @@ def test_n_choices_fork_one_prefill_with_unchanged_outputs(
     tiny_model: Callable[[str], Path], kv_tier: str
 ) -> None:
     model_dir = tiny_model("llama")
-    prompts = random_prompts(2, vocab_size("llama"), PROMPT_LEN, PROMPT_LEN, seed=3)
+    prompts = random_prompts(3, vocab_size("llama"), PROMPT_LEN, PROMPT_LEN, seed=3)
     kv_frac = (1.0, 0.0, 0.0) if kv_tier == "gpu" else (0.0, 1.0, 0.0)
     with LLM(str(model_dir), policy=Policy(kv_frac=kv_frac), device="cpu") as llm:
         plans: list[StepPlan] = []
@@ -48,10 +51,10 @@ def test_n_choices_fork_one_prefill_with_unchanged_outputs(
             return execute(plan)
 
         llm.executor.execute = recording  # type: ignore[method-assign]
-        forked = llm.generate(prompts, [SEEDED, GREEDY])
+        forked = llm.generate(prompts, [SEEDED, GREEDY, PENALIZED])
         forked_plans = list(plans)
-        singles = [*alone(SEEDED), *alone(GREEDY)]
-        unforked = llm.generate([prompts[0]] * 8 + [prompts[1]] * 3, singles)
+        singles = [*alone(SEEDED), *alone(GREEDY), *alone(PENALIZED)]
+        unforked = llm.generate([prompts[0]] * 8 + [prompts[1]] * 3 + [prompts[2]] * 2, singles)
     choices = [c.token_ids for o in forked for c in o.outputs]
     assert choices == [o.outputs[0].token_ids for o in unforked]
     assert len(set(map(tuple, choices[:8]))) > 1  # the seeded choices differ from each other
@@ -60,11 +63,11 @@ def test_n_choices_fork_one_prefill_with_unchanged_outputs(
         for plan in forked_plans
         for c in plan.chunks
     )
-    assert computed == 2 * PROMPT_LEN  # each request's prompt once
+    assert computed == 3 * PROMPT_LEN  # each request's prompt once
     assert all(c.kv_tier == kv_tier for plan in forked_plans for c in plan.chunks)
     copies = sum(len(plan.page_copies) for plan in forked_plans)
-    assert copies == (8 - 1) + (3 - 1)  # the last holder of the half page writes in place
-    assert [len(o.prompt_token_ids) for o in forked] == [PROMPT_LEN, PROMPT_LEN]
+    assert copies == (8 - 1) + (3 - 1) + (2 - 1)  # the half page's last holder writes in place
+    assert [len(o.prompt_token_ids) for o in forked] == [PROMPT_LEN] * 3
 
 
 @pytest.mark.slow  # transformers' reference
