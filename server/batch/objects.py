@@ -7,6 +7,16 @@ from typing import Literal
 
 from pydantic import BaseModel
 
+BatchEndpoint = Literal[
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/responses",
+    "/v1/embeddings",
+    "/v1/score",
+    "/v1/rerank",
+]
+"""The routes a batch's lines may call (server/batch/lines.py's ENDPOINTS)."""
+
 
 class FileObject(BaseModel):
     id: str
@@ -55,7 +65,7 @@ class RequestCounts(BaseModel):
 class Batch(BaseModel):
     id: str
     object: Literal["batch"]
-    endpoint: Literal["/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings"]
+    endpoint: BatchEndpoint
     errors: BatchErrors | None
     input_file_id: str
     completion_window: Literal["24h"]

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, Validation
 
 from engine.core.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
 from engine.core.structured import StructuredOutput, closed_schema
+from server.batch.objects import BatchEndpoint
 from server.openai.errors import APIError, invalid_request
 
 logger = logging.getLogger("nanoflex.server")
@@ -484,7 +485,7 @@ class BatchCreateRequest(_Strict):
     """POST /v1/batches."""
 
     input_file_id: str
-    endpoint: Literal["/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings"]
+    endpoint: BatchEndpoint
     completion_window: Literal["24h"]
     metadata: (
         dict[

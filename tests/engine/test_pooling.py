@@ -1,6 +1,6 @@
-"""Pooling models give transformers' vectors and scores: a trained BERT embedder
-(all-MiniLM-L6-v2, mean pooling, normalized), tiny random BERT and XLM-RoBERTa (CLS), a
-Qwen3 embedder (last token), and a BERT cross-encoder's scores, in float32."""
+"""Encoder pooling models give transformers' vectors and scores: a trained BERT embedder
+(all-MiniLM-L6-v2, mean pooling, normalized), tiny random BERT and XLM-RoBERTa (CLS), and a
+BERT cross-encoder's scores, in float32; a Qwen3 embedder is left to the generation engine."""
 
 from __future__ import annotations
 
@@ -46,7 +46,8 @@ def test_encoder_cls_vectors_equal_transformers(kind: str, tmp_path: Path) -> No
     _close(ours, F.normalize(hidden[:, 0], dim=-1))
 
 
-def test_qwen3_embedder_last_token_equals_transformers(tmp_path: Path) -> None:
+def test_qwen3_embedder_is_a_decoder_for_the_generation_engine(tmp_path: Path) -> None:
+    """Its vectors come from the generation engine (tests/server/test_decoder_pooling.py)."""
     model_dir = build_pooling("qwen3-embedding", tmp_path / "q")
     spec = pooling_spec(model_dir)
     assert spec is not None and (spec.pooling, spec.normalize, spec.is_encoder) == (
@@ -54,10 +55,8 @@ def test_qwen3_embedder_last_token_equals_transformers(tmp_path: Path) -> None:
         True,
         False,
     )
-    ours = PoolingRunner.load(model_dir, spec).embed(ROWS)
-    hidden, mask = _hf_hidden(model_dir, ROWS)
-    last = hidden[torch.arange(len(ROWS)), mask.sum(1) - 1]
-    _close(ours, F.normalize(last, dim=-1))
+    with pytest.raises(ValueError, match="generation engine"):
+        PoolingRunner.load(model_dir, spec)
 
 
 def test_cross_encoder_scores_equal_transformers(tmp_path: Path) -> None:
