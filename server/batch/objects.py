@@ -7,15 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel
 
-BatchEndpoint = Literal[
-    "/v1/completions",
-    "/v1/chat/completions",
-    "/v1/responses",
-    "/v1/embeddings",
-    "/v1/score",
-    "/v1/rerank",
-]
-"""The routes a batch's lines may call (server/batch/lines.py's ENDPOINTS)."""
+from server.openai.requests import BatchEndpoint
 
 
 class FileObject(BaseModel):

@@ -17,7 +17,6 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, Validation
 
 from engine.core.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
 from engine.core.structured import StructuredOutput, closed_schema
-from server.batch.objects import BatchEndpoint
 from server.openai.errors import APIError, invalid_request
 
 logger = logging.getLogger("nanoflex.server")
@@ -479,6 +478,17 @@ class ChatCompletionRequest(_Sampling):
         if self.top_logprobs is not None and not self.logprobs:
             raise invalid_request("top_logprobs requires logprobs to be true", param="top_logprobs")
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+BatchEndpoint = Literal[
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/responses",
+    "/v1/embeddings",
+    "/v1/score",
+    "/v1/rerank",
+]
+"""The routes a batch's lines may call (server/batch/lines.py's ENDPOINTS)."""
 
 
 class BatchCreateRequest(_Strict):
