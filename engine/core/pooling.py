@@ -9,9 +9,10 @@ pooling its sentence-transformers files ask, and how long its inputs may be.
 - `*ForSequenceClassification` of those families scores (a cross-encoder: one logit a pair).
 - A decoder reranker scores (Qwen3-Reranker, a `*ForCausalLM`: the last token's logit of "yes"
   against "no", through a sigmoid): its config says so as vLLM's overrides do
-  (`is_original_qwen3_reranker` or `classifier_from_token`), or its directory's path names
-  `Qwen3-Reranker` (a hub download's cache path does). A decoder `*ForSequenceClassification`
-  (a converted reranker) scores with its own one-logit `score` head.
+  (`is_original_qwen3_reranker` or `classifier_from_token`), or its directory's name (or
+  the hub cache's `models--Qwen--Qwen3-Reranker-*` above it) says `Qwen3-Reranker`. A
+  decoder `*ForSequenceClassification` (a converted reranker) scores with its own one-logit
+  `score` head.
 - Anything else generates (None).
 
 Decoder pooling models run through the generation engine (planner, tiers, offloading:
@@ -120,13 +121,19 @@ def _decoder_reranker(
     architectures = config.get("architectures") or []
     is_classifier = any(a.endswith("ForSequenceClassification") for a in architectures)
     declared = config.get("is_original_qwen3_reranker") or config.get("classifier_from_token")
-    named = "qwen3-reranker" in str(model_dir.resolve()).lower()
+    names = [model_dir.name, *(p for p in model_dir.resolve().parts if p.startswith("models--"))]
+    named = any("qwen3-reranker" in name.lower() for name in names)  # its own, or its hub id's
     if not (declared or named or is_classifier):
         return None
     token_ids: tuple[int, ...] = ()
     if declared or named:
         words = tuple(config.get("classifier_from_token") or RERANKER_TOKENS)
         token_ids = _token_ids(model_dir, words)
+    elif len(config.get("id2label") or {}) != 1:
+        raise ModelLoadError(
+            f"{model_dir}: a decoder classifier is served with one label (a relevance logit); "
+            f"this one has {len(config.get('id2label') or {}) or 'no'} labels"
+        )
     return PoolingSpec("score", "last", False, **common, classifier_token_ids=token_ids)
 
 

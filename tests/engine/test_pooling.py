@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from engine.core.model_files import ModelLoadError
 from engine.core.pooling import pooling_spec
 from engine.pooling_runner import PoolingRunner
 from tests.engine.tiny_pooling import build_pooling, minilm_dir
@@ -98,3 +99,23 @@ def test_minilm_vectors_equal_transformers_mean_pooling() -> None:
     _close(ours, F.normalize(mean, dim=-1))
     similar = torch.tensor(ours[0]) @ torch.tensor(ours[1])
     assert -1 <= similar.item() < 0.3  # a trained model: unrelated sentences are far apart
+
+
+def test_a_decoder_is_a_reranker_by_its_config_or_its_own_name(tmp_path: Path) -> None:
+    import json
+
+    config = {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "hidden_size": 8}
+    generator = tmp_path / "qwen3-reranker-experiments" / "Qwen3-8B"  # a parent's name: no
+    generator.mkdir(parents=True)
+    (generator / "config.json").write_text(json.dumps(config))
+    assert pooling_spec(generator) is None
+    converted = tmp_path / "seq-cls"  # a converted reranker: its own score head
+    converted.mkdir()
+    classifier = {**config, "architectures": ["Qwen3ForSequenceClassification"]}
+    (converted / "config.json").write_text(json.dumps({**classifier, "id2label": {"0": "a"}}))
+    spec = pooling_spec(converted)
+    assert spec is not None and (spec.task, spec.classifier_token_ids) == ("score", ())
+    two = {**classifier, "id2label": {"0": "a", "1": "b"}}
+    (converted / "config.json").write_text(json.dumps(two))
+    with pytest.raises(ModelLoadError, match="one label"):
+        pooling_spec(converted)

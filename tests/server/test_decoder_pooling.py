@@ -3,10 +3,12 @@ its weights on the CPU and disk tiers (not the compute device's) and its prompts
 prefill chunks gives transformers' vectors through /v1/embeddings and a Batch API job; a
 Qwen3-Reranker (a Qwen3ForCausalLM, tied and untied) scores as its model card computes,
 P(yes) of a softmax over the last token's "no" and "yes" logits, through /v1/score,
-/v1/rerank, a Batch API job and `nanoflex run-batch` lines."""
+/v1/rerank, a Batch API job and `nanoflex run-batch` lines; a converted one-label
+Qwen3ForSequenceClassification scores with its own head."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 from typing import Any
@@ -21,7 +23,13 @@ from engine.runtime.core_client import CoreEngineClient
 from policy import Policy
 from server.cli import main as cli_main
 from server.http.settings import ServerSettings
-from tests.engine.tiny_pooling import build_pooling, build_qwen3_reranker
+from tests.engine.tiny_pooling import (
+    RERANKER_SPECIALS,
+    RERANKER_WORDS,
+    build_pooling,
+    build_qwen3_reranker,
+    tiny_tokenizer,
+)
 from tests.server.batch_files import read_lines, upload, wait_batch
 from tests.server.live import LiveServer, start_server
 
@@ -152,3 +160,34 @@ def test_qwen3_reranker_in_run_batch_lines(tmp_path: Path) -> None:
     assert cli_main([*argv, "--device", "cpu", "--policy", str(policy)]) == 0
     answer = json.loads(out.read_text().splitlines()[0])["response"]["body"]
     assert [d["score"] for d in answer["data"]] == pytest.approx(expected, abs=1e-5)
+
+
+def test_converted_reranker_scores_with_its_own_head(tmp_path: Path) -> None:
+    """A Qwen3ForSequenceClassification of one label (a converted Qwen3-Reranker): its score
+    head's logit through a sigmoid, as transformers computes it."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.Qwen3Config(
+        vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_labels=1,
+        pad_token_id=0,
+    )  # fmt: skip
+    model = transformers.Qwen3ForSequenceClassification(config).eval()
+    model_dir = tmp_path / "seq-cls"
+    model.save_pretrained(model_dir)
+    tiny_tokenizer(RERANKER_WORDS, RERANKER_SPECIALS, pairs=False).save_pretrained(model_dir)
+    rows = [[5, 17, 33, 8, 2], [9, 4, 60, 61]]
+    with torch.no_grad():
+        expected = [model(input_ids=torch.tensor([r])).logits[0, 0].sigmoid().item() for r in rows]
+    args = EngineArgs(model=str(model_dir), policy=OFFLOADED, device="cpu")
+    engine = CoreEngineClient(args, model_dir, OFFLOADED, model_name="cls", in_process=True)
+
+    async def scores() -> list[float]:
+        await engine.start()
+        try:
+            return await engine.score([(r, [0] * len(r)) for r in rows])
+        finally:
+            await engine.shutdown()
+
+    assert asyncio.run(scores()) == pytest.approx(expected, abs=1e-5)
