@@ -1,10 +1,12 @@
-"""`PoolingRunner`: a pooling model's forward on the compute device: vectors for token-id
-inputs (embed) and relevance scores for token pairs (score), one dense forward pass per
-batch, no KV cache.
+"""`PoolingRunner`: an encoder pooling model's forward on the compute device (BERT,
+XLM-RoBERTa: engine/models/bert.py): vectors for token-id inputs (embed) and relevance
+scores for token pairs (score), one dense forward pass per batch, no KV cache.
 
-The whole model sits on the compute device (no placement or offloading yet: the planner's
-policy is not applied to pooling models); inputs run in batches of `max_batch_tokens`
-padded tokens, longest first so that padding stays small.
+The whole model sits on the compute device: these encoders are small (bge-m3, the largest,
+is 0.57B), so the planner's placement is not applied to them. Decoder pooling models
+(Qwen3-Embedding, Qwen3-Reranker) run on the generation engine instead, with its planner,
+tiers and offloading (engine/executor/pooler.py). Inputs run in batches of
+`max_batch_tokens` padded tokens, longest first so that padding stays small.
 """
 
 from __future__ import annotations
@@ -19,8 +21,6 @@ from engine.core.pooling import PoolingSpec, pooling_spec
 from engine.loading.checkpoint import CheckpointReader
 from engine.models.bert import BertConfig, BertEncoder, encoder_weights
 from engine.models.config import read_hf_config
-from engine.models.config_cache import read_model_config
-from engine.models.decoder_embed import DecoderEncoder
 
 Pair = tuple[list[int], list[int]]
 """A cross-encoder input: its token ids and their token type ids (0 query, 1 document)."""
@@ -31,7 +31,7 @@ class PoolingRunner:
     """One loaded pooling model (`load`), its `embed` and `score`."""
 
     spec: PoolingSpec
-    model: BertEncoder | DecoderEncoder
+    model: BertEncoder
     device: torch.device
     max_batch_tokens: int = 16384
 
@@ -39,14 +39,12 @@ class PoolingRunner:
     def load(
         model_dir: Path, spec: PoolingSpec, device: str = "cpu", dtype: torch.dtype = torch.float32
     ) -> PoolingRunner:
+        if not spec.is_encoder:
+            raise ValueError(f"{model_dir} is a decoder: the generation engine pools it")
         reader = CheckpointReader(model_dir)
         weights = {name: reader.get(name).to(device=device, dtype=dtype) for name in reader.names}
-        model: BertEncoder | DecoderEncoder
-        if spec.is_encoder:
-            config = BertConfig.from_hf(read_hf_config(model_dir).to_dict())
-            model = BertEncoder(config, encoder_weights(weights))
-        else:
-            model = DecoderEncoder(read_model_config(model_dir), weights)
+        config = BertConfig.from_hf(read_hf_config(model_dir).to_dict())
+        model = BertEncoder(config, encoder_weights(weights))
         return PoolingRunner(spec, model, torch.device(device))
 
     def _batches(self, lengths: list[int]) -> list[list[int]]:
@@ -79,10 +77,7 @@ class PoolingRunner:
         out: list[list[float]] = [[] for _ in inputs]
         for batch in self._batches([len(r) for r in inputs]):
             ids, mask = self._padded([inputs[k] for k in batch])
-            if isinstance(self.model, BertEncoder):
-                hidden = self.model.hidden(ids, mask)
-            else:
-                hidden = self.model.hidden(ids)
+            hidden = self.model.hidden(ids, mask)
             vectors = _pool(self.spec.pooling, hidden.float(), mask)
             if self.spec.normalize:
                 vectors = F.normalize(vectors, dim=-1)
@@ -95,7 +90,7 @@ class PoolingRunner:
         """A cross-encoder's score per pair: its first logit, through a sigmoid when the
         head has one label (sentence-transformers' CrossEncoder default, as vLLM serves)."""
         model = self.model
-        assert isinstance(model, BertEncoder) and self.spec.task == "score"
+        assert self.spec.task == "score"
         out = [0.0] * len(pairs)
         for batch in self._batches([len(ids) for ids, _ in pairs]):
             ids, mask = self._padded([pairs[k][0] for k in batch])

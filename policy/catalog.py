@@ -3,6 +3,7 @@ that name them, and resolving any model name or path to its `ModelSpec`."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -82,6 +83,22 @@ def _qwen3(
 ) -> ModelSpec:
     shape = _shape(hidden, inter, layers, heads, kv_heads, 128, 151936)
     return _hf(f"qwen3-{size}", "qwen3", **shape, tie_word_embeddings=tied)
+
+
+_QWEN3_POOLING_SHAPES = {
+    "0.6b": (1024, 3072, 28, 16, 8),
+    "4b": (2560, 9728, 36, 32, 8),
+    "8b": (4096, 12288, 36, 32, 8),
+}
+"""Qwen3-Embedding and Qwen3-Reranker sizes: the Qwen 3 decoders of those sizes."""
+
+
+def _qwen3_pooling(kind: str, size: str) -> ModelSpec:
+    """Qwen3-Embedding (kind 'embedding': no LM head) or Qwen3-Reranker ('reranker': its LM
+    head's yes/no rows as a one-row classifier), priced as the engine runs them."""
+    shape = _shape(*_QWEN3_POOLING_SHAPES[size], 128, 151669)
+    model = _hf(f"qwen3-{kind}-{size}", "qwen3", **shape, tie_word_embeddings=size != "8b")
+    return dataclasses.replace(model, pooling="embed" if kind == "embedding" else "score")
 
 
 def _gemma(
@@ -260,6 +277,7 @@ BUILTIN_MODELS: dict[str, ModelSpec] = {
         _qwen3("1.7b", 2048, 6144, 28, 16, 8, tied=True),
         _qwen3("4b", 2560, 9728, 36, 32, 8, tied=True),
         _qwen3("8b", 4096, 12288, 36, 32, 8, tied=False),
+        *(_qwen3_pooling(k, n) for k in ("embedding", "reranker") for n in _QWEN3_POOLING_SHAPES),
         _qwen3("14b", 5120, 17408, 40, 40, 8, tied=False),
         _qwen3("32b", 5120, 25600, 64, 64, 8, tied=False),
         _gemma("gemma-2-2b", "gemma2", (2304, 9216, 26, 8, 4, 256, 256000), 4096),

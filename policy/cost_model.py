@@ -162,7 +162,7 @@ def build_terms(
     # Per token, outside the routed experts (which policy/moe.py prices per block).
     routed_params = model.moe_layer_share * model.num_experts_per_tok * model.expert_params
     weight_flops = 2 * (model.active_layer_params - routed_params)
-    head_flops = 2 * model.vocab_size * (model.word_embed_dim or h) / num_layers
+    head_flops = 2 * model.head_rows * (model.word_embed_dim or h) / num_layers
     num_nano = choice.num_nano_batches
     # Dense ops per GPU batch, cut into nano-batches (policy/nano_batching.py); each piece is
     # FLOP- or weight-read-bound and pays layer_overhead_s (kernel launches, bookkeeping).
@@ -374,7 +374,7 @@ def _step_reserves(
     q_dim, nh = model.num_heads * model.head_dim, model.num_heads
     act_tok = model.hidden_bytes_per_token
     kv_read = model.attended_len(kv_end)
-    logits = gbs * model.vocab_size * 4  # fp32 logits for sampling
+    logits = gbs * model.head_width * 4  # fp32 logits for sampling (or pooled rows)
     # (gbs, s, *) activations: residual + input, then the larger of attention and MLP.
     attention_pre = s * (q_dim + model.kv_row_dim) * dtype + nh * s * s * dtype
     mlp_width = f if model.arch == "opt" else 2 * f  # fc1 output, or SwiGLU's gate and up

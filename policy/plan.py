@@ -80,9 +80,9 @@ def add_length_args(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """Run the search for the parsed `nanoflex plan` arguments; print JSON or a report."""
-    workload = WorkloadSpec(prompt_len=args.prompt_len, gen_len=args.gen_len)
     hardware = HardwareSpec.load(args.hardware) if args.hardware else load_cached()
     model = engine_priced(resolve_model_spec(args.model), hardware.compute_device, args.dtype)
+    workload = WorkloadSpec(prompt_len=args.prompt_len, gen_len=args.gen_len).priced_for(model)
     if hardware.compute_device == "cpu" and args.cpu_mem is not None:
         print(cpu_only_note(args.hardware), file=sys.stderr)
     result = cached_search(
@@ -96,6 +96,7 @@ def main(args: argparse.Namespace) -> int:
     break_even = break_even_tokens(model, hardware, compress_kv=result.policy.compress_kv)
     if args.json:
         out = {**result.to_dict(), "prefix_break_even_tokens": break_even}
+        out["workload"] = {"prompt_len": workload.prompt_len, "gen_len": workload.gen_len}
         out["dtype_bytes"] = model.dtype_bytes
         if model.is_moe:
             out["moe"] = moe_summary(model, result)
@@ -151,6 +152,17 @@ def _state_note(model: ModelSpec) -> str:
     )
 
 
+def _pooling_note(model: ModelSpec) -> str:
+    """How a pooling model's requests are priced."""
+    if not model.pooling:
+        return ""
+    head = "no LM head" if model.pooling == "embed" else "a one-row classifier for its LM head"
+    return (
+        f" (a pooling model, {model.pooling}: a prefill only, its last position's head row "
+        f"the answer; {head}; throughputs count prompt tokens and sequences, not a decode)"
+    )
+
+
 def _triple(values: tuple[float, float, float]) -> str:
     return " / ".join(f"{100 * v:.1f}%" for v in values)
 
@@ -171,7 +183,8 @@ def format_report(
         f"{format_bytes(model.kv_bytes_per_token)} of KV per token{_window_note(model)}"
         + _state_note(model),
         f"priced in {model.dtype_bytes}-byte elements (the engine's compute dtype; --dtype)",
-        f"workload: prompt {workload.prompt_len:g} tokens, generate {workload.gen_len:g}",
+        f"workload: prompt {workload.prompt_len:g} tokens, generate {workload.gen_len:g}"
+        + _pooling_note(model),
         "",
         "policy (gpu / cpu / disk):",
         f"  block           {policy.gpu_batch_size} x {policy.num_gpu_batches} GPU batches "

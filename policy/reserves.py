@@ -100,7 +100,7 @@ def step_workspace_bytes(
     routed = m.num_experts_per_tok * (m.moe_intermediate_size + h) if m.num_experts else 0
     mlp = 3 * max(width, routed)  # gate and up (or fc1), then the activation's output
     per_token = (2 * h + max(attention, mlp)) * itemsize
-    logits = rows * m.vocab_size * (itemsize + 2 * 4)
+    logits = rows * m.head_width * (itemsize + 2 * 4)
     return tokens * per_token + logits + 2 * dequantized_layer
 
 

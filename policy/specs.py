@@ -114,8 +114,14 @@ class ModelSpec:
     parallel_hybrid: bool = False
     """Falcon-H1: every state layer also runs attention over KV beside its state mixer (the
     two outputs summed), then an MLP; False: a state layer has no attention."""
+    pooling: str = ""
+    """'' (generates), 'embed' or 'score': a decoder pooling model (engine/executor/pooler.py),
+    whose head is the final norm alone (an embedder) or with a one-row classifier (a
+    reranker) instead of the (vocab, hidden) LM head; its requests are a prefill only."""
 
     def __post_init__(self) -> None:
+        if self.pooling not in ("", "embed", "score"):
+            raise ModelSpecError(f"pooling must be '', 'embed' or 'score', got {self.pooling!r}")
         if self.arch not in ARCHS:
             raise ModelSpecError(f"arch must be one of {ARCHS}, got {self.arch!r}")
         for name in ("num_layers", "hidden_size", "intermediate_size", "num_heads"):
@@ -352,9 +358,19 @@ class ModelSpec:
             params += 2 * embed_dim * self.hidden_size
         params += self.max_position_embeddings * self.hidden_size
         params += 2 * self.hidden_size if self.arch == "opt" else self.hidden_size
-        if not self.tie_word_embeddings:
-            params += self.vocab_size * embed_dim
+        if self.pooling or not self.tie_word_embeddings:
+            params += self.head_rows * embed_dim
         return params
+
+    @property
+    def head_rows(self) -> int:
+        """Rows of the head's matrix: the vocabulary's, or a pooling head's (0 or 1)."""
+        return {"": self.vocab_size, "embed": 0, "score": 1}[self.pooling]
+
+    @property
+    def head_width(self) -> int:
+        """Values the head gives per row (float32): the logits, a pooled vector, a score."""
+        return {"": self.vocab_size, "embed": self.hidden_size, "score": 1}[self.pooling]
 
     @property
     def total_params(self) -> int:
@@ -448,6 +464,12 @@ class WorkloadSpec:
             raise UserError(f"prompt length must be >= 1 token, got {self.prompt_len}")
         if not self.gen_len >= 1:
             raise UserError(f"generation length must be >= 1 token, got {self.gen_len}")
+
+    def priced_for(self, model: ModelSpec) -> WorkloadSpec:
+        """The workload as `model` runs it: a pooling model's requests are a prefill only,
+        priced as generating 1 token (its last position's head row is the answer; no decode
+        step, no KV beyond the prompt's, freed when the prefill ends)."""
+        return WorkloadSpec(self.prompt_len, 1) if model.pooling else self
 
     @property
     def total_len(self) -> float:

@@ -51,6 +51,9 @@ class SequenceDelta:
     retryable: bool = False
     """With finish_reason 'error': the failure was the engine's storage, not the request's
     (a full offload disk): the same request may succeed later."""
+    pooled: list[float] | None = None
+    """A pooling request's answer, on its last delta: the vector (an embedder's, pooled and
+    normalized as it declares) or the one score (a decoder reranker's)."""
 
     @property
     def finished(self) -> bool:

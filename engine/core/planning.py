@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.core.dtypes import checkpoint_dtype, default_dtype
+from engine.core.pooling import pooling_spec
 from policy import Policy, UserError
 from policy.catalog import resolve_model_spec
 from policy.dtypes import DTYPE_BYTES
@@ -35,7 +36,9 @@ def model_spec(model_dir: Path, compute_device: str, dtype: str | None = None) -
     spec = resolve_model_spec(str(model_dir))
     if dtype is None:
         dtype = default_dtype(compute_device, checkpoint_dtype(model_dir))
-    return dataclasses.replace(spec, dtype_bytes=DTYPE_BYTES[dtype])
+    pooling = pooling_spec(model_dir) if model_dir.is_dir() else None
+    task = pooling.task if pooling is not None and not pooling.is_encoder else ""
+    return dataclasses.replace(spec, dtype_bytes=DTYPE_BYTES[dtype], pooling=task)
 
 
 def cached_hardware() -> HardwareSpec | None:
@@ -165,6 +168,8 @@ def resolve_policy(
             f"the planner cannot size this model ({e}); run it with a policy of your own "
             "(--policy FILE, a Policy as JSON: docs/policy.md)"
         ) from e
+    workload = workload.priced_for(model)
+    plan_check = plan_check and not model.pooling  # the check runs generation steps
     result = cached_search(
         model, workload, hardware, gpu_mem=gpu_mem, cpu_mem=cpu_mem, disk_mem=disk_mem
     )

@@ -7,7 +7,16 @@ pooling its sentence-transformers files ask, and how long its inputs may be.
 - `BertModel`, `RobertaModel`, `XLMRobertaModel` without those files embed with CLS
   pooling, normalized (vLLM's default for them).
 - `*ForSequenceClassification` of those families scores (a cross-encoder: one logit a pair).
+- A decoder reranker scores (Qwen3-Reranker, a `*ForCausalLM`: the last token's logit of "yes"
+  against "no", through a sigmoid): its config says so as vLLM's overrides do
+  (`is_original_qwen3_reranker` or `classifier_from_token`), or its directory's name (or
+  the hub cache's `models--Qwen--Qwen3-Reranker-*` above it) says `Qwen3-Reranker`. A
+  decoder `*ForSequenceClassification` (a converted reranker) scores with its own one-logit
+  `score` head.
 - Anything else generates (None).
+
+Decoder pooling models run through the generation engine (planner, tiers, offloading:
+engine/executor/pooler.py); encoders on their own runner (engine/pooling_runner.py).
 """
 
 from __future__ import annotations
@@ -16,6 +25,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from engine.core.model_files import ModelLoadError
 
 ENCODER_TYPES = ("bert", "roberta", "xlm-roberta")
 """model_type values run by engine/models/bert.py; other pooling models are decoders."""
@@ -43,6 +54,10 @@ class PoolingSpec:
     matryoshka: tuple[int, ...] | bool = False
     """Shorter vectors the model was trained for (`dimensions` in a request): the sizes it
     lists, True when any size, False when none."""
+    classifier_token_ids: tuple[int, ...] = ()
+    """A decoder reranker's (no, yes) token ids: the LM head's rows W[yes] - W[no] become its
+    one-logit classifier (P(yes) of a softmax over the two = sigmoid of the difference);
+    empty: the checkpoint's own `score` head, or not a decoder reranker."""
 
     def __post_init__(self) -> None:
         assert self.task in ("embed", "score") and self.pooling in POOLINGS
@@ -87,12 +102,51 @@ def pooling_spec(model_dir: Path) -> PoolingSpec | None:
         pooled = _read(model_dir / path / "config.json") or {}
         return PoolingSpec("embed", _pooling(pooled), "Normalize" in kinds, **common)
     if not is_encoder:
-        return None
+        return _decoder_reranker(model_dir, config, common)
     if any(a.endswith("ForSequenceClassification") for a in architectures):
         return PoolingSpec("score", "cls", False, **common)
     if any(a.endswith("Model") for a in architectures):
         return PoolingSpec("embed", "cls", True, **common)
     return None
+
+
+RERANKER_TOKENS = ("no", "yes")
+"""Qwen3-Reranker's answer tokens (its model card's), in the classifier's order."""
+
+
+def _decoder_reranker(
+    model_dir: Path, config: dict[str, Any], common: dict[str, Any]
+) -> PoolingSpec | None:
+    """A decoder that scores (see the module's docstring), else None (it generates)."""
+    architectures = config.get("architectures") or []
+    is_classifier = any(a.endswith("ForSequenceClassification") for a in architectures)
+    declared = config.get("is_original_qwen3_reranker") or config.get("classifier_from_token")
+    names = [model_dir.name, *(p for p in model_dir.resolve().parts if p.startswith("models--"))]
+    named = any("qwen3-reranker" in name.lower() for name in names)  # its own, or its hub id's
+    if not (declared or named or is_classifier):
+        return None
+    token_ids: tuple[int, ...] = ()
+    if declared or named:
+        words = tuple(config.get("classifier_from_token") or RERANKER_TOKENS)
+        token_ids = _token_ids(model_dir, words)
+    elif len(config.get("id2label") or {}) != 1:
+        raise ModelLoadError(
+            f"{model_dir}: a decoder classifier is served with one label (a relevance logit); "
+            f"this one has {len(config.get('id2label') or {}) or 'no'} labels"
+        )
+    return PoolingSpec("score", "last", False, **common, classifier_token_ids=token_ids)
+
+
+def _token_ids(model_dir: Path, tokens: tuple[str, ...]) -> tuple[int, ...]:
+    """The vocabulary ids of `tokens` (tokenizer.json's), each one token."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    ids = [tokenizer.token_to_id(token) for token in tokens]
+    missing = [t for t, i in zip(tokens, ids, strict=True) if i is None]
+    if missing:
+        raise ModelLoadError(f"{model_dir}: the reranker's tokens {missing} are not in its vocab")
+    return tuple(i for i in ids if i is not None)
 
 
 def _pooling(config: dict[str, Any]) -> str:

@@ -140,7 +140,8 @@ class StepFailure:
 
 @dataclass(slots=True)
 class StepResult:
-    """What one step produced: a token per sampled chunk, in plan order."""
+    """What one step produced: a token per sampled chunk, in plan order; a pooled output in
+    place of the token for a pooling request's last chunk (`pooled`)."""
 
     step_id: int
     seq_ids: list[int]
@@ -156,6 +157,9 @@ class StepResult:
     grammar error): they finish with this message; the rest of the step stands."""
     failure: StepFailure | None = None
     """The step did not run (or not to its end): no tokens, see `StepFailure`."""
+    pooled: dict[int, list[float]] = field(default_factory=dict)
+    """Pooling requests whose prompt ended in this step (`SamplingParams.pooling`): sequence
+    id -> its pooled output (engine/executor/pooler.py); they are not in `seq_ids`."""
 
 
 @dataclass(frozen=True, slots=True)

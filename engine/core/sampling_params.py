@@ -30,7 +30,7 @@ class SamplingParams:
     """
 
     max_tokens: int = 16
-    """0 only with echo: the prompt (and its logprobs) and nothing generated."""
+    """0 only with echo (the prompt and its logprobs, nothing generated) or `pooling`."""
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -72,6 +72,10 @@ class SamplingParams:
     skip_special_tokens: bool = True
     """The output's text leaves the tokenizer's special tokens out (vLLM's default); False
     keeps them (gpt-oss's harmony channels are read from them, server/openai/harmony.py)."""
+    pooling: bool = False
+    """A pooling request (an embedder's or a decoder reranker's, engine/core/pooling.py): the
+    prompt runs as a prefill only and the answer is its last position's pooled output
+    (`SequenceDelta.pooled`), not tokens; needs max_tokens 0."""
     extra: dict[str, object] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -89,8 +93,10 @@ class SamplingParams:
             object.__setattr__(self, "top_k", 0)
         if not isinstance(self.max_tokens, int) or self.max_tokens < 0:
             raise SamplingError(f"max_tokens must be an integer >= 0, got {self.max_tokens!r}")
-        if self.max_tokens == 0 and not self.echo:
+        if self.max_tokens == 0 and not (self.echo or self.pooling):
             raise SamplingError("max_tokens may be 0 only with echo (the prompt's logprobs)")
+        if self.pooling and (self.max_tokens or self.echo):
+            raise SamplingError("a pooling request generates nothing: max_tokens 0, no echo")
         if not 0.0 <= self.temperature <= 2.0:
             raise SamplingError(f"temperature must be in [0, 2], got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:

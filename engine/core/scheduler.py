@@ -740,7 +740,7 @@ class Scheduler:
         order (a request's last delta says how it finished). A failed step goes to `recover`."""
         if result.failure is not None:
             return self.recover(plan, result.failure)
-        sampled = [c for c in plan.chunks if c.do_sample]
+        sampled = [c for c in plan.chunks if c.do_sample and c.seq_id not in result.pooled]
         if [c.seq_id for c in sampled] != result.seq_ids or len(result.token_ids) != len(sampled):
             raise EngineProtocolError(
                 f"step {plan.step_id}: result seq_ids {result.seq_ids} do not match the plan"
@@ -758,7 +758,11 @@ class Scheduler:
             if seq is not None and epochs.get(seq.seq_id) == seq.epoch:  # not preempted since
                 computed = chunk.start_pos + len(chunk.token_ids)
                 self.page_manager.commit(seq.seq_id, seq.token_ids, computed)
-        deltas: list[SequenceDelta] = []
+        deltas: list[SequenceDelta] = [
+            pooled
+            for seq_id, output in result.pooled.items()
+            if (pooled := self._pooled(seq_id, output)) is not None
+        ]
         for chunk, token_id, logprobs in zip(sampled, result.token_ids, result.logprobs):
             seq = self._seqs.get(chunk.seq_id)
             if seq is None:  # finished or aborted after this plan was built: drop the token
@@ -784,6 +788,19 @@ class Scheduler:
                 delta.prompt_logprobs = seq.prompt_logprobs
             deltas.append(delta)
         return deltas
+
+    def _pooled(self, seq_id: int, output: list[float]) -> SequenceDelta | None:
+        """A pooling request's prompt ran: it ends with its pooled output (None: it was
+        finished or aborted after the plan was built)."""
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            return None
+        seq.num_pending -= 1
+        delta = seq.pool(output)
+        self._num_finished += 1
+        self._retire(seq)
+        del self.requests[seq.request.request_id]
+        return delta
 
     # -- storage faults ----------------------------------------------------------------
     def is_blocked_by_storage(self) -> bool:

@@ -241,6 +241,14 @@ class Sequence:
         delta.first_token_time = self.first_token_time
         return delta
 
+    def pool(self, output: list[float]) -> SequenceDelta:
+        """A pooling request's prompt has run: finish it ('stop') with its pooled output."""
+        self.finish("stop")
+        self.first_token_time = time.monotonic()
+        delta = self.delta([], "", None)
+        delta.pooled, delta.first_token_time = output, self.first_token_time
+        return delta
+
     def abort(self) -> SequenceDelta:
         """End it unfinished ('abort'); its last delta (the text held back, no token)."""
         text = self.detokenizer.flush() if self.detokenizer is not None else ""

@@ -19,6 +19,7 @@ from engine.core.engine_args import EngineArgs
 from engine.core.kv_pages import PageManager, PageMove
 from engine.core.offload_dir import OffloadDirError, OffloadDirLock, lock_offload_dir
 from engine.core.planning import DEFAULT_WORKLOAD, cached_hardware, model_spec
+from engine.core.pooling import pooling_spec
 from engine.core.protocol import (
     EngineInfo,
     Placement,
@@ -49,6 +50,7 @@ from engine.executor.gpu_batch import BatchBuilder, SeqState
 from engine.executor.nano_batches import NanoBatcher
 from engine.executor.nano_overlap import NanoOverlap
 from engine.executor.pipeline import BlockPipeline
+from engine.executor.pooler import Pooler
 from engine.executor.sampler import top_logprobs
 from engine.executor.step_inputs import StepInputs
 from engine.executor.step_sampler import StepSampler
@@ -67,7 +69,7 @@ from engine.storage.host_memory import keep_freed_memory
 from engine.storage.kv_store import KVStore
 from engine.storage.quant import KVRowCodec
 from engine.storage.state_store import StateStore
-from engine.storage.weight_store import WeightStore
+from engine.storage.weight_store import TensorReader, WeightStore
 from policy import TIERS, Policy
 from policy.moe import cpu_expert_break_even
 from policy.prefix import PAGE_TOKENS
@@ -162,6 +164,9 @@ class Executor:
         self.model_dir = local_model_dir(model)
         self.config = read_model_config(self.model_dir)
         self.model = build_model(self.config)
+        spec = pooling_spec(self.model_dir)
+        self.pooler = Pooler.of(spec, self.model) if spec is not None else None
+        """A decoder pooling model's: its requests' head rows are their answers."""
         native = native_kernels and not self.device.is_cuda
         if native_kernels:
             self.model.dense_ops = fused_dense_ops(self.device.is_cuda)
@@ -202,7 +207,7 @@ class Executor:
         self.disk = DiskIO(self.offload_dir, policy.num_copy_threads)
         self.weights = WeightStore(
             self.model,
-            open_reader(self.model_dir),
+            self._reader(),
             weights_frac=policy.weights_frac,
             experts_frac=policy.experts_frac,
             compress=policy.compress_weights,
@@ -313,6 +318,11 @@ class Executor:
         """What `warm_up` made ready, if it ran."""
 
     # -- setup -------------------------------------------------------------------------
+
+    def _reader(self) -> TensorReader:
+        """The checkpoint's tensors, as a pooling model's head reads them when it pools."""
+        reader = open_reader(self.model_dir)
+        return self.pooler.reader(reader) if self.pooler is not None else reader
 
     def _apply_thread_counts(self) -> None:
         """The policy's intra-op thread count (0 keeps torch's default); the load, store and
@@ -543,7 +553,12 @@ class Executor:
         padding = max(0, plan.dense_size - plan.num_tokens)  # to the step's discrete size
         last = max(by_batch)
         self.inputs.begin_step()
-        to_sample = [c for _, cs in sorted(by_batch.items()) for c in cs if c.do_sample] + forks
+        to_sample = [
+            c
+            for _, cs in sorted(by_batch.items())
+            for c in cs
+            if c.do_sample and not self._seqs[c.seq_id].sampling.pooling
+        ] + forks
         self.sampler.prepare(  # stages the draws; grammar masks start now, while layers run
             to_sample,
             [self._seqs[c.seq_id].sampling for c in to_sample],
@@ -574,6 +589,7 @@ class Executor:
         sample_rows: list[torch.Tensor] = []
         sampled: list[SeqChunk] = []
         prompt_logprobs: dict[int, list[TokenLogprobs]] = {}
+        pooled: dict[int, list[float]] = {}
         for batch, batch_logits, (_, chunks) in zip(
             batches, logits, sorted(by_batch.items()), strict=True
         ):
@@ -585,7 +601,10 @@ class Executor:
                     score_prompt(c, state, rows)
                     if c.do_sample:
                         prompt_logprobs[c.seq_id] = state.prompt_logprobs
-                if c.do_sample:
+                if c.do_sample and state.sampling.pooling:  # its answer, not a token
+                    assert self.pooler is not None, "a pooling request on a generation model"
+                    pooled[c.seq_id] = self.pooler.output(rows[-1])
+                elif c.do_sample:
                     sample_rows.append(rows[-1:])
                     sampled.append(c)
                     state.has_sampled = True
@@ -601,7 +620,7 @@ class Executor:
             logits[0] if whole else torch.cat(sample_rows) if sampled else torch.empty(0)
         )
         by_seq = {c.seq_id: i for i, c in enumerate(sampled)}
-        order = [by_seq[c.seq_id] for c in plan.chunks if c.do_sample]
+        order = [by_seq[c.seq_id] for c in plan.chunks if c.seq_id in by_seq]
         if not self._resident or moves:  # stores on other streams: fence them
             self.device.synchronize()
         return StepResult(
@@ -612,6 +631,7 @@ class Executor:
             prompt_logprobs=prompt_logprobs,
             bytes_per_tier=self.bytes_per_tier(),
             errors=errors,
+            pooled=pooled,
         )
 
     def _disk_pages_written(self, plan: StepPlan) -> list[int]:

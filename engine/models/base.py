@@ -69,6 +69,11 @@ class Model(ABC):
         self._kv_index = {layer: i for i, layer in enumerate(config.kv_layers)}
         """Decoder layer (0-based) -> its index among the layers with KV pages."""
 
+    pooling: str | None = None
+    """None: the head gives logits (a generation model). 'embed' or 'score': a decoder pooling
+    model's head (engine/executor/pooler.py): the final norm alone, or with a one-row
+    classifier `score.weight`; set by the executor before the weights are read."""
+
     can_capture = True
     """The ops around attention run the same kernels on the same shapes every step at a given
     row count, so CUDA graphs may capture them (`engine/executor/cuda_graphs.py`)."""
@@ -233,7 +238,8 @@ class Model(ABC):
 
     def is_compressible(self, j: int, name: str, tensor: torch.Tensor) -> bool:
         """Group-wise 4-bit applies to the dense matrices of decoder layers and the LM head."""
-        return tensor.dim() == 2 and self.layer_kind(j) != "embed"
+        kind = self.layer_kind(j)
+        return tensor.dim() == 2 and kind != "embed" and not (kind == "head" and self.pooling)
 
     def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(T, (heads + 2 * kv_heads) * head_dim), the fused projection's output -> per-head

@@ -117,8 +117,8 @@ class LlamaModel(Model):
             return 0, "tok.weight"
         if name == "norm.weight":
             return self.num_layers - 1, "norm.weight"
-        if hf_name == "lm_head.weight":
-            return self.num_layers - 1, "lm_head.weight"
+        if hf_name in ("lm_head.weight", "score.weight"):  # score: a reranker's classifier
+            return self.num_layers - 1, hf_name
         return self.map_decoder_name(name, LAYER_NAME, self.LOCAL_NAMES)
 
     @property
@@ -189,7 +189,11 @@ class LlamaModel(Model):
         return swiglu(self.ops, w, x)
 
     def head(self, w: Weights, h: torch.Tensor) -> torch.Tensor:
+        """(S, hidden) -> (S, vocab) float32 logits; a pooling model's head (`Model.pooling`):
+        the normed rows (S, hidden), or its classifier's (S, 1) logits."""
         x = self.ops.rms_norm(h.contiguous(), w["norm.weight"], self.config.norm_eps)
+        if self.pooling is not None:
+            return (linear(x, w, "score") if "score.weight" in w else x).float()
         return linear(x, w, "lm_head").float()
 
 

@@ -45,6 +45,7 @@ from engine.core.engine_core import EngineCore
 from engine.core.model_files import generation_defaults, resolve_model_dir, served_model_name
 from engine.core.outputs import SequenceDelta
 from engine.core.parent_request import ParentRequest
+from engine.core.pooling import PoolingSpec, pooling_spec
 from engine.core.protocol import EngineInfo, StepPlan, StepResult
 from engine.core.sampling_params import SamplingParams
 from engine.core.sequence import ONLINE_PRIORITY, Request
@@ -63,6 +64,7 @@ from engine.runtime.executor_client import (
     ExecutorDiedError,
     InProcessExecutor,
 )
+from engine.runtime.pooled_requests import pair_input, run_pooled
 from engine.runtime.pooling_client import pooling_client_for
 from engine.runtime.restarts import RestartPolicy, RestartTracker
 from policy import TIERS, Policy
@@ -105,6 +107,8 @@ class CoreEngineClient(EngineClient):
         self._max_model_len = 0
         self._max_token_bytes = 0
         self._generation_defaults: dict[str, float | int] = {}
+        self._pooling: PoolingSpec | None = None
+        """A decoder pooling model's spec (engine/core/pooling.py); None: it generates."""
         self._status = "waiting to start"
         self._commands: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._streams: dict[str, _Stream] = {}
@@ -169,6 +173,7 @@ class CoreEngineClient(EngineClient):
         self._max_model_len = args.context_len(self.model_dir)
         self._max_token_bytes = longest_token_bytes(self.model_dir)
         self._generation_defaults = generation_defaults(self.model_dir)
+        self._pooling = pooling_spec(self.model_dir)
         self._tokenizer = tokenizer  # last: requests are prepared once it is set
         kwargs = {"args": args, "model_dir": str(self.model_dir), "policy": self.policy}
         self._executor = (
@@ -398,6 +403,30 @@ class CoreEngineClient(EngineClient):
 
     async def abort(self, request_id: str) -> None:
         self._commands.put(("abort", self._children.get(request_id, [request_id])))
+
+    # -- pooling (a decoder embedder or reranker: engine/runtime/pooled_requests.py) ---------
+
+    @property
+    def pooling_spec(self) -> PoolingSpec | None:
+        self._loaded()
+        return self._pooling
+
+    def encode_pair(self, first: str, second: str) -> tuple[list[int], list[int]]:
+        spec = self.pooling_spec
+        if spec is None or spec.task != "score":
+            return super().encode_pair(first, second)
+        return pair_input(spec, self, first, second)
+
+    async def embed(
+        self, inputs: list[list[int]], priority: int = ONLINE_PRIORITY
+    ) -> list[list[float]]:
+        return await run_pooled(self, inputs, priority)
+
+    async def score(
+        self, pairs: list[tuple[list[int], list[int]]], priority: int = ONLINE_PRIORITY
+    ) -> list[float]:
+        outputs = await run_pooled(self, [ids for ids, _ in pairs], priority)
+        return [output[0] for output in outputs]
 
     # -- the worker thread -----------------------------------------------------------------
 

@@ -22,6 +22,7 @@ from typing import Any
 
 from engine.core.kv_pages import CacheStats
 from engine.core.outputs import SequenceDelta
+from engine.core.pooling import PoolingSpec
 from engine.core.sampling_params import SamplingParams
 from engine.core.sequence import ONLINE_PRIORITY
 from engine.core.tokenizer import ChatOptions
@@ -189,6 +190,29 @@ class EngineClient(abc.ABC):
     @abc.abstractmethod
     async def abort(self, request_id: str) -> None:
         """Drop a request (every choice) wherever it is and free its KV. Idempotent."""
+
+    # -- pooling ---------------------------------------------------------------------
+    @property
+    def pooling_spec(self) -> PoolingSpec | None:
+        """What a pooling model serves (engine/core/pooling.py); None: it generates."""
+        return None
+
+    def encode_pair(self, first: str, second: str) -> tuple[list[int], list[int]]:
+        """A scoring model's input for one (query, document) pair: token ids and token type
+        ids (0 query, 1 document)."""
+        raise NotImplementedError(f"{self.model_name} does not score pairs")
+
+    async def embed(
+        self, inputs: list[list[int]], priority: int = ONLINE_PRIORITY
+    ) -> list[list[float]]:
+        """One vector per input's token ids, pooled and normalized as the model declares."""
+        raise NotImplementedError(f"{self.model_name} does not embed")
+
+    async def score(
+        self, pairs: list[tuple[list[int], list[int]]], priority: int = ONLINE_PRIORITY
+    ) -> list[float]:
+        """A scoring model's relevance per pair (`encode_pair`'s)."""
+        raise NotImplementedError(f"{self.model_name} does not score pairs")
 
     # -- stats -----------------------------------------------------------------------
     def add_step_listener(self, listener: StepListener) -> None:

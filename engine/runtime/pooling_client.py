@@ -1,7 +1,9 @@
-"""`PoolingEngineClient`: the daemon's engine for a pooling model (an embedder or a
-cross-encoder, engine/core/pooling.py): no scheduler and no KV cache, a request's inputs
-run as one call of `PoolingRunner` (engine/pooling_runner.py) in a child process (or, with
-`in_process`, in this one), one call at a time.
+"""`PoolingEngineClient`: the daemon's engine for an encoder pooling model (a BERT-style
+embedder or cross-encoder, engine/core/pooling.py): no scheduler and no KV cache, a
+request's inputs run as one call of `PoolingRunner` (engine/pooling_runner.py) in a child
+process (or, with `in_process`, in this one), one call at a time. Decoder pooling models
+(Qwen3-Embedding, Qwen3-Reranker) are served by the generation engine instead
+(engine/runtime/pooled_requests.py), with its planner, tiers and batching.
 
 `generate` is refused: the daemon answers generation routes on a pooling model with a 400
 before it gets here (server/openai/embeddings.py).
@@ -127,11 +129,20 @@ class PoolingEngineClient(EngineClient):
             raise PoolingError(value)
         return value
 
-    async def embed(self, inputs: list[list[int]]) -> list[list[float]]:
-        """One vector per input's token ids, pooled and normalized as the model declares."""
+    @property
+    def pooling_spec(self) -> PoolingSpec:
+        return self.spec
+
+    async def embed(
+        self, inputs: list[list[int]], priority: int = ONLINE_PRIORITY
+    ) -> list[list[float]]:
+        """One vector per input's token ids, pooled and normalized as the model declares (in
+        arrival order: `priority` does not apply)."""
         return list(await self._call("embed", inputs))
 
-    async def score(self, pairs: list[tuple[list[int], list[int]]]) -> list[float]:
+    async def score(
+        self, pairs: list[tuple[list[int], list[int]]], priority: int = ONLINE_PRIORITY
+    ) -> list[float]:
         """A cross-encoder's score per (token ids, token type ids) pair."""
         return list(await self._call("score", pairs))
 
@@ -195,7 +206,7 @@ def pooling_client_for(args: argparse.Namespace) -> PoolingEngineClient | None:
     if not model or not looks_local(model) or not Path(model).is_dir():
         return None
     spec = pooling_spec(Path(model))
-    if spec is None:
+    if spec is None or not spec.is_encoder:  # decoders: the generation engine pools them
         return None
     engine_args = EngineArgs.from_cli_args(args)
     name = getattr(args, "served_model_name", None) or served_model_name(model)

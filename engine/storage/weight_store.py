@@ -145,7 +145,7 @@ class WeightStore:
                 by_layer[target[0]][target[1]] = hf_name
         embed_j, embed_name, head_name = model.tied_head_source()
         head = by_layer[-1]
-        self._tied = head_name not in head
+        self._tied = head_name not in head and model.pooling is None  # a pooling head has none
         if self._tied:  # the head reads the embedding's tensor (shared when on one tier)
             if embed_name not in by_layer[embed_j]:
                 raise ModelLoadError("checkpoint has neither an LM head nor token embeddings")

@@ -26,13 +26,13 @@ from typing import Any, BinaryIO
 from pydantic import BaseModel
 
 from server.batch.order import prefix_key
-from server.openai.embeddings import EMBEDDINGS
+from server.openai.embeddings import POOLING_ENDPOINTS
 from server.openai.errors import APIError, invalid_request
 from server.openai.json_body import JSONBodyError, decode_text, loads_json
 from server.openai.responses import new_id
 from server.openai.serving import CHAT, COMPLETIONS, RESPONSES, Serving
 
-ENDPOINTS = (COMPLETIONS, CHAT, RESPONSES, EMBEDDINGS)
+ENDPOINTS = (COMPLETIONS, CHAT, RESPONSES, *POOLING_ENDPOINTS)
 SERVER_ERROR = "server_error"
 """Error-file code of a line the server failed on (an unexpected exception)."""
 READ_CHUNK_BYTES = 1 << 20

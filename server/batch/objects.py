@@ -7,6 +7,8 @@ from typing import Literal
 
 from pydantic import BaseModel
 
+from server.openai.requests import BatchEndpoint
+
 
 class FileObject(BaseModel):
     id: str
@@ -55,7 +57,7 @@ class RequestCounts(BaseModel):
 class Batch(BaseModel):
     id: str
     object: Literal["batch"]
-    endpoint: Literal["/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings"]
+    endpoint: BatchEndpoint
     errors: BatchErrors | None
     input_file_id: str
     completion_window: Literal["24h"]

@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from engine.runtime.pooling_client import PoolingEngineClient
+from engine.runtime.engine_client import EngineClient
 from server.openai.errors import invalid_request
 from server.openai.requests import parse_body
 
@@ -122,10 +122,11 @@ class PoolingJob:
     top_n: int | None = None
 
 
-def pooling_job(engine: PoolingEngineClient, endpoint: str, body: Any) -> PoolingJob:
+def pooling_job(engine: EngineClient, endpoint: str, body: Any) -> PoolingJob:
     """The request checked against the model (its task, its length, its dimensions) and
     tokenized; raises the 400 a client gets."""
-    spec = engine.spec
+    spec = engine.pooling_spec
+    assert spec is not None, "a pooling job on a generation model"
     if TASK_OF[endpoint] != spec.task:
         serves = EMBEDDINGS if spec.task == "embed" else f"{SCORE} and {RERANK}"
         kind = "an embedding model" if spec.task == "embed" else "a cross-encoder"
@@ -162,8 +163,10 @@ def pooling_job(engine: PoolingEngineClient, endpoint: str, body: Any) -> Poolin
 
 
 def _token_inputs(
-    engine: PoolingEngineClient, value: str | list[str] | list[int] | list[list[int]]
+    engine: EngineClient, value: str | list[str] | list[int] | list[list[int]]
 ) -> list[list[int]]:
+    assert engine.pooling_spec is not None
+    vocab_size = engine.pooling_spec.vocab_size  # the model's embedding rows
     items: list[Any] = [value] if isinstance(value, str) else list(value)
     if not items:
         raise invalid_request("input must not be empty", param="input")
@@ -174,7 +177,7 @@ def _token_inputs(
         ids = engine.encode(item) if isinstance(item, str) else [int(t) for t in item]
         if not ids:
             raise invalid_request(f"input {k} is empty", param="input")
-        if any(not 0 <= t < engine.vocab_size for t in ids):
+        if any(not 0 <= t < vocab_size for t in ids):
             raise invalid_request(f"input {k} has token ids outside the vocabulary", param="input")
         inputs.append(ids)
     return inputs
@@ -196,7 +199,7 @@ def _pairs(first: str | list[str], second: str | list[str]) -> list[tuple[str, s
     return list(zip(firsts, seconds, strict=True))
 
 
-def _check_lengths(engine: PoolingEngineClient, inputs: list[list[int]]) -> None:
+def _check_lengths(engine: EngineClient, inputs: list[list[int]]) -> None:
     limit = engine.max_model_len
     for k, ids in enumerate(inputs):
         if len(ids) > limit:
@@ -207,14 +210,14 @@ def _check_lengths(engine: PoolingEngineClient, inputs: list[list[int]]) -> None
 
 
 async def run_job(
-    engine: PoolingEngineClient, job: PoolingJob, request_id: str, created: int
+    engine: EngineClient, job: PoolingJob, request_id: str, created: int, priority: int
 ) -> BaseModel:
-    """The answer's body."""
+    """The answer's body; its inputs run at `priority` (online before batch work)."""
     num_tokens = sum(len(ids) for ids in job.inputs)
     usage = PoolingUsage(prompt_tokens=num_tokens, total_tokens=num_tokens)
     model = engine.model_name
     if job.endpoint == EMBEDDINGS:
-        vectors = await engine.embed(job.inputs)
+        vectors = await engine.embed(job.inputs, priority)
         data = [
             Embedding(
                 object="embedding",
@@ -224,7 +227,7 @@ async def run_job(
             for k, v in enumerate(vectors)
         ]
         return EmbeddingList(object="list", data=data, model=model, usage=usage)
-    scores = await engine.score(list(zip(job.inputs, job.type_ids, strict=True)))
+    scores = await engine.score(list(zip(job.inputs, job.type_ids, strict=True)), priority)
     if job.endpoint == SCORE:
         data_scores = [Score(index=k, object="score", score=s) for k, s in enumerate(scores)]
         return ScoreList(
@@ -245,12 +248,13 @@ async def run_job(
     return RerankList(id=request_id, model=model, results=results, usage=usage)
 
 
-def _shortened(vector: list[float], job: PoolingJob, engine: PoolingEngineClient) -> list[float]:
+def _shortened(vector: list[float], job: PoolingJob, engine: EngineClient) -> list[float]:
     """A Matryoshka vector cut to `dimensions`, normalized again when the model normalizes."""
     if job.dimensions is None or job.dimensions >= len(vector):
         return vector
     head = vector[: job.dimensions]
-    if not engine.spec.normalize:
+    spec = engine.pooling_spec
+    if spec is None or not spec.normalize:
         return head
     norm = math.sqrt(sum(x * x for x in head)) or 1.0
     return [x / norm for x in head]

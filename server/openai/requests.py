@@ -480,11 +480,22 @@ class ChatCompletionRequest(_Sampling):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
+BatchEndpoint = Literal[
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/responses",
+    "/v1/embeddings",
+    "/v1/score",
+    "/v1/rerank",
+]
+"""The routes a batch's lines may call (server/batch/lines.py's ENDPOINTS)."""
+
+
 class BatchCreateRequest(_Strict):
     """POST /v1/batches."""
 
     input_file_id: str
-    endpoint: Literal["/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings"]
+    endpoint: BatchEndpoint
     completion_window: Literal["24h"]
     metadata: (
         dict[

@@ -36,7 +36,6 @@ from engine.core.structured import (
 )
 from engine.core.tokenizer import ChatOptions
 from engine.runtime.engine_client import EngineClient, EngineDeadError, StorageUnavailableError
-from engine.runtime.pooling_client import PoolingEngineClient
 from policy.errors import UserError
 from server.openai.embeddings import (
     EMBEDDINGS,
@@ -196,7 +195,7 @@ class Serving:
             raise _translate(e) from e
 
     def _prepare(self, endpoint: str, body: Any) -> Prepared:
-        if endpoint in POOLING_ENDPOINTS or isinstance(self.engine, PoolingEngineClient):
+        if endpoint in POOLING_ENDPOINTS or self.engine.pooling_spec is not None:
             return self._prepare_pooling(endpoint, body)
         if endpoint == RESPONSES:
             refuse_stored_state(body)
@@ -366,7 +365,7 @@ class Serving:
     def _prepare_pooling(self, endpoint: str, body: Any) -> Prepared:
         """A pooling route on a pooling model; any other pairing is refused (400)."""
         engine = self.engine
-        if not isinstance(engine, PoolingEngineClient):
+        if engine.pooling_spec is None:
             raise invalid_request(
                 f"{self.model_name} generates text: {endpoint} needs a pooling model (an "
                 "embedding model or a cross-encoder) served by `nanoflex serve MODEL_DIR`",
@@ -605,9 +604,10 @@ class Serving:
     async def run(self, prep: Prepared, priority: int) -> BaseModel:
         """The whole (non-streaming) response body."""
         if prep.pooling is not None:
-            assert isinstance(self.engine, PoolingEngineClient)
             try:
-                return await run_job(self.engine, prep.pooling, prep.request_id, prep.created)
+                return await run_job(
+                    self.engine, prep.pooling, prep.request_id, prep.created, priority
+                )
             except Exception as e:
                 raise _translate(e) from e
         return self.body(prep, await self.run_choices(prep, priority))

@@ -1,6 +1,6 @@
-"""Pooling models give transformers' vectors and scores: a trained BERT embedder
-(all-MiniLM-L6-v2, mean pooling, normalized), tiny random BERT and XLM-RoBERTa (CLS), a
-Qwen3 embedder (last token), and a BERT cross-encoder's scores, in float32."""
+"""Encoder pooling models give transformers' vectors and scores: a trained BERT embedder
+(all-MiniLM-L6-v2, mean pooling, normalized), tiny random BERT and XLM-RoBERTa (CLS), and a
+BERT cross-encoder's scores, in float32; a Qwen3 embedder is left to the generation engine."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from engine.core.model_files import ModelLoadError
 from engine.core.pooling import pooling_spec
 from engine.pooling_runner import PoolingRunner
 from tests.engine.tiny_pooling import build_pooling, minilm_dir
@@ -46,7 +47,8 @@ def test_encoder_cls_vectors_equal_transformers(kind: str, tmp_path: Path) -> No
     _close(ours, F.normalize(hidden[:, 0], dim=-1))
 
 
-def test_qwen3_embedder_last_token_equals_transformers(tmp_path: Path) -> None:
+def test_qwen3_embedder_is_a_decoder_for_the_generation_engine(tmp_path: Path) -> None:
+    """Its vectors come from the generation engine (tests/server/test_decoder_pooling.py)."""
     model_dir = build_pooling("qwen3-embedding", tmp_path / "q")
     spec = pooling_spec(model_dir)
     assert spec is not None and (spec.pooling, spec.normalize, spec.is_encoder) == (
@@ -54,10 +56,8 @@ def test_qwen3_embedder_last_token_equals_transformers(tmp_path: Path) -> None:
         True,
         False,
     )
-    ours = PoolingRunner.load(model_dir, spec).embed(ROWS)
-    hidden, mask = _hf_hidden(model_dir, ROWS)
-    last = hidden[torch.arange(len(ROWS)), mask.sum(1) - 1]
-    _close(ours, F.normalize(last, dim=-1))
+    with pytest.raises(ValueError, match="generation engine"):
+        PoolingRunner.load(model_dir, spec)
 
 
 def test_cross_encoder_scores_equal_transformers(tmp_path: Path) -> None:
@@ -99,3 +99,23 @@ def test_minilm_vectors_equal_transformers_mean_pooling() -> None:
     _close(ours, F.normalize(mean, dim=-1))
     similar = torch.tensor(ours[0]) @ torch.tensor(ours[1])
     assert -1 <= similar.item() < 0.3  # a trained model: unrelated sentences are far apart
+
+
+def test_a_decoder_is_a_reranker_by_its_config_or_its_own_name(tmp_path: Path) -> None:
+    import json
+
+    config = {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "hidden_size": 8}
+    generator = tmp_path / "qwen3-reranker-experiments" / "Qwen3-8B"  # a parent's name: no
+    generator.mkdir(parents=True)
+    (generator / "config.json").write_text(json.dumps(config))
+    assert pooling_spec(generator) is None
+    converted = tmp_path / "seq-cls"  # a converted reranker: its own score head
+    converted.mkdir()
+    classifier = {**config, "architectures": ["Qwen3ForSequenceClassification"]}
+    (converted / "config.json").write_text(json.dumps({**classifier, "id2label": {"0": "a"}}))
+    spec = pooling_spec(converted)
+    assert spec is not None and (spec.task, spec.classifier_token_ids) == ("score", ())
+    two = {**classifier, "id2label": {"0": "a", "1": "b"}}
+    (converted / "config.json").write_text(json.dumps(two))
+    with pytest.raises(ModelLoadError, match="one label"):
+        pooling_spec(converted)

@@ -18,8 +18,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from engine.core.engine_args import EngineArgs
 from engine.core.pooling import pooling_spec
+from engine.runtime.core_client import CoreEngineClient
+from engine.runtime.engine_client import EngineClient
 from engine.runtime.pooling_client import PoolingEngineClient
+from policy import Policy
 from server.cli import main as cli_main
 from server.http.settings import ServerSettings
 from tests.engine.tiny_pooling import build_pooling, minilm_dir
@@ -33,9 +37,15 @@ live, client = test_tools.live, test_tools.client
 
 
 def serve(model_dir: Path, name: str, data: Path, in_process: bool = True) -> LiveServer:
+    """An encoder on the pooling runner, a decoder on the generation engine (as `serve`)."""
     spec = pooling_spec(model_dir)
     assert spec is not None
-    engine = PoolingEngineClient(model_dir, spec, name, device="cpu", in_process=in_process)
+    engine: EngineClient
+    if spec.is_encoder:
+        engine = PoolingEngineClient(model_dir, spec, name, device="cpu", in_process=in_process)
+    else:
+        args = EngineArgs(model=str(model_dir), policy=Policy(), device="cpu")
+        engine = CoreEngineClient(args, model_dir, Policy(), model_name=name, in_process=True)
     return start_server(ServerSettings(data_dir=data), engine)
 
 
@@ -192,8 +202,10 @@ def test_embeddings_in_run_batch_lines(tmp_path: Path) -> None:
         for k, row in enumerate(rows)
     ]  # fmt: skip
     inp.write_text("\n".join(lines) + "\n")
+    policy = tmp_path / "policy.json"
+    policy.write_text(Policy().to_json())  # not planned: the default policy, fast
     argv = ["run-batch", "-i", str(inp), "-o", str(out), "--model", str(model_dir)]
-    assert cli_main(argv) == 0
+    assert cli_main([*argv, "--device", "cpu", "--policy", str(policy)]) == 0
     answers = {
         json.loads(raw)["custom_id"]: json.loads(raw) for raw in out.read_text().splitlines()
     }

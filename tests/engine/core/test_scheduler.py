@@ -403,3 +403,32 @@ def test_a_wrong_length_estimate_preempts_and_recovers_with_identical_tokens() -
     for i in range(6, 14):
         assert estimated[f"r{i}"].outputs[0].token_ids == reference(prompt(i, 6), 30)
     assert_kv_empty(sched)
+
+
+def test_pooling_request_is_a_prefill_answered_by_its_pooled_output() -> None:
+    """A pooling request's prompt runs in chunks; the chunk that ends it is answered with a
+    pooled output (not a token), the request finishes and frees its KV; a generation
+    request in the same steps goes on sampling."""
+    sched = make(max_step_tokens=8, page_tokens=4)
+    pooled = SamplingParams(max_tokens=0, pooling=True)
+    sched.add_request(Request("p", prompt(1, 20), pooled))
+    sched.add_request(request(2, max_tokens=3))
+    fake, answers, steps = FakeExecutor(4), [], 0
+    while sched.has_unfinished():
+        plan = sched.schedule()
+        assert plan is not None
+        steps += 1
+        result = fake.execute(plan)
+        ends = [c for c in plan.chunks if c.seq_id == 0 and c.do_sample]
+        if ends:  # the executor's pooled row in place of the token it sampled
+            at = result.seq_ids.index(0)
+            result.pooled[0] = [0.5, -0.5]
+            for field in (result.seq_ids, result.token_ids, result.logprobs):
+                del field[at]
+        answers += [d for d in sched.postprocess(plan, result) if d.request_id == "p"]
+    assert steps >= 3  # 20 prompt tokens in chunks of at most 8
+    assert len(answers) == 1 and answers[0].pooled == [0.5, -0.5]
+    assert answers[0].finish_reason == "stop" and answers[0].new_token_ids == []
+    assert_kv_empty(sched)
+    with pytest.raises(ValueError, match="pooling request generates nothing"):
+        SamplingParams(max_tokens=4, pooling=True)
