@@ -281,7 +281,7 @@ class Scheduler:
         self._seqs[seq.seq_id] = seq
         if self.prefix_ordering:
             self._prompt_hashes[seq.seq_id] = prompt_page_hashes(
-                request.prompt_token_ids, self.config.page_tokens, self.config.cache_salt
+                seq.cache_token_ids, self.config.page_tokens, self.config.cache_salt
             )
         if request.priority not in self.waiting:
             self.waiting[request.priority] = self._new_queue(request.priority)
@@ -410,6 +410,7 @@ class Scheduler:
             act_tier=seq.act_tier,
             do_sample=do_sample,
             sampling=None if seq.is_sent else seq.sampling,
+            media=None if seq.is_sent else seq.request.media,
             state_slot=self.state_slots.slot_of(seq.seq_id),
             state_restore=seq.state_restore,
             state_save=save,
@@ -460,7 +461,7 @@ class Scheduler:
         prefix: list[PageRef] = []
         restore, save = None, None
         if not seq.wants_prompt_logprobs:  # those need every prompt position's logits
-            match = self.page_manager.match(seq.token_ids)
+            match = self.page_manager.match(seq.cache_token_ids)
             prefix = self._worth_loading(match)
             if self.snapshots.enabled:
                 prefix, restore, save = self._with_states(match, prefix)
@@ -666,7 +667,7 @@ class Scheduler:
             seq = self._seqs.get(chunk.seq_id)
             if seq is not None and epochs.get(seq.seq_id) == seq.epoch:  # not preempted since
                 computed = chunk.start_pos + len(chunk.token_ids)
-                self.page_manager.commit(seq.seq_id, seq.token_ids, computed)
+                self.page_manager.commit(seq.seq_id, seq.cache_token_ids, computed)
         deltas: list[SequenceDelta] = []
         for chunk, token_id, logprobs in zip(sampled, result.token_ids, result.logprobs):
             seq = self._seqs.get(chunk.seq_id)

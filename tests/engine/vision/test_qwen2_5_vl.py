@@ -1,0 +1,48 @@
+"""A held-out tiny Qwen2.5-VL through the engine: an image in a chat gives transformers' greedy
+tokens; the same image twice is encoded once; two different images never share a cached
+prefix page."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.core.media import SeqMedia, VisionSpec, expand_image_tokens
+from policy import Policy
+from tests.engine.vision_models import build_tiny_vl, hf_vl_greedy, image_chat, png_bytes
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def vl_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_vl(tmp_path_factory.mktemp("tiny-qwen2_5_vl"))
+
+
+def image_prompt(
+    llm: LLM, model_dir: Path, images: list[bytes], text: str
+) -> tuple[list[int], SeqMedia | None]:
+    """The chat's token ids, image tokens widened as the daemon widens them, and its media."""
+    from PIL import Image
+
+    assert llm.tokenizer is not None
+    ids = llm.tokenizer.apply_chat_template(image_chat(text, len(images)))
+    spec = VisionSpec.from_model_dir(model_dir)
+    assert spec is not None
+    sizes = [Image.open(io.BytesIO(b)).size for b in images]
+    media = expand_image_tokens(ids, spec, [(b, w, h) for b, (w, h) in zip(images, sizes)])
+    return ids, media
+
+
+def test_an_image_in_a_chat_gives_transformers_greedy_tokens(vl_dir: Path) -> None:
+    pictures = [png_bytes(60, 90, seed=1), png_bytes(130, 40, seed=2)]
+    with LLM(str(vl_dir), policy=Policy(), device="cpu") as llm:
+        for images in (pictures[:1], pictures):  # one image; two, the text after both
+            ids, media = image_prompt(llm, vl_dir, images, "what is this?")
+            want_ids, want = hf_vl_greedy(vl_dir, images, "what is this?", GREEDY.max_tokens)
+            assert ids == want_ids  # the processor's prompt: its pads widened alike
+            got = llm.generate([ids], GREEDY, media=[media])[0].outputs[0].token_ids
+            assert got == want
