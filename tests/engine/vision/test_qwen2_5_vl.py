@@ -46,3 +46,27 @@ def test_an_image_in_a_chat_gives_transformers_greedy_tokens(vl_dir: Path) -> No
             assert ids == want_ids  # the processor's prompt: its pads widened alike
             got = llm.generate([ids], GREEDY, media=[media])[0].outputs[0].token_ids
             assert got == want
+
+
+def test_images_key_the_prefix_cache_and_are_encoded_once(vl_dir: Path) -> None:
+    # two images of one size: the same prompt tokens, so only the digests tell them apart
+    first, second = png_bytes(112, 112, seed=3), png_bytes(112, 112, seed=4)
+    text = "describe the picture in a few words please"
+    with LLM(str(vl_dir), policy=Policy(), device="cpu", enable_prefix_caching=True) as llm:
+        assert llm.executor.vision is not None
+        ids, media = image_prompt(llm, vl_dir, [first], text)
+        ids2, media2 = image_prompt(llm, vl_dir, [second], text)
+        assert ids == ids2 and len(ids) > 3 * 16  # pages past the image's tokens, if any hit
+        out = llm.generate([ids], GREEDY, media=[media])[0]
+        assert out.num_cached_tokens == 0 and llm.executor.vision.num_encoded == 1
+        again = llm.generate([ids], GREEDY, media=[media])[0]
+        assert again.num_cached_tokens > 0  # the same image: its pages are hits
+        assert again.outputs[0].token_ids == out.outputs[0].token_ids
+        assert llm.executor.vision.num_encoded == 1  # and its features the cached ones
+        other = llm.generate([ids2], GREEDY, media=[media2])[0]
+        assert llm.executor.vision.num_encoded == 2
+        assert media2 is not None
+        # only the pages before the image may hit: none of them holds an image token
+        assert other.num_cached_tokens <= media2.images[0].start
+    _, want = hf_vl_greedy(vl_dir, [second], text, GREEDY.max_tokens)
+    assert other.outputs[0].token_ids == want
