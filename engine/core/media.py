@@ -79,8 +79,8 @@ class VisionSpec:
                 f"an image of {width}x{height} pixels is too elongated: the processor takes an "
                 "aspect ratio under 200"
             )
-        h_bar = max(factor, round(height / factor) * factor)
-        w_bar = max(factor, round(width / factor) * factor)
+        h_bar = round(height / factor) * factor
+        w_bar = round(width / factor) * factor
         if h_bar * w_bar > self.max_pixels:
             beta = math.sqrt((height * width) / self.max_pixels)
             h_bar = max(factor, math.floor(height / beta / factor) * factor)
