@@ -39,7 +39,7 @@ from server.batch.data_dir import check_data_dir
 from server.http.app import create_app
 from server.http.connection import DaemonConfig
 from server.http.settings import API_KEY_ENV, ServerSettings
-from server.openai.media import NO_LOCAL_MEDIA
+from server.openai.media import add_media_arguments
 from server.openai.memory import keep_heaps_trimmed
 from server.openai.reasoning import PARSERS as REASONING_PARSERS
 from server.openai.tool_parsers import PARSERS as TOOL_PARSERS
@@ -178,27 +178,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="comma-separated browser origins allowed cross-site (CORS) (default: none)",
     )
-    parser.add_argument(
-        "--allowed-local-media-path",
-        default=None,
-        metavar="DIR",
-        help="chat image parts may name files under this directory (file:// URLs); none are "
-        "read without it, and images are never fetched from the network (default: none)",
-    )
-    parser.add_argument(
-        "--max-images-per-request",
-        type=int,
-        default=NO_LOCAL_MEDIA.max_images,
-        metavar="N",
-        help="most image parts one chat request may carry (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--max-image-bytes",
-        type=int,
-        default=NO_LOCAL_MEDIA.max_image_bytes,
-        metavar="BYTES",
-        help="the largest image file one image part may carry (default: %(default)s)",
-    )
+    add_media_arguments(parser)
     parser.add_argument(
         "--tool-call-parser",
         choices=TOOL_PARSERS,

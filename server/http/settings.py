@@ -5,14 +5,14 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from policy.errors import UserError
 from policy.units import parse_bytes
 from server.batch.data_dir import DB_NAME, FILES_DIR
 from server.batch.runner import BatchConfig
-from server.openai.media import NO_LOCAL_MEDIA, MediaLimits
+from server.openai.media import NO_LOCAL_MEDIA, MediaLimits, media_limits_from
 
 MiB = 1 << 20
 API_KEY_ENV = "NANOFLEX_API_KEY"
@@ -151,21 +151,6 @@ class ServerSettings:
             media_limits=media_limits_from(args),
             prefix_order=getattr(args, "prefix_ordering", True),
         )
-
-
-def media_limits_from(args: argparse.Namespace) -> MediaLimits:
-    """The image limits of `nanoflex serve`'s flags; a local media path must be a directory."""
-    given = getattr(args, "allowed_local_media_path", None)
-    limits = MediaLimits(
-        max_image_bytes=getattr(args, "max_image_bytes", None) or NO_LOCAL_MEDIA.max_image_bytes,
-        max_images=getattr(args, "max_images_per_request", None) or NO_LOCAL_MEDIA.max_images,
-    )
-    if given is None:
-        return limits
-    path = Path(given).resolve()
-    if not path.is_dir():
-        raise UserError(f"--allowed-local-media-path {given} is not a directory")
-    return replace(limits, allowed_local_media_path=path)
 
 
 def api_key_from(flag: str | None, key_file: str | None, environ: Mapping[str, str]) -> str | None:

@@ -4,10 +4,11 @@ the network; each checked against the limits (`MediaLimits`) with a 400 in OpenA
 
 from __future__ import annotations
 
+import argparse
 import base64
 import binascii
 import io
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlparse
@@ -45,6 +46,47 @@ class MediaLimits:
 
 NO_LOCAL_MEDIA = MediaLimits()
 """The default limits: data URLs alone."""
+
+
+def add_media_arguments(parser: argparse.ArgumentParser) -> None:
+    """The image flags of `nanoflex serve` and `nanoflex run-batch`."""
+    parser.add_argument(
+        "--allowed-local-media-path",
+        default=None,
+        metavar="DIR",
+        help="chat image parts may name files under this directory (file:// URLs); none are "
+        "read without it, and images are never fetched from the network (default: none)",
+    )
+    parser.add_argument(
+        "--max-images-per-request",
+        type=int,
+        default=NO_LOCAL_MEDIA.max_images,
+        metavar="N",
+        help="most image parts one chat request may carry (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--max-image-bytes",
+        type=int,
+        default=NO_LOCAL_MEDIA.max_image_bytes,
+        metavar="BYTES",
+        help="the largest image file one image part may carry (default: %(default)s)",
+    )
+
+
+def media_limits_from(args: argparse.Namespace) -> MediaLimits:
+    """The image limits the flags of `serve` or `run-batch` set; a local media path must be a
+    directory."""
+    given = getattr(args, "allowed_local_media_path", None)
+    limits = MediaLimits(
+        max_image_bytes=getattr(args, "max_image_bytes", None) or NO_LOCAL_MEDIA.max_image_bytes,
+        max_images=getattr(args, "max_images_per_request", None) or NO_LOCAL_MEDIA.max_images,
+    )
+    if given is None:
+        return limits
+    path = Path(given).resolve()
+    if not path.is_dir():
+        raise UserError(f"--allowed-local-media-path {given} is not a directory")
+    return replace(limits, allowed_local_media_path=path)
 
 
 @dataclass(frozen=True, slots=True)

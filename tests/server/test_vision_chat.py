@@ -14,6 +14,7 @@ import pytest
 from engine.core.engine_args import EngineArgs
 from engine.runtime.core_client import CoreEngineClient
 from policy import Policy
+from server.cli import main as cli_main
 from server.openai.media import MediaLimits
 from tests.engine.vision_models import build_tiny_vl, hf_vl_greedy, png_bytes
 from tests.server.batch_files import read_lines, upload, wait_batch
@@ -111,3 +112,38 @@ def test_images_in_chat_and_batch_lines_give_transformers_tokens(
             "/v1/chat/completions", json={**body, "messages": [{"role": "user", "content": three}]}
         )
         assert_error(refused, 400, "too_many_images")
+
+
+def test_run_batch_reads_images_under_the_allowed_path(vl_dir: Path, tmp_path: Path) -> None:
+    media_dir = tmp_path / "media"
+    media_dir.mkdir()
+    image = png_bytes(70, 60, seed=7)
+    (media_dir / "p.png").write_bytes(image)
+    (tmp_path / "outside.png").write_bytes(image)
+    body = {"model": str(vl_dir), "max_tokens": MAX_TOKENS, "temperature": 0}
+    body |= {"logprobs": True, "return_tokens_as_token_ids": True, "ignore_eos": True}
+    lines = [
+        json.dumps({"custom_id": key, "method": "POST", "url": "/v1/chat/completions",
+                    "body": {**body, "messages": [image_message(f"file://{path}")]}})
+        for key, path in (("in", media_dir / "p.png"), ("out", tmp_path / "outside.png"))
+    ]  # fmt: skip
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("\n".join(lines) + "\n")
+    policy = tmp_path / "policy.json"
+    policy.write_text(Policy().to_json())
+    argv = ["run-batch", "-i", str(inp), "-o", str(out), "--model", str(vl_dir)]
+    argv += [
+        "--device",
+        "cpu",
+        "--policy",
+        str(policy),
+        "--allowed-local-media-path",
+        str(media_dir),
+    ]
+    assert cli_main(argv) == 0
+    (line,) = [json.loads(raw) for raw in out.read_text().splitlines()]
+    assert line["custom_id"] == "in"
+    want = hf_vl_greedy(vl_dir, [image], TEXT, MAX_TOKENS)[1]
+    assert token_ids(line["response"]["body"]["choices"][0]["logprobs"]) == want
+    (error,) = [json.loads(raw) for raw in Path(f"{out}.errors").read_text().splitlines()]
+    assert error["custom_id"] == "out" and "outside the allowed" in json.dumps(error)
