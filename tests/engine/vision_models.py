@@ -81,6 +81,18 @@ SPEC: dict[str, Any] = {
 """Text: head_dim 16, M-RoPE sections 2+3+3 of its 8 frequencies; vision: head_dim 16, windows
 of 2x2 merged patches (56 px) with block 1 attending over the whole image."""
 
+SCALED = {
+    "merger.mlp.2.weight": 100.0,
+    "merger.mlp.2.bias": 100.0,
+    "self_attn.q_proj.weight": 6.0,
+    "self_attn.k_proj.weight": 6.0,
+}
+"""The merger's output scaled up past the token embeddings' size, and the language model's
+queries and keys so that its attention is peaked (and so hangs on the positions): at the
+random init's scale an image changed no greedy token (five images gave one answer) and the
+image tokens' (h, w) positions moved no log-probability by 2e-5, so the tests could not tell
+a right image path from a wrong one."""
+
 MAX_PIXELS = 112 * 112
 """The processor's pixel budget: a tiny checkpoint's images stay a few dozen patches."""
 
@@ -93,7 +105,7 @@ def build_tiny_vl(path: Path, seed: int = 0) -> Path:
         Qwen2VLImageProcessorPil,
     )
 
-    build_from_spec(SPEC, path, seed, bos_token_id=256, eos_token_id=258, pad_token_id=256)
+    build_from_spec(SPEC, path, seed, SCALED, bos_token_id=256, eos_token_id=258, pad_token_id=256)
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     byte_chars = sorted(alphabet, key=lambda c: _byte_of(c))
     core = Tokenizer(models.BPE({c: i for i, c in enumerate(byte_chars)}, []))
@@ -122,6 +134,21 @@ def _byte_of(char: str) -> int:
     return code if code in printable else others[code - 0x100]
 
 
+LOGPROB_TOLERANCE = 2e-5
+"""How far nanoflex's float32 log-probabilities may lie from transformers' (they agree to 5e-7
+here); at the same greedy tokens two of the tiny model's images differ by 1e-3 to 5e-3, and
+text positions after an image one step off (or sequential, as transformers' own fallback
+without `mm_token_type_ids`) by 1e-4 to 7e-4."""
+
+
+def assert_same_answer(
+    tokens: list[int], logprobs: list[float], want: tuple[list[int], list[float]]
+) -> None:
+    """The greedy tokens equal, and their log-probabilities within `LOGPROB_TOLERANCE`."""
+    assert tokens == want[0]
+    assert max(abs(a - b) for a, b in zip(logprobs, want[1], strict=True)) < LOGPROB_TOLERANCE
+
+
 def png_bytes(width: int, height: int, seed: int) -> bytes:
     """A random RGB image of `width` x `height`, as PNG."""
     from PIL import Image
@@ -139,11 +166,12 @@ def image_chat(text: str, num_images: int = 1) -> list[dict[str, Any]]:
     return [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
 
 
-def hf_vl_greedy(
+def hf_vl_generate(
     model_dir: Path, images: list[bytes], text: str, max_new_tokens: int
-) -> tuple[list[int], list[int]]:
-    """(prompt token ids, transformers' greedy tokens) for the image(s) and the text, the
-    prompt made by the checkpoint's own processor and template; EOS ignored."""
+) -> tuple[list[int], list[int], list[float]]:
+    """(prompt token ids, transformers' greedy tokens, the log-probability of each) for the
+    image(s) and the text, the prompt made by the checkpoint's own processor and template;
+    EOS ignored. The log-probabilities tell one image from another where the tokens agree."""
     from PIL import Image
     from transformers import (
         AutoImageProcessor,
@@ -163,6 +191,9 @@ def hf_vl_greedy(
     prompt = prompt.replace("<|placeholder|>", "<|image_pad|>")
     inputs["input_ids"] = tokenizer(prompt, return_tensors="pt")["input_ids"]
     inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
+    # the processor's marks of the image tokens: without them transformers cannot place the
+    # M-RoPE positions and falls back to one position per token
+    inputs["mm_token_type_ids"] = (inputs["input_ids"] == IMAGE_TOKEN_ID).int()
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32)
     model.generation_config.eos_token_id = None
     out = model.generate(
@@ -171,6 +202,12 @@ def hf_vl_greedy(
         min_new_tokens=max_new_tokens,
         do_sample=False,
         pad_token_id=256,
+        output_logits=True,
+        return_dict_in_generate=True,
     )
     prompt_ids = inputs["input_ids"][0].tolist()
-    return prompt_ids, out[0, len(prompt_ids) :].tolist()
+    tokens = out.sequences[0, len(prompt_ids) :].tolist()
+    logprobs = [
+        float(torch.log_softmax(step[0].float(), -1)[t]) for step, t in zip(out.logits, tokens)
+    ]
+    return prompt_ids, tokens, logprobs

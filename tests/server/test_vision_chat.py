@@ -16,7 +16,7 @@ from engine.runtime.core_client import CoreEngineClient
 from policy import Policy
 from server.cli import main as cli_main
 from server.openai.media import MediaLimits
-from tests.engine.vision_models import build_tiny_vl, hf_vl_greedy, png_bytes
+from tests.engine.vision_models import assert_same_answer, build_tiny_vl, hf_vl_generate, png_bytes
 from tests.server.batch_files import read_lines, upload, wait_batch
 from tests.server.live import LiveServer, ServerFactory
 from tests.server.test_errors import assert_error
@@ -45,9 +45,18 @@ def image_message(url: str) -> dict[str, Any]:
     }
 
 
-def token_ids(logprobs: dict[str, Any]) -> list[int]:
-    """The chosen tokens of a chat choice's logprobs named "token_id:<id>"."""
-    return [int(entry["token"].removeprefix("token_id:")) for entry in logprobs["content"]]
+def answer(logprobs: dict[str, Any]) -> tuple[list[int], list[float]]:
+    """(the chosen tokens, their log-probabilities) of a chat choice's logprobs, its tokens
+    named "token_id:<id>"."""
+    entries = logprobs["content"]
+    return [int(e["token"].removeprefix("token_id:")) for e in entries], [
+        e["logprob"] for e in entries
+    ]
+
+
+def reference(vl_dir: Path, image: bytes) -> tuple[list[int], list[float]]:
+    _, tokens, logprobs = hf_vl_generate(vl_dir, [image], TEXT, MAX_TOKENS)
+    return tokens, logprobs
 
 
 def serve(make_server: ServerFactory, vl_dir: Path, media_dir: Path) -> LiveServer:
@@ -64,15 +73,13 @@ def test_images_in_chat_and_batch_lines_give_transformers_tokens(
     media_dir.mkdir()
     first, second = png_bytes(60, 90, seed=1), png_bytes(100, 70, seed=5)
     (media_dir / "page.png").write_bytes(second)
-    want = {
-        k: hf_vl_greedy(vl_dir, [b], TEXT, MAX_TOKENS)[1] for k, b in (("a", first), ("b", second))
-    }
+    want = {"a": reference(vl_dir, first), "b": reference(vl_dir, second)}
     live = serve(make_server, vl_dir, media_dir)
     # the answer's tokens read as ids: random weights' tokens are no text
     ids = {"logprobs": True, "return_tokens_as_token_ids": True, "ignore_eos": True}
     body = {"model": MODEL, "max_tokens": MAX_TOKENS, "temperature": 0, **ids}
     api = live.openai()
-    answer = api.chat.completions.create(
+    reply = api.chat.completions.create(
         model=MODEL,
         messages=[image_message(data_url(first))],  # type: ignore[list-item]
         max_tokens=MAX_TOKENS,
@@ -80,9 +87,9 @@ def test_images_in_chat_and_batch_lines_give_transformers_tokens(
         logprobs=True,
         extra_body={"return_tokens_as_token_ids": True, "ignore_eos": True},
     )
-    assert answer.choices[0].logprobs is not None
-    assert token_ids(answer.choices[0].logprobs.model_dump()) == want["a"]
-    assert answer.usage is not None and answer.usage.prompt_tokens > 6 * 4  # its image tokens
+    assert reply.choices[0].logprobs is not None
+    assert_same_answer(*answer(reply.choices[0].logprobs.model_dump()), want["a"])
+    assert reply.usage is not None and reply.usage.prompt_tokens > 6 * 4  # its image tokens
     lines = [
         json.dumps({"custom_id": key, "method": "POST", "url": "/v1/chat/completions",
                     "body": {**body, "messages": [image_message(url)]}})
@@ -95,7 +102,7 @@ def test_images_in_chat_and_batch_lines_give_transformers_tokens(
     assert done.status == "completed" and done.output_file_id is not None
     for line in read_lines(api, done.output_file_id):
         choice = line["response"]["body"]["choices"][0]
-        assert token_ids(choice["logprobs"]) == want[line["custom_id"]]
+        assert_same_answer(*answer(choice["logprobs"]), want[line["custom_id"]])
     with live.http() as client:
         for url, code in (
             ("https://example.com/a.png", "image_url_not_allowed"),
@@ -143,7 +150,7 @@ def test_run_batch_reads_images_under_the_allowed_path(vl_dir: Path, tmp_path: P
     assert cli_main(argv) == 0
     (line,) = [json.loads(raw) for raw in out.read_text().splitlines()]
     assert line["custom_id"] == "in"
-    want = hf_vl_greedy(vl_dir, [image], TEXT, MAX_TOKENS)[1]
-    assert token_ids(line["response"]["body"]["choices"][0]["logprobs"]) == want
+    choice = line["response"]["body"]["choices"][0]
+    assert_same_answer(*answer(choice["logprobs"]), reference(vl_dir, image))
     (error,) = [json.loads(raw) for raw in Path(f"{out}.errors").read_text().splitlines()]
     assert error["custom_id"] == "out" and "outside the allowed" in json.dumps(error)

@@ -11,10 +11,22 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.core.media import SeqMedia, VisionSpec, expand_image_tokens
+from engine.core.protocol import TokenLogprobs
 from policy import Policy
-from tests.engine.vision_models import build_tiny_vl, hf_vl_greedy, image_chat, png_bytes
+from tests.engine.vision_models import (
+    assert_same_answer,
+    build_tiny_vl,
+    hf_vl_generate,
+    image_chat,
+    png_bytes,
+)
 
-GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=0)
+
+
+def chosen(logprobs: list[TokenLogprobs] | None) -> list[float]:
+    assert logprobs is not None
+    return [entry.logprob for entry in logprobs]
 
 
 @pytest.fixture(scope="module")
@@ -42,10 +54,10 @@ def test_an_image_in_a_chat_gives_transformers_greedy_tokens(vl_dir: Path) -> No
     with LLM(str(vl_dir), policy=Policy(), device="cpu") as llm:
         for images in (pictures[:1], pictures):  # one image; two, the text after both
             ids, media = image_prompt(llm, vl_dir, images, "what is this?")
-            want_ids, want = hf_vl_greedy(vl_dir, images, "what is this?", GREEDY.max_tokens)
+            want_ids, *want = hf_vl_generate(vl_dir, images, "what is this?", GREEDY.max_tokens)
             assert ids == want_ids  # the processor's prompt: its pads widened alike
-            got = llm.generate([ids], GREEDY, media=[media])[0].outputs[0].token_ids
-            assert got == want
+            got = llm.generate([ids], GREEDY, media=[media])[0].outputs[0]
+            assert_same_answer(got.token_ids, chosen(got.logprobs), (want[0], want[1]))
 
 
 def test_images_key_the_prefix_cache_and_are_encoded_once(vl_dir: Path) -> None:
@@ -68,5 +80,18 @@ def test_images_key_the_prefix_cache_and_are_encoded_once(vl_dir: Path) -> None:
         assert media2 is not None
         # only the pages before the image may hit: none of them holds an image token
         assert other.num_cached_tokens <= media2.images[0].start
-    _, want = hf_vl_greedy(vl_dir, [second], text, GREEDY.max_tokens)
-    assert other.outputs[0].token_ids == want
+    _, *want = hf_vl_generate(vl_dir, [second], text, GREEDY.max_tokens)
+    got = other.outputs[0]
+    assert_same_answer(got.token_ids, chosen(got.logprobs), (want[0], want[1]))
+
+
+def test_prefill_chunks_that_cut_through_an_image(vl_dir: Path) -> None:
+    """Steps of 16 tokens: the image's 16 tokens from position 45 on span two chunks, each
+    taking the slice of the features its rows cover."""
+    image = png_bytes(112, 112, seed=3)
+    _, *want = hf_vl_generate(vl_dir, [image], "what is this?", GREEDY.max_tokens)
+    with LLM(str(vl_dir), policy=Policy(), device="cpu", max_step_tokens=16) as llm:
+        ids, media = image_prompt(llm, vl_dir, [image], "what is this?")
+        assert media is not None and media.images[0].start % 16 != 0
+        got = llm.generate([ids], GREEDY, media=[media])[0].outputs[0]
+        assert_same_answer(got.token_ids, chosen(got.logprobs), (want[0], want[1]))
