@@ -10,6 +10,7 @@ from typing import Any
 
 from engine.core.engine_args import EngineArgs
 from engine.core.engine_core import EngineCore
+from engine.core.media import SeqMedia
 from engine.core.model_files import ModelLoadError, generation_defaults
 from engine.core.outputs import RequestOutput
 from engine.core.protocol import Placement
@@ -68,9 +69,11 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         priority: int = BATCH_PRIORITY,
+        media: Sequence[SeqMedia | None] | None = None,
     ) -> list[RequestOutput]:
         """One `RequestOutput` per prompt, in prompt order. Prompts are strings or token-id lists;
-        `sampling_params` is one for all or a list with one per prompt."""
+        `sampling_params` is one for all or a list with one per prompt; `media`: each prompt's
+        images (token-id prompts whose image tokens `expand_image_tokens` widened)."""
         if isinstance(prompts, str) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
@@ -94,8 +97,11 @@ class LLM:
                 prompt_token_ids=self.encode(prompt),
                 sampling=p.prepared(encode, vocab),
                 priority=priority,
+                media=images,
             )
-            for prompt, p in zip(prompt_list, params, strict=True)
+            for prompt, p, images in zip(
+                prompt_list, params, media or [None] * len(prompt_list), strict=True
+            )
         ]
         return self.core.generate(requests)
 

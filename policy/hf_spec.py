@@ -51,8 +51,10 @@ _TEXT_MODELS = {
     "llama4": "llama4_text",
     "qwen3_5": "qwen3_5_text",
     "qwen3_5_moe": "qwen3_5_moe_text",
+    "qwen2_5_vl": "qwen2",
 }
-"""Vision checkpoints' model types -> their language model's."""
+"""Vision checkpoints' model types -> their language model's (Qwen2.5-VL's vision tower runs,
+resident on the compute device, and is not priced yet: docs/architecture.md, "Not yet built")."""
 _DTYPE_BYTES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.core.kv_pages import PageCopy, PageMove
+from engine.core.media import SeqMedia
 from engine.core.prefix_cache import PageRef
 from engine.core.sampling_params import SamplingParams
 
@@ -46,6 +47,8 @@ class SeqChunk:
     """Sample a token after this chunk (decode, or the last chunk of a prompt)."""
     sampling: SamplingParams | None = None
     """Sent with the first chunk of a sequence; the engine keeps it until the sequence is freed."""
+    media: SeqMedia | None = None
+    """The prompt's images and M-RoPE positions, sent and kept as `sampling` is; None: text."""
     state_slot: tuple[str, int] | None = None
     """A hybrid model's sequence: (tier, slot) of its state (engine/core/state_slots.py), the
     same in every chunk until it is freed; the first chunk of a sequence starts it at zero,

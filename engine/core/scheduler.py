@@ -288,7 +288,7 @@ class Scheduler:
         self._seqs[seq.seq_id] = seq
         if self.prefix_ordering:
             self._prompt_hashes[seq.seq_id] = prompt_page_hashes(
-                request.prompt_token_ids, self.config.page_tokens, self.config.cache_salt
+                seq.cache_token_ids, self.config.page_tokens, self.config.cache_salt
             )
         if self.forking and request.group is not None:
             self._groups.setdefault(request.group, []).append(seq)
@@ -421,6 +421,7 @@ class Scheduler:
             act_tier=seq.act_tier,
             do_sample=do_sample,
             sampling=None if seq.is_sent else seq.sampling,
+            media=None if seq.is_sent else seq.request.media,
             state_slot=self.state_slots.slot_of(seq.seq_id),
             state_restore=seq.state_restore,
             state_save=save,
@@ -519,7 +520,7 @@ class Scheduler:
         prefix: list[PageRef] = []
         restore, save = None, None
         if not seq.wants_prompt_logprobs:  # those need every prompt position's logits
-            match = self.page_manager.match(seq.token_ids)
+            match = self.page_manager.match(seq.cache_token_ids)
             prefix = self._worth_loading(match)
             if self.snapshots.enabled:
                 prefix, restore, save = self._with_states(match, prefix)
@@ -757,7 +758,7 @@ class Scheduler:
             seq = self._seqs.get(chunk.seq_id)
             if seq is not None and epochs.get(seq.seq_id) == seq.epoch:  # not preempted since
                 computed = chunk.start_pos + len(chunk.token_ids)
-                self.page_manager.commit(seq.seq_id, seq.token_ids, computed)
+                self.page_manager.commit(seq.seq_id, seq.cache_token_ids, computed)
         deltas: list[SequenceDelta] = [
             pooled
             for seq_id, output in result.pooled.items()

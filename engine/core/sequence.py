@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 
 from engine.core.detokenizer import Detokenizer, IncrementalDetokenizer
+from engine.core.media import SeqMedia, cache_token_ids
 from engine.core.outputs import SequenceDelta
 from engine.core.protocol import TokenLogprobs
 from engine.core.sampling_params import SamplingParams
@@ -42,6 +43,8 @@ class Request:
     """The caller's request this is one choice of (`ParentRequest`'s n > 1 children share
     it): the first of them to compute the prompt forks its KV to the others, which then skip
     the prompt (`Scheduler`, with prefix caching)."""
+    media: SeqMedia | None = None
+    """The prompt's images (engine/core/media.py); None: text alone."""
     final_only: bool = False
     """Its caller reads only the finished choice (an answer that does not stream, `LLM`'s
     outputs; vLLM's RequestOutputKind.FINAL_ONLY): the engine hands out no delta until the
@@ -121,6 +124,12 @@ class Sequence:
     @property
     def sampling(self) -> SamplingParams:
         return self.request.sampling
+
+    @property
+    def cache_token_ids(self) -> list[int]:
+        """Its tokens as the prefix cache keys them (`media.cache_token_ids`: an image's
+        tokens stand for the image)."""
+        return cache_token_ids(self.token_ids, self.request.media)
 
     @property
     def wants_prompt_logprobs(self) -> bool:

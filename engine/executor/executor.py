@@ -55,6 +55,7 @@ from engine.executor.sampler import top_logprobs
 from engine.executor.step_inputs import StepInputs
 from engine.executor.step_sampler import StepSampler
 from engine.executor.trace import NoTracer, Tracer
+from engine.executor.vision_encoder import VisionEncoder
 from engine.executor.warm_up import warm_up
 from engine.kernels import attention_kernels, fused_dense_ops, token_mask
 from engine.loading.checkpoint import open_reader
@@ -230,6 +231,18 @@ class Executor:
             ) from e
         if weight_slots:
             self.weights.make_slots()
+        self.vision = (
+            None
+            if self.config.vision is None
+            else VisionEncoder(
+                self.model_dir,
+                self.config.vision,
+                open_reader(self.model_dir),
+                self.device.device,
+                self.dtype,
+            )
+        )
+        """The vision tower (a vision model's), resident on the compute device."""
         self.snapshots: dict[str, int] = {}
         """A hybrid's snapshot slots for the prefix cache of states: {tier: count}."""
         self.states = self._state_store(state_snapshots)
@@ -308,6 +321,7 @@ class Executor:
             positions=lambda ids: self.model.positions(ids, self.dtype),
             paged_attention=paged_attention and not policy.compress_kv,
             inputs=self.inputs,
+            mrope=bool(self.config.mrope_section),
         )
         self._nano_batcher = (
             NanoBatcher(policy.num_nano_batches, self._builder)
@@ -664,6 +678,11 @@ class Executor:
                     assert chunk.start_pos == 0
                     self.states.reset(*chunk.state_slot)
             self.sampler.admit(chunk.seq_id, chunk.sampling)
+            if chunk.media is not None:
+                if self.vision is None:
+                    raise ValueError(f"sequence {chunk.seq_id} has images; the model takes text")
+                state.media = chunk.media
+                state.image_features = [self.vision.features(i) for i in chunk.media.images]
         self.sampler.feed(chunk)
         state.pages.extend(chunk.new_pages)
         self.kv.reserve_pages(chunk.new_pages)

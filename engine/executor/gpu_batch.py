@@ -11,10 +11,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.core.media import SeqMedia
 from engine.core.prefix_cache import PageRef
 from engine.core.protocol import SeqChunk, TokenLogprobs
 from engine.core.sampling_params import SamplingParams
 from engine.executor.attention import RaggedLayout, padded_rows
+from engine.executor.image_rows import ImageRows, mrope_rows
 from engine.executor.step_inputs import Staged, StepInputs
 from engine.models.base import Positions
 from engine.models.config import shared_window
@@ -137,6 +139,9 @@ class GpuBatch:
     """A hybrid model's: each sequence's rows and state slot; None: no state layers. State
     layers run the batch whole, nano-batches or not: each row reads and writes only its own
     sequence's state."""
+    images: tuple[torch.Tensor, torch.Tensor] | None = None
+    """(rows (R,), features (R, hidden)): rows whose embedding an image's features replace;
+    None: no image rows."""
 
     @property
     def num_tokens(self) -> int:
@@ -161,6 +166,10 @@ class SeqState:
     compute device."""
     state: tuple[str, int] | None = None
     """A hybrid model's sequence: (tier, slot) of its state."""
+    media: SeqMedia | None = None
+    """Its prompt's images and M-RoPE positions (a vision model's); None: text."""
+    image_features: list[torch.Tensor] = field(default_factory=list)
+    """Each of `media`'s images' (num_tokens, hidden) features (`VisionEncoder`)."""
 
     @property
     def wants_prompt_logprobs(self) -> bool:
@@ -211,6 +220,7 @@ class BatchBuilder:
         positions: Callable[[torch.Tensor], Positions] = Positions,
         paged_attention: bool = False,
         inputs: StepInputs | None = None,
+        mrope: bool = False,
     ) -> None:
         self.device, self.page_tokens = device, page_tokens
         self.cpu_attention = cpu_attention
@@ -226,6 +236,8 @@ class BatchBuilder:
         """The device group reads its KV in place from the gpu tier's pool when all of it is
         there (`engine.executor.attention.paged_attention`); False: always packed."""
         self.inputs = inputs or StepInputs(device, pinned=device.type == "cuda")
+        self.mrope = mrope
+        """Positions are (t, h, w) rows (M-RoPE, `image_rows.mrope_rows`), staged (T, 3)."""
         """The step's index inputs, staged and copied at once (engine/executor/step_inputs.py);
         the sampler may have staged its draws into it first."""
 
@@ -264,6 +276,7 @@ class BatchBuilder:
         members: dict[bool, list[tuple[SeqChunk, SeqState, int]]] = {False: [], True: []}
         spans: list[tuple[int, int]] = []
         state_slots: dict[str, tuple[list[int], list[int]]] = {}  # tier -> (slots, positions)
+        images = ImageRows()
         row = 0
         for c, state in chunks:
             if state.state is not None:
@@ -273,7 +286,12 @@ class BatchBuilder:
                 spans.append((row, len(c.token_ids)))
             q_len, ctx = len(c.token_ids), c.start_pos
             token_ids.extend(c.token_ids)
-            positions.extend(range(ctx, ctx + q_len))
+            if self.mrope:
+                positions.extend(mrope_rows(state.media, ctx, q_len))
+            else:
+                positions.extend(range(ctx, ctx + q_len))
+            if state.media is not None:
+                images.add(state.media, state.image_features, ctx, q_len, row)
             act_rows.setdefault(state.act_tier, []).extend(range(row, row + q_len))
             add_slots(new_kv, state.pages, ctx, ctx + q_len, self.page_tokens, row)
             members[self.attends_on_cpu(c, state)].append((c, state, row))
@@ -288,7 +306,7 @@ class BatchBuilder:
             row += q_len
         if num_padding:
             token_ids.extend([0] * num_padding)
-            positions.extend([0] * num_padding)
+            positions.extend([0] * num_padding * (3 if self.mrope else 1))
             act_rows.setdefault("gpu", []).extend(range(row, row + num_padding))
         num_rows = row + num_padding
         stage = self._stage_index
@@ -303,6 +321,8 @@ class BatchBuilder:
             tier: (self._stage_pool_index(tier, slots), stage(order))
             for tier, (slots, order) in state_slots.items()
         }
+        staged_images = stage(images.rows) if images.rows else None
+        image_features = images.features()
         device_group = self._stage_group(members[False], num_rows, self.device)
         cpu_group = self._stage_group(members[True], num_rows, torch.device("cpu"))
         tensor = self.inputs.tensor
@@ -311,7 +331,9 @@ class BatchBuilder:
             return GpuBatch(
                 index=index,
                 token_ids=tensor(staged_ids),
-                positions=self.positions(tensor(staged_positions)),
+                positions=self.positions(
+                    tensor(staged_positions).view(-1, 3) if self.mrope else tensor(staged_positions)
+                ),
                 logit_rows=tensor(staged_logits),
                 logit_counts=logit_counts,
                 device_group=device_group(),
@@ -326,6 +348,9 @@ class BatchBuilder:
                 )
                 if spans
                 else None,
+                images=None
+                if staged_images is None or image_features is None
+                else (tensor(staged_images), image_features),
             )
 
         return make

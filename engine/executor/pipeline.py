@@ -535,7 +535,10 @@ class BlockPipeline:
             if kind == "embed":
                 if graphs is not None:
                     return GraphRunner.embed(graphs, w), None
-                return self.model.embed(w, batch.token_ids, batch.positions.ids), None
+                h = self.model.embed(w, batch.token_ids, batch.positions.ids)
+                if batch.images is not None:  # an image's tokens take its features
+                    h = h.index_copy(0, batch.images[0], batch.images[1].to(h.dtype))
+                return h, None
             assert h is not None
             if kind == "head":
                 return self.model.head(w, h.index_select(0, batch.logit_rows)), None

@@ -13,6 +13,10 @@ def build_model(config: ModelConfig) -> Model:
         from engine.models.opt import OPTModel
 
         return OPTModel(config)
+    if config.model_type == "qwen2_5_vl":
+        from engine.models.qwen2_5_vl import Qwen25VLModel
+
+        return Qwen25VLModel(config)
     if config.model_type == "qwen3":
         from engine.models.qwen3 import Qwen3Model
 

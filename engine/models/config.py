@@ -10,6 +10,7 @@ from typing import Any, NamedTuple
 from engine.core.model_files import ModelLoadError
 from engine.models.hf_config import model_config_fields
 from engine.models.multipliers import Multipliers
+from engine.models.vision_config import VisionConfig
 
 
 class KVShape(NamedTuple):
@@ -56,6 +57,13 @@ class ModelConfig:
     'longrope', and that type's parameters}."""
     rotary_dim: int = 0
     """Dimensions of each head that rotate (Phi's partial rotary: the first ones); 0: all."""
+    mrope_section: tuple[int, ...] = ()
+    """Qwen2.5-VL's M-RoPE: how many of the rotary frequencies follow each position axis
+    (t, h, w), in order; (): one position per token."""
+    vision: VisionConfig | None = None
+    """The vision tower's shapes (Qwen2.5-VL); None: a text model."""
+    image_token_id: int | None = None
+    """The token an image's features replace (with `vision`)."""
     nope_layers: tuple[int, ...] = ()
     """Decoder layers (0-based) whose q and k are not rotated (SmolLM3's NoPE layers)."""
     local_rope_theta: float = 0.0

@@ -26,6 +26,7 @@ SUPPORTED_MODEL_TYPES = (
     "llama",
     "mistral",
     "qwen2",
+    "qwen2_5_vl",
     "qwen3",
     "gemma2",
     "gemma3_text",
@@ -161,6 +162,7 @@ ROPE_TYPES = {
     "llama": ("default", "linear", "llama3"),
     "mistral": ("default", "linear", "llama3"),
     "qwen2": ("default", "linear", "llama3"),
+    "qwen2_5_vl_text": ("default",),
     "qwen3": ("default", "linear", "llama3"),
     "olmo2": ("default", "linear", "llama3"),
     "olmo3": ("default", "linear", "llama3", "yarn"),
@@ -199,6 +201,8 @@ def model_config_fields(hf: Any) -> dict[str, Any]:
             f"model type {model_type!r} is not supported; nanoflex runs "
             f"{', '.join(SUPPORTED_MODEL_TYPES)} checkpoints"
         )
+    if model_type == "qwen2_5_vl":
+        return _qwen2_5_vl(hf)
     if model_type in TEXT_CONFIGS:  # one checkpoint with a vision tower: its language model
         text = _text_config(hf)
         honoured, read = _FAMILIES[text.model_type]
@@ -240,6 +244,36 @@ def _text_config(hf: Any) -> Any:
             "not supported"
         )
     return text
+
+
+def _qwen2_5_vl(hf: Any) -> dict[str, Any]:
+    """Qwen2.5-VL: a Qwen2 language model (M-RoPE over the sections `mrope_section` of its
+    rotary frequencies) with its vision tower (engine/models/qwen2_5_vision.py)."""
+    from engine.models.vision_config import VisionConfig
+
+    text, vision = hf.text_config, hf.vision_config
+    refuse_unhonoured(text, _COMMON | _WINDOWS)
+    _require(vision, "hidden_act", ("silu",))
+    _require(vision, "in_chans" if hasattr(vision, "in_chans") else "in_channels", (3,))
+    fields = _llama(text)
+    scaling = dict(fields["rope_scaling"])
+    section = tuple(int(s) for s in scaling.pop("mrope_section", ()))
+    if 2 * sum(section) != fields["head_dim"]:
+        raise UnsupportedModelError(
+            f"qwen2_5_vl: mrope_section {list(section)} does not cover head_dim "
+            f"{fields['head_dim']} (its sections sum to half the head)"
+        )
+    tied = getattr(hf, "tie_word_embeddings", None)
+    return dict(
+        fields,
+        model_type="qwen2_5_vl",
+        rope_scaling=scaling,
+        qkv_bias=True,  # Qwen2's q, k and v projections have biases
+        mrope_section=section,
+        vision=VisionConfig.from_hf(vision),
+        image_token_id=int(hf.image_token_id),
+        tie_word_embeddings=bool(text.tie_word_embeddings if tied is None else tied),
+    )
 
 
 def refuse_unhonoured(hf: Any, honoured: frozenset[str]) -> None:

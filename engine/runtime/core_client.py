@@ -42,6 +42,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from engine.core.engine_args import EngineArgs
 from engine.core.engine_core import EngineCore
+from engine.core.media import SeqMedia, VisionSpec
 from engine.core.model_files import generation_defaults, resolve_model_dir, served_model_name
 from engine.core.outputs import SequenceDelta
 from engine.core.parent_request import ParentRequest
@@ -109,6 +110,7 @@ class CoreEngineClient(EngineClient):
         self._generation_defaults: dict[str, float | int] = {}
         self._pooling: PoolingSpec | None = None
         """A decoder pooling model's spec (engine/core/pooling.py); None: it generates."""
+        self._vision: VisionSpec | None = None
         self._status = "waiting to start"
         self._commands: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._streams: dict[str, _Stream] = {}
@@ -174,6 +176,7 @@ class CoreEngineClient(EngineClient):
         self._max_token_bytes = longest_token_bytes(self.model_dir)
         self._generation_defaults = generation_defaults(self.model_dir)
         self._pooling = pooling_spec(self.model_dir)
+        self._vision = VisionSpec.from_model_dir(self.model_dir)
         self._tokenizer = tokenizer  # last: requests are prepared once it is set
         kwargs = {"args": args, "model_dir": str(self.model_dir), "policy": self.policy}
         self._executor = (
@@ -326,6 +329,11 @@ class CoreEngineClient(EngineClient):
         return self._max_model_len
 
     @property
+    def vision(self) -> VisionSpec | None:
+        self._loaded()
+        return self._vision
+
+    @property
     def vocab_size(self) -> int:
         return self._loaded().vocab_size
 
@@ -367,10 +375,16 @@ class CoreEngineClient(EngineClient):
         priority: int = ONLINE_PRIORITY,
         *,
         stream: bool = True,
+        media: SeqMedia | None = None,
     ) -> AsyncGenerator[SequenceDelta, None]:
         self.check_ready()
         request = Request(
-            request_id, list(prompt_token_ids), params, priority, final_only=not stream
+            request_id,
+            list(prompt_token_ids),
+            params,
+            priority,
+            media=media,
+            final_only=not stream,
         )
         parent = ParentRequest(request)
         child_ids = [child.request_id for child in parent.children]

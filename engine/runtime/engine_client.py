@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.core.kv_pages import CacheStats
+from engine.core.media import SeqMedia, VisionSpec
 from engine.core.outputs import SequenceDelta
 from engine.core.pooling import PoolingSpec
 from engine.core.sampling_params import SamplingParams
@@ -159,6 +160,12 @@ class EngineClient(abc.ABC):
         generation prompt, tools, template variables)."""
 
     @property
+    def vision(self) -> VisionSpec | None:
+        """How the model takes images (its processor's rule, its image token); None: it takes
+        text alone. None by default."""
+        return None
+
+    @property
     def generation_defaults(self) -> dict[str, float | int]:
         """The model's sampling defaults (generation_config.json) by SamplingParams field:
         what a request that leaves a field out gets. None by default."""
@@ -179,10 +186,12 @@ class EngineClient(abc.ABC):
         priority: int = ONLINE_PRIORITY,
         *,
         stream: bool = True,
+        media: SeqMedia | None = None,
     ) -> AsyncGenerator[SequenceDelta, None]:
         """Queue one request of `params.n` choices and yield what each choice gains, until
         every choice finished; leaving early aborts the rest. `stream` False: each choice is
-        yielded once, finished, its deltas added up (its `first_token_time` set).
+        yielded once, finished, its deltas added up (its `first_token_time` set). `media`: the
+        prompt's images, their tokens already in `prompt_token_ids` (engine/core/media.py).
 
         Lower `priority` runs first. Implement as an `async def ... yield`.
         """

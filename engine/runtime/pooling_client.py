@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.core.engine_args import EngineArgs
+from engine.core.media import SeqMedia
 from engine.core.model_files import looks_local, served_model_name
 from engine.core.outputs import SequenceDelta
 from engine.core.pooling import PoolingSpec, pooling_spec
@@ -191,6 +192,7 @@ class PoolingEngineClient(EngineClient):
         priority: int = ONLINE_PRIORITY,
         *,
         stream: bool = True,
+        media: SeqMedia | None = None,
     ) -> AsyncGenerator[SequenceDelta, None]:
         raise PoolingError(f"{self._model_name} is a pooling model: it does not generate")
         yield  # an async generator, as the interface asks

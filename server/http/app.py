@@ -93,6 +93,7 @@ def create_app(
         settings.max_seqs_per_request,
         tool_call_parser=settings.tool_call_parser,
         reasoning_parser=settings.reasoning_parser,
+        media_limits=settings.media_limits,
     )
     state = AppState(
         settings=settings,

@@ -39,6 +39,7 @@ from server.batch.data_dir import check_data_dir
 from server.http.app import create_app
 from server.http.connection import DaemonConfig
 from server.http.settings import API_KEY_ENV, ServerSettings
+from server.openai.media import add_media_arguments
 from server.openai.memory import keep_heaps_trimmed
 from server.openai.reasoning import PARSERS as REASONING_PARSERS
 from server.openai.tool_parsers import PARSERS as TOOL_PARSERS
@@ -177,6 +178,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="comma-separated browser origins allowed cross-site (CORS) (default: none)",
     )
+    add_media_arguments(parser)
     parser.add_argument(
         "--tool-call-parser",
         choices=TOOL_PARSERS,

@@ -12,6 +12,7 @@ from policy.errors import UserError
 from policy.units import parse_bytes
 from server.batch.data_dir import DB_NAME, FILES_DIR
 from server.batch.runner import BatchConfig
+from server.openai.media import NO_LOCAL_MEDIA, MediaLimits, media_limits_from
 
 MiB = 1 << 20
 API_KEY_ENV = "NANOFLEX_API_KEY"
@@ -78,6 +79,8 @@ class ServerSettings:
     """The model's tool-call format (server/openai/tool_parsers.py); None: from its template."""
     reasoning_parser: str | None = None
     """qwen3, deepseek_r1 or none (server/openai/reasoning.py); None: from its template."""
+    media_limits: MediaLimits = NO_LOCAL_MEDIA
+    """What a chat may send of images (server/openai/media.py)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "data_dir", Path(self.data_dir))
@@ -145,6 +148,7 @@ class ServerSettings:
             served_model_name=getattr(args, "served_model_name", None),
             tool_call_parser=getattr(args, "tool_call_parser", None),
             reasoning_parser=getattr(args, "reasoning_parser", None),
+            media_limits=media_limits_from(args),
             prefix_order=getattr(args, "prefix_ordering", True),
         )
 

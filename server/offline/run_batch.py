@@ -49,6 +49,7 @@ from server.offline.work import (
     answer_all,
     line_id,
 )
+from server.openai.media import NO_LOCAL_MEDIA, MediaLimits, add_media_arguments, media_limits_from
 from server.openai.metrics import Metrics
 from server.openai.serving import Serving
 
@@ -68,6 +69,7 @@ class Summary:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     EngineArgs.add_cli_args(parser)
+    add_media_arguments(parser)
     parser.add_argument(
         "-i", "--input", required=True, help="the requests, OpenAI Batch JSONL (required)"
     )
@@ -118,7 +120,7 @@ def main(args: argparse.Namespace) -> int:
     else:
         if args.replicas is not None or args.gpus_per_replica is not None:
             raise RunBatchError("--replicas and --gpus-per-replica need --ray")
-        runner = local_runner(lambda: _client(args))
+        runner = local_runner(lambda: _client(args), media_limits_from(args))
     prefix_order = getattr(args, "prefix_ordering", True)
     summary = asyncio.run(run_batch(Path(args.input), output, errors, runner, prefix_order))
     written = [
@@ -267,14 +269,17 @@ async def _run(
         await runner(work, record)
 
 
-def local_runner(make_client: Callable[[], EngineClient]) -> Runner:
-    """One engine in this process; `make_client()` builds its (unstarted) client."""
+def local_runner(
+    make_client: Callable[[], EngineClient], media_limits: MediaLimits = NO_LOCAL_MEDIA
+) -> Runner:
+    """One engine in this process; `make_client()` builds its (unstarted) client; the lines'
+    images are read within `media_limits`."""
 
     async def run(work: BatchWork, record: Record) -> None:
         client = make_client()
         await client.start()
         try:
-            serving = Serving(client, client.model_name, Metrics(client))
+            serving = Serving(client, client.model_name, Metrics(client), media_limits=media_limits)
             await answer_all(serving, work, lambda item, ok, line: record(ok, line))
         finally:
             await client.shutdown()

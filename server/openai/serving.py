@@ -26,6 +26,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from engine.core.media import ImageError, SeqMedia, expand_image_tokens
 from engine.core.outputs import ChoiceAccumulator, SequenceDelta
 from engine.core.sampling_params import SamplingError, SamplingParams
 from engine.core.structured import (
@@ -53,6 +54,7 @@ from server.openai.errors import (
 )
 from server.openai.json_body import utf8_size
 from server.openai.logprobs import chat_logprobs, completion_logprobs
+from server.openai.media import NO_LOCAL_MEDIA, MediaLimits, load_image
 from server.openai.metrics import Metrics
 from server.openai.reasoning import HARMONY, split_reasoning
 from server.openai.reasoning import parser_for_template as reasoning_for_template
@@ -128,6 +130,8 @@ class Prepared:
     """A Responses API request, run as the chat it means and answered as a Response."""
     pooling: PoolingJob | None = None
     """A pooling request (server/openai/embeddings.py): its inputs are `prompts`."""
+    media: list[SeqMedia | None] | None = None
+    """Each prompt's images (a chat with image parts); None: text alone."""
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -159,8 +163,11 @@ class Serving:
         *,
         tool_call_parser: str | None = None,
         reasoning_parser: str | None = None,
+        media_limits: MediaLimits = NO_LOCAL_MEDIA,
     ) -> None:
         self.engine = engine
+        self.media_limits = media_limits
+        """What a request may send of images, and where local image files may be read."""
         self.model_name = model_name
         self.metrics = metrics
         self.max_seqs_per_request = max_seqs_per_request
@@ -224,7 +231,10 @@ class Serving:
             reasoning = None if reasoning == "none" else reasoning
             if tools is not None and tools.parses and tools.parser == HARMONY_TOOLS:
                 reasoning = HARMONY  # harmony's calls are messages: the answer is read as one
-            prompts = [self._chat_ids(req.template_messages(), req, tools, template)]
+            images: list[tuple[str, str]] | None = [] if self.engine.vision else None
+            messages = req.template_messages(images)
+            prompts = [self._chat_ids(messages, req, tools, template)]
+            media = [self._media(prompts[0], images)] if images else None
             max_tokens = req.max_completion_tokens or req.max_tokens
             num_logprobs, echo = req.num_logprobs(), False
         else:
@@ -235,6 +245,7 @@ class Serving:
             self._check_model(req.model)
             prompts = self._completion_prompts(req.prompt, req.n, req.add_special_tokens)
             max_tokens, num_logprobs, echo = req.max_tokens, req.logprobs, req.echo
+            media = None
         forced = None if tools is None else tools.constraint()
         params = self._sampling_params(
             req, prompts, max_tokens, num_logprobs, echo, forced, reasoning
@@ -254,7 +265,26 @@ class Serving:
             tokens_as_ids=req.return_tokens_as_token_ids,
             tools=tools if tools is not None and tools.parses else None,
             reasoning=reasoning,
+            media=media,
         )
+
+    def _media(self, prompt: list[int], images: list[tuple[str, str]]) -> SeqMedia | None:
+        """A chat's images (URL, param each) read and checked against the limits, and its
+        prompt's image tokens widened to each image's (`expand_image_tokens`)."""
+        spec = self.engine.vision
+        assert spec is not None
+        limits = self.media_limits
+        if len(images) > limits.max_images:
+            raise invalid_request(
+                f"this request has {len(images)} images; the limit is {limits.max_images}",
+                param="messages",
+                code="too_many_images",
+            )
+        loaded = [load_image(url, limits, param) for url, param in images]
+        try:
+            return expand_image_tokens(prompt, spec, [(i.data, i.width, i.height) for i in loaded])
+        except ImageError as e:
+            raise invalid_request(str(e), param="messages") from e
 
     def _sampling_params(
         self,
@@ -526,7 +556,10 @@ class Serving:
         unfinished = set(range(prep.n))
         first = prompt_index * prep.n
         prompt, params = prep.prompts[prompt_index], prep.params[prompt_index]
-        generate = self.engine.generate(request_id, prompt, params, priority, stream=prep.stream)
+        media = None if prep.media is None else prep.media[prompt_index]
+        generate = self.engine.generate(
+            request_id, prompt, params, priority, stream=prep.stream, media=media
+        )
         try:
             async with aclosing(generate) as deltas:
                 async for delta in deltas:

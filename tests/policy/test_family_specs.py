@@ -197,3 +197,21 @@ def test_mla_latent_is_priced_once_per_token() -> None:
     home = policy.block_size * (512 + 32) * spec.kv_bytes_per_token
     assert once.peak_bytes["disk"] == pytest.approx(home)
     assert twice.peak_bytes["disk"] == pytest.approx(2 * home)
+
+
+def test_qwen2_5_vl_prices_its_language_model() -> None:
+    """Qwen2.5-VL-7B's config.json shape fields: a Qwen2 7B language model (the vision tower's
+    weights are not priced yet: docs/architecture.md, "Not yet built")."""
+    text = {
+        "hidden_size": 3584,
+        "intermediate_size": 18944,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 28,
+        "num_key_value_heads": 4,
+        "vocab_size": 152064,
+        "tie_word_embeddings": False,
+    }
+    config = {"model_type": "qwen2_5_vl", "torch_dtype": "bfloat16", "text_config": text}
+    spec = ModelSpec.from_hf_config(config, name="Qwen2.5-VL-7B-Instruct")
+    assert spec.model_type == "qwen2" and spec.qkv_bias and spec.num_layers == 28
+    assert 7.0e9 < spec.total_params < 7.7e9  # Qwen2-7B's 7.6B

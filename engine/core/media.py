@@ -1,0 +1,207 @@
+"""Images in a prompt, torch-free: what the daemon works out from an image's size and the
+checkpoint's processor config (the grid of patches, so the number of image tokens), the record
+that carries an image to the engine (`ImageInput`, `SeqMedia`), Qwen2.5-VL's multimodal rotary
+positions (M-RoPE), and the token ids the prefix cache keys a prompt by (an image's pad tokens
+stand for that image's digest, so two images never share a cached page).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from policy.errors import UserError
+
+VISION_MODEL_TYPES = ("qwen2_5_vl",)
+"""Checkpoints whose vision tower nanoflex runs (the others with one run their text alone)."""
+
+
+class ImageError(UserError):
+    """An image the model cannot take: too many pixels, an aspect ratio past its processor's."""
+
+
+@dataclass(frozen=True, slots=True)
+class VisionSpec:
+    """What the daemon needs of a vision checkpoint to turn images into prompt tokens: its
+    special tokens and its processor's resizing rule (transformers' Qwen2-VL `smart_resize`)."""
+
+    image_token_id: int
+    """The image-pad token: the chat template writes one per image, widened to its tokens."""
+    patch_size: int
+    """Pixels per patch side (14)."""
+    merge_size: int
+    """Patches per merged token side (2): one image token is merge_size**2 patches."""
+    temporal_patch_size: int
+    """Frames per patch (2: a still image is repeated)."""
+    min_pixels: int
+    max_pixels: int
+    """The processor resizes every image into this pixel budget."""
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | Path) -> VisionSpec | None:
+        """The spec of the checkpoint in `model_dir`, or None for a model without a vision
+        tower nanoflex runs (config.json's model_type; preprocessor_config.json)."""
+        root = Path(model_dir)
+        try:
+            config = json.loads((root / "config.json").read_text())
+        except (OSError, ValueError):
+            return None
+        if config.get("model_type") not in VISION_MODEL_TYPES:
+            return None
+        vision = config.get("vision_config") or {}
+        try:
+            processor: dict[str, Any] = json.loads((root / "preprocessor_config.json").read_text())
+        except (OSError, ValueError) as e:
+            raise ImageError(
+                f"{root} has a vision tower but no readable preprocessor_config.json ({e}); "
+                "copy the checkpoint's processor files beside its weights"
+            ) from e
+        size = processor.get("size") or {}
+        return cls(
+            image_token_id=int(config["image_token_id"]),
+            patch_size=int(processor.get("patch_size", vision.get("patch_size", 14))),
+            merge_size=int(processor.get("merge_size", vision.get("spatial_merge_size", 2))),
+            temporal_patch_size=int(processor.get("temporal_patch_size", 2)),
+            min_pixels=int(processor.get("min_pixels") or size.get("shortest_edge", 56 * 56)),
+            max_pixels=int(processor.get("max_pixels") or size.get("longest_edge", 28 * 28 * 1280)),
+        )
+
+    def grid(self, width: int, height: int) -> tuple[int, int, int]:
+        """(t, h, w) patches of an image of `width` x `height` pixels once resized, as the
+        processor resizes it (transformers' `smart_resize`)."""
+        factor = self.patch_size * self.merge_size
+        if max(height, width) / max(1, min(height, width)) > 200:
+            raise ImageError(
+                f"an image of {width}x{height} pixels is too elongated: the processor takes an "
+                "aspect ratio under 200"
+            )
+        h_bar = round(height / factor) * factor
+        w_bar = round(width / factor) * factor
+        if h_bar * w_bar > self.max_pixels:
+            beta = math.sqrt((height * width) / self.max_pixels)
+            h_bar = max(factor, math.floor(height / beta / factor) * factor)
+            w_bar = max(factor, math.floor(width / beta / factor) * factor)
+        elif h_bar * w_bar < self.min_pixels:
+            beta = math.sqrt(self.min_pixels / (height * width))
+            h_bar = math.ceil(height * beta / factor) * factor
+            w_bar = math.ceil(width * beta / factor) * factor
+        return 1, h_bar // self.patch_size, w_bar // self.patch_size
+
+    def num_tokens(self, grid: tuple[int, int, int]) -> int:
+        """Image tokens of an image of `grid` patches (merge_size**2 patches each)."""
+        t, h, w = grid
+        return t * h * w // (self.merge_size * self.merge_size)
+
+
+@dataclass(frozen=True, slots=True)
+class ImageInput:
+    """One image of a prompt, as the engine receives it."""
+
+    data: bytes
+    """The image file as sent (PNG, JPEG...): the engine decodes and preprocesses it with the
+    checkpoint's own image processor."""
+    digest: str
+    """blake2b of `data`: the key of its encoder output and of its prefix-cache pages."""
+    grid: tuple[int, int, int]
+    """(t, h, w) patches after the processor's resize (`VisionSpec.grid`)."""
+    start: int
+    """Index in the prompt of its first image token."""
+    num_tokens: int
+    """Its image tokens: t * h * w / merge_size**2, contiguous from `start`."""
+
+
+@dataclass(frozen=True, slots=True)
+class SeqMedia:
+    """The images of one prompt, in prompt order, and their M-RoPE positions."""
+
+    images: tuple[ImageInput, ...]
+    positions: tuple[tuple[int, int, int], ...]
+    """(t, h, w) rotary position of every prompt token (`mrope_positions`)."""
+    delta: int
+    """A token past the prompt at index p has position p + delta on all three axes."""
+
+    def position(self, index: int) -> tuple[int, int, int]:
+        """The (t, h, w) position of the sequence's token at `index` (prompt or generated)."""
+        if index < len(self.positions):
+            return self.positions[index]
+        p = index + self.delta
+        return p, p, p
+
+
+def image_digest(data: bytes) -> str:
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+def expand_image_tokens(
+    token_ids: list[int], spec: VisionSpec, images: list[tuple[bytes, int, int]]
+) -> SeqMedia | None:
+    """Widen each image-pad token of a rendered chat (`token_ids`, changed in place) to its
+    image's tokens, as the processor does; `images`: (file bytes, width, height) of each in
+    order. Returns the prompt's `SeqMedia`, None without images. The count of pads must
+    equal the count of images."""
+    pads = [i for i, t in enumerate(token_ids) if t == spec.image_token_id]
+    if len(pads) != len(images):
+        raise ImageError(
+            f"the chat template wrote {len(pads)} image placeholder(s) for {len(images)} "
+            "image(s); the model's template must write one per image part"
+        )
+    if not images:
+        return None
+    out: list[ImageInput] = []
+    shift = 0
+    for pad, (data, width, height) in zip(pads, images, strict=True):
+        grid = spec.grid(width, height)
+        count = spec.num_tokens(grid)
+        start = pad + shift
+        token_ids[start : start + 1] = [spec.image_token_id] * count
+        out.append(ImageInput(data, image_digest(data), grid, start, count))
+        shift += count - 1
+    positions, delta = mrope_positions(len(token_ids), out, spec.merge_size)
+    return SeqMedia(tuple(out), positions, delta)
+
+
+def mrope_positions(
+    num_tokens: int, images: list[ImageInput], merge_size: int
+) -> tuple[tuple[tuple[int, int, int], ...], int]:
+    """Qwen2.5-VL's rotary positions of a prompt of `num_tokens` with `images` (transformers'
+    `get_rope_index`): text advances one on all three axes; an image's tokens, row by row over
+    its merged grid, sit at (p, p + row, p + column) from the position p it starts at; the
+    text after it starts at p + max(rows, columns). Returns (positions, delta), delta the
+    offset of the positions past the prompt from their index."""
+    positions: list[tuple[int, int, int]] = []
+    next_pos = 0
+    index = 0
+    for image in images:
+        while index < image.start:
+            positions.append((next_pos, next_pos, next_pos))
+            next_pos, index = next_pos + 1, index + 1
+        t, h, w = image.grid
+        rows, cols = h // merge_size, w // merge_size
+        for frame in range(t):
+            for r in range(rows):
+                for c in range(cols):
+                    positions.append((next_pos + frame, next_pos + r, next_pos + c))
+        index += image.num_tokens
+        next_pos += max(rows, cols)
+    while index < num_tokens:
+        positions.append((next_pos, next_pos, next_pos))
+        next_pos, index = next_pos + 1, index + 1
+    return tuple(positions), next_pos - num_tokens
+
+
+def cache_token_ids(token_ids: list[int], media: SeqMedia | None) -> list[int]:
+    """The token ids the prefix cache hashes a sequence by: its own, with each image's tokens
+    replaced by a key of the image's digest (negative: no vocabulary id, nor the pending
+    token's -1), so pages over two different images never hash alike."""
+    if media is None:
+        return token_ids
+    out = list(token_ids)
+    for image in media.images:
+        key = -2 - int(image.digest[:15], 16)
+        end = min(len(out), image.start + image.num_tokens)
+        out[image.start : end] = [key] * max(0, end - image.start)
+    return out

@@ -1,0 +1,45 @@
+"""`ImageRows`: which token rows of a GPU batch take image features instead of their
+embeddings, and their M-RoPE positions (engine/core/media.py)."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.core.media import SeqMedia
+
+
+def mrope_rows(media: SeqMedia | None, start: int, count: int) -> list[int]:
+    """The (t, h, w) positions of a sequence's tokens [start, start + count), flat: three
+    per row; without media, each token's position on all three axes."""
+    if media is None:
+        return [p for p in range(start, start + count) for _ in range(3)]
+    return [axis for p in range(start, start + count) for axis in media.position(p)]
+
+
+class ImageRows:
+    """The image rows of one GPU batch, gathered chunk by chunk while it is staged."""
+
+    def __init__(self) -> None:
+        self.rows: list[int] = []
+        self.pieces: list[torch.Tensor] = []
+
+    def add(
+        self,
+        media: SeqMedia,
+        features: list[torch.Tensor],
+        start: int,
+        count: int,
+        row: int,
+    ) -> None:
+        """A chunk of tokens [start, start + count) of a sequence with `media` (each image's
+        (num_tokens, hidden) `features`), its first token at batch row `row`."""
+        for image, feats in zip(media.images, features, strict=True):
+            first = max(start, image.start)
+            last = min(start + count, image.start + image.num_tokens)
+            if first < last:
+                self.rows.extend(range(row + first - start, row + last - start))
+                self.pieces.append(feats[first - image.start : last - image.start])
+
+    def features(self) -> torch.Tensor | None:
+        """(R, hidden) features of the rows, in order; None when the batch has none."""
+        return torch.cat(self.pieces) if self.pieces else None

@@ -1,0 +1,84 @@
+"""`VisionEncoder`: a prompt's images -> the features that take the place of their tokens'
+embeddings, each image preprocessed by the checkpoint's own image processor (transformers'
+`AutoImageProcessor`: the checkpoint's contract) and run through the vision tower once,
+its output cached by the image's digest (the same page in many requests is encoded once).
+
+Placement: the tower's weights are resident on the compute device, read once at start; the
+planner does not price them yet (they are a few percent of a VLM's weights)."""
+
+from __future__ import annotations
+
+import io
+from collections import OrderedDict
+from pathlib import Path
+
+import torch
+
+from engine.core.media import ImageError, ImageInput
+from engine.loading.checkpoint import CheckpointReader, DummyReader
+from engine.models.base import Weights
+from engine.models.qwen2_5_vision import VisionTower, vision_weight_name
+from engine.models.vision_config import VisionConfig
+
+CACHED_IMAGES = 256
+"""Encoder outputs kept, least recently used dropped first (a few MB each at most)."""
+
+
+class VisionEncoder:
+    """Images -> (num_tokens, hidden) features on the compute device, in `dtype`."""
+
+    def __init__(
+        self,
+        model_dir: Path,
+        config: VisionConfig,
+        reader: CheckpointReader | DummyReader,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        from transformers import AutoImageProcessor
+
+        self.tower = VisionTower(config)
+        self.weights: Weights = {}
+        for name in reader.names:
+            local = vision_weight_name(name)
+            if local is not None:
+                self.weights[local] = reader.get(name).to(device=device, dtype=dtype)
+        self.processor = AutoImageProcessor.from_pretrained(model_dir)
+        self.device = device
+        self._cache: OrderedDict[str, torch.Tensor] = OrderedDict()
+        self.num_encoded = 0
+        """Images run through the tower so far (cache hits do not count)."""
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.weights.values())
+
+    def features(self, image: ImageInput) -> torch.Tensor:
+        """(image.num_tokens, hidden) features of `image`: cached, or encoded now."""
+        cached = self._cache.get(image.digest)
+        if cached is not None:
+            self._cache.move_to_end(image.digest)
+            return cached
+        pixels, grid = self._preprocess(image)
+        with torch.inference_mode():
+            out = self.tower.encode(self.weights, pixels.to(self.device), grid)
+        self.num_encoded += 1
+        self._cache[image.digest] = out
+        if len(self._cache) > CACHED_IMAGES:
+            self._cache.popitem(last=False)
+        return out
+
+    def _preprocess(self, image: ImageInput) -> tuple[torch.Tensor, tuple[int, int, int]]:
+        """The image processor's (N, C) patches and (t, h, w) grid; the grid must be the one
+        the daemon counted the image's tokens by."""
+        from PIL import Image
+
+        picture = Image.open(io.BytesIO(image.data)).convert("RGB")
+        out = self.processor([picture], return_tensors="pt")
+        grid = tuple(int(n) for n in out["image_grid_thw"][0].tolist())
+        if grid != image.grid:
+            raise ImageError(
+                f"the image processor made a {grid} patch grid of an image counted as "
+                f"{image.grid}: the checkpoint's preprocessor_config.json is not one nanoflex reads"
+            )
+        return out["pixel_values"], (grid[0], grid[1], grid[2])

@@ -1,0 +1,97 @@
+"""A held-out tiny Qwen2.5-VL through the engine: an image in a chat gives transformers' greedy
+tokens; the same image twice is encoded once; two different images never share a cached
+prefix page."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.core.media import SeqMedia, VisionSpec, expand_image_tokens
+from engine.core.protocol import TokenLogprobs
+from policy import Policy
+from tests.engine.vision_models import (
+    assert_same_answer,
+    build_tiny_vl,
+    hf_vl_generate,
+    image_chat,
+    png_bytes,
+)
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=0)
+
+
+def chosen(logprobs: list[TokenLogprobs] | None) -> list[float]:
+    assert logprobs is not None
+    return [entry.logprob for entry in logprobs]
+
+
+@pytest.fixture(scope="module")
+def vl_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_vl(tmp_path_factory.mktemp("tiny-qwen2_5_vl"))
+
+
+def image_prompt(
+    llm: LLM, model_dir: Path, images: list[bytes], text: str
+) -> tuple[list[int], SeqMedia | None]:
+    """The chat's token ids, image tokens widened as the daemon widens them, and its media."""
+    from PIL import Image
+
+    assert llm.tokenizer is not None
+    ids = llm.tokenizer.apply_chat_template(image_chat(text, len(images)))
+    spec = VisionSpec.from_model_dir(model_dir)
+    assert spec is not None
+    sizes = [Image.open(io.BytesIO(b)).size for b in images]
+    media = expand_image_tokens(ids, spec, [(b, w, h) for b, (w, h) in zip(images, sizes)])
+    return ids, media
+
+
+def test_an_image_in_a_chat_gives_transformers_greedy_tokens(vl_dir: Path) -> None:
+    pictures = [png_bytes(60, 90, seed=1), png_bytes(130, 40, seed=2)]
+    with LLM(str(vl_dir), policy=Policy(), device="cpu") as llm:
+        for images in (pictures[:1], pictures):  # one image; two, the text after both
+            ids, media = image_prompt(llm, vl_dir, images, "what is this?")
+            want_ids, *want = hf_vl_generate(vl_dir, images, "what is this?", GREEDY.max_tokens)
+            assert ids == want_ids  # the processor's prompt: its pads widened alike
+            got = llm.generate([ids], GREEDY, media=[media])[0].outputs[0]
+            assert_same_answer(got.token_ids, chosen(got.logprobs), (want[0], want[1]))
+
+
+def test_images_key_the_prefix_cache_and_are_encoded_once(vl_dir: Path) -> None:
+    # two images of one size: the same prompt tokens, so only the digests tell them apart
+    first, second = png_bytes(112, 112, seed=3), png_bytes(112, 112, seed=4)
+    text = "describe the picture in a few words please"
+    with LLM(str(vl_dir), policy=Policy(), device="cpu", enable_prefix_caching=True) as llm:
+        assert llm.executor.vision is not None
+        ids, media = image_prompt(llm, vl_dir, [first], text)
+        ids2, media2 = image_prompt(llm, vl_dir, [second], text)
+        assert ids == ids2 and len(ids) > 3 * 16  # pages past the image's tokens, if any hit
+        out = llm.generate([ids], GREEDY, media=[media])[0]
+        assert out.num_cached_tokens == 0 and llm.executor.vision.num_encoded == 1
+        again = llm.generate([ids], GREEDY, media=[media])[0]
+        assert again.num_cached_tokens > 0  # the same image: its pages are hits
+        assert again.outputs[0].token_ids == out.outputs[0].token_ids
+        assert llm.executor.vision.num_encoded == 1  # and its features the cached ones
+        other = llm.generate([ids2], GREEDY, media=[media2])[0]
+        assert llm.executor.vision.num_encoded == 2
+        assert media2 is not None
+        # only the pages before the image may hit: none of them holds an image token
+        assert other.num_cached_tokens <= media2.images[0].start
+    _, *want = hf_vl_generate(vl_dir, [second], text, GREEDY.max_tokens)
+    got = other.outputs[0]
+    assert_same_answer(got.token_ids, chosen(got.logprobs), (want[0], want[1]))
+
+
+def test_prefill_chunks_that_cut_through_an_image(vl_dir: Path) -> None:
+    """Steps of 16 tokens: the image's 16 tokens from position 45 on span two chunks, each
+    taking the slice of the features its rows cover."""
+    image = png_bytes(112, 112, seed=3)
+    _, *want = hf_vl_generate(vl_dir, [image], "what is this?", GREEDY.max_tokens)
+    with LLM(str(vl_dir), policy=Policy(), device="cpu", max_step_tokens=16) as llm:
+        ids, media = image_prompt(llm, vl_dir, [image], "what is this?")
+        assert media is not None and media.images[0].start % 16 != 0
+        got = llm.generate([ids], GREEDY, media=[media])[0].outputs[0]
+        assert_same_answer(got.token_ids, chosen(got.logprobs), (want[0], want[1]))

@@ -1,0 +1,156 @@
+"""Images in chat requests to a tiny Qwen2.5-VL daemon: a data URL part (the openai client), a
+local file under --allowed-local-media-path, and a Batch API line give transformers' greedy
+tokens; what may not be read, or is over a limit, is a 400 in OpenAI's envelope."""
+
+from __future__ import annotations
+
+import base64
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engine.core.engine_args import EngineArgs
+from engine.runtime.core_client import CoreEngineClient
+from policy import Policy
+from server.cli import main as cli_main
+from server.openai.media import MediaLimits
+from tests.engine.vision_models import assert_same_answer, build_tiny_vl, hf_vl_generate, png_bytes
+from tests.server.batch_files import read_lines, upload, wait_batch
+from tests.server.live import LiveServer, ServerFactory
+from tests.server.test_errors import assert_error
+
+MODEL = "tiny-qwen2.5-vl"
+TEXT = "what is this?"
+MAX_TOKENS = 5
+
+
+@pytest.fixture(scope="module")
+def vl_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_vl(tmp_path_factory.mktemp("tiny-qwen2_5_vl"))
+
+
+def data_url(image: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(image).decode()
+
+
+def image_message(url: str) -> dict[str, Any]:
+    return {
+        "role": "user",
+        "content": [
+            {"type": "image_url", "image_url": {"url": url}},
+            {"type": "text", "text": TEXT},
+        ],
+    }
+
+
+def answer(logprobs: dict[str, Any]) -> tuple[list[int], list[float]]:
+    """(the chosen tokens, their log-probabilities) of a chat choice's logprobs, its tokens
+    named "token_id:<id>"."""
+    entries = logprobs["content"]
+    return [int(e["token"].removeprefix("token_id:")) for e in entries], [
+        e["logprob"] for e in entries
+    ]
+
+
+def reference(vl_dir: Path, image: bytes) -> tuple[list[int], list[float]]:
+    _, tokens, logprobs = hf_vl_generate(vl_dir, [image], TEXT, MAX_TOKENS)
+    return tokens, logprobs
+
+
+def serve(make_server: ServerFactory, vl_dir: Path, media_dir: Path) -> LiveServer:
+    args = EngineArgs(model=str(vl_dir), policy=Policy(), device="cpu")
+    engine = CoreEngineClient(args, vl_dir, Policy(), model_name=MODEL, in_process=True)
+    limits = MediaLimits(max_images=2, max_image_bytes=60_000, allowed_local_media_path=media_dir)
+    return make_server(engine, media_limits=limits)
+
+
+def test_images_in_chat_and_batch_lines_give_transformers_tokens(
+    vl_dir: Path, make_server: ServerFactory, tmp_path: Path
+) -> None:
+    media_dir = tmp_path / "media"
+    media_dir.mkdir()
+    first, second = png_bytes(60, 90, seed=1), png_bytes(100, 70, seed=5)
+    (media_dir / "page.png").write_bytes(second)
+    want = {"a": reference(vl_dir, first), "b": reference(vl_dir, second)}
+    live = serve(make_server, vl_dir, media_dir)
+    # the answer's tokens read as ids: random weights' tokens are no text
+    ids = {"logprobs": True, "return_tokens_as_token_ids": True, "ignore_eos": True}
+    body = {"model": MODEL, "max_tokens": MAX_TOKENS, "temperature": 0, **ids}
+    api = live.openai()
+    reply = api.chat.completions.create(
+        model=MODEL,
+        messages=[image_message(data_url(first))],  # type: ignore[list-item]
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        logprobs=True,
+        extra_body={"return_tokens_as_token_ids": True, "ignore_eos": True},
+    )
+    assert reply.choices[0].logprobs is not None
+    assert_same_answer(*answer(reply.choices[0].logprobs.model_dump()), want["a"])
+    assert reply.usage is not None and reply.usage.prompt_tokens > 6 * 4  # its image tokens
+    lines = [
+        json.dumps({"custom_id": key, "method": "POST", "url": "/v1/chat/completions",
+                    "body": {**body, "messages": [image_message(url)]}})
+        for key, url in (("a", data_url(first)), ("b", f"file://{media_dir / 'page.png'}"))
+    ]  # fmt: skip
+    batch = api.batches.create(
+        input_file_id=upload(api, lines), endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    done = wait_batch(api, batch.id, timeout_s=120)
+    assert done.status == "completed" and done.output_file_id is not None
+    for line in read_lines(api, done.output_file_id):
+        choice = line["response"]["body"]["choices"][0]
+        assert_same_answer(*answer(choice["logprobs"]), want[line["custom_id"]])
+    with live.http() as client:
+        for url, code in (
+            ("https://example.com/a.png", "image_url_not_allowed"),
+            (f"file://{tmp_path / 'outside.png'}", "image_url_not_allowed"),
+            (data_url(png_bytes(200, 200, seed=6)), "image_too_large"),  # over 60,000 bytes
+            ("data:image/png;base64,bm90IGFuIGltYWdl", "invalid_value"),  # "not an image"
+        ):
+            refused = client.post(
+                "/v1/chat/completions", json={**body, "messages": [image_message(url)]}
+            )
+            assert assert_error(refused, 400, code)["param"] == "messages.0.content.0"
+        three = [image_message(data_url(first))["content"][0]] * 3
+        refused = client.post(
+            "/v1/chat/completions", json={**body, "messages": [{"role": "user", "content": three}]}
+        )
+        assert_error(refused, 400, "too_many_images")
+
+
+def test_run_batch_reads_images_under_the_allowed_path(vl_dir: Path, tmp_path: Path) -> None:
+    media_dir = tmp_path / "media"
+    media_dir.mkdir()
+    image = png_bytes(70, 60, seed=7)
+    (media_dir / "p.png").write_bytes(image)
+    (tmp_path / "outside.png").write_bytes(image)
+    body = {"model": str(vl_dir), "max_tokens": MAX_TOKENS, "temperature": 0}
+    body |= {"logprobs": True, "return_tokens_as_token_ids": True, "ignore_eos": True}
+    lines = [
+        json.dumps({"custom_id": key, "method": "POST", "url": "/v1/chat/completions",
+                    "body": {**body, "messages": [image_message(f"file://{path}")]}})
+        for key, path in (("in", media_dir / "p.png"), ("out", tmp_path / "outside.png"))
+    ]  # fmt: skip
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("\n".join(lines) + "\n")
+    policy = tmp_path / "policy.json"
+    policy.write_text(Policy().to_json())
+    argv = ["run-batch", "-i", str(inp), "-o", str(out), "--model", str(vl_dir)]
+    argv += [
+        "--device",
+        "cpu",
+        "--policy",
+        str(policy),
+        "--allowed-local-media-path",
+        str(media_dir),
+    ]
+    assert cli_main(argv) == 0
+    (line,) = [json.loads(raw) for raw in out.read_text().splitlines()]
+    assert line["custom_id"] == "in"
+    choice = line["response"]["body"]["choices"][0]
+    assert_same_answer(*answer(choice["logprobs"]), reference(vl_dir, image))
+    (error,) = [json.loads(raw) for raw in Path(f"{out}.errors").read_text().splitlines()]
+    assert error["custom_id"] == "out" and "outside the allowed" in json.dumps(error)
