@@ -6,7 +6,9 @@ The whole model sits on the compute device: these encoders are small (bge-m3, th
 is 0.57B), so the planner's placement is not applied to them. Decoder pooling models
 (Qwen3-Embedding, Qwen3-Reranker) run on the generation engine instead, with its planner,
 tiers and offloading (engine/executor/pooler.py). Inputs run in batches of
-`max_batch_tokens` padded tokens, longest first so that padding stays small.
+`max_batch_tokens` padded tokens, longest first so that padding stays small. The budget is
+the device's (`BATCH_TOKENS`): a GPU wants large batches, a CPU small ones, whose
+activations stay in its caches (docs/benchmarks.md, "Embedding a corpus").
 """
 
 from __future__ import annotations
@@ -22,6 +24,12 @@ from engine.loading.checkpoint import CheckpointReader
 from engine.models.bert import BertConfig, BertEncoder, encoder_weights
 from engine.models.config import read_hf_config
 
+BATCH_TOKENS = {"cpu": 2048, "cuda": 16384}
+"""Padded tokens of one forward pass per device type. On the CPU a pass's elementwise ops
+(GELU, LayerNorm, residual adds) stream (N, 4H) activations from memory once they leave the
+caches: 16,384 tokens ran all-MiniLM-L6-v2 at 0.8x the rate of 2,048 (one thread, 640
+passages, bench/embed_corpus.py's corpus); 512-4,096 were within noise of each other."""
+
 Pair = tuple[list[int], list[int]]
 """A cross-encoder input: its token ids and their token type ids (0 query, 1 document)."""
 
@@ -33,19 +41,27 @@ class PoolingRunner:
     spec: PoolingSpec
     model: BertEncoder
     device: torch.device
-    max_batch_tokens: int = 16384
+    max_batch_tokens: int = BATCH_TOKENS["cuda"]
 
     @staticmethod
     def load(
-        model_dir: Path, spec: PoolingSpec, device: str = "cpu", dtype: torch.dtype = torch.float32
+        model_dir: Path,
+        spec: PoolingSpec,
+        device: str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        packed: bool = True,
     ) -> PoolingRunner:
+        """The encoder in `model_dir` on `device`; `packed`: its dense layers run on the real
+        tokens only (`BertEncoder.is_packed`)."""
         if not spec.is_encoder:
             raise ValueError(f"{model_dir} is a decoder: the generation engine pools it")
         reader = CheckpointReader(model_dir)
         weights = {name: reader.get(name).to(device=device, dtype=dtype) for name in reader.names}
         config = BertConfig.from_hf(read_hf_config(model_dir).to_dict())
-        model = BertEncoder(config, encoder_weights(weights))
-        return PoolingRunner(spec, model, torch.device(device))
+        model = BertEncoder(config, encoder_weights(weights), is_packed=packed)
+        where = torch.device(device)
+        budget = BATCH_TOKENS.get(where.type, BATCH_TOKENS["cuda"])
+        return PoolingRunner(spec, model, where, max_batch_tokens=budget)
 
     def _batches(self, lengths: list[int]) -> list[list[int]]:
         """Input indices in batches, longest first, each at most `max_batch_tokens` padded."""
@@ -102,10 +118,12 @@ class PoolingRunner:
         return out
 
 
-def load_runner(model_dir: str, device: str = "auto", dtype: str | None = None) -> PoolingRunner:
+def load_runner(
+    model_dir: str, device: str = "auto", dtype: str | None = None, packed: bool = True
+) -> PoolingRunner:
     """The runner of the pooling model in `model_dir` (the pooling client's factory):
     `device` auto picks CUDA when there is one; `dtype` None is float32 on the CPU, the
-    checkpoint's half type on CUDA (bfloat16 when it declares none)."""
+    checkpoint's half type on CUDA (bfloat16 when it declares none); `packed` as `load`."""
     spec = pooling_spec(Path(model_dir))
     if spec is None:
         raise ValueError(f"{model_dir} declares no pooling (engine/core/pooling.py)")
@@ -113,7 +131,7 @@ def load_runner(model_dir: str, device: str = "auto", dtype: str | None = None) 
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if dtype is None:
         dtype = "float32" if device == "cpu" else "bfloat16"
-    return PoolingRunner.load(Path(model_dir), spec, device, getattr(torch, dtype))
+    return PoolingRunner.load(Path(model_dir), spec, device, getattr(torch, dtype), packed)
 
 
 def _pool(pooling: str, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -203,6 +203,15 @@ class EngineArgs:
     )
     """On the CPU, resident linear weights are stored prepacked for oneDNN's GEMM once at
     load (engine/models/base.py); False keeps them plain for `F.linear`."""
+    packed_pooling: bool = cli(
+        True,
+        "a BERT-style pooling model (embedder, cross-encoder) runs its dense layers on the "
+        "real tokens only, padding them for attention alone; off pads every input to its "
+        "batch's longest (default: on)",
+    )
+    """An encoder's q/k/v, output, MLP and LayerNorms run on the batch's real tokens packed
+    together (engine/models/bert.py, `BertEncoder.is_packed`); False runs them on every
+    padded position, as transformers does."""
     hot_experts: bool = cli(
         True,
         "home a mixture-of-experts model's most-picked experts on the fastest tier first "

@@ -1,15 +1,16 @@
 """BERT-style encoders (BertModel, XLM-RoBERTa) for pooling: the last hidden states of a
 padded batch, and the sequence-classification head of a cross-encoder (a reranker's score).
 
-A plain dense forward in the checkpoint's dtype, as transformers' eager BertModel computes
-it: embeddings (word + position + token type, LayerNorm), then per layer bidirectional
-attention over the unpadded tokens, a LayerNorm after each residual, a GELU MLP. RoBERTa's
-positions start after its padding index and count only real tokens.
+A dense forward in the checkpoint's dtype, equal to transformers' BertModel: embeddings
+(word + position + token type, LayerNorm), then per layer bidirectional attention over the
+unpadded tokens (SDPA), a LayerNorm after each residual, a GELU MLP. RoBERTa's positions
+start after its padding index and count only real tokens. The dense layers run on the real
+tokens alone (`BertEncoder.is_packed`): a batch of short and long inputs pays for its
+padding only in attention.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -55,11 +56,25 @@ class BertConfig:
 class BertEncoder:
     """An encoder's weights (`weights`: checkpoint names without the task prefix) and its
     forward. `hidden` gives (B, T, H) last hidden states; `classify` a cross-encoder's
-    (B, num_labels) logits from its pooler and classifier."""
+    (B, num_labels) logits from its pooler and classifier.
 
-    def __init__(self, config: BertConfig, weights: dict[str, torch.Tensor]) -> None:
+    `is_packed` (the default) runs the dense layers (q/k/v, attention output, MLP,
+    LayerNorms) on the real tokens only, packed as (N, H) rows, and pads them back to
+    (B, T) for attention alone: a batch's padding costs nothing outside attention. Off, every
+    layer runs on all B * T positions (the plain path, as transformers computes it). Both
+    attend through SDPA with the padded keys masked out."""
+
+    def __init__(
+        self, config: BertConfig, weights: dict[str, torch.Tensor], is_packed: bool = True
+    ) -> None:
         self.config = config
         self.weights = weights
+        self.is_packed = is_packed
+        for j in range(config.num_layers):  # one (3H, H) GEMM a layer instead of three
+            name = f"encoder.layer.{j}.attention.self"
+            for part in ("weight", "bias"):
+                parts = [weights.pop(f"{name}.{p}.{part}") for p in ("query", "key", "value")]
+                weights[f"{name}.qkv.{part}"] = torch.cat(parts)
 
     def _w(self, name: str) -> torch.Tensor:
         return self.weights[name]
@@ -80,39 +95,51 @@ class BertEncoder:
     def hidden(
         self, token_ids: torch.Tensor, mask: torch.Tensor, type_ids: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """(B, T) right-padded token ids and their (B, T) 0/1 mask -> (B, T, H)."""
+        """(B, T) right-padded token ids and their (B, T) 0/1 mask -> (B, T, H); the rows
+        at padded positions hold zeros when packed (pooling never reads them)."""
         c = self.config
+        batch, length = token_ids.shape
         if c.is_roberta:  # positions count real tokens from pad_token_id + 1
             positions = torch.cumsum(mask, dim=1) * mask + c.pad_token_id
         else:
-            positions = torch.arange(token_ids.shape[1], device=token_ids.device)[None, :]
+            positions = torch.arange(length, device=token_ids.device)[None, :]
         if type_ids is None:
             type_ids = torch.zeros_like(token_ids)
         x = F.embedding(token_ids, self._w("embeddings.word_embeddings.weight"))
         x = x + F.embedding(positions, self._w("embeddings.position_embeddings.weight"))
         if "embeddings.token_type_embeddings.weight" in self.weights:
             x = x + F.embedding(type_ids, self._w("embeddings.token_type_embeddings.weight"))
-        x = self._layer_norm(x, "embeddings.LayerNorm")
-        # (B, 1, 1, T): padded keys get -inf before the softmax
-        bias = torch.zeros(mask.shape, dtype=x.dtype, device=x.device)
-        bias = bias.masked_fill(mask == 0, torch.finfo(x.dtype).min)[:, None, None, :]
+        x = self._layer_norm(x, "embeddings.LayerNorm").reshape(batch * length, -1)
+        keep = mask.bool()[:, None, None, :]  # (B, 1, 1, T): the keys attention may read
+        # (N,) flat positions of the real tokens in the (B * T) grid; None: all of them
+        where = mask.reshape(-1).nonzero().squeeze(1) if self.is_packed else None
+        if where is not None and where.numel() == batch * length:
+            where = None  # no padding: the packed rows are the grid itself
+        if where is not None:
+            x = x.index_select(0, where)
         for j in range(c.num_layers):
-            x = self._layer(x, bias, f"encoder.layer.{j}")
-        return x
+            x = self._layer(x, keep, where, f"encoder.layer.{j}")
+        if where is None:
+            return x.view(batch, length, -1)
+        grid = x.new_zeros(batch * length, x.shape[1])
+        return grid.index_copy_(0, where, x).view(batch, length, -1)
 
-    def _layer(self, x: torch.Tensor, bias: torch.Tensor, name: str) -> torch.Tensor:
+    def _layer(
+        self, x: torch.Tensor, keep: torch.Tensor, where: torch.Tensor | None, name: str
+    ) -> torch.Tensor:
+        """(N, H) rows -> (N, H) rows; `where` places them in the (B, T) grid of `keep`."""
         c = self.config
-        batch, length, _ = x.shape
+        batch, length = keep.shape[0], keep.shape[3]
         head_dim = c.hidden_size // c.num_heads
-
-        def heads(t: torch.Tensor) -> torch.Tensor:  # (B, T, H) -> (B, nh, T, hs)
-            return t.view(batch, length, c.num_heads, head_dim).transpose(1, 2)
-
-        q = heads(self._linear(x, f"{name}.attention.self.query"))
-        k = heads(self._linear(x, f"{name}.attention.self.key"))
-        v = heads(self._linear(x, f"{name}.attention.self.value"))
-        scores = q @ k.transpose(-1, -2) / math.sqrt(head_dim) + bias
-        attended = (scores.softmax(-1) @ v).transpose(1, 2).reshape(batch, length, -1)
+        qkv = self._linear(x, f"{name}.attention.self.qkv")  # (N, 3H)
+        if where is not None:
+            qkv = qkv.new_zeros(batch * length, qkv.shape[1]).index_copy_(0, where, qkv)
+        # (B * T, 3H) -> 3 x (B, nh, T, hs)
+        q, k, v = qkv.view(batch, length, 3, c.num_heads, head_dim).permute(2, 0, 3, 1, 4)
+        attended = F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+        attended = attended.transpose(1, 2).reshape(batch * length, c.hidden_size)
+        if where is not None:
+            attended = attended.index_select(0, where)  # (N, H)
         attended = self._linear(attended, f"{name}.attention.output.dense")
         x = self._layer_norm(attended + x, f"{name}.attention.output.LayerNorm")
         inner = self._act(self._linear(x, f"{name}.intermediate.dense"))

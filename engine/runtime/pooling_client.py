@@ -72,10 +72,16 @@ class PoolingEngineClient(EngineClient):
         device: str = "auto",
         dtype: str | None = None,
         in_process: bool = False,
+        packed: bool = True,
     ) -> None:
         super().__init__()
         self.model_dir, self.spec, self._model_name = model_dir, spec, model_name
-        self._kwargs = {"model_dir": str(model_dir), "device": device, "dtype": dtype}
+        self._kwargs = {
+            "model_dir": str(model_dir),
+            "device": device,
+            "dtype": dtype,
+            "packed": packed,
+        }
         self._in_process = in_process
         self._tokenizer = Tokenizer(model_dir)
         self._lock = asyncio.Lock()
@@ -219,4 +225,5 @@ def pooling_client_for(args: argparse.Namespace) -> PoolingEngineClient | None:
         device=engine_args.device,
         dtype=engine_args.dtype,
         in_process=getattr(args, "in_process", False),
+        packed=engine_args.packed_pooling,
     )

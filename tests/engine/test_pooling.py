@@ -5,6 +5,7 @@ BERT cross-encoder's scores, in float32; a Qwen3 embedder is left to the generat
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -12,7 +13,8 @@ import torch.nn.functional as F
 
 from engine.core.model_files import ModelLoadError
 from engine.core.pooling import pooling_spec
-from engine.pooling_runner import PoolingRunner
+from engine.models.bert import BertEncoder
+from engine.pooling_runner import BATCH_TOKENS, PoolingRunner
 from tests.engine.tiny_pooling import build_pooling, minilm_dir
 
 ROWS = [[5, 17, 33, 8, 2], [9, 4], [60, 61, 62, 63, 64, 65, 66, 3], [11]]
@@ -37,14 +39,53 @@ def _close(ours: list[list[float]], theirs: torch.Tensor) -> None:
     assert torch.allclose(torch.tensor(ours), theirs, atol=1e-4)
 
 
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "plain"])
 @pytest.mark.parametrize("kind", ["bert", "xlm-roberta"])
-def test_encoder_cls_vectors_equal_transformers(kind: str, tmp_path: Path) -> None:
+def test_encoder_cls_vectors_equal_transformers(kind: str, packed: bool, tmp_path: Path) -> None:
     model_dir = build_pooling(kind, tmp_path / kind)
     spec = pooling_spec(model_dir)
     assert spec is not None and (spec.task, spec.pooling, spec.normalize) == ("embed", "cls", True)
-    ours = PoolingRunner.load(model_dir, spec).embed(ROWS)
+    ours = PoolingRunner.load(model_dir, spec, packed=packed).embed(ROWS)
     hidden, _ = _hf_hidden(model_dir, ROWS)
     _close(ours, F.normalize(hidden[:, 0], dim=-1))
+
+
+def test_packed_encoder_runs_dense_layers_on_the_real_tokens_only(tmp_path: Path) -> None:
+    """Packed, every linear layer sees the batch's 16 real tokens; plain, all 4 x 8 padded
+    positions. Both give the same vectors (the switch changes work, not results)."""
+    model_dir = build_pooling("bert", tmp_path / "bert")
+    spec = pooling_spec(model_dir)
+    assert spec is not None
+    vectors, rows = {}, {}
+    for packed in (True, False):
+        runner = PoolingRunner.load(model_dir, spec, packed=packed)
+        model = runner.model
+        assert isinstance(model, BertEncoder)
+        seen: list[int] = []
+        linear = model._linear
+
+        def counted(x: torch.Tensor, name: str, linear: Any = linear, seen: list[int] = seen):
+            seen.append(x.shape[0])
+            return linear(x, name)
+
+        model._linear = counted  # type: ignore[method-assign]
+        vectors[packed] = runner.embed(ROWS)
+        rows[packed] = set(seen)
+    assert rows == {True: {sum(len(r) for r in ROWS)}, False: {len(ROWS) * 8}}
+    assert torch.allclose(torch.tensor(vectors[True]), torch.tensor(vectors[False]), atol=1e-6)
+
+
+def test_cpu_batches_stay_within_the_cpu_budget(tmp_path: Path) -> None:
+    """On the CPU a forward pass holds at most BATCH_TOKENS["cpu"] padded tokens: 600
+    inputs of 10 tokens run as 3 passes of at most 204 rows, longest first."""
+    model_dir = build_pooling("bert", tmp_path / "bert")
+    spec = pooling_spec(model_dir)
+    assert spec is not None
+    runner = PoolingRunner.load(model_dir, spec)
+    assert runner.max_batch_tokens == BATCH_TOKENS["cpu"] == 2048
+    lengths = [10] * 599 + [11]
+    batches = runner._batches(lengths)
+    assert [len(b) for b in batches] == [186, 204, 204, 6] and batches[0][0] == 599
 
 
 def test_qwen3_embedder_is_a_decoder_for_the_generation_engine(tmp_path: Path) -> None:
