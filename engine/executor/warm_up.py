@@ -6,9 +6,12 @@ the engine, once its weights are placed and before it says it is ready, makes th
 
 - **Graphs**: for every GPU batch, every row count a decode-only step can give it
   (`decode_rows`: the scheduler's discrete sizes, with its padding rule), captured through
-  `GraphRunner.capture`. Nano-batches' graphs are not among them: their row counts follow
-  each step's balance of attention work, not the discrete sizes, and are captured at first
-  use. Mixed and prefill steps run eagerly (no piecewise graphs for them yet).
+  `GraphRunner.capture`, the most rows first: all captures share one memory pool and each
+  later one fits in the blocks the first freed (vLLM's order), so the pool holds one
+  capture's transient buffers, not one per row count. Nano-batches' graphs are not among
+  them: their row counts follow each step's balance of attention work, not the discrete
+  sizes, and are captured at first use. Mixed and prefill steps run eagerly (no piecewise
+  graphs for them yet).
 - **Kernels**: a few steps on dummy sequences through `Executor.execute`, the path real
   steps take, so every launch meets the specialization a real step would (the paged kernel's
   prefill and decode tiles, one split and several with their merge, each layer's window and
@@ -94,7 +97,7 @@ def warm_up(executor: Executor, batch_sizes: tuple[int, ...] | None) -> WarmUp:
         for k, counts in decode_rows(
             batch_sizes, policy.gpu_batch_size, policy.num_gpu_batches
         ).items():
-            for rows in counts:
+            for rows in reversed(counts):  # the most first: the rest reuse its pool's blocks
                 runner.capture(k, rows)
     num_steps = _run_steps(executor, batch_sizes or (policy.block_size,))
     executor.device.synchronize()
