@@ -240,17 +240,32 @@ class FakeGraph:
         pass
 
 
+class FakePool:
+    """A graph memory pool (`graph_pool_handle`): the blocks its captures freed, which a
+    later capture into it reuses before asking for more."""
+
+    def __init__(self) -> None:
+        self.nbytes = 0
+
+
 @contextmanager
-def _capture(ledger: DeviceLedger) -> Iterator[None]:
+def _capture(ledger: DeviceLedger, pool: FakePool | None) -> Iterator[None]:
     """Graph capture: the body runs once; what it held at most beyond what it leaves alive
-    stays with the graph's private pool."""
+    stays with the graph's pool. Captures into one pool share it (the caching allocator hands
+    a capture the blocks an earlier one freed, on the one capture stream): the pool is the
+    largest of them, which holds while each capture needs no more than the one before it
+    (the engine captures the most rows first, as vLLM does). A private pool (`pool=None`) is
+    the graph's alone."""
     base = ledger.live_bytes
     top = [base]
     with mock.patch.object(ledger, "_add", _watching(ledger, top)), ledger.task("graph pool"):
         yield
-    pool = max(0, top[0] - ledger.live_bytes)
-    if pool:
-        ledger.hold("graph pool", pool)
+    need = max(0, top[0] - ledger.live_bytes)
+    held = 0 if pool is None else pool.nbytes
+    if need > held:
+        ledger.hold("graph pool", need - held)
+        if pool is not None:
+            pool.nbytes = need
 
 
 def _watching(ledger: DeviceLedger, top: list[int]) -> Callable[[str, int], None]:
@@ -306,9 +321,9 @@ def fake_cuda(ledger: DeviceLedger, device_bytes: int, host_bytes: int) -> Itera
         "current_stream": lambda device=None: current,
         "default_stream": lambda device=None: current,
         "stream": lambda stream=None: nullcontext(),
-        "graph_pool_handle": lambda: object(),
+        "graph_pool_handle": FakePool,
         "CUDAGraph": FakeGraph,
-        "graph": lambda graph, pool=None, stream=None, **_: _capture(ledger),
+        "graph": lambda graph, pool=None, stream=None, **_: _capture(ledger, pool),
     }
     with ExitStack() as stack:
         for name, value in patches.items():

@@ -19,7 +19,11 @@ its labels in brackets):
   device, for each compute the loop runs ahead of (`LOAD_WINDOW`) and the next prefetched;
 * stores in flight [store_cache, store_activation]: new KV rows headed for host memory
   (`STORE_WINDOW` GPU batches' layers of them, and the one being made) and activations;
-* activations homed on the device (the block's residual between layers).
+* activations homed on the device (the block's residual between layers);
+* CUDA graphs [setup, graph pool], where the weights are uncompressed and the model is
+  neither a MoE nor a hybrid (the engine captures none over 4-bit layers, routed experts or
+  state layers): the static buffers of each GPU batch's most rows and the pool's
+  blocks, one capture's transient buffers (`graph_bytes`).
 """
 
 from __future__ import annotations
@@ -44,6 +48,10 @@ host ahead of the device held every layer's (OPT-6.7B's 96-sequence batches of 5
 tokens: 48 GiB, found by the rehearsal, engine/rehearsal.py)."""
 IN_FLIGHT = LOAD_WINDOW + 2
 """Loads alive at once: the compute running, LOAD_WINDOW queued, the next prefetched."""
+PIECEWISE_MAX_ROWS = 2048
+"""The most rows a mixed or prefill step replays CUDA graphs at (the discrete sizes up to it
+are captured; a larger step, an offloaded block's prefill, runs eagerly: its layers' GEMMs
+outlast their launches, and its graphs would hold that many rows' buffers for good)."""
 DEQUANTIZE_TEMPORARY = 4.5
 """Bytes per element dequantizing a 4-bit matrix holds at its peak besides its output: the
 codes (1 B), their float32 values and the float32 product (engine/storage/quant.py:
@@ -104,6 +112,26 @@ def step_workspace_bytes(
     return tokens * per_token + logits + 2 * dequantized_layer
 
 
+def graph_bytes(model: ModelSpec, policy: Policy, step_tokens: int) -> float:
+    """Device bytes the CUDA graphs of `policy`'s steps hold for good
+    (engine/executor/cuda_graphs.py): each GPU batch's (and nano-batch's) static buffers at
+    its most rows (token ids, positions and their rotary tables, the states, q, k, v and the
+    attention's output), and the pool every capture shares, one capture's transient buffers
+    at the most rows (a layer's workspace). One GPU batch: the discrete sizes up to the
+    step's `step_tokens` (at most `PIECEWISE_MAX_ROWS`), which mixed and prefill steps replay;
+    several: each batch's decode rows."""
+    m, itemsize = model, model.dtype_bytes
+    q_dim = m.num_heads * m.head_dim
+    per_row = (m.hidden_size + 2 * q_dim + m.kv_row_dim) * itemsize + 16 + 2 * 4 * m.head_dim
+    if policy.num_gpu_batches == 1:
+        rows = max(policy.gpu_batch_size, min(step_tokens, PIECEWISE_MAX_ROWS))
+        buffers = rows * (2 if policy.num_nano_batches > 1 else 1)  # whole, and nano-batches'
+    else:
+        rows = policy.gpu_batch_size
+        buffers = rows * policy.num_gpu_batches * (2 if policy.num_nano_batches > 1 else 1)
+    return buffers * per_row + step_workspace_bytes(m, rows, 0)
+
+
 def _layer_elements(model: ModelSpec) -> tuple[float, float]:
     """A decoder layer's elements (routed experts apart) and the largest matrix's, the head's
     included."""
@@ -135,7 +163,10 @@ def gpu_reserves(
         weights = Affine.of(decoded + IN_FLIGHT * layer * packed, wg=-IN_FLIGHT * layer * packed)
     else:  # two slots for decoder layers off the device, the embedding or head loaded apart
         slots = 2 * layer * dtype if slot_bytes is None else slot_bytes
-        weights = Affine.of(slots + head * dtype, wg=-slots - head * dtype)
+        steps = default_step_tokens(policy, prompt_len) if step_tokens is None else step_tokens
+        captures = not (model.num_experts or model.is_hybrid)  # routing, states: no graphs
+        graphs = graph_bytes(model, policy, steps) if captures else 0.0
+        weights = Affine.of(slots + head * dtype + graphs, wg=-slots - head * dtype)
     kv_row, act_row = model.kv_bytes_per_token_per_layer, model.hidden_bytes_per_token
     out = {}
     for stage, tokens, past in (

@@ -162,6 +162,14 @@ class EngineArgs:
     cuda_graphs: bool = cli(True, "replay decode steps as CUDA graphs where sound (default: on)")
     """Replay decode steps' dense ops as CUDA graphs at the discrete sizes where sound (resident
     weights, one GPU batch); False runs every op eagerly (vLLM's enforce_eager)."""
+    piecewise_graphs: bool = cli(
+        True,
+        "on CUDA, replay mixed and prefill steps of one GPU batch as CUDA graphs of their "
+        "dense ops at the discrete sizes, attention eager between them (default: on)",
+    )
+    """Mixed and prefill steps' dense ops as graphs too (vLLM's piecewise graphs), captured by
+    the warm-up at the scheduler's discrete sizes; False: only decode-only steps replay
+    graphs (as before; with `cuda_graphs` off, none do)."""
     warmup: bool = cli(
         True,
         "on CUDA, capture every decode step's graphs and compile every Triton kernel "

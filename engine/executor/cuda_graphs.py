@@ -15,14 +15,23 @@ and its graphs read them there; the copy into a slot is fenced by events as any 
 embedding that is not resident runs eagerly (its weights arrive at a new address) into the
 same static buffers.
 
+Mixed and prefill steps too (vLLM's piecewise graphs): the bodies do not depend on what
+the rows are, decodes or a prompt's tokens (attention, the only part that does, runs
+eagerly), so a step whose one GPU batch runs at one of the scheduler's discrete sizes
+(`dense_sizes`: its dense ops padded to it) replays the graphs of that row count.
+
 Used only where it is sound: CUDA, every decoder layer resident or slotted, uncompressed
 (the graphs read the weight tensors by address), activations on the device, and
-decode-only steps at a size seen before or captured now; each GPU batch of the block has
-its own static buffers and graphs, and so does each nano-batch of a batch cut into them
-(its dense ops replayed, its attention eager beside them: engine/executor/nano_overlap.py).
-The engine's warm-up captures every row count a decode step can give each GPU batch before
-the first request (engine/executor/warm_up.py); nano-batches' graphs, whose row counts follow
-each step's balance of attention work, are still captured at first use.
+decode-only steps at a size seen before or captured now, or mixed and prefill steps of one
+GPU batch at a discrete size; each GPU batch of the block has its own static buffers and
+graphs, and so does each nano-batch of a batch cut into them (its dense ops replayed, its
+attention eager beside them: engine/executor/nano_overlap.py). The graphs of one GPU batch
+(or nano-batch) share its static buffers, each row count reading their first rows: they
+never run at once, and the buffers are the most rows' size, not the sum over row counts.
+The engine's warm-up captures every row count a decode step can give each GPU batch, and
+the discrete sizes, before the first request (engine/executor/warm_up.py); nano-batches'
+graphs, whose row counts follow each step's balance of attention work, are still captured
+at first use.
 `EngineArgs.cuda_graphs=False` (`--no-cuda-graphs`) turns it off; tokens are identical
 either way (the GPU suite checks; on the CPU, tests/engine/executor/test_graph_capture.py
 replays the same bodies checking every address they read).
@@ -82,22 +91,30 @@ class GraphRunner:
         self.model, self.weights, self.device, self.dtype = model, weights, device, dtype
         self._graphs: dict[tuple[int, ...], StepGraphs] = {}
         """By (GPU batch, rows), or (GPU batch, nano-batch, rows)."""
+        self._buffers: dict[tuple[int, ...], StepGraphs] = {}
+        """By (GPU batch,) or (GPU batch, nano-batch): the static buffers of its most rows so
+        far, which its graphs of fewer rows read the first rows of."""
+        self.dense_sizes: frozenset[int] = frozenset()
+        """The row counts a mixed or prefill step of one GPU batch replays graphs at: the
+        scheduler's discrete sizes, captured by the warm-up (empty: such steps run eagerly)."""
         self._pool: Any = None
         self.num_replays = 0
         """Steps run through graphs (the GPU suite checks the path was taken)."""
+        self.num_piecewise_replays = 0
+        """Of them, mixed and prefill steps."""
         self.num_captures = 0
         """Graphs captured so far: after the engine's warm-up (`capture`) a new one is a
         capture inside a step."""
 
-    @staticmethod
-    def applies(batches: list[GpuBatch]) -> bool:
-        """Every sequence of every GPU batch decoding one token, activations on the device."""
-        for batch in batches:
-            decoding = batch.device_group is None or batch.device_group.layout.q_max == 1
-            on_cpu = batch.cpu_group is None or batch.cpu_group.layout.q_max == 1
-            if not (decoding and on_cpu and not batch.act_rows):
-                return False
-        return True
+    def applies(self, batches: list[GpuBatch]) -> bool:
+        """Activations on the device, and every sequence of every GPU batch decoding one
+        token, or one GPU batch (not cut into nano-batches) at one of `dense_sizes`."""
+        if any(batch.act_rows for batch in batches):
+            return False
+        if all(_decoding(batch) for batch in batches):
+            return True
+        (batch, *others) = batches
+        return not others and not batch.nano_batches and batch.num_tokens in self.dense_sizes
 
     def begin(self, batches: list[GpuBatch]) -> StepReplay:
         """Each GPU batch's graphs (or each of its nano-batches') for its row count,
@@ -112,6 +129,7 @@ class GraphRunner:
             graphs.positions.copy_(batch.positions.ids)
             out.whole[batch.index] = graphs
         self.num_replays += 1
+        self.num_piecewise_replays += not all(_decoding(batch) for batch in batches)
         return out
 
     def _nano(self, batch: GpuBatch, nano: NanoBatch) -> StepGraphs:
@@ -132,7 +150,7 @@ class GraphRunner:
     def _get(self, key: tuple[int, ...], rows: int, embed: bool) -> StepGraphs:
         graphs = self._graphs.get(key)
         if graphs is None:
-            graphs = self._graphs[key] = self._capture(rows, embed)
+            graphs = self._graphs[key] = self._capture(key[:-1], rows, embed)
         return graphs
 
     @staticmethod
@@ -147,22 +165,48 @@ class GraphRunner:
 
     # -- capture ---------------------------------------------------------------------------
 
-    def _capture(self, rows: int, embed_graph: bool = True) -> StepGraphs:
+    def _static(self, owner: tuple[int, ...], rows: int) -> StepGraphs:
+        """Static buffers of `rows` rows for `owner`'s graphs: the first rows of its largest
+        buffers, made anew (and kept as the largest) when they are too few."""
+        have = self._buffers.get(owner)
+        if have is None or have.h.shape[0] < rows:
+            have = self._buffers[owner] = self._allocate(rows)
+        assert have.tables is not None
+        tables = have.tables[:rows]
+        return StepGraphs(
+            token_ids=have.token_ids[:rows],
+            positions=tables.ids,
+            h=have.h[:rows],
+            q=have.q[:rows],
+            k=have.k[:rows],
+            v=have.v[:rows],
+            o=have.o[:rows],
+            tables=tables,
+        )
+
+    def _allocate(self, rows: int) -> StepGraphs:
         c = self.model.config
         device, dtype = self.device, self.dtype
         k = torch.zeros(rows, c.num_kv_heads, c.head_dim, dtype=dtype, device=device)
-        g = StepGraphs(
+        positions = torch.zeros(rows, dtype=torch.long, device=device)
+        made = self.model.positions(positions, dtype)
+        return StepGraphs(
             token_ids=torch.zeros(rows, dtype=torch.long, device=device),
-            positions=torch.zeros(rows, dtype=torch.long, device=device),
+            positions=positions,
             h=torch.zeros(rows, c.hidden_size, dtype=dtype, device=device),
             q=torch.zeros(rows, c.num_heads, c.head_dim, dtype=dtype, device=device),
             k=k,
             v=k if c.values_are_keys else torch.zeros_like(k),  # the same buffer, v is k
             o=torch.zeros(rows, c.num_heads, c.head_dim, dtype=dtype, device=device),
+            tables=Positions(positions, tuple(torch.zeros_like(t) for t in made.tables)),
         )
+
+    def _capture(self, owner: tuple[int, ...], rows: int, embed_graph: bool = True) -> StepGraphs:
+        g = self._static(owner, rows)
+        dtype = self.dtype
         embed = self.weights[0]
-        made = self.model.positions(g.positions, dtype)
-        tables = g.tables = Positions(g.positions, tuple(torch.zeros_like(t) for t in made.tables))
+        tables = g.tables
+        assert tables is not None
 
         def embed_step(w: Weights) -> None:
             g.h.copy_(self.model.embed(w, g.token_ids, g.positions))
@@ -206,3 +250,9 @@ class GraphRunner:
             body()
         self.num_captures += 1
         return graph
+
+
+def _decoding(batch: GpuBatch) -> bool:
+    """Every sequence of `batch` decoding one token."""
+    on_device = batch.device_group is None or batch.device_group.layout.q_max == 1
+    return on_device and (batch.cpu_group is None or batch.cpu_group.layout.q_max == 1)

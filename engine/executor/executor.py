@@ -424,11 +424,12 @@ class Executor:
             return None
         return GraphRunner(self.model, weights, self.device.device, self.dtype)
 
-    def warm_up(self, batch_sizes: tuple[int, ...] | None) -> WarmUp:
-        """Capture every decode graph and compile every Triton specialization a step of the
-        scheduler's discrete sizes `batch_sizes` (None: no discrete batching) can meet, before
-        the first step (engine/executor/warm_up.py)."""
-        self.warmed = warm_up(self, batch_sizes)
+    def warm_up(self, batch_sizes: tuple[int, ...] | None, piecewise: bool = True) -> WarmUp:
+        """Capture every decode graph (and with `piecewise`, every mixed and prefill step's
+        graphs) and compile every Triton specialization a step of the scheduler's discrete
+        sizes `batch_sizes` (None: no discrete batching) can meet, before the first step
+        (engine/executor/warm_up.py)."""
+        self.warmed = warm_up(self, batch_sizes, piecewise)
         return self.warmed
 
     # -- what the scheduler needs ------------------------------------------------------
@@ -808,7 +809,7 @@ def build_executor(
     if args.warmup and executor.device.is_cuda:
         try:
             sizes = args.discrete_batch_sizes(policy) if args.discrete_batching else None
-            executor.warm_up(sizes)
+            executor.warm_up(sizes, piecewise=args.piecewise_graphs)
         except BaseException:
             executor.close()
             raise

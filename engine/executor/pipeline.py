@@ -153,7 +153,7 @@ class BlockPipeline:
         """This step loads a MoE layer's experts off the device once routed, only those with
         rows (else all of them with the layer: engine/executor/moe_block.py)."""
         self._replaying = StepReplay()
-        if self.graphs is not None and GraphRunner.applies(batches):
+        if self.graphs is not None and self.graphs.applies(batches):
             self._replaying = self.graphs.begin(batches)
         if self.overlap and not self._moves_nothing(batches):
             return self._run_overlapped(batches)

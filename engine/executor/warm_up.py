@@ -6,9 +6,14 @@ the engine, once its weights are placed and before it says it is ready, makes th
 
 - **Graphs**: for every GPU batch, every row count a decode-only step can give it
   (`decode_rows`: the scheduler's discrete sizes, with its padding rule), captured through
-  `GraphRunner.capture`. Nano-batches' graphs are not among them: their row counts follow
-  each step's balance of attention work, not the discrete sizes, and are captured at first
-  use. Mixed and prefill steps run eagerly (no piecewise graphs for them yet).
+  `GraphRunner.capture`, and for a plan of one GPU batch every discrete size up to
+  `PIECEWISE_MAX_ROWS` (policy/reserves.py, which prices their memory), which mixed and
+  prefill steps replay (piecewise: attention eager between the graphs; `piecewise=False`,
+  `--no-piecewise-graphs`, leaves them eager), the most rows first: all captures share one
+  memory pool and each later one fits in the blocks the first freed (vLLM's order), so the
+  pool holds one capture's transient buffers, not one per row count. Nano-batches' graphs
+  are not among them: their row counts follow each step's balance of attention work, not
+  the discrete sizes, and are captured at first use.
 - **Kernels**: a few steps on dummy sequences through `Executor.execute`, the path real
   steps take, so every launch meets the specialization a real step would (the paged kernel's
   prefill and decode tiles, one split and several with their merge, each layer's window and
@@ -43,6 +48,7 @@ from engine.kernels.triton_launch import compiled_count
 from engine.storage.device import Device
 from policy import Policy
 from policy.prefix import PAGE_TOKENS
+from policy.reserves import PIECEWISE_MAX_ROWS
 
 
 class Executor(Protocol):
@@ -82,19 +88,24 @@ def decode_rows(
     return out
 
 
-def warm_up(executor: Executor, batch_sizes: tuple[int, ...] | None) -> WarmUp:
-    """Capture `executor`'s decode graphs and compile its kernels (see the module): the
-    scheduler's discrete sizes `batch_sizes` (None: no discrete batching)."""
+def warm_up(
+    executor: Executor, batch_sizes: tuple[int, ...] | None, piecewise: bool = True
+) -> WarmUp:
+    """Capture `executor`'s decode graphs (and with `piecewise`, its mixed and prefill
+    steps' graphs) and compile its kernels (see the module): the scheduler's discrete sizes
+    `batch_sizes` (None: no discrete batching)."""
     start = time.perf_counter()
     runner = executor.pipeline.graphs
     captured = 0 if runner is None else runner.num_captures
     compiled = compiled_count()
     policy = executor.policy
     if runner is not None:
-        for k, counts in decode_rows(
-            batch_sizes, policy.gpu_batch_size, policy.num_gpu_batches
-        ).items():
-            for rows in counts:
+        rows_by_batch = decode_rows(batch_sizes, policy.gpu_batch_size, policy.num_gpu_batches)
+        if piecewise and batch_sizes is not None and policy.num_gpu_batches == 1:
+            runner.dense_sizes = frozenset(s for s in batch_sizes if s <= PIECEWISE_MAX_ROWS)
+            rows_by_batch[0] = sorted(set(rows_by_batch[0]) | runner.dense_sizes)
+        for k, counts in rows_by_batch.items():
+            for rows in reversed(counts):  # the most first: the rest reuse its pool's blocks
                 runner.capture(k, rows)
     num_steps = _run_steps(executor, batch_sizes or (policy.block_size,))
     executor.device.synchronize()

@@ -66,6 +66,8 @@ class DeviceLedger:
     _completed: int = 0
     label_peaks: dict[str, int] = field(default_factory=dict)
     """The most bytes alive at once by what made them, over the whole run."""
+    held: dict[str, int] = field(default_factory=dict)
+    """Bytes counted for good by `hold`, by label (graph pools)."""
     deferred_bytes: int = 0
     """Bytes alive only because a side stream may still read them (stores in flight)."""
     deferred_peak: int = 0
@@ -148,6 +150,7 @@ class DeviceLedger:
         """Count `nbytes` for good (a graph's private pool)."""
         with self._lock:
             self._add(label, nbytes)
+            self.held[label] = self.held.get(label, 0) + nbytes
 
     # -- streams -------------------------------------------------------------------------
 
