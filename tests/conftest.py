@@ -11,6 +11,8 @@
   model, by a test unless it asks for one (each would add seconds to every automatic plan).
 - Triton's interpreter runs the CUDA kernels on CPU tensors (tests/engine/kernels). The
   setting is read when triton.language is first imported, for its own jit functions.
+- Under pytest-xdist (`make test` runs `-n 2`), each worker computes with its share of the
+  cores (torch's intra-op threads), so that the workers do not oversubscribe them.
 """
 
 from __future__ import annotations
@@ -35,3 +37,6 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
     fixed = HardwareSpec.load(FIXED_PROFILE)
     dataclasses.replace(fixed, machine=machine_key()).save(CACHE / "hardware.json")
+workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if workers > 1:
+    torch.set_num_threads(max(1, torch.get_num_threads() // workers))
