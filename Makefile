@@ -30,8 +30,12 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
+# The tests run on TEST_WORKERS processes (pytest-xdist); tests that must not overlap share
+# an xdist_group mark (--dist loadgroup). TEST_WORKERS=0 runs them in this process.
+TEST_WORKERS ?= 2
+
 pytest: $(STAMP)
-	$(VENV)/bin/pytest -q $(PYTEST_ARGS)
+	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 test: lint typecheck pytest
 

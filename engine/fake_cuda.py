@@ -298,7 +298,6 @@ def fake_cuda(ledger: DeviceLedger, device_bytes: int, host_bytes: int) -> Itera
     from engine.kernels.triton_launch import Kernel
     from engine.storage import fake_bindings, inline_tasks, staging
 
-    FakeEvent.ledger = FakeStream.ledger = ledger
     current = FakeStream()
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     counting = Counting(ledger)
@@ -326,6 +325,9 @@ def fake_cuda(ledger: DeviceLedger, device_bytes: int, host_bytes: int) -> Itera
         "graph": lambda graph, pool=None, stream=None, **_: _capture(ledger, pool),
     }
     with ExitStack() as stack:
+        stack.enter_context(_left_as_found())
+        for cls in (FakeEvent, FakeStream):
+            stack.enter_context(mock.patch.object(cls, "ledger", ledger, create=True))
         for name, value in patches.items():
             stack.enter_context(mock.patch.object(cuda, name, value))
         stack.enter_context(mock.patch.object(nano_overlap, "Event", FakeEvent))
@@ -371,6 +373,35 @@ def fake_cuda(ledger: DeviceLedger, device_bytes: int, host_bytes: int) -> Itera
         stack.enter_context(fake_mode)
         stack.enter_context(counting)
         yield
+
+
+@contextmanager
+def _left_as_found() -> Iterator[None]:
+    """The process as the body found it, for the CPU runs after it: what the body counts or
+    caches from the fake device is undone on exit.
+
+    - torch's table of tensor constructors (`torch.utils._device`, cached on first use by a
+      `with torch.device(...)` block) is filled before `torch.tensor` is patched: filled
+      inside, it kept the patched function for good, `torch.tensor` then ignored a device
+      block, and transformers built its models' rotary tables on the meta device, never
+      initialised (a llama's greedy tokens changed from the fourth).
+    - The Triton specializations the body met (`Kernel.note`) are forgotten: a later run's
+      warm-up meets them anew, as in a fresh process.
+    - The multiprocessor count read from the fake device's properties is forgotten."""
+    from torch.utils import _device
+
+    from engine.kernels import triton_attention
+    from engine.kernels.triton_launch import KERNELS
+
+    _device._device_constructors()
+    met = {id(k): (set(k.specializations), k.num_compiled) for k in KERNELS}
+    try:
+        yield
+    finally:
+        for k in KERNELS:  # a kernel made inside starts as new
+            specializations, k.num_compiled = met.get(id(k), (set(), 0))
+            k.specializations = specializations
+        triton_attention._multiprocessors.cache_clear()
 
 
 def _real_host_buffer(capacity: int, pinned: bool) -> torch.Tensor:

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from policy.errors import UserError
-from policy.jsonfile import parse_object, read_text
+from policy.jsonfile import parse_object, publish_file, read_text
 
 # The keys every hardware file must have (FlexGen A.3's constants plus memory sizes).
 REQUIRED_KEYS: tuple[str, ...] = (
@@ -389,13 +389,12 @@ class HardwareSpec:
         return cls.from_dict(parse_object(text, "hardware profile", HardwareError))
 
     def save(self, path: str | Path) -> None:
-        """Write atomically (temp file + rename), creating the directory."""
+        """Write atomically (a temporary file of this write's own, renamed), creating the
+        directory: processes saving at once (the test workers) each write a whole file."""
         target = Path(path).expanduser()
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
-            tmp = target.with_name(target.name + ".tmp")
-            tmp.write_text(self.to_json() + "\n")
-            tmp.replace(target)
+            publish_file(target, self.to_json() + "\n")
         except OSError as e:
             raise HardwareError(f"cannot write hardware profile {target}: {e.strerror}") from e
 

@@ -11,6 +11,10 @@
   model, by a test unless it asks for one (each would add seconds to every automatic plan).
 - Triton's interpreter runs the CUDA kernels on CPU tensors (tests/engine/kernels). The
   setting is read when triton.language is first imported, for its own jit functions.
+- Under pytest-xdist (`make test` runs `-n 2`), each worker and what it starts compute with
+  their share of the cores (OpenMP's and the BLAS libraries' threads, set before they load):
+  NumPy's and torch's thread pools spin while they wait, and two workers' pools on two cores
+  ran the suite's LP and CLI tests slower than one process did.
 """
 
 from __future__ import annotations
@@ -19,10 +23,16 @@ import dataclasses
 import os
 from pathlib import Path
 
-import torch
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if WORKERS > 1:
+    SHARE = str(max(1, (os.cpu_count() or 1) // WORKERS))
+    for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(name, SHARE)
 
-from policy.hardware import HardwareSpec
-from policy.machine import machine_key
+import torch  # noqa: E402  (after the thread settings, which it reads when it loads)
+
+from policy.hardware import HardwareSpec  # noqa: E402
+from policy.machine import machine_key  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 FIXED_PROFILE = REPO / "tests" / "fixtures" / "hardware-cpu.json"

@@ -180,3 +180,40 @@ def test_the_kv_pool_is_what_the_planner_left_it(small_case: tuple[object, objec
     usable = (1 - GPU_RESERVE_FRAC) * (1 << 30)
     left = usable - found.gpu_weight_bytes - found.gpu_reserve_bytes  # type: ignore[attr-defined]
     assert found.kv_capacity_pages["gpu"] == int(left // found.kv_page_bytes)  # type: ignore[attr-defined]
+
+
+def test_a_rehearsal_leaves_the_process_as_it_found_it(
+    tiny_model: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """After a rehearsal, a CPU run in the same process still equals transformers' greedy
+    tokens, computed after it too; the Triton specializations it met are forgotten. Before,
+    torch's table of tensor constructors, first filled inside the fake mode, kept its
+    patched `torch.tensor`: transformers then left a llama's rotary table on the meta
+    device, uninitialised, and its tokens changed from the fourth."""
+    import torch
+    from torch.utils import _device
+
+    from engine import LLM, SamplingParams
+    from engine.kernels.triton_launch import compiled_count
+    from tests.engine.tiny_models import MAX_TOKENS, hf_greedy
+
+    _device._device_constructors.cache_clear()  # not filled yet, as in a fresh process
+    compiled = compiled_count()
+    found = rehearse(
+        tiny_model("opt"),
+        Policy(),
+        gpu_mem=1 << 30,
+        cpu_mem=1 << 30,
+        prompt_len=4,
+        gen_len=2,
+        num_prompts=1,
+        warmup=False,
+    )
+    assert found.ok and compiled_count() == compiled, found
+    with torch.device("meta"):
+        assert torch.tensor([1.0]).device.type == "meta"
+    llama, prompt = tiny_model("llama"), [7, 3, 11, 5, 2, 9, 4, 8, 1, 6]
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    with LLM(str(llama), offload_dir=tmp_path, device="cpu") as llm:
+        got = llm.generate([prompt], params)[0].outputs[0].token_ids
+    assert got == hf_greedy(llama, prompt, MAX_TOKENS)

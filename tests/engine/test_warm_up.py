@@ -7,9 +7,8 @@ counts the specialization a GPU would compile for its arguments (Triton's own bi
 mixed steps at many batch sizes and context lengths, long enough for split decodes, must
 capture and compile nothing more; without the warm-up it does both.
 
-It sits beside test_rehearsal.py, not in executor/: a fake-CUDA run leaves this process in a
-state where a later CPU test can differ (test_graph_capture.py's resident case fails after
-test_rehearsal.py's first test on main too), so these run after the engine's CPU tests.
+A fake-CUDA run leaves the process as it found it (engine/fake_cuda.py `_left_as_found`,
+tests/engine/test_rehearsal.py), so these may run before or beside the engine's CPU tests.
 """
 
 from __future__ import annotations

@@ -69,6 +69,24 @@ def test_round_trip(tmp_path: Path) -> None:
     assert HardwareSpec.from_json(FLEXGEN_T4.to_json()) == FLEXGEN_T4
 
 
+def test_saves_at_once_each_write_a_whole_file(tmp_path: Path) -> None:
+    """Writers saving one profile at once (the test workers, each at its start) all succeed
+    and leave it whole: each writes a temporary file of its own (one shared name before: a
+    writer's rename found its file gone and raised)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    path = tmp_path / "hardware.json"
+
+    def save_often(_: int) -> None:
+        for _ in range(100):
+            FLEXGEN_T4.save(path)
+
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(save_often, range(4)))
+    assert HardwareSpec.load(path) == FLEXGEN_T4
+    assert [p.name for p in tmp_path.iterdir()] == ["hardware.json"]
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [
