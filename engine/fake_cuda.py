@@ -36,6 +36,8 @@ from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
 from engine.storage.device_ledger import DeviceLedger, storage_key
+from engine.storage.disk import DiskFile
+from engine.storage.disk_kv import DiskKVPool
 
 _aten = torch.ops.aten
 
@@ -240,6 +242,17 @@ class FakeGraph:
         pass
 
 
+def _skipping_fakes(method: Callable[..., None]) -> Any:
+    """A disk read, write or checksum that does nothing for a fake tensor (KV pages spilled
+    to the disk tier hold no data here; their host staging is counted where it is made)."""
+
+    def run(self: Any, *args: Any) -> None:
+        if not any(isinstance(a, FakeTensor) for a in args):
+            method(self, *args)
+
+    return run
+
+
 class FakePool:
     """A graph memory pool (`graph_pool_handle`): the blocks its captures freed, which a
     later capture into it reuses before asking for more."""
@@ -344,6 +357,9 @@ def fake_cuda(ledger: DeviceLedger, device_bytes: int, host_bytes: int) -> Itera
         sdpa = fake_bindings.fused_attention(attention.scaled_dot_product_attention)
         stack.enter_context(mock.patch.object(attention, "scaled_dot_product_attention", sdpa))
         stack.enter_context(mock.patch.object(psutil, "virtual_memory", lambda: memory))
+        for owner, name in ((DiskFile, "write"), (DiskFile, "read_into"), (DiskKVPool, "_written")):
+            method = getattr(owner, name)  # a fake tensor has no bytes to move or sum
+            stack.enter_context(mock.patch.object(owner, name, _skipping_fakes(method)))
         record = lambda t, stream=None: ledger.record_stream(t)  # noqa: E731
         getitem, setitem = fake_bindings.indexing(torch.Tensor.__getitem__, counting.twins)
         set_original = torch.Tensor.__setitem__

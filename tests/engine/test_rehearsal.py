@@ -9,6 +9,7 @@ from unittest import mock
 
 import pytest
 
+from engine import fake_cuda
 from engine.executor import pipeline
 from engine.rehearsal import rehearse
 from policy import Policy
@@ -69,6 +70,19 @@ def test_weights_homed_on_the_device_count(
     policy = Policy(compress_weights=compress)
     found = small(tiny_model("llama"), policy=policy, gpu_mem=1 << 30)
     assert found.ok and found.peak["buffers"]["weights"] > 0  # type: ignore[attr-defined]
+
+
+def test_kv_pages_on_disk_are_rehearsed(tiny_model: Callable[[str], Path]) -> None:
+    """A plan that homes KV on disk runs: its pages are written and read with nothing to
+    move (the fake tensors hold no bytes; OPT-6.7B's plan with 0.01% of its KV on disk
+    failed there, `.numpy()` of a fake tensor)."""
+    policy = Policy(gpu_batch_size=2, num_gpu_batches=1, kv_frac=(0.0, 0.0, 1.0))
+    with mock.patch.object(fake_cuda, "SMALL_BYTES", 4096):  # a step's KV rows hold no data
+        found = rehearse(
+            tiny_model("opt"), policy, gpu_mem=1 << 30, cpu_mem=1 << 30, prompt_len=24, gen_len=3
+        )
+    assert found.ok and found.kv_capacity_pages["disk"], found  # type: ignore[attr-defined]
+    assert found.label_peaks["load_cache"] > 0  # type: ignore[attr-defined]
 
 
 def test_loads_are_freed_once_used(tiny_model: Callable[[str], Path]) -> None:
