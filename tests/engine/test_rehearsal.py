@@ -203,7 +203,8 @@ def test_a_rehearsal_leaves_the_process_as_it_found_it(
     tokens, computed after it too; the Triton specializations it met are forgotten. Before,
     torch's table of tensor constructors, first filled inside the fake mode, kept its
     patched `torch.tensor`: transformers then left a llama's rotary table on the meta
-    device, uninitialised, and its tokens changed from the fourth."""
+    device, uninitialised, and its tokens changed from the fourth; and a tensor stayed a
+    sequence (`torch.tensor` of 0-d tensors failed, transformers' Qwen2.5-VL with it)."""
     import torch
     from torch.utils import _device
 
@@ -226,6 +227,9 @@ def test_a_rehearsal_leaves_the_process_as_it_found_it(
     assert found.ok and compiled_count() == compiled, found
     with torch.device("meta"):
         assert torch.tensor([1.0]).device.type == "meta"
+    # a tensor is not a sequence: `__getitem__` patched on torch.Tensor and removed left
+    # CPython's sequence slot behind, and this failed ("len() of a 0-d tensor")
+    assert torch.tensor([torch.tensor(3), torch.tensor(4)]).tolist() == [3, 4]
     llama, prompt = tiny_model("llama"), [7, 3, 11, 5, 2, 9, 4, 8, 1, 6]
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     with LLM(str(llama), offload_dir=tmp_path, device="cpu") as llm:

@@ -28,7 +28,9 @@ def test_plan_json(hardware_file: str, capsys: pytest.CaptureFixture[str]) -> No
         "bottleneck",
         "prefix_break_even_tokens",
         "dtype_bytes",
+        "workload",
     }
+    assert out["workload"] == {"prompt_len": 64, "gen_len": 8}  # what it was priced for
     assert out["dtype_bytes"] == 2  # a CUDA profile: the checkpoint's half type
     assert set(out["prefix_break_even_tokens"]) == {"gpu", "cpu", "disk"}
     assert set(out["predicted"]) == {

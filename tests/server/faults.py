@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from engine.core.media import SeqMedia
 from engine.core.outputs import SequenceDelta
 from engine.core.sampling_params import SamplingParams
 from engine.core.sequence import ONLINE_PRIORITY
@@ -77,6 +78,7 @@ class FaultyEngine(CoreEngineClient):
         priority: int = ONLINE_PRIORITY,
         *,
         stream: bool = True,
+        media: SeqMedia | None = None,
     ) -> AsyncGenerator[SequenceDelta, None]:
         text = self.decode(prompt_token_ids)
         if FAIL_IN_ENGINE in text:
@@ -85,7 +87,9 @@ class FaultyEngine(CoreEngineClient):
             self.held.set()
             while not self.release.is_set():
                 await asyncio.sleep(0.01)
-        deltas = super().generate(request_id, prompt_token_ids, params, priority, stream=stream)
+        deltas = super().generate(
+            request_id, prompt_token_ids, params, priority, stream=stream, media=media
+        )
         async for output in deltas:
             yield output
 
