@@ -382,8 +382,8 @@ def fake_cuda(ledger: DeviceLedger, device_bytes: int, host_bytes: int) -> Itera
             # and removed again leaves CPython's generic slot behind, so patched on
             # torch.Tensor, `__getitem__` left every tensor a sequence (`torch.tensor` of a list
             # of 0-d tensors then failed: "len() of a 0-d tensor", transformers' Qwen2.5-VL).
-            cls = FakeTensor if name.startswith("__") else torch.Tensor
-            stack.enter_context(mock.patch.object(cls, name, method))
+            tensor_class: type = FakeTensor if name.startswith("__") else torch.Tensor
+            stack.enter_context(mock.patch.object(tensor_class, name, method))
         for name in ("tensor", "as_tensor"):
             made = fake_bindings.from_data(getattr(torch, name))
             stack.enter_context(mock.patch.object(torch, name, made))
