@@ -71,6 +71,8 @@ class StepShape:
     """Keys a GPU batch's sequences attend to, all together, in their last decode step."""
     logit_rows: int
     """Rows of logits alive at once: the block's (one per sequence), at most a step's."""
+    step_tokens: int
+    """The step's token budget (the engine's default for the policy unless given)."""
 
 
 def step_shape(
@@ -87,6 +89,7 @@ def step_shape(
         prefill_past=past,
         decode_past=int(gbs * model.attended_len(prompt_len + gen_len)),
         logit_rows=min(policy.block_size, steps),
+        step_tokens=steps,
     )
 
 
@@ -123,13 +126,11 @@ def graph_bytes(model: ModelSpec, policy: Policy, step_tokens: int) -> float:
     m, itemsize = model, model.dtype_bytes
     q_dim = m.num_heads * m.head_dim
     per_row = (m.hidden_size + 2 * q_dim + m.kv_row_dim) * itemsize + 16 + 2 * 4 * m.head_dim
+    rows = policy.gpu_batch_size
     if policy.num_gpu_batches == 1:
-        rows = max(policy.gpu_batch_size, min(step_tokens, PIECEWISE_MAX_ROWS))
-        buffers = rows * (2 if policy.num_nano_batches > 1 else 1)  # whole, and nano-batches'
-    else:
-        rows = policy.gpu_batch_size
-        buffers = rows * policy.num_gpu_batches * (2 if policy.num_nano_batches > 1 else 1)
-    return buffers * per_row + step_workspace_bytes(m, rows, 0)
+        rows = max(rows, min(step_tokens, PIECEWISE_MAX_ROWS))
+    owners = policy.num_gpu_batches * (2 if policy.num_nano_batches > 1 else 1)  # nano's too
+    return owners * rows * per_row + step_workspace_bytes(m, rows, 0)
 
 
 def _layer_elements(model: ModelSpec) -> tuple[float, float]:
@@ -163,9 +164,8 @@ def gpu_reserves(
         weights = Affine.of(decoded + IN_FLIGHT * layer * packed, wg=-IN_FLIGHT * layer * packed)
     else:  # two slots for decoder layers off the device, the embedding or head loaded apart
         slots = 2 * layer * dtype if slot_bytes is None else slot_bytes
-        steps = default_step_tokens(policy, prompt_len) if step_tokens is None else step_tokens
         captures = not (model.num_experts or model.is_hybrid)  # routing, states: no graphs
-        graphs = graph_bytes(model, policy, steps) if captures else 0.0
+        graphs = graph_bytes(model, policy, shape.step_tokens) if captures else 0.0
         weights = Affine.of(slots + head * dtype + graphs, wg=-slots - head * dtype)
     kv_row, act_row = model.kv_bytes_per_token_per_layer, model.hidden_bytes_per_token
     out = {}
