@@ -181,8 +181,8 @@ def test_cuda_graphs_replay_decode_steps_with_identical_tokens(
 ):
     """Discrete sizes + piecewise CUDA graphs, over resident weights or offloaded layers
     loaded into their fixed slots, one GPU batch or three, or nano-batches with graphs of
-    their own: the decode steps go through the graphs and the tokens equal the eager
-    path's."""
+    their own: the decode steps go through the graphs (with one GPU batch the prefill and
+    mixed steps too) and the tokens equal the eager path's."""
     vocab = vocab_size(kind)
     prompts = random_prompts(10, vocab, 2, 40, seed=5)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
@@ -203,6 +203,9 @@ def test_cuda_graphs_replay_decode_steps_with_identical_tokens(
             assert (llm.executor.weights.slots is not None) == offloaded
             if runner is not None:
                 assert runner.num_replays >= MAX_TOKENS - 1
+                # one GPU batch, not cut: its prefill steps replay the warm-up's piecewise graphs
+                one_batch = placement in ("resident", "offloaded-slots")
+                assert (runner.num_piecewise_replays > 0) == one_batch
     assert outputs[True] == outputs[False]
 
 
