@@ -32,6 +32,7 @@ VARIANTS: tuple[str, ...] = (
     "cpu-attention-off",
     "compression-off",
     "flexgen-policy",
+    "piecewise-graphs-off",
 )
 """nanoflex runs of one case: the searched policy, then the ablations (docs/benchmarks.md)."""
 

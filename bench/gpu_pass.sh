@@ -18,7 +18,8 @@
 #   offloaded  OPT-6.7B 512+32 under 16 GiB: FlexGen 0.1.8 and nanoflex's searched policy
 #              (GPU_PASS_OFFLOADED_SYSTEMS, default flexgen,nanoflex), then OPT-30B under
 #              16 GiB when its estimate fits what is left (GPU_PASS_OFFLOADED_CASES)
-#   resident   Llama-3-8B 512+32 on the whole card: nanoflex's searched policy
+#   resident   Llama-3-8B 512+32 on the whole card: nanoflex's searched policy, then the
+#              same with mixed and prefill steps eager (--no-piecewise-graphs; the ablation)
 #   breakdown  bench/gpu_breakdown.py: Llama-3-8B resident, prefill and decode under torch's
 #              profiler: the device's busy share of the wall and its busiest kernels
 #
@@ -129,11 +130,13 @@ for step in "$@"; do
         systems=${GPU_PASS_OFFLOADED_SYSTEMS:-flexgen,nanoflex}
         wanted=${GPU_PASS_OFFLOADED_S:-170}
       else
-        case_name=llama-3-8b-p512-full systems=nanoflex wanted=${GPU_PASS_RESIDENT_S:-180}
+        case_name=llama-3-8b-p512-full systems=nanoflex wanted=${GPU_PASS_RESIDENT_S:-240}
       fi
+      variants=auto  # the resident case also runs its piecewise-graph ablation
+      [ "$step" = resident ] && variants=${GPU_PASS_RESIDENT_VARIANTS:-auto,piecewise-graphs-off}
       s=$(limit "$wanted")
       run_step "suite-$step" "$s" "$PYTHON" -m bench.gpu_suite --cases "$case_name" \
-        --systems "$systems" --variants auto --budget-s $((s - 5)) ${dry:+--dry-run} ;;
+        --systems "$systems" --variants "$variants" --budget-s $((s - 5)) ${dry:+--dry-run} ;;
     *) echo "unknown step $step" >&2; exit 2 ;;
   esac
 done

@@ -8,8 +8,10 @@ Child entry point (what `bench.gpu_compare` starts, under a hard timeout):
 
 Variants (bench.gpu_cases.VARIANTS): `auto` is the searched policy; `overlap-off` the
 same with overlap off; `cpu-attention-off` and `compression-off` the best policy the
-search finds without that feature; `flexgen-policy` FlexGen's hand-picked one. One
-block of the policy's size is run after a one-request warm-up.
+search finds without that feature; `flexgen-policy` FlexGen's hand-picked one;
+`piecewise-graphs-off` the searched policy with mixed and prefill steps eager (decode steps
+keep their CUDA graphs: `--no-piecewise-graphs`). One block of the policy's size is run
+after a one-request warm-up.
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             gpu_mem=args.gpu_mem,
             cpu_mem=args.cpu_mem,
             workload=WorkloadSpec(args.prompt_len, args.gen_len),
+            piecewise_graphs=args.variant != "piecewise-graphs-off",
         ) as llm,
     ):
         setup_s = time.perf_counter() - setup
