@@ -85,20 +85,15 @@ def _qwen3(
     return _hf(f"qwen3-{size}", "qwen3", **shape, tie_word_embeddings=tied)
 
 
-_QWEN3_POOLING_SHAPES = {
-    "0.6b": (1024, 3072, 28, 16, 8),
-    "4b": (2560, 9728, 36, 32, 8),
-    "8b": (4096, 12288, 36, 32, 8),
-}
-"""Qwen3-Embedding and Qwen3-Reranker sizes: the Qwen 3 decoders of those sizes."""
-
-
-def _qwen3_pooling(kind: str, size: str) -> ModelSpec:
-    """Qwen3-Embedding (kind 'embedding': no LM head) or Qwen3-Reranker ('reranker': its LM
-    head's yes/no rows as a one-row classifier), priced as the engine runs them."""
-    shape = _shape(*_QWEN3_POOLING_SHAPES[size], 128, 151669)
-    model = _hf(f"qwen3-{kind}-{size}", "qwen3", **shape, tie_word_embeddings=size != "8b")
-    return dataclasses.replace(model, pooling="embed" if kind == "embedding" else "score")
+def _qwen3_with_pooling(generator: ModelSpec) -> list[ModelSpec]:
+    """A Qwen 3 decoder, and the Qwen3-Embedding (no LM head) and Qwen3-Reranker (its LM
+    head's yes/no rows as a one-row classifier) of its shape, priced as the engine runs them;
+    their configs list the 151,669 tokens their tokenizer fills."""
+    size = generator.name.removeprefix("qwen3-")
+    return [generator] + [
+        dataclasses.replace(generator, name=f"qwen3-{kind}-{size}", vocab_size=151669, pooling=task)
+        for kind, task in (("embedding", "embed"), ("reranker", "score"))
+    ]
 
 
 def _gemma(
@@ -273,11 +268,10 @@ BUILTIN_MODELS: dict[str, ModelSpec] = {
         ),
         _llama("qwen2-7b", 3584, 18944, 28, 28, 4, 152064, qkv_bias=True),
         _llama("qwen2-72b", 8192, 29568, 80, 64, 8, 152064, qkv_bias=True),
-        _qwen3("0.6b", 1024, 3072, 28, 16, 8, tied=True),
+        *_qwen3_with_pooling(_qwen3("0.6b", 1024, 3072, 28, 16, 8, tied=True)),
         _qwen3("1.7b", 2048, 6144, 28, 16, 8, tied=True),
-        _qwen3("4b", 2560, 9728, 36, 32, 8, tied=True),
-        _qwen3("8b", 4096, 12288, 36, 32, 8, tied=False),
-        *(_qwen3_pooling(k, n) for k in ("embedding", "reranker") for n in _QWEN3_POOLING_SHAPES),
+        *_qwen3_with_pooling(_qwen3("4b", 2560, 9728, 36, 32, 8, tied=True)),
+        *_qwen3_with_pooling(_qwen3("8b", 4096, 12288, 36, 32, 8, tied=False)),
         _qwen3("14b", 5120, 17408, 40, 40, 8, tied=False),
         _qwen3("32b", 5120, 25600, 64, 64, 8, tied=False),
         _gemma("gemma-2-2b", "gemma2", (2304, 9216, 26, 8, 4, 256, 256000), 4096),

@@ -779,10 +779,7 @@ class Scheduler:
                     token_id, logprobs, self.config.eos_token_ids, self.max_len
                 )
             if seq.is_finished:
-                self._finished_gen_tokens += seq.num_generated
-                self._num_finished += 1
-                self._retire(seq)
-                del self.requests[seq.request.request_id]
+                self._finish(seq)
             if delta is None:  # a final-only request, not finished
                 continue
             if seq.seq_id in scored:
@@ -798,10 +795,15 @@ class Scheduler:
             return None
         seq.num_pending -= 1
         delta = seq.pool(output)
+        self._finish(seq)
+        return delta
+
+    def _finish(self, seq: Sequence) -> None:
+        """Count a finished sequence and remove it and its request for good."""
+        self._finished_gen_tokens += seq.num_generated
         self._num_finished += 1
         self._retire(seq)
         del self.requests[seq.request.request_id]
-        return delta
 
     # -- storage faults ----------------------------------------------------------------
     def is_blocked_by_storage(self) -> bool:

@@ -604,7 +604,8 @@ class Executor:
         sample_rows: list[torch.Tensor] = []
         sampled: list[SeqChunk] = []
         prompt_logprobs: dict[int, list[TokenLogprobs]] = {}
-        pooled: dict[int, list[float]] = {}
+        pooled_rows: list[torch.Tensor] = []  # (width,) each: a pooling request's head row
+        pooled_ids: list[int] = []
         for batch, batch_logits, (_, chunks) in zip(
             batches, logits, sorted(by_batch.items()), strict=True
         ):
@@ -617,12 +618,17 @@ class Executor:
                     if c.do_sample:
                         prompt_logprobs[c.seq_id] = state.prompt_logprobs
                 if c.do_sample and state.sampling.pooling:  # its answer, not a token
-                    assert self.pooler is not None, "a pooling request on a generation model"
-                    pooled[c.seq_id] = self.pooler.output(rows[-1])
+                    pooled_rows.append(rows[-1])
+                    pooled_ids.append(c.seq_id)
                 elif c.do_sample:
                     sample_rows.append(rows[-1:])
                     sampled.append(c)
                     state.has_sampled = True
+        pooled: dict[int, list[float]] = {}
+        if pooled_rows:
+            assert self.pooler is not None, "a pooling request on a generation model"
+            outputs = self.pooler.outputs(torch.stack(pooled_rows).float())
+            pooled = dict(zip(pooled_ids, outputs, strict=True))
         row_of = {c.seq_id: i for i, c in enumerate(sampled)}
         for fork in forks:  # the same logits row, sampled with the fork's own settings
             assert fork.forked_from is not None

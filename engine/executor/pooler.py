@@ -58,12 +58,12 @@ class Pooler:
         """The checkpoint as this pooling head reads it (see the module's docstring)."""
         return _Reader(reader, self.spec.task, self.spec.classifier_token_ids, self.spec.dimensions)
 
-    def output(self, row: torch.Tensor) -> list[float]:
-        """One request's head row (hidden,) or (1,) -> its answer: the vector, or [score]."""
-        row = row.float()
+    def outputs(self, rows: torch.Tensor) -> list[list[float]]:
+        """A step's pooling requests' head rows, float32 (P, hidden) or (P, 1) -> their
+        answers, one host copy for all of them: the vectors, or [score] each."""
         if self.spec.task == "score":
-            return row[:1].sigmoid().tolist()
-        return (F.normalize(row, dim=-1) if self.spec.normalize else row).tolist()
+            return rows[:, :1].sigmoid().tolist()
+        return (F.normalize(rows, dim=-1) if self.spec.normalize else rows).tolist()
 
 
 class _Reader:
