@@ -501,12 +501,17 @@ class Scheduler:
         self._requeue(seq)
 
     def _requeue(self, seq: Sequence) -> None:
-        seq.epoch += 1
-        self._release(seq)
+        self._drop_kv(seq)
         seq.status = SequenceStatus.WAITING
-        seq.num_computed_tokens = 0
         seq.state_restore = seq.state_save = None  # looked up again when readmitted
         self.waiting[seq.request.priority].appendleft(seq)
+
+    def _drop_kv(self, seq: Sequence) -> None:
+        """Free seq's KV and slot: nothing a plan built before did for it counts (its epoch),
+        and it computes its tokens again from the first."""
+        seq.epoch += 1
+        self._release(seq)
+        seq.num_computed_tokens = 0
 
     def _admit(self, budget: int) -> tuple[Sequence, int, list[PageRef]] | None:
         """Move the head of the queues into the block if its projected KV fits some tier.
@@ -862,9 +867,7 @@ class Scheduler:
             if seq.seq_id not in involved and not holds_bad and not on_tier:
                 continue
             if seq not in self.running:  # a fork waiting with its KV: drop it, stay queued
-                seq.epoch += 1
-                self._release(seq)
-                seq.num_computed_tokens = 0
+                self._drop_kv(seq)
                 continue
             self._requeue(seq)
             if seq.seq_id in failure.seq_ids:
