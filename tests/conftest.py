@@ -11,8 +11,9 @@
   model, by a test unless it asks for one (each would add seconds to every automatic plan).
 - Triton's interpreter runs the CUDA kernels on CPU tensors (tests/engine/kernels). The
   setting is read when triton.language is first imported, for its own jit functions.
-- Under pytest-xdist (`make test` runs `-n 2`), each worker and what it starts compute with
-  their share of the cores (OpenMP's and the BLAS libraries' threads, set before they load):
+- Under pytest-xdist (`make test TEST_WORKERS=N`; one process by default), each worker and
+  what it starts compute with their share of the cores (OpenMP's and the BLAS libraries'
+  threads, set before they load):
   NumPy's and torch's thread pools spin while they wait, and two workers' pools on two cores
   ran the suite's LP and CLI tests slower than one process did.
 """

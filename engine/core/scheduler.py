@@ -438,14 +438,18 @@ class Scheduler:
     def _forks(self, chunk: SeqChunk) -> list[SeqChunk]:
         """With `chunk` a choice samples its first token: the other choices of its request
         that have not started fork its pages (a partial last page is copied when first
-        written), each a chunk of no tokens that samples from the same logits row. Not from
-        a sequence homed on disk (its partial pages are staged in host memory, not copied)."""
+        written), each a chunk of no tokens that samples from the same logits row."""
         leader = self._seqs[chunk.seq_id]
-        group = self._groups.get(leader.request.group or "")
-        first_sample = chunk.do_sample and not leader.num_generated and leader.num_pending == 1
-        if group is None or not first_sample or leader.kv_tier == "disk":
+        if not (chunk.do_sample and leader.num_pending == 1 and self._leads_fork(leader)):
             return []
+        group = self._groups[leader.request.group or ""]
         return [self._fork(leader, seq, chunk) for seq in group if self._can_fork(seq)]
+
+    def _leads_fork(self, seq: Sequence) -> bool:
+        """seq computes the prompt of a request whose other choices fork it at seq's first
+        sample (`_forks`); not a sequence homed on disk (its partial pages are staged in host
+        memory, not copied)."""
+        return seq.request.group in self._groups and not seq.num_generated and seq.kv_tier != "disk"
 
     def _can_fork(self, seq: Sequence) -> bool:
         """seq waits and has computed nothing (and wants no prompt logprobs: those need its
@@ -497,12 +501,17 @@ class Scheduler:
         self._requeue(seq)
 
     def _requeue(self, seq: Sequence) -> None:
-        seq.epoch += 1
-        self._release(seq)
+        self._drop_kv(seq)
         seq.status = SequenceStatus.WAITING
-        seq.num_computed_tokens = 0
         seq.state_restore = seq.state_save = None  # looked up again when readmitted
         self.waiting[seq.request.priority].appendleft(seq)
+
+    def _drop_kv(self, seq: Sequence) -> None:
+        """Free seq's KV and slot: nothing a plan built before did for it counts (its epoch),
+        and it computes its tokens again from the first."""
+        seq.epoch += 1
+        self._release(seq)
+        seq.num_computed_tokens = 0
 
     def _admit(self, budget: int) -> tuple[Sequence, int, list[PageRef]] | None:
         """Move the head of the queues into the block if its projected KV fits some tier.
@@ -683,11 +692,7 @@ class Scheduler:
             num_batch = sum(1 for s in self.running if s.request.priority >= BATCH_PRIORITY)
             if num_batch >= self._share_of(self.config.block_size):
                 return None
-        forking = {  # groups whose prompt a choice is computing (it forks at its first sample)
-            s.request.group
-            for s in self.running
-            if s.request.group in self._groups and not s.num_generated and s.kv_tier != "disk"
-        }
+        forking = {s.request.group for s in self.running if self._leads_fork(s)}
         if not self.prefix_ordering:
             waits = head.request.group in forking and self._can_fork(head)
             return None if waits else head
@@ -864,9 +869,7 @@ class Scheduler:
             if seq.seq_id not in involved and not holds_bad and not on_tier:
                 continue
             if seq not in self.running:  # a fork waiting with its KV: drop it, stay queued
-                seq.epoch += 1
-                self._release(seq)
-                seq.num_computed_tokens = 0
+                self._drop_kv(seq)
                 continue
             self._requeue(seq)
             if seq.seq_id in failure.seq_ids:

@@ -629,10 +629,11 @@ class Executor:
             assert self.pooler is not None, "a pooling request on a generation model"
             outputs = self.pooler.outputs(torch.stack(pooled_rows).float())
             pooled = dict(zip(pooled_ids, outputs, strict=True))
-        row_of = {c.seq_id: i for i, c in enumerate(sampled)}
+        by_seq = {c.seq_id: i for i, c in enumerate(sampled)}  # its row in sample_rows
         for fork in forks:  # the same logits row, sampled with the fork's own settings
             assert fork.forked_from is not None
-            sample_rows.append(sample_rows[row_of[fork.forked_from]])
+            by_seq[fork.seq_id] = len(sampled)
+            sample_rows.append(sample_rows[by_seq[fork.forked_from]])
             sampled.append(fork)
             self._seqs[fork.seq_id].has_sampled = True
         whole = not forks and len(logits) == 1 and len(sample_rows) == logits[0].shape[0]
@@ -640,7 +641,6 @@ class Executor:
             # every row of the one batch, in order (a decode step): no copy
             logits[0] if whole else torch.cat(sample_rows) if sampled else torch.empty(0)
         )
-        by_seq = {c.seq_id: i for i, c in enumerate(sampled)}
         order = [by_seq[c.seq_id] for c in plan.chunks if c.seq_id in by_seq]
         if not self._resident or moves:  # stores on other streams: fence them
             self.device.synchronize()

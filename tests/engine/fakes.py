@@ -37,6 +37,15 @@ def reference(prompt: list[int], max_tokens: int, seed: int | None = None) -> li
     return tokens[len(prompt) :]
 
 
+def prefill_tokens(plans: list[StepPlan], prompt_len: int) -> int:
+    """Prompt positions the executor computed, over all plans."""
+    return sum(
+        max(0, min(c.start_pos + len(c.token_ids), prompt_len) - c.start_pos)
+        for plan in plans
+        for c in plan.chunks
+    )
+
+
 @dataclass
 class FakeExecutor:
     """Holds each page's token ids as its "KV": a sequence's history is read back from the

@@ -6,12 +6,11 @@ import random
 
 from engine.core.parent_request import ParentRequest
 from engine.core.prefix_order import PrefixQueue
-from engine.core.protocol import StepPlan
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler, SchedulerConfig
 from engine.core.sequence import BATCH_PRIORITY, ONLINE_PRIORITY, Request
 from policy import TIERS
-from tests.engine.fakes import VOCAB, FakeExecutor, Outputs, reference
+from tests.engine.fakes import VOCAB, FakeExecutor, Outputs, prefill_tokens, reference
 
 P = 16  # tokens per page
 NUM_SYSTEMS, LINES_EACH = 24, 5
@@ -71,15 +70,6 @@ def test_shuffled_job_reaches_the_grouped_jobs_cache_hits_only_with_ordering() -
     _, _, fifo = run(shuffled, prefix_ordering=False, **budget)
     assert cached_prompt_tokens(ordered, shuffled) >= 0.9 * best
     assert cached_prompt_tokens(fifo, shuffled) < 0.5 * best
-
-
-def prefill_tokens(plans: list[StepPlan], prompt_len: int) -> int:
-    """Prompt positions the executor computed, over all plans."""
-    return sum(
-        max(0, min(c.start_pos + len(c.token_ids), prompt_len) - c.start_pos)
-        for plan in plans
-        for c in plan.chunks
-    )
 
 
 def test_n_choices_prefill_their_prompt_once() -> None:

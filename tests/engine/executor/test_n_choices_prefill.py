@@ -16,6 +16,7 @@ import pytest
 from engine import LLM, SamplingParams
 from engine.core.protocol import StepPlan, StepResult
 from policy import Policy
+from tests.engine.fakes import prefill_tokens
 from tests.engine.tiny_models import hf_greedy, random_prompts, vocab_size
 
 PROMPT_LEN = 40  # 2.5 pages of 16: two full pages shared, the half page copied on write
@@ -58,12 +59,7 @@ def test_n_choices_fork_one_prefill_with_unchanged_outputs(
     choices = [c.token_ids for o in forked for c in o.outputs]
     assert choices == [o.outputs[0].token_ids for o in unforked]
     assert len(set(map(tuple, choices[:8]))) > 1  # the seeded choices differ from each other
-    computed = sum(
-        max(0, min(c.start_pos + len(c.token_ids), PROMPT_LEN) - c.start_pos)
-        for plan in forked_plans
-        for c in plan.chunks
-    )
-    assert computed == 3 * PROMPT_LEN  # each request's prompt once
+    assert prefill_tokens(forked_plans, PROMPT_LEN) == 3 * PROMPT_LEN  # each prompt once
     assert all(c.kv_tier == kv_tier for plan in forked_plans for c in plan.chunks)
     copies = sum(len(plan.page_copies) for plan in forked_plans)
     assert copies == (8 - 1) + (3 - 1) + (2 - 1)  # the half page's last holder writes in place

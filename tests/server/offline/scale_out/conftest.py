@@ -4,8 +4,9 @@ Ray picks the node's address when it is imported: `RAY_ENABLE_WINDOWS_OR_OSX_CLU
 makes it the loopback address (as on a laptop), so nothing here listens on or talks to
 another address; `RAY_USAGE_STATS_ENABLED=0` keeps Ray from reporting usage.
 
-Under pytest-xdist (`make test`), the tests on the instance run on one worker (one xdist
-group): one instance starts, not one per worker, and no two share the machine's 2 CPUs.
+Under pytest-xdist (`make test TEST_WORKERS=N`), the tests on the instance run on one worker
+(one xdist group): one instance starts, not one per worker, and no two share the machine's
+2 CPUs.
 """
 
 from __future__ import annotations
