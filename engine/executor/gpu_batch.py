@@ -236,10 +236,10 @@ class BatchBuilder:
         """The device group reads its KV in place from the gpu tier's pool when all of it is
         there (`engine.executor.attention.paged_attention`); False: always packed."""
         self.inputs = inputs or StepInputs(device, pinned=device.type == "cuda")
-        self.mrope = mrope
-        """Positions are (t, h, w) rows (M-RoPE, `image_rows.mrope_rows`), staged (T, 3)."""
         """The step's index inputs, staged and copied at once (engine/executor/step_inputs.py);
         the sampler may have staged its draws into it first."""
+        self.mrope = mrope
+        """Positions are (t, h, w) rows (M-RoPE, `image_rows.mrope_rows`), staged (T, 3)."""
 
     def build(
         self, index: int, chunks: list[tuple[SeqChunk, SeqState]], num_padding: int = 0
