@@ -4,6 +4,7 @@ prefix page."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 from pathlib import Path
 
@@ -91,6 +92,11 @@ def test_images_key_the_prefix_cache_and_are_encoded_once(
         assert third.num_cached_tokens >= image.start + image.num_tokens
         assert llm.executor.vision.num_encoded == 2
         assert third.outputs[0].token_ids == out.outputs[0].token_ids
+        # two choices: the second forks the first's prompt KV, and decodes at its M-RoPE
+        # positions (p + delta past the prompt), not at p
+        two = llm.generate([ids], dataclasses.replace(GREEDY, n=2), media=[media])[0]
+        assert [c.token_ids for c in two.outputs] == [out.outputs[0].token_ids] * 2
+        assert llm.executor.vision.num_encoded == 2  # the fork runs none of the prompt
     _, *want = hf_vl_generate(vl_dir, [second], text, GREEDY.max_tokens)
     got = other.outputs[0]
     assert_same_answer(got.token_ids, chosen(got.logprobs), (want[0], want[1]))
