@@ -481,6 +481,7 @@ class Scheduler:
             act_tier=seq.act_tier,
             do_sample=True,
             sampling=seq.sampling,
+            media=seq.request.media,  # its M-RoPE positions past the prompt; nothing to encode
             cached_token_ids=history,
             forked_from=leader.seq_id,
         )

@@ -55,7 +55,7 @@ from engine.executor.sampler import top_logprobs
 from engine.executor.step_inputs import StepInputs
 from engine.executor.step_sampler import StepSampler
 from engine.executor.trace import NoTracer, Tracer
-from engine.executor.vision_encoder import VisionEncoder
+from engine.executor.vision_encoder import UNUSED, VisionEncoder
 from engine.executor.warm_up import warm_up
 from engine.kernels import attention_kernels, fused_dense_ops, token_mask
 from engine.loading.checkpoint import open_reader
@@ -689,7 +689,10 @@ class Executor:
                 if self.vision is None:
                     raise ValueError(f"sequence {chunk.seq_id} has images; the model takes text")
                 state.media = chunk.media
-                state.image_features = [self.vision.features(i) for i in chunk.media.images]
+                state.image_features = [  # an image in the cached prefix is never run again
+                    self.vision.features(i) if i.start + i.num_tokens > chunk.start_pos else UNUSED
+                    for i in chunk.media.images
+                ]
         self.sampler.feed(chunk)
         state.pages.extend(chunk.new_pages)
         self.kv.reserve_pages(chunk.new_pages)

@@ -236,10 +236,10 @@ class BatchBuilder:
         """The device group reads its KV in place from the gpu tier's pool when all of it is
         there (`engine.executor.attention.paged_attention`); False: always packed."""
         self.inputs = inputs or StepInputs(device, pinned=device.type == "cuda")
-        self.mrope = mrope
-        """Positions are (t, h, w) rows (M-RoPE, `image_rows.mrope_rows`), staged (T, 3)."""
         """The step's index inputs, staged and copied at once (engine/executor/step_inputs.py);
         the sampler may have staged its draws into it first."""
+        self.mrope = mrope
+        """Positions are (t, h, w) rows (M-RoPE, `image_rows.mrope_rows`), staged (T, 3)."""
 
     def build(
         self, index: int, chunks: list[tuple[SeqChunk, SeqState]], num_padding: int = 0
@@ -321,8 +321,7 @@ class BatchBuilder:
             tier: (self._stage_pool_index(tier, slots), stage(order))
             for tier, (slots, order) in state_slots.items()
         }
-        staged_images = stage(images.rows) if images.rows else None
-        image_features = images.features()
+        image_rows = (stage(images.rows), images.features()) if images.rows else None
         device_group = self._stage_group(members[False], num_rows, self.device)
         cpu_group = self._stage_group(members[True], num_rows, torch.device("cpu"))
         tensor = self.inputs.tensor
@@ -348,9 +347,7 @@ class BatchBuilder:
                 )
                 if spans
                 else None,
-                images=None
-                if staged_images is None or image_features is None
-                else (tensor(staged_images), image_features),
+                images=None if image_rows is None else (tensor(image_rows[0]), image_rows[1]),
             )
 
         return make

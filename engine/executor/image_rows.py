@@ -40,6 +40,6 @@ class ImageRows:
                 self.rows.extend(range(row + first - start, row + last - start))
                 self.pieces.append(feats[first - image.start : last - image.start])
 
-    def features(self) -> torch.Tensor | None:
-        """(R, hidden) features of the rows, in order; None when the batch has none."""
-        return torch.cat(self.pieces) if self.pieces else None
+    def features(self) -> torch.Tensor:
+        """(R, hidden) features of the rows, in order (the batch has some: `rows`)."""
+        return torch.cat(self.pieces)

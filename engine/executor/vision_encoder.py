@@ -23,6 +23,10 @@ from engine.models.vision_config import VisionConfig
 CACHED_IMAGES = 256
 """Encoder outputs kept, least recently used dropped first (a few MB each at most)."""
 
+UNUSED = torch.empty(0)
+"""The features of an image whose tokens all lie in a sequence's cached prefix: none of its
+rows runs, so it is not encoded (`ImageRows` slices no features of it)."""
+
 
 class VisionEncoder:
     """Images -> (num_tokens, hidden) features on the compute device, in `dtype`."""

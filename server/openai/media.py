@@ -77,9 +77,9 @@ def media_limits_from(args: argparse.Namespace) -> MediaLimits:
     """The image limits the flags of `serve` or `run-batch` set; a local media path must be a
     directory."""
     given = getattr(args, "allowed_local_media_path", None)
-    limits = MediaLimits(
-        max_image_bytes=getattr(args, "max_image_bytes", None) or NO_LOCAL_MEDIA.max_image_bytes,
-        max_images=getattr(args, "max_images_per_request", None) or NO_LOCAL_MEDIA.max_images,
+    limits = MediaLimits(  # a namespace without the flags (not serve's): the defaults
+        max_image_bytes=getattr(args, "max_image_bytes", NO_LOCAL_MEDIA.max_image_bytes),
+        max_images=getattr(args, "max_images_per_request", NO_LOCAL_MEDIA.max_images),
     )
     if given is None:
         return limits

@@ -4,6 +4,7 @@ tokens; what may not be read, or is over a limit, is a 400 in OpenAI's envelope.
 
 from __future__ import annotations
 
+import argparse
 import base64
 import json
 from pathlib import Path
@@ -14,8 +15,9 @@ import pytest
 from engine.core.engine_args import EngineArgs
 from engine.runtime.core_client import CoreEngineClient
 from policy import Policy
+from policy.errors import UserError
 from server.cli import main as cli_main
-from server.openai.media import MediaLimits
+from server.openai.media import MediaLimits, add_media_arguments, media_limits_from
 from tests.engine.vision_models import assert_same_answer, build_tiny_vl, hf_vl_generate, png_bytes
 from tests.server.batch_files import read_lines, upload, wait_batch
 from tests.server.live import LiveServer, ServerFactory
@@ -154,3 +156,13 @@ def test_run_batch_reads_images_under_the_allowed_path(vl_dir: Path, tmp_path: P
     assert_same_answer(*answer(choice["logprobs"]), reference(vl_dir, image))
     (error,) = [json.loads(raw) for raw in Path(f"{out}.errors").read_text().splitlines()]
     assert error["custom_id"] == "out" and "outside the allowed" in json.dumps(error)
+
+
+def test_image_limit_flags_under_one_are_refused() -> None:
+    parser = argparse.ArgumentParser()
+    add_media_arguments(parser)
+    assert media_limits_from(parser.parse_args([])) == MediaLimits()
+    for flag in ("--max-image-bytes", "--max-images-per-request"):
+        for value in ("0", "-1"):
+            with pytest.raises(UserError, match=flag):
+                media_limits_from(parser.parse_args([flag, value]))

@@ -4,6 +4,7 @@ prefix page."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import pytest
 from engine import LLM, SamplingParams
 from engine.core.media import SeqMedia, VisionSpec, expand_image_tokens
 from engine.core.protocol import TokenLogprobs
+from engine.executor import vision_encoder
 from policy import Policy
 from tests.engine.vision_models import (
     assert_same_answer,
@@ -60,7 +62,9 @@ def test_an_image_in_a_chat_gives_transformers_greedy_tokens(vl_dir: Path) -> No
             assert_same_answer(got.token_ids, chosen(got.logprobs), (want[0], want[1]))
 
 
-def test_images_key_the_prefix_cache_and_are_encoded_once(vl_dir: Path) -> None:
+def test_images_key_the_prefix_cache_and_are_encoded_once(
+    vl_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # two images of one size: the same prompt tokens, so only the digests tell them apart
     first, second = png_bytes(112, 112, seed=3), png_bytes(112, 112, seed=4)
     text = "describe the picture in a few words please"
@@ -75,11 +79,24 @@ def test_images_key_the_prefix_cache_and_are_encoded_once(vl_dir: Path) -> None:
         assert again.num_cached_tokens > 0  # the same image: its pages are hits
         assert again.outputs[0].token_ids == out.outputs[0].token_ids
         assert llm.executor.vision.num_encoded == 1  # and its features the cached ones
+        monkeypatch.setattr(vision_encoder, "CACHED_IMAGES", 1)  # the next image evicts it
         other = llm.generate([ids2], GREEDY, media=[media2])[0]
         assert llm.executor.vision.num_encoded == 2
         assert media2 is not None
         # only the pages before the image may hit: none of them holds an image token
         assert other.num_cached_tokens <= media2.images[0].start
+        # the first image's features are gone, its pages are not: it is not encoded again
+        assert media is not None
+        third = llm.generate([ids], GREEDY, media=[media])[0]
+        image = media.images[0]
+        assert third.num_cached_tokens >= image.start + image.num_tokens
+        assert llm.executor.vision.num_encoded == 2
+        assert third.outputs[0].token_ids == out.outputs[0].token_ids
+        # two choices: the second forks the first's prompt KV, and decodes at its M-RoPE
+        # positions (p + delta past the prompt), not at p
+        two = llm.generate([ids], dataclasses.replace(GREEDY, n=2), media=[media])[0]
+        assert [c.token_ids for c in two.outputs] == [out.outputs[0].token_ids] * 2
+        assert llm.executor.vision.num_encoded == 2  # the fork runs none of the prompt
     _, *want = hf_vl_generate(vl_dir, [second], text, GREEDY.max_tokens)
     got = other.outputs[0]
     assert_same_answer(got.token_ids, chosen(got.logprobs), (want[0], want[1]))
