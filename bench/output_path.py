@@ -43,8 +43,9 @@ def measure(seqs: int, tokens: int, text: str) -> dict[str, float]:
     from engine.core.sequence import Sequence
     from engine.core.tokenizer import Tokenizer
     from engine.runtime.core_client import CoreEngineClient
+    from server.openai.endpoints.completions import CompletionServing
+    from server.openai.endpoints.prepared import Prepared
     from server.openai.metrics import Metrics
-    from server.openai.serving import Prepared, Serving
     from server.openai.streaming import stream_chunks
 
     model_dir = resolve_model_dir(DEMO_MODEL)
@@ -54,7 +55,7 @@ def measure(seqs: int, tokens: int, text: str) -> dict[str, float]:
     client._tokenizer = tokenizer  # what start() reads; no engine process is started
     client._executor = type("Alive", (), {"is_alive": True})()
     client._ready.set()
-    serving = Serving(client, "m", Metrics(client))
+    serving = CompletionServing(client, "m", Metrics(client))
     params = SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=0)
 
     async def run() -> dict[str, float]:

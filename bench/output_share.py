@@ -71,6 +71,12 @@ OUTPUT_FRAMES: dict[str, set[str] | None] = {
         *("_prompt_deltas", "_prompt_choices", "_merged", "outputs", "run_choices"),
         *("body", "choice", "chat_choice"),
     },
+    # the same, split by endpoint (server/openai/endpoints/)
+    "server/openai/endpoints/generation.py": {
+        *("_prompt_choices", "_merged", "outputs", "run_choices")
+    },
+    "server/openai/endpoints/completions.py": {"body", "choice"},
+    "server/openai/endpoints/chat.py": {"body", "choice"},
     "server/streaming.py": None,
     "server/openai/streaming.py": None,
     "server/responses.py": None,

@@ -71,7 +71,7 @@ class SamplingParams:
     echo: bool = False
     skip_special_tokens: bool = True
     """The output's text leaves the tokenizer's special tokens out (vLLM's default); False
-    keeps them (gpt-oss's harmony channels are read from them, server/openai/harmony.py)."""
+    keeps them (gpt-oss's harmony channels are read from them, server/openai/parsers/harmony.py)."""
     pooling: bool = False
     """A pooling request (an embedder's or a decoder reranker's, engine/core/pooling.py): the
     prompt runs as a prefill only and the answer is its last position's pooled output

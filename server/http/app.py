@@ -38,11 +38,12 @@ from server.http.responses import json_response
 from server.http.settings import ServerSettings
 from server.http.state import AppState, get_state
 from server.openai.embeddings import EMBEDDINGS, RERANK, SCORE
+from server.openai.endpoints.base import Endpoint
+from server.openai.endpoints.prepared import Prepared
 from server.openai.errors import not_found
 from server.openai.metrics import CONTENT_TYPE, Metrics
 from server.openai.responses import Health, Model, ModelList, NotReady, Ready, now
-from server.openai.serving import CHAT, COMPLETIONS, RESPONSES, Prepared, Serving
-from server.openai.streaming import stream_chunks, stream_response_events
+from server.openai.serving import CHAT, COMPLETIONS, RESPONSES, Serving
 
 logger = logging.getLogger("nanoflex.server")
 T = TypeVar("T")
@@ -167,31 +168,29 @@ def create_app(
     return app
 
 
-def _prepare(serving: Serving, endpoint: str, raw: bytes) -> Prepared:
+def _prepare(endpoint: Endpoint, raw: bytes) -> Prepared:
     """Decode, validate and tokenize a request body (in a worker thread: a long prompt
     takes a while to tokenize and must not stall the event loop)."""
-    return serving.prepare(endpoint, decode_json(raw))
+    return endpoint.prepare(decode_json(raw))
 
 
-async def _generate(request: Request, endpoint: str) -> Response:
+async def _generate(request: Request, path: str) -> Response:
     state = get_state(request)
     raw = await read_body(request)
     await state.wait_ready()
-    prep = await asyncio.to_thread(_prepare, state.serving, endpoint, raw)
+    endpoint = state.serving.endpoint(path)
+    prep = await asyncio.to_thread(_prepare, endpoint, raw)
     state.serving.check_ready()
     state.admit(prep.num_seqs)
     if not prep.stream:
         try:
-            result = await _unless_disconnected(request, state.serving.run(prep, ONLINE_PRIORITY))
+            result = await _unless_disconnected(request, endpoint.run(prep, ONLINE_PRIORITY))
         except ClientDisconnected:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         finally:
             state.release(prep.num_seqs)
         return json_response(result)
-    if prep.responses is not None:
-        chunks = stream_response_events(state.serving, prep, ONLINE_PRIORITY)
-    else:
-        chunks = stream_chunks(state.serving, prep, ONLINE_PRIORITY)
+    chunks = endpoint.stream(prep, ONLINE_PRIORITY)
     try:
         first = await _unless_disconnected(request, anext(chunks))
     except BaseException as e:
@@ -251,19 +250,19 @@ def _add_online_routes(app: FastAPI) -> None:
     async def tokenize(request: Request) -> Response:
         state, body = get_state(request), decode_json(await read_body(request))
         await state.wait_ready()
-        return json_response(await asyncio.to_thread(state.serving.tokenize, body))
+        return json_response(await asyncio.to_thread(state.serving.tokenization.tokenize, body))
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:
         state, body = get_state(request), decode_json(await read_body(request))
         await state.wait_ready()
-        return json_response(await asyncio.to_thread(state.serving.detokenize, body))
+        return json_response(await asyncio.to_thread(state.serving.tokenization.detokenize, body))
 
     @app.get("/tokenizer_info")
     async def tokenizer_info(request: Request) -> Response:
         state = get_state(request)
         await state.wait_ready()
-        return json_response(state.serving.tokenizer_info())
+        return json_response(state.serving.tokenization.tokenizer_info())
 
     @app.get("/v1/models")
     async def list_models(request: Request) -> Response:

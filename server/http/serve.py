@@ -41,8 +41,8 @@ from server.http.connection import DaemonConfig
 from server.http.settings import API_KEY_ENV, ServerSettings
 from server.openai.media import add_media_arguments
 from server.openai.memory import keep_heaps_trimmed
-from server.openai.reasoning import PARSERS as REASONING_PARSERS
-from server.openai.tool_parsers import PARSERS as TOOL_PARSERS
+from server.openai.parsers.reasoning import PARSERS as REASONING_PARSERS
+from server.openai.parsers.tool_calls import PARSERS as TOOL_PARSERS
 
 DEFAULT_ENGINE_CLIENT = "engine.runtime.core_client:build_engine_client"
 ENGINE_CLIENT_ENV = "NANOFLEX_ENGINE_CLIENT"

@@ -76,9 +76,10 @@ class ServerSettings:
     served_model_name: str | None = None
     """Model id shown to clients; None: the engine's model name."""
     tool_call_parser: str | None = None
-    """The model's tool-call format (server/openai/tool_parsers.py); None: from its template."""
+    """The model's tool-call format (server/openai/parsers/tool_calls.py); None: from its
+    template."""
     reasoning_parser: str | None = None
-    """qwen3, deepseek_r1 or none (server/openai/reasoning.py); None: from its template."""
+    """qwen3, deepseek_r1 or none (server/openai/parsers/reasoning.py); None: from its template."""
     media_limits: MediaLimits = NO_LOCAL_MEDIA
     """What a chat may send of images (server/openai/media.py)."""
 

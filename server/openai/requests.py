@@ -18,7 +18,6 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, Validation
 from engine.core.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
 from engine.core.structured import StructuredOutput, closed_schema
 from server.openai.errors import APIError, invalid_request
-from server.openai.media import IMAGE_PARTS, image_url_of
 
 logger = logging.getLogger("nanoflex.server")
 
@@ -317,24 +316,6 @@ class CompletionRequest(_Sampling):
     NEUTRAL: ClassVar[dict[str, Any]] = NEUTRAL_FIELDS | {"prompt_embeds": None}
 
 
-TEXT_ONLY_PARTS = frozenset(
-    {
-        "image_url",
-        "input_image",
-        "image",
-        "input_audio",
-        "audio",
-        "audio_url",
-        "file",
-        "input_file",
-        "video",
-        "video_url",
-        "image_embeds",
-    }
-)
-"""Content parts of other modalities: refused by name (the served models take text)."""
-
-
 class FunctionCall(_Strict):
     name: str
     arguments: str | dict[str, Any] = ""
@@ -359,84 +340,6 @@ class ChatMessage(BaseModel):
     function_call: FunctionCall | None = None
     """The legacy form of an assistant's call."""
     reasoning_content: str | None = None
-
-    def text(self, index: int) -> str:
-        """The content's text; a part of another modality is a 400 naming it."""
-        if not isinstance(self.content, list):
-            return self.content or ""
-        return "".join(
-            _part_text(part, f"messages.{index}.content.{j}") for j, part in enumerate(self.content)
-        )
-
-    def template_content(
-        self, index: int, images: list[tuple[str, str]] | None = None
-    ) -> str | list[dict[str, Any]]:
-        """The content as the chat template reads it: its text; for a model that takes images
-        (`images` a list, which collects each image part's (URL, param)), a content with
-        images is its parts in order, {"type": "text", "text"} and {"type": "image"}."""
-        content = self.content
-        if images is None or not isinstance(content, list):
-            return self.text(index)
-        if not any(part.get("type") in IMAGE_PARTS for part in content):
-            return self.text(index)
-        parts: list[dict[str, Any]] = []
-        for j, part in enumerate(content):
-            where = f"messages.{index}.content.{j}"
-            if part.get("type") in IMAGE_PARTS:
-                images.append((image_url_of(part, where), where))
-                parts.append({"type": "image"})
-            else:
-                parts.append({"type": "text", "text": _part_text(part, where)})
-        return parts
-
-    def for_template(
-        self, index: int, images: list[tuple[str, str]] | None = None
-    ) -> dict[str, Any]:
-        """The message as chat templates read it (`role`, `content`, and where present
-        `name`, `tool_calls`, `tool_call_id`); `images` as `template_content`."""
-        out: dict[str, Any] = {"role": self.role, "content": self.template_content(index, images)}
-        if self.role == "function":  # the legacy result of a function
-            out["role"] = "tool"
-        if self.name is not None:
-            out["name"] = self.name
-        calls = list(self.tool_calls or [])
-        if self.function_call is not None:
-            calls.append(ToolCallIn(function=self.function_call))
-        if calls:
-            out["tool_calls"] = [
-                {
-                    "id": c.id or f"call_{index}_{k}",
-                    "type": "function",
-                    "function": {"name": c.function.name, "arguments": c.function.arguments},
-                }
-                for k, c in enumerate(calls)
-            ]
-        if self.tool_call_id is not None:
-            out["tool_call_id"] = self.tool_call_id
-        if self.reasoning_content is not None:
-            out["reasoning_content"] = self.reasoning_content
-        return out
-
-
-def _part_text(part: dict[str, Any], where: str) -> str:
-    """A text content part's text; a part of another modality is a 400 naming it."""
-    kind = part.get("type")
-    if kind in ("text", "input_text", "output_text", "refusal"):
-        text = part.get("text", part.get("refusal"))
-        if not isinstance(text, str):
-            raise invalid_request(f"a {kind} part needs its text", param=where)
-        return text
-    if kind in TEXT_ONLY_PARTS:
-        raise invalid_request(
-            f"The served model takes text only; this message has a content part of "
-            f"type {kind!r}. Send text parts (type 'text') or a string.",
-            param=where,
-            code="unsupported_content_type",
-        )
-    raise invalid_request(
-        f"Unknown content part type {kind!r}; the served model takes text parts (type 'text').",
-        param=where,
-    )
 
 
 class FunctionDef(_Strict):
@@ -489,18 +392,6 @@ class ChatCompletionRequest(_Sampling):
 
     IGNORED: ClassVar[frozenset[str]] = IGNORED_FIELDS
     NEUTRAL: ClassVar[dict[str, Any]] = NEUTRAL_FIELDS | {"echo": False}
-
-    def template_messages(
-        self, images: list[tuple[str, str]] | None = None
-    ) -> list[dict[str, Any]]:
-        """The messages as the template reads them; `images`: as `ChatMessage.template_content`."""
-        return [m.for_template(i, images) for i, m in enumerate(self.messages)]
-
-    def template_kwargs(self) -> dict[str, Any]:
-        kwargs = dict(self.chat_template_kwargs or {})
-        if self.reasoning_effort is not None:
-            kwargs.setdefault("reasoning_effort", self.reasoning_effort)
-        return kwargs
 
     def num_logprobs(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:

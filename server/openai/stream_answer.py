@@ -14,16 +14,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from server.openai.harmony import HarmonySplitter
-from server.openai.markers import partial_marker
-from server.openai.reasoning import ReasoningSplitter, splitter_for
+from server.openai.parsers.markers import partial_marker
+from server.openai.parsers.reasoning import Splitter, splitter_for
+from server.openai.parsers.tool_calls import HARMONY, TOOL_PARSERS
 from server.openai.responses import (
     AssistantMessage,
     ChatDelta,
     FunctionCallDelta,
     ToolCallDelta,
 )
-from server.openai.tool_parsers import HARMONY, START_MARKERS
 from server.openai.tools import ToolPlan
 
 _AT_START = ("{", "[", "<|python_tag|>", "[TOOL_CALLS]")
@@ -36,7 +35,7 @@ class AnswerStream:
 
     reasoning: str | None
     tools: ToolPlan | None
-    splitter: ReasoningSplitter | HarmonySplitter | None = field(init=False)
+    splitter: Splitter | None = field(init=False)
     content: str = ""
     """The answer's content so far (reasoning split off)."""
     sent: int = 0
@@ -76,7 +75,8 @@ class AnswerStream:
             head.startswith(start) or start.startswith(head) for start in _AT_START
         ):
             return self.sent  # calls, or the start of them, or blanks before them
-        marker = START_MARKERS["hermes" if plan.parser == "hermes" else "mistral"]
+        marker = TOOL_PARSERS["hermes" if plan.parser == "hermes" else "mistral"].start_marker
+        assert marker is not None
         at = text.find(marker, self.sent)
         if at >= 0:
             return at

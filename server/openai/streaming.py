@@ -3,6 +3,7 @@
 Each chunk carries what one choice just gained (`SequenceDelta`): its new text, exactly as
 the engine handed it out, so the chunks of a choice join to the text the same request
 gets without `stream`. A choice's first chunk carries the chat role or the echoed prompt.
+(The Responses API's events: server/openai/endpoints/responses.py.)
 """
 
 from __future__ import annotations
@@ -13,6 +14,9 @@ from json.encoder import encode_basestring
 from typing import Any
 
 from engine.core.outputs import ChoiceAccumulator, SequenceDelta
+from server.openai.chat_answer import chat_answer
+from server.openai.endpoints.generation import GenerateServing
+from server.openai.endpoints.prepared import Prepared
 from server.openai.errors import APIError
 from server.openai.logprobs import chat_logprobs, completion_logprobs
 from server.openai.responses import (
@@ -26,8 +30,6 @@ from server.openai.responses import (
     sse,
     usage,
 )
-from server.openai.responses_api import Response, response_body, response_events
-from server.openai.serving import Prepared, Serving, chat_answer
 from server.openai.stream_answer import AnswerStream
 
 _PLACEHOLDER = "\ue000text\ue000"
@@ -41,7 +43,7 @@ class _Chunks:
     chunks again would only cost time (tests/server/test_fuzz.py checks them against the
     schema)."""
 
-    def __init__(self, serving: Serving, prep: Prepared) -> None:
+    def __init__(self, serving: GenerateServing, prep: Prepared) -> None:
         self.serving, self.prep = serving, prep
         self.sent_chars: dict[int, int] = {}
         """Per choice that has started: characters streamed (the echoed prompt included),
@@ -187,10 +189,11 @@ class _Chunks:
 
 
 async def stream_chunks(
-    serving: Serving, prep: Prepared, priority: int
+    serving: GenerateServing, prep: Prepared, priority: int
 ) -> AsyncGenerator[bytes, None]:
-    """SSE bytes for one request. Errors raised before the first chunk propagate as
-    `APIError`; later ones are sent as a final `data: {"error": ...}` event."""
+    """SSE bytes for one completion or chat request (`serving`: its endpoint). Errors raised
+    before the first chunk propagate as `APIError`; later ones are sent as a final
+    `data: {"error": ...}` event."""
     chunks = _Chunks(serving, prep)
     render = chunks.chat if prep.is_chat else chunks.completion
     choices: dict[int, ChoiceAccumulator] = {}
@@ -211,32 +214,3 @@ async def stream_chunks(
     if prep.include_usage:
         yield chunks.usage(choices)
     yield sse("[DONE]")
-
-
-async def stream_response_events(
-    serving: Serving, prep: Prepared, priority: int
-) -> AsyncGenerator[bytes, None]:
-    """The Responses API's events for one request (server/openai/responses_api.py): its
-    reasoning and answer as deltas while they come, then its output items."""
-    assert prep.responses is not None
-    req = prep.responses
-    head = response_body(req, prep.request_id, prep.created, prep.model, None, "in_progress")
-    choices: dict[int, ChoiceAccumulator] = {}
-
-    async def parts() -> AsyncGenerator[tuple[str, str], None]:
-        answer = AnswerStream(prep.reasoning, prep.tools)
-        async with aclosing(serving.outputs(prep, priority)) as outputs:
-            async for choice, delta in outputs:
-                choices[choice.index] = choice
-                for part in answer.feed(delta.new_text):
-                    if part.reasoning_content:
-                        yield "reasoning", part.reasoning_content
-                    if part.content:
-                        yield "content", part.content
-
-    def finished() -> Response:
-        chat = serving.chat_body(prep, [choices[i] for i in sorted(choices)])
-        return response_body(req, prep.request_id, prep.created, prep.model, chat)
-
-    async for event in response_events(head, parts(), finished):
-        yield event

@@ -13,8 +13,8 @@ from typing import Any
 import openai
 import pytest
 
-from server.openai.cut_calls import cut_answer
-from server.openai.tool_parsers import ParsedCall
+from server.openai.parsers.tool_calls import cut_answer
+from server.openai.parsers.tool_formats import ParsedCall
 from tests.server import test_tools
 from tests.server.live import MODEL
 from tests.server.test_tools import COMPACT, HERMES_TWO_CALLS, TIME, TOOLS, chat

@@ -26,8 +26,8 @@ import pytest
 from engine.core.tokenizer import ChatOptions, Tokenizer
 from engine.loading.demo import demo_model_dir
 from server.http.settings import ServerSettings
-from server.openai.harmony import HarmonySplitter
-from server.openai.reasoning import HARMONY, parser_for_template, split_reasoning
+from server.openai.parsers.harmony import HarmonySplitter
+from server.openai.parsers.reasoning import HARMONY, parser_for_template, split_reasoning
 from tests.engine.tiny_models import TINY_CONFIGS, build_from_spec
 from tests.server.live import LiveServer, build_engine_client, engine_args, start_server
 from tests.server.test_tools import (

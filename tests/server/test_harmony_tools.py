@@ -14,17 +14,14 @@ import pytest
 
 from engine.core.structured import harmony_calls
 from engine.core.tokenizer import ChatOptions, Tokenizer
-from server.openai.harmony import HarmonySplitter, Header, read_header
-from server.openai.reasoning import HARMONY, split_reasoning
+from server.openai.chat_format import chat_for_template
+from server.openai.parsers.harmony import HarmonySplitter, Header, read_header
+from server.openai.parsers.reasoning import HARMONY, split_reasoning
+from server.openai.parsers.tool_calls import parse_tool_calls, parser_for_template
+from server.openai.parsers.tool_formats import ParsedAnswer, ParsedCall
 from server.openai.responses import AssistantMessage, FunctionCallOut, ToolCall
 from server.openai.stream_answer import AnswerStream
-from server.openai.tool_parsers import (
-    ParsedAnswer,
-    ParsedCall,
-    parse_tool_calls,
-    parser_for_template,
-)
-from server.openai.tools import ToolPlan, chat_for_template
+from server.openai.tools import ToolPlan
 from tests.server.test_harmony import TEMPLATE, harmony_tokenizer
 from tests.server.test_tools import TIME, TOOLS, WEATHER
 

@@ -104,8 +104,8 @@ def test_streamed_chat_equals_the_whole_answer(live: LiveServer, reference: Refe
 def test_text_only_chunks_equal_their_rendered_models() -> None:
     """A chunk that carries text alone is encoded from bytes rendered once per choice (the
     text swapped in): byte for byte the chunk pydantic renders, for text that JSON escapes."""
+    from server.openai.endpoints.prepared import Prepared
     from server.openai.responses import ChatDelta
-    from server.openai.serving import Prepared
     from server.openai.streaming import _Chunks
 
     texts = ['say "hi"', "back\\slash", "line\nbreak\ttab\r", "\x00\x1f\x7f", "日本語 🙂", ""]

@@ -8,10 +8,11 @@ import json
 
 import pytest
 
-from server.openai.reasoning import parser_for_template as reasoning_for_template
-from server.openai.reasoning import split_reasoning
+from server.openai.parsers.reasoning import parser_for_template as reasoning_for_template
+from server.openai.parsers.reasoning import split_reasoning
+from server.openai.parsers.tool_calls import parse_tool_calls, parser_for_template
+from server.openai.parsers.tool_formats import ParsedCall
 from server.openai.stream_answer import AnswerStream
-from server.openai.tool_parsers import ParsedCall, parse_tool_calls, parser_for_template
 from server.openai.tools import ToolPlan
 
 TIME = ParsedCall("get_time", '{"zone": "UTC"}')

@@ -494,8 +494,8 @@ def test_template_options_reach_the_template(tmp_path: Path) -> None:
     """chat_template_kwargs, tools and continue_final_message as a Qwen3-style template
     reads them; the template's formats are detected from it."""
     from engine.core.tokenizer import ChatOptions
-    from server.openai.reasoning import parser_for_template as reasoning_for
-    from server.openai.tool_parsers import parser_for_template as tools_for
+    from server.openai.parsers.reasoning import parser_for_template as reasoning_for
+    from server.openai.parsers.tool_calls import parser_for_template as tools_for
 
     template = (
         "{% if tools %}<tools>{% for t in tools %}{{ t.function.name }};{% endfor %}"

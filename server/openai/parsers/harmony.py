@@ -18,7 +18,7 @@ tool call whose body is its arguments; it ends with `<|call|>`, a stop token, so
     "Paris"}<|call|>
 
 The markers are special tokens, so the text read here keeps them (the request's
-`skip_special_tokens` is turned off: server/openai/serving.py); none of them reaches
+`skip_special_tokens` is turned off: server/openai/endpoints/generation.py); none reaches
 `content` or `reasoning_content`. An answer that does not open with a header (a constrained
 one, say) is all content. Calls are read apart only when asked (`reads_calls`: the request
 has tools); otherwise a call's arguments are content (commentary) or reasoning (analysis).
@@ -34,7 +34,7 @@ import json
 import re
 from dataclasses import dataclass, field
 
-from server.openai.markers import partial_marker
+from server.openai.parsers.markers import partial_marker
 
 CHANNEL, MESSAGE, START = "<|channel|>", "<|message|>", "<|start|>"
 CONSTRAIN = "<|constrain|>"

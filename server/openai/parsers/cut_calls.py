@@ -2,11 +2,12 @@
 writing when the budget ran out, its arguments as generated (a JSON text cut anywhere, so
 it does not parse; empty when the cut came before them).
 
-A client gets them as `tool_calls` with finish_reason "length" (server/openai/serving.py),
+A client gets them as `tool_calls` with finish_reason "length" (server/openai/chat_answer.py),
 so an agent sees the call it was about to make and can ask again with more tokens, rather
 than take the call's JSON text for the answer. A call is kept once its name is whole; text
-cut inside a name names no function and is dropped. gpt-oss's harmony calls are kept alike
-by server/openai/harmony.py.
+cut inside a name names no function and is dropped. One reader per format (the registry's:
+server/openai/parsers/tool_calls.py); gpt-oss's harmony calls are kept alike by
+server/openai/parsers/harmony.py.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import json
 import re
 
-from server.openai.tool_parsers import (
+from server.openai.parsers.tool_formats import (
     MISTRAL_NAMED,
     ParsedAnswer,
     ParsedCall,
@@ -72,23 +73,17 @@ def _calls_then_cut(
     return whole, cut_call(body[end:])
 
 
-def cut_answer(parser: str, text: str) -> ParsedAnswer | None:
-    """An answer cut inside a call, read by the named parser: the content before the calls,
-    the whole calls and the cut one. None when the cut is not inside a call the parser
-    reads (the ordinary parse then stands)."""
-    if parser == "hermes":
-        return _cut_hermes(text)
-    if parser == "llama3_json":
-        found = _calls_then_cut(text.lstrip().removeprefix("<|python_tag|>"), "parameters")
-        if found is None or found[1] is None:
-            return None
-        return ParsedAnswer(None, [*found[0], found[1]])
-    if parser == "mistral":
-        return _cut_mistral(text)
-    return None
+def cut_llama3_json(text: str) -> ParsedAnswer | None:
+    """A llama3_json answer cut inside a call: its whole calls and the cut one."""
+    found = _calls_then_cut(text.lstrip().removeprefix("<|python_tag|>"), "parameters")
+    if found is None or found[1] is None:
+        return None
+    return ParsedAnswer(None, [*found[0], found[1]])
 
 
-def _cut_hermes(text: str) -> ParsedAnswer | None:
+def cut_hermes(text: str) -> ParsedAnswer | None:
+    """A hermes answer cut inside its last `<tool_call>` block: the content before the
+    blocks, the whole calls and the cut one."""
     marker = "<tool_call>"
     at = text.rfind(marker)
     if at < 0 or "</tool_call>" in text[at:]:
@@ -100,7 +95,9 @@ def _cut_hermes(text: str) -> ParsedAnswer | None:
     return ParsedAnswer((head.content or "").strip() or None, [*head.calls, cut])
 
 
-def _cut_mistral(text: str) -> ParsedAnswer | None:
+def cut_mistral(text: str) -> ParsedAnswer | None:
+    """A mistral answer cut inside its list of calls, or inside its last `name[ARGS]` call:
+    the content before, the whole calls and the cut one."""
     marker = "[TOOL_CALLS]"
     at = text.rfind(marker)
     head, tail = (text[:at], text[at + len(marker) :]) if at >= 0 else ("", text)

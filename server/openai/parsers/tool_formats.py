@@ -1,6 +1,6 @@
-"""Tool-call parsers: a model's own tool-call format, in its answer text, as OpenAI tool calls.
-
-One parser per format, as vLLM's `--tool-call-parser` names them:
+"""Each tool-call format's reader: a model's answer text as the content around its calls and
+the calls (OpenAI's), one function per format that vLLM's `--tool-call-parser` names
+(the registry: server/openai/parsers/tool_calls.py):
 - `hermes`: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, one block per call
   (Qwen 2.5 and 3, SmolLM3, Hermes and many fine-tunes);
 - `llama3_json`: the answer is `{"name": ..., "parameters": {...}}` objects, several joined
@@ -8,15 +8,15 @@ One parser per format, as vLLM's `--tool-call-parser` names them:
 - `mistral`: `[TOOL_CALLS]` then a JSON list of `{"name", "arguments"}` objects, or (newer
   tokenizers) `[TOOL_CALLS]name[ARGS]{...}` per call;
 - `openai`: gpt-oss's harmony messages to `functions.<name>`, one call each
-  (server/openai/harmony.py); its content is the answer's final and commentary messages
-  (preambles, in order), its reasoning the reasoning parser's. The text keeps the special
-  tokens for this one (server/openai/serving.py).
+  (server/openai/parsers/harmony.py); its content is the answer's final and commentary
+  messages (preambles, in order), its reasoning the reasoning parser's. The text keeps the
+  special tokens for this one (server/openai/endpoints/generation.py).
 
 The daemon decodes with special tokens skipped, so a marker that is a special token of the
 model (`<|python_tag|>`, Mistral's `[TOOL_CALLS]`) may be missing from the text: llama3_json
 and mistral then read a JSON answer at the start of the text without it.
 
-A parser returns the content around the calls and the calls; text it cannot read as a call
+A reader returns the content around the calls and the calls; text it cannot read as a call
 stays content, as vLLM's parsers leave it.
 """
 
@@ -27,10 +27,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from server.openai.harmony import CHANNEL, HarmonySplitter
-
-HARMONY = "openai"
-PARSERS = ("hermes", "llama3_json", "mistral", HARMONY)
+from server.openai.parsers.harmony import HarmonySplitter
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,32 +155,3 @@ def parse_harmony(text: str) -> ParsedAnswer:
     content += splitter.finish()[1]
     calls = [ParsedCall(name, arguments) for name, arguments in splitter.calls]
     return ParsedAnswer(content or None, calls)
-
-
-_BY_NAME = {
-    "hermes": parse_hermes,
-    "llama3_json": parse_llama3_json,
-    "mistral": parse_mistral,
-    HARMONY: parse_harmony,
-}
-
-START_MARKERS = {"hermes": "<tool_call>", "llama3_json": "{", "mistral": "[TOOL_CALLS]"}
-"""Where a format's first call starts: a stream holds text back from there."""
-
-
-def parse_tool_calls(parser: str, text: str) -> ParsedAnswer:
-    """`text` (a whole answer) read by the named parser (PARSERS)."""
-    return _BY_NAME[parser](text)
-
-
-def parser_for_template(template: str | None) -> str:
-    """The format a chat template teaches its model (vLLM's parsers by name), hermes when
-    it shows none: the tools are then described in hermes' format (server/openai/tools.py)."""
-    text = template or ""
-    if CHANNEL in text:
-        return HARMONY
-    if "[TOOL_CALLS]" in text:
-        return "mistral"
-    if "<|python_tag|>" in text or "ipython" in text:
-        return "llama3_json"
-    return "hermes"
