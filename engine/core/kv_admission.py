@@ -48,6 +48,7 @@ class KvAdmission:
     def __init__(
         self,
         config: SchedulerConfig,
+        *,
         rest: TierRest,
         max_len: int,
         pages: PageManager,
@@ -57,6 +58,7 @@ class KvAdmission:
         forks: ChoiceForks,
         block: RunningBlock,
     ) -> None:
+        """The parts it reads and moves sequences between, shared with the `Scheduler`."""
         self.config = config
         self.rest = rest
         """The tiers that rest after a storage fault."""

@@ -11,12 +11,14 @@ sampled tokens and hands back what each request gained (`SequenceDelta`); `recov
 a step the executor could not run (its offload storage failed, a cached page failed
 verification) and recomputes its sequences. Every request has one choice: `ParentRequest`
 fans out n in front.
-The parts, each its own module: the waiting queues, online before batch and in prefix order
-(`WaitQueues`), the running block's slots (`RunningBlock`), admission by projected KV
-(`KvAdmission`), the n-choice forks (`ChoiceForks`), and its settings (`SchedulerConfig`).
 Plans may be built one step ahead (asynchronous): a decode whose input token is
 still in flight carries PENDING_TOKEN_ID, and a token sampled for a sequence
 that has meanwhile finished is dropped.
+
+The parts, each its own module: the waiting queues, online before batch and in prefix order
+(`WaitQueues`), the running block's slots (`RunningBlock`), admission by projected KV
+(`KvAdmission`), the n-choice forks (`ChoiceForks`), the checks a request must pass
+(`check_request`) and the settings (`SchedulerConfig`).
 """
 
 from __future__ import annotations
@@ -99,14 +101,14 @@ class Scheduler:
         """The tiers that rest after a storage fault (read from the daemon's event loop too)."""
         self.admission = KvAdmission(
             config,
-            self.rest,
-            self.max_len,
-            self.page_manager,
-            self.state_slots,
-            self.snapshots,
-            self.waiting,
-            self.forks,
-            self.block,
+            rest=self.rest,
+            max_len=self.max_len,
+            pages=self.page_manager,
+            state_slots=self.state_slots,
+            snapshots=self.snapshots,
+            queues=self.waiting,
+            forks=self.forks,
+            block=self.block,
         )
         self.config = config
 
