@@ -23,7 +23,8 @@ from engine.core.detokenizer import Detokenizer
 from engine.core.model_files import DEFAULT_MODEL, context_length, eos_token_ids
 from engine.core.planning import DEFAULT_WORKLOAD, cached_hardware, resolve_policy
 from engine.core.protocol import EngineInfo
-from engine.core.scheduler import Scheduler, SchedulerConfig, discrete_sizes
+from engine.core.scheduler import Scheduler
+from engine.core.scheduler_config import SchedulerConfig, discrete_sizes
 from policy import Policy, UserError
 from policy.catalog import resolve_model_spec
 from policy.dtypes import DTYPES

@@ -14,182 +14,35 @@ fans out n in front.
 Plans may be built one step ahead (asynchronous): a decode whose input token is
 still in flight carries PENDING_TOKEN_ID, and a token sampled for a sequence
 that has meanwhile finished is dropped.
+
+The parts, each its own module: the waiting queues, online before batch and in prefix order
+(`WaitQueues`), the running block's slots (`RunningBlock`), admission by projected KV
+(`KvAdmission`), the n-choice forks (`ChoiceForks`), the checks a request must pass
+(`check_request`) and the settings (`SchedulerConfig`).
 """
 
 from __future__ import annotations
 
-import heapq
 import itertools
-from collections import deque
-from collections.abc import Iterable
-from dataclasses import dataclass, field
 
+from engine.core.choice_forks import ChoiceForks
 from engine.core.detokenizer import Detokenizer
-from engine.core.kv_pages import PageManager, pick_tier
+from engine.core.kv_admission import KvAdmission, until_state_save
+from engine.core.kv_pages import PageManager
 from engine.core.outputs import SequenceDelta
 from engine.core.prefix_cache import PageRef
-from engine.core.prefix_order import (
-    LOOKAHEAD,
-    PageHashes,
-    PrefixGate,
-    PrefixQueue,
-    prompt_page_hashes,
-)
 from engine.core.protocol import PENDING_TOKEN_ID, SeqChunk, StepFailure, StepPlan, StepResult
-from engine.core.sequence import BATCH_PRIORITY, Request, Sequence, SequenceStatus
+from engine.core.request_checks import check_request
+from engine.core.running_block import RunningBlock
+from engine.core.scheduler_config import SchedulerConfig, pick_size
+from engine.core.sequence import Request, Sequence, SequenceStatus
 from engine.core.state_slots import StateSlots, StateSnapshots
-from engine.core.tier_rest import TierRest, largest_pool_tokens, pool_tokens
-from policy import TIERS, Policy, UserError
-from policy.policy import Triple
-
-
-class SchedulerConfigError(UserError, ValueError):
-    """Scheduler settings that cannot work together (say which flag to change)."""
-
-
-class RequestError(UserError, ValueError):
-    """A request the scheduler refuses: duplicate id, empty prompt, or one that can never fit."""
-
-
-class PromptTooLongError(RequestError):
-    """The prompt is longer than max_model_len."""
+from engine.core.tier_rest import TierRest, largest_pool_tokens
+from engine.core.wait_queues import WaitQueues
 
 
 class EngineProtocolError(RuntimeError):
     """A StepResult that does not answer its StepPlan (a bug in the executor)."""
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    """How the scheduler forms steps; build with `from_policy` or by keyword."""
-
-    gpu_batch_size: int = 8
-    """Sequences per GPU batch; gpu_batch = slot // gpu_batch_size."""
-    num_gpu_batches: int = 1
-    """GPU batches per block; block_size = gpu_batch_size * num_gpu_batches."""
-    kv_frac: Triple = (1.0, 0.0, 0.0)
-    """Target share of sequences whose KV is homed on gpu / cpu / disk."""
-    act_frac: Triple = (1.0, 0.0, 0.0)
-    """Target share of sequences whose activations are homed on gpu / cpu / disk."""
-    page_tokens: int = 16
-    """Tokens per KV page."""
-    kv_capacity_pages: dict[str, int | None] = field(default_factory=dict)
-    """KV pages available per tier; a missing tier or None is unbounded."""
-    state_slots: dict[str, int] = field(default_factory=dict)
-    """A hybrid model's per-sequence state slots per tier (engine/core/state_slots.py): a
-    sequence is admitted only with a free one on its state tier; empty: no state layers."""
-    state_snapshots: dict[str, int] = field(default_factory=dict)
-    """A hybrid model's snapshot slots for the states of cached prefixes (`StateSnapshots`):
-    {tier: count}, numbered after that tier's `state_slots`; none turns its prefix caching
-    off."""
-    max_step_tokens: int = 2048
-    """Most tokens (decodes plus prefill chunks) in one step."""
-    batch_sizes: tuple[int, ...] = ()
-    """The discrete dense batch sizes a step runs (NanoFlow 4.2), ascending; empty:
-    `discrete_sizes(max_step_tokens, None, block_size)`."""
-    discrete_batching: bool = True
-    """Fill each step to one of batch_sizes and pad the rest (fixed shapes: CUDA graphs,
-    tuned kernels); False runs exactly the scheduled tokens, budgeted by max_step_tokens."""
-    eos_token_ids: tuple[int, ...] = ()
-    max_model_len: int = 2048
-    """Context window: prompt plus generated tokens."""
-    expected_gen_tokens: int | None = None
-    """Generated length KV admission assumes per request (capped by its max_tokens): a fixed
-    number, or None for NanoFlow's estimate (4.4), the running mean output length of the
-    finished requests (max_tokens until one has finished). A wrong estimate is caught by
-    preemption, never by running out of pages."""
-    conservative_admission: bool = False
-    """Assume every request runs to max_tokens: nothing is ever preempted, but fewer
-    sequences run at once when most stop early."""
-    enable_prefix_caching: bool = False
-    """Keep finished sequences' full KV pages cached (spilling LRU pages down the tiers) and
-    let new requests reuse the longest cached prefix instead of recomputing it."""
-    cache_salt: str = ""
-    """Mixed into every page hash: what else determines the KV bytes (EngineInfo.cache_salt)."""
-    max_cached_pages: dict[str, int] = field(default_factory=dict)
-    """Per tier, the most cached pages nobody holds (the disk cache's size bound)."""
-    min_hit_tokens: dict[str, int] = field(default_factory=dict)
-    """Per tier, the shortest cached prefix worth loading from there instead of recomputing
-    (the cost model's break-even); a shorter hit on that tier is recomputed."""
-    static_blocks: bool = False
-    """FlexGen-style baseline: admit only into an empty block, so a block runs to completion
-    before the next starts (no refill). False: continuous refill after every step."""
-    offload_retry_s: float = 2.0
-    """After a tier's storage failed in a step (a full disk, an I/O error), how long it takes
-    no new KV (no sequence homed there, no spill, no hit read there); then it is tried again."""
-    prefix_ordering: bool = True
-    """With prefix caching: batch work waits in the trie order of its prompts' page hashes, so
-    lines that share a prefix run back to back while it is cached, and a prompt whose next
-    uncached page a running sequence is computing waits a step to hit it (`PrefixQueue`,
-    `PrefixGate`). False: FIFO, and shared pages computed at once are computed twice."""
-    batch_share: float = 0.25
-    """While online requests wait or run, the most batch work takes: this share of a step's
-    token budget for its prefill chunks and of the block's slots (rounded up) for its lines.
-    Batch lines past it are never preempted; new ones wait. 1.0: priority alone."""
-    max_offload_faults: int = 2
-    """Storage faults a sequence goes through (recomputed after each); at this many it ends
-    with a retryable error instead (`SequenceDelta.retryable`)."""
-
-    def __post_init__(self) -> None:
-        for name in ("gpu_batch_size", "num_gpu_batches", "page_tokens", "max_step_tokens"):
-            if getattr(self, name) < 1:
-                raise SchedulerConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_model_len < 1:
-            raise SchedulerConfigError(f"max_model_len must be >= 1, got {self.max_model_len}")
-        sizes = self.batch_sizes or discrete_sizes(self.max_step_tokens, None, self.block_size)
-        sizes = tuple(sorted(set(sizes)))
-        if sizes[0] < 1 or sizes[-1] > self.max_step_tokens:
-            raise SchedulerConfigError(f"batch_sizes must lie in [1, max_step_tokens], got {sizes}")
-        if sizes[-1] < self.block_size:
-            raise SchedulerConfigError(
-                f"the largest batch size ({sizes[-1]}) must hold one decode per sequence of the "
-                f"block ({self.block_size}): raise max_step_tokens or lower the block size"
-            )
-        object.__setattr__(self, "batch_sizes", sizes)
-        if not 0.0 < self.batch_share <= 1.0:
-            raise SchedulerConfigError(f"batch_share must lie in (0, 1], got {self.batch_share}")
-        unknown = set(self.kv_capacity_pages) - set(TIERS)
-        if unknown:
-            raise SchedulerConfigError(f"kv_capacity_pages has unknown tiers {sorted(unknown)}")
-
-    @property
-    def block_size(self) -> int:
-        """Most sequences running at once (Policy.block_size)."""
-        return self.gpu_batch_size * self.num_gpu_batches
-
-    @classmethod
-    def from_policy(cls, policy: Policy, **kwargs: object) -> SchedulerConfig:
-        """Block shape and tier fractions from `policy`; everything else by keyword."""
-        shape = {"gpu_batch_size": policy.gpu_batch_size, "num_gpu_batches": policy.num_gpu_batches}
-        fracs = {"kv_frac": policy.kv_frac, "act_frac": policy.act_frac}
-        return cls(**shape, **fracs, **kwargs)  # type: ignore[arg-type]
-
-
-SIZES_PER_OCTAVE = 8
-"""Discrete sizes between a power of two and the next, above the flat rows."""
-
-
-def discrete_sizes(max_rows: int, flat_rows: int | None, block_size: int) -> tuple[int, ...]:
-    """The dense batch sizes a step may run (NanoFlow 4.2): powers of two up to `flat_rows`,
-    the rows below which a dense step's time does not grow (the device is under-used, so
-    padding up is free); above them 8 sizes an octave, so that padding adds at most an
-    eighth of a step's rows where every row costs time; the block size (a full block's
-    decodes run unpadded) and max_rows. flat_rows None: 1 (every row costs)."""
-    flat = max(1, min(flat_rows or 1, max_rows))
-    base = 1 << (flat.bit_length() - 1)  # the largest power of two within the flat rows
-    sizes = {1 << i for i in range(base.bit_length())}
-    while base <= max_rows:
-        step = max(1, base // SIZES_PER_OCTAVE)
-        sizes |= set(range(base, min(2 * base, max_rows + 1), step))
-        base *= 2
-    sizes |= {min(block_size, max_rows), max_rows}
-    return tuple(sorted(sizes))
-
-
-def pick_size(batch_sizes: tuple[int, ...], num_tokens: int) -> int:
-    """The dense size a step of `num_tokens` runs padded to: the smallest of `batch_sizes`
-    that holds them, else the largest."""
-    return next((s for s in batch_sizes if s >= num_tokens), batch_sizes[-1])
 
 
 class Scheduler:
@@ -201,7 +54,6 @@ class Scheduler:
     """
 
     def __init__(self, config: SchedulerConfig, detokenizer: Detokenizer | None = None) -> None:
-        self.config = config
         self.detokenizer = detokenizer
         self.state_slots = StateSlots(config.state_slots)
         """Each running sequence's state slot, for a hybrid model."""
@@ -223,26 +75,17 @@ class Scheduler:
             self.page_manager.stats,
         )
         """A hybrid's saved states at the end of shared prefixes (its prefix cache)."""
-        self.waiting: dict[int, deque[Sequence] | PrefixQueue[Sequence]] = {}
-        """Queues per priority (lower first), FIFO (batch work in prefix order with
-        prefix_ordering); preempted sequences go back to the front."""
-        self.prefix_ordering = config.prefix_ordering and self.page_manager.prefix_caching
-        self.forking = caching and not hybrid
+        prefix_ordering = config.prefix_ordering and self.page_manager.prefix_caching
+        self.waiting = WaitQueues(config, prefix_ordering)
+        """The sequences waiting for a slot, online before batch."""
+        self.forks = ChoiceForks(self.page_manager, enabled=caching and not hybrid)
         """The n choices of a request share one prefill (a hybrid's state is not forked)."""
-        self._groups: dict[str, list[Sequence]] = {}
-        """With forking: the unfinished choices of each request with n > 1, by group."""
-        self._prompt_hashes: dict[int, PageHashes] = {}
-        """With prefix_ordering: each unfinished sequence's prompt page hashes."""
-        self.running: list[Sequence] = []
-        """Admission order: the last one is the newest (the first to preempt)."""
+        self.block = RunningBlock(config.block_size)
         self.requests: dict[str, Sequence] = {}
         self._seqs: dict[int, Sequence] = {}
-        self._free_slots = list(range(config.block_size))
         self._freed_seq_ids: list[int] = []
         self.num_preemptions = 0
         """Sequences preempted so far (their KV dropped, to be recomputed)."""
-        self._finished_gen_tokens = 0  # over requests that ended on their own (stop, length)
-        self._num_finished = 0
         self._next_seq_id = 0
         self._next_step_id = 0
         self._plan_epochs: dict[int, dict[int, int]] = {}
@@ -254,52 +97,46 @@ class Scheduler:
         """Tokens the largest allowed KV pool holds: the most one sequence can ever have in KV."""
         self.max_len = min(config.max_model_len, self.kv_tokens + 1)
         """Sequences end ('length') at this many tokens, so a lone one always fits a pool."""
-        self._batch_budget = config.max_step_tokens
-        """Prefill tokens batch work may still take in the step being planned."""
         self.rest = TierRest(config.offload_retry_s)
         """The tiers that rest after a storage fault (read from the daemon's event loop too)."""
+        self.admission = KvAdmission(
+            config,
+            rest=self.rest,
+            max_len=self.max_len,
+            pages=self.page_manager,
+            state_slots=self.state_slots,
+            snapshots=self.snapshots,
+            queues=self.waiting,
+            forks=self.forks,
+            block=self.block,
+        )
+        self.config = config
+
+    @property
+    def config(self) -> SchedulerConfig:
+        """The settings; replacing them (tests tune admission so) reaches every part."""
+        return self._config
+
+    @config.setter
+    def config(self, config: SchedulerConfig) -> None:
+        self._config = self.waiting.config = self.admission.config = config
+
+    @property
+    def running(self) -> list[Sequence]:
+        """The running sequences in admission order: the last one is the newest (the first
+        to preempt)."""
+        return self.block.seqs
 
     # -- requests ----------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         """Queue a request. Raises RequestError for one that can never run."""
-        num_prompt = len(request.prompt_token_ids)
-        if request.sampling.n != 1:
-            raise RequestError(
-                f"request {request.request_id!r} asks for n={request.sampling.n}; the engine "
-                "runs one choice per request (ParentRequest fans out n)"
-            )
-        if request.request_id in self.requests:
-            raise RequestError(f"request id {request.request_id!r} is already in use")
-        if num_prompt == 0:
-            raise RequestError("the prompt is empty: send at least one token")
-        if num_prompt > self.config.max_model_len:
-            raise PromptTooLongError(
-                f"the prompt has {num_prompt} tokens but max_model_len is "
-                f"{self.config.max_model_len}: shorten the prompt"
-            )
-        if num_prompt > self.kv_tokens:
-            raise RequestError(
-                f"the prompt ({num_prompt} tokens) does not fit the largest KV pool "
-                f"({self.kv_tokens} tokens): give the KV cache more memory"
-            )
+        check_request(request, self.config.max_model_len, self.kv_tokens, self.requests)
         seq = Sequence.from_request(request, self._next_seq_id, self.detokenizer)
         self._next_seq_id += 1
         self.requests[request.request_id] = seq
         self._seqs[seq.seq_id] = seq
-        if self.prefix_ordering:
-            self._prompt_hashes[seq.seq_id] = prompt_page_hashes(
-                seq.cache_token_ids, self.config.page_tokens, self.config.cache_salt
-            )
-        if self.forking and request.group is not None:
-            self._groups.setdefault(request.group, []).append(seq)
-        if request.priority not in self.waiting:
-            self.waiting[request.priority] = self._new_queue(request.priority)
-        self.waiting[request.priority].append(seq)
-
-    def _new_queue(self, priority: int) -> deque[Sequence] | PrefixQueue[Sequence]:
-        if self.prefix_ordering and priority >= BATCH_PRIORITY:
-            return PrefixQueue(lambda seq: self._prompt_hashes[seq.seq_id])
-        return deque()
+        self.forks.join(seq)
+        self.waiting.add(seq)
 
     def abort_request(self, request_id: str) -> SequenceDelta | None:
         """Drop a request wherever it is and free its KV; its last delta ('abort'), or None
@@ -317,16 +154,11 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return sum(len(q) for q in self.waiting.values())
+        return len(self.waiting)
 
     def queue_lengths(self) -> dict[str, tuple[int, int]]:
         """(waiting, running) sequences of the online and the batch class."""
-        counts = {"online": [0, 0], "batch": [0, 0]}
-        for priority, queue in self.waiting.items():
-            counts["batch" if priority >= BATCH_PRIORITY else "online"][0] += len(queue)
-        for seq in self.running:
-            counts["batch" if seq.request.priority >= BATCH_PRIORITY else "online"][1] += 1
-        return {name: (waiting, running) for name, (waiting, running) in counts.items()}
+        return self.waiting.class_lengths(self.running)
 
     # -- schedule ----------------------------------------------------------------------
     def schedule(self) -> StepPlan | None:
@@ -336,21 +168,21 @@ class Scheduler:
         num_decodes = sum(1 for s in live if s.num_tokens - s.num_computed_tokens == 1)
         demand = sum(s.num_tokens - s.num_computed_tokens for s in live)
         can_admit = not self.config.static_blocks or not self.running
-        num_joining = len(self._free_slots) if can_admit else 0
-        queued = itertools.islice(itertools.chain(*self._queues()), num_joining)
+        num_joining = self.block.num_free_slots if can_admit else 0
+        queued = itertools.islice(itertools.chain(*self.waiting.in_order()), num_joining)
         demand += sum(s.num_tokens - s.num_computed_tokens for s in queued)
         step_tokens = self._pick_size(demand) if self.config.discrete_batching else None
         budget = (step_tokens or self.config.max_step_tokens) - num_decodes  # prefill tokens
 
         planned: list[tuple[int, SeqChunk]] = []
         preempted = False
-        self._batch_budget = self._batch_tokens()
+        self.waiting.start_step(self.running)
         for seq in live:  # oldest first; victims are always newer or seq itself
             if seq.status is not SequenceStatus.RUNNING:
                 continue
             to_run = seq.num_tokens - seq.num_computed_tokens
-            num_new = 1 if to_run == 1 else min(to_run, self._prefill_budget(seq, budget))
-            num_new = self._until_state_save(seq, seq.num_computed_tokens, num_new)
+            num_new = 1 if to_run == 1 else min(to_run, self.waiting.prefill_budget(seq, budget))
+            num_new = until_state_save(seq, seq.num_computed_tokens, num_new)
             if num_new == 0:
                 continue
             page_ids = self._allocate(seq, num_new)
@@ -358,23 +190,28 @@ class Scheduler:
                 preempted = True
                 continue
             budget -= num_new if to_run > 1 else 0
-            self._spend(seq, num_new if to_run > 1 else 0)
+            self.waiting.spend(seq, num_new if to_run > 1 else 0)
             planned.append((seq.slot, self._chunk(seq, num_new, page_ids)))
         if not planned:  # the budget reserved for preempted decodes is free again
             budget = self.config.max_step_tokens
         can_admit = can_admit or not self.running  # preemption may have emptied the block
-        while can_admit and (not preempted or not planned) and budget > 0 and self._free_slots:
-            admitted = self._admit(budget)
+        while (
+            can_admit
+            and (not preempted or not planned)
+            and budget > 0
+            and self.block.num_free_slots
+        ):
+            admitted = self.admission.admit(budget)
             if admitted is None:
                 break
-            seq, num_new, page_ids = admitted
+            seq, num_new = admitted.seq, admitted.num_new
             budget -= num_new
-            self._spend(seq, num_new)
-            planned.append((seq.slot, self._chunk(seq, num_new, page_ids)))
+            self.waiting.spend(seq, num_new)
+            planned.append((seq.slot, self._chunk(seq, num_new, admitted.pages)))
         if not planned:
             return self._records_plan()
         chunks = [chunk for _, chunk in sorted(planned, key=lambda p: p[0])]
-        chunks += [fork for chunk in chunks for fork in self._forks(chunk)]
+        chunks += [f for c in chunks for f in self.forks.forks_of(self._seqs[c.seq_id], c)]
         plan = StepPlan(self._next_step_id, chunks, self._freed_seq_ids)
         plan.page_moves, plan.cached_disk_pages = self.page_manager.take_moves()
         plan.page_copies = self.page_manager.take_copies()
@@ -435,58 +272,7 @@ class Scheduler:
         seq.num_pending += int(do_sample)
         return chunk
 
-    def _forks(self, chunk: SeqChunk) -> list[SeqChunk]:
-        """With `chunk` a choice samples its first token: the other choices of its request
-        that have not started fork its pages (a partial last page is copied when first
-        written), each a chunk of no tokens that samples from the same logits row."""
-        leader = self._seqs[chunk.seq_id]
-        if not (chunk.do_sample and leader.num_pending == 1 and self._leads_fork(leader)):
-            return []
-        group = self._groups[leader.request.group or ""]
-        return [self._fork(leader, seq, chunk) for seq in group if self._can_fork(seq)]
-
-    def _leads_fork(self, seq: Sequence) -> bool:
-        """seq computes the prompt of a request whose other choices fork it at seq's first
-        sample (`_forks`); not a sequence homed on disk (its partial pages are staged in host
-        memory, not copied)."""
-        return seq.request.group in self._groups and not seq.num_generated and seq.kv_tier != "disk"
-
-    def _can_fork(self, seq: Sequence) -> bool:
-        """seq waits and has computed nothing (and wants no prompt logprobs: those need its
-        own pass over the prompt)."""
-        return (
-            seq.status is SequenceStatus.WAITING
-            and seq.seq_id not in self.page_manager
-            and not seq.num_pending
-            and not seq.num_generated
-            and not seq.wants_prompt_logprobs
-        )
-
-    def _fork(self, leader: Sequence, seq: Sequence, chunk: SeqChunk) -> SeqChunk:
-        """seq takes leader's prompt KV; it stays queued, holding it, until a slot is free."""
-        pages = self.page_manager.fork(leader.seq_id, seq.seq_id)
-        seq.kv_tier, seq.act_tier = leader.kv_tier, leader.act_tier
-        seq.num_computed_tokens = leader.num_computed_tokens
-        if seq.num_cached_tokens is None:  # the request's prefix hit, as its leader's
-            seq.num_cached_tokens = leader.num_cached_tokens
-        history = list(seq.token_ids) if seq.sampling.needs_history else []
-        seq.is_sent, seq.num_pending = True, 1
-        return SeqChunk(
-            seq_id=seq.seq_id,
-            token_ids=[],
-            start_pos=seq.num_computed_tokens,
-            gpu_batch=chunk.gpu_batch,
-            new_pages=pages,
-            kv_tier=seq.kv_tier,
-            act_tier=seq.act_tier,
-            do_sample=True,
-            sampling=seq.sampling,
-            media=seq.request.media,  # its M-RoPE positions past the prompt; nothing to encode
-            cached_token_ids=history,
-            forked_from=leader.seq_id,
-        )
-
-    # -- KV: allocation, admission, preemption ----------------------------------------------
+    # -- KV: allocation, preemption --------------------------------------------------------
     def _allocate(self, seq: Sequence, num_new: int) -> list[PageRef] | None:
         """Pages for seq's next tokens, preempting newer ones on its tier; None if seq went."""
         while not self.page_manager.can_append(seq.seq_id, num_new):
@@ -505,7 +291,7 @@ class Scheduler:
         self._drop_kv(seq)
         seq.status = SequenceStatus.WAITING
         seq.state_restore = seq.state_save = None  # looked up again when readmitted
-        self.waiting[seq.request.priority].appendleft(seq)
+        self.waiting.push_front(seq)
 
     def _drop_kv(self, seq: Sequence) -> None:
         """Free seq's KV and slot: nothing a plan built before did for it counts (its epoch),
@@ -514,145 +300,9 @@ class Scheduler:
         self._release(seq)
         seq.num_computed_tokens = 0
 
-    def _admit(self, budget: int) -> tuple[Sequence, int, list[PageRef]] | None:
-        """Move the head of the queues into the block if its projected KV fits some tier.
-        With prefix caching its longest cached prefix is taken, not recomputed, unless it
-        wants its prompt's logprobs (as vLLM does): those need the logits at every prompt
-        position, which a cached prefix never computes."""
-        seq = self._next_to_admit()
-        if seq is None or seq.num_pending:
-            return None
-        budget = self._prefill_budget(seq, budget)
-        if budget == 0:
-            return None
-        if seq.seq_id in self.page_manager:  # a fork: it holds its prompt's KV already
-            return self._admit_fork(seq, budget)
-        prefix: list[PageRef] = []
-        restore, save = None, None
-        if not seq.wants_prompt_logprobs:  # those need every prompt position's logits
-            match = self.page_manager.match(seq.cache_token_ids)
-            prefix = self._worth_loading(match)
-            if self.snapshots.enabled:
-                prefix, restore, save = self._with_states(match, prefix)
-        num_cached = len(prefix) * self.config.page_tokens
-        num_new = min(seq.num_tokens - num_cached, budget)
-        if save is not None and save[0] < num_cached + num_new:
-            num_new = save[0] - num_cached  # the first chunk ends where the state is saved
-        counts = {t: 0 for t in TIERS}
-        for s in self.running:
-            counts[s.kv_tier] += 1
-        paused = self.page_manager.paused
-        fracs = tuple(
-            f
-            if f > 0
-            and t not in paused
-            and self.state_slots.can_allocate(t)
-            and self._kv_fits(seq, num_new, t)
-            else 0.0
-            for t, f in zip(TIERS, self.config.kv_frac, strict=True)
-        )
-        if not any(fracs):
-            return None
-        seq.kv_tier = pick_tier((fracs[0], fracs[1], fracs[2]), counts)
-        act_counts = {t: sum(1 for s in self.running if s.act_tier == t) for t in TIERS}
-        seq.act_tier = pick_tier(self.config.act_frac, act_counts)
-        self._enter(seq)
-        self.state_slots.allocate(seq.seq_id, seq.kv_tier)
-        seq.state_restore, seq.state_save = restore, save
-        if restore is not None:
-            self.page_manager.stats.state_hits += 1
-        pages = self.page_manager.start(seq.seq_id, seq.kv_tier, prefix)
-        seq.num_computed_tokens = num_cached
-        if seq.num_cached_tokens is None:  # the first admission's hit is the request's
-            seq.num_cached_tokens = num_cached
-        stats = self.page_manager.stats
-        stats.query_tokens += seq.num_tokens
-        stats.hit_tokens += num_cached
-        return seq, num_new, pages + self.page_manager.append(seq.seq_id, num_new)
-
-    def _admit_fork(self, seq: Sequence, budget: int) -> tuple[Sequence, int, list[PageRef]] | None:
-        """A fork into the block on its home tier (its first decode copies the shared partial
-        page), if the projected KV fits."""
-        num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-        if seq.kv_tier in self.page_manager.paused or not self._kv_fits(seq, num_new, seq.kv_tier):
-            return None
-        self._enter(seq)
-        return seq, num_new, self.page_manager.append(seq.seq_id, num_new)
-
-    def _enter(self, seq: Sequence) -> None:
-        """Move seq from its queue into a slot of the block."""
-        self.waiting[seq.request.priority].remove(seq)
-        seq.slot = heapq.heappop(self._free_slots)
-        seq.status = SequenceStatus.RUNNING
-        self.running.append(seq)
-
-    def _with_states(
-        self, match: list[PageRef], prefix: list[PageRef]
-    ) -> tuple[list[PageRef], tuple[str, int] | None, tuple[int, str] | None]:
-        """A hybrid's cached prefix: `prefix` cut to its longest part whose end has a saved
-        state, that state's snapshot slot, and where to save one if the cached KV `match`
-        runs further (a prefix seen twice: the next request with it hits)."""
-        cache, page_tokens = self.page_manager.cache, self.config.page_tokens
-        usable, restore = 0, None
-        for k in range(len(prefix), 0, -1):
-            h = cache.hash_of(prefix[k - 1])
-            restore = None if h is None else self.snapshots.find(h)
-            if restore is not None:
-                usable = k
-                break
-        save = None
-        if len(match) > usable:
-            h = cache.hash_of(match[-1])
-            if h is not None and not self.snapshots.has(h):
-                save = (len(match) * page_tokens, h)
-        return prefix[:usable], restore, save
-
-    def _until_state_save(self, seq: Sequence, start: int, num_new: int) -> int:
-        """A chunk of `num_new` tokens from `start` cut where seq's state is to be saved."""
-        if seq.state_save is None:
-            return num_new
-        return min(num_new, max(0, seq.state_save[0] - start)) or num_new
-
-    def _worth_loading(self, prefix: list[PageRef]) -> list[PageRef]:
-        """`prefix` cut before its first page on a tier where a hit this long loses to
-        recomputing (SchedulerConfig.min_hit_tokens), or whose storage rests after a fault."""
-        num_tokens = len(prefix) * self.config.page_tokens
-        for i, (tier, _) in enumerate(prefix):
-            too_short = num_tokens < self.config.min_hit_tokens.get(tier, 0)
-            if too_short or tier in self.page_manager.paused:
-                return prefix[:i]
-        return prefix
-
-    def _kv_fits(self, seq: Sequence, num_new: int, tier: str) -> bool:
-        """Room now for the first chunk, and projected peak KV on tier within capacity."""
-        if not self.page_manager.can_append(seq.seq_id, num_new, tier):
-            return False
-        capacity = self.page_manager.capacity_pages[tier]
-        if capacity is None:
-            return True
-        if self.page_manager.num_pages_for(seq.num_tokens) > capacity:
-            return False  # too long for this pool even alone (it was preempted from it)
-        others = [s for s in self.running if s.kv_tier == tier]
-        if not others:  # an empty pool always takes one: progress
-            return True
-        lengths = [(s.num_tokens, self._expected_remaining(s)) for s in [*others, seq]]
-        return self.page_manager.projected_peak_pages(lengths) <= capacity
-
-    def _expected_remaining(self, seq: Sequence) -> int:
-        """Tokens seq is expected to add before it ends (see expected_gen_tokens)."""
-        remaining = min(seq.num_remaining, self.max_len - seq.num_tokens)
-        expected_total = self.config.expected_gen_tokens
-        if expected_total is None and self._num_finished:
-            expected_total = -(-self._finished_gen_tokens // self._num_finished)  # ceil mean
-        if expected_total is not None and not self.config.conservative_admission:
-            remaining = min(remaining, expected_total - seq.num_generated - seq.num_pending)
-        return max(remaining, 0)
-
     def _release(self, seq: Sequence) -> None:
         """Take seq out of the block: free its KV and slot, tell the engine to forget it."""
-        if seq in self.running:
-            self.running.remove(seq)
-            heapq.heappush(self._free_slots, seq.slot)
+        self.block.leave(seq)
         self.page_manager.free(seq.seq_id)
         self.state_slots.free(seq.seq_id)
         if seq.is_sent:
@@ -662,84 +312,9 @@ class Scheduler:
     def _retire(self, seq: Sequence) -> None:
         """Remove a sequence for good (finished or aborted)."""
         self._release(seq)
-        queue = self.waiting.get(seq.request.priority)
-        if queue is not None and seq in queue:
-            queue.remove(seq)
+        self.waiting.forget(seq)
         self._seqs.pop(seq.seq_id, None)
-        self._prompt_hashes.pop(seq.seq_id, None)
-        group = self._groups.get(seq.request.group or "")
-        if group is not None:
-            group.remove(seq)
-            if not group:
-                del self._groups[seq.request.group or ""]
-
-    def _queues(self) -> list[deque[Sequence] | PrefixQueue[Sequence]]:
-        return [q for _, q in sorted(self.waiting.items()) if q]
-
-    # -- online before batch, prefix order -------------------------------------------------
-    def _next_to_admit(self) -> Sequence | None:
-        """The queued sequence to admit next: the head of the first non-empty queue, or with
-        prefix ordering its first sequence that `PrefixGate` lets through (a FIFO queue's head
-        only, a batch queue's first LOOKAHEAD). A choice whose request's prompt another choice
-        is computing waits for its fork (`_forks`) as the gate's prompts wait. None when they
-        are all held (nothing of a later queue goes ahead), or a batch line would pass
-        `batch_share` of the slots while online work is present."""
-        queues = self._queues()
-        if not queues:
-            return None
-        queue = queues[0]
-        head = next(iter(queue))
-        if head.request.priority >= BATCH_PRIORITY and self._online_present():
-            num_batch = sum(1 for s in self.running if s.request.priority >= BATCH_PRIORITY)
-            if num_batch >= self._share_of(self.config.block_size):
-                return None
-        forking = {s.request.group for s in self.running if self._leads_fork(s)}
-        if not self.prefix_ordering:
-            waits = head.request.group in forking and self._can_fork(head)
-            return None if waits else head
-        pages = self.page_manager
-        in_flight = (
-            self._prompt_hashes[s.seq_id][pages.num_indexed_pages(s.seq_id) :] for s in self.running
-        )
-        gate = PrefixGate(pages.cache, in_flight)
-        if isinstance(queue, deque):
-            candidates: Iterable[Sequence] = [head]
-        else:
-            candidates = itertools.islice(queue, LOOKAHEAD)
-        for s in candidates:
-            if s.seq_id in pages:  # a fork: its KV is held
-                return s
-            if s.request.group in forking and self._can_fork(s):
-                continue
-            if not gate.holds(self._prompt_hashes[s.seq_id]):
-                return s
-        return None
-
-    def _online_present(self) -> bool:
-        """Some online request (priority before BATCH_PRIORITY) waits or runs."""
-        return any(p < BATCH_PRIORITY and q for p, q in self.waiting.items()) or any(
-            s.request.priority < BATCH_PRIORITY for s in self.running
-        )
-
-    def _share_of(self, total: int) -> int:
-        """batch_share of `total`, rounded up (at least 1 of a positive total)."""
-        return -(-total * round(self.config.batch_share * 1000) // 1000)
-
-    def _batch_tokens(self) -> int:
-        """Prefill tokens batch work may take this step (batch_share of the step's budget
-        while online work is present; the whole budget otherwise)."""
-        total = self.config.max_step_tokens
-        return self._share_of(total) if self._online_present() else total
-
-    def _prefill_budget(self, seq: Sequence, budget: int) -> int:
-        """`budget` capped by what is left of the batch share, for a batch sequence."""
-        if seq.request.priority < BATCH_PRIORITY:
-            return budget
-        return min(budget, self._batch_budget)
-
-    def _spend(self, seq: Sequence, num_prefill: int) -> None:
-        if seq.request.priority >= BATCH_PRIORITY:
-            self._batch_budget -= num_prefill
+        self.forks.leave(seq)
 
     # -- postprocess -------------------------------------------------------------------
     def postprocess(self, plan: StepPlan, result: StepResult) -> list[SequenceDelta]:
@@ -806,23 +381,15 @@ class Scheduler:
 
     def _finish(self, seq: Sequence) -> None:
         """Count a finished sequence and remove it and its request for good."""
-        self._finished_gen_tokens += seq.num_generated
-        self._num_finished += 1
+        self.admission.count_finished(seq)
         self._retire(seq)
         del self.requests[seq.request.request_id]
 
     # -- storage faults ----------------------------------------------------------------
     def is_blocked_by_storage(self) -> bool:
-        """No tier that holds a sequence of the longest length (`max_len`) may take KV now:
-        requests wait until a paused tier is tried again."""
-        resting = self.rest.tiers()
-        capacity, page_tokens = self.page_manager.capacity_pages, self.config.page_tokens
-        able = [
-            t
-            for t, f in zip(TIERS, self.config.kv_frac, strict=True)
-            if f > 0 and pool_tokens(capacity[t], page_tokens) >= self.max_len - 1
-        ]
-        return bool(resting) and all(t in resting for t in able)
+        """No tier that holds a sequence of the longest length may take KV now (read from
+        the daemon's event loop too): requests wait until a paused tier is tried again."""
+        return self.admission.is_blocked_by_storage()
 
     def recover(
         self, plan: StepPlan, failure: StepFailure, unrun: StepPlan | None = None

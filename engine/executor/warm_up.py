@@ -41,7 +41,7 @@ from typing import Any, Protocol
 from engine.core.kv_pages import PageManager
 from engine.core.protocol import SeqChunk, StepPlan, StepResult, WarmUp
 from engine.core.sampling_params import SamplingParams
-from engine.core.scheduler import pick_size
+from engine.core.scheduler_config import pick_size
 from engine.executor.pipeline import BlockPipeline
 from engine.kernels.triton_attention import DECODE_BLOCK_N
 from engine.kernels.triton_launch import compiled_count

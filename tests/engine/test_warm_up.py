@@ -22,7 +22,7 @@ from unittest import mock
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.core.scheduler import pick_size
+from engine.core.scheduler_config import pick_size
 from engine.executor.cuda_graphs import GraphRunner
 from engine.executor.warm_up import decode_rows
 from engine.fake_cuda import fake_cuda

@@ -13,8 +13,10 @@ from engine.core.engine_core import EngineCore
 from engine.core.outputs import RequestOutput
 from engine.core.parent_request import ParentRequest
 from engine.core.protocol import PENDING_TOKEN_ID, StepPlan, StepResult
+from engine.core.request_checks import RequestError
 from engine.core.sampling_params import SamplingParams
-from engine.core.scheduler import RequestError, Scheduler, SchedulerConfig
+from engine.core.scheduler import Scheduler
+from engine.core.scheduler_config import SchedulerConfig
 from engine.core.sequence import BATCH_PRIORITY, ONLINE_PRIORITY, Request
 from policy import TIERS
 from tests.engine.fakes import VOCAB, FakeDetokenizer, FakeExecutor, Outputs, reference

@@ -13,7 +13,8 @@ from engine.core.outputs import RequestOutput
 from engine.core.parent_request import ParentRequest
 from engine.core.prefix_cache import page_hashes
 from engine.core.sampling_params import SamplingParams
-from engine.core.scheduler import Scheduler, SchedulerConfig
+from engine.core.scheduler import Scheduler
+from engine.core.scheduler_config import SchedulerConfig
 from engine.core.sequence import Request
 from policy import TIERS
 from tests.engine.fakes import VOCAB, FakeExecutor, Outputs, reference

@@ -7,7 +7,8 @@ import random
 from engine.core.parent_request import ParentRequest
 from engine.core.prefix_order import PrefixQueue
 from engine.core.sampling_params import SamplingParams
-from engine.core.scheduler import Scheduler, SchedulerConfig
+from engine.core.scheduler import Scheduler
+from engine.core.scheduler_config import SchedulerConfig
 from engine.core.sequence import BATCH_PRIORITY, ONLINE_PRIORITY, Request
 from policy import TIERS
 from tests.engine.fakes import VOCAB, FakeExecutor, Outputs, prefill_tokens, reference

@@ -8,15 +8,10 @@ from engine.core.detokenizer import Detokenizer
 from engine.core.outputs import RequestOutput
 from engine.core.parent_request import ParentRequest
 from engine.core.protocol import StepPlan, StepResult, TokenLogprobs
+from engine.core.request_checks import PromptTooLongError, RequestError
 from engine.core.sampling_params import SamplingParams
-from engine.core.scheduler import (
-    EngineProtocolError,
-    PromptTooLongError,
-    RequestError,
-    Scheduler,
-    SchedulerConfig,
-    SchedulerConfigError,
-)
+from engine.core.scheduler import EngineProtocolError, Scheduler
+from engine.core.scheduler_config import SchedulerConfig, SchedulerConfigError
 from engine.core.sequence import BATCH_PRIORITY, ONLINE_PRIORITY, Request
 from policy import TIERS, Policy, UserError
 from tests.engine.fakes import VOCAB, FakeDetokenizer, FakeExecutor, Outputs, reference

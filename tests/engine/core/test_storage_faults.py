@@ -13,7 +13,8 @@ from engine.core.engine_core import EngineCore
 from engine.core.outputs import RequestOutput
 from engine.core.protocol import StepFailure, StepPlan, StepResult
 from engine.core.sampling_params import SamplingParams
-from engine.core.scheduler import Scheduler, SchedulerConfig
+from engine.core.scheduler import Scheduler
+from engine.core.scheduler_config import SchedulerConfig
 from engine.core.sequence import Request
 from policy import TIERS
 from tests.engine.fakes import VOCAB, FakeDetokenizer, FakeExecutor

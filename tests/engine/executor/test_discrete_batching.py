@@ -10,7 +10,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.core.protocol import StepPlan, StepResult
-from engine.core.scheduler import discrete_sizes
+from engine.core.scheduler_config import discrete_sizes
 from engine.executor.gpu_batch import GpuBatch
 from policy import Policy
 from policy.hardware import FLEXGEN_T4 as FLAT_T4

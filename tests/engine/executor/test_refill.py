@@ -11,7 +11,8 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.core.sampling_params import SamplingParams as Params
-from engine.core.scheduler import Scheduler, SchedulerConfig
+from engine.core.scheduler import Scheduler
+from engine.core.scheduler_config import SchedulerConfig
 from engine.core.sequence import Request, Sequence
 from policy import Policy
 from tests.engine.fakes import FakeExecutor, Outputs
