@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -11,6 +10,7 @@ from engine.core.model_files import ModelLoadError
 from engine.models.hf_config import model_config_fields
 from engine.models.multipliers import Multipliers
 from engine.models.vision_config import VisionConfig
+from policy.config_json import read_config_json
 from policy.families import ALIASES
 
 
@@ -296,7 +296,7 @@ def read_hf_config(model_dir: Path) -> Any:
     try:
         config_path = model_dir / "config.json"
         if config_path.is_file():
-            model_type = json.loads(config_path.read_text()).get("model_type")
+            model_type = read_config_json(config_path).get("model_type")
             if model_type in ALIASES:  # another type's architecture under its own name
                 same = ALIASES[model_type]
                 hf = type(AutoConfig.for_model(same)).from_pretrained(model_dir)

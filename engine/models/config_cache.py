@@ -41,6 +41,7 @@ NORMALIZERS = (
     "engine/models/vision_config.py",
     "policy/families.py",
     "policy/config_fields.py",
+    "policy/config_json.py",
 )
 """The files that turn a transformers config into a `ModelConfig` (the family table and its
 readers), from the directory above the packages."""
