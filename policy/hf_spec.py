@@ -1,12 +1,15 @@
 """A Hugging Face `config.json` (a plain dict: no transformers here) -> `ModelSpec` fields.
 
 Shapes only, per family: what the cost model needs to size every tensor the engine moves
-(the engine's own reading, engine/models/hf_config.py, decides what runs)."""
+(the engine's own reading, engine/models/hf_config.py, decides what runs). Which types it
+prices, and as what (a vision checkpoint's language model, an alias, a hybrid, a head tied by
+default), the family table says (policy/families.py), for the engine and the planner alike."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from policy.config_json import model_type_of
 from policy.errors import ModelSpecError
 from policy.families import FAMILIES
 from policy.hybrid import MOE_KINDS, hybrid_fields, layer_kinds
@@ -27,7 +30,7 @@ _DTYPE_BYTES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2, "floa
 
 def spec_fields(config: dict[str, Any], name: str | None) -> dict[str, Any]:
     """`ModelSpec` keyword arguments for `config`; a `ModelSpecError` names what is wrong."""
-    model_type = str(config.get("model_type", "")).lower()
+    model_type = model_type_of(config)
     if model_type in _TEXT_MODELS and isinstance(config.get("text_config"), dict):
         # Gemma 3 4B and larger, Llama 4 and Qwen3.5 ship with a vision tower: their language
         # model
