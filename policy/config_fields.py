@@ -26,7 +26,7 @@ COMMON = frozenset(
         "hidden_act",
     }
 )
-"""Fields every Llama-family reader honours (the rotary ones through `_rope`)."""
+"""Fields every Llama-family reader honours (the rotary ones through hf_readers' `_rope`)."""
 
 WINDOWS = frozenset({"sliding_window", "layer_types", "use_sliding_window", "max_window_layers"})
 """Fields that say which layers have which sliding window (read through `layer_types`)."""
@@ -60,6 +60,7 @@ GEMMA = frozenset(
         "rope_local_base_freq",
     }
 )
+"""Gemma 2 and 3: GeGLU, the score scale and soft-caps, the window pattern, the local rotary."""
 
 GROUPED_MOE = frozenset(
     {
@@ -87,6 +88,7 @@ MLA = frozenset(
         "attention_bias",
     }
 )
+"""DeepSeek-V3's multi-head latent attention."""
 
 LLAMA4 = frozenset(
     {
@@ -104,6 +106,8 @@ LLAMA4 = frozenset(
         "attn_scale",
     }
 )
+"""Llama 4 (text): dense and MoE layers, NoPE layers, chunked attention, q/k L2 norms,
+the attention temperature."""
 
 GATED_DELTA_NET = frozenset(
     {
@@ -143,6 +147,8 @@ GRANITE_HYBRID = frozenset(
         "router_aux_loss_coef",
     }
 )
+"""Granite 4 hybrid: Mamba-2 layers beside attention, Granite's scalings, a shared MLP and
+experts."""
 
 NEMOTRON_H = COMMON | frozenset(  # its config class has no rotary or rms_norm_eps fields
     {
@@ -191,6 +197,7 @@ NEMOTRON_H = COMMON | frozenset(  # its config class has no rotary or rms_norm_e
         "output_router_logits",
     }
 )
+"""Nemotron-H: its mixer kinds per layer, Mamba-2, squared-ReLU MLPs and grouped experts."""
 
 FALCON_H1 = COMMON | frozenset(
     {
@@ -222,6 +229,7 @@ FALCON_H1 = COMMON | frozenset(
         "ssm_out_multiplier",
     }
 )
+"""Falcon-H1: attention and Mamba-2 side by side in every layer, and the muP multipliers."""
 
 OPT = frozenset(
     {

@@ -44,6 +44,7 @@ def qwen2_5_vl(hf: Any) -> dict[str, Any]:
 
 
 def opt(hf: Any) -> dict[str, Any]:
+    """OPT: learned positions, LayerNorm, a ReLU MLP, biases everywhere."""
     require(hf, "activation_function", ("relu",))
     require(hf, "layer_norm_elementwise_affine", (True,))
     return dict(
