@@ -4,10 +4,10 @@ that name them, and resolving any model name or path to its `ModelSpec`."""
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Any
 
+from policy.config_json import read_config_json
 from policy.errors import ModelSpecError
 from policy.specs import ModelSpec
 
@@ -565,22 +565,10 @@ def resolve_model_spec(name_or_path: str | None) -> ModelSpec:
     if path.is_dir():
         path = path / "config.json"
     if path.is_file():
-        return ModelSpec.from_hf_config(_read_json(path), name=name_or_path)
+        return ModelSpec.from_hf_config(read_config_json(path), name=name_or_path)
     if path.exists() or name_or_path.startswith((".", "/", "~")):
         raise ModelSpecError(f"no config.json at {name_or_path}")
     return ModelSpec.from_hf_config(_download_config(name_or_path), name=name_or_path)
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text())
-    except OSError as e:
-        raise ModelSpecError(f"cannot read {path}: {e.strerror}") from e
-    except json.JSONDecodeError as e:
-        raise ModelSpecError(f"{path} is not valid JSON: {e}") from e
-    if not isinstance(data, dict):
-        raise ModelSpecError(f"{path} must hold a JSON object")
-    return data
 
 
 def _download_config(repo_id: str) -> dict[str, Any]:
@@ -594,4 +582,4 @@ def _download_config(repo_id: str) -> dict[str, Any]:
             f"unknown model {repo_id!r}: not a built-in name, not a local directory, and "
             f"its config.json could not be fetched from the hub ({type(e).__name__})"
         ) from e
-    return _read_json(Path(local))
+    return read_config_json(Path(local))

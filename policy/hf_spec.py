@@ -1,58 +1,28 @@
 """A Hugging Face `config.json` (a plain dict: no transformers here) -> `ModelSpec` fields.
 
 Shapes only, per family: what the cost model needs to size every tensor the engine moves
-(the engine's own reading, engine/models/hf_config.py, decides what runs)."""
+(the engine's own reading, engine/models/hf_config.py, decides what runs). Which types it
+prices, and as what (a vision checkpoint's language model, an alias, a hybrid, a head tied by
+default), the family table says (policy/families.py), for the engine and the planner alike."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from policy.config_json import model_type_of
 from policy.errors import ModelSpecError
+from policy.families import FAMILIES
 from policy.hybrid import MOE_KINDS, hybrid_fields, layer_kinds
 
-FAMILIES: dict[str, str] = {
-    "opt": "opt",
-    "llama": "llama",
-    "mistral": "llama",
-    "qwen2": "llama",
-    "qwen3": "llama",
-    "gemma2": "llama",
-    "gemma3_text": "llama",
-    "phi3": "llama",
-    "olmo2": "llama",
-    "olmo3": "llama",
-    "smollm3": "llama",
-    "mixtral": "llama",
-    "qwen2_moe": "llama",
-    "qwen3_moe": "llama",
-    "olmoe": "llama",
-    "glm4_moe": "llama",
-    "deepseek_v3": "llama",
-    "gpt_oss": "llama",
-    "llama4_text": "llama",
-    "qwen3_next": "llama",
-    "qwen3_5_text": "llama",
-    "qwen3_5_moe_text": "llama",
-    "granitemoehybrid": "llama",
-    "nemotron_h": "llama",
-    "falcon_h1": "llama",
-}
-"""HF `model_type` -> our architecture family (all but OPT: RMSNorm, RoPE, gated MLP)."""
 _GATED_DELTA = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 """Hybrids of Gated DeltaNet layers beside attention with an output gate and q/k norms."""
-HYBRIDS = frozenset({*_GATED_DELTA, "granitemoehybrid", "nemotron_h", "falcon_h1"})
+HYBRIDS = frozenset(t for t, row in FAMILIES.items() if row.hybrid)
 """Model types with state layers (policy/hybrid.py)."""
 _QWEN_SHARED = ("qwen3_next", "qwen3_5_moe_text")
 """Qwen MoE types whose MoE layers have Qwen2-MoE's gated shared expert."""
-_TIED_BY_DEFAULT = frozenset({"gemma2", "gemma3_text"})
-"""Families whose config class ties the head to the embeddings unless told otherwise."""
-_TEXT_MODELS = {
-    "gemma3": "gemma3_text",
-    "llama4": "llama4_text",
-    "qwen3_5": "qwen3_5_text",
-    "qwen3_5_moe": "qwen3_5_moe_text",
-    "qwen2_5_vl": "qwen2",
-}
+_PRICED = {t: row for t, row in FAMILIES.items() if not row.text_config}
+"""The types the planner prices from their own config.json: every text model."""
+_TEXT_MODELS = {t: row.planned_as for t, row in FAMILIES.items() if row.text_config}
 """Vision checkpoints' model types -> their language model's (Qwen2.5-VL's vision tower runs,
 resident on the compute device, and is not priced yet: docs/architecture.md, "Not yet built")."""
 _DTYPE_BYTES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
@@ -60,25 +30,23 @@ _DTYPE_BYTES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2, "floa
 
 def spec_fields(config: dict[str, Any], name: str | None) -> dict[str, Any]:
     """`ModelSpec` keyword arguments for `config`; a `ModelSpecError` names what is wrong."""
-    model_type = str(config.get("model_type", "")).lower()
+    model_type = model_type_of(config)
     if model_type in _TEXT_MODELS and isinstance(config.get("text_config"), dict):
         # Gemma 3 4B and larger, Llama 4 and Qwen3.5 ship with a vision tower: their language
         # model
         dtype = config.get("torch_dtype") or config.get("dtype")
         model_type = _TEXT_MODELS[model_type]
         config = {"torch_dtype": dtype, **config["text_config"], "model_type": model_type}
-    arch = FAMILIES.get(model_type)
-    if arch is None:
-        raise ModelSpecError(
-            f"unsupported model_type {model_type!r}; supported: {sorted(FAMILIES)}"
-        )
+    row = _PRICED.get(model_type)
+    if row is None:
+        raise ModelSpecError(f"unsupported model_type {model_type!r}; supported: {sorted(_PRICED)}")
     dtype = str(config.get("torch_dtype") or config.get("dtype") or "float16")
     dtype = dtype.replace("torch.", "")
     if dtype not in _DTYPE_BYTES:
         raise ModelSpecError(f"unsupported torch_dtype {dtype!r} in config")
     label = name or str(config.get("_name_or_path") or model_type)
     try:
-        if arch == "opt":
+        if row.arch == "opt":
             return _opt(config, label, _DTYPE_BYTES[dtype])
         return _llama_family(config, model_type, label, _DTYPE_BYTES[dtype])
     except KeyError as e:
@@ -150,7 +118,9 @@ def _llama_family(
         head_dim=head_dim,
         vocab_size=int(config["vocab_size"]),
         dtype_bytes=dtype_bytes,
-        tie_word_embeddings=bool(config.get("tie_word_embeddings", model_type in _TIED_BY_DEFAULT)),
+        tie_word_embeddings=bool(
+            config.get("tie_word_embeddings", FAMILIES[model_type].tied_by_default)
+        ),
         qkv_bias=qkv_bias,
         num_norms=4 if model_type in ("gemma2", "gemma3_text") else 2,
         qk_norm_params=qk_norm_params,

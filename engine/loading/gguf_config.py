@@ -19,25 +19,18 @@ from engine.loading.gguf_config_giants import GIANTS
 from engine.loading.gguf_metadata import NO_ROPE_LAYER_STEP, Metadata, read_rope
 from engine.loading.gguf_tensors import GgufTensors
 from engine.models.hf_config import UnsupportedModelError
+from policy.families import gguf_model_types
 
+READ_BY_TRANSFORMERS = frozenset({"llama", "qwen2"})
+"""GGUF architectures whose config transformers' GGUF reader reads (but a `llama` file with
+experts is Mixtral, read here: `is_read_here`)."""
 MODEL_TYPES = {
-    "qwen3": "qwen3",
-    "gemma2": "gemma2",
-    "gemma3": "gemma3_text",
-    "phi3": "phi3",
-    "olmo2": "olmo2",
-    "qwen2moe": "qwen2_moe",
-    "qwen3moe": "qwen3_moe",
-    "olmoe": "olmoe",
-    "smollm3": "smollm3",
-    "deepseek2": "deepseek_v3",
-    "gpt-oss": "gpt_oss",
-    "glm4moe": "glm4_moe",
-    "llama4": "llama4_text",
+    arch: model_type
+    for arch, model_type in gguf_model_types().items()
+    if arch not in READ_BY_TRANSFORMERS
 }
-"""GGUF architectures read here -> transformers model type (Llama and Qwen 2: transformers;
-a `llama` file with experts is Mixtral, `is_read_here`; an `olmo2` file with a window is
-OLMo 3)."""
+"""GGUF architectures read here -> transformers model type, from the family table (an `olmo2`
+file with a window is OLMo 3)."""
 OLMO3_FULL_LAYER_STEP = 4
 """OLMo 3 without a window pattern in the file: every fourth layer global (llama.cpp's
 converter's default, transformers' too)."""

@@ -25,27 +25,12 @@ import torch
 from engine.core.model_files import ModelLoadError
 from engine.loading.gguf_joins import Join, find_join
 from engine.models.hf_config import UnsupportedModelError
+from policy.families import gguf_model_types
 
-ARCHITECTURES = (
-    "llama",
-    "qwen2",
-    "qwen3",
-    "gemma2",
-    "gemma3",
-    "phi3",
-    "olmo2",
-    "qwen2moe",
-    "qwen3moe",
-    "olmoe",
-    "smollm3",
-    "deepseek2",
-    "gpt-oss",
-    "glm4moe",
-    "llama4",
-)
-"""GGUF architectures nanoflex converts (Llama, Mistral and Mixtral files are `llama`; Gemma 3's
-are the text model of either checkpoint; OLMo 3's are `olmo2` with a window; DeepSeek-V3 and
-Kimi K2 are `deepseek2`). OPT has no GGUF form."""
+ARCHITECTURES = tuple(gguf_model_types())
+"""GGUF architectures nanoflex converts, from the family table (Llama, Mistral and Mixtral
+files are `llama`; Gemma 3's are the text model of either checkpoint; OLMo 3's are `olmo2`
+with a window; DeepSeek-V3 and Kimi K2 are `deepseek2`). OPT has no GGUF form."""
 RENAMED = {".e_score_correction_bias": ".e_score_correction.bias", ".sinks": ".sinks.weight"}
 """Parameter name endings llama.cpp's converter rewrites before looking the name up."""
 PERMUTED_QK = frozenset({"llama", "smollm3"})

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -11,6 +10,8 @@ from engine.core.model_files import ModelLoadError
 from engine.models.hf_config import model_config_fields
 from engine.models.multipliers import Multipliers
 from engine.models.vision_config import VisionConfig
+from policy.config_json import read_config_json
+from policy.families import ALIASES
 
 
 class KVShape(NamedTuple):
@@ -37,7 +38,7 @@ class ModelConfig:
     """Architecture facts the layer-wise implementation needs; nothing else."""
 
     model_type: str
-    """'opt' or a Llama-family type (`SUPPORTED_MODEL_TYPES`; a Gemma 3 checkpoint with a vision
+    """'opt' or a Llama-family type (a row of policy/families.py; a Gemma 3 checkpoint with a vision
     tower is read as its language model, 'gemma3_text')."""
     vocab_size: int
     hidden_size: int
@@ -287,22 +288,17 @@ def shared_window(windows: tuple[int, ...]) -> int:
     return max(windows[0], 0) if len(windows) == 1 else 0
 
 
-SAME_ARCHITECTURE = {"kimi_k2": "deepseek_v3"}
-"""Model types whose checkpoints are another type's architecture under a name transformers
-does not know (Kimi K2: DeepSeek-V3's, its config and modeling classes named by `auto_map`
-as remote code): read with that type's own config class."""
-
-
 def read_hf_config(model_dir: Path) -> Any:
-    """The checkpoint's transformers `PretrainedConfig` (Kimi K2's as DeepSeek-V3's)."""
+    """The checkpoint's transformers `PretrainedConfig` (a type the family table aliases, as Kimi
+    K2 to DeepSeek-V3, read with its architecture's config class)."""
     from transformers import AutoConfig
 
     try:
         config_path = model_dir / "config.json"
         if config_path.is_file():
-            model_type = json.loads(config_path.read_text()).get("model_type")
-            if model_type in SAME_ARCHITECTURE:
-                same = SAME_ARCHITECTURE[model_type]
+            model_type = read_config_json(config_path).get("model_type")
+            if model_type in ALIASES:  # another type's architecture under its own name
+                same = ALIASES[model_type]
                 hf = type(AutoConfig.for_model(same)).from_pretrained(model_dir)
                 hf.model_type = same  # type: ignore[misc]  # else the file's name stays
                 return hf

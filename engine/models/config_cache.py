@@ -30,8 +30,21 @@ ENV = "NANOFLEX_CONFIG_CACHE"
 """Set to 0 to read every config through transformers."""
 LOGGER = "nanoflex.engine"
 """The logger whose lines a first read writes are replayed on cached reads."""
-NORMALIZERS = ("config.py", "hf_config.py", "multipliers.py", "quant_config.py")
-"""The files of engine/models that turn a transformers config into a `ModelConfig`."""
+NORMALIZERS = (
+    "engine/models/config.py",
+    "engine/models/hf_config.py",
+    "engine/models/hf_readers.py",
+    "engine/models/hf_hybrid_readers.py",
+    "engine/models/registry.py",
+    "engine/models/multipliers.py",
+    "engine/models/quant_config.py",
+    "engine/models/vision_config.py",
+    "policy/families.py",
+    "policy/config_fields.py",
+    "policy/config_json.py",
+)
+"""The files that turn a transformers config into a `ModelConfig` (the family table and its
+readers), from the directory above the packages."""
 FORMAT = 1
 """The cached record's layout; bumped when it changes."""
 
@@ -80,9 +93,9 @@ def _cache_path(model_dir: Path) -> Path | None:
         return None
     digest.update(f"format {FORMAT}".encode())
     digest.update(importlib.metadata.version("transformers").encode())
-    here = Path(__file__).parent
+    packages = Path(__file__).parents[2]
     for name in NORMALIZERS:
-        digest.update((here / name).read_bytes())
+        digest.update((packages / name).read_bytes())
     return cache_root() / "model-configs" / f"{digest.hexdigest()[:32]}.json"
 
 

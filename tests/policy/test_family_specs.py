@@ -215,3 +215,14 @@ def test_qwen2_5_vl_prices_its_language_model() -> None:
     spec = ModelSpec.from_hf_config(config, name="Qwen2.5-VL-7B-Instruct")
     assert spec.model_type == "qwen2" and spec.qkv_bias and spec.num_layers == 28
     assert 7.0e9 < spec.total_params < 7.7e9  # Qwen2-7B's 7.6B
+
+
+def test_a_kimi_k2_checkpoint_is_priced_as_the_deepseek_v3_it_runs_as(tmp_path) -> None:
+    """The planner reads a model type the family table aliases as the engine does: a Kimi K2
+    directory (DeepSeek-V3's architecture under its own name) is priced as DeepSeek-V3."""
+    import json
+
+    deepseek = {**TINY_CONFIGS["deepseek_v3"], "torch_dtype": "bfloat16"}
+    (tmp_path / "config.json").write_text(json.dumps({**deepseek, "model_type": "kimi_k2"}))
+    kimi = resolve_model_spec(str(tmp_path))
+    assert kimi == ModelSpec.from_hf_config(deepseek, name=str(tmp_path))
