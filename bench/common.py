@@ -24,9 +24,12 @@ from policy.specs import WorkloadSpec
 
 
 def parse_args(
-    doc: str, extra: Callable[[argparse.ArgumentParser], None] | None = None
+    doc: str,
+    extra: Callable[[argparse.ArgumentParser], None] | None = None,
+    argv: list[str] | None = None,
 ) -> argparse.Namespace:
-    """The shared bench flags; `extra` adds a script's own."""
+    """The shared bench flags; `extra` adds a script's own. `argv`: the command line after a
+    subcommand (default: the process's)."""
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--model", default=None, help="default: smollm2-135m-instruct")
     parser.add_argument("--prompt-len", type=int, default=128)
@@ -39,7 +42,7 @@ def parse_args(
     parser.add_argument("--json", default=None, help="also write the raw results here")
     if extra is not None:
         extra(parser)
-    return parser.parse_args()
+    return parser.parse_args(argv)
 
 
 Variant = Policy | str | tuple[Policy | str, dict[str, Any]]

@@ -28,7 +28,7 @@ BATCH_TOKENS = {"cpu": 2048, "cuda": 16384}
 """Padded tokens of one forward pass per device type. On the CPU a pass's elementwise ops
 (GELU, LayerNorm, residual adds) stream (N, 4H) activations from memory once they leave the
 caches: 16,384 tokens ran all-MiniLM-L6-v2 at 0.8x the rate of 2,048 (one thread, 640
-passages, bench/embed_corpus.py's corpus); 512-4,096 were within noise of each other."""
+passages, bench/peers/embed_corpus.py's corpus); 512-4,096 were within noise of each other."""
 
 Pair = tuple[list[int], list[int]]
 """A cross-encoder input: its token ids and their token type ids (0 query, 1 document)."""

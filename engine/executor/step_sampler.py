@@ -65,7 +65,8 @@ class StepSampler:
         self._masks_ahead: Future[Masks] | None = None
         """The pending step's masks, building on the worker (`overlap_masks`)."""
         self.mask_seconds = 0.0
-        """Time spent building grammar masks, on the worker (bench/structured_outputs.py)."""
+        """Time spent building grammar masks, on the worker
+        (bench/features/structured_outputs.py)."""
         self.mask_wait_seconds = 0.0
         """Time `sample` waited for them: what they added to the steps."""
 

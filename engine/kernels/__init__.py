@@ -7,7 +7,7 @@
   that copy costs more than the attention itself.
 - `paged_prefill` (paged_prefill.cpp) is the prefill chunks' attention, also read from the
   pool: flash attention with register-blocked products, where torch's CPU flash kernel
-  reaches about a quarter of the GEMM rate (measured in bench/prefill_attention.py). Its
+  reaches about a quarter of the GEMM rate (measured in bench/kernels/prefill_attention.py). Its
   tiles need AVX-512; without it the engine runs torch's flash kernel instead
   (`tiled_prefill`).
 - `apply_token_bitmask` (token_mask.cpp) sets the logits of tokens a structured output's
@@ -174,7 +174,7 @@ def cuda_paged_kernels(one_kernel: bool = True) -> PagedKernels | None:
     or None, with one warning, where Triton is not installed. `one_kernel=False`: the
     previous pair, the Triton decode kernel (triton_attention.py) for decodes and prefill
     chunks gathered for SDPA, whose flash kernel the H200 measured at 4.6x the first Triton
-    prefill kernel (bench/gpu_attention.py compares them all)."""
+    prefill kernel (bench/gpu/attention.py compares them all)."""
     from engine.kernels import triton_attention, triton_paged
 
     if not triton_attention.available():

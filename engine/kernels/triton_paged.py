@@ -41,7 +41,7 @@ attention 2 runs on Hopper. A decode-only step takes the smallest tile the tenso
 multiply (16 rows: Llama-3-8B's 4 heads a kv head fill 4 of them; its memory traffic, not
 its products, sets its time), 4 warps and three stages (118 registers, 39 KiB: four
 programs a multiprocessor), so more programs, each with more bytes in flight, stream the
-keys. `python -m bench.gpu_attention --sweep` times other `Tiles` on a GPU. Soft-capped
+keys. `python -m bench.gpu.attention --sweep` times other `Tiles` on a GPU. Soft-capped
 scores (Gemma 2) and 4-bit KV rows stay on the gather-and-SDPA path.
 """
 

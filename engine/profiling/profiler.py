@@ -60,7 +60,7 @@ ATTENTION_SHAPE = (16, 4, 64)
 CUDA_ATTENTION_SHAPE = (32, 8, 128)
 """The same on CUDA: Llama-3-8B's layer (the models a GPU serves; 64-wide heads of 4 kv heads
 read 128-byte rows, half the width the kernels are tuned for, and measured 36% of the copy rate
-on the H200 where Llama's shape reached 67% in bench.gpu_attention)."""
+on the H200 where Llama's shape reached 67% in bench.gpu.attention)."""
 
 
 def attention_shape(device: Device) -> tuple[int, int, int]:

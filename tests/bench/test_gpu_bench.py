@@ -7,10 +7,10 @@ import math
 
 import pytest
 
-from bench.flexgen_run import FlexGenOutputError, build_tokenizer, parse_flexgen_output
-from bench.gpu_cases import CASES, VARIANTS, FlexGenArgs, GiB
-from bench.gpu_report import BEGIN, END, comparison_table, points, report, update_docs
-from bench.roofline import best_roofline, max_block_size, roofline
+from bench.gpu.cases import CASES, VARIANTS, FlexGenArgs, GiB
+from bench.gpu.flexgen_run import FlexGenOutputError, build_tokenizer, parse_flexgen_output
+from bench.gpu.report import BEGIN, END, comparison_table, points, report, update_docs
+from bench.plans.roofline import best_roofline, max_block_size, roofline
 from policy.catalog import builtin_spec
 from policy.hardware import FLEXGEN_T4
 from policy.paper import FLEXGEN_TABLE15

@@ -8,9 +8,9 @@ import json
 import pytest
 import torch
 
-from bench import accelerate_run
-from bench.gpu_cases import CASES, Case, FlexGenArgs
-from bench.gpu_compare import result_path, run_case
+from bench.gpu import accelerate_run
+from bench.gpu.cases import CASES, Case, FlexGenArgs
+from bench.gpu.compare import result_path, run_case
 from bench.subproc import run_child
 from engine import LLM, SamplingParams
 from policy import Policy
@@ -68,7 +68,7 @@ def test_flexgen_child_runs_offline_up_to_the_device(tmp_path):
     out = tmp_path / "flexgen.json"
     flexgen = FlexGenArgs.from_policy(Policy(gpu_batch_size=2))
     argv = flexgen.argv("opt-125m", 32, 4, str(tmp_path / "offload"))
-    args = ["-m", "bench.flexgen_run", "--json", str(out), "--", *argv]
+    args = ["-m", "bench.gpu.flexgen_run", "--json", str(out), "--", *argv]
     args += ["--log-file", str(tmp_path / "bench.log")]
     child = run_child(args, timeout_s=120, log_path=tmp_path / "log", env={"HF_HUB_OFFLINE": "1"})
     record = json.loads(out.read_text())

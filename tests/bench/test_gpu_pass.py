@@ -1,4 +1,4 @@
-"""The GPU pass script (bench/gpu_pass.sh) runs end to end on the CPU in its dry-run mode, so
+"""The GPU pass script (bench/gpu/pass.sh) runs end to end on the CPU in its dry-run mode, so
 that a broken step shows here, not in the few minutes a GPU is at hand."""
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def dry_run(tmp_path: Path, *steps: str, **limits: str) -> subprocess.CompletedP
     (tmp_path / "cache").mkdir()
     shutil.copy(default_cache_path(), tmp_path / "cache" / "hardware.json")  # the suite's
     return subprocess.run(
-        ["bash", "bench/gpu_pass.sh", *steps],
+        ["bash", "bench/gpu/pass.sh", *steps],
         cwd=REPO,
         env=env,
         capture_output=True,

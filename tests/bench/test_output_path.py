@@ -1,9 +1,9 @@
-"""`bench.output_path` drives the daemon's output path without an engine: it must keep up
+"""`bench.daemon.output_path` drives the daemon's output path without an engine: it must keep up
 with the code it times (it reaches into the engine client's command queue and dispatch)."""
 
 from __future__ import annotations
 
-from bench.output_path import measure
+from bench.daemon.output_path import measure
 
 
 def test_the_output_path_is_timed_for_every_token() -> None:

@@ -1,4 +1,4 @@
-"""bench/results/plans-hybrid-h100.json: its table is what `bench.plans_hybrid` renders from its
+"""bench/results/plans-hybrid-h100.json: its table is what `bench.plans.hybrid` renders from its
 own results, and those results are the policy package's numbers for the plans they record."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.plans_hybrid import MODELS, row
+from bench.plans.hybrid import MODELS, row
 from policy.catalog import BUILTIN_MODELS
 from policy.policy import Policy
 from policy.state_cost import state_bytes_per_tier

@@ -1,4 +1,4 @@
-"""bench/results/plans-moe-h100.json: its table is what `bench.plans_moe` renders from its own
+"""bench/results/plans-moe-h100.json: its table is what `bench.plans.moe` renders from its own
 results, and those results are the policy package's numbers for the plans they record."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.plans_moe import row
+from bench.plans.moe import row
 from policy.catalog import BUILTIN_MODELS
 from policy.moe import expected_distinct_experts, experts_per_tier
 from policy.policy import Policy

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bench.workloads import FIRST_ID, build, num_tokens
+from bench.peers.workloads import FIRST_ID, build, num_tokens
 
 
 def test_mixed_is_the_efficiency_workload_and_deterministic() -> None:

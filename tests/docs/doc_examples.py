@@ -79,7 +79,7 @@ RULES = (
         "gpu",
         "skip",
         "needs a CUDA GPU (the GPU session of docs/benchmarks.md runs it)",
-        _has("--device cuda", "-m gpu", "gpu_pass.sh", "bench.gpu_", "fetch_gpu_wheels"),
+        _has("--device cuda", "-m gpu", "bench/gpu/", "bench.gpu."),
     ),
     Rule(
         "docker",

@@ -11,12 +11,13 @@ from tests.docs.doc_examples import ROOT, RULES, blocks, classify, docs, example
 
 TOP = ("server", "engine", "policy", "tests", "bench", "docs", "docker")
 REPO_PATH = re.compile(rf"(?<![\w./~-])((?:{'|'.join(TOP)})/[\w./-]*\w)(::\w+)?")
+BENCH_MODULE = re.compile(r"(?<![\w./])bench(?:\.[a-z0-9_]+)+")
 LINK = re.compile(r"\]\(([^)#\s]+)")
 ISSUE = re.compile(r"\bissues? \d+|(?<![\w&])#\d+\b", re.IGNORECASE)
 LANGUAGES = {"bash", "python", "json", "jsonl", "text", "yaml", "toml"}
 MADE_BY_THE_READER = {
     "docker/.env": "the settings file docs/deployment.md tells the reader to write",
-    "docs/img": "where bench.gpu_report writes its plots after a GPU session",
+    "docs/img": "where bench.gpu.report writes its plots after a GPU session",
 }
 """Paths the docs name that are not in the repository, and why that is right."""
 
@@ -37,6 +38,30 @@ def test_every_cited_file_and_test_exists() -> None:
         for link in LINK.findall(text):
             if not link.startswith("http") and not (path.parent / link).exists():
                 missing.append(f"{path.name}: link {link}")
+    assert not missing, missing
+
+
+def names_a_module(dotted: str) -> bool:
+    """Whether `bench.a.b...` is a module or package of this repository (parts after a module
+    are its attributes: `bench.gpu.cases.VARIANTS`)."""
+    path = ROOT
+    for part in dotted.split("."):
+        if (path / part / "__init__.py").is_file():
+            path = path / part
+        else:
+            return (path / f"{part}.py").is_file()
+    return True
+
+
+def test_every_bench_module_named_exists() -> None:
+    """`python -m bench.X` commands and `bench.X` names in the docs follow bench/'s folders."""
+    missing = [
+        f"{path.name}: {name}"
+        for path in docs()
+        for name in BENCH_MODULE.findall(path.read_text())
+        if not name.endswith((".py", ".sh"))
+        and not names_a_module(name)  # a file: engine's bench.py
+    ]
     assert not missing, missing
 
 

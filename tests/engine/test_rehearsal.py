@@ -125,7 +125,7 @@ def test_a_store_in_flight_holds_its_rows_alone(tiny_model: Callable[[str], Path
 def test_the_gpu_pass_cases_fit_16_gib(model: str, tmp_path: Path) -> None:
     """The next GPU pass's offloaded cases, as planned on the H200's profile, fit 16 GiB
     (minutes each: bench/results/gpu-rehearsal-opt-6.7b-16g.json holds a full record)."""
-    from bench.gpu_rehearsal import main
+    from bench.gpu.rehearsal import main
 
     out = tmp_path / "rehearsal.json"
     args = ["--model", model, "--input-len", "512", "--output-len", "32", "--gpu-mem", "16GiB"]

@@ -17,7 +17,7 @@ import httpx
 import psutil
 import pytest
 
-from bench.batch_line_memory import CHAT, answers, input_file, reset_hwm, vm_hwm
+from bench.daemon.batch_line_memory import CHAT, answers, input_file, reset_hwm, vm_hwm
 from server.batch.files import FileStorage
 from server.batch.runner import BatchConfig, BatchRunner
 from server.batch.store import Store

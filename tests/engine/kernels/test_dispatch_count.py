@@ -1,5 +1,5 @@
 """What a decode step of a dense Llama layer dispatches on the CUDA code path, counted on the
-CPU (bench/dispatch_count.py): every aten operator that launches a kernel (views and
+CPU (bench/kernels/dispatch_count.py): every aten operator that launches a kernel (views and
 allocations apart) plus every Triton kernel launch. With the fused ops (triton_dense.py) and
 the decode attention kernel (triton_attention.py) it is 11 (at most 12 holds), vLLM's fused
 layer being about 9; torch's own ops launch 29 (docs/benchmarks.md reports both)."""
@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("triton")
 
-from bench.dispatch_count import decode_layer_ops
+from bench.kernels.dispatch_count import decode_layer_ops
 
 MAX_KERNELS = 12
 

@@ -1,7 +1,7 @@
 """The share of a copy hidden behind compute, as the profile keeps it (`copy_hidden`).
 
 The CUDA probe itself runs in the GPU pass (`nanoflex profile` there); here its arithmetic,
-which the profile and bench/gpu_overlap.py share."""
+which the profile and bench/gpu/overlap.py share."""
 
 from __future__ import annotations
 

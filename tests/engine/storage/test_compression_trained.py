@@ -1,7 +1,7 @@
 """4-bit weights and KV on a trained model (SmolLM2-135M-Instruct): what they cost, measured.
 
-The fixed text and the measure are bench/compression_quality.py's; the tolerances sit just
-outside what `python -m bench.compression_quality` measured (docs/compression.md), so a
+The fixed text and the measure are bench/quality/compression.py's; the tolerances sit just
+outside what `python -m bench.quality.compression` measured (docs/compression.md), so a
 change that makes either path worse, or turns it into a no-op, fails here.
 """
 
@@ -11,7 +11,7 @@ from dataclasses import replace
 
 import pytest
 
-from bench.compression_quality import ONE, compare, score, score_transformers
+from bench.quality.compression import ONE, compare, score, score_transformers
 
 # measured (docs/compression.md): float perplexity 24.65
 WEIGHTS_MIN_TOP1, WEIGHTS_MAX_PPL = 0.60, 42.5  # measured 0.626, 40.64
