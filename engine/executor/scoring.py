@@ -11,21 +11,22 @@ from engine.core.kv_pages import PageManager
 from engine.core.protocol import SeqChunk
 from engine.core.sampling_params import SamplingParams
 from engine.executor.assembly import EngineAssembly
-from engine.executor.gpu_batch import BatchBuilder, SeqState
+from engine.executor.gpu_batch import GpuBatch, SeqState
 from engine.executor.pooler import Pooler
 from engine.executor.sampler import top_logprobs
 from policy.prefix import PAGE_TOKENS
 
 
 class Admits(Protocol):
-    """What scoring uses of the step runner (`StepRunner`): its engine, sequences, batch
-    builder and the admission of a chunk."""
+    """What scoring uses of the step runner (`StepRunner`): its engine and sequences, the
+    admission of a chunk and the GPU batch of one admitted chunk."""
 
     engine: EngineAssembly
     seqs: dict[int, SeqState]
-    builder: BatchBuilder
 
     def admit(self, chunk: SeqChunk) -> None: ...
+
+    def batch_of(self, chunk: SeqChunk) -> GpuBatch: ...
 
 
 class PromptScorer:
@@ -63,7 +64,7 @@ class PromptScorer:
                     state_slot=self._scoring_slot(),
                 )
                 steps.admit(chunk)
-                batch = steps.builder.build(0, [(chunk, steps.seqs[seq_id])])
+                batch = steps.batch_of(chunk)
                 batch.logit_rows = torch.arange(stop - start, device=e.device.device)
                 logits.append(e.pipeline.run([batch])[0].cpu())
             out.append(torch.cat(logits))

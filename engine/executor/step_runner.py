@@ -229,6 +229,10 @@ class StepRunner:
         # fresh disk pages start clean (a cached prefix page is full: nothing staged for it)
         e.kv.disk_pool.begin_pages([p for tier, p in chunk.new_pages if tier == "disk"])
 
+    def batch_of(self, chunk: SeqChunk) -> GpuBatch:
+        """The GPU batch (index 0) of one admitted chunk alone, outside a step's staging."""
+        return self.builder.build(0, [(chunk, self.seqs[chunk.seq_id])])
+
     def _disk_users(self, plan: StepPlan) -> list[int]:
         """Sequences of the plan that use the disk tier: all of them when weights live there,
         else those with KV pages or activations there."""
