@@ -395,6 +395,12 @@ class EngineArgs:
         user's (`offload_dir`), with prefix caching on."""
         return self.enable_prefix_caching and self.offload_dir is not None
 
+    @property
+    def state_snapshots(self) -> int:
+        """How many saved states of cached prefixes a hybrid model's executor keeps: the
+        `prefix_state_slots`, with prefix caching on (else none)."""
+        return self.prefix_state_slots if self.enable_prefix_caching else 0
+
     def scheduler_config(
         self, policy: Policy, model_dir: Path, info: EngineInfo
     ) -> SchedulerConfig:

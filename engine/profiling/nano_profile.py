@@ -11,6 +11,7 @@ from functools import partial
 
 import torch
 
+from engine.core.engine_args import EngineArgs
 from engine.core.model_files import DEMO_MODEL
 from engine.core.protocol import SeqChunk, StepPlan
 from engine.core.sampling_params import SamplingParams
@@ -108,7 +109,7 @@ def nano_batch_overhead(device_name: str, probe: Probe, rows: int = 4) -> float:
     num_layers = 1
     for num_nano in (1, rows):
         policy = Policy(gpu_batch_size=rows, num_nano_batches=num_nano)
-        executor = Executor(DEMO_MODEL, policy, device=device_name)
+        executor = Executor(EngineArgs(model=DEMO_MODEL, device=device_name), policy)
         try:
             num_layers = executor.config.num_layers
             steps = _OneTokenSteps(executor, rows)

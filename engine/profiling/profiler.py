@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from engine.core.engine_args import EngineArgs
 from engine.core.model_files import DEMO_MODEL
 from engine.executor.attention import RaggedLayout, paged_attention, ragged_attention
 from engine.executor.executor import Executor
@@ -167,7 +168,7 @@ def _layer_overhead(device_name: str, probe: Probe, spec: HardwareSpec) -> float
     """Seconds per decoder layer of a one-token step of the demo model through the engine,
     less what `spec`'s dense step table charges for its one-row matmuls (the cost model adds
     those by size): launches, Python, the pipeline's hand-offs."""
-    executor = Executor(DEMO_MODEL, Policy(gpu_batch_size=1), device=device_name)
+    executor = Executor(EngineArgs(model=DEMO_MODEL, device=device_name), Policy(gpu_batch_size=1))
     try:
         # two one-token steps: a prefill of one token, then one decode reading it back
         seconds = probe.seconds(

@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from engine.core.engine_args import EngineArgs
 from engine.executor.executor import Executor
 from policy import Policy
 from tests.engine.tiny_models import (
@@ -86,7 +87,7 @@ def assert_changed_feature_followed(
 
 
 def _score(model_dir: Path, prompts: list[list[int]], **policy: Any) -> list[torch.Tensor]:
-    executor = Executor(str(model_dir), Policy(**policy), device="cpu")
+    executor = Executor(EngineArgs(model=str(model_dir), device="cpu"), Policy(**policy))
     try:
         return executor.score(prompts, prefill_len=12)  # the rest one token a step
     finally:

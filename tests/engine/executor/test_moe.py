@@ -14,6 +14,7 @@ from collections import Counter
 import pytest
 import torch
 
+from engine.core.engine_args import EngineArgs
 from engine.executor.executor import Executor
 from engine.models.moe import route
 from engine.storage.quant import QuantizedTensor
@@ -115,7 +116,7 @@ def test_each_expert_is_its_own_tensor_set_and_compressed(tiny_model):
     Qwen2-MoE's shared expert beside them and its dense layer (mlp_only_layers) without a
     router."""
     policy = Policy(compress_weights=True)
-    executor = Executor(str(tiny_model("qwen2_moe")), policy, device="cpu")
+    executor = Executor(EngineArgs(model=str(tiny_model("qwen2_moe")), device="cpu"), policy)
     try:
         layers = executor.weights.layers
         sparse, dense = layers[1].values, layers[2].values
@@ -294,9 +295,13 @@ def test_each_expert_is_homed_on_its_own_tier_as_the_policy_splits_them(
     layer's experts on disk share its file; tokens as transformers'."""
     prompts, expected = references("mixtral")
     policy = Policy(weights_frac=(1.0, 0.0, 0.0), experts_frac=(0.5, 0.25, 0.25))
-    executor = Executor(
-        str(tiny_model("mixtral")), policy, device="cpu", offload_dir=tmp_path / "o"
+    args = EngineArgs(  # the disk cache not kept, as before the args were passed whole
+        model=str(tiny_model("mixtral")),
+        device="cpu",
+        offload_dir=str(tmp_path / "o"),
+        enable_prefix_caching=False,
     )
+    executor = Executor(args, policy)
     try:
         store = executor.weights
         assert set(store.tiers) == {"gpu"}
@@ -348,7 +353,7 @@ def test_the_most_picked_experts_are_homed_on_the_device_first(
     assert set(ranked[:6]) != {(1, e) for e in range(6)}  # hot is not simply the first ones
     policy = Policy(experts_frac=(0.25, 0.75, 0.0))
     for hot, want in [(True, set(ranked[:6])), (False, {(1, e) for e in range(6)})]:
-        executor = Executor(str(model), policy, device="cpu", hot_experts=hot)
+        executor = Executor(EngineArgs(model=str(model), device="cpu", hot_experts=hot), policy)
         try:
             homes = executor.weights.expert_tiers
             on_device = {

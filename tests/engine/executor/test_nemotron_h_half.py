@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.core.engine_args import EngineArgs
 from engine.executor.executor import Executor
 from engine.models.nemotron_h import NemotronHModel
 from policy import Policy
@@ -66,7 +67,13 @@ def test_moe_layer_equals_transformers_bit_for_bit(tiny_model, kind, dtype):
     model_dir = tiny_model(kind)
     prompts = random_prompts(4, vocab_size(kind), 20, 40, seed=3)
     reference = hf_reference(model_dir, dtype).eval()
-    executor = Executor(str(model_dir), Policy(), device="cpu", dtype=dtype)
+    args = EngineArgs(  # no saved states of prefixes, as before the args were passed whole
+        model=str(model_dir),
+        device="cpu",
+        dtype=str(dtype).removeprefix("torch."),
+        prefix_state_slots=0,
+    )
+    executor = Executor(args, Policy())
     try:
         model = executor.model
         assert isinstance(model, NemotronHModel)

@@ -124,6 +124,7 @@ def test_transformers_computes_what_the_engine_computes(model_dir: Path) -> None
     engine's logits at every position: the demo model is a real Llama checkpoint."""
     from transformers import AutoTokenizer, LlamaForCausalLM
 
+    from engine.core.engine_args import EngineArgs
     from engine.executor.executor import Executor
     from policy import Policy
 
@@ -132,7 +133,7 @@ def test_transformers_computes_what_the_engine_computes(model_dir: Path) -> None
     prompt = tok.encode("Once upon a time, in a quiet village by the sea")
     with torch.no_grad():
         expected = model(torch.tensor([prompt])).logits[0]
-    executor = Executor(model_dir, Policy(), device="cpu")
+    executor = Executor(EngineArgs(model=str(model_dir), device="cpu"), Policy())
     try:
         got = executor.score([prompt], prefill_len=4)[0]  # a prefill, then decodes over the KV
     finally:

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.core.engine_args import EngineArgs
 from engine.core.model_files import DEMO_MODEL
 from engine.executor.executor import Executor
 from policy import Policy
@@ -31,7 +32,7 @@ def scored():
     prompts = random_prompts(4, 2048, 48, 80, seed=7)
 
     def score(**policy: object) -> list[torch.Tensor]:
-        executor = Executor(DEMO_MODEL, Policy(**policy), device="cpu")  # type: ignore[arg-type]
+        executor = Executor(EngineArgs(model=DEMO_MODEL, device="cpu"), Policy(**policy))  # type: ignore[arg-type]
         try:
             return executor.score(prompts, prefill_len=PREFILL_LEN)
         finally:
