@@ -37,6 +37,7 @@ from engine.core.state_slots import (
     state_slot_capacity,
     state_tier,
 )
+from engine.executor.batch_builder import BatchBuilder
 from engine.executor.budgets import (
     MemoryBudgetError,
     cap_gpu_memory,
@@ -46,9 +47,9 @@ from engine.executor.budgets import (
     kv_capacity_pages,
 )
 from engine.executor.cuda_graphs import GraphRunner
-from engine.executor.gpu_batch import BatchBuilder, SeqState
+from engine.executor.gpu_batch import SeqState
+from engine.executor.layer_io import Stores
 from engine.executor.nano_batches import NanoBatcher
-from engine.executor.nano_overlap import NanoOverlap
 from engine.executor.pipeline import BlockPipeline
 from engine.executor.pooler import Pooler
 from engine.executor.sampler import top_logprobs
@@ -57,7 +58,7 @@ from engine.executor.step_sampler import StepSampler
 from engine.executor.trace import NoTracer, Tracer
 from engine.executor.vision_encoder import UNUSED, VisionEncoder
 from engine.executor.warm_up import warm_up
-from engine.kernels import attention_kernels, fused_dense_ops, token_mask
+from engine.kernels import fused_dense_ops, token_mask
 from engine.loading.checkpoint import open_reader
 from engine.loading.generated import local_model_dir
 from engine.models import build_model
@@ -266,27 +267,20 @@ class Executor:
         check_budgets(self.weights.bytes_per_tier(), self.budgets)
         self.trace_path = None if trace is None else Path(trace)
         self.tracer = Tracer(cuda=self.device.is_cuda) if trace is not None else NoTracer()
+        switches = EngineArgs(  # the pipeline's switches, until the executor is given its args
+            native_kernels=native_kernels,
+            nano_batch_overlap=nano_batch_overlap,
+            group_experts=group_experts,
+        )
         self.pipeline = BlockPipeline(
             self.model,
-            self.weights,
-            self.kv,
+            Stores(self.weights, self.kv, self.disk, self.states),
             self.device,
-            self.disk,
-            overlap=policy.overlap,
-            dtype=self.dtype,
-            num_load_threads=policy.num_load_threads,
-            num_store_threads=policy.num_store_threads,
+            policy,
+            switches,
             tracer=self.tracer,
             graphs=self._graph_runner() if cuda_graphs else None,
-            nano=NanoOverlap(
-                self.model, self.device, overlap=nano_batch_overlap, tracer=self.tracer
-            )
-            if policy.num_nano_batches > 1
-            else None,
-            kernels=attention_kernels(self.device.is_cuda) if native_kernels else None,
             cpu_expert_rows=self._cpu_expert_rows(cpu_expert_rows),
-            group_experts=group_experts,
-            states=self.states,
         )
         self.inputs = StepInputs(self.device.device, pinned=self.device.is_cuda)
         """The step's index inputs and sampling settings, staged on the host and copied to
