@@ -43,14 +43,14 @@ from engine.executor.budgets import (
     kv_capacity_pages,
 )
 from engine.executor.cuda_graphs import GraphRunner
-from engine.executor.nano_overlap import NanoOverlap
+from engine.executor.layer_io import Stores
 from engine.executor.pipeline import BlockPipeline
 from engine.executor.pooler import Pooler
 from engine.executor.step_inputs import StepInputs
 from engine.executor.step_sampler import StepSampler
 from engine.executor.trace import NoTracer, Tracer
 from engine.executor.vision_encoder import VisionEncoder
-from engine.kernels import attention_kernels, fused_dense_ops, token_mask
+from engine.kernels import fused_dense_ops, token_mask
 from engine.loading.checkpoint import open_reader
 from engine.loading.generated import local_model_dir
 from engine.models import build_model
@@ -303,25 +303,13 @@ class EngineAssembly:
         args, policy = self.args, self.policy
         return BlockPipeline(
             self.model,
-            self.weights,
-            self.kv,
+            Stores(self.weights, self.kv, self.disk, self.states),
             self.device,
-            self.disk,
-            overlap=policy.overlap,
-            dtype=self.dtype,
-            num_load_threads=policy.num_load_threads,
-            num_store_threads=policy.num_store_threads,
+            policy,
+            args,
             tracer=self.tracer,
             graphs=self._graph_runner() if args.cuda_graphs else None,
-            nano=NanoOverlap(
-                self.model, self.device, overlap=args.nano_batch_overlap, tracer=self.tracer
-            )
-            if policy.num_nano_batches > 1
-            else None,
-            kernels=attention_kernels(self.device.is_cuda) if args.native_kernels else None,
             cpu_expert_rows=self._cpu_expert_rows(),
-            group_experts=args.group_experts,
-            states=self.states,
         )
 
     def _graph_runner(self) -> GraphRunner | None:

@@ -29,11 +29,15 @@ from concurrent.futures import Future
 
 import torch
 
-from engine.executor.tasks import Launch
+from engine.executor.attention import join_kv
+from engine.executor.gpu_batch import GpuBatch, PastKV
+from engine.executor.layer_attention import LayerAttention
+from engine.executor.layer_ways import Computed
+from engine.executor.tasks import Launch, wait_all
 from engine.executor.trace import NoTracer, Tracer
 from engine.models.base import Weights
 from engine.models.config import ModelConfig
-from engine.models.moe import ExpertFn, expert_prefix
+from engine.models.moe import ExpertFn, MoeModel, expert_prefix
 from engine.storage.device import Device, Ready
 from engine.storage.weight_store import WeightStore
 from policy.moe import expected_distinct_experts
@@ -96,3 +100,83 @@ class BlockExperts:
     def pending(self) -> list[Future[Ready[Weights]]]:
         """Loads started and not used (a failure part-way): waited for before the step ends."""
         return list(self._loads.values())
+
+
+class GroupedMoe:
+    """The grouped-MoE way of running a layer (`LayerRun`, engine/executor/layer_ways.py): each
+    GPU batch's call runs it up to its MLP, holding the batch's normed rows; `block_outputs`
+    then runs every batch's rows at once, each expert once for the block. `enabled`: the
+    switch (`EngineArgs.group_experts`); off, each GPU batch routes its own rows in its MLP,
+    every expert loaded with the layer. `cpu_rows`: as `BlockExperts`'s."""
+
+    def __init__(
+        self,
+        model: MoeModel,
+        attention: LayerAttention,
+        store: WeightStore,
+        device: Device,
+        *,
+        enabled: bool,
+        cpu_rows: int,
+    ) -> None:
+        self.model, self.attention, self.store, self.device = model, attention, store, device
+        self.enabled, self.cpu_rows = enabled, cpu_rows
+        self.tracer: Tracer | NoTracer = NoTracer()
+        self._kv_shape = model.config.kv_shape
+        self._grouped = self._routed_loads = False
+        self._held: list[tuple[torch.Tensor, torch.Tensor]] = []  # per batch: (residual, normed)
+
+    def begin(self, batches: list[GpuBatch]) -> None:
+        """Set this step's grouping: every MoE layer's rows over the whole block (with
+        nano-batches each one's MLP routes its own rows, its experts loaded with the layer),
+        its experts off the device loaded once routed, only those with rows, unless the
+        block routes to nearly all of them (then all with the layer: `loads_all_experts`)."""
+        self._held = []  # a failed step's, if any
+        self._grouped = self.enabled and not any(b.nano_batches for b in batches)
+        num_rows = sum(b.num_tokens for b in batches)
+        self._routed_loads = self._grouped and not loads_all_experts(self.model.config, num_rows)
+
+    def groups(self, j: int) -> bool:
+        """Layer j is a MoE layer (after attention, or alone: Nemotron-H's 'dense' ones) whose
+        rows this step groups per expert over the block."""
+        return (
+            self._grouped
+            and self.model.layer_kind(j) in ("decoder", "dense")
+            and self.model.config.is_moe_layer(j - 1)
+        )
+
+    def expert_loads(self, j: int) -> tuple[bool, bool]:
+        """How layer j's weights load (`WeightStore.load`): (its routed experts with the
+        layer, those homed in host memory too; they may run on the CPU instead)."""
+        grouped = self.groups(j)
+        host_later = grouped and self.cpu_rows > 0
+        return not (grouped and self._routed_loads), not host_later
+
+    def __call__(
+        self, j: int, w: Weights, h: torch.Tensor | None, past: PastKV, batch: GpuBatch
+    ) -> Computed:
+        """MoE layer j over one batch up to its MLP: (the residual stream, the new KV rows;
+        None for a layer without attention); its normed rows held for `block_outputs`."""
+        assert h is not None
+        with self.tracer.span("compute", "compute", j, batch.index):
+            if self.model.layer_kind(j) == "dense":
+                self._held.append((h, self.model.input_norm(w, h)))
+                return Computed(h, None)
+            q, k, v = self.model.attention_inputs(j, w, h, batch.positions)
+            new_kv = join_kv(k, v, self._kv_shape.values_are_keys)
+            spec = self.model.attention_spec(j, w)
+            o = self.attention(j, batch, past, (q, k, v), new_kv, spec)
+            h, x = self.model.before_mlp(w, h, o)
+            self._held.append((h, x))
+            return Computed(h, new_kv)
+
+    def block_outputs(self, j: int, w: Weights, launch: Launch) -> list[torch.Tensor]:
+        """MoE layer j's MLP over every held batch's rows at once, each expert run once for
+        the block, experts off the device loaded by `launch`: each batch's layer output."""
+        held, self._held = self._held, []
+        source = BlockExperts(j, w, self.store, launch, self.device, self.tracer, self.cpu_rows)
+        try:
+            outs = self.model.block_mlp(w, [x for _, x in held], source)
+        finally:
+            wait_all(source.pending())
+        return [h + out for (h, _), out in zip(held, outs, strict=True)]

@@ -21,8 +21,8 @@ from itertools import accumulate, pairwise
 import torch
 
 from engine.core.protocol import SeqChunk
+from engine.executor.batch_builder import BatchBuilder
 from engine.executor.gpu_batch import (
-    BatchBuilder,
     GpuBatch,
     NanoAttention,
     NanoBatch,

@@ -35,7 +35,7 @@ from engine.executor.attention import (
     split_kv,
 )
 from engine.executor.cuda_graphs import StepGraphs
-from engine.executor.gpu_batch import GpuBatch, NanoAttention, NanoBatch
+from engine.executor.gpu_batch import GpuBatch, NanoAttention, NanoBatch, PastKV
 from engine.executor.tasks import start
 from engine.executor.trace import NoTracer, Tracer
 from engine.models.base import AttentionSpec, Model, Weights
@@ -100,13 +100,13 @@ class NanoOverlap:
         j: int,
         w: Weights,
         h: torch.Tensor,
-        past: tuple[torch.Tensor | None, torch.Tensor | None],
+        past: PastKV,
         batch: GpuBatch,
         graphs: list[StepGraphs] | None = None,
         mixed: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Decoder layer j over `batch`'s nano-batches, given the batch's packed past KV of its
-        (device, CPU) attention groups: (output states (T, hidden), the new (T, row_dim) KV
+        device and CPU attention groups: (output states (T, hidden), the new (T, row_dim) KV
         rows), the same rows in the same order as the whole-batch path. `graphs`: per
         nano-batch, CUDA graphs of its dense ops (engine/executor/cuda_graphs.py), replayed
         on its static buffers with the attention run eagerly in between. `mixed`: the whole
@@ -151,7 +151,7 @@ class NanoOverlap:
         j: int,
         k: int,
         nano: NanoBatch,
-        past: tuple[torch.Tensor | None, torch.Tensor | None],
+        past: PastKV,
         qkv: QKV,
         ready: Event | None,
         spec: AttentionSpec,
@@ -159,13 +159,13 @@ class NanoOverlap:
         """Start nano-batch `nano`'s attention: its device part and its CPU part."""
         parts = []
         if nano.device is not None:
-            args = (j, k, nano.index, nano.device, past[0], qkv, ready, spec)
+            args = (j, k, nano.index, nano.device, past.device, qkv, ready, spec)
             parts.append(
                 (nano.device, start(self._attention_thread, self._device_attention, *args))
             )
         if nano.cpu is not None:
             host, copied = self._to_host(j, k, nano.index, nano.cpu, qkv, ready)
-            args2 = (j, k, nano.index, nano.cpu, past[1], host, copied, qkv[0].dtype, spec)
+            args2 = (j, k, nano.index, nano.cpu, past.cpu, host, copied, qkv[0].dtype, spec)
             parts.append((nano.cpu, start(self._cpu_thread, self._cpu_attention, *args2)))
         return parts
 

@@ -13,7 +13,8 @@ import torch
 from engine.core.kv_pages import PageMove
 from engine.core.protocol import SeqChunk, StepFailure, StepPlan, StepResult, TokenLogprobs
 from engine.executor.assembly import EngineAssembly
-from engine.executor.gpu_batch import BatchBuilder, GpuBatch, SeqState
+from engine.executor.batch_builder import BatchBuilder
+from engine.executor.gpu_batch import GpuBatch, SeqState
 from engine.executor.nano_batches import NanoBatcher
 from engine.executor.scoring import pool, score_prompt
 from engine.executor.vision_encoder import UNUSED

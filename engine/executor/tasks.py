@@ -16,11 +16,6 @@ class Launch(Protocol):
     def __call__(self, moves: bool, fn: Callable[..., T], *args: Any) -> Future[T]: ...
 
 
-def inline(moves: bool, fn: Callable[..., T], *args: Any) -> Future[T]:
-    """The `Launch` of the sequential loop: everything here, now."""
-    return start(None, fn, *args)
-
-
 def start(thread: ThreadPoolExecutor | None, fn: Callable[..., T], *args: Any) -> Future[T]:
     """Run `fn` on `thread`, or now in this thread when None, as a finished future whose
     error, if any, goes to whoever waits, as a pool's would (on CUDA its kernels still run

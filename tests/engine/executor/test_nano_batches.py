@@ -15,7 +15,8 @@ from engine import LLM, SamplingParams
 from engine.core.protocol import SeqChunk
 from engine.core.sampling_params import SamplingParams as Sampling
 from engine.executor.attention import ragged_attention
-from engine.executor.gpu_batch import BatchBuilder, SeqState
+from engine.executor.batch_builder import BatchBuilder
+from engine.executor.gpu_batch import SeqState
 from engine.executor.nano_batches import NanoBatcher, balanced_cuts
 from policy import Policy, PolicyError
 from tests.engine.tiny_models import MAX_TOKENS

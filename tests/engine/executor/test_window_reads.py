@@ -10,7 +10,8 @@ import torch
 
 from engine.core.protocol import SeqChunk
 from engine.core.sampling_params import SamplingParams
-from engine.executor.gpu_batch import BatchBuilder, SeqState
+from engine.executor.batch_builder import BatchBuilder
+from engine.executor.gpu_batch import SeqState
 from engine.storage.kv_store import KVRows, KVStore
 from policy import Policy
 from tests.engine.executor.test_correctness import PLACEMENTS, run
