@@ -274,3 +274,22 @@ def test_stood_in_decode_steps_change_no_peak(
     assert len(bounded) == some.stood_in
     for step in bounded:  # the step's peak with its loop run: counted outside it, or bounded
         assert max(step["peak_bytes"], step["bound_bytes"]) >= full[step["step"]], (step, full)
+
+
+@pytest.mark.slow
+def test_a_moe_router_without_values_runs_every_expert(tiny_model: Callable[[str], Path]) -> None:
+    """A MoE layer whose router picks hold no values (Mixtral-8x7B's hidden states are too
+    large to keep any: `bincount` of them has no shape) routes its rows evenly, so every
+    expert runs and is counted; it failed there before."""
+    policy = Policy(gpu_batch_size=2, compress_weights=True, kv_frac=(0.0, 1.0, 0.0))
+    with mock.patch.object(fake_cuda, "SMALL_BYTES", 4096):  # the states hold no values
+        found = rehearse(
+            tiny_model("mixtral"),
+            policy,
+            gpu_mem=1 << 30,
+            cpu_mem=1 << 30,
+            prompt_len=32,
+            gen_len=2,
+            warmup=False,
+        )
+    assert found.ok and found.error is None, found
