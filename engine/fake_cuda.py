@@ -95,9 +95,14 @@ class Counting(TorchDispatchMode):
             out = func(*args, **kwargs)
         except DynamicOutputShapeException:
             real = self._real(func, args, kwargs) if self._has_twins(inputs) else None
+            if real is None and packet is _aten.bincount:
+                minlength = args[2] if len(args) > 2 else kwargs.get("minlength", 0)
+                real = _balanced_counts(args[0], minlength)
             if real is None:
                 raise
             out = tree_map(_fake_like, real)
+            if packet is _aten.bincount:
+                self.twins[out] = real
         self._track(out)
         if not inputs and _small_on_host(out):
             with unset_fake_temporarily():  # made of real values: indices, lengths, tables
@@ -156,6 +161,18 @@ def _host_kwargs(kwargs: Any) -> Any:
     if device is not None and torch.device(device).type == "cuda":
         out["device"] = torch.device("cpu")
     return out
+
+
+def _balanced_counts(values: torch.Tensor, minlength: int) -> torch.Tensor:
+    """`bincount` of values the host cannot read (a MoE router's picks, made from hidden
+    states that hold no data): `values.numel()` spread evenly over `minlength` bins, as a
+    balanced router spreads its tokens over the experts (every expert runs, as the planner
+    prices it: policy/moe.py). Read as zeros, every pick went to expert 0 alone."""
+    bins = max(minlength, 1)
+    with unset_fake_temporarily():
+        counts = torch.full((bins,), values.numel() // bins, dtype=torch.int64)
+        counts[: values.numel() % bins] += 1
+    return counts
 
 
 def _fake_like(x: Any) -> Any:

@@ -53,6 +53,10 @@ class Rehearsal:
     """The weights the engine homed on the device."""
     error: str | None = None
     """The engine's own refusal (a budget error), if it refused to run."""
+    loops_run: int = 0
+    """Steps whose layer loop ran (`decode_stride`: engine/stand_in_steps.py)."""
+    stood_in: int = 0
+    """Decode steps whose layer loop was stood in for, each bounded by a later like one."""
 
     @property
     def ok(self) -> bool:
@@ -134,23 +138,29 @@ def rehearse(
     num_prompts: int | None = None,
     progress: bool = False,
     warmup: bool = True,
+    decode_stride: int = 1,
 ) -> Rehearsal:
     """Run `num_prompts` (default: the policy's block) prompts of `prompt_len` tokens for
     `gen_len` tokens on a rehearsed CUDA device of `gpu_mem` bytes beside `cpu_mem` of RAM.
     The weights are generated from the directory's config (`dummy:`), whatever it holds.
     `warmup`: the engine's warm-up at start (engine/executor/warm_up.py: its graphs and
-    dummy steps count in the setup's bytes), as `serve` runs it."""
+    dummy steps count in the setup's bytes), as `serve` runs it. `decode_stride`: the layer
+    loop of every `decode_stride`-th decode step of a run of like ones runs, and of each
+    sequence's last; the others' peaks are bounded by the next like loop run
+    (engine/stand_in_steps.py; 1, the default: every loop runs)."""
     import warnings
 
     from engine.executor.budgets import MemoryBudgetError
     from engine.fake_cuda import fake_cuda
     from engine.loading.dummy import is_dummy
     from engine.loading.generated import local_model_dir
+    from engine.stand_in_steps import StandIns
     from policy.specs import WorkloadSpec
 
     if not is_dummy(model_dir):
         model_dir = local_model_dir(f"dummy:{model_dir}")
     ledger = DeviceLedger()
+    stand_ins = StandIns(ledger, decode_stride, last_position=prompt_len + gen_len - 2)
     steps: list[dict[str, Any]] = []
     counts: dict[str, int] = {}
     capacity: dict[str, int | None] = {}
@@ -190,10 +200,12 @@ def rehearse(
                 if executor.pipeline.nano is not None:
                     executor.pipeline.nano.tracer = tracer  # type: ignore[assignment]
                 execute = executor.execute
+                executor.pipeline.run = stand_ins.wrap(executor.pipeline.run)  # type: ignore[method-assign]
 
                 def execute_counted(plan: Any) -> Any:
                     ledger.step = _step_name(plan, counts)
                     ledger.step_peak = ledger.live_bytes
+                    stand_ins.begin(ledger.step, plan)
                     out = execute(plan)
                     steps.append({"step": ledger.step, "peak_bytes": ledger.step_peak})
                     if progress:
@@ -211,10 +223,25 @@ def rehearse(
                 llm.generate(
                     distinct_prompts(count, prompt_len, executor.config.vocab_size), params
                 )
+    peak_bytes, peak = ledger.peak.nbytes, ledger.to_dict()
+    bound = stand_ins.peak_bound
+    if bound is not None and bound.bound is not None and bound.bound > peak_bytes:
+        peak_bytes = bound.bound
+        peak = {"step": bound.step, "task": "bound", "layer": None, "gpu_batch": None}
+        peak |= {"bounded_by": bound.bounded_by, "buffers": {}}
+    bounds = {s.step: (s.bound, s.bounded_by) for s in stand_ins.stood_in}
+    loops = {loop.step: loop.start_bytes + loop.rise for loop in stand_ins.loops}
+    for record in steps:
+        if record["step"] in bounds:
+            record["bound_bytes"], record["bounded_by"] = bounds[record["step"]]
+        elif record["step"] in loops:
+            record["loop_peak_bytes"] = loops[record["step"]]
+    if stand_ins.unbounded and error is None:
+        error = f"stood-in steps no later loop bounds: {', '.join(stand_ins.unbounded)}"
     return Rehearsal(
-        device_peak_bytes=ledger.peak.nbytes,
+        device_peak_bytes=peak_bytes,
         gpu_mem_bytes=gpu_mem,
-        peak=ledger.to_dict(),
+        peak=peak,
         steps=steps,
         kv_capacity_pages=capacity,
         label_peaks=dict(ledger.label_peaks),
@@ -224,4 +251,6 @@ def rehearse(
         kv_page_bytes=page_bytes,
         gpu_weight_bytes=weights,
         error=error,
+        loops_run=len(stand_ins.loops),
+        stood_in=len(stand_ins.stood_in),
     )

@@ -48,10 +48,14 @@ host ahead of the device held every layer's (OPT-6.7B's 96-sequence batches of 5
 tokens: 48 GiB, found by the rehearsal, engine/rehearsal.py)."""
 IN_FLIGHT = LOAD_WINDOW + 2
 """Loads alive at once: the compute running, LOAD_WINDOW queued, the next prefetched."""
-PIECEWISE_MAX_ROWS = 2048
+PIECEWISE_MAX_ROWS = 512
 """The most rows a mixed or prefill step replays CUDA graphs at (the discrete sizes up to it
 are captured; a larger step, an offloaded block's prefill, runs eagerly: its layers' GEMMs
-outlast their launches, and its graphs would hold that many rows' buffers for good)."""
+outlast their launches, and its graphs would hold that many rows' buffers for good). vLLM's
+largest capture size by default. At 2,048 the graphs of OPT-6.7B's 2,048-token steps held
+0.30 GiB, which pushed its 48 x 1 fp16 plan (172.7 tokens/s predicted on the H200, 168.9
+with them priced) below the 4-bit 64 x 6 one; at 512, 0.07 GiB (171.7: docs/benchmarks.md,
+Stand-in decode steps)."""
 DEQUANTIZE_TEMPORARY = 4.5
 """Bytes per element dequantizing a 4-bit matrix holds at its peak besides its output: the
 codes (1 B), their float32 values and the float32 product (engine/storage/quant.py:

@@ -2,7 +2,7 @@
 
     python -m bench.gpu.rehearsal --model opt-6.7b --input-len 512 --output-len 32 \\
         --gpu-mem 16GiB [--cpu-mem SIZE] [--hardware bench/results/hardware-h200.json] \\
-        [--policy auto|JSON] [--num-prompts N] [--json FILE]
+        [--policy auto|JSON] [--num-prompts N] [--decode-stride N] [--json FILE]
 
 Plans as `nanoflex` does on the GPU machine (the search, from that machine's profile:
 `--hardware`, the H200's by default; `--cpu-mem` defaults to its RAM), then runs the engine's
@@ -11,15 +11,19 @@ data, a block of prompts through prefill and every decode step, every byte the d
 hold counted against `--gpu-mem`. Three GPU runs in a row failed for a reason only the GPU
 showed (the KV pool doubled past its tier, a step's KV stores held on the device, 4-bit
 quantization on the host); each shows here first (docs/benchmarks.md, The CUDA path
-rehearsed).
+rehearsed). `--decode-stride N` (default 8) runs the layer loop of every N-th decode step
+of a run of like ones and of the last, and bounds the others' peaks by the next one run
+(engine/stand_in_steps.py): OPT-30B's decode steps cost minutes each on fake tensors;
+`--decode-stride 1` runs every loop.
 
 The JSON: `ok` (the peak within the cap and the engine ran), `device_peak_bytes`,
 `gpu_mem_bytes`, `planned_peak_bytes` (the cost model's gpu peak for the same plan) and
 `planned_over_rehearsed`, `peak` (step, task, layer, GPU batch and the live buffers by what
 made them), the most bytes alive at once by what made them (`label_peak_bytes`), each step's
-peak, the KV pages the engine gave each tier and the reserve it kept out of the gpu tier's
-(`gpu_reserve_bytes`, the planner's: policy/reserves.py), and the policy. Exit
-status 1 when not `ok`.
+peak (a stood-in step's `bound_bytes` beside it), `loops_run` and `stood_in`, the KV pages
+the engine gave each tier and the reserve it kept out of the gpu tier's
+(`gpu_reserve_bytes`, the planner's: policy/reserves.py), and the policy. Exit status 1
+when not `ok`.
 """
 
 from __future__ import annotations
@@ -84,6 +88,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         gen_len=args.output_len,
         num_prompts=args.num_prompts,
         progress=True,
+        decode_stride=args.decode_stride,
     )
     peak = found.device_peak_bytes
     return {
@@ -100,6 +105,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "label_peak_bytes": found.label_peaks,
         "side_stream_peak_bytes": found.side_stream_peak,
         "steps": found.steps,
+        "decode_stride": args.decode_stride,
+        "loops_run": found.loops_run,
+        "stood_in": found.stood_in,
         "kv_capacity_pages": found.kv_capacity_pages,
         "gpu_reserve_bytes": found.gpu_reserve_bytes,
         "error": found.error,
@@ -119,6 +127,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hardware", type=Path, default=H200, help="the GPU machine's profile")
     parser.add_argument("--policy", default="auto", help="auto (searched) or a Policy as JSON")
     parser.add_argument("--num-prompts", type=int, default=None, help="default: the block")
+    parser.add_argument(
+        "--decode-stride", type=int, default=8, help="run every N-th like decode loop (1: all)"
+    )
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     record = run(args)

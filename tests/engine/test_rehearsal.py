@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 from unittest import mock
 
 import pytest
@@ -235,3 +236,60 @@ def test_a_rehearsal_leaves_the_process_as_it_found_it(
     with LLM(str(llama), offload_dir=tmp_path, device="cpu") as llm:
         got = llm.generate([prompt], params)[0].outputs[0].token_ids
     assert got == hf_greedy(llama, prompt, MAX_TOKENS)
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [
+        Policy(gpu_batch_size=2, num_gpu_batches=2, kv_frac=(0.0, 1.0, 0.0)),
+        pytest.param(OFFLOADED, marks=pytest.mark.slow),
+    ],
+    ids=["kv-on-host", "weights-offloaded"],
+)
+def test_stood_in_decode_steps_change_no_peak(
+    tiny_model: Callable[[str], Path], policy: Policy
+) -> None:
+    """Decode steps whose layer loop is stood in for (every third of a run of like ones
+    runs, and the last: engine/stand_in_steps.py) leave the peak as every loop run found it,
+    and each stood-in step's bound is at least the peak it reached with its loop run."""
+
+    def run(stride: int) -> Any:
+        return rehearse(
+            tiny_model("opt"),
+            policy,
+            gpu_mem=1 << 30,
+            cpu_mem=1 << 30,
+            prompt_len=8,
+            gen_len=6,
+            warmup=False,
+            decode_stride=stride,
+        )
+
+    every, some = run(1), run(3)
+    assert every.stood_in == 0 and some.stood_in == 2 and some.error is None, some
+    assert some.loops_run + some.stood_in == every.loops_run
+    assert some.device_peak_bytes == every.device_peak_bytes, (some.peak, every.peak)
+    full = {s["step"]: s["peak_bytes"] for s in every.steps}
+    bounded = [s for s in some.steps if "bound_bytes" in s]
+    assert len(bounded) == some.stood_in
+    for step in bounded:  # the step's peak with its loop run: counted outside it, or bounded
+        assert max(step["peak_bytes"], step["bound_bytes"]) >= full[step["step"]], (step, full)
+
+
+@pytest.mark.slow
+def test_a_moe_router_without_values_runs_every_expert(tiny_model: Callable[[str], Path]) -> None:
+    """A MoE layer whose router picks hold no values (Mixtral-8x7B's hidden states are too
+    large to keep any: `bincount` of them has no shape) routes its rows evenly, so every
+    expert runs and is counted; it failed there before."""
+    policy = Policy(gpu_batch_size=2, compress_weights=True, kv_frac=(0.0, 1.0, 0.0))
+    with mock.patch.object(fake_cuda, "SMALL_BYTES", 4096):  # the states hold no values
+        found = rehearse(
+            tiny_model("mixtral"),
+            policy,
+            gpu_mem=1 << 30,
+            cpu_mem=1 << 30,
+            prompt_len=32,
+            gen_len=2,
+            warmup=False,
+        )
+    assert found.ok and found.error is None, found
