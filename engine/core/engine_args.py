@@ -271,7 +271,7 @@ class EngineArgs:
     profile (engine/executor/moe_block.py)."""
     batch_sizes: tuple[int, ...] | None = None
     """The discrete sizes; None: from the rows up to which the cached hardware profile's
-    dense step stays flat (`nanoflex profile`; `scheduler.discrete_sizes`), or as if it
+    dense step stays flat (`nanoflex profile`; `scheduler_config.discrete_sizes`), or as if it
     never were without one."""
     async_scheduling: bool | None = None
     """Plan step i+1 while step i runs (NanoFlow 5.3); False is the synchronous reference.
