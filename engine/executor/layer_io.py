@@ -13,7 +13,7 @@ bytes to move (what the overlapped loop hands to copy threads).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -22,7 +22,7 @@ import torch
 from engine.core.kv_pages import PageMove
 from engine.executor.gpu_batch import NO_PAST, AttentionGroup, GpuBatch, PastKV
 from engine.executor.layer_attention import encoded_rows
-from engine.executor.tasks import Launch
+from engine.executor.tasks import Launch, Task
 from engine.executor.trace import NoTracer, Tracer
 from engine.models.base import Model, Weights
 from engine.storage.device import CopyWindow, Device, Ready
@@ -72,7 +72,7 @@ class LayerIO:
         self.stores = ThreadPoolExecutor(num_store_threads, thread_name_prefix="nanoflex-store")
         self.moves: list[PageMove] = []
         """This step's page moves."""
-        self.moved: dict[int, Future[None]] = {}  # layer -> its page moves, when overlapped
+        self.moved: dict[int, Task[None]] = {}  # layer -> its page moves, when overlapped
         self.expert_loads: Callable[[int], tuple[bool, bool]] = lambda j: (True, True)
         """Layer j's (routed experts loaded with the layer, host-homed ones too): this step's
         MoE grouping decides (`GroupedMoe.expert_loads`)."""
@@ -166,7 +166,7 @@ class LayerIO:
             return self.weights.load(j, experts=with_layer, host_experts=host_experts)
 
     def load_activation(
-        self, j: int, batch: GpuBatch, after: Future[None] | None
+        self, j: int, batch: GpuBatch, after: Task[None] | None
     ) -> Ready[torch.Tensor | None]:
         """The activations entering layer j (None for the embedding), once `after` (the
         previous layer's activation store of this batch) has landed."""
@@ -241,7 +241,7 @@ class LayerIO:
         batch: GpuBatch,
         out: torch.Tensor,
         done: torch.cuda.Event | None,
-        after: Future[None] | None,
+        after: Task[None] | None,
     ) -> None:
         """Home layer j's output rows on each row's activation tier (after the previous
         layer's store of this batch, which the next load may still be reading)."""
@@ -279,7 +279,7 @@ class LayerIO:
 
     def store_cache(
         self, store: Launch, j: int, batch: GpuBatch, new_kv: torch.Tensor
-    ) -> Future[None]:
+    ) -> Task[None]:
         """Layer j's KV store, launched by `store`: on CUDA its copy to the host is enqueued
         here first (`_stage_kv`), so the store thread only waits for it and writes the rows;
         on a CPU compute device the whole store (encoding and writing the rows is the work

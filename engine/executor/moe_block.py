@@ -25,15 +25,13 @@ and its output back; on a CPU-only box both paths run on the same memory.
 
 from __future__ import annotations
 
-from concurrent.futures import Future
-
 import torch
 
 from engine.executor.attention import join_kv
 from engine.executor.gpu_batch import GpuBatch, PastKV
 from engine.executor.layer_attention import LayerAttention
 from engine.executor.layer_ways import Computed
-from engine.executor.tasks import Launch, wait_all
+from engine.executor.tasks import Launch, Task, wait_all
 from engine.executor.trace import NoTracer, Tracer
 from engine.models.base import Weights
 from engine.models.config import ModelConfig
@@ -70,7 +68,7 @@ class BlockExperts:
     ) -> None:
         self.j, self.w, self.store, self.device, self.tracer = j, w, store, device, tracer
         self.launch, self.cpu_rows = launch, cpu_rows
-        self._loads: dict[int, Future[Ready[Weights]]] = {}
+        self._loads: dict[int, Task[Ready[Weights]]] = {}
         self._on_cpu: set[int] = set()
 
     def start(self, active: dict[int, int]) -> None:
@@ -97,7 +95,7 @@ class BlockExperts:
         with self.tracer.span("expert", "compute", self.j, expert=e):
             return fn(w, x)
 
-    def pending(self) -> list[Future[Ready[Weights]]]:
+    def pending(self) -> list[Task[Ready[Weights]]]:
         """Loads started and not used (a failure part-way): waited for before the step ends."""
         return list(self._loads.values())
 

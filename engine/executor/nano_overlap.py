@@ -22,7 +22,7 @@ With `overlap=False` the nano-batches run one operation after another on the com
 from __future__ import annotations
 
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
 import torch
@@ -36,7 +36,7 @@ from engine.executor.attention import (
 )
 from engine.executor.cuda_graphs import StepGraphs
 from engine.executor.gpu_batch import GpuBatch, NanoAttention, NanoBatch, PastKV
-from engine.executor.tasks import start
+from engine.executor.tasks import Task, start
 from engine.executor.trace import NoTracer, Tracer
 from engine.models.base import AttentionSpec, Model, Weights
 from engine.storage.device import Device
@@ -114,7 +114,7 @@ class NanoOverlap:
         span, k = self.tracer.span, batch.index
         self.num_layers_run += 1
         new_kv: list[torch.Tensor] = []
-        launched: list[tuple[torch.Tensor, list[tuple[NanoAttention, Future[Attended]]]]] = []
+        launched: list[tuple[torch.Tensor, list[tuple[NanoAttention, Task[Attended]]]]] = []
         spec = self.model.attention_spec(j, w)
         for nano in batch.nano_batches:
             with span("attention_inputs", "compute", j, k, nano.index):
@@ -155,7 +155,7 @@ class NanoOverlap:
         qkv: QKV,
         ready: Event | None,
         spec: AttentionSpec,
-    ) -> list[tuple[NanoAttention, Future[Attended]]]:
+    ) -> list[tuple[NanoAttention, Task[Attended]]]:
         """Start nano-batch `nano`'s attention: its device part and its CPU part."""
         parts = []
         if nano.device is not None:
@@ -246,7 +246,7 @@ class NanoOverlap:
             return on_device, self.device.record()
 
     def _collect(
-        self, q: torch.Tensor, parts: list[tuple[NanoAttention, Future[Attended]]]
+        self, q: torch.Tensor, parts: list[tuple[NanoAttention, Task[Attended]]]
     ) -> torch.Tensor:
         """The nano-batch's attention output (T_i, num_heads, head_dim) on the compute stream,
         once every part has finished; padding rows attend to nothing (zeros)."""

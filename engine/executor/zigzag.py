@@ -31,7 +31,7 @@ from engine.executor.gpu_batch import GpuBatch, PastKV
 from engine.executor.layer_io import LayerIO
 from engine.executor.layer_ways import LayerRun
 from engine.executor.moe_block import GroupedMoe
-from engine.executor.tasks import start, wait_all
+from engine.executor.tasks import Done, Task, start, wait_all
 from engine.models.base import Model, Weights
 from engine.storage.device import Ready
 
@@ -40,11 +40,9 @@ Position = tuple[int, int]
 """(j, k): layer j of GPU batch k."""
 
 
-def _now(fn: Callable[..., T], *args: Any) -> Future[T]:
+def _now(fn: Callable[..., T], *args: Any) -> Task[T]:
     """The in-order loop's launch: `fn` runs here, now, and an error raises here."""
-    future: Future[T] = Future()
-    future.set_result(fn(*args))
-    return future
+    return Done(fn(*args))
 
 
 class ZigZag:
@@ -72,12 +70,12 @@ class ZigZag:
         # this set to the step's end (the rehearsal found a whole step's past KV held so:
         # 48 GiB for OPT-6.7B's 96-sequence batches, engine/rehearsal.py).
         self._started: set[Future[Any]] = set()
-        self._weights: dict[int, Future[Ready[Weights]]] = {}
-        self._pasts: dict[Position, Future[Ready[PastKV]]] = {}
-        self._acts: dict[Position, Future[Ready[torch.Tensor | None]]] = {}
-        self._act_stored: dict[int, tuple[int, Future[None]]] = {}
+        self._weights: dict[int, Task[Ready[Weights]]] = {}
+        self._pasts: dict[Position, Task[Ready[PastKV]]] = {}
+        self._acts: dict[Position, Task[Ready[torch.Tensor | None]]] = {}
+        self._act_stored: dict[int, tuple[int, Task[None]]] = {}
         """GPU batch -> (layer, its latest activation store)."""
-        self._kv_stores: list[Future[None]] = []
+        self._kv_stores: list[Task[None]] = []
 
     def run(self, batches: list[GpuBatch]) -> list[torch.Tensor]:
         """The step: (S_k, vocab) logits for each GPU batch's logit rows. If a load or store
@@ -94,21 +92,22 @@ class ZigZag:
 
     def _launch(
         self, pool: ThreadPoolExecutor, moves: bool, fn: Callable[..., T], *args: Any
-    ) -> Future[T]:
+    ) -> Task[T]:
         if not self.ahead:
             return _now(fn, *args)
         # one without bytes to move runs inline (a hand-off would cost more than the nothing
-        # it does)
-        future = start(pool if moves else None, fn, *args)
-        self._started.add(future)
-        future.add_done_callback(self._started.discard)
-        return future
+        # it does), and has ended once it returns: only a pool's is tracked
+        task = start(pool if moves else None, fn, *args)
+        if isinstance(task, Future):
+            self._started.add(task)
+            task.add_done_callback(self._started.discard)
+        return task
 
-    def load(self, moves: bool, fn: Callable[..., T], *args: Any) -> Future[T]:
+    def load(self, moves: bool, fn: Callable[..., T], *args: Any) -> Task[T]:
         """A load (`Launch`): on a load thread when it moves bytes and the loop looks ahead."""
         return self._launch(self.io.loads, moves, fn, *args)
 
-    def store(self, moves: bool, fn: Callable[..., T], *args: Any) -> Future[T]:
+    def store(self, moves: bool, fn: Callable[..., T], *args: Any) -> Task[T]:
         """A store (`Launch`): on a store thread when it moves bytes and the loop looks ahead."""
         return self._launch(self.io.stores, moves, fn, *args)
 
@@ -168,7 +167,7 @@ class ZigZag:
             return j, k
         return (j, k + 1) if k + 1 < num_batches else (j + 1, 0)
 
-    def _sync(self, future: Future[Ready[T]]) -> T:
+    def _sync(self, future: Task[Ready[T]]) -> T:
         """The value a launched load made, once the compute stream may read it."""
         return self.io.device.wait(future.result())
 

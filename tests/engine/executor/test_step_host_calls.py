@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -181,3 +182,26 @@ def test_the_counter_sees_a_read_and_a_list_slipped_into_a_step(
             llm.generate([[5, 6, 7]], SETTINGS[0])
     seen = {call.split(" at ")[0] for calls in counter.calls for call in calls}
     assert {"item", "tensor(list)", "tolist"} <= seen
+
+
+def test_a_resident_steps_loads_and_stores_make_no_future(
+    tiny_model: Callable[[str], Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A resident step's loads and stores move no byte and run inline: each is a `Done`, not
+    a `Future` (a lock, a condition and ~40 Python calls each, for every layer and GPU batch
+    of every step, with nothing to wait for)."""
+    made: Counter[str] = Counter()
+    init = Future.__init__
+
+    def counted(future: Future[Any]) -> None:
+        made[engine_caller() or "outside the engine"] += 1
+        init(future)
+
+    policy = Policy(gpu_batch_size=1, num_gpu_batches=3)
+    with LLM(str(tiny_model("llama")), policy=policy, device="cpu", offload_dir=tmp_path) as llm:
+        assert llm.policy.overlap  # the looking-ahead loop, which hands moving loads to threads
+        llm.generate(PROMPTS, SETTINGS)
+        monkeypatch.setattr(Future, "__init__", counted)
+        outputs = llm.generate(PROMPTS, SETTINGS)
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [p.max_tokens for p in SETTINGS]
+    assert not [where for where in made if where.startswith("engine/executor/")], made
