@@ -106,6 +106,15 @@ _ROWS = (
         priced_as="qwen2",
     ),
     Family(
+        "qwen3_vl",
+        f"{_MODELS}.qwen3_vl:Qwen3VLModel",
+        f"{_READERS}:qwen3_vl",
+        honoured=None,
+        rope_types=("default",),
+        text_config="qwen3_vl_text",
+        priced_as="qwen3",
+    ),
+    Family(
         "qwen3",
         f"{_MODELS}.qwen3:Qwen3Model",
         honoured=COMMON | WINDOWS | {"attention_bias"},
