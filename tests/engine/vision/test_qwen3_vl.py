@@ -1,15 +1,18 @@
 """A held-out tiny Qwen3-VL through the engine: an image in a chat gives transformers' greedy
 tokens (its interleaved M-RoPE, learned vision positions and DeepStack each move the tokens'
 log-probabilities past the tolerance when left out), whole or in prefill chunks that cut
-through an image."""
+through an image; a published checkpoint's config reads as its shapes."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
 from engine import LLM
+from engine.models.config_cache import read_model_config
+from engine.models.qwen3_vl import Qwen3VLModel
 from policy import Policy
 from tests.engine.qwen3_vl_models import build_tiny_qwen3_vl
 from tests.engine.vision.test_qwen2_5_vl import (
@@ -42,3 +45,59 @@ def test_prefill_chunks_that_cut_through_an_image(vl_dir: Path) -> None:
         assert media.images[0].num_tokens == 16
         got = llm.generate([ids], GREEDY, media=[media])[0].outputs[0]
         assert_same_answer(got.token_ids, chosen(got.logprobs), (want[0], want[1]))
+
+
+PUBLISHED_2B = {
+    "model_type": "qwen3_vl",
+    "image_token_id": 151655,
+    "tie_word_embeddings": True,
+    "text_config": {
+        "model_type": "qwen3_vl_text",
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
+        "head_dim": 128,
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "max_position_embeddings": 262144,
+        "num_attention_heads": 16,
+        "num_hidden_layers": 28,
+        "num_key_value_heads": 8,
+        "rope_scaling": {
+            "mrope_interleaved": True,
+            "mrope_section": [24, 20, 20],
+            "rope_type": "default",
+        },
+        "rope_theta": 5000000,
+        "tie_word_embeddings": True,
+        "vocab_size": 151936,
+    },
+    "vision_config": {  # its model_type as released, which transformers renames
+        "model_type": "qwen3_vl",
+        "deepstack_visual_indexes": [5, 11, 17],
+        "depth": 24,
+        "hidden_act": "gelu_pytorch_tanh",
+        "hidden_size": 1024,
+        "intermediate_size": 4096,
+        "num_heads": 16,
+        "num_position_embeddings": 2304,
+        "out_hidden_size": 2048,
+        "patch_size": 16,
+    },
+}
+"""The fields of Qwen/Qwen3-VL-2B-Instruct's config.json that shape it (the rest default)."""
+
+
+def test_a_published_config_reads_as_its_shapes(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(PUBLISHED_2B))
+    config = read_model_config(tmp_path)
+    assert (config.model_type, config.head_dim, config.mrope_section) == (
+        "qwen3_vl",
+        128,
+        (24, 20, 20),
+    )
+    assert config.tie_word_embeddings and not config.qkv_bias
+    assert config.vision is not None and config.vision.deepstack_blocks == (5, 11, 17)
+    assert config.vision.feature_width == 4 * 2048  # the embedding's and three DeepStack's
+    axes = Qwen3VLModel.rotary_axes(config.mrope_section).tolist()
+    assert axes[:6] == [0, 1, 2, 0, 1, 2] and axes[60:] == [0, 0, 0, 0]
+    assert [axes.count(a) for a in (0, 1, 2)] == [24, 20, 20]
