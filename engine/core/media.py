@@ -16,7 +16,7 @@ from typing import Any
 
 from policy.errors import UserError
 
-VISION_MODEL_TYPES = ("qwen2_5_vl", "qwen3_vl")
+VISION_MODEL_TYPES = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 """Checkpoints whose vision tower nanoflex runs (the others with one run their text alone)."""
 
 

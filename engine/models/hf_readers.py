@@ -9,7 +9,7 @@ import math
 from typing import Any
 
 from engine.models.hf_config import UnsupportedModelError, refuse_unhonoured, require
-from policy.config_fields import COMMON, WINDOWS
+from policy.config_fields import COMMON, MOE, QWEN_MOE, WINDOWS
 from policy.families import rope_types
 
 
@@ -25,6 +25,18 @@ def qwen3_vl(hf: Any) -> dict[str, Any]:
     interleaved) with its vision tower (engine/models/qwen3_vision.py) and DeepStack."""
     require(hf.vision_config, "hidden_act", ("gelu_pytorch_tanh",))
     return _vision_language(hf, COMMON | WINDOWS | {"attention_bias"})
+
+
+def qwen3_vl_moe(hf: Any) -> dict[str, Any]:
+    """Qwen3-VL-MoE: Qwen3-VL whose language model's MLPs are Qwen3-MoE's (a softmax router's
+    top k, always renormalised; dense MLPs on the layers `mlp_only_layers` and
+    `decoder_sparse_step` leave out)."""
+    require(hf.vision_config, "hidden_act", ("gelu_pytorch_tanh",))
+    fields = _vision_language(hf, COMMON | WINDOWS | MOE | QWEN_MOE | {"attention_bias"})
+    experts = moe(hf.text_config)
+    for key in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "dense_layers"):
+        fields[key] = experts[key]
+    return dict(fields, norm_topk_prob=True)
 
 
 def _vision_language(hf: Any, honoured: frozenset[str]) -> dict[str, Any]:

@@ -48,7 +48,7 @@ class VisionConfig:
             out_hidden_size=hf.out_hidden_size,
             rope_theta=float(rope.get("rope_theta", 10000.0)),
         )
-        if hf.model_type == "qwen3_vl_vision":  # every block attends over the whole image
+        if hasattr(hf, "deepstack_visual_indexes"):  # Qwen3-VL's: no windows, DeepStack
             return cls(
                 **shapes,
                 window_size=0,

@@ -51,10 +51,35 @@ is peaked and hangs on the positions: at the random init's scale an image moves 
 token (tests/engine/vision_models.py's `SCALED` says how that was found)."""
 
 
+PROCESSOR: dict[str, Any] = {
+    "patch_size": 16,
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
+    "min_pixels": 64 * 64,
+    "max_pixels": 128 * 128,
+}
+"""Qwen3-VL's image processor: 16-pixel patches, 0.5 mean and deviation; a tiny budget."""
+
+
 def build_tiny_qwen3_vl(path: Path, seed: int = 0) -> Path:
-    """The checkpoint, its processor (16-pixel patches, Qwen3-VL's 0.5 mean and deviation)
-    and its chat template saved at `path`."""
-    half = [0.5, 0.5, 0.5]
-    sizes = {"min_pixels": 64 * 64, "max_pixels": 128 * 128}
-    processor = {"patch_size": 16, "image_mean": half, "image_std": half, **sizes}
-    return build_tiny_vl(path, seed, SPEC, SCALED, **processor)
+    """The checkpoint, its processor and its chat template saved at `path`."""
+    return build_tiny_vl(path, seed, SPEC, SCALED, **PROCESSOR)
+
+
+MOE_SPEC: dict[str, Any] = {
+    **SPEC,
+    "model_type": "qwen3_vl_moe",
+    "text_config": {
+        **SPEC["text_config"],
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 48,
+        "mlp_only_layers": [1],
+    },
+}
+"""Qwen3-VL-MoE: layer 0 routes each token to 2 of 4 experts, layer 1 is dense."""
+
+
+def build_tiny_qwen3_vl_moe(path: Path, seed: int = 0) -> Path:
+    """The MoE checkpoint, its processor and chat template saved at `path`."""
+    return build_tiny_vl(path, seed, MOE_SPEC, SCALED, **PROCESSOR)

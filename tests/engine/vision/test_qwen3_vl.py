@@ -1,7 +1,9 @@
 """A held-out tiny Qwen3-VL through the engine: an image in a chat gives transformers' greedy
 tokens (its interleaved M-RoPE, learned vision positions and DeepStack each move the tokens'
 log-probabilities past the tolerance when left out), whole or in prefill chunks that cut
-through an image; a published checkpoint's config reads as its shapes."""
+through an image; so does a tiny Qwen3-VL-MoE (its DeepStack features added after a layer
+whose experts run grouped over the block); a published checkpoint's config reads as its
+shapes."""
 
 from __future__ import annotations
 
@@ -9,12 +11,13 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from engine import LLM
 from engine.models.config_cache import read_model_config
-from engine.models.qwen3_vl import Qwen3VLModel
+from engine.models.qwen3_vl import Qwen3VLModel, Qwen3VLMoeModel
 from policy import Policy
-from tests.engine.qwen3_vl_models import build_tiny_qwen3_vl
+from tests.engine.qwen3_vl_models import build_tiny_qwen3_vl, build_tiny_qwen3_vl_moe
 from tests.engine.vision.test_qwen2_5_vl import (
     GREEDY,
     assert_image_chats_match,
@@ -101,3 +104,23 @@ def test_a_published_config_reads_as_its_shapes(tmp_path: Path) -> None:
     axes = Qwen3VLModel.rotary_axes(config.mrope_section).tolist()
     assert axes[:6] == [0, 1, 2, 0, 1, 2] and axes[60:] == [0, 0, 0, 0]
     assert [axes.count(a) for a in (0, 1, 2)] == [24, 20, 20]
+
+
+def test_qwen3_vl_moe_gives_transformers_greedy_tokens(tmp_path: Path) -> None:
+    """Layer 0 routes to experts and takes DeepStack features: the grouped-MoE way adds
+    them too (left out, the first token's log-probability is 4e-3 off)."""
+    moe_dir = build_tiny_qwen3_vl_moe(tmp_path / "tiny-qwen3_vl_moe")
+    image = png_bytes(60, 90, seed=1)
+    _, *want = hf_vl_generate(moe_dir, [image], "what is this?", GREEDY.max_tokens)
+    with LLM(str(moe_dir), policy=Policy(), device="cpu") as llm:
+        ids, media = image_prompt(llm, moe_dir, [image], "what is this?")
+        got = llm.generate([ids], GREEDY, media=[media])[0].outputs[0]
+        assert_same_answer(got.token_ids, chosen(got.logprobs), (want[0], want[1]))
+        # the published checkpoints' experts stacked transposed read as transformers' own
+        model = llm.executor.model
+        assert isinstance(model, Qwen3VLMoeModel)
+        gate_up = torch.randn(4, 2 * 48, 64)
+        down = torch.randn(4, 64, 48)
+        own = model.fuse({"experts.gate_up_proj": gate_up, "experts.down_proj": down})
+        published = {"experts.gate_up_proj": gate_up.mT, "experts.down_proj": down.mT}
+        assert all(torch.equal(own[k], v) for k, v in model.fuse(published).items())
