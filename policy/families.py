@@ -91,20 +91,29 @@ def _vision_wrapper(model_type: str, text_config: str) -> Family:
     )
 
 
+def _qwen_vl(model_type: str, implementation: str, priced_as: str) -> Family:
+    """A Qwen vision-language checkpoint run whole (its tower by the vision encoder): its
+    reader (named as the type) refuses what it does not honour of its text config; the
+    planner prices its language model as `priced_as`."""
+    return Family(
+        model_type,
+        f"{_MODELS}.{implementation}",
+        f"{_READERS}:{model_type}",
+        honoured=None,
+        rope_types=("default",),
+        text_config=f"{model_type}_text",
+        priced_as=priced_as,
+    )
+
+
 _ROWS = (
     Family("opt", f"{_MODELS}.opt:OPTModel", f"{_READERS}:opt", OPT, (), arch="opt"),
     Family("llama", honoured=COMMON | {"attention_bias", "mlp_bias"}, gguf_architecture="llama"),
     Family("mistral", honoured=COMMON | WINDOWS),
     Family("qwen2", honoured=COMMON | WINDOWS, gguf_architecture="qwen2"),
-    Family(
-        "qwen2_5_vl",
-        f"{_MODELS}.qwen2_5_vl:Qwen25VLModel",
-        f"{_READERS}:qwen2_5_vl",
-        honoured=None,
-        rope_types=("default",),
-        text_config="qwen2_5_vl_text",
-        priced_as="qwen2",
-    ),
+    _qwen_vl("qwen2_5_vl", "qwen2_5_vl:Qwen25VLModel", "qwen2"),
+    _qwen_vl("qwen3_vl", "qwen3_vl:Qwen3VLModel", "qwen3"),
+    _qwen_vl("qwen3_vl_moe", "qwen3_vl:Qwen3VLMoeModel", "qwen3_moe"),
     Family(
         "qwen3",
         f"{_MODELS}.qwen3:Qwen3Model",

@@ -16,7 +16,7 @@ from typing import Any
 
 from policy.errors import UserError
 
-VISION_MODEL_TYPES = ("qwen2_5_vl",)
+VISION_MODEL_TYPES = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 """Checkpoints whose vision tower nanoflex runs (the others with one run their text alone)."""
 
 
@@ -167,11 +167,12 @@ def expand_image_tokens(
 def mrope_positions(
     num_tokens: int, images: list[ImageInput], merge_size: int
 ) -> tuple[tuple[tuple[int, int, int], ...], int]:
-    """Qwen2.5-VL's rotary positions of a prompt of `num_tokens` with `images` (transformers'
-    `get_rope_index`): text advances one on all three axes; an image's tokens, row by row over
-    its merged grid, sit at (p, p + row, p + column) from the position p it starts at; the
-    text after it starts at p + max(rows, columns). Returns (positions, delta), delta the
-    offset of the positions past the prompt from their index."""
+    """Qwen2.5-VL's (and Qwen3-VL's, for still images) rotary positions of a prompt of
+    `num_tokens` with `images` (transformers' `get_rope_index`): text advances one on all
+    three axes; an image's tokens, row by row over its merged grid, sit at (p, p + row,
+    p + column) from the position p it starts at; the text after it starts at
+    p + max(rows, columns). Returns (positions, delta), delta the offset of the positions
+    past the prompt from their index."""
     positions: list[tuple[int, int, int]] = []
     next_pos = 0
     index = 0

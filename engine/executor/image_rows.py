@@ -1,5 +1,7 @@
 """`ImageRows`: which token rows of a GPU batch take image features instead of their
-embeddings, and their M-RoPE positions (engine/core/media.py)."""
+embeddings, and their M-RoPE positions (engine/core/media.py); `embed_images` and
+`add_deepstack`: the features put in place of the embeddings and added to the first decoder
+layers' outputs (Qwen3-VL's DeepStack)."""
 
 from __future__ import annotations
 
@@ -43,3 +45,26 @@ class ImageRows:
     def features(self) -> torch.Tensor:
         """(R, hidden) features of the rows, in order (the batch has some: `rows`)."""
         return torch.cat(self.pieces)
+
+
+def embed_images(h: torch.Tensor, images: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """(T, hidden) embeddings with the image rows' replaced by their features' first `hidden`
+    columns; `images`: (rows (R,), features (R, hidden * (1 + deepstack layers)))."""
+    rows, features = images
+    return h.index_copy(0, rows, features[:, : h.shape[1]].to(h.dtype))
+
+
+def add_deepstack(
+    layer: int, h: torch.Tensor, images: tuple[torch.Tensor, torch.Tensor] | None
+) -> torch.Tensor:
+    """Decoder layer `layer`'s (0-based) (T, hidden) output with its DeepStack features added
+    at the image rows, where the features carry that layer's columns (Qwen3-VL: the columns
+    [hidden * (1 + layer), hidden * (2 + layer))); else `h` itself."""
+    if images is None:
+        return h
+    rows, features = images
+    hidden = h.shape[1]
+    start = hidden * (1 + layer)
+    if features.shape[1] < start + hidden:
+        return h
+    return h.index_add(0, rows, features[:, start : start + hidden].to(h.dtype))

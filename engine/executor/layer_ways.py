@@ -25,6 +25,7 @@ import torch
 from engine.executor.attention import join_kv
 from engine.executor.cuda_graphs import GraphRunner, StepGraphs
 from engine.executor.gpu_batch import GpuBatch, PastKV
+from engine.executor.image_rows import add_deepstack, embed_images
 from engine.executor.layer_attention import LayerAttention
 from engine.executor.nano_overlap import NanoOverlap
 from engine.executor.trace import NoTracer, Tracer
@@ -69,7 +70,7 @@ class EagerLayer:
             if kind == "embed":
                 h = self.model.embed(w, batch.token_ids, batch.positions.ids)
                 if batch.images is not None:  # an image's tokens take its features
-                    h = h.index_copy(0, batch.images[0], batch.images[1].to(h.dtype))
+                    h = embed_images(h, batch.images)
                 return Computed(h, None)
             assert h is not None
             if kind == "head":
@@ -81,7 +82,8 @@ class EagerLayer:
             q, k, v = self.model.attention_inputs(j, w, h, batch.positions)
             new_kv = join_kv(k, v, self._kv_shape.values_are_keys)  # (T, row_dim)
             o = self.attention(j, batch, past, (q, k, v), new_kv, self.model.attention_spec(j, w))
-            return Computed(self.model.layer_output(w, h, o, mixed), new_kv)
+            out = self.model.layer_output(w, h, o, mixed)
+            return Computed(add_deepstack(j - 1, out, batch.images), new_kv)
 
     def mixed(
         self, j: int, w: Weights, h: torch.Tensor | None, batch: GpuBatch
@@ -150,4 +152,5 @@ class NanoLayer:
             return self.eager(j, w, h, past, batch)
         mixed = self.eager.mixed(j, w, h, batch)
         assert h is not None
-        return Computed(*self.nano.run_layer(j, w, h, past, batch, self.graphs, mixed))
+        out, new_kv = self.nano.run_layer(j, w, h, past, batch, self.graphs, mixed)
+        return Computed(add_deepstack(j - 1, out, batch.images), new_kv)

@@ -25,10 +25,13 @@ and its output back; on a CPU-only box both paths run on the same memory.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from engine.executor.attention import join_kv
 from engine.executor.gpu_batch import GpuBatch, PastKV
+from engine.executor.image_rows import add_deepstack
 from engine.executor.layer_attention import LayerAttention
 from engine.executor.layer_ways import Computed
 from engine.executor.tasks import Launch, Task, wait_all
@@ -100,6 +103,17 @@ class BlockExperts:
         return list(self._loads.values())
 
 
+class HeldRows(NamedTuple):
+    """One GPU batch's rows held at a MoE layer's MLP until the block's experts run."""
+
+    residual: torch.Tensor
+    """(T, hidden) the residual stream."""
+    normed: torch.Tensor
+    """(T, hidden) the MLP's normed input."""
+    images: tuple[torch.Tensor, torch.Tensor] | None
+    """The batch's image rows and features, for DeepStack (`image_rows.add_deepstack`)."""
+
+
 class GroupedMoe:
     """The grouped-MoE way of running a layer (`LayerRun`, engine/executor/layer_ways.py): each
     GPU batch's call runs it up to its MLP, holding the batch's normed rows; `block_outputs`
@@ -122,7 +136,7 @@ class GroupedMoe:
         self.tracer: Tracer | NoTracer = NoTracer()
         self._kv_shape = model.config.kv_shape
         self._grouped = self._routed_loads = False
-        self._held: list[tuple[torch.Tensor, torch.Tensor]] = []  # per batch: (residual, normed)
+        self._held: list[HeldRows] = []
 
     def begin(self, batches: list[GpuBatch]) -> None:
         """Set this step's grouping: every MoE layer's rows over the whole block (with
@@ -158,14 +172,14 @@ class GroupedMoe:
         assert h is not None
         with self.tracer.span("compute", "compute", j, batch.index):
             if self.model.layer_kind(j) == "dense":
-                self._held.append((h, self.model.input_norm(w, h)))
+                self._held.append(HeldRows(h, self.model.input_norm(w, h), batch.images))
                 return Computed(h, None)
             q, k, v = self.model.attention_inputs(j, w, h, batch.positions)
             new_kv = join_kv(k, v, self._kv_shape.values_are_keys)
             spec = self.model.attention_spec(j, w)
             o = self.attention(j, batch, past, (q, k, v), new_kv, spec)
             h, x = self.model.before_mlp(w, h, o)
-            self._held.append((h, x))
+            self._held.append(HeldRows(h, x, batch.images))
             return Computed(h, new_kv)
 
     def block_outputs(self, j: int, w: Weights, launch: Launch) -> list[torch.Tensor]:
@@ -174,7 +188,10 @@ class GroupedMoe:
         held, self._held = self._held, []
         source = BlockExperts(j, w, self.store, launch, self.device, self.tracer, self.cpu_rows)
         try:
-            outs = self.model.block_mlp(w, [x for _, x in held], source)
+            outs = self.model.block_mlp(w, [rows.normed for rows in held], source)
         finally:
             wait_all(source.pending())
-        return [h + out for (h, _), out in zip(held, outs, strict=True)]
+        return [
+            add_deepstack(j - 1, rows.residual + out, rows.images)
+            for rows, out in zip(held, outs, strict=True)
+        ]

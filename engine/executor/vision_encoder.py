@@ -18,6 +18,7 @@ from engine.core.media import ImageError, ImageInput
 from engine.loading.checkpoint import CheckpointReader, DummyReader
 from engine.models.base import Weights
 from engine.models.qwen2_5_vision import VisionTower, vision_weight_name
+from engine.models.qwen3_vision import Qwen3VisionTower
 from engine.models.vision_config import VisionConfig
 
 CACHED_IMAGES = 256
@@ -29,7 +30,8 @@ rows runs, so it is not encoded (`ImageRows` slices no features of it)."""
 
 
 class VisionEncoder:
-    """Images -> (num_tokens, hidden) features on the compute device, in `dtype`."""
+    """Images -> (num_tokens, config.feature_width) features on the compute device, in
+    `dtype`: the embedding's `hidden` columns, then each DeepStack layer's (Qwen3-VL)."""
 
     def __init__(
         self,
@@ -41,7 +43,9 @@ class VisionEncoder:
     ) -> None:
         from transformers import AutoImageProcessor
 
-        self.tower = VisionTower(config)
+        self.tower: VisionTower | Qwen3VisionTower = (
+            Qwen3VisionTower(config) if config.num_position_embeddings else VisionTower(config)
+        )
         self.weights: Weights = {}
         for name in reader.names:
             local = vision_weight_name(name)
@@ -58,7 +62,7 @@ class VisionEncoder:
         return sum(t.numel() * t.element_size() for t in self.weights.values())
 
     def features(self, image: ImageInput) -> torch.Tensor:
-        """(image.num_tokens, hidden) features of `image`: cached, or encoded now."""
+        """(image.num_tokens, feature_width) features of `image`: cached, or encoded now."""
         cached = self._cache.get(image.digest)
         if cached is not None:
             self._cache.move_to_end(image.digest)

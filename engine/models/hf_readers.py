@@ -9,33 +9,58 @@ import math
 from typing import Any
 
 from engine.models.hf_config import UnsupportedModelError, refuse_unhonoured, require
-from policy.config_fields import COMMON, WINDOWS
+from policy.config_fields import COMMON, MOE, QWEN_MOE, WINDOWS
 from policy.families import rope_types
 
 
 def qwen2_5_vl(hf: Any) -> dict[str, Any]:
     """Qwen2.5-VL: a Qwen2 language model (M-RoPE over the sections `mrope_section` of its
     rotary frequencies) with its vision tower (engine/models/qwen2_5_vision.py)."""
+    require(hf.vision_config, "hidden_act", ("silu",))
+    return dict(_vision_language(hf, COMMON | WINDOWS), qkv_bias=True)  # Qwen2's q, k, v biases
+
+
+def qwen3_vl(hf: Any) -> dict[str, Any]:
+    """Qwen3-VL: a Qwen3 language model (q and k norms; M-RoPE with the sections' frequencies
+    interleaved) with its vision tower (engine/models/qwen3_vision.py) and DeepStack."""
+    require(hf.vision_config, "hidden_act", ("gelu_pytorch_tanh",))
+    return _vision_language(hf, COMMON | WINDOWS | {"attention_bias"})
+
+
+def qwen3_vl_moe(hf: Any) -> dict[str, Any]:
+    """Qwen3-VL-MoE: Qwen3-VL whose language model's MLPs are Qwen3-MoE's (a softmax router's
+    top k, always renormalised; dense MLPs on the layers `mlp_only_layers` and
+    `decoder_sparse_step` leave out)."""
+    require(hf.vision_config, "hidden_act", ("gelu_pytorch_tanh",))
+    fields = _vision_language(hf, COMMON | WINDOWS | MOE | QWEN_MOE | {"attention_bias"})
+    experts = moe(hf.text_config)
+    for key in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "dense_layers"):
+        fields[key] = experts[key]
+    return dict(fields, norm_topk_prob=True)
+
+
+def _vision_language(hf: Any, honoured: frozenset[str]) -> dict[str, Any]:
+    """The fields of a Qwen-VL checkpoint: its text config's (each field off its default
+    honoured or refused), its M-RoPE sections, its vision tower's shapes, its image token."""
     from engine.models.vision_config import VisionConfig
 
     text, vision = hf.text_config, hf.vision_config
-    refuse_unhonoured(text, COMMON | WINDOWS)
-    require(vision, "hidden_act", ("silu",))
+    refuse_unhonoured(text, honoured)
     require(vision, "in_chans" if hasattr(vision, "in_chans") else "in_channels", (3,))
     fields = llama(text)
     scaling = dict(fields["rope_scaling"])
     section = tuple(int(s) for s in scaling.pop("mrope_section", ()))
+    scaling.pop("mrope_interleaved", None)  # transformers interleaves Qwen3-VL's either way
     if 2 * sum(section) != fields["head_dim"]:
         raise UnsupportedModelError(
-            f"qwen2_5_vl: mrope_section {list(section)} does not cover head_dim "
+            f"{hf.model_type}: mrope_section {list(section)} does not cover head_dim "
             f"{fields['head_dim']} (its sections sum to half the head)"
         )
     tied = getattr(hf, "tie_word_embeddings", None)
     return dict(
         fields,
-        model_type="qwen2_5_vl",
+        model_type=hf.model_type,
         rope_scaling=scaling,
-        qkv_bias=True,  # Qwen2's q, k and v projections have biases
         mrope_section=section,
         vision=VisionConfig.from_hf(vision),
         image_token_id=int(hf.image_token_id),

@@ -35,10 +35,7 @@ class VisionTower:
 
     def __init__(self, config: VisionConfig) -> None:
         self.config = config
-        quarter = config.head_dim // 2
-        self._inv_freq = 1.0 / (
-            config.rope_theta ** (torch.arange(0, quarter, 2, dtype=torch.float) / quarter)
-        )
+        self._inv_freq = rotary_frequencies(config)
 
     def encode(self, w: Weights, pixels: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
         """One image's patches (N, C) of `grid` (t, h, w) patches -> its image tokens
@@ -46,24 +43,15 @@ class VisionTower:
         c = self.config
         unit = c.spatial_merge_size**2
         window_index, window_bounds = self._windows(grid)
-        positions = self._patch_positions(grid)  # (N, 2) row, column of each patch
-        # the patch embedding is a Conv3d whose stride is its kernel: one product per patch
-        kernel = (c.temporal_patch_size, c.patch_size, c.patch_size)
-        x = pixels.to(w["patch_embed.proj.weight"].dtype)
-        x = F.conv3d(
-            x.view(-1, c.in_channels, *kernel), w["patch_embed.proj.weight"], stride=kernel
-        )
-        x = x.view(-1, c.hidden_size)
+        positions = patch_positions(grid, c.spatial_merge_size)  # (N, 2) row, column
+        x = embed_patches(w, pixels, c)
         num = x.shape[0]
 
         def by_window(t: torch.Tensor) -> torch.Tensor:  # merged blocks regrouped by window
             return t.reshape(num // unit, unit, -1)[window_index].reshape(num, -1)
 
         x = by_window(x)
-        freqs = positions.float()[..., None] * self._inv_freq.to(x.device)  # (N, 2, hd/4)
-        freqs = by_window(freqs.flatten(1))  # (N, hd/2): the row's angles, then the column's
-        emb = torch.cat((freqs, freqs), dim=-1)  # (N, hd)
-        cos, sin = emb.cos()[:, None, :], emb.sin()[:, None, :]
+        cos, sin = (by_window(t[:, 0])[:, None] for t in rotary_tables(positions, self._inv_freq))
         frames = [0, *torch.arange(1, grid[0] + 1).mul(grid[1] * grid[2]).tolist()]
         for i in range(c.depth):
             bounds = frames if i in c.full_attention_blocks else window_bounds
@@ -82,32 +70,13 @@ class VisionTower:
         bounds: list[int],
     ) -> torch.Tensor:
         """One block: x + attention(norm1(x)) over the spans `bounds`, then + MLP(norm2(x))."""
-        c = self.config
-        qkv = linear(rms_norm(x, w[f"{prefix}norm1.weight"], NORM_EPS), w, f"{prefix}attn.qkv")
-        q, k, v = qkv.view(-1, 3, c.num_heads, c.head_dim).unbind(1)  # each (N, heads, hd)
-        q, k = (_rotate(t, cos, sin) for t in (q, k))
-        out = torch.empty_like(q)
-        for start, end in itertools.pairwise(bounds):
-            if end > start:  # (1, heads, L, hd) per window, no mask: every patch sees its span
-                qs, ks, vs = (t[start:end].transpose(0, 1)[None] for t in (q, k, v))
-                out[start:end] = F.scaled_dot_product_attention(qs, ks, vs)[0].transpose(0, 1)
-        x = x + linear(out.reshape(x.shape[0], -1), w, f"{prefix}attn.proj")
+        h = rms_norm(x, w[f"{prefix}norm1.weight"], NORM_EPS)
+        x = x + attend(self.config, w, f"{prefix}attn.", h, cos, sin, bounds)
         h = rms_norm(x, w[f"{prefix}norm2.weight"], NORM_EPS)
         gated = F.silu(linear(h, w, f"{prefix}mlp.gate_proj")) * linear(
             h, w, f"{prefix}mlp.up_proj"
         )
         return x + linear(gated, w, f"{prefix}mlp.down_proj")
-
-    def _patch_positions(self, grid: tuple[int, int, int]) -> torch.Tensor:
-        """(N, 2) (row, column) of each patch, in the processor's block order."""
-        t, h, w = grid
-        m = self.config.spatial_merge_size
-        rows = torch.arange(h)[:, None].expand(h, w)
-        cols = torch.arange(w)[None, :].expand(h, w)
-        blocks = (h // m, m, w // m, m)
-        rows = rows.reshape(blocks).transpose(1, 2).flatten()
-        cols = cols.reshape(blocks).transpose(1, 2).flatten()
-        return torch.stack([rows, cols], dim=-1).repeat(t, 1)
 
     def _windows(self, grid: tuple[int, int, int]) -> tuple[torch.Tensor, list[int]]:
         """(the merged blocks' order grouped by window, (num_merged,); the patch offsets where
@@ -127,6 +96,68 @@ class VisionTower:
         order = padded.flatten()
         bounds = [0, *(sizes.cumsum(0) * m * m).tolist()]
         return order[order != -100], list(dict.fromkeys(bounds))
+
+
+def embed_patches(w: Weights, pixels: torch.Tensor, config: VisionConfig) -> torch.Tensor:
+    """(N, C) patches -> (N, hidden): the patch embedding is a Conv3d whose stride is its
+    kernel, so one product per patch (with its bias, where the checkpoint has one)."""
+    c = config
+    kernel = (c.temporal_patch_size, c.patch_size, c.patch_size)
+    x = pixels.to(w["patch_embed.proj.weight"].dtype).view(-1, c.in_channels, *kernel)
+    x = F.conv3d(x, w["patch_embed.proj.weight"], w.get("patch_embed.proj.bias"), stride=kernel)
+    return x.view(-1, c.hidden_size)
+
+
+def patch_positions(grid: tuple[int, int, int], merge_size: int) -> torch.Tensor:
+    """(N, 2) (row, column) of each patch of `grid`, in the processor's block order."""
+    t, h, w = grid
+    m = merge_size
+    rows = torch.arange(h)[:, None].expand(h, w)
+    cols = torch.arange(w)[None, :].expand(h, w)
+    blocks = (h // m, m, w // m, m)
+    rows = rows.reshape(blocks).transpose(1, 2).flatten()
+    cols = cols.reshape(blocks).transpose(1, 2).flatten()
+    return torch.stack([rows, cols], dim=-1).repeat(t, 1)
+
+
+def rotary_frequencies(config: VisionConfig) -> torch.Tensor:
+    """(head_dim/4,) the 2D rotary's frequencies: a quarter of the head per axis."""
+    quarter = config.head_dim // 2
+    return 1.0 / (config.rope_theta ** (torch.arange(0, quarter, 2, dtype=torch.float) / quarter))
+
+
+def rotary_tables(
+    positions: torch.Tensor, inv_freq: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, 2) patch positions -> cos and sin (N, 1, head_dim): the row's angles, then the
+    column's, twice over (rotate-half layout)."""
+    freqs = positions.float()[..., None] * inv_freq.to(positions.device)  # (N, 2, hd/4)
+    freqs = freqs.flatten(1)  # (N, hd/2)
+    emb = torch.cat((freqs, freqs), dim=-1)  # (N, hd)
+    return emb.cos()[:, None, :], emb.sin()[:, None, :]
+
+
+def attend(
+    config: VisionConfig,
+    w: Weights,
+    prefix: str,
+    h: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    bounds: list[int],
+) -> torch.Tensor:
+    """A block's attention over the normed (N, hidden) `h`: qkv, 2D rotary, full attention
+    within each span [bounds[i], bounds[i+1]), the output projection -> (N, hidden)."""
+    c = config
+    qkv = linear(h, w, f"{prefix}qkv")
+    q, k, v = qkv.view(-1, 3, c.num_heads, c.head_dim).unbind(1)  # each (N, heads, hd)
+    q, k = (_rotate(t, cos, sin) for t in (q, k))
+    out = torch.empty_like(q)
+    for start, end in itertools.pairwise(bounds):
+        if end > start:  # (1, heads, L, hd) per span, no mask: every patch sees its span
+            qs, ks, vs = (t[start:end].transpose(0, 1)[None] for t in (q, k, v))
+            out[start:end] = F.scaled_dot_product_attention(qs, ks, vs)[0].transpose(0, 1)
+    return linear(out.reshape(h.shape[0], -1), w, f"{prefix}proj")
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

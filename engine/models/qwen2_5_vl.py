@@ -20,10 +20,14 @@ class Qwen25VLModel(LlamaModel):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__(config)
-        section = config.mrope_section
-        self._axes = torch.tensor([i % 3 for i, n in enumerate(section) for _ in range(n)])
+        self._axes = self.rotary_axes(config.mrope_section)
         """(rotary_dim/2,) the position axis (0 t, 1 h, 2 w) each frequency reads."""
         self._on_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    @staticmethod
+    def rotary_axes(section: tuple[int, ...]) -> torch.Tensor:
+        """(rotary_dim/2,) the axis of each frequency: the sections in turn, t's first."""
+        return torch.tensor([i % 3 for i, n in enumerate(section) for _ in range(n)])
 
     def map_name(self, hf_name: str) -> tuple[int, str] | None:
         if vision_weight_name(hf_name) is not None:

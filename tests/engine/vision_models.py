@@ -41,29 +41,38 @@ CHAT_TEMPLATE = (
 """Qwen2.5-VL's chat template (images only): an image part becomes one image-pad token between
 the vision markers, which the processor widens to the image's merged patches."""
 
-SPEC: dict[str, Any] = {
-    "model_type": "qwen2_5_vl",
+TOKENS: dict[str, Any] = {
     "image_token_id": IMAGE_TOKEN_ID,
     "video_token_id": IMAGE_TOKEN_ID + 1,
     "vision_start_token_id": 256 + SPECIAL_TOKENS.index("<|vision_start|>"),
     "vision_end_token_id": 256 + SPECIAL_TOKENS.index("<|vision_end|>"),
     "tie_word_embeddings": False,
+}
+"""The special tokens' ids in a Qwen-VL config (and its untied head)."""
+TEXT: dict[str, Any] = {
+    "vocab_size": VOCAB,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+    "bos_token_id": 256,
+    "eos_token_id": 258,
+    "pad_token_id": 256,
+}
+"""The tiny language model's shapes (head_dim 16), less its rotary."""
+
+SPEC: dict[str, Any] = {
+    "model_type": "qwen2_5_vl",
+    **TOKENS,
     "text_config": {
-        "vocab_size": VOCAB,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": 512,
+        **TEXT,
         "rope_parameters": {
             "rope_type": "default",
             "rope_theta": 10000.0,
             "mrope_section": [2, 3, 3],
         },
-        "bos_token_id": 256,
-        "eos_token_id": 258,
-        "pad_token_id": 256,
     },
     "vision_config": {
         "depth": 3,
@@ -97,15 +106,22 @@ MAX_PIXELS = 112 * 112
 """The processor's pixel budget: a tiny checkpoint's images stay a few dozen patches."""
 
 
-def build_tiny_vl(path: Path, seed: int = 0) -> Path:
-    """The checkpoint, its processor and its chat template saved at `path`."""
+def build_tiny_vl(
+    path: Path,
+    seed: int = 0,
+    spec: dict[str, Any] = SPEC,
+    scaled: dict[str, float] = SCALED,
+    **processor: Any,
+) -> Path:
+    """The checkpoint of `spec` (Qwen2.5-VL's by default), its processor (its keywords
+    `processor` over the defaults) and its chat template saved at `path`."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
         Qwen2VLImageProcessorPil,
     )
 
-    build_from_spec(SPEC, path, seed, SCALED, bos_token_id=256, eos_token_id=258, pad_token_id=256)
+    build_from_spec(spec, path, seed, scaled, bos_token_id=256, eos_token_id=258, pad_token_id=256)
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     byte_chars = sorted(alphabet, key=lambda c: _byte_of(c))
     core = Tokenizer(models.BPE({c: i for i, c in enumerate(byte_chars)}, []))
@@ -119,7 +135,8 @@ def build_tiny_vl(path: Path, seed: int = 0) -> Path:
         pad_token="<|endoftext|>",
     )
     # the processor's parts (its video processor needs torchvision, which is not installed)
-    Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=MAX_PIXELS).save_pretrained(path)
+    sizes = {"min_pixels": 56 * 56, "max_pixels": MAX_PIXELS, **processor}
+    Qwen2VLImageProcessorPil(**sizes).save_pretrained(path)
     tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.save_pretrained(path)
     return path
@@ -173,11 +190,7 @@ def hf_vl_generate(
     image(s) and the text, the prompt made by the checkpoint's own processor and template;
     EOS ignored. The log-probabilities tell one image from another where the tokens agree."""
     from PIL import Image
-    from transformers import (
-        AutoImageProcessor,
-        AutoTokenizer,
-        Qwen2_5_VLForConditionalGeneration,
-    )
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     chat = image_chat(text, len(images))
@@ -194,7 +207,7 @@ def hf_vl_generate(
     # the processor's marks of the image tokens: without them transformers cannot place the
     # M-RoPE positions and falls back to one position per token
     inputs["mm_token_type_ids"] = (inputs["input_ids"] == IMAGE_TOKEN_ID).int()
-    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32)
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
     model.generation_config.eos_token_id = None
     out = model.generate(
         **inputs,

@@ -26,6 +26,8 @@ from tests.server.test_errors import assert_error
 MODEL = "tiny-qwen2.5-vl"
 TEXT = "what is this?"
 MAX_TOKENS = 5
+GREEDY_IDS = {"logprobs": True, "return_tokens_as_token_ids": True, "ignore_eos": True}
+"""The answer's tokens read as ids (random weights' tokens are no text), EOS ignored."""
 
 
 @pytest.fixture(scope="module")
@@ -73,13 +75,36 @@ def test_images_in_chat_and_batch_lines_give_transformers_tokens(
 ) -> None:
     media_dir = tmp_path / "media"
     media_dir.mkdir()
+    live = serve(make_server, vl_dir, media_dir)
+    assert_chat_and_batch_answers(live, vl_dir, media_dir)
+    first = png_bytes(60, 90, seed=1)
+    body = {"model": MODEL, "max_tokens": MAX_TOKENS, "temperature": 0, **GREEDY_IDS}
+    with live.http() as client:
+        for url, code in (
+            ("https://example.com/a.png", "image_url_not_allowed"),
+            (f"file://{tmp_path / 'outside.png'}", "image_url_not_allowed"),
+            (data_url(png_bytes(200, 200, seed=6)), "image_too_large"),  # over 60,000 bytes
+            ("data:image/png;base64,bm90IGFuIGltYWdl", "invalid_value"),  # "not an image"
+        ):
+            refused = client.post(
+                "/v1/chat/completions", json={**body, "messages": [image_message(url)]}
+            )
+            assert assert_error(refused, 400, code)["param"] == "messages.0.content.0"
+        three = [image_message(data_url(first))["content"][0]] * 3
+        refused = client.post(
+            "/v1/chat/completions", json={**body, "messages": [{"role": "user", "content": three}]}
+        )
+        assert_error(refused, 400, "too_many_images")
+
+
+def assert_chat_and_batch_answers(live: LiveServer, vl_dir: Path, media_dir: Path) -> None:
+    """An image as a data URL in a chat request (the openai client), then in a Batch API line
+    beside one read from a file under `media_dir` (the server's allowed path): each answer
+    is transformers' greedy answer for its image."""
     first, second = png_bytes(60, 90, seed=1), png_bytes(100, 70, seed=5)
     (media_dir / "page.png").write_bytes(second)
     want = {"a": reference(vl_dir, first), "b": reference(vl_dir, second)}
-    live = serve(make_server, vl_dir, media_dir)
-    # the answer's tokens read as ids: random weights' tokens are no text
-    ids = {"logprobs": True, "return_tokens_as_token_ids": True, "ignore_eos": True}
-    body = {"model": MODEL, "max_tokens": MAX_TOKENS, "temperature": 0, **ids}
+    body = {"model": MODEL, "max_tokens": MAX_TOKENS, "temperature": 0, **GREEDY_IDS}
     api = live.openai()
     reply = api.chat.completions.create(
         model=MODEL,
@@ -105,22 +130,6 @@ def test_images_in_chat_and_batch_lines_give_transformers_tokens(
     for line in read_lines(api, done.output_file_id):
         choice = line["response"]["body"]["choices"][0]
         assert_same_answer(*answer(choice["logprobs"]), want[line["custom_id"]])
-    with live.http() as client:
-        for url, code in (
-            ("https://example.com/a.png", "image_url_not_allowed"),
-            (f"file://{tmp_path / 'outside.png'}", "image_url_not_allowed"),
-            (data_url(png_bytes(200, 200, seed=6)), "image_too_large"),  # over 60,000 bytes
-            ("data:image/png;base64,bm90IGFuIGltYWdl", "invalid_value"),  # "not an image"
-        ):
-            refused = client.post(
-                "/v1/chat/completions", json={**body, "messages": [image_message(url)]}
-            )
-            assert assert_error(refused, 400, code)["param"] == "messages.0.content.0"
-        three = [image_message(data_url(first))["content"][0]] * 3
-        refused = client.post(
-            "/v1/chat/completions", json={**body, "messages": [{"role": "user", "content": three}]}
-        )
-        assert_error(refused, 400, "too_many_images")
 
 
 def test_run_batch_reads_images_under_the_allowed_path(vl_dir: Path, tmp_path: Path) -> None:
@@ -129,8 +138,7 @@ def test_run_batch_reads_images_under_the_allowed_path(vl_dir: Path, tmp_path: P
     image = png_bytes(70, 60, seed=7)
     (media_dir / "p.png").write_bytes(image)
     (tmp_path / "outside.png").write_bytes(image)
-    body = {"model": str(vl_dir), "max_tokens": MAX_TOKENS, "temperature": 0}
-    body |= {"logprobs": True, "return_tokens_as_token_ids": True, "ignore_eos": True}
+    body = {"model": str(vl_dir), "max_tokens": MAX_TOKENS, "temperature": 0, **GREEDY_IDS}
     lines = [
         json.dumps({"custom_id": key, "method": "POST", "url": "/v1/chat/completions",
                     "body": {**body, "messages": [image_message(f"file://{path}")]}})

@@ -36,7 +36,7 @@ def test_the_tables_read_by_model_type_come_from_the_rows() -> None:
     """What the engine, the planner and the GGUF converter kept in tables of their own before
     the family table, read from it now."""
     assert SUPPORTED_MODEL_TYPES[:5] == ("opt", "llama", "mistral", "qwen2", "qwen2_5_vl")
-    assert len(SUPPORTED_MODEL_TYPES) == 30
+    assert len(SUPPORTED_MODEL_TYPES) == 32
     assert TEXT_CONFIGS == {
         "gemma3": "gemma3_text",
         "llama4": "llama4_text",
@@ -49,7 +49,7 @@ def test_the_tables_read_by_model_type_come_from_the_rows() -> None:
     assert ARCHITECTURES[:3] == ("llama", "qwen2", "qwen3") and len(ARCHITECTURES) == 15
     assert MODEL_TYPES["gemma3"] == "gemma3_text" and MODEL_TYPES["deepseek2"] == "deepseek_v3"
     assert "llama" not in MODEL_TYPES and "qwen2" not in MODEL_TYPES
-    assert rope_types("qwen2_5_vl_text") == ("default",)
+    assert rope_types("qwen2_5_vl_text") == rope_types("qwen3_vl_text") == ("default",)
 
 
 def test_a_name_that_names_nothing_fails_to_resolve() -> None:

@@ -52,6 +52,12 @@ def image_prompt(
 
 
 def test_an_image_in_a_chat_gives_transformers_greedy_tokens(vl_dir: Path) -> None:
+    assert_image_chats_match(vl_dir)
+
+
+def assert_image_chats_match(vl_dir: Path) -> None:
+    """One image, then two (the text after both), in a chat to the checkpoint at `vl_dir`:
+    the engine's prompt and greedy answer are transformers'."""
     pictures = [png_bytes(60, 90, seed=1), png_bytes(130, 40, seed=2)]
     with LLM(str(vl_dir), policy=Policy(), device="cpu") as llm:
         for images in (pictures[:1], pictures):  # one image; two, the text after both
