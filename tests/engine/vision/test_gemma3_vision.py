@@ -55,12 +55,18 @@ def test_an_image_in_a_chat_gives_transformers_greedy_tokens(
     gemma3_dir: Path, reference: tuple[bytes, list[int], list[int], list[float]]
 ) -> None:
     image, want_ids, *want = reference
+    pair = [image, png_bytes(130, 40, seed=2)]  # two images back to back: two spans
+    want_pair_ids, *want_pair = hf_gemma3_generate(gemma3_dir, pair, TEXT, GREEDY.max_tokens)
     with LLM(str(gemma3_dir), policy=Policy(), device="cpu") as llm:
         ids, media = image_prompt(llm, gemma3_dir, [image], TEXT)
         assert ids == want_ids  # the processor's prompt: newline runs merged alike
         assert media is not None and media.images[0].num_tokens == TOKENS_PER_IMAGE
-        got = llm.generate([ids], GREEDY, media=[media])[0].outputs[0]
-        assert_same_answer(got.token_ids, chosen(got.logprobs), (want[0], want[1]))
+        pair_ids, pair_media = image_prompt(llm, gemma3_dir, pair, TEXT)
+        assert pair_ids == want_pair_ids  # the four newlines between the images one token
+        outs = llm.generate([ids, pair_ids], GREEDY, media=[media, pair_media])
+        for out, (tokens, logprobs) in zip(outs, (want, want_pair), strict=True):
+            got = out.outputs[0]
+            assert_same_answer(got.token_ids, chosen(got.logprobs), (tokens, logprobs))
 
 
 def test_a_chunk_is_cut_before_an_image_and_reads_a_packed_past(
@@ -116,3 +122,30 @@ def test_a_chunk_never_ends_inside_an_image() -> None:
     check_request(request, 64, 64, set(), max_step_tokens=16)
     with pytest.raises(RequestError, match="raise max_step_tokens"):  # it would never run
         check_request(request, 64, 64, set(), max_step_tokens=12)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("num_nano_batches", [1, 2])
+def test_images_in_nano_batches_and_mixed_tiers(
+    gemma3_dir: Path,
+    reference: tuple[bytes, list[int], list[int], list[float]],
+    tmp_path: Path,
+    num_nano_batches: int,
+) -> None:
+    """Three image prompts in GPU batches of 2, their KV and activations over three tiers
+    (decodes attending on the CPU), cut into nano-batches: each its image spans' mask."""
+    image, _, *want = reference
+    policy = Policy(
+        gpu_batch_size=2,
+        num_gpu_batches=2,
+        kv_frac=(0.4, 0.3, 0.3),
+        act_frac=(0.3, 0.3, 0.4),
+        cpu_attention=True,
+        num_nano_batches=num_nano_batches,
+    )
+    with LLM(str(gemma3_dir), policy=policy, device="cpu", offload_dir=tmp_path / "off") as llm:
+        ids, media = image_prompt(llm, gemma3_dir, [image], TEXT)
+        outs = llm.generate([ids] * 3, GREEDY, media=[media] * 3)
+        for out in outs:
+            got = out.outputs[0]
+            assert_same_answer(got.token_ids, chosen(got.logprobs), (want[0], want[1]))
