@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from engine.core.gemma3_media import newline_runs, widen_placeholders
 from policy.errors import UserError
 
 VISION_MODEL_TYPES = ("qwen2_5_vl", "gemma3")
@@ -50,9 +51,9 @@ class VisionSpec:
     """Gemma 3: the tokens around an image's tokens, <start_of_image> and <end_of_image>, each
     beside two newlines, as its processor writes the placeholder; (-1, -1): none."""
     newline_runs: tuple[tuple[int, ...], ...] = ()
-    """The tokenizer's ids of 1, 2, ... newlines (`newline_runs`): the processor widens the
-    placeholder in the text before tokenizing, so the newlines it adds merge with their
-    neighbours into one token where the tokenizer has one."""
+    """The tokenizer's ids of 1, 2, ... newlines (engine/core/gemma3_media.py): the processor
+    widens the placeholder in the text before tokenizing, so the newlines it adds merge with
+    their neighbours into one token where the tokenizer has one."""
 
     @property
     def bidirectional(self) -> bool:
@@ -93,20 +94,13 @@ class VisionSpec:
 
     @classmethod
     def _gemma3(cls, root: Path, config: dict[str, Any], processor: dict[str, Any]) -> VisionSpec:
-        """Gemma 3's: one size for every image, mm_tokens_per_image tokens each, written as
-        its processor writes them (newline_runs from the checkpoint's tokenizer.json)."""
-        from tokenizers import Tokenizer
-
+        """Gemma 3's: one size for every image, mm_tokens_per_image tokens each, written as its
+        processor writes them (engine/core/gemma3_media.py)."""
         if processor.get("do_pan_and_scan"):
             raise ImageError(
                 f"{root}: Gemma 3's pan-and-scan crops are not supported; set do_pan_and_scan "
                 "false in preprocessor_config.json"
             )
-        tokenizer = Tokenizer.from_file(str(root / "tokenizer.json"))
-        runs = tuple(
-            tuple(tokenizer.encode("\n" * n, add_special_tokens=False).ids)
-            for n in range(1, MAX_NEWLINES + 1)
-        )
         size = int((config.get("vision_config") or {}).get("image_size", 896))
 
         def token(name: str) -> int:  # transformers writes <name>_index, older files <name>_id
@@ -122,17 +116,8 @@ class VisionSpec:
             tokens_per_image=int(config.get("mm_tokens_per_image", 256)),
             placeholder_id=token("boi_token"),
             begin_end_ids=(token("boi_token"), token("eoi_token")),
-            newline_runs=runs,
+            newline_runs=newline_runs(root / "tokenizer.json"),
         )
-
-    def newlines(self, count: int) -> list[int]:
-        """The token ids of `count` newlines, as the tokenizer writes them."""
-        longest = len(self.newline_runs)
-        out: list[int] = []
-        while count > 0:
-            out += self.newline_runs[min(count, longest) - 1]
-            count -= min(count, longest)
-        return out
 
     def grid(self, width: int, height: int) -> tuple[int, int, int]:
         """(t, h, w) patches of an image of `width` x `height` pixels once resized, as the
@@ -221,10 +206,6 @@ def has_image_processor(model_dir: str | Path) -> bool:
     return (Path(model_dir) / "preprocessor_config.json").is_file()
 
 
-MAX_NEWLINES = 31
-"""The longest newline run looked up in a tokenizer (Gemma's has tokens up to 31)."""
-
-
 def image_digest(data: bytes) -> str:
     return hashlib.blake2b(data, digest_size=16).hexdigest()
 
@@ -245,8 +226,17 @@ def expand_image_tokens(
         )
     if not images:
         return None
-    if spec.bidirectional:
-        return _expand_fixed(token_ids, spec, pads, images)
+    if spec.bidirectional:  # Gemma 3: one size of image, its processor's markers around it
+        count = spec.tokens_per_image
+        widened, starts = widen_placeholders(
+            token_ids, pads, [spec.image_token_id] * count, spec.begin_end_ids, spec.newline_runs
+        )
+        token_ids[:] = widened
+        found = tuple(
+            ImageInput(data, image_digest(data), spec.grid(width, height), start, count)
+            for start, (data, width, height) in zip(starts, images, strict=True)
+        )
+        return SeqMedia(found, (), 0, bidirectional=True)
     out: list[ImageInput] = []
     shift = 0
     for pad, (data, width, height) in zip(pads, images, strict=True):
@@ -258,38 +248,6 @@ def expand_image_tokens(
         shift += count - 1
     positions, delta = mrope_positions(len(token_ids), out, spec.merge_size)
     return SeqMedia(tuple(out), positions, delta)
-
-
-def _expand_fixed(
-    token_ids: list[int], spec: VisionSpec, pads: list[int], images: list[tuple[bytes, int, int]]
-) -> SeqMedia:
-    """Gemma 3's widening (its processor's, in tokens): each placeholder becomes two newlines,
-    <start_of_image>, the image's tokens, <end_of_image> and two newlines, each newline run
-    merged with the newlines beside it as the tokenizer merges them."""
-    counts = {run[0]: n for n, run in enumerate(spec.newline_runs, 1) if len(run) == 1}
-    begin, end = spec.begin_end_ids
-    out: list[int] = []
-    found: list[ImageInput] = []
-    index = 0
-    for pad, (data, width, height) in zip(pads, images, strict=True):
-        out += token_ids[index:pad]
-        before = 0
-        while out and out[-1] in counts:
-            before += counts[out.pop()]
-        index = pad + 1
-        after = 0
-        while index < len(token_ids) and token_ids[index] in counts and index not in pads:
-            after += counts[token_ids[index]]
-            index += 1
-        out += [*spec.newlines(before + 2), begin]
-        count = spec.tokens_per_image
-        found.append(
-            ImageInput(data, image_digest(data), spec.grid(width, height), len(out), count)
-        )
-        out += [spec.image_token_id] * count + [end, *spec.newlines(after + 2)]
-    out += token_ids[index:]
-    token_ids[:] = out
-    return SeqMedia(tuple(found), (), 0, bidirectional=True)
 
 
 def mrope_positions(
