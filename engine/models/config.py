@@ -39,8 +39,8 @@ class ModelConfig:
     """Architecture facts the layer-wise implementation needs; nothing else."""
 
     model_type: str
-    """'opt' or a Llama-family type (a row of policy/families.py; a Gemma 3 checkpoint with a vision
-    tower is read as its language model, 'gemma3_text')."""
+    """'opt' or a Llama-family type (a row of policy/families.py; Llama 4's and Qwen3.5's
+    checkpoints with a vision tower are read as their language model, 'llama4_text'...)."""
     vocab_size: int
     hidden_size: int
     intermediate_size: int
