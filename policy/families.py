@@ -138,7 +138,15 @@ _ROWS = (
         tied_by_default=True,
         gguf_architecture="gemma3",
     ),
-    _vision_wrapper("gemma3", "gemma3_text"),
+    Family(
+        "gemma3",
+        f"{_MODELS}.gemma:GemmaModel",
+        f"{_READERS}:gemma3",
+        honoured=None,
+        rope_types=("default", "linear"),
+        text_config="gemma3_text",
+        tied_by_default=True,
+    ),
     Family(
         "phi3",
         f"{_MODELS}.phi3:Phi3Model",

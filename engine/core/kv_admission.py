@@ -111,6 +111,9 @@ class KvAdmission:
         num_new = min(seq.num_tokens - num_cached, budget)
         if save is not None and save[0] < num_cached + num_new:
             num_new = save[0] - num_cached  # the first chunk ends where the state is saved
+        num_new = seq.whole_images(num_cached, num_new)
+        if num_new == 0:  # it starts at an image the budget cannot take whole: a later step
+            return None
         running = self.block.seqs
         counts = {t: 0 for t in TIERS}
         for s in running:

@@ -14,9 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from engine.core.gemma3_media import newline_runs, widen_placeholders
 from policy.errors import UserError
 
-VISION_MODEL_TYPES = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+VISION_MODEL_TYPES = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "gemma3")
 """Checkpoints whose vision tower nanoflex runs (the others with one run their text alone)."""
 
 
@@ -40,6 +41,23 @@ class VisionSpec:
     min_pixels: int
     max_pixels: int
     """The processor resizes every image into this pixel budget."""
+    tokens_per_image: int = 0
+    """Gemma 3: every image is resized to one size and gives this many image tokens, which
+    attend to each other both ways; 0: a grid of patches per image (Qwen2.5-VL, M-RoPE)."""
+    placeholder_id: int = -1
+    """The token the chat template writes per image (Gemma 3's <start_of_image>); -1: the
+    image token itself."""
+    begin_end_ids: tuple[int, int] = (-1, -1)
+    """Gemma 3: the tokens around an image's tokens, <start_of_image> and <end_of_image>, each
+    beside two newlines, as its processor writes the placeholder; (-1, -1): none."""
+    newline_runs: tuple[tuple[int, ...], ...] = ()
+    """The tokenizer's ids of 1, 2, ... newlines (engine/core/gemma3_media.py): the processor
+    widens the placeholder in the text before tokenizing, so the newlines it adds merge with
+    their neighbours into one token where the tokenizer has one."""
+
+    @property
+    def bidirectional(self) -> bool:
+        return self.tokens_per_image > 0
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path) -> VisionSpec | None:
@@ -52,6 +70,8 @@ class VisionSpec:
             return None
         if config.get("model_type") not in VISION_MODEL_TYPES:
             return None
+        if config["model_type"] == "gemma3" and not has_image_processor(root):
+            return None  # Gemma 3 without its processor files: its language model on text
         vision = config.get("vision_config") or {}
         try:
             processor: dict[str, Any] = json.loads((root / "preprocessor_config.json").read_text())
@@ -60,6 +80,8 @@ class VisionSpec:
                 f"{root} has a vision tower but no readable preprocessor_config.json ({e}); "
                 "copy the checkpoint's processor files beside its weights"
             ) from e
+        if config["model_type"] == "gemma3":
+            return cls._gemma3(root, config, processor)
         size = processor.get("size") or {}
         return cls(
             image_token_id=int(config["image_token_id"]),
@@ -70,9 +92,40 @@ class VisionSpec:
             max_pixels=int(processor.get("max_pixels") or size.get("longest_edge", 28 * 28 * 1280)),
         )
 
+    @classmethod
+    def _gemma3(cls, root: Path, config: dict[str, Any], processor: dict[str, Any]) -> VisionSpec:
+        """Gemma 3's: one size for every image, mm_tokens_per_image tokens each, written as its
+        processor writes them (engine/core/gemma3_media.py)."""
+        if processor.get("do_pan_and_scan"):
+            raise ImageError(
+                f"{root}: Gemma 3's pan-and-scan crops are not supported; set do_pan_and_scan "
+                "false in preprocessor_config.json"
+            )
+        size = int((config.get("vision_config") or {}).get("image_size", 896))
+
+        def token(name: str) -> int:  # transformers writes <name>_index, older files <name>_id
+            return int(config.get(f"{name}_index", config.get(f"{name}_id", -1)))
+
+        return cls(
+            image_token_id=token("image_token"),
+            patch_size=size,
+            merge_size=1,
+            temporal_patch_size=1,
+            min_pixels=size * size,
+            max_pixels=size * size,
+            tokens_per_image=int(config.get("mm_tokens_per_image", 256)),
+            placeholder_id=token("boi_token"),
+            begin_end_ids=(token("boi_token"), token("eoi_token")),
+            newline_runs=newline_runs(root / "tokenizer.json"),
+        )
+
     def grid(self, width: int, height: int) -> tuple[int, int, int]:
         """(t, h, w) patches of an image of `width` x `height` pixels once resized, as the
-        processor resizes it (transformers' `smart_resize`)."""
+        processor resizes it (transformers' `smart_resize`); Gemma 3's: its tokens' square,
+        whatever the image's size."""
+        if self.tokens_per_image:
+            side = math.isqrt(self.tokens_per_image)
+            return 1, side, self.tokens_per_image // side
         factor = self.patch_size * self.merge_size
         if max(height, width) / max(1, min(height, width)) > 200:
             raise ImageError(
@@ -123,6 +176,21 @@ class SeqMedia:
     """(t, h, w) rotary position of every prompt token (`mrope_positions`)."""
     delta: int
     """A token past the prompt at index p has position p + delta on all three axes."""
+    bidirectional: bool = False
+    """The tokens of one image attend to each other both ways (Gemma 3): a prefill chunk
+    never ends inside an image (`whole_images`)."""
+
+    def whole_images(self, start: int, num_new: int) -> int:
+        """How many of the `num_new` tokens from `start` a prefill chunk may run: all of them,
+        or, where they end inside an image whose tokens attend both ways, up to that image's
+        start (0 where the chunk starts inside it: it waits for a budget that covers it)."""
+        if not self.bidirectional:
+            return num_new
+        end = start + num_new
+        for image in self.images:
+            if image.start < end < image.start + image.num_tokens:
+                return max(0, image.start - start)
+        return num_new
 
     def position(self, index: int) -> tuple[int, int, int]:
         """The (t, h, w) position of the sequence's token at `index` (prompt or generated)."""
@@ -130,6 +198,12 @@ class SeqMedia:
             return self.positions[index]
         p = index + self.delta
         return p, p, p
+
+
+def has_image_processor(model_dir: str | Path) -> bool:
+    """Whether the checkpoint ships its image processor's config (Gemma 3's may be run as its
+    language model alone without it)."""
+    return (Path(model_dir) / "preprocessor_config.json").is_file()
 
 
 def image_digest(data: bytes) -> str:
@@ -143,7 +217,8 @@ def expand_image_tokens(
     image's tokens, as the processor does; `images`: (file bytes, width, height) of each in
     order. Returns the prompt's `SeqMedia`, None without images. The count of pads must
     equal the count of images."""
-    pads = [i for i, t in enumerate(token_ids) if t == spec.image_token_id]
+    placeholder = spec.image_token_id if spec.placeholder_id < 0 else spec.placeholder_id
+    pads = [i for i, t in enumerate(token_ids) if t == placeholder]
     if len(pads) != len(images):
         raise ImageError(
             f"the chat template wrote {len(pads)} image placeholder(s) for {len(images)} "
@@ -151,6 +226,17 @@ def expand_image_tokens(
         )
     if not images:
         return None
+    if spec.bidirectional:  # Gemma 3: one size of image, its processor's markers around it
+        count = spec.tokens_per_image
+        widened, starts = widen_placeholders(
+            token_ids, pads, [spec.image_token_id] * count, spec.begin_end_ids, spec.newline_runs
+        )
+        token_ids[:] = widened
+        found = tuple(
+            ImageInput(data, image_digest(data), spec.grid(width, height), start, count)
+            for start, (data, width, height) in zip(starts, images, strict=True)
+        )
+        return SeqMedia(found, (), 0, bidirectional=True)
     out: list[ImageInput] = []
     shift = 0
     for pad, (data, width, height) in zip(pads, images, strict=True):

@@ -22,11 +22,24 @@ class PromptTooLongError(RequestError):
 
 
 def check_request(
-    request: Request, max_model_len: int, kv_tokens: int, ids_in_use: Container[str]
+    request: Request,
+    max_model_len: int,
+    kv_tokens: int,
+    ids_in_use: Container[str],
+    max_step_tokens: int | None = None,
 ) -> None:
     """Raise RequestError for a request that can never run; `kv_tokens`: the most tokens one
-    sequence can hold in KV (`Scheduler.kv_tokens`)."""
+    sequence can hold in KV (`Scheduler.kv_tokens`); `max_step_tokens`: the most prompt
+    tokens one step runs (an image whose tokens attend both ways runs in one step)."""
     num_prompt = len(request.prompt_token_ids)
+    media = request.media
+    if media is not None and media.bidirectional and max_step_tokens is not None:
+        largest = max(image.num_tokens for image in media.images)
+        if largest > max_step_tokens:
+            raise RequestError(
+                f"an image of this prompt has {largest} tokens, which run in one step, but a "
+                f"step runs at most {max_step_tokens}: raise max_step_tokens"
+            )
     if request.sampling.n != 1:
         raise RequestError(
             f"request {request.request_id!r} asks for n={request.sampling.n}; the engine "

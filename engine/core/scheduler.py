@@ -130,7 +130,13 @@ class Scheduler:
     # -- requests ----------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         """Queue a request. Raises RequestError for one that can never run."""
-        check_request(request, self.config.max_model_len, self.kv_tokens, self.requests)
+        check_request(
+            request,
+            self.config.max_model_len,
+            self.kv_tokens,
+            self.requests,
+            self.config.max_step_tokens,
+        )
         seq = Sequence.from_request(request, self._next_seq_id, self.detokenizer)
         self._next_seq_id += 1
         self.requests[request.request_id] = seq
@@ -183,6 +189,7 @@ class Scheduler:
             to_run = seq.num_tokens - seq.num_computed_tokens
             num_new = 1 if to_run == 1 else min(to_run, self.waiting.prefill_budget(seq, budget))
             num_new = until_state_save(seq, seq.num_computed_tokens, num_new)
+            num_new = seq.whole_images(seq.num_computed_tokens, num_new)
             if num_new == 0:
                 continue
             page_ids = self._allocate(seq, num_new)

@@ -131,6 +131,12 @@ class Sequence:
         tokens stand for the image)."""
         return cache_token_ids(self.token_ids, self.request.media)
 
+    def whole_images(self, start: int, num_new: int) -> int:
+        """A prefill chunk of `num_new` tokens from `start` cut before an image whose tokens
+        attend both ways, where it would end inside it (`SeqMedia.whole_images`)."""
+        media = self.request.media
+        return num_new if media is None else media.whole_images(start, num_new)
+
     @property
     def wants_prompt_logprobs(self) -> bool:
         """echo + logprobs, and its prompt's logprobs not computed yet (a recompute after

@@ -24,6 +24,7 @@ import torch
 
 from engine.core.dtypes import checkpoint_dtype
 from engine.core.engine_args import EngineArgs
+from engine.core.media import has_image_processor
 from engine.core.offload_dir import OffloadDirError, OffloadDirLock, lock_offload_dir
 from engine.core.planning import cached_hardware, model_spec
 from engine.core.pooling import pooling_spec
@@ -137,7 +138,7 @@ class EngineAssembly:
         self.weights = self._read_weights(on_progress)
         self.vision = (
             None
-            if self.config.vision is None
+            if self.config.vision is None or not has_image_processor(self.model_dir)
             else VisionEncoder(
                 self.model_dir,
                 self.config.vision,
@@ -146,7 +147,9 @@ class EngineAssembly:
                 self.dtype,
             )
         )
-        """The vision tower (a vision model's), resident on the compute device."""
+        """The vision tower (a vision model's), resident on the compute device; None without
+        the checkpoint's image processor (Gemma 3 then runs on text, as the daemon's
+        `VisionSpec` says)."""
         self.snapshots: dict[str, int] = {}
         """A hybrid's snapshot slots for the prefix cache of states: {tier: count}."""
         self.states = self._state_store(args.state_snapshots)

@@ -47,6 +47,8 @@ class Chunk:
     kv_len: int
     window: int = 0
     """The sliding window; 0: none; negative: chunks of -window (`in_window`)."""
+    spans: Spans = ()
+    """Key ranges whose queries see each other both ways (`with_spans`)."""
 
     @property
     def lead(self) -> int:
@@ -55,18 +57,36 @@ class Chunk:
         window: (past + q)^2 / 2 products over those rows cost less than the q x (past + q)
         of a mask, which skips nothing; 0 where it needs a mask."""
         past = self.kv_len - self.q_len
-        return past if past < self.q_len and not self.window else 0
+        return past if past < self.q_len and not self.window and not self.spans else 0
 
     def mask(self, device: torch.device) -> torch.Tensor | None:
         """(q_len, kv_len) bool visibility where the chunk needs one (a past as long as
-        itself, or a window); None: SDPA's causal mask after `lead` rows."""
+        itself, a window, or spans seen both ways); None: SDPA's causal mask after `lead`
+        rows."""
         past = self.kv_len - self.q_len
-        if past < self.q_len and not self.window:
+        if past < self.q_len and not self.window and not self.spans:
             return None
         q_pos = past + torch.arange(self.q_len, device=device)[:, None]
         k_pos = torch.arange(self.kv_len, device=device)[None, :]
-        visible = k_pos <= q_pos  # query t sees keys past + t - window < key <= past + t
+        visible = with_spans(k_pos <= q_pos, k_pos, q_pos, self.spans)
         return visible & in_window(k_pos, q_pos, self.window) if self.window else visible
+
+
+Spans = tuple[tuple[int, int], ...]
+"""[start, stop) key ranges of one sequence (in its layout's key positions) whose queries see
+each other both ways: Gemma 3's images."""
+
+
+def with_spans(
+    visible: torch.Tensor, k_pos: torch.Tensor, q_pos: torch.Tensor, spans: Spans
+) -> torch.Tensor:
+    """Causal `visible` (broadcast of `k_pos` against `q_pos`) widened so that a query inside a
+    span sees every key of that span (transformers' `blockwise_overlay`, or'ed with the causal
+    mask before the window's and)."""
+    for start, stop in spans:
+        inside = (q_pos >= start) & (q_pos < stop)
+        visible = visible | (inside & (k_pos >= start) & (k_pos < stop))
+    return visible
 
 
 def in_window(k_pos: torch.Tensor, q_pos: torch.Tensor, window: int) -> torch.Tensor:
@@ -211,19 +231,23 @@ class RaggedLayout:
         device: torch.device,
         sliding_window: int | None = None,
         seq_slots: torch.Tensor | list[list[int]] | None = None,
+        spans: list[Spans] | None = None,
     ) -> RaggedLayout:
         """The layout of sequences with `q_lens` new tokens after `past_lens` past ones.
         `seq_slots`: per sequence, the KV pool slots of all its tokens, past and new, when
         its attention reads them in place (on `device`): a (B, W) table (`page_slots`; a
         row past its sequence's length is never read) or one list per sequence; None: it
-        gets them packed."""
+        gets them packed. `spans`: per sequence, the key ranges its queries see both ways
+        (their group is masked explicitly, not by a kernel's causal mask); None: none."""
+        if spans is not None and not any(spans):
+            spans = None
         if isinstance(seq_slots, list):
             seq_slots = padded_table(seq_slots, device)
         decodes = [i for i, q in enumerate(q_lens) if q == 1]
         chunks = [i for i, q in enumerate(q_lens) if q > 1]
         members = [m for m in (decodes, chunks) if m]
         if len(members) == 1:
-            group = _padded(q_lens, past_lens, device, sliding_window, None, None, seq_slots)
+            group = _padded(q_lens, past_lens, device, sliding_window, None, None, seq_slots, spans)
             return cls([group], sum(past_lens))
         new_starts = [0, *itertools.accumulate(q_lens)]
         past_starts = [0, *itertools.accumulate(past_lens)]
@@ -249,6 +273,7 @@ class RaggedLayout:
                 rows(new_starts, seqs),
                 rows(past_starts, seqs),
                 None if seq_slots is None else seq_slots[torch.tensor(seqs, device=device)],
+                None if spans is None else [spans[i] for i in seqs],
             )
             if seqs[-1] - seqs[0] + 1 == len(seqs):  # one run of sequences, so of rows
                 group.new_span = (new_starts[seqs[0]], new_starts[seqs[-1] + 1])
@@ -277,8 +302,12 @@ def _padded(
     new_rows: torch.Tensor | None,
     past_rows: torch.Tensor | None,
     seq_slots: torch.Tensor | None = None,
+    spans: list[Spans] | None = None,
 ) -> PaddedGroup:
-    """The padding indices and mask of one group of sequences."""
+    """The padding indices and mask of one group of sequences; with `spans`, the mask and
+    the chunks carry them and no paged kernel (causal only) runs the group."""
+    if spans is not None and not any(spans):
+        spans = None
     num_seqs, q_max = len(q_lens), max(q_lens)
     kv_max = max(p + q for p, q in zip(past_lens, q_lens, strict=True))
     q_len_t = torch.tensor(q_lens, device=device)
@@ -295,7 +324,7 @@ def _padded(
     seq_past, pos_past = offsets(past_t, sum(past_lens))
     chunks = starts = None
     if seq_slots is not None and q_max > 1:
-        chunks = _chunks(q_lens, past_lens, sliding_window)
+        chunks = _chunks(q_lens, past_lens, sliding_window, spans)
         kv_lens = [p + q for p, q in zip(past_lens, q_lens, strict=True)]
         starts = (_starts(q_lens, device), _starts(kv_lens, device))
     mask = None
@@ -304,6 +333,8 @@ def _padded(
         q_pos = past_t[:, None] + torch.arange(q_max, device=device)[None, :]  # (B, q_max)
         k_pos = torch.arange(kv_max, device=device)[None, None, :]  # (1, 1, kv_max)
         visible = k_pos <= q_pos[:, :, None]  # causal; also hides padded keys
+        for b, seq_spans in enumerate(spans or ()):
+            visible[b] = with_spans(visible[b], k_pos[0], q_pos[b][:, None], seq_spans)
         if sliding_window is not None:
             visible &= in_window(k_pos, q_pos[:, :, None], sliding_window)
         q_valid = torch.arange(q_max, device=device)[None, :] < q_len_t[:, None]
@@ -324,10 +355,10 @@ def _padded(
         else _padded_slots(seq_slots, past_t + q_len_t, kv_max, chunks),
         chunks=chunks,
         kv_lens=past_t + q_len_t if seq_slots is not None and q_max == 1 else None,
-        starts=starts,
+        starts=None if spans else starts,
         window=sliding_window or 0,
         paged=None
-        if seq_slots is None
+        if seq_slots is None or spans
         else PagedStep.build(q_lens, past_lens, seq_slots, sliding_window),
     )
 
@@ -337,12 +368,18 @@ def _starts(lens: list[int], device: torch.device) -> torch.Tensor:
     return torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.long, device=device)
 
 
-def _chunks(q_lens: list[int], past_lens: list[int], sliding_window: int | None) -> list[Chunk]:
+def _chunks(
+    q_lens: list[int],
+    past_lens: list[int],
+    sliding_window: int | None,
+    spans: list[Spans] | None = None,
+) -> list[Chunk]:
     """Each sequence as a `Chunk`, its keys right after the previous one's."""
     out, row, kv_start = [], 0, 0
-    for q_len, past_len in zip(q_lens, past_lens, strict=True):
+    for b, (q_len, past_len) in enumerate(zip(q_lens, past_lens, strict=True)):
         kv_len = past_len + q_len
-        out.append(Chunk(row, q_len, kv_start, kv_len, sliding_window or 0))
+        seq_spans = () if spans is None else spans[b]
+        out.append(Chunk(row, q_len, kv_start, kv_len, sliding_window or 0, seq_spans))
         row, kv_start = row + q_len, kv_start + kv_len
     return out
 

@@ -13,7 +13,7 @@ import torch
 
 from engine.core.prefix_cache import PageRef
 from engine.core.protocol import SeqChunk
-from engine.executor.attention import RaggedLayout, padded_rows
+from engine.executor.attention import RaggedLayout, Spans, padded_rows
 from engine.executor.gpu_batch import (
     AttentionGroup,
     GpuBatch,
@@ -227,12 +227,26 @@ class BatchBuilder:
         past_lens: list[int],
         where: torch.device,
         seq_slots: torch.Tensor | None = None,
+        spans: list[Spans] | None = None,
     ) -> dict[int, RaggedLayout]:
-        """One `RaggedLayout` per window of the model's layers."""
+        """One `RaggedLayout` per window of the model's layers; `spans` as `image_spans`."""
         return {
-            w: RaggedLayout.build(q_lens, past_lens, where, w or None, seq_slots)
+            w: RaggedLayout.build(q_lens, past_lens, where, w or None, seq_slots, spans)
             for w in self.windows
         }
+
+    def image_spans(self, chunk: SeqChunk, state: SeqState) -> Spans:
+        """The key ranges (the layout's positions, from `past_start`) of the images whose
+        tokens the chunk runs and whose tokens attend to each other both ways (Gemma 3)."""
+        media = state.media
+        if media is None or not media.bidirectional:
+            return ()
+        first, end = self.past_start(chunk), chunk.start_pos + len(chunk.token_ids)
+        return tuple(
+            (i.start - first, i.start + i.num_tokens - first)
+            for i in media.images
+            if i.start < end and i.start + i.num_tokens > chunk.start_pos
+        )
 
     def attends_on_cpu(self, chunk: SeqChunk, state: SeqState) -> bool:
         """FlexGen Sec. 4.2: decode attention over host-homed KV (cpu, or disk read into host
@@ -250,6 +264,7 @@ class BatchBuilder:
             return lambda: None
         q_lens = [len(c.token_ids) for c, _, _ in members]
         past_lens = [self.past_len(c) for c, _, _ in members]
+        spans = [self.image_spans(c, state) for c, state, _ in members]
 
         def build_past() -> dict[str, KVRows]:
             past: SlotsByTier = {}
@@ -273,7 +288,7 @@ class BatchBuilder:
             return AttentionGroup(
                 rows=None if rows is None else self.inputs.tensor(rows),
                 layouts=self.layouts(
-                    q_lens, past_lens, where, None if tables is None else tables()
+                    q_lens, past_lens, where, None if tables is None else tables(), spans
                 ),
                 build_past=build_past,
             )

@@ -125,7 +125,10 @@ class GraphLayer:
             return eager(j, w, h, past, batch)
         with eager.tracer.span("compute", "compute", j, batch.index):
             if kind == "embed":
-                return Computed(GraphRunner.embed(graphs, w), None)
+                h = GraphRunner.embed(graphs, w)
+                if batch.images is not None:  # as eagerly: an image's tokens take its features
+                    h.index_copy_(0, batch.images[0], batch.images[1].to(h.dtype))
+                return Computed(h, None)
             graphs.before[j - 1].replay()
             q, k, v = graphs.q, graphs.k, graphs.v
             new_kv = join_kv(k, v, eager.model.config.kv_shape.values_are_keys)  # (T, row_dim)

@@ -112,6 +112,11 @@ class NanoBatcher:
             rows = torch.tensor(local, dtype=torch.long, device=self.builder.device)
         return NanoAttention(
             rows=rows,
-            layouts=self.builder.layouts(q_lens, past_lens, where),
+            layouts=self.builder.layouts(
+                q_lens,
+                past_lens,
+                where,
+                spans=[self.builder.image_spans(*chunks[i]) for i in members],
+            ),
             past=slice(past_start, past_start + sum(past_lens)),
         )

@@ -3,6 +3,10 @@ embeddings, each image preprocessed by the checkpoint's own image processor (tra
 `AutoImageProcessor`: the checkpoint's contract) and run through the vision tower once,
 its output cached by the image's digest (the same page in many requests is encoded once).
 
+Three towers: Qwen2.5-VL's and Qwen3-VL's (dynamic resolution, a grid of patches per image;
+Qwen3-VL's with DeepStack features) and Gemma 3's (a SigLIP ViT over one fixed-size image,
+engine/models/gemma3_vision.py).
+
 Placement: the tower's weights are resident on the compute device, read once at start; the
 planner does not price them yet (they are a few percent of a VLM's weights)."""
 
@@ -16,10 +20,13 @@ import torch
 
 from engine.core.media import ImageError, ImageInput
 from engine.loading.checkpoint import CheckpointReader, DummyReader
+from engine.models import gemma3_vision, qwen2_5_vision
 from engine.models.base import Weights
-from engine.models.qwen2_5_vision import VisionTower, vision_weight_name
+from engine.models.gemma3_vision import Gemma3VisionTower
+from engine.models.qwen2_5_vision import VisionTower
 from engine.models.qwen3_vision import Qwen3VisionTower
 from engine.models.vision_config import VisionConfig
+from engine.models.vit_config import ViTConfig
 
 CACHED_IMAGES = 256
 """Encoder outputs kept, least recently used dropped first (a few MB each at most)."""
@@ -36,19 +43,23 @@ class VisionEncoder:
     def __init__(
         self,
         model_dir: Path,
-        config: VisionConfig,
+        config: VisionConfig | ViTConfig,
         reader: CheckpointReader | DummyReader,
         device: torch.device,
         dtype: torch.dtype,
     ) -> None:
         from transformers import AutoImageProcessor
 
-        self.tower: VisionTower | Qwen3VisionTower = (
-            Qwen3VisionTower(config) if config.num_position_embeddings else VisionTower(config)
-        )
+        self.tower: VisionTower | Qwen3VisionTower | Gemma3VisionTower
+        if isinstance(config, ViTConfig):  # Gemma 3: a SigLIP encoder, one fixed-size image
+            self.tower, names = Gemma3VisionTower(config), gemma3_vision.vision_weight_name
+        elif config.num_position_embeddings:  # Qwen3-VL: learned positions, DeepStack
+            self.tower, names = Qwen3VisionTower(config), qwen2_5_vision.vision_weight_name
+        else:
+            self.tower, names = VisionTower(config), qwen2_5_vision.vision_weight_name
         self.weights: Weights = {}
         for name in reader.names:
-            local = vision_weight_name(name)
+            local = names(name)
             if local is not None:
                 self.weights[local] = reader.get(name).to(device=device, dtype=dtype)
         self.processor = AutoImageProcessor.from_pretrained(model_dir)
@@ -69,7 +80,10 @@ class VisionEncoder:
             return cached
         pixels, grid = self._preprocess(image)
         with torch.inference_mode():
-            out = self.tower.encode(self.weights, pixels.to(self.device), grid)
+            if isinstance(self.tower, Gemma3VisionTower):
+                out = self.tower.encode(self.weights, pixels[0].to(self.device))
+            else:
+                out = self.tower.encode(self.weights, pixels.to(self.device), grid)
         self.num_encoded += 1
         self._cache[image.digest] = out
         if len(self._cache) > CACHED_IMAGES:
@@ -77,12 +91,20 @@ class VisionEncoder:
         return out
 
     def _preprocess(self, image: ImageInput) -> tuple[torch.Tensor, tuple[int, int, int]]:
-        """The image processor's (N, C) patches and (t, h, w) grid; the grid must be the one
-        the daemon counted the image's tokens by."""
+        """The image processor's (N, C) patches and (t, h, w) grid (a ViT's: its (1, C, H, W)
+        pixels, the grid one frame of the image's tokens); the grid must be the one the daemon
+        counted the image's tokens by."""
         from PIL import Image
 
         picture = Image.open(io.BytesIO(image.data)).convert("RGB")
         out = self.processor([picture], return_tensors="pt")
+        if isinstance(self.tower, Gemma3VisionTower):
+            if out.get("num_crops") is not None and int(out["num_crops"][0]):
+                raise ImageError(
+                    "the image processor cut the image into pan-and-scan crops, which nanoflex "
+                    "does not run: set do_pan_and_scan false in preprocessor_config.json"
+                )
+            return out["pixel_values"], image.grid
         grid = tuple(int(n) for n in out["image_grid_thw"][0].tolist())
         if grid != image.grid:
             raise ImageError(

@@ -10,6 +10,7 @@ from engine.core.model_files import ModelLoadError
 from engine.models.hf_config import model_config_fields
 from engine.models.multipliers import Multipliers
 from engine.models.vision_config import VisionConfig
+from engine.models.vit_config import ViTConfig
 from policy.config_json import read_config_json
 from policy.families import ALIASES
 
@@ -38,8 +39,8 @@ class ModelConfig:
     """Architecture facts the layer-wise implementation needs; nothing else."""
 
     model_type: str
-    """'opt' or a Llama-family type (a row of policy/families.py; a Gemma 3 checkpoint with a vision
-    tower is read as its language model, 'gemma3_text')."""
+    """'opt' or a Llama-family type (a row of policy/families.py; Llama 4's and Qwen3.5's
+    checkpoints with a vision tower are read as their language model, 'llama4_text'...)."""
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -61,10 +62,13 @@ class ModelConfig:
     mrope_section: tuple[int, ...] = ()
     """Qwen2.5-VL's M-RoPE: how many of the rotary frequencies follow each position axis
     (t, h, w), in order; (): one position per token."""
-    vision: VisionConfig | None = None
-    """The vision tower's shapes (Qwen2.5-VL); None: a text model."""
+    vision: VisionConfig | ViTConfig | None = None
+    """The vision tower's shapes (Qwen2.5-VL's, or a ViT's: Gemma 3); None: a text model."""
     image_token_id: int | None = None
     """The token an image's features replace (with `vision`)."""
+    bidirectional_images: bool = False
+    """Gemma 3: the tokens of one image attend to each other both ways in the prefill (the
+    rest stays causal), so no prefill chunk ends inside an image (`SeqMedia.whole_images`)."""
     nope_layers: tuple[int, ...] = ()
     """Decoder layers (0-based) whose q and k are not rotated (SmolLM3's NoPE layers)."""
     local_rope_theta: float = 0.0

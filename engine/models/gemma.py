@@ -61,7 +61,7 @@ class GemmaModel(LlamaModel):
 
     def map_name(self, hf_name: str) -> tuple[int, str] | None:
         """Llama's names, also under a vision checkpoint's language-model prefix; the vision
-        tower and its projector are not read."""
+        tower and its projector are the vision encoder's (engine/models/gemma3_vision.py)."""
         if hf_name.startswith(VISION_PREFIXES):
             return None
         prefix = next((p for p in TEXT_PREFIXES if hf_name.startswith(p)), "")

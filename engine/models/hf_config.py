@@ -74,7 +74,7 @@ REFUSED = frozenset({"quantization_config"})
 """Keys outside the config class that change what the weights mean."""
 
 TEXT_CONFIGS = {t: row.text_config for t, row in FAMILIES.items() if row.is_vision_wrapper}
-"""Model types of checkpoints with a vision tower (Gemma 3 4B and up, Llama 4, Qwen3.5 as
+"""Model types of checkpoints with a vision tower nanoflex does not run (Llama 4, Qwen3.5 as
 published) -> their language model's type."""
 
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from engine.models.hf_config import UnsupportedModelError, refuse_unhonoured, require
 from policy.config_fields import COMMON, MOE, QWEN_MOE, WINDOWS
-from policy.families import rope_types
+from policy.families import FAMILIES, rope_types
 
 
 def qwen2_5_vl(hf: Any) -> dict[str, Any]:
@@ -64,6 +64,28 @@ def _vision_language(hf: Any, honoured: frozenset[str]) -> dict[str, Any]:
         mrope_section=section,
         vision=VisionConfig.from_hf(vision),
         image_token_id=int(hf.image_token_id),
+        tie_word_embeddings=bool(text.tie_word_embeddings if tied is None else tied),
+    )
+
+
+def gemma3(hf: Any) -> dict[str, Any]:
+    """Gemma 3 with its vision tower: the Gemma 3 language model (`gemma`), a SigLIP encoder and
+    the avg-pool projector (engine/models/gemma3_vision.py); an image's tokens attend to each
+    other both ways."""
+    from engine.models.vit_config import ViTConfig
+
+    text, vision = hf.text_config, hf.vision_config
+    refuse_unhonoured(text, FAMILIES["gemma3_text"].honoured or COMMON)
+    # SigLIP's pooling head, where present, is not used: Gemma 3 reads its last hidden state
+    require(vision, "num_channels", (3,))
+    fields = gemma(text)
+    tied = getattr(hf, "tie_word_embeddings", None)
+    return dict(
+        fields,
+        model_type="gemma3",
+        vision=ViTConfig.from_hf(vision, text.hidden_size, int(hf.mm_tokens_per_image)),
+        image_token_id=int(hf.image_token_id),
+        bidirectional_images=True,
         tie_word_embeddings=bool(text.tie_word_embeddings if tied is None else tied),
     )
 

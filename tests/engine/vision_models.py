@@ -208,13 +208,21 @@ def hf_vl_generate(
     # M-RoPE positions and falls back to one position per token
     inputs["mm_token_type_ids"] = (inputs["input_ids"] == IMAGE_TOKEN_ID).int()
     model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
+    return greedy_answer(model, dict(inputs), max_new_tokens, pad_token_id=256)
+
+
+def greedy_answer(
+    model: Any, inputs: dict[str, Any], max_new_tokens: int, pad_token_id: int
+) -> tuple[list[int], list[int], list[float]]:
+    """(prompt token ids, transformers' greedy tokens, the log-probability of each) of
+    `model.generate` over `inputs`, EOS ignored."""
     model.generation_config.eos_token_id = None
     out = model.generate(
         **inputs,
         max_new_tokens=max_new_tokens,
         min_new_tokens=max_new_tokens,
         do_sample=False,
-        pad_token_id=256,
+        pad_token_id=pad_token_id,
         output_logits=True,
         return_dict_in_generate=True,
     )
@@ -224,3 +232,9 @@ def hf_vl_generate(
         float(torch.log_softmax(step[0].float(), -1)[t]) for step, t in zip(out.logits, tokens)
     ]
     return prompt_ids, tokens, logprobs
+
+
+def chosen(logprobs: list[Any] | None) -> list[float]:
+    """The log-probability of each chosen token of an engine output's `logprobs`."""
+    assert logprobs is not None
+    return [entry.logprob for entry in logprobs]

@@ -58,6 +58,21 @@ def answer(logprobs: dict[str, Any]) -> tuple[list[int], list[float]]:
     ]
 
 
+def chat_answer(api: Any, model: str, url: str) -> tuple[list[int], list[float], int]:
+    """(the greedy tokens, their log-probabilities, the prompt's tokens) of a chat with the
+    image at `url` and `TEXT`, sent by the openai client."""
+    reply = api.chat.completions.create(
+        model=model,
+        messages=[image_message(url)],
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        logprobs=True,
+        extra_body={"return_tokens_as_token_ids": True, "ignore_eos": True},
+    )
+    assert reply.choices[0].logprobs is not None and reply.usage is not None
+    return *answer(reply.choices[0].logprobs.model_dump()), reply.usage.prompt_tokens
+
+
 def reference(vl_dir: Path, image: bytes) -> tuple[list[int], list[float]]:
     _, tokens, logprobs = hf_vl_generate(vl_dir, [image], TEXT, MAX_TOKENS)
     return tokens, logprobs
@@ -106,17 +121,9 @@ def assert_chat_and_batch_answers(live: LiveServer, vl_dir: Path, media_dir: Pat
     want = {"a": reference(vl_dir, first), "b": reference(vl_dir, second)}
     body = {"model": MODEL, "max_tokens": MAX_TOKENS, "temperature": 0, **GREEDY_IDS}
     api = live.openai()
-    reply = api.chat.completions.create(
-        model=MODEL,
-        messages=[image_message(data_url(first))],  # type: ignore[list-item]
-        max_tokens=MAX_TOKENS,
-        temperature=0,
-        logprobs=True,
-        extra_body={"return_tokens_as_token_ids": True, "ignore_eos": True},
-    )
-    assert reply.choices[0].logprobs is not None
-    assert_same_answer(*answer(reply.choices[0].logprobs.model_dump()), want["a"])
-    assert reply.usage is not None and reply.usage.prompt_tokens > 6 * 4  # its image tokens
+    tokens, logprobs, prompt_tokens = chat_answer(api, MODEL, data_url(first))
+    assert_same_answer(tokens, logprobs, want["a"])
+    assert prompt_tokens > 6 * 4  # its image tokens
     lines = [
         json.dumps({"custom_id": key, "method": "POST", "url": "/v1/chat/completions",
                     "body": {**body, "messages": [image_message(url)]}})

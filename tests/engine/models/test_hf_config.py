@@ -15,6 +15,7 @@ from engine.core.model_files import context_length
 from engine.models import build_model
 from engine.models.config import ModelConfig
 from engine.models.hf_config import UnsupportedModelError, refuse_unhonoured
+from engine.models.vit_config import ViTConfig
 from tests.engine.tiny_models import TINY_CONFIGS
 
 
@@ -269,11 +270,14 @@ def test_mixture_of_experts_tensor_names() -> None:
         assert model.map_name(name) == want, name
 
 
-def test_a_gemma3_vision_checkpoint_reads_as_its_language_model() -> None:
-    """Its config is its text_config's; its tensors are found under either naming (the hub's
-    original, transformers 5's), the vision tower's are skipped."""
+def test_a_gemma3_vision_checkpoint_reads_its_language_model_and_tower() -> None:
+    """Its language model's fields are its text_config's, its tower's its vision_config's;
+    its language model's tensors are found under either naming (the hub's original,
+    transformers 5's), the vision tower's are left to the vision encoder."""
     config = ModelConfig.from_hf(hf_config("gemma3-vision"))
-    assert config.model_type == "gemma3_text" and config.layer_windows == (10, 0, 10)
+    assert config.model_type == "gemma3" and config.layer_windows == (10, 0, 10)
+    assert isinstance(config.vision, ViTConfig) and config.bidirectional_images
+    assert (config.vision.patches_per_side, config.vision.out_hidden_size) == (2, 64)
     model = build_model(config)
     head = model.num_layers - 1
     for name, want in [

@@ -37,8 +37,7 @@ def test_the_tables_read_by_model_type_come_from_the_rows() -> None:
     the family table, read from it now."""
     assert SUPPORTED_MODEL_TYPES[:5] == ("opt", "llama", "mistral", "qwen2", "qwen2_5_vl")
     assert len(SUPPORTED_MODEL_TYPES) == 32
-    assert TEXT_CONFIGS == {
-        "gemma3": "gemma3_text",
+    assert TEXT_CONFIGS == {  # Gemma 3 runs its vision tower (engine/models/gemma3_vision.py)
         "llama4": "llama4_text",
         "qwen3_5": "qwen3_5_text",
         "qwen3_5_moe": "qwen3_5_moe_text",

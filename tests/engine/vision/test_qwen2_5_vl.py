@@ -12,23 +12,18 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.core.media import SeqMedia, VisionSpec, expand_image_tokens
-from engine.core.protocol import TokenLogprobs
 from engine.executor import vision_encoder
 from policy import Policy
 from tests.engine.vision_models import (
     assert_same_answer,
     build_tiny_vl,
+    chosen,
     hf_vl_generate,
     image_chat,
     png_bytes,
 )
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=0)
-
-
-def chosen(logprobs: list[TokenLogprobs] | None) -> list[float]:
-    assert logprobs is not None
-    return [entry.logprob for entry in logprobs]
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,61 @@
+"""`ViTConfig`: the shapes of a plain ViT image encoder (SigLIP's, CLIP's), read from its HF
+vision config, and the connector that turns its patches into a language model's image tokens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ViTConfig:
+    """A ViT encoder over one square image (transformers' `SiglipVisionConfig`): a patch
+    embedding, learned positions, pre-norm blocks, a final LayerNorm; and the model's
+    connector to its language model (Gemma 3's avg-pool projector)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_layers: int
+    in_channels: int
+    patch_size: int
+    image_size: int
+    """Pixels per side of the (resized) image: (image_size / patch_size)**2 patches."""
+    act: str
+    """The MLP's activation: 'gelu_pytorch_tanh' (SigLIP) or 'quick_gelu' (CLIP)."""
+    norm_eps: float
+    out_hidden_size: int
+    """The language model's hidden size: the width of one image token."""
+    tokens_per_image: int
+    """Image tokens per image after the connector (Gemma 3's mm_tokens_per_image)."""
+
+    def __post_init__(self) -> None:
+        if self.image_size % self.patch_size or self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"a ViT of image_size {self.image_size}, patch_size {self.patch_size}, "
+                f"hidden {self.hidden_size} and {self.num_heads} heads does not tile"
+            )
+
+    @classmethod
+    def from_hf(cls, hf: Any, out_hidden_size: int, tokens_per_image: int) -> ViTConfig:
+        return cls(
+            hidden_size=hf.hidden_size,
+            intermediate_size=hf.intermediate_size,
+            num_heads=hf.num_attention_heads,
+            num_layers=hf.num_hidden_layers,
+            in_channels=hf.num_channels,
+            patch_size=hf.patch_size,
+            image_size=hf.image_size,
+            act=hf.hidden_act,
+            norm_eps=float(hf.layer_norm_eps),
+            out_hidden_size=out_hidden_size,
+            tokens_per_image=tokens_per_image,
+        )
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def patches_per_side(self) -> int:
+        return self.image_size // self.patch_size
