@@ -28,6 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from engine.core.cache import cache_root
+from engine.core.gguf_cache import converted_dir, file_digest
 from policy.errors import UserError
 
 DUMMY_PREFIX = "dummy:"
@@ -156,12 +157,14 @@ def resolve_model_dir(model: str | None, *, build: BuildFn = build_in_child) -> 
 
 def built_already(model: str) -> Path | None:
     """The cached directory of a built reference when it is complete already, found without
-    `engine.loading` (whose child process imports torch: seconds at every daemon start). Only
-    the demo model's place is known here; None sends any other reference to its builder."""
-    if model != DEMO_MODEL:
-        return None
-    final = cache_root() / DEMO_DIR_NAME
-    return final if (final / "config.json").is_file() else None
+    `engine.loading` (whose child process imports torch: seconds at every daemon start): the
+    demo model's, or a converted GGUF checkpoint's (the default model is one). None sends the
+    reference to its builder (`dummy:` shapes always go)."""
+    if model == DEMO_MODEL:
+        final = cache_root() / DEMO_DIR_NAME
+        return final if (final / "config.json").is_file() else None
+    path = gguf_file(model)
+    return None if path is None else converted_dir(file_digest(path))
 
 
 def looks_local(model: str) -> bool:
