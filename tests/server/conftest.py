@@ -32,6 +32,23 @@ def make_server(tmp_path: Path) -> Iterator[ServerFactory]:
         live.stop()
 
 
+@pytest.fixture(scope="module")
+def shared_live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    """One daemon per module (default settings, as `live`) for the tests that leave it as they
+    found it: requests refused before the engine (400, 404) or answered to the end. A daemon
+    start costs seconds; a parametrized test of refusals would pay it per case."""
+    settings = ServerSettings(data_dir=tmp_path_factory.mktemp("shared") / "data")
+    shared = start_server(settings, demo_engine())
+    yield shared
+    shared.stop()
+
+
+@pytest.fixture
+def shared_client(shared_live: LiveServer) -> Iterator[httpx.Client]:
+    with shared_live.http() as c:
+        yield c
+
+
 @pytest.fixture
 def live(make_server: ServerFactory) -> LiveServer:
     return make_server()

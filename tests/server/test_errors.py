@@ -28,12 +28,12 @@ def assert_error(response: httpx.Response, status: int, code: str | None = None)
     return dict(error)
 
 
-def test_malformed_json_and_non_object(client: httpx.Client) -> None:
+def test_malformed_json_and_non_object(shared_client: httpx.Client) -> None:
     headers = {"content-type": "application/json"}
     for path in ("/v1/completions", "/v1/chat/completions", "/v1/batches"):
-        response = client.post(path, content=b'{"model": ', headers=headers)
+        response = shared_client.post(path, content=b'{"model": ', headers=headers)
         assert_error(response, 400, "invalid_json")
-        assert_error(client.post(path, json=[1, 2]), 400, "invalid_json")
+        assert_error(shared_client.post(path, json=[1, 2]), 400, "invalid_json")
 
 
 @pytest.mark.parametrize(
@@ -58,20 +58,23 @@ def test_malformed_json_and_non_object(client: httpx.Client) -> None:
     ],
 )
 def test_bad_completion_params_are_400(
-    client: httpx.Client, change: dict[str, Any], param: str
+    shared_client: httpx.Client, change: dict[str, Any], param: str
 ) -> None:
-    error = assert_error(client.post("/v1/completions", json={**GOOD, **change}), 400)
+    error = assert_error(shared_client.post("/v1/completions", json={**GOOD, **change}), 400)
     assert error["param"] == param
     assert error["type"] == "invalid_request_error"
 
 
-def test_missing_required_fields(client: httpx.Client) -> None:
-    error = assert_error(client.post("/v1/completions", json={"model": MODEL}), 400)
+def test_missing_required_fields(shared_client: httpx.Client) -> None:
+    error = assert_error(shared_client.post("/v1/completions", json={"model": MODEL}), 400)
     assert error["param"] == "prompt"
     chat: dict[str, Any] = {"model": MODEL, "messages": []}
-    assert assert_error(client.post("/v1/chat/completions", json=chat), 400)["param"] == "messages"
+    assert (
+        assert_error(shared_client.post("/v1/chat/completions", json=chat), 400)["param"]
+        == "messages"
+    )
     chat = {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}
-    assert_error(client.post("/v1/chat/completions", json=chat), 400)
+    assert_error(shared_client.post("/v1/chat/completions", json=chat), 400)
 
 
 def test_prompt_problems(live: LiveServer, client: httpx.Client) -> None:
@@ -95,22 +98,22 @@ def test_prompt_problems(live: LiveServer, client: httpx.Client) -> None:
     assert client.post("/v1/completions", json=fits).json()["usage"]["total_tokens"] == 2048
 
 
-def test_unknown_ids_are_404(client: httpx.Client) -> None:
-    assert_error(client.post("/v1/completions", json={**GOOD, "model": "gpt-9"}), 404)
-    assert_error(client.get("/v1/models/gpt-9"), 404, "model_not_found")
-    assert_error(client.get("/v1/files/file-nope"), 404, "file_not_found")
-    assert_error(client.get("/v1/files/file-nope/content"), 404, "file_not_found")
-    assert_error(client.delete("/v1/files/file-nope"), 404, "file_not_found")
-    assert_error(client.get("/v1/batches/batch_nope"), 404, "batch_not_found")
-    assert_error(client.post("/v1/batches/batch_nope/cancel"), 404, "batch_not_found")
+def test_unknown_ids_are_404(shared_client: httpx.Client) -> None:
+    assert_error(shared_client.post("/v1/completions", json={**GOOD, "model": "gpt-9"}), 404)
+    assert_error(shared_client.get("/v1/models/gpt-9"), 404, "model_not_found")
+    assert_error(shared_client.get("/v1/files/file-nope"), 404, "file_not_found")
+    assert_error(shared_client.get("/v1/files/file-nope/content"), 404, "file_not_found")
+    assert_error(shared_client.delete("/v1/files/file-nope"), 404, "file_not_found")
+    assert_error(shared_client.get("/v1/batches/batch_nope"), 404, "batch_not_found")
+    assert_error(shared_client.post("/v1/batches/batch_nope/cancel"), 404, "batch_not_found")
     body = {"input_file_id": "file-nope", "endpoint": "/v1/completions", "completion_window": "24h"}
-    assert_error(client.post("/v1/batches", json=body), 404, "file_not_found")
-    assert_error(client.get("/v1/nothing-here"), 404)
+    assert_error(shared_client.post("/v1/batches", json=body), 404, "file_not_found")
+    assert_error(shared_client.get("/v1/nothing-here"), 404)
 
 
-def test_bad_query_params_are_400(client: httpx.Client) -> None:
-    assert_error(client.get("/v1/batches", params={"limit": "many"}), 400)
-    assert_error(client.get("/v1/batches", params={"limit": 1000}), 400)
+def test_bad_query_params_are_400(shared_client: httpx.Client) -> None:
+    assert_error(shared_client.get("/v1/batches", params={"limit": "many"}), 400)
+    assert_error(shared_client.get("/v1/batches", params={"limit": 1000}), 400)
 
 
 @pytest.fixture

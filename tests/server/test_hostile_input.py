@@ -29,12 +29,12 @@ NAN = b'{"model": "x", "prompt": "a", "temperature": NaN}'
 
 
 @pytest.mark.parametrize("body", [DEEP, HUGE_INT, NAN], ids=["deep", "digits", "nan"])
-def test_undecodable_json_is_400(client: httpx.Client, body: bytes) -> None:
+def test_undecodable_json_is_400(shared_client: httpx.Client, body: bytes) -> None:
     for path in ("/v1/completions", "/v1/chat/completions", "/v1/batches"):
-        assert_error(client.post(path, content=body, headers=JSON), 400, "invalid_json")
+        assert_error(shared_client.post(path, content=body, headers=JSON), 400, "invalid_json")
 
 
-def test_lone_surrogates_are_400(client: httpx.Client) -> None:
+def test_lone_surrogates_are_400(shared_client: httpx.Client) -> None:
     bodies: list[dict[str, Any]] = [
         {"model": MODEL, "prompt": "\ud800", "max_tokens": 2},
         {"model": MODEL, "prompt": ["ok", "x\udfff"], "max_tokens": 2},
@@ -49,11 +49,13 @@ def test_lone_surrogates_are_400(client: httpx.Client) -> None:
     paths = ["/v1/completions", "/v1/completions", "/v1/chat/completions", "/v1/batches"]
     for path, body in zip(paths, bodies, strict=True):
         escaped = json.dumps(body).encode()  # "\ud800" as a JSON escape, as clients send it
-        error = assert_error(client.post(path, content=escaped, headers=JSON), 400, "invalid_json")
+        error = assert_error(
+            shared_client.post(path, content=escaped, headers=JSON), 400, "invalid_json"
+        )
         assert "surrogate" in error["message"]
     emoji = {"model": MODEL, "prompt": "\U0001f600", "max_tokens": 1}  # a surrogate pair: fine
     escaped = json.dumps(emoji).encode()
-    assert client.post("/v1/completions", content=escaped, headers=JSON).status_code == 200
+    assert shared_client.post("/v1/completions", content=escaped, headers=JSON).status_code == 200
 
 
 def test_too_long_prompt_text_is_refused_before_tokenizing(live: LiveServer) -> None:

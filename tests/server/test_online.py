@@ -161,9 +161,9 @@ def test_completion_stream_equals_non_stream(live: LiveServer) -> None:
     assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
 
 
-def test_stream_ends_with_done(client: httpx.Client) -> None:
+def test_stream_ends_with_done(shared_client: httpx.Client) -> None:
     body = {"model": MODEL, "prompt": "a", "max_tokens": 2, "stream": True}
-    with client.stream("POST", "/v1/completions", json=body) as response:
+    with shared_client.stream("POST", "/v1/completions", json=body) as response:
         assert response.status_code == 200
         assert response.headers["content-type"].startswith("text/event-stream")
         events = [line for line in response.iter_lines() if line]
@@ -209,13 +209,13 @@ def test_chat_logprobs(live: LiveServer) -> None:
     assert "".join(entry.token for entry in logprobs.content) == result.choices[0].message.content
 
 
-def test_models_health_ready(client: httpx.Client) -> None:
-    models = client.get("/v1/models").json()
+def test_models_health_ready(shared_client: httpx.Client) -> None:
+    models = shared_client.get("/v1/models").json()
     assert models["data"][0]["id"] == MODEL
     assert models["data"][0]["max_model_len"] == 2048
-    assert client.get(f"/v1/models/{MODEL}").status_code == 200
-    assert client.get("/health").json() == {"status": "ok"}
-    assert client.get("/ready").json() == {"status": "ready", "model": MODEL}
+    assert shared_client.get(f"/v1/models/{MODEL}").status_code == 200
+    assert shared_client.get("/health").json() == {"status": "ok"}
+    assert shared_client.get("/ready").json() == {"status": "ready", "model": MODEL}
 
 
 def test_daemon_never_imports_torch(tmp_path: Path) -> None:
@@ -243,27 +243,29 @@ assert not bad, bad
 
 
 def test_tokenize_and_detokenize_use_the_served_tokenizer(
-    client: httpx.Client, reference: Reference
+    shared_client: httpx.Client, reference: Reference
 ) -> None:
     """vLLM's /tokenize and /detokenize, so that a harness counts and cuts prompts with the
     served tokenizer: the ids a completion or chat request gets, and their text back."""
     ids = reference.tokenizer.encode(PROMPT)
-    got = client.post("/tokenize", json={"model": MODEL, "prompt": PROMPT}).json()
+    got = shared_client.post("/tokenize", json={"model": MODEL, "prompt": PROMPT}).json()
     assert got["tokens"] == ids and got["count"] == len(ids) and got["max_model_len"] > 0
-    bare = client.post("/tokenize", json={"prompt": PROMPT, "add_special_tokens": False}).json()
+    bare = shared_client.post(
+        "/tokenize", json={"prompt": PROMPT, "add_special_tokens": False}
+    ).json()
     assert bare["tokens"] == reference.tokenizer.encode(PROMPT, add_special_tokens=False)
     messages = [{"role": "user", "content": "Hello there"}]
-    chat = client.post("/tokenize", json={"messages": messages}).json()
+    chat = shared_client.post("/tokenize", json={"messages": messages}).json()
     assert chat["tokens"] == reference.chat_ids(messages)
-    text = client.post("/detokenize", json={"model": MODEL, "tokens": ids}).json()
+    text = shared_client.post("/detokenize", json={"model": MODEL, "tokens": ids}).json()
     assert text == {"prompt": reference.tokenizer.decode(ids)}
-    completion = client.post(
+    completion = shared_client.post(
         "/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 1}
     ).json()
     assert completion["usage"]["prompt_tokens"] == got["count"]
 
 
-def test_tokenize_errors_are_openai_envelopes(client: httpx.Client) -> None:
+def test_tokenize_errors_are_openai_envelopes(shared_client: httpx.Client) -> None:
     cases = [
         ("/tokenize", {"prompt": "x", "messages": [{"role": "user", "content": "y"}]}, 400),
         ("/tokenize", {}, 400),
@@ -274,7 +276,7 @@ def test_tokenize_errors_are_openai_envelopes(client: httpx.Client) -> None:
         ("/detokenize", {"tokens": [1], "frobnicate": 1}, 400),
     ]
     for path, body, status in cases:
-        response = client.post(path, json=body)
+        response = shared_client.post(path, json=body)
         assert response.status_code == status, (path, body, response.text)
         assert response.json()["error"]["type"] in {"invalid_request_error", "not_found_error"}
 

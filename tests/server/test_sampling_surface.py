@@ -126,10 +126,10 @@ def _engine_fields(fields: dict[str, Any]) -> dict[str, Any]:
     ],
 )
 def test_out_of_range_values_are_400s_naming_the_field(
-    client: httpx.Client, field: str, value: Any, param: str | None
+    shared_client: httpx.Client, field: str, value: Any, param: str | None
 ) -> None:
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, field: value}
-    response = client.post("/v1/completions", json=body)
+    response = shared_client.post("/v1/completions", json=body)
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["type"] == "invalid_request_error"

@@ -29,9 +29,8 @@ from pydantic import BaseModel, Field
 
 from engine.core.tokenizer import Tokenizer
 from engine.loading.demo import demo_model_dir
-from server.http.settings import ServerSettings
 from tests.server.batch_files import read_lines, upload, wait_batch
-from tests.server.live import MODEL, LiveServer, demo_engine, start_server
+from tests.server.live import MODEL, LiveServer
 
 WEATHER = {
     "type": "object",
@@ -58,11 +57,8 @@ LLAMA3_CALL = r'\{"name": "get_time", "parameters": \{"zone": "(UTC|CET)"\}\}'
 
 
 @pytest.fixture(scope="module")
-def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    data = tmp_path_factory.mktemp("tools") / "data"
-    server = start_server(ServerSettings(data_dir=data), demo_engine())
-    yield server
-    server.stop()
+def live(shared_live: LiveServer) -> LiveServer:
+    return shared_live
 
 
 @pytest.fixture(scope="module")

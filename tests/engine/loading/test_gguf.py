@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from engine import LLM, SamplingParams
+from engine.core.gguf_cache import MANIFEST, file_digest
 from engine.core.model_files import (
     DEFAULT_MODEL,
     ModelLoadError,
@@ -21,7 +22,7 @@ from engine.core.model_files import (
 )
 from engine.core.tokenizer import Tokenizer
 from engine.loading.generated import local_model_dir
-from engine.loading.gguf_convert import MANIFEST, file_digest, gguf_model_dir
+from engine.loading.gguf_convert import gguf_model_dir
 from engine.models.config import ModelConfig, read_hf_config
 from engine.models.hf_config import UnsupportedModelError
 from policy import Policy
