@@ -14,6 +14,7 @@ from policy.plan import format_report
 from policy.search import PlanResult, search
 from policy.specs import ModelSpec, WorkloadSpec
 from policy.vision import CACHED_IMAGES
+from policy.vision_report import vision_summary
 from tests.engine.vision_models import SPEC
 
 GiB = 1 << 30
@@ -108,6 +109,9 @@ def test_a_7b_vlm_plans_under_16_gib_and_says_where_its_tower_lives(
     report = format_report(VL_7B, workload, result, {})
     assert "vision tower: 0.68B parameters, 1.3 GiB of weights, home gpu" in report
     assert "per image: 256 tokens" in report and "256 image tokens" in report
+    summary = vision_summary(VL_7B, workload)  # `nanoflex plan --json`'s "vision"
+    assert summary["home"] == "gpu" and summary["weight_bytes"] == 676_550_144 * 2
+    assert summary["tokens_per_image"] == 256
 
 
 def test_the_planner_prices_the_engines_cache_of_encoded_images() -> None:
