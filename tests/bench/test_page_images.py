@@ -39,7 +39,7 @@ def test_pages_are_seeded_and_every_line_carries_its_page(tmp_path: Path) -> Non
 def test_the_script_runs_one_page(tmp_path: Path) -> None:
     """A daemon on the tiny checkpoint and transformers agree on a page, within the schema."""
     out = tmp_path / "page-images.json"
-    assert main(["--pages", "1", "--max-tokens", "64", "--json", str(out)]) == 0
+    assert main(["--pages", "1", "--max-tokens", "96", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["results"]
     assert [row["system"] for row in rows] == ["nanoflex, Batch API", "transformers generate"]
     assert all(row["valid"] == 1 and row["same_as_transformers"] == 1 for row in rows)
