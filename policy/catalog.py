@@ -237,6 +237,38 @@ def _nemotron_h(name: str, pattern: str, mlp_width: int) -> ModelSpec:
     )
 
 
+QWEN2_5_VL_TOWER: dict[str, Any] = dict(
+    depth=32,
+    hidden_size=1280,
+    intermediate_size=3420,
+    num_heads=16,
+    in_chans=3,
+    patch_size=14,
+    spatial_merge_size=2,
+    temporal_patch_size=2,
+    window_size=112,
+    fullatt_block_indexes=[7, 15, 23, 31],
+)
+"""Every released Qwen2.5-VL's `vision_config` (3B, 7B, 72B) but its out_hidden_size."""
+
+
+def _qwen2_5_vl(
+    size: str, shape: tuple[int, int, int, int, int, int, int], tied: bool
+) -> ModelSpec:
+    """Qwen2.5-VL: a Qwen2 language model of `shape` and its vision tower (32 blocks of 1280,
+    SwiGLU of 3420, 16 heads, windows of 112 pixels but for 4 full blocks, 14-pixel patches
+    merged 2 x 2 into tokens of the language model's width), as its released config.json
+    keeps them: the language model's fields at the top level."""
+    vision = {**QWEN2_5_VL_TOWER, "out_hidden_size": shape[0]}
+    return _hf(
+        f"qwen2.5-vl-{size}",
+        "qwen2_5_vl",
+        **_shape(*shape),
+        tie_word_embeddings=tied,
+        vision_config=vision,
+    )
+
+
 _GRANITE_H_LAYERS = ["attention" if i % 10 == 5 else "mamba" for i in range(40)]
 """Granite 4.0 H's 40 layers: Mamba-2 but for attention at 5, 15, 25 and 35."""
 
@@ -298,6 +330,10 @@ BUILTIN_MODELS: dict[str, ModelSpec] = {
         _hf("olmo-2-1b", "olmo2", **_shape(2048, 8192, 16, 16, 16, 128, 100352)),
         _hf("olmo-2-7b", "olmo2", **_shape(4096, 11008, 32, 32, 32, 128, 100352)),
         _hf("olmo-2-13b", "olmo2", **_shape(5120, 13824, 40, 40, 40, 128, 100352)),
+        # Vision-language models: the language model and the vision tower, priced apart
+        _qwen2_5_vl("3b", (2048, 11008, 36, 16, 2, 128, 151936), tied=True),
+        _qwen2_5_vl("7b", (3584, 18944, 28, 28, 4, 128, 152064), tied=False),
+        _qwen2_5_vl("72b", (8192, 29568, 80, 64, 8, 128, 152064), tied=False),
         # Mixture-of-experts shapes: every routed expert is counted in the weights, only the
         # num_experts_per_tok a token is routed to in its FLOPs.
         _hf(
@@ -499,6 +535,9 @@ _ALIASES: dict[str, str] = {
     "mistral-7b-v0.1": "mistral-7b",
     "mistral-7b-instruct-v0.1": "mistral-7b",
     "qwen2-7b-instruct": "qwen2-7b",
+    "qwen2.5-vl-3b-instruct": "qwen2.5-vl-3b",
+    "qwen2.5-vl-7b-instruct": "qwen2.5-vl-7b",
+    "qwen2.5-vl-72b-instruct": "qwen2.5-vl-72b",
     "qwen2-72b-instruct": "qwen2-72b",
     "qwen3-0.6b-base": "qwen3-0.6b",
     "qwen3-1.7b-base": "qwen3-1.7b",

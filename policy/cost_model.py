@@ -25,6 +25,7 @@ from policy.reserves import gpu_reserves
 from policy.specs import ModelSpec, WorkloadSpec, compressed_bytes_per_element
 from policy.state_cost import StateTerms, state_terms
 from policy.steps import prefill_steps
+from policy.vision_cost import tower_cost
 
 TASKS: tuple[str, ...] = ("ctog", "gtoc", "dtoc", "ctod", "compute")
 """Overlapped tasks per layer: the four copy directions and compute (gpu + cpu)."""
@@ -115,9 +116,11 @@ def build_terms(
 
     `budgets` holds the gpu/cpu/disk byte budgets (before USABLE_FRAC).
     """
-    s, n, num_layers = workload.prompt_len, workload.gen_len, model.num_layers
+    # s counts a vision model's image tokens; its tower is priced apart (policy/vision_cost.py)
+    s, n, num_layers = workload.prompt_tokens(model), workload.gen_len, model.num_layers
     gbs, num_batches = choice.gpu_batch_size, choice.num_gpu_batches
     bls = gbs * num_batches
+    tower = tower_cost(model, workload, hardware, bls)
     dtype = model.dtype_bytes
     q_dim, h = model.num_heads * model.head_dim, model.hidden_size
     packed = compressed_bytes_per_element(dtype) / dtype
@@ -203,8 +206,10 @@ def build_terms(
     num_steps = prefill_steps(choice, s)
     step_fixed = max(0, num_steps - num_batches) * hardware.layer_overhead_s
     # Nothing overlaps these; the routed experts run once per block, not cut in nano-batches.
+    # ... nor the vision tower, which encodes the block's images before its prefill.
+    tower_pre = tower.block_seconds / num_layers
     serial_pre = (
-        Affine.of(dequant_weights + quant_kv_pre + states.prefill_seconds + step_fixed)
+        Affine.of(dequant_weights + quant_kv_pre + states.prefill_seconds + step_fixed + tower_pre)
         + states.host_seconds
         + moe_pre.gpu
     )
@@ -312,6 +317,8 @@ def build_terms(
         ),
         host_staging=hardware.compute_device == "cuda",
     )
+    memory["gpu_prefill"] += Affine.of(tower.prefill_bytes)  # the tower, resident
+    memory["gpu_decode"] += Affine.of(tower.decode_bytes)
     usable = {tier: budgets[tier] * USABLE_FRAC[tier] for tier in ("gpu", "cpu", "disk")}
     capacity = {row: usable[row.split("_")[0]] for row in memory}
     return CostTerms(

@@ -13,6 +13,7 @@ from policy.config_json import model_type_of
 from policy.errors import ModelSpecError
 from policy.families import FAMILIES
 from policy.hybrid import MOE_KINDS, hybrid_fields, layer_kinds
+from policy.vision import VisionSpec, vision_spec
 
 _GATED_DELTA = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 """Hybrids of Gated DeltaNet layers beside attention with an output gate and q/k norms."""
@@ -23,20 +24,25 @@ _QWEN_SHARED = ("qwen3_next", "qwen3_5_moe_text")
 _PRICED = {t: row for t, row in FAMILIES.items() if not row.text_config}
 """The types the planner prices from their own config.json: every text model."""
 _TEXT_MODELS = {t: row.planned_as for t, row in FAMILIES.items() if row.text_config}
-"""Vision checkpoints' model types -> their language model's (Qwen2.5-VL's vision tower runs,
-resident on the compute device, and is not priced yet: docs/architecture.md, "Not yet built")."""
+"""Vision checkpoints' model types -> their language model's (the vision tower, where
+policy/vision.py has a reader for it, is priced beside it: `ModelSpec.vision`)."""
 _DTYPE_BYTES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 
 
 def spec_fields(config: dict[str, Any], name: str | None) -> dict[str, Any]:
     """`ModelSpec` keyword arguments for `config`; a `ModelSpecError` names what is wrong."""
     model_type = model_type_of(config)
-    if model_type in _TEXT_MODELS and isinstance(config.get("text_config"), dict):
-        # Gemma 3 4B and larger, Llama 4 and Qwen3.5 ship with a vision tower: their language
-        # model
+    vision = _vision(config, model_type, name)
+    if model_type in _TEXT_MODELS:
+        # Gemma 3 4B and larger, Llama 4, Qwen2.5-VL and Qwen3.5 ship with a vision tower:
+        # their language model (Qwen2.5-VL's released files keep its fields at the top level)
         dtype = config.get("torch_dtype") or config.get("dtype")
-        model_type = _TEXT_MODELS[model_type]
-        config = {"torch_dtype": dtype, **config["text_config"], "model_type": model_type}
+        text = config.get("text_config")
+        if not isinstance(text, dict):
+            text = config if vision is not None else None
+        if text is not None:
+            model_type = _TEXT_MODELS[model_type]
+            config = {"torch_dtype": dtype, **text, "model_type": model_type}
     row = _PRICED.get(model_type)
     if row is None:
         raise ModelSpecError(f"unsupported model_type {model_type!r}; supported: {sorted(_PRICED)}")
@@ -48,11 +54,23 @@ def spec_fields(config: dict[str, Any], name: str | None) -> dict[str, Any]:
     try:
         if row.arch == "opt":
             return _opt(config, label, _DTYPE_BYTES[dtype])
-        return _llama_family(config, model_type, label, _DTYPE_BYTES[dtype])
+        fields = _llama_family(config, model_type, label, _DTYPE_BYTES[dtype])
+        return {**fields, "vision": vision} if vision is not None else fields
     except KeyError as e:
         raise ModelSpecError(f"{model_type} config for {label} lacks {e.args[0]!r}") from e
     except (TypeError, ValueError) as e:
         raise ModelSpecError(f"bad value in {model_type} config for {label}: {e}") from e
+
+
+def _vision(config: dict[str, Any], model_type: str, name: str | None) -> VisionSpec | None:
+    """The vision tower of `config` (policy/vision.py), or None; a bad field is named."""
+    try:
+        return vision_spec(config, model_type)
+    except KeyError as e:
+        label = name or model_type
+        raise ModelSpecError(f"{model_type} vision_config for {label} lacks {e.args[0]!r}") from e
+    except (TypeError, ValueError) as e:
+        raise ModelSpecError(f"bad value in {model_type} vision_config: {e}") from e
 
 
 def _opt(config: dict[str, Any], label: str, dtype_bytes: int) -> dict[str, Any]:

@@ -18,6 +18,8 @@ from policy.search import PlanResult
 from policy.specs import ModelSpec, WorkloadSpec
 from policy.state_cost import state_bytes_per_tier, state_summary
 from policy.units import format_bytes, parse_bytes
+from policy.vision import DEFAULT_IMAGE_PIXELS
+from policy.vision_report import image_note, vision_lines, vision_summary
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 """The model `nanoflex serve` runs when none is named (engine/core/model_files.py)."""
@@ -40,6 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "qwen3-30b-a3b, ...)",
     )
     add_length_args(parser)
+    add_image_args(parser)
     parser.add_argument("--gpu-mem", default=None, help="GPU budget, e.g. 16GiB")
     parser.add_argument("--cpu-mem", default=None, help="CPU memory budget, e.g. 64GiB")
     parser.add_argument("--disk-mem", default=None, help="disk budget, e.g. 500GiB")
@@ -78,11 +81,37 @@ def add_length_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_image_args(parser: argparse.ArgumentParser) -> None:
+    """A vision model's images per prompt, parsed as `images_per_request` and
+    `pixels_per_image` (a text model ignores them)."""
+    parser.add_argument(
+        "--images-per-request",
+        dest="images_per_request",
+        metavar="N",
+        type=float,
+        default=0.0,
+        help="images in each prompt, for a vision model (default 0: text prompts)",
+    )
+    parser.add_argument(
+        "--image-pixels",
+        dest="pixels_per_image",
+        metavar="N",
+        type=float,
+        default=DEFAULT_IMAGE_PIXELS,
+        help=f"pixels of each image (default {DEFAULT_IMAGE_PIXELS}: 1024 x 1024)",
+    )
+
+
 def main(args: argparse.Namespace) -> int:
     """Run the search for the parsed `nanoflex plan` arguments; print JSON or a report."""
     hardware = HardwareSpec.load(args.hardware) if args.hardware else load_cached()
     model = engine_priced(resolve_model_spec(args.model), hardware.compute_device, args.dtype)
-    workload = WorkloadSpec(prompt_len=args.prompt_len, gen_len=args.gen_len).priced_for(model)
+    workload = WorkloadSpec(
+        prompt_len=args.prompt_len,
+        gen_len=args.gen_len,
+        images_per_request=args.images_per_request,
+        pixels_per_image=args.pixels_per_image,
+    ).priced_for(model)
     if hardware.compute_device == "cpu" and args.cpu_mem is not None:
         print(cpu_only_note(args.hardware), file=sys.stderr)
     result = cached_search(
@@ -98,6 +127,8 @@ def main(args: argparse.Namespace) -> int:
         out = {**result.to_dict(), "prefix_break_even_tokens": break_even}
         out["workload"] = {"prompt_len": workload.prompt_len, "gen_len": workload.gen_len}
         out["dtype_bytes"] = model.dtype_bytes
+        if model.vision is not None:
+            out["vision"] = vision_summary(model, workload)
         if model.is_moe:
             out["moe"] = moe_summary(model, result)
         if model.is_hybrid:
@@ -183,8 +214,10 @@ def format_report(
         f"{format_bytes(model.kv_bytes_per_token)} of KV per token{_window_note(model)}"
         + _state_note(model),
         f"priced in {model.dtype_bytes}-byte elements (the engine's compute dtype; --dtype)",
+        *vision_lines(model, workload),
         f"workload: prompt {workload.prompt_len:g} tokens, generate {workload.gen_len:g}"
-        + _pooling_note(model),
+        + _pooling_note(model)
+        + image_note(model, workload),
         "",
         "policy (gpu / cpu / disk):",
         f"  block           {policy.gpu_batch_size} x {policy.num_gpu_batches} GPU batches "

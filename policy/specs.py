@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 from policy.errors import ModelSpecError, UserError
 from policy.hybrid import StateShape
+from policy.vision import DEFAULT_IMAGE_PIXELS, VisionSpec
 
 ARCHS: tuple[str, str] = ("opt", "llama")
 _DTYPE_BYTES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
@@ -118,6 +120,9 @@ class ModelSpec:
     """'' (generates), 'embed' or 'score': a decoder pooling model (engine/executor/pooler.py),
     whose head is the final norm alone (an embedder) or with a one-row classifier (a
     reranker) instead of the (vocab, hidden) LM head; its requests are a prefill only."""
+    vision: VisionSpec | None = None
+    """A vision-language model's vision tower (policy/vision.py), resident on the compute
+    device beside the layers, which every other field describes; None: a text model."""
 
     def __post_init__(self) -> None:
         if self.pooling not in ("", "embed", "score"):
@@ -454,22 +459,43 @@ class ModelSpec:
 
 @dataclass(frozen=True)
 class WorkloadSpec:
-    """The shape of the work: prompt and generation lengths in tokens (means allowed)."""
+    """The shape of the work: prompt and generation lengths in tokens (means allowed), and a
+    vision model's images per prompt."""
 
     prompt_len: float
+    """Text tokens of a prompt (a vision model's image tokens come on top: `prompt_tokens`)."""
     gen_len: float
+    images_per_request: float = 0.0
+    """Images in each prompt (a mean allowed); each runs through the vision tower and adds
+    its tokens to the prompt. Unused for a text model."""
+    pixels_per_image: float = DEFAULT_IMAGE_PIXELS
+    """Pixels of each image (1024 x 1024 unless given)."""
 
     def __post_init__(self) -> None:
         if not self.prompt_len >= 1:
             raise UserError(f"prompt length must be >= 1 token, got {self.prompt_len}")
         if not self.gen_len >= 1:
             raise UserError(f"generation length must be >= 1 token, got {self.gen_len}")
+        if not self.images_per_request >= 0:
+            raise UserError(f"images per request must be >= 0, got {self.images_per_request}")
+        if not self.pixels_per_image >= 1:
+            raise UserError(f"pixels per image must be >= 1, got {self.pixels_per_image}")
 
     def priced_for(self, model: ModelSpec) -> WorkloadSpec:
         """The workload as `model` runs it: a pooling model's requests are a prefill only,
         priced as generating 1 token (its last position's head row is the answer; no decode
         step, no KV beyond the prompt's, freed when the prefill ends)."""
-        return WorkloadSpec(self.prompt_len, 1) if model.pooling else self
+        return dataclasses.replace(self, gen_len=1) if model.pooling else self
+
+    def image_tokens(self, model: ModelSpec) -> float:
+        """Tokens of a prompt's images in `model`'s prompt; 0 for a text model."""
+        if model.vision is None:
+            return 0.0
+        return self.images_per_request * model.vision.tokens_per_image(self.pixels_per_image)
+
+    def prompt_tokens(self, model: ModelSpec) -> float:
+        """Tokens of a whole prompt as `model` runs it: text and image tokens, all with KV."""
+        return self.prompt_len + self.image_tokens(model)
 
     @property
     def total_len(self) -> float:

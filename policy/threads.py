@@ -87,7 +87,7 @@ def io_volumes(
         "load_weight": (wc + wd) * layer_bytes + (ed + (0.0 if on_cpu else ec)) * experts,
         "load_cache": moved_kv
         * bls
-        * model.attended_len(workload.prompt_len + workload.gen_len / 2)
+        * model.attended_len(workload.prompt_tokens(model) + workload.gen_len / 2)
         * kv_tok,
         "load_activation": act,
         "store_cache": moved_kv * bls * kv_tok,

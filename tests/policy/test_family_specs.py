@@ -200,8 +200,8 @@ def test_mla_latent_is_priced_once_per_token() -> None:
 
 
 def test_qwen2_5_vl_prices_its_language_model() -> None:
-    """Qwen2.5-VL-7B's config.json shape fields: a Qwen2 7B language model (the vision tower's
-    weights are not priced yet: docs/architecture.md, "Not yet built")."""
+    """Qwen2.5-VL-7B's config.json shape fields: a Qwen2 7B language model (its vision tower
+    is priced beside it: tests/policy/test_vision_specs.py)."""
     text = {
         "hidden_size": 3584,
         "intermediate_size": 18944,

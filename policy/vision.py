@@ -1,0 +1,174 @@
+"""`VisionSpec`: the shapes of a vision-language model's vision tower, read from the
+`vision_config` of its config.json, and what the tower costs: its parameters, the tokens and
+FLOPs of one image, and the bytes it holds on the compute device.
+
+One record serves every tower of ViT blocks (attention and an MLP, two norms each) between a
+patch embedding and a projector into the language model; a family adds a reader to
+`READERS` (Qwen2.5-VL's today; Gemma 3's SigLIP and Qwen3-VL's are the same blocks with a
+learned position table, LayerNorms and a plain MLP: `position_params`, `norm_params`,
+`gated_mlp`), not a new record.
+
+Legend: P patches of one image, T = P / m^2 its tokens (m the merge size), h the tower's
+width, f its MLP's, W the patches one windowed block's attention spans.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+DEFAULT_IMAGE_PIXELS = 1024 * 1024
+"""Pixels of one image when the workload does not say (a page scan at about 100 dpi, or a
+phone photo as Qwen2.5-VL's processor keeps it: well under its 12.8 M pixel cap)."""
+CACHED_IMAGES = 256
+"""Images whose tower output the engine keeps on the compute device, by digest
+(engine/executor/vision_encoder.py's CACHED_IMAGES; a test holds the two equal)."""
+
+
+@dataclass(frozen=True)
+class VisionSpec:
+    """A vision tower's shapes (transformers' vision config), enough to count its parameters
+    and price one image; resident on the compute device, as the engine runs it."""
+
+    depth: int
+    """Transformer blocks."""
+    hidden_size: int
+    intermediate_size: int
+    """MLP inner width."""
+    num_heads: int
+    patch_size: int
+    """Pixels per patch side."""
+    out_hidden_size: int
+    """The language model's hidden size: the width of one image token."""
+    in_channels: int = 3
+    temporal_patch_size: int = 1
+    """Frames per patch (Qwen's 2: a still image is repeated)."""
+    merge_size: int = 1
+    """Patches per token side: the projector merges m x m patches into one token."""
+    window_patches: int = 0
+    """Patches one windowed block attends over (Qwen2.5-VL: (112 / 14)^2 = 64); 0: none."""
+    num_full_attention_blocks: int = 0
+    """Blocks that attend over the whole image (the others: within their window); all
+    `depth` where window_patches is 0."""
+    gated_mlp: bool = True
+    """SwiGLU (gate, up, down) rather than up and down."""
+    linear_bias: bool = True
+    """The blocks' projections carry biases."""
+    norm_params: int = 1
+    """Parameters per channel of a norm: 1 (RMSNorm) or 2 (LayerNorm, with a bias)."""
+    projector_params: int = 0
+    """Parameters after the blocks: the merger or projector into the language model."""
+    position_params: int = 0
+    """A learned position table (SigLIP); 0 for rotary positions (Qwen)."""
+    fixed_image_tokens: int = 0
+    """Tokens every image takes whatever its size (Gemma 3's 256: images are resized to the
+    tower's square); 0: dynamic resolution, tokens from the image's pixels."""
+
+    # ---- parameters ------------------------------------------------------------------
+
+    @property
+    def patch_embed_params(self) -> int:
+        """The patch embedding: a convolution from c t p p pixels to h, without a bias."""
+        p = self.patch_size
+        return self.in_channels * self.temporal_patch_size * p * p * self.hidden_size
+
+    @property
+    def block_linear_params(self) -> int:
+        """One block's projections: q, k, v, o (4 h^2) and the MLP (3 h f gated, else 2)."""
+        h, f = self.hidden_size, self.intermediate_size
+        mlp = (3 if self.gated_mlp else 2) * h * f
+        return 4 * h * h + mlp
+
+    @property
+    def block_params(self) -> int:
+        """One block: its projections, their biases, two norms."""
+        h, f = self.hidden_size, self.intermediate_size
+        bias = 4 * h + ((2 if self.gated_mlp else 1) * f + h) if self.linear_bias else 0
+        return self.block_linear_params + bias + 2 * self.norm_params * h
+
+    @property
+    def params(self) -> int:
+        """Parameters of the whole tower (transformers' count of its vision model)."""
+        blocks = self.depth * self.block_params
+        return self.patch_embed_params + blocks + self.projector_params + self.position_params
+
+    # ---- one image ---------------------------------------------------------------------
+
+    def tokens_per_image(self, pixels: float) -> int:
+        """Tokens one image of `pixels` pixels takes in the prompt: a square image cut into
+        patches, m x m of them merged into a token (or the family's fixed count)."""
+        if self.fixed_image_tokens:
+            return self.fixed_image_tokens
+        side = self.patch_size * self.merge_size  # pixels per token side (Qwen: 28)
+        return max(1, round(math.sqrt(pixels) / side)) ** 2
+
+    def patches_per_image(self, pixels: float) -> int:
+        """P: the patches the blocks run over for one image."""
+        return self.tokens_per_image(pixels) * self.merge_size**2
+
+    def flops_per_image(self, pixels: float) -> float:
+        """FLOPs of running one image through the tower: 2 per parameter per patch (the
+        projector per token), and attention's 4 P h per key, over the whole image in full
+        blocks and over W patches in windowed ones."""
+        patches = self.patches_per_image(pixels)
+        full = self.num_full_attention_blocks if self.window_patches else self.depth
+        window = min(patches, self.window_patches) if self.window_patches else patches
+        keys = full * patches + (self.depth - full) * window  # summed over the blocks
+        dense = self.patch_embed_params + self.depth * self.block_linear_params
+        projector = self.projector_params * patches / self.merge_size**2
+        return 2 * (patches * dense + projector) + 4 * patches * keys * self.hidden_size
+
+    def workspace_bytes(self, pixels: float, dtype_bytes: int) -> int:
+        """A block's widest intermediates for one image while it runs: the residual, q, k,
+        v and the MLP's inner rows (attention runs fused: no P x P scores)."""
+        h, f = self.hidden_size, self.intermediate_size
+        width = 2 * h + max(3 * h, (2 if self.gated_mlp else 1) * f)
+        return self.patches_per_image(pixels) * width * dtype_bytes
+
+    def feature_bytes(self, pixels: float, dtype_bytes: int) -> int:
+        """One image's tower output: its tokens' rows of the language model's width."""
+        return self.tokens_per_image(pixels) * self.out_hidden_size * dtype_bytes
+
+
+def _qwen2_5_vl(config: dict[str, Any]) -> VisionSpec:
+    """Qwen2.5-VL's (transformers' Qwen2_5_VLVisionConfig; `in_chans` in older files):
+    RMSNorm blocks with SwiGLU, biases on every projection, windowed attention but for
+    `fullatt_block_indexes`, and a merger (RMSNorm, h m^2 -> h m^2 -> out, GELU between)."""
+    hidden, merge = int(config["hidden_size"]), int(config.get("spatial_merge_size", 2))
+    patch = int(config.get("patch_size", 14))
+    out = int(config["out_hidden_size"])
+    merged = hidden * merge * merge
+    window = int(config.get("window_size", 112)) // patch
+    return VisionSpec(
+        depth=int(config["depth"]),
+        hidden_size=hidden,
+        intermediate_size=int(config["intermediate_size"]),
+        num_heads=int(config["num_heads"]),
+        patch_size=patch,
+        out_hidden_size=out,
+        in_channels=int(config.get("in_channels") or config.get("in_chans") or 3),
+        temporal_patch_size=int(config.get("temporal_patch_size", 2)),
+        merge_size=merge,
+        window_patches=window * window,
+        num_full_attention_blocks=len(config.get("fullatt_block_indexes") or ()),
+        projector_params=hidden + merged * merged + merged + merged * out + out,
+    )
+
+
+READERS: dict[str, Callable[[dict[str, Any]], VisionSpec]] = {"qwen2_5_vl": _qwen2_5_vl}
+"""model_type -> the reader of its `vision_config` (the checkpoint's own type, before the
+planner reads its language model)."""
+
+
+def vision_spec(config: dict[str, Any], model_type: str) -> VisionSpec | None:
+    """The tower of a config.json whose `model_type` has a reader; None for a text model, or
+    a vision checkpoint whose tower the planner does not price yet (its language model alone
+    is priced). A missing or bad field raises KeyError, TypeError or ValueError, which the
+    caller names."""
+    reader = READERS.get(model_type)
+    vision = config.get("vision_config")
+    if reader is None or not isinstance(vision, dict):
+        return None
+    return reader(vision)
