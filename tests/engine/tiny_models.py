@@ -755,7 +755,8 @@ def vocab_size(kind: str) -> int:
     """The vocabulary of TINY_CONFIGS[kind] (its text_config's, with a vision tower)."""
     spec = TINY_CONFIGS[kind]
     text = spec.get("text_config")
-    return int((text if isinstance(text, dict) else spec)["vocab_size"])  # type: ignore[call-overload]
+    config: dict[str, Any] = text if isinstance(text, dict) else spec
+    return int(config["vocab_size"])
 
 
 def hf_reference(model_dir: Path, dtype: torch.dtype = torch.float32) -> Any:

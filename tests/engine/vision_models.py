@@ -194,7 +194,7 @@ def hf_vl_generate(
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     chat = image_chat(text, len(images))
-    prompt = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    prompt = str(tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False))
     pictures = [Image.open(io.BytesIO(b)).convert("RGB") for b in images]
     inputs = dict(AutoImageProcessor.from_pretrained(model_dir)(pictures, return_tensors="pt"))
     # what Qwen2_5_VLProcessor does: each image pad widened to the image's merged patches
