@@ -140,8 +140,8 @@ class EngineArgs:
     their prompt once (SchedulerConfig.prefix_ordering)."""
     batch_share: float = cli(
         0.25,
-        "while online requests wait or run, the share of each step's tokens and of the "
-        "block's slots batch work may take (default: 0.25; 1: priority alone)",
+        "while online requests wait or run, the share of the block's slots batch work may "
+        "take, and as many prefill tokens a step (default: 0.25; 1: priority alone)",
         type=float,
     )
     """Online before batch: see SchedulerConfig.batch_share."""

@@ -35,7 +35,7 @@ from engine.core.protocol import PENDING_TOKEN_ID, SeqChunk, StepFailure, StepPl
 from engine.core.request_checks import check_request
 from engine.core.running_block import RunningBlock
 from engine.core.scheduler_config import SchedulerConfig, pick_size
-from engine.core.sequence import Request, Sequence, SequenceStatus
+from engine.core.sequence import BATCH_PRIORITY, Request, Sequence, SequenceStatus
 from engine.core.state_slots import StateSlots, StateSnapshots
 from engine.core.tier_rest import TierRest, largest_pool_tokens
 from engine.core.wait_queues import WaitQueues
@@ -170,6 +170,8 @@ class Scheduler:
     def schedule(self) -> StepPlan | None:
         """The next step's plan, or None when nothing can run now."""
         self.page_manager.paused = self.rest.tiers()
+        if not self.config.static_blocks:
+            self._free_slots_for_online()
         live = [s for s in self.running if not s.will_finish(self.max_len)]
         num_decodes = sum(1 for s in live if s.num_tokens - s.num_computed_tokens == 1)
         demand = sum(s.num_tokens - s.num_computed_tokens for s in live)
@@ -288,6 +290,20 @@ class Scheduler:
             if victim is seq:
                 return None
         return self.page_manager.append(seq.seq_id, num_new)
+
+    def _free_slots_for_online(self) -> None:
+        """Online work waits for slots the block lacks while batch lines hold more than their
+        share (`WaitQueues.batch_slots`): preempt the newest batch lines, one for each such
+        online sequence, so it enters this step instead of when a line ends. A preempted line
+        keeps the tokens it generated and recomputes its KV when readmitted (its full pages
+        likely from the prefix cache): nothing it produced is lost."""
+        num_short = self.waiting.num_online_waiting - self.block.num_free_slots
+        if num_short <= 0:
+            return
+        batch = [s for s in self.running if s.request.priority >= BATCH_PRIORITY]
+        num_over = len(batch) - self.waiting.batch_slots
+        for victim in batch[::-1][: min(num_short, num_over)]:
+            self._preempt(victim)
 
     def _preempt(self, seq: Sequence) -> None:
         """Free seq's KV and queue it at the front of its queue, to be recomputed later."""

@@ -80,9 +80,11 @@ class SchedulerConfig:
     uncached page a running sequence is computing waits a step to hit it (`PrefixQueue`,
     `PrefixGate`). False: FIFO, and shared pages computed at once are computed twice."""
     batch_share: float = 0.25
-    """While online requests wait or run, the most batch work takes: this share of a step's
-    token budget for its prefill chunks and of the block's slots (rounded up) for its lines.
-    Batch lines past it are never preempted; new ones wait. 1.0: priority alone."""
+    """While online requests wait or run, the most batch work takes: this share of the block's
+    slots (rounded up) for its lines, and as many prefill tokens a step (so an online
+    request's steps run about a full block's decodes, not the step's whole budget). New batch
+    lines wait; an online request short of a slot takes the newest batch line's (preempted,
+    its tokens kept: it recomputes its KV later). 1.0: priority alone."""
     max_offload_faults: int = 2
     """Storage faults a sequence goes through (recomputed after each); at this many it ends
     with a retryable error instead (`SequenceDelta.retryable`)."""

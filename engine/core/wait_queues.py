@@ -5,7 +5,9 @@ priority classes); FIFO within one, or with prefix ordering batch work in the tr
 its prompts' page hashes (`PrefixQueue`), and a prompt whose next uncached page a running
 sequence is computing waits a step to hit it (`PrefixGate`). Preempted and recovered
 sequences go back to the front. While online work waits or runs, batch work takes at most
-`SchedulerConfig.batch_share` of a step's prefill tokens and of the block's slots.
+`SchedulerConfig.batch_share` of the block's slots, and its prefill chunks at most that share
+of a full block's decode rows a step (`batch_slots` tokens), so the online work's steps stay
+short.
 """
 
 from __future__ import annotations
@@ -109,7 +111,7 @@ class WaitQueues:
         head = next(iter(queue))
         if head.request.priority >= BATCH_PRIORITY and self.online_present(running):
             num_batch = sum(1 for s in running if s.request.priority >= BATCH_PRIORITY)
-            if num_batch >= self._share_of(self.config.block_size):
+            if num_batch >= self.batch_slots:
                 return None
         forking = forks.leading_groups(running)
         if not self.prefix_ordering:
@@ -132,6 +134,17 @@ class WaitQueues:
                 return s
         return None
 
+    @property
+    def num_online_waiting(self) -> int:
+        """Online sequences (priority before BATCH_PRIORITY) waiting for a slot."""
+        return sum(len(q) for p, q in self.queues.items() if p < BATCH_PRIORITY)
+
+    @property
+    def batch_slots(self) -> int:
+        """While online work is present: the most slots batch lines hold, and the most
+        prefill tokens batch chunks take a step (batch_share of the block, rounded up)."""
+        return self._share_of(self.config.block_size)
+
     def online_present(self, running: list[Sequence]) -> bool:
         """Some online request (priority before BATCH_PRIORITY) waits or runs."""
         return any(p < BATCH_PRIORITY and q for p, q in self.queues.items()) or any(
@@ -143,10 +156,13 @@ class WaitQueues:
         return -(-total * round(self.config.batch_share * 1000) // 1000)
 
     def start_step(self, running: list[Sequence]) -> None:
-        """Set the prefill tokens batch work may take in the step planned now (batch_share
-        of the step's budget while online work is present; the whole budget otherwise)."""
-        total = self.config.max_step_tokens
-        self.batch_budget = self._share_of(total) if self.online_present(running) else total
+        """Set the prefill tokens batch work may take in the step planned now: while online
+        work is present `batch_slots`, so a step the online work is in runs at most
+        batch_share more rows than a full block's decodes (on a CPU every row costs: a step
+        filled with batch prefill would multiply each of its tokens' time); otherwise the
+        whole budget."""
+        online = self.online_present(running)
+        self.batch_budget = self.batch_slots if online else self.config.max_step_tokens
 
     def prefill_budget(self, seq: Sequence, budget: int) -> int:
         """`budget` capped by what is left of the batch share, for a batch sequence."""

@@ -77,8 +77,9 @@ def test_a_shuffled_job_runs_in_prefix_order_and_answers_in_input_order(
 
 def test_online_request_during_a_batch_job_goes_first(make_server: ServerFactory) -> None:
     """24 batch lines of 40 tokens, 8 at a time (Policy() block): an online request sent
-    during the first wave is admitted before any waiting batch line, no batch line is
-    preempted, and /metrics shows both queues."""
+    during the first wave (the block full of batch lines) is admitted before any waiting batch
+    line, the newest batch line making room (preempted once, its tokens kept: the job still
+    completes), and /metrics shows both queues."""
     live = make_server(batch_concurrency=64)
     client = live.openai()
     lines = [request_line(f"b{i}", "slow", max_tokens=40, ignore_eos=True) for i in range(24)]
@@ -97,5 +98,5 @@ def test_online_request_during_a_batch_job_goes_first(make_server: ServerFactory
     assert 'nanoflex_queue_running{queue="online"}' in metrics
     assert wait_batch(client, batch.id, timeout_s=120).status == "completed"
     core = live.engine._core  # type: ignore[attr-defined]
-    assert core.scheduler.num_preemptions == 0
+    assert core.scheduler.num_preemptions == 1
     print(f"online latency during the batch job: {latency:.2f} s")

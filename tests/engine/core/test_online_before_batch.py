@@ -1,0 +1,105 @@
+"""Online before batch: an online request that comes while batch lines fill the block enters
+at once and runs short steps; the batch lines lose no work (engine/core/wait_queues.py)."""
+
+from __future__ import annotations
+
+import random
+
+from engine.core.sampling_params import SamplingParams
+from engine.core.scheduler import Scheduler
+from engine.core.scheduler_config import SchedulerConfig
+from engine.core.sequence import BATCH_PRIORITY, ONLINE_PRIORITY, Request
+from tests.engine.fakes import VOCAB, FakeExecutor, Outputs, reference
+
+LINE_TOKENS = 16  # each batch line generates this many tokens (as the daemon's benchmark)
+
+
+def tokens(seed: int, length: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1, VOCAB) for _ in range(length)]
+
+
+def batch_job(sched: Scheduler, num_lines: int, prompt_len: int) -> dict[str, list[int]]:
+    """Queue `num_lines` batch lines; their prompts by request id."""
+    sp = SamplingParams(max_tokens=LINE_TOKENS, temperature=0.0, ignore_eos=True)
+    prompts = {f"b{i}": tokens(i, prompt_len) for i in range(num_lines)}
+    for request_id, prompt in prompts.items():
+        sched.add_request(Request(request_id, prompt, sp, BATCH_PRIORITY))
+    return prompts
+
+
+def is_batch(sched: Scheduler, seq_id: int) -> bool:
+    return sched._seqs[seq_id].request.priority == BATCH_PRIORITY
+
+
+def test_online_request_enters_a_block_full_of_batch_lines_at_once() -> None:
+    """The block's 4 slots all hold batch lines (16 tokens each) and more lines wait: an online
+    request is admitted in the very next step (the newest batch line makes room), no batch line
+    enters while it waits or runs, and every line still answers exactly (its tokens kept)."""
+    sched = Scheduler(SchedulerConfig(gpu_batch_size=4, max_step_tokens=64, batch_share=0.25))
+    prompts = batch_job(sched, num_lines=8, prompt_len=12)
+    fake, outputs = FakeExecutor(), Outputs(sched)
+    outputs.track()
+    for _ in range(3):  # the block fills with batch lines, each a few tokens in
+        plan = sched.schedule()
+        assert plan is not None
+        outputs.add(sched.postprocess(plan, fake.execute(plan)))
+    assert len(sched.running) == 4 and all(is_batch(sched, s.seq_id) for s in sched.running)
+    online_prompt = tokens(99, 5)
+    sp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    sched.add_request(Request("online", online_prompt, sp, ONLINE_PRIORITY))
+    outputs.track()
+    num_batch_before = len(sched.running)
+    steps_until_admitted = None
+    num_steps = 0
+    while "online" in sched.requests:
+        plan = sched.schedule()
+        assert plan is not None
+        num_steps += 1
+        running_ids = [s.request.request_id for s in sched.running]
+        if steps_until_admitted is None and "online" in running_ids:
+            steps_until_admitted = num_steps
+        num_batch = sum(1 for c in plan.chunks if is_batch(sched, c.seq_id))
+        assert num_batch <= num_batch_before  # no batch line enters while online work is here
+        num_batch_before = num_batch
+        outputs.add(sched.postprocess(plan, fake.execute(plan)))
+    assert steps_until_admitted == 1
+    assert num_steps == 4  # one step a token: it never waited for a batch line to end
+    assert sched.num_preemptions == 1  # one batch line made room
+    while sched.has_unfinished():
+        plan = sched.schedule()
+        assert plan is not None
+        outputs.add(sched.postprocess(plan, fake.execute(plan)))
+    final = outputs.final()
+    assert final["online"].outputs[0].token_ids == reference(online_prompt, 4)
+    for request_id, prompt in prompts.items():  # the preempted line kept its tokens
+        assert final[request_id].outputs[0].token_ids == reference(prompt, LINE_TOKENS)
+
+
+def test_online_steps_take_batch_prefill_up_to_the_share_of_the_block() -> None:
+    """While online work runs, batch prefill chunks take at most batch_share of the block's
+    decode rows a step (2 tokens of a block of 8 at 0.25), not of the step's token budget
+    (16 of 64): the online request's steps stay as short as a decode step."""
+    sched = Scheduler(SchedulerConfig(gpu_batch_size=8, max_step_tokens=64, batch_share=0.25))
+    batch_job(sched, num_lines=8, prompt_len=40)
+    fake = FakeExecutor()
+    plan = sched.schedule()  # no online work: batch prefill fills the step
+    assert plan is not None and plan.num_tokens == 64
+    sched.postprocess(plan, fake.execute(plan))
+    sp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    sched.add_request(Request("online", tokens(99, 10), sp, ONLINE_PRIORITY))
+    online_steps = 0
+    while "online" in sched.requests:
+        plan = sched.schedule()
+        assert plan is not None
+        online_steps += 1
+        batch_prefill = sum(
+            len(c.token_ids)
+            for c in plan.chunks
+            if is_batch(sched, c.seq_id) and len(c.token_ids) > 1
+        )
+        assert batch_prefill <= 2
+        sched.postprocess(plan, fake.execute(plan))
+    assert online_steps == 4
+    plan = sched.schedule()  # the online request ended: batch prefill fills the step again
+    assert plan is not None and plan.num_tokens == 64
