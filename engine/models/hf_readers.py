@@ -96,7 +96,11 @@ def llava(hf: Any) -> dict[str, Any]:
     from engine.models.vit_config import ViTConfig
 
     text, vision = hf.text_config, hf.vision_config
-    require(text, "model_type", ("llama",))
+    if text.model_type != "llama":
+        raise UnsupportedModelError(
+            f"llava: a {text.model_type} language model (text_config.model_type) is not "
+            "supported; nanoflex runs LLaVA with a llama one"
+        )
     refuse_unhonoured(text, FAMILIES["llama"].honoured or COMMON)
     require(vision, "model_type", ("clip_vision_model",))
     require(vision, "num_channels", (3,))
