@@ -148,6 +148,13 @@ _ROWS = (
         tied_by_default=True,
     ),
     Family(
+        "llava",
+        f"{_MODELS}.llava:LlavaModel",
+        f"{_READERS}:llava",
+        honoured=None,
+        text_config="llama",
+    ),
+    Family(
         "phi3",
         f"{_MODELS}.phi3:Phi3Model",
         honoured=COMMON | WINDOWS | {"original_max_position_embeddings"},

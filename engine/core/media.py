@@ -17,7 +17,7 @@ from typing import Any
 from engine.core.gemma3_media import newline_runs, widen_placeholders
 from policy.errors import UserError
 
-VISION_MODEL_TYPES = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "gemma3")
+VISION_MODEL_TYPES = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "gemma3", "llava")
 """Checkpoints whose vision tower nanoflex runs (the others with one run their text alone)."""
 
 
@@ -42,8 +42,10 @@ class VisionSpec:
     max_pixels: int
     """The processor resizes every image into this pixel budget."""
     tokens_per_image: int = 0
-    """Gemma 3: every image is resized to one size and gives this many image tokens, which
-    attend to each other both ways; 0: a grid of patches per image (Qwen2.5-VL, M-RoPE)."""
+    """Gemma 3 and LLaVA: every image is resized to one size and gives this many image
+    tokens; 0: a grid of patches per image (Qwen2.5-VL, M-RoPE)."""
+    bidirectional: bool = False
+    """Gemma 3: the tokens of one image attend to each other both ways."""
     placeholder_id: int = -1
     """The token the chat template writes per image (Gemma 3's <start_of_image>); -1: the
     image token itself."""
@@ -54,10 +56,6 @@ class VisionSpec:
     """The tokenizer's ids of 1, 2, ... newlines (engine/core/gemma3_media.py): the processor
     widens the placeholder in the text before tokenizing, so the newlines it adds merge with
     their neighbours into one token where the tokenizer has one."""
-
-    @property
-    def bidirectional(self) -> bool:
-        return self.tokens_per_image > 0
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path) -> VisionSpec | None:
@@ -82,6 +80,8 @@ class VisionSpec:
             ) from e
         if config["model_type"] == "gemma3":
             return cls._gemma3(root, config, processor)
+        if config["model_type"] == "llava":
+            return cls._llava(config)
         size = processor.get("size") or {}
         return cls(
             image_token_id=int(config["image_token_id"]),
@@ -114,9 +114,29 @@ class VisionSpec:
             min_pixels=size * size,
             max_pixels=size * size,
             tokens_per_image=int(config.get("mm_tokens_per_image", 256)),
+            bidirectional=True,
             placeholder_id=token("boi_token"),
             begin_end_ids=(token("boi_token"), token("eoi_token")),
             newline_runs=newline_runs(root / "tokenizer.json"),
+        )
+
+    @classmethod
+    def _llava(cls, config: dict[str, Any]) -> VisionSpec:
+        """LLaVA's: every image resized and cropped to the CLIP tower's size, one token per
+        patch (and one for the class token where vision_feature_select_strategy is 'full'),
+        the chat template's <image> widened to them (transformers' `LlavaProcessor`)."""
+        vision = config.get("vision_config") or {}
+        size, patch = int(vision.get("image_size", 224)), int(vision.get("patch_size", 32))
+        full = config.get("vision_feature_select_strategy", "default") == "full"
+        image_token = config.get("image_token_index", config.get("image_token_id", 32000))
+        return cls(
+            image_token_id=int(image_token),
+            patch_size=size,
+            merge_size=1,
+            temporal_patch_size=1,
+            min_pixels=size * size,
+            max_pixels=size * size,
+            tokens_per_image=(size // patch) ** 2 + full,
         )
 
     def grid(self, width: int, height: int) -> tuple[int, int, int]:
@@ -237,6 +257,8 @@ def expand_image_tokens(
             for start, (data, width, height) in zip(starts, images, strict=True)
         )
         return SeqMedia(found, (), 0, bidirectional=True)
+    if spec.tokens_per_image:  # LLaVA: one size of image, its placeholder widened in place
+        return _widen_in_place(token_ids, spec, images)
     out: list[ImageInput] = []
     shift = 0
     for pad, (data, width, height) in zip(pads, images, strict=True):
@@ -248,6 +270,26 @@ def expand_image_tokens(
         shift += count - 1
     positions, delta = mrope_positions(len(token_ids), out, spec.merge_size)
     return SeqMedia(tuple(out), positions, delta)
+
+
+def _widen_in_place(
+    token_ids: list[int], spec: VisionSpec, images: list[tuple[bytes, int, int]]
+) -> SeqMedia:
+    """Each image token of `token_ids` (changed in place) widened to `spec.tokens_per_image`
+    of them; the prompt's positions stay one per token."""
+    count = spec.tokens_per_image
+    found: list[ImageInput] = []
+    out: list[int] = []
+    for token in token_ids:
+        if token != spec.image_token_id:
+            out.append(token)
+            continue
+        data, width, height = images[len(found)]
+        grid = spec.grid(width, height)
+        found.append(ImageInput(data, image_digest(data), grid, len(out), count))
+        out += [token] * count
+    token_ids[:] = out
+    return SeqMedia(tuple(found), (), 0)
 
 
 def mrope_positions(

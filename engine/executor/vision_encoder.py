@@ -3,9 +3,9 @@ embeddings, each image preprocessed by the checkpoint's own image processor (tra
 `AutoImageProcessor`: the checkpoint's contract) and run through the vision tower once,
 its output cached by the image's digest (the same page in many requests is encoded once).
 
-Three towers: Qwen2.5-VL's and Qwen3-VL's (dynamic resolution, a grid of patches per image;
-Qwen3-VL's with DeepStack features) and Gemma 3's (a SigLIP ViT over one fixed-size image,
-engine/models/gemma3_vision.py).
+Four towers: Qwen2.5-VL's and Qwen3-VL's (dynamic resolution, a grid of patches per image;
+Qwen3-VL's with DeepStack features), Gemma 3's (a SigLIP ViT over one fixed-size image,
+engine/models/gemma3_vision.py) and LLaVA's (a CLIP ViT, engine/models/llava.py).
 
 Placement: the tower's weights are resident on the compute device, read once at start; the
 planner does not price them yet (they are a few percent of a VLM's weights)."""
@@ -23,10 +23,14 @@ from engine.loading.checkpoint import CheckpointReader, DummyReader
 from engine.models import gemma3_vision, qwen2_5_vision
 from engine.models.base import Weights
 from engine.models.gemma3_vision import Gemma3VisionTower
+from engine.models.llava import LlavaVisionTower
 from engine.models.qwen2_5_vision import VisionTower
 from engine.models.qwen3_vision import Qwen3VisionTower
 from engine.models.vision_config import VisionConfig
 from engine.models.vit_config import ViTConfig
+
+ViTTower = Gemma3VisionTower | LlavaVisionTower
+"""A tower over one fixed-size image (a ViT's): its processor gives (1, C, H, W) pixels."""
 
 CACHED_IMAGES = 256
 """Encoder outputs kept, least recently used dropped first (a few MB each at most)."""
@@ -50,9 +54,10 @@ class VisionEncoder:
     ) -> None:
         from transformers import AutoImageProcessor
 
-        self.tower: VisionTower | Qwen3VisionTower | Gemma3VisionTower
-        if isinstance(config, ViTConfig):  # Gemma 3: a SigLIP encoder, one fixed-size image
-            self.tower, names = Gemma3VisionTower(config), gemma3_vision.vision_weight_name
+        self.tower: VisionTower | Qwen3VisionTower | ViTTower
+        if isinstance(config, ViTConfig):  # Gemma 3's SigLIP or LLaVA's CLIP: one size of image
+            tower = LlavaVisionTower if config.projector == "mlp" else Gemma3VisionTower
+            self.tower, names = tower(config), gemma3_vision.vision_weight_name
         elif config.num_position_embeddings:  # Qwen3-VL: learned positions, DeepStack
             self.tower, names = Qwen3VisionTower(config), qwen2_5_vision.vision_weight_name
         else:
@@ -80,7 +85,7 @@ class VisionEncoder:
             return cached
         pixels, grid = self._preprocess(image)
         with torch.inference_mode():
-            if isinstance(self.tower, Gemma3VisionTower):
+            if isinstance(self.tower, ViTTower):
                 out = self.tower.encode(self.weights, pixels[0].to(self.device))
             else:
                 out = self.tower.encode(self.weights, pixels.to(self.device), grid)
@@ -98,7 +103,7 @@ class VisionEncoder:
 
         picture = Image.open(io.BytesIO(image.data)).convert("RGB")
         out = self.processor([picture], return_tensors="pt")
-        if isinstance(self.tower, Gemma3VisionTower):
+        if isinstance(self.tower, ViTTower):
             if out.get("num_crops") is not None and int(out["num_crops"][0]):
                 raise ImageError(
                     "the image processor cut the image into pan-and-scan crops, which nanoflex "

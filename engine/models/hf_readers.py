@@ -90,6 +90,49 @@ def gemma3(hf: Any) -> dict[str, Any]:
     )
 
 
+def llava(hf: Any) -> dict[str, Any]:
+    """LLaVA: a Llama language model, a CLIP tower read at `vision_feature_layer` and a
+    linear-GELU-linear projector (engine/models/llava.py); image tokens attend causally."""
+    from engine.models.vit_config import ViTConfig
+
+    text, vision = hf.text_config, hf.vision_config
+    if text.model_type != "llama":
+        raise UnsupportedModelError(
+            f"llava: a {text.model_type} language model (text_config.model_type) is not "
+            "supported; nanoflex runs LLaVA with a llama one"
+        )
+    refuse_unhonoured(text, FAMILIES["llama"].honoured or COMMON)
+    require(vision, "model_type", ("clip_vision_model",))
+    require(vision, "num_channels", (3,))
+    require(hf, "vision_feature_select_strategy", ("default", "full"))
+    require(hf, "projector_hidden_act", ("gelu",))
+    layer = hf.vision_feature_layer
+    if not isinstance(layer, int) or not -vision.num_hidden_layers <= layer <= -1:
+        raise UnsupportedModelError(
+            f"llava: vision_feature_layer {layer!r} is not supported (one negative layer "
+            f"index from -1 to -{vision.num_hidden_layers})"
+        )
+    full = hf.vision_feature_select_strategy == "full"
+    patches = (vision.image_size // vision.patch_size) ** 2
+    tied = getattr(hf, "tie_word_embeddings", None)
+    return dict(
+        llama(text),
+        model_type="llava",
+        vision=ViTConfig.from_hf(
+            vision,
+            text.hidden_size,
+            patches + full,
+            class_token=True,
+            feature_layer=layer,
+            keep_class_token=full,
+            projector="mlp",
+            projector_act=hf.projector_hidden_act,
+        ),
+        image_token_id=int(hf.image_token_id),
+        tie_word_embeddings=bool(text.tie_word_embeddings if tied is None else tied),
+    )
+
+
 def opt(hf: Any) -> dict[str, Any]:
     """OPT: learned positions, LayerNorm, a ReLU MLP, biases everywhere."""
     require(hf, "activation_function", ("relu",))

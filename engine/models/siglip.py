@@ -1,11 +1,13 @@
 """`ViTEncoder`: a plain ViT over one image (SigLIP's vision model, which Gemma 3, SmolVLM and
-Idefics3 use; CLIP's differs by a pre-norm and its activation), exactly as transformers'
-`SiglipVisionTransformer` computes it without its pooling head.
+Idefics3 use; CLIP's, which LLaVA uses, with its class token, its pre-norm and quick_gelu),
+exactly as transformers' `SiglipVisionTransformer` and `CLIPVisionTransformer` compute it
+without their pooling heads.
 
-Legend: N = (image_size / patch_size)**2 patches of one image, row-major; D = hidden_size.
-Weights use the checkpoint's names under the encoder's prefix: 'embeddings.patch_embedding',
-'embeddings.position_embedding', 'encoder.layers.{i}.(layer_norm1|self_attn.q_proj|...)',
-'post_layernorm'.
+Legend: N = (image_size / patch_size)**2 patches of one image, row-major (CLIP: N + 1, its
+class token first); D = hidden_size. Weights use the checkpoint's names under the encoder's
+prefix: 'embeddings.patch_embedding' (CLIP's without a bias), 'embeddings.position_embedding',
+'embeddings.class_embedding' and 'pre_layrnorm' (CLIP),
+'encoder.layers.{i}.(layer_norm1|self_attn.q_proj|...)', 'post_layernorm'.
 """
 
 from __future__ import annotations
@@ -35,19 +37,25 @@ class ViTEncoder:
 
     def encode(self, w: Weights, pixels: torch.Tensor) -> torch.Tensor:
         """One image's pixels (channels, image_size, image_size), normalized as its processor
-        normalizes them -> (N, D) patch states after the final LayerNorm."""
+        normalizes them -> (N, D) patch states after the final LayerNorm (CLIP: N + 1; with a
+        `feature_layer`, that layer's states without the final LayerNorm)."""
         c = self.config
         weight = w["embeddings.patch_embedding.weight"]  # (D, channels, patch, patch)
         x = F.conv2d(
             pixels[None].to(weight.dtype),
             weight,
-            w["embeddings.patch_embedding.bias"],
+            w.get("embeddings.patch_embedding.bias"),
             stride=c.patch_size,
         )  # (1, D, side, side)
-        x = x.flatten(2)[0].transpose(0, 1) + w["embeddings.position_embedding.weight"]
-        for i in range(c.num_layers):
+        x = x.flatten(2)[0].transpose(0, 1)  # (N, D)
+        if c.class_token:  # CLIP: (N + 1, D), then its pre-norm
+            x = torch.cat((w["embeddings.class_embedding"][None].to(x.dtype), x))
+        x = x + w["embeddings.position_embedding.weight"]
+        if c.class_token:
+            x = self._norm(x, w, "pre_layrnorm")
+        for i in range(c.num_layers_run):
             x = self._block(w, f"encoder.layers.{i}.", x)
-        return self._norm(x, w, "post_layernorm")
+        return x if c.feature_layer else self._norm(x, w, "post_layernorm")
 
     def _block(self, w: Weights, prefix: str, x: torch.Tensor) -> torch.Tensor:
         """x + attention(norm1(x)) over every patch, then + MLP(norm2(x))."""

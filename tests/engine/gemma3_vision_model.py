@@ -5,14 +5,13 @@ a chat through that processor: the reference the Gemma 3 vision tests compare ag
 
 from __future__ import annotations
 
-import io
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from tests.engine.tiny_models import build_from_spec
-from tests.engine.vision_models import _byte_of, greedy_answer, image_chat
+from tests.engine.vision_models import _byte_of, processor_generate
 
 NEWLINE = "Ċ"
 """The byte-level alphabet's newline."""
@@ -159,16 +158,8 @@ def _randomize_projector(path: Path, seed: int, scaled: dict[str, float]) -> Non
 def hf_gemma3_generate(
     model_dir: Path, images: list[bytes], text: str, max_new_tokens: int
 ) -> tuple[list[int], list[int], list[float]]:
-    """(prompt token ids, transformers' greedy tokens, the log-probability of each) for the
-    image(s) and the text, the prompt and pixels made by the checkpoint's own processor
-    (AutoProcessor) and template; EOS ignored."""
-    from PIL import Image
-    from transformers import AutoProcessor, Gemma3ForConditionalGeneration
+    """transformers' Gemma 3 answer (`processor_generate`)."""
+    from transformers import Gemma3ForConditionalGeneration
 
-    processor = AutoProcessor.from_pretrained(model_dir)
-    chat = image_chat(text, len(images))
-    prompt = processor.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
-    pictures = [Image.open(io.BytesIO(b)).convert("RGB") for b in images]
-    inputs = processor(text=prompt, images=pictures, return_tensors="pt")
-    model = Gemma3ForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32)
-    return greedy_answer(model, dict(inputs), max_new_tokens, pad_token_id=FIRST_SPECIAL)
+    model = Gemma3ForConditionalGeneration
+    return processor_generate(model_dir, model, images, text, max_new_tokens, FIRST_SPECIAL)

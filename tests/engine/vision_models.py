@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from engine.core.media import SeqMedia, VisionSpec, expand_image_tokens
 from tests.engine.tiny_models import build_from_spec
 
 SPECIAL_TOKENS = (
@@ -209,6 +210,45 @@ def hf_vl_generate(
     inputs["mm_token_type_ids"] = (inputs["input_ids"] == IMAGE_TOKEN_ID).int()
     model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
     return greedy_answer(model, dict(inputs), max_new_tokens, pad_token_id=256)
+
+
+def processor_generate(
+    model_dir: Path,
+    model_class: Any,
+    images: list[bytes],
+    text: str,
+    max_new_tokens: int,
+    pad_token_id: int,
+) -> tuple[list[int], list[int], list[float]]:
+    """(prompt token ids, transformers' greedy tokens, the log-probability of each) of
+    `model_class` (Gemma 3's, LLaVA's) for the image(s) and the text, the prompt and pixels
+    made by the checkpoint's own processor (AutoProcessor) and template; EOS ignored."""
+    from PIL import Image
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(model_dir)
+    chat = image_chat(text, len(images))
+    prompt = processor.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    pictures = [Image.open(io.BytesIO(b)).convert("RGB") for b in images]
+    inputs = processor(text=prompt, images=pictures, return_tensors="pt")
+    model = model_class.from_pretrained(model_dir, dtype=torch.float32)
+    return greedy_answer(model, dict(inputs), max_new_tokens, pad_token_id)
+
+
+def image_prompt(
+    llm: Any, model_dir: Path, images: list[bytes], text: str
+) -> tuple[list[int], SeqMedia | None]:
+    """The chat's token ids through `llm`'s tokenizer and template, its image placeholders
+    widened as the daemon widens them, and its media."""
+    from PIL import Image
+
+    assert llm.tokenizer is not None
+    ids = llm.tokenizer.apply_chat_template(image_chat(text, len(images)))
+    spec = VisionSpec.from_model_dir(model_dir)
+    assert spec is not None
+    sizes = [Image.open(io.BytesIO(b)).size for b in images]
+    media = expand_image_tokens(ids, spec, [(b, w, h) for b, (w, h) in zip(images, sizes)])
+    return ids, media
 
 
 def greedy_answer(

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import base64
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -119,24 +120,63 @@ def assert_chat_and_batch_answers(live: LiveServer, vl_dir: Path, media_dir: Pat
     first, second = png_bytes(60, 90, seed=1), png_bytes(100, 70, seed=5)
     (media_dir / "page.png").write_bytes(second)
     want = {"a": reference(vl_dir, first), "b": reference(vl_dir, second)}
-    body = {"model": MODEL, "max_tokens": MAX_TOKENS, "temperature": 0, **GREEDY_IDS}
     api = live.openai()
     tokens, logprobs, prompt_tokens = chat_answer(api, MODEL, data_url(first))
     assert_same_answer(tokens, logprobs, want["a"])
     assert prompt_tokens > 6 * 4  # its image tokens
+    urls = {"a": data_url(first), "b": f"file://{media_dir / 'page.png'}"}
+    for key, got in batch_answers(api, MODEL, urls).items():
+        assert_same_answer(*got, want[key])
+
+
+def batch_answers(
+    api: Any, model: str, urls: dict[str, str]
+) -> dict[str, tuple[list[int], list[float]]]:
+    """custom_id -> (greedy tokens, their log-probabilities) of a Batch API job of one chat
+    line per image in `urls` (custom_id -> image URL), each with `TEXT`."""
+    body = {"model": model, "max_tokens": MAX_TOKENS, "temperature": 0, **GREEDY_IDS}
     lines = [
         json.dumps({"custom_id": key, "method": "POST", "url": "/v1/chat/completions",
                     "body": {**body, "messages": [image_message(url)]}})
-        for key, url in (("a", data_url(first)), ("b", f"file://{media_dir / 'page.png'}"))
+        for key, url in urls.items()
     ]  # fmt: skip
     batch = api.batches.create(
         input_file_id=upload(api, lines), endpoint="/v1/chat/completions", completion_window="24h"
     )
     done = wait_batch(api, batch.id, timeout_s=120)
     assert done.status == "completed" and done.output_file_id is not None
-    for line in read_lines(api, done.output_file_id):
-        choice = line["response"]["body"]["choices"][0]
-        assert_same_answer(*answer(choice["logprobs"]), want[line["custom_id"]])
+    return {
+        line["custom_id"]: answer(line["response"]["body"]["choices"][0]["logprobs"])
+        for line in read_lines(api, done.output_file_id)
+    }
+
+
+def assert_one_size_images_match(
+    make_server: ServerFactory,
+    model_dir: Path,
+    model: str,
+    generate: Callable[[Path, list[bytes], str, int], tuple[list[int], list[int], list[float]]],
+    tokens_per_image: int,
+) -> None:
+    """A daemon of a model that resizes every image to one size (Gemma 3, LLaVA): an image as
+    a data URL in a chat (the openai client) and two in Batch API lines give `generate`'s
+    (transformers') greedy answers, the prompt as long as its processor's."""
+    first, second = png_bytes(60, 90, seed=1), png_bytes(100, 70, seed=5)
+    want = {}
+    for key, image in (("a", first), ("b", second)):
+        want_ids, *tokens = generate(model_dir, [image], TEXT, MAX_TOKENS)
+        want[key] = (tokens[0], tokens[1])
+    assert want["a"][1] != want["b"][1]  # the two images give two answers
+    args = EngineArgs(model=str(model_dir), policy=Policy(), device="cpu")
+    engine = CoreEngineClient(args, model_dir, Policy(), model_name=model, in_process=True)
+    api = make_server(engine, media_limits=MediaLimits(max_images=2)).openai()
+    tokens, logprobs, prompt_tokens = chat_answer(api, model, data_url(first))
+    assert_same_answer(tokens, logprobs, want["a"])
+    # the processor's prompt: its length, the image's tokens (and markers) included
+    assert prompt_tokens == len(want_ids) and len(want_ids) > tokens_per_image
+    urls = {"a": data_url(first), "b": data_url(second)}
+    for key, got in batch_answers(api, model, urls).items():
+        assert_same_answer(*got, want[key])
 
 
 def test_run_batch_reads_images_under_the_allowed_path(vl_dir: Path, tmp_path: Path) -> None:

@@ -6,18 +6,17 @@ share a cached prefix page."""
 from __future__ import annotations
 
 import dataclasses
-import io
 from pathlib import Path
 
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.core.media import ImageInput, SeqMedia, VisionSpec, expand_image_tokens
+from engine.core.media import ImageInput, SeqMedia, VisionSpec
 from engine.core.request_checks import RequestError, check_request
 from engine.core.sequence import Request
 from policy import Policy
 from tests.engine.gemma3_vision_model import TOKENS_PER_IMAGE, build_tiny_gemma3, hf_gemma3_generate
-from tests.engine.vision_models import assert_same_answer, chosen, image_chat, png_bytes
+from tests.engine.vision_models import assert_same_answer, chosen, image_prompt, png_bytes
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=0)
 TEXT = "what is this?"
@@ -35,22 +34,6 @@ def reference(gemma3_dir: Path) -> tuple[bytes, list[int], list[int], list[float
     return image, *hf_gemma3_generate(gemma3_dir, [image], TEXT, GREEDY.max_tokens)
 
 
-def image_prompt(
-    llm: LLM, model_dir: Path, images: list[bytes], text: str
-) -> tuple[list[int], SeqMedia | None]:
-    """The chat's token ids, its placeholders widened as the daemon widens them, and its
-    media."""
-    from PIL import Image
-
-    assert llm.tokenizer is not None
-    ids = llm.tokenizer.apply_chat_template(image_chat(text, len(images)))
-    spec = VisionSpec.from_model_dir(model_dir)
-    assert spec is not None and spec.bidirectional
-    sizes = [Image.open(io.BytesIO(b)).size for b in images]
-    media = expand_image_tokens(ids, spec, [(b, w, h) for b, (w, h) in zip(images, sizes)])
-    return ids, media
-
-
 def test_an_image_in_a_chat_gives_transformers_greedy_tokens(
     gemma3_dir: Path, reference: tuple[bytes, list[int], list[int], list[float]]
 ) -> None:
@@ -58,6 +41,8 @@ def test_an_image_in_a_chat_gives_transformers_greedy_tokens(
     pair = [image, png_bytes(130, 40, seed=2)]  # two images back to back: two spans
     want_pair_ids, *want_pair = hf_gemma3_generate(gemma3_dir, pair, TEXT, GREEDY.max_tokens)
     with LLM(str(gemma3_dir), policy=Policy(), device="cpu") as llm:
+        spec = VisionSpec.from_model_dir(gemma3_dir)
+        assert spec is not None and spec.bidirectional
         ids, media = image_prompt(llm, gemma3_dir, [image], TEXT)
         assert ids == want_ids  # the processor's prompt: newline runs merged alike
         assert media is not None and media.images[0].num_tokens == TOKENS_PER_IMAGE

@@ -5,13 +5,11 @@ prefix page."""
 from __future__ import annotations
 
 import dataclasses
-import io
 from pathlib import Path
 
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.core.media import SeqMedia, VisionSpec, expand_image_tokens
 from engine.executor import vision_encoder
 from policy import Policy
 from tests.engine.vision_models import (
@@ -19,7 +17,7 @@ from tests.engine.vision_models import (
     build_tiny_vl,
     chosen,
     hf_vl_generate,
-    image_chat,
+    image_prompt,
     png_bytes,
 )
 
@@ -29,21 +27,6 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs
 @pytest.fixture(scope="module")
 def vl_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_vl(tmp_path_factory.mktemp("tiny-qwen2_5_vl"))
-
-
-def image_prompt(
-    llm: LLM, model_dir: Path, images: list[bytes], text: str
-) -> tuple[list[int], SeqMedia | None]:
-    """The chat's token ids, image tokens widened as the daemon widens them, and its media."""
-    from PIL import Image
-
-    assert llm.tokenizer is not None
-    ids = llm.tokenizer.apply_chat_template(image_chat(text, len(images)))
-    spec = VisionSpec.from_model_dir(model_dir)
-    assert spec is not None
-    sizes = [Image.open(io.BytesIO(b)).size for b in images]
-    media = expand_image_tokens(ids, spec, [(b, w, h) for b, (w, h) in zip(images, sizes)])
-    return ids, media
 
 
 def test_an_image_in_a_chat_gives_transformers_greedy_tokens(vl_dir: Path) -> None:

@@ -18,13 +18,8 @@ from engine.models.config_cache import read_model_config
 from engine.models.qwen3_vl import Qwen3VLModel, Qwen3VLMoeModel
 from policy import Policy
 from tests.engine.qwen3_vl_models import build_tiny_qwen3_vl, build_tiny_qwen3_vl_moe
-from tests.engine.vision.test_qwen2_5_vl import (
-    GREEDY,
-    assert_image_chats_match,
-    chosen,
-    image_prompt,
-)
-from tests.engine.vision_models import assert_same_answer, hf_vl_generate, png_bytes
+from tests.engine.vision.test_qwen2_5_vl import GREEDY, assert_image_chats_match, chosen
+from tests.engine.vision_models import assert_same_answer, hf_vl_generate, image_prompt, png_bytes
 
 
 @pytest.fixture(scope="module")
