@@ -178,6 +178,8 @@ def _qwen3_vl(model: dict[str, Any]) -> VisionSpec:
     out = int(config["out_hidden_size"])
     merged = hidden * merge * merge
     deepstack = len(config.get("deepstack_visual_indexes") or ())
+    # the merger's LayerNorm over h, each DeepStack merger's over h m^2
+    projector = 2 * hidden + _merger(merged, out) + deepstack * (2 * merged + _merger(merged, out))
     return VisionSpec(
         depth=int(config["depth"]),
         hidden_size=hidden,
@@ -190,9 +192,7 @@ def _qwen3_vl(model: dict[str, Any]) -> VisionSpec:
         merge_size=merge,
         gated_mlp=False,
         norm_params=2,
-        projector_params=2 * hidden
-        + _merger(merged, out)
-        + deepstack * (2 * merged + _merger(merged, out)),
+        projector_params=projector,
         position_params=int(config.get("num_position_embeddings", 2304)) * hidden,
         patch_bias=True,
     )

@@ -10,6 +10,7 @@ import pytest
 from policy import FLEXGEN_T4, Policy
 from policy.catalog import GEMMA3_TOWER, QWEN2_5_VL_TOWER, QWEN3_VL_TOWER, resolve_model_spec
 from policy.cost_model import estimate
+from policy.errors import ModelSpecError
 from policy.plan import format_report
 from policy.search import PlanResult, search
 from policy.specs import ModelSpec, WorkloadSpec
@@ -175,6 +176,8 @@ def test_a_tiny_gemma3_tower_and_siglips_head() -> None:
     vision = {k: v for k, v in dict(GEMMA3["vision_config"]).items() if k != "vision_use_head"}
     headed = {**GEMMA3, "vision_config": vision}
     assert ModelSpec.from_hf_config(headed).vision.params == _hf_gemma3_tower_params(headed)  # type: ignore[union-attr]
+    with pytest.raises(ModelSpecError, match="mm_tokens_per_image 15 does not pool 8 x 8"):
+        ModelSpec.from_hf_config({**GEMMA3, "mm_tokens_per_image": 15})
 
 
 def test_qwen3_vl_towers_have_transformers_parameter_count() -> None:
