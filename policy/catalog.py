@@ -269,6 +269,49 @@ def _qwen2_5_vl(
     )
 
 
+GEMMA3_TOWER: dict[str, Any] = dict(
+    hidden_size=1152,
+    intermediate_size=4304,
+    num_hidden_layers=27,
+    num_attention_heads=16,
+    image_size=896,
+    patch_size=14,
+    vision_use_head=False,
+)
+"""Gemma 3 4B's, 12B's and 27B's SigLIP `vision_config` (896-pixel squares, 64 x 64 patches
+pooled to 256 tokens)."""
+QWEN3_VL_TOWER: dict[str, Any] = dict(
+    depth=27,
+    hidden_size=1152,
+    intermediate_size=4304,
+    num_heads=16,
+    in_channels=3,
+    patch_size=16,
+    spatial_merge_size=2,
+    temporal_patch_size=2,
+    num_position_embeddings=2304,
+    deepstack_visual_indexes=[8, 16, 24],
+)
+"""Qwen3-VL-8B's `vision_config` but its out_hidden_size."""
+
+
+def _gemma3_vl(name: str, shape: tuple[int, int, int, int, int, int, int]) -> ModelSpec:
+    """A Gemma 3 vision checkpoint: its language model (`text_config`, as `_gemma` prices it)
+    and its SigLIP tower, 256 tokens per image."""
+    text = dict(model_type="gemma3_text", **_shape(*shape), sliding_window=1024)
+    return _hf(
+        name, "gemma3", text_config=text, vision_config=GEMMA3_TOWER, mm_tokens_per_image=256
+    )
+
+
+def _qwen3_vl(size: str, shape: tuple[int, int, int, int, int, int, int]) -> ModelSpec:
+    """Qwen3-VL: a Qwen3 language model (`text_config`) and its tower, DeepStack mergers
+    included."""
+    vision = {**QWEN3_VL_TOWER, "out_hidden_size": shape[0]}
+    text = dict(model_type="qwen3", **_shape(*shape), tie_word_embeddings=False)
+    return _hf(f"qwen3-vl-{size}", "qwen3_vl", text_config=text, vision_config=vision)
+
+
 _GRANITE_H_LAYERS = ["attention" if i % 10 == 5 else "mamba" for i in range(40)]
 """Granite 4.0 H's 40 layers: Mamba-2 but for attention at 5, 15, 25 and 35."""
 
@@ -334,6 +377,10 @@ BUILTIN_MODELS: dict[str, ModelSpec] = {
         _qwen2_5_vl("3b", (2048, 11008, 36, 16, 2, 128, 151936), tied=True),
         _qwen2_5_vl("7b", (3584, 18944, 28, 28, 4, 128, 152064), tied=False),
         _qwen2_5_vl("72b", (8192, 29568, 80, 64, 8, 128, 152064), tied=False),
+        _qwen3_vl("8b", (4096, 12288, 36, 32, 8, 128, 151936)),
+        _gemma3_vl("gemma-3-4b-it", (2560, 10240, 34, 8, 4, 256, 262208)),
+        _gemma3_vl("gemma-3-12b-it", (3840, 15360, 48, 16, 8, 256, 262208)),
+        _gemma3_vl("gemma-3-27b-it", (5376, 21504, 62, 32, 16, 128, 262208)),
         # Mixture-of-experts shapes: every routed expert is counted in the weights, only the
         # num_experts_per_tok a token is routed to in its FLOPs.
         _hf(
@@ -538,6 +585,8 @@ _ALIASES: dict[str, str] = {
     "qwen2.5-vl-3b-instruct": "qwen2.5-vl-3b",
     "qwen2.5-vl-7b-instruct": "qwen2.5-vl-7b",
     "qwen2.5-vl-72b-instruct": "qwen2.5-vl-72b",
+    "qwen3-vl-8b-instruct": "qwen3-vl-8b",
+    "qwen3-vl-8b-thinking": "qwen3-vl-8b",
     "qwen2-72b-instruct": "qwen2-72b",
     "qwen3-0.6b-base": "qwen3-0.6b",
     "qwen3-1.7b-base": "qwen3-1.7b",
@@ -549,12 +598,9 @@ _ALIASES: dict[str, str] = {
     "gemma-2-27b-it": "gemma-2-27b",
     "gemma-3-1b-it": "gemma-3-1b",
     "gemma-3-1b-pt": "gemma-3-1b",
-    "gemma-3-4b-it": "gemma-3-4b",
-    "gemma-3-4b-pt": "gemma-3-4b",
-    "gemma-3-12b-it": "gemma-3-12b",
-    "gemma-3-12b-pt": "gemma-3-12b",
-    "gemma-3-27b-it": "gemma-3-27b",
-    "gemma-3-27b-pt": "gemma-3-27b",
+    "gemma-3-4b-pt": "gemma-3-4b-it",
+    "gemma-3-12b-pt": "gemma-3-12b-it",
+    "gemma-3-27b-pt": "gemma-3-27b-it",
     "phi-3-mini-4k-instruct": "phi-3-mini-4k",
     "phi-3-mini-128k-instruct": "phi-3-mini-128k",
     "phi-3.5-mini-instruct": "phi-3-mini-128k",

@@ -3,10 +3,10 @@
 FLOPs of one image, and the bytes it holds on the compute device.
 
 One record serves every tower of ViT blocks (attention and an MLP, two norms each) between a
-patch embedding and a projector into the language model; a family adds a reader to
-`READERS` (Qwen2.5-VL's today; Gemma 3's SigLIP and Qwen3-VL's are the same blocks with a
-learned position table, LayerNorms and a plain MLP: `position_params`, `norm_params`,
-`gated_mlp`), not a new record.
+patch embedding and a projector into the language model; each family has a reader in
+`READERS` (Qwen2.5-VL's; Gemma 3's SigLIP and Qwen3-VL's are the same blocks with a learned
+position table, LayerNorms and a plain MLP: `position_params`, `norm_params`, `gated_mlp`),
+not a record of its own.
 
 Legend: P patches of one image, T = P / m^2 its tokens (m the merge size), h the tower's
 width, f its MLP's, W the patches one windowed block's attention spans.
@@ -61,7 +61,9 @@ class VisionSpec:
     projector_params: int = 0
     """Parameters after the blocks: the merger or projector into the language model."""
     position_params: int = 0
-    """A learned position table (SigLIP); 0 for rotary positions (Qwen)."""
+    """A learned position table (SigLIP's, Qwen3-VL's); 0 for rotary positions alone."""
+    patch_bias: bool = False
+    """The patch embedding carries a bias (SigLIP's, Qwen3-VL's)."""
     fixed_image_tokens: int = 0
     """Tokens every image takes whatever its size (Gemma 3's 256: images are resized to the
     tower's square); 0: dynamic resolution, tokens from the image's pixels."""
@@ -70,9 +72,11 @@ class VisionSpec:
 
     @property
     def patch_embed_params(self) -> int:
-        """The patch embedding: a convolution from c t p p pixels to h, without a bias."""
-        p = self.patch_size
-        return self.in_channels * self.temporal_patch_size * p * p * self.hidden_size
+        """The patch embedding: a convolution from c t p p pixels to h (and its bias)."""
+        p, h = self.patch_size, self.hidden_size
+        return self.in_channels * self.temporal_patch_size * p * p * h + (
+            h if self.patch_bias else 0
+        )
 
     @property
     def block_linear_params(self) -> int:
@@ -132,10 +136,16 @@ class VisionSpec:
         return self.tokens_per_image(pixels) * self.out_hidden_size * dtype_bytes
 
 
-def _qwen2_5_vl(config: dict[str, Any]) -> VisionSpec:
+def _merger(width: int, out: int) -> int:
+    """A Qwen merger's projections: width -> width -> out, with biases (GELU between)."""
+    return width * width + width + width * out + out
+
+
+def _qwen2_5_vl(model: dict[str, Any]) -> VisionSpec:
     """Qwen2.5-VL's (transformers' Qwen2_5_VLVisionConfig; `in_chans` in older files):
     RMSNorm blocks with SwiGLU, biases on every projection, windowed attention but for
     `fullatt_block_indexes`, and a merger (RMSNorm, h m^2 -> h m^2 -> out, GELU between)."""
+    config = model["vision_config"]
     hidden, merge = int(config["hidden_size"]), int(config.get("spatial_merge_size", 2))
     patch = int(config.get("patch_size", 14))
     out = int(config["out_hidden_size"])
@@ -153,13 +163,91 @@ def _qwen2_5_vl(config: dict[str, Any]) -> VisionSpec:
         merge_size=merge,
         window_patches=window * window,
         num_full_attention_blocks=len(config.get("fullatt_block_indexes") or ()),
-        projector_params=hidden + merged * merged + merged + merged * out + out,
+        projector_params=hidden + _merger(merged, out),
     )
 
 
-READERS: dict[str, Callable[[dict[str, Any]], VisionSpec]] = {"qwen2_5_vl": _qwen2_5_vl}
-"""model_type -> the reader of its `vision_config` (the checkpoint's own type, before the
-planner reads its language model)."""
+def _qwen3_vl(model: dict[str, Any]) -> VisionSpec:
+    """Qwen3-VL's and Qwen3-VL-MoE's (transformers' Qwen3VLVisionConfig): LayerNorm blocks
+    with a plain GELU MLP, biases everywhere, full attention in every block, a learned
+    position table beside the rotary positions, 16-pixel patches merged 2 x 2; a merger
+    (LayerNorm of h, then h m^2 -> h m^2 -> out) and one DeepStack merger per
+    `deepstack_visual_indexes` (its LayerNorm over the merged h m^2)."""
+    config = model["vision_config"]
+    hidden, merge = int(config["hidden_size"]), int(config.get("spatial_merge_size", 2))
+    out = int(config["out_hidden_size"])
+    merged = hidden * merge * merge
+    deepstack = len(config.get("deepstack_visual_indexes") or ())
+    # the merger's LayerNorm over h, each DeepStack merger's over h m^2
+    projector = 2 * hidden + _merger(merged, out) + deepstack * (2 * merged + _merger(merged, out))
+    return VisionSpec(
+        depth=int(config["depth"]),
+        hidden_size=hidden,
+        intermediate_size=int(config["intermediate_size"]),
+        num_heads=int(config["num_heads"]),
+        patch_size=int(config.get("patch_size", 16)),
+        out_hidden_size=out,
+        in_channels=int(config.get("in_channels", 3)),
+        temporal_patch_size=int(config.get("temporal_patch_size", 2)),
+        merge_size=merge,
+        gated_mlp=False,
+        norm_params=2,
+        projector_params=projector,
+        position_params=int(config.get("num_position_embeddings", 2304)) * hidden,
+        patch_bias=True,
+    )
+
+
+def _gemma3(model: dict[str, Any]) -> VisionSpec:
+    """Gemma 3's SigLIP (transformers' SiglipVisionConfig): LayerNorm blocks with a plain MLP,
+    biases everywhere, a learned position per patch of the `image_size` square every image is
+    resized to, a final LayerNorm; its patch grid average-pooled to `mm_tokens_per_image`
+    tokens (a pooling of m x m patches, no parameters), Gemma's RMSNorm and one projection
+    h -> out (no bias). `vision_use_head` (transformers' default; Gemma 3's files turn it
+    off) adds SigLIP's attention-pooling head, which transformers counts though nothing
+    reads it."""
+    config = model["vision_config"]
+    hidden, inter = int(config["hidden_size"]), int(config["intermediate_size"])
+    patch, image = int(config.get("patch_size", 14)), int(config.get("image_size", 896))
+    tokens = int(model.get("mm_tokens_per_image", 256))
+    side, token_side = image // patch, math.isqrt(tokens)
+    if image % patch or token_side**2 != tokens or side % token_side:
+        raise ValueError(
+            f"mm_tokens_per_image {tokens} does not pool {side} x {side} patches of {patch} pixels"
+        )
+    out = int(model.get("text_config", {}).get("hidden_size", 2304))
+    head = 0
+    if config.get("vision_use_head", True):
+        # probe, fused q/k/v and out projections with biases, a LayerNorm, an MLP
+        head = hidden + 4 * hidden * hidden + 4 * hidden + 2 * hidden + 2 * hidden * inter
+        head += inter + hidden
+    return VisionSpec(
+        depth=int(config["num_hidden_layers"]),
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_heads=int(config["num_attention_heads"]),
+        patch_size=patch,
+        out_hidden_size=out,
+        in_channels=int(config.get("num_channels", 3)),
+        merge_size=side // token_side,
+        gated_mlp=False,
+        norm_params=2,
+        projector_params=2 * hidden + hidden + hidden * out + head,
+        position_params=side * side * hidden,
+        patch_bias=True,
+        fixed_image_tokens=tokens,
+    )
+
+
+READERS: dict[str, Callable[[dict[str, Any]], VisionSpec]] = {
+    "qwen2_5_vl": _qwen2_5_vl,
+    "qwen3_vl": _qwen3_vl,
+    "qwen3_vl_moe": _qwen3_vl,
+    "gemma3": _gemma3,
+}
+"""model_type -> the reader of its tower, given the whole config.json (its `vision_config`,
+and what the family keeps beside it); the checkpoint's own type, before the planner reads
+its language model."""
 
 
 def vision_spec(config: dict[str, Any], model_type: str) -> VisionSpec | None:
@@ -171,4 +259,4 @@ def vision_spec(config: dict[str, Any], model_type: str) -> VisionSpec | None:
     vision = config.get("vision_config")
     if reader is None or not isinstance(vision, dict):
         return None
-    return reader(vision)
+    return reader(config)

@@ -75,7 +75,7 @@ def test_builtin_parameter_counts_match_published_sizes(name: str, billions: flo
     [
         ("Qwen/Qwen3-8B", "qwen3-8b", 0, 0),
         ("google/gemma-2-9b-it", "gemma-2-9b", 21, 4096),
-        ("google/gemma-3-27b-it", "gemma-3-27b", 52, 1024),
+        ("google/gemma-3-27b-it", "gemma-3-27b-it", 52, 1024),
         ("microsoft/Phi-3-mini-4k-instruct", "phi-3-mini-4k", 32, 2047),
         ("microsoft/Phi-4-mini-instruct", "phi-4-mini", 0, 0),
         ("allenai/OLMo-2-1124-7B-Instruct", "olmo-2-7b", 0, 0),

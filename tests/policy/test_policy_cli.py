@@ -56,8 +56,14 @@ def test_plan_report(hardware_file: str, capsys: pytest.CaptureFixture[str]) -> 
     [
         ("Qwen/Qwen3-8B", "qwen3-8b: 8.19B parameters, 15.3 GiB of weights, 144 KiB"),
         ("Qwen/Qwen3-32B", "qwen3-32b: 32.76B parameters, 61.0 GiB of weights, 256 KiB"),
-        ("google/gemma-3-12b-it", "gemma-3-12b: 11.77B parameters, 21.9 GiB of weights, 384 KiB"),
-        ("google/gemma-3-27b-it", "gemma-3-27b: 27.01B parameters, 50.3 GiB of weights, 496 KiB"),
+        (
+            "google/gemma-3-12b-it",
+            "gemma-3-12b-it: 11.77B parameters, 21.9 GiB of weights, 384 KiB",
+        ),
+        (
+            "google/gemma-3-27b-it",
+            "gemma-3-27b-it: 27.01B parameters, 50.3 GiB of weights, 496 KiB",
+        ),
         (
             "microsoft/Phi-4-mini-instruct",
             "phi-4-mini: 3.84B parameters, 7.1 GiB of weights, 128 KiB",

@@ -8,12 +8,13 @@ import dataclasses
 import pytest
 
 from policy import FLEXGEN_T4, Policy
-from policy.catalog import QWEN2_5_VL_TOWER, resolve_model_spec
+from policy.catalog import GEMMA3_TOWER, QWEN2_5_VL_TOWER, QWEN3_VL_TOWER, resolve_model_spec
 from policy.cost_model import estimate
+from policy.errors import ModelSpecError
 from policy.plan import format_report
 from policy.search import PlanResult, search
 from policy.specs import ModelSpec, WorkloadSpec
-from policy.vision import CACHED_IMAGES
+from policy.vision import CACHED_IMAGES, vision_spec
 from policy.vision_report import vision_summary
 from tests.engine.vision_models import SPEC
 
@@ -118,3 +119,103 @@ def test_the_planner_prices_the_engines_cache_of_encoded_images() -> None:
     from engine.executor import vision_encoder
 
     assert vision_encoder.CACHED_IMAGES == CACHED_IMAGES
+
+
+def _hf_gemma3_tower_params(config: dict[str, object]) -> int:
+    """transformers' count of Gemma3ForConditionalGeneration's vision_tower and
+    multi_modal_projector, the classes Gemma3Model builds (on the meta device)."""
+    import torch
+    from transformers import AutoModel, Gemma3Config
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3MultiModalProjector
+
+    full = Gemma3Config(**config)
+    with torch.device("meta"):
+        parts = (AutoModel.from_config(full.vision_config), Gemma3MultiModalProjector(full))
+    return sum(p.numel() for part in parts for p in part.parameters())
+
+
+def _hf_qwen3_vl_tower_params(config: dict[str, object], moe: bool = False) -> int:
+    """transformers' count of Qwen3-VL's (or Qwen3-VL-MoE's) `visual`, DeepStack mergers
+    included (on the meta device)."""
+    import torch
+    from transformers import Qwen3VLConfig, Qwen3VLMoeConfig
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
+    from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeVisionModel
+
+    kind = (Qwen3VLMoeConfig, Qwen3VLMoeVisionModel) if moe else (Qwen3VLConfig, Qwen3VLVisionModel)
+    vision_config = kind[0](vision_config=config["vision_config"]).vision_config
+    with torch.device("meta"):
+        tower = kind[1]._from_config(vision_config)
+    return sum(p.numel() for p in tower.parameters())
+
+
+@pytest.mark.parametrize("name", ["gemma-3-4b-it", "gemma-3-12b-it", "gemma-3-27b-it"])
+def test_gemma3_siglip_has_transformers_parameter_count(name: str) -> None:
+    """Each released shape (the catalogue's, as its config.json keeps it), 256 tokens per
+    image whatever its pixels."""
+    spec = resolve_model_spec(f"google/{name}")
+    assert spec.vision is not None and spec.model_type == "gemma3_text"
+    config = {
+        "vision_config": GEMMA3_TOWER,
+        "text_config": {"hidden_size": spec.hidden_size},
+        "mm_tokens_per_image": 256,
+    }
+    assert spec.vision.params == _hf_gemma3_tower_params(config)
+    assert {spec.vision.tokens_per_image(p) for p in (PAGE, 4 * PAGE, 64)} == {256}
+    assert spec.vision.patches_per_image(PAGE) == 64 * 64  # 896 / 14 per side
+
+
+def test_a_tiny_gemma3_tower_and_siglips_head() -> None:
+    """The engine tests' tiny checkpoint (16 tokens per image), and with SigLIP's pooling
+    head, which transformers builds (and counts) where `vision_use_head` is not turned off."""
+    from tests.engine.gemma3_vision_model import SPEC as GEMMA3
+
+    tiny = ModelSpec.from_hf_config(GEMMA3)
+    assert tiny.vision is not None and tiny.vision.tokens_per_image(PAGE) == 16
+    assert tiny.vision.params == _hf_gemma3_tower_params(GEMMA3)
+    vision = {k: v for k, v in dict(GEMMA3["vision_config"]).items() if k != "vision_use_head"}
+    headed = {**GEMMA3, "vision_config": vision}
+    assert ModelSpec.from_hf_config(headed).vision.params == _hf_gemma3_tower_params(headed)  # type: ignore[union-attr]
+    with pytest.raises(ModelSpecError, match="mm_tokens_per_image 15 does not pool 8 x 8"):
+        ModelSpec.from_hf_config({**GEMMA3, "mm_tokens_per_image": 15})
+
+
+def test_qwen3_vl_towers_have_transformers_parameter_count() -> None:
+    """The tiny test checkpoint's tower (its DeepStack merger included), Qwen3-VL-8B's and a
+    Qwen3-VL-MoE of the same tower (its own reader's model type)."""
+    from tests.engine.qwen3_vl_models import SPEC as QWEN3_VL
+
+    tiny = ModelSpec.from_hf_config(QWEN3_VL)
+    assert tiny.vision is not None and tiny.model_type == "qwen3"
+    assert tiny.vision.params == _hf_qwen3_vl_tower_params(QWEN3_VL)
+    real = resolve_model_spec("Qwen/Qwen3-VL-8B-Instruct")
+    assert real.vision is not None
+    config = {"vision_config": {**QWEN3_VL_TOWER, "out_hidden_size": 4096}}
+    assert real.vision.params == _hf_qwen3_vl_tower_params(config)
+    moe = vision_spec(config, "qwen3_vl_moe")
+    assert moe is not None and moe.params == _hf_qwen3_vl_tower_params(config, moe=True)
+
+
+def test_qwen3_vl_tokens_follow_its_patches_and_merge() -> None:
+    """16-pixel patches merged 2 x 2: a token per 32 x 32 pixels (Qwen2.5-VL: 28 x 28); the
+    tower's compute grows with the image, Gemma 3's does not."""
+    qwen = resolve_model_spec("qwen3-vl-8b").vision
+    gemma = resolve_model_spec("gemma-3-12b-it").vision
+    assert qwen is not None and gemma is not None
+    assert qwen.tokens_per_image(512 * 512) == 256 and qwen.tokens_per_image(PAGE) == 196
+    assert qwen.patches_per_image(512 * 512) == 1024
+    assert qwen.flops_per_image(4 * PAGE) > 4 * qwen.flops_per_image(PAGE) > 0
+    assert gemma.flops_per_image(4 * PAGE) == gemma.flops_per_image(PAGE) > 0
+
+
+def test_gemma3_12b_plans_under_16_gib_with_its_tower_resident() -> None:
+    """Gemma 3 12B's 21.9 GiB of weights partly offloaded, its 0.42B-parameter tower kept on
+    the 16 GiB GPU, 256 tokens per page."""
+    gemma = resolve_model_spec("google/gemma-3-12b-it")
+    workload = WorkloadSpec(64, 8, images_per_request=1, pixels_per_image=PAGE)
+    kwargs = dict(gpu_mem=16 * GiB, allow_compression=False, allow_cpu_attention=False)
+    result = search(gemma, workload, FLEXGEN_T4, **kwargs)  # type: ignore[arg-type]
+    assert result.estimate.fits and result.estimate.peak_bytes["gpu"] <= 16 * GiB
+    report = format_report(gemma, workload, result, {})
+    assert "vision tower: 0.42B parameters, 803.5 MiB of weights, home gpu" in report
+    assert "per image: 256 tokens" in report
