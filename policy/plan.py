@@ -90,7 +90,7 @@ def add_image_args(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         type=float,
         default=0.0,
-        help="images in each prompt, for a vision model (default 0: text prompts)",
+        help="images in each prompt, for a vision model (default 0.0: text prompts)",
     )
     parser.add_argument(
         "--image-pixels",

@@ -294,8 +294,9 @@ class BatchRunner:
             self._fail(batch_id, "no_valid_requests", message, problems)
             return
         self._keys[batch_id] = keys
-        if self._status(batch_id) == "validating":
-            self.store.update_batch(batch_id, status="in_progress", in_progress_at=now())
+        # a cancel on the event loop may land while this thread validates: only a batch still
+        # validating moves on (a read of the status, then a write, lost the cancel)
+        self.store.advance_batch(batch_id, "validating", status="in_progress", in_progress_at=now())
 
     def _fail(
         self, batch_id: str, code: str, message: str, problems: list[dict[str, Any]] | None = None

@@ -236,6 +236,18 @@ class Store:
         with self._tx() as conn:
             conn.execute(f"UPDATE batches SET {sets} WHERE id = ?", (*fields.values(), batch_id))
 
+    def advance_batch(self, batch_id: str, from_status: str, **fields: Any) -> bool:
+        """`update_batch` only while the batch is still `from_status`, in one statement: a
+        cancel that lands between a worker's read of the status and its write is not
+        overwritten. True when the batch moved."""
+        sets = ", ".join(f"{k} = ?" for k in fields)
+        with self._tx() as conn:
+            moved = conn.execute(
+                f"UPDATE batches SET {sets} WHERE id = ? AND status = ?",
+                (*fields.values(), batch_id, from_status),
+            )
+            return bool(moved.rowcount)
+
     def unfinished_batch_ids(self) -> list[str]:
         marks = ", ".join("?" for _ in UNFINISHED_BATCH_STATUSES)
         rows = self._query(

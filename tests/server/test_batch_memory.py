@@ -46,12 +46,9 @@ def test_validating_and_reading_back_a_huge_line_hold_it_about_twice(tmp_path: P
     assert validate < 2.2 and read_back < 2.2, (validate, read_back)
 
 
-def growths(folder: str) -> str:
-    """(validation, read back) peak growth of this process over the line's size, as JSON."""
-    tmp_path = Path(folder)
-    keep_heaps_trimmed()  # as the daemon does
-    store, storage = Store(tmp_path / "db.sqlite"), FileStorage(tmp_path / "files")
-    line_bytes = input_file(storage.path_for("file-in"), 16)
+def validating_batch(store: Store, storage: FileStorage) -> BatchRunner:
+    """Batch "batch_1" over the file "file-in" (written already), validating, and a runner of
+    the two without an engine (validation and read-back need none)."""
     store.insert_file(
         {"id": "file-in", "bytes": 0, "filename": "in.jsonl", "purpose": "batch",
          "created_at": 1, "status": "processed", "path": "file-in"}
@@ -61,6 +58,16 @@ def growths(folder: str) -> str:
          "status": "validating", "created_at": 1, "expires_at": 2**40, "metadata": None}
     )  # fmt: skip
     runner = BatchRunner(store, storage, None, BatchConfig())  # type: ignore[arg-type]  # unused
+    return runner
+
+
+def growths(folder: str) -> str:
+    """(validation, read back) peak growth of this process over the line's size, as JSON."""
+    tmp_path = Path(folder)
+    keep_heaps_trimmed()  # as the daemon does
+    store, storage = Store(tmp_path / "db.sqlite"), FileStorage(tmp_path / "files")
+    line_bytes = input_file(storage.path_for("file-in"), 16)
+    runner = validating_batch(store, storage)
 
     def peak_growth(step: Callable[[], object]) -> float:
         return_freed_memory()
@@ -138,3 +145,19 @@ def test_two_batches_over_a_huge_line_hold_it_about_twice_and_health_answers(
     while psutil.Process(pid).memory_info().rss - before >= 20 * 2**20:
         assert time.monotonic() < deadline, "the batches' memory was not given back"
         time.sleep(0.1)
+
+
+def test_a_cancel_during_validation_is_not_overwritten(tmp_path: Path) -> None:
+    """A batch cancelled while its validation runs on a worker thread stays cancelling: the
+    validation's move to in_progress happens only from validating, in one statement (the docs'
+    create-then-cancel example found a read-then-write losing the cancel on a quiet box). The
+    cancel is made to land in that window: the store's status reads see validating."""
+    store, storage = Store(tmp_path / "db.sqlite"), FileStorage(tmp_path / "files")
+    line = {"custom_id": "a", "method": "POST", "url": CHAT, "body": {"model": "m", "messages": []}}
+    storage.path_for("file-in").write_text(json.dumps(line) + "\n")
+    runner = validating_batch(store, storage)
+    store.update_batch("batch_1", status="cancelling", cancelling_at=2)  # the cancel, mid-way
+    runner._status = lambda batch_id: "validating"  # type: ignore[method-assign]  # read before it
+    runner._validate("batch_1")
+    batch = store.get_batch("batch_1")
+    assert batch is not None and batch.status == "cancelling"
