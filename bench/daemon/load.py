@@ -37,6 +37,19 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+BATCH_ENDED = ("completed", "failed", "expired", "cancelled")
+"""A Batch API job's final statuses (OpenAI's)."""
+
+
+def wait_for_batch(http: httpx.Client, batch_id: str, poll_s: float) -> dict[str, Any]:
+    """The batch object once the job has ended, polled every `poll_s` seconds."""
+    while True:
+        state: dict[str, Any] = http.get(f"/v1/batches/{batch_id}").json()
+        if state["status"] in BATCH_ENDED:
+            return state
+        time.sleep(poll_s)
+
+
 def start_daemon(data_dir: Path, max_queue: int) -> tuple[subprocess.Popen[bytes], str]:
     policy = data_dir / "policy.json"
     data_dir.mkdir(parents=True, exist_ok=True)

@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 
 from bench.common import Table, write_json
-from bench.daemon.load import launch
+from bench.daemon.load import launch, wait_for_batch
 
 MARK_S = 5.0
 URL = "/v1/completions"
@@ -94,11 +94,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     start = time.monotonic()
                     http.post(URL, json=body).raise_for_status()
                     latencies.append(time.monotonic() - start)
-                while True:
-                    state = http.get(f"/v1/batches/{batch['id']}").json()
-                    if state["status"] in ("completed", "failed", "expired", "cancelled"):
-                        break
-                    time.sleep(0.5)
+                state = wait_for_batch(http, batch["id"], 0.5)
                 job_s = time.monotonic() - job_start
                 output = http.get(f"/v1/files/{state['output_file_id']}/content").text
         finally:

@@ -34,7 +34,7 @@ import httpx
 import jsonschema
 
 from bench.common import Table, write_json
-from bench.daemon.load import launch
+from bench.daemon.load import launch, wait_for_batch
 from bench.features.pages import render_pages
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -120,11 +120,7 @@ def run_nanoflex(checkpoint: Path, pages: list[Path], max_tokens: int) -> dict[s
                 start = time.perf_counter()
                 batch = http.post("/v1/batches", json={**body, "completion_window": "24h"})
                 batch.raise_for_status()
-                while True:
-                    state = http.get(f"/v1/batches/{batch.json()['id']}").json()
-                    if state["status"] in ("completed", "failed", "expired", "cancelled"):
-                        break
-                    time.sleep(0.05)
+                state = wait_for_batch(http, batch.json()["id"], 0.05)
                 seconds = time.perf_counter() - start
                 if state["status"] != "completed" or not state.get("output_file_id"):
                     errors = state.get("error_file_id")

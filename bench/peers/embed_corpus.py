@@ -40,7 +40,7 @@ import numpy as np
 import psutil
 
 from bench.common import Table, write_json
-from bench.daemon.load import launch
+from bench.daemon.load import launch, wait_for_batch
 
 ENDPOINT = "/v1/embeddings"
 ST_PYTHON = "/opt/venvs/sentence-transformers/bin/python"
@@ -115,10 +115,9 @@ def run_nanoflex(
                 }
                 before = [cpu_seconds(p) for p in processes]
                 start = time.perf_counter()
-                batch = client.post("/v1/batches", json=body).json()
-                while batch["status"] not in ("completed", "failed", "cancelled", "expired"):
-                    time.sleep(0.1)
-                    batch = client.get(f"/v1/batches/{batch['id']}").json()
+                batch = wait_for_batch(
+                    client, client.post("/v1/batches", json=body).json()["id"], 0.1
+                )
                 seconds = time.perf_counter() - start
                 spent = [cpu_seconds(p) - b for p, b in zip(processes, before, strict=True)]
                 if batch["status"] != "completed" or batch["request_counts"]["failed"]:

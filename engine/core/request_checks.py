@@ -26,14 +26,14 @@ def check_request(
     max_model_len: int,
     kv_tokens: int,
     ids_in_use: Container[str],
-    max_step_tokens: int | None = None,
+    max_step_tokens: int,
 ) -> None:
     """Raise RequestError for a request that can never run; `kv_tokens`: the most tokens one
     sequence can hold in KV (`Scheduler.kv_tokens`); `max_step_tokens`: the most prompt
     tokens one step runs (an image whose tokens attend both ways runs in one step)."""
     num_prompt = len(request.prompt_token_ids)
     media = request.media
-    if media is not None and media.bidirectional and max_step_tokens is not None:
+    if media is not None and media.bidirectional:
         largest = max(image.num_tokens for image in media.images)
         if largest > max_step_tokens:
             raise RequestError(

@@ -239,8 +239,6 @@ class RaggedLayout:
         row past its sequence's length is never read) or one list per sequence; None: it
         gets them packed. `spans`: per sequence, the key ranges its queries see both ways
         (their group is masked explicitly, not by a kernel's causal mask); None: none."""
-        if spans is not None and not any(spans):
-            spans = None
         if isinstance(seq_slots, list):
             seq_slots = padded_table(seq_slots, device)
         decodes = [i for i, q in enumerate(q_lens) if q == 1]

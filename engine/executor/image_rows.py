@@ -48,10 +48,12 @@ class ImageRows:
 
 
 def embed_images(h: torch.Tensor, images: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """(T, hidden) embeddings with the image rows' replaced by their features' first `hidden`
-    columns; `images`: (rows (R,), features (R, hidden * (1 + deepstack layers)))."""
+    """The (T, hidden) embeddings `h`, the image rows' replaced in place by their features'
+    first `hidden` columns (in place: a replayed embedding's output is its graphs' static
+    buffer, which the next layer reads); `images`: (rows (R,), features (R, hidden * (1 +
+    deepstack layers)))."""
     rows, features = images
-    return h.index_copy(0, rows, features[:, : h.shape[1]].to(h.dtype))
+    return h.index_copy_(0, rows, features[:, : h.shape[1]].to(h.dtype))
 
 
 def add_deepstack(

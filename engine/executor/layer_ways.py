@@ -127,7 +127,7 @@ class GraphLayer:
             if kind == "embed":
                 h = GraphRunner.embed(graphs, w)
                 if batch.images is not None:  # as eagerly: an image's tokens take its features
-                    h.index_copy_(0, batch.images[0], batch.images[1].to(h.dtype))
+                    h = embed_images(h, batch.images)
                 return Computed(h, None)
             graphs.before[j - 1].replay()
             q, k, v = graphs.q, graphs.k, graphs.v

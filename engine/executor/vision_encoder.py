@@ -7,8 +7,9 @@ Four towers: Qwen2.5-VL's and Qwen3-VL's (dynamic resolution, a grid of patches 
 Qwen3-VL's with DeepStack features), Gemma 3's (a SigLIP ViT over one fixed-size image,
 engine/models/gemma3_vision.py) and LLaVA's (a CLIP ViT, engine/models/llava.py).
 
-Placement: the tower's weights are resident on the compute device, read once at start; the
-planner does not price them yet (they are a few percent of a VLM's weights)."""
+Placement: the tower's weights are resident on the compute device, read once at start, as
+the planner prices them (policy/vision.py: the tower's bytes and this cache's in the GPU
+budget)."""
 
 from __future__ import annotations
 
