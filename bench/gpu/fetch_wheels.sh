@@ -11,10 +11,11 @@ set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 pyver=${PYVER:-3.12}
 # cvxpy 1.9 also imports qdldl and sparsediffpy (<0.7); the engine imports llguidance and gguf,
-# the daemon python-multipart (found missing on the first GPU session, 2026-11-26)
+# the daemon python-multipart (found missing on the first GPU session, 2026-11-26); the
+# vision path pillow (images decoded for the towers: tests/engine/vision/test_vision_cuda.py)
 packages=(fastapi starlette pydantic pydantic-core annotated-types typing-inspection uvicorn
           python-multipart cvxpy clarabel osqp highspy qdldl "sparsediffpy<0.7" llguidance
-          gguf "$@")
+          gguf pillow "$@")
 if [[ " $* " == *flexgen* ]]; then packages+=(attrs); fi
 mkdir -p .whl
 for package in "${packages[@]}"; do

@@ -100,6 +100,7 @@ for step in "$@"; do
         tests/engine/executor/test_cuda.py tests/engine/storage/test_quant.py \
         tests/engine/kernels/test_triton_attention.py tests/engine/kernels/test_triton_dense.py \
         tests/engine/kernels/test_triton_paged.py \
+        tests/engine/vision/test_vision_cuda.py \
         tests/bench/test_gpu_compare.py::test_smoke_case_on_cuda ;;
     attention)
       run_step attention "${GPU_PASS_ATTENTION_S:-90}" "$PYTHON" -m bench.gpu.attention \

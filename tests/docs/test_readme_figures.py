@@ -91,12 +91,12 @@ FIGURES = (
     Figure("level on long prefills ({})", "vllm-cpu-avx2-prefill-c4f2e7b.json", ratios()),
     Figure(
         "behind on the mixed case in float32 ({})",
-        "vllm-cpu-avx2-1fea524.json",
+        "vllm-cpu-avx2-bb3fefb.json",
         ratios(workload="mixed", dtype="float32"),
     ),
     Figure(
         "level in the emulated bfloat16 ({})",
-        "vllm-cpu-avx2-1fea524.json",
+        "vllm-cpu-avx2-bb3fefb.json",
         ratios(workload="mixed", dtype="bfloat16"),
     ),
     Figure(
