@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from policy.catalog import SMOLVLM_TOWER, resolve_model_spec
 from policy.specs import ModelSpec
 
@@ -41,8 +43,9 @@ def test_the_tiny_tower_has_transformers_parameter_count() -> None:
     assert {tiny.vision.tokens_per_image(p) for p in (64, PAGE)} == {17 * TOKENS_PER_TILE}
 
 
-def test_smolvlm_256m_is_priced_with_its_tower() -> None:
-    spec = resolve_model_spec("smolvlm-256m-instruct")
+@pytest.mark.parametrize("name", ["smolvlm-256m-instruct", "smolvlm-500m-instruct"])
+def test_smolvlm_is_priced_with_its_tower(name: str) -> None:
+    spec = resolve_model_spec(name)
     assert spec.vision is not None and spec.model_type == "llama"
     config = {
         "vision_config": SMOLVLM_TOWER,
