@@ -7,6 +7,7 @@ each row, then a newline and the global image between <fake_token_around_image>s
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -99,11 +100,22 @@ def prompt_text(grid: tuple[int, int], tokens_per_tile: int, image_token: str) -
 
 
 def read_tiling(root: Path, processor: dict[str, Any], tokens_per_tile: int) -> Tiling:
-    """The tiling of the checkpoint in `root`: preprocessor_config.json's sizes (`processor`),
-    every prompt tokenized whole by its tokenizer.json (the prompt starts and ends with an
-    added token, so it tokenizes alike inside the chat)."""
+    """The tiling of the checkpoint in `root`: its image processor's sizes (`processor`,
+    preprocessor_config.json's, unless processor_config.json nests its own, which transformers
+    reads first), every prompt tokenized whole by its tokenizer.json (the prompt starts and
+    ends with an added token, so it tokenizes alike inside the chat). Raises ValueError where
+    the processor's image_seq_len is not the tower's `tokens_per_tile`."""
     from tokenizers import Tokenizer
 
+    nested_file = root / "processor_config.json"
+    nested = json.loads(nested_file.read_text()) if nested_file.is_file() else {}
+    processor = nested.get("image_processor") or processor
+    seq_len = int(nested.get("image_seq_len", tokens_per_tile))
+    if seq_len != tokens_per_tile:
+        raise ValueError(
+            f"the processor's image_seq_len {seq_len} is not the {tokens_per_tile} tokens the "
+            "tower gives a tile"
+        )
     tile = int((processor.get("max_image_size") or {}).get("longest_edge", 364))
     longest = int((processor.get("size") or {}).get("longest_edge", 4 * tile))
     is_split = bool(processor.get("do_image_splitting", True))

@@ -164,7 +164,7 @@ class VisionSpec:
         try:
             tiling = read_tiling(root, processor, per_tile)
         except (OSError, ValueError) as e:
-            raise ImageError(f"{root}: its tokenizer cannot write image tiles ({e})") from e
+            raise ImageError(f"{root}: its image tiles cannot be written ({e})") from e
         if tiling.tile_size != size:
             raise ImageError(
                 f"{root}: the processor's tiles of {tiling.tile_size} px (max_image_size) are "

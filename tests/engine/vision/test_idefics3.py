@@ -19,7 +19,13 @@ from tests.engine.idefics3_model import (
     hf_idefics3_generate,
     hf_idefics3_prompt,
 )
-from tests.engine.vision_models import assert_same_answer, chosen, image_prompt, png_bytes
+from tests.engine.vision_models import (
+    assert_same_answer,
+    chosen,
+    image_chat,
+    image_prompt,
+    png_bytes,
+)
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=0)
 TEXT = "what is this?"
@@ -85,3 +91,38 @@ def test_the_tower_gives_transformers_image_features(model_dir: Path) -> None:
         got = tower.encode(weights, inputs["pixel_values"][0])  # type: ignore[arg-type]
     assert got.shape == want.shape == (inputs["pixel_values"].shape[1] * TOKENS_PER_TILE, 64)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("split", [True, False])
+def test_tiles_and_prompts_are_the_processors(model_dir: Path, tmp_path: Path, split: bool) -> None:
+    """Images of many sizes and aspects: the daemon's tile grid and widened prompt equal the
+    processor's rows, columns and prompt (do_image_splitting off: the global image alone)."""
+    import io
+    import json
+    import shutil
+
+    from PIL import Image
+    from transformers import AutoImageProcessor
+
+    from engine.core.media import expand_image_tokens
+    from engine.core.tokenizer import Tokenizer
+
+    root = tmp_path / "checkpoint"  # the processor files and config; no weights needed
+    shutil.copytree(model_dir, root, ignore=shutil.ignore_patterns("*.safetensors"))
+    nested = json.loads((root / "processor_config.json").read_text())  # read first
+    nested["image_processor"]["do_image_splitting"] = split
+    (root / "processor_config.json").write_text(json.dumps(nested))
+    spec = VisionSpec.from_model_dir(root)
+    assert spec is not None and spec.tiling is not None
+    processor = AutoImageProcessor.from_pretrained(root)
+    tokenizer = Tokenizer(root)
+    for width, height in ((60, 90), (130, 40), (56, 56), (500, 20), (3, 200), (112, 57)):
+        picture = Image.new("RGB", (width, height))
+        out = processor([[picture]], return_row_col_info=True)
+        assert spec.grid(width, height)[1:] == (out["rows"][0][0], out["cols"][0][0])
+    images = [png_bytes(60, 90, seed=1), png_bytes(130, 40, seed=2)]
+    ids = tokenizer.apply_chat_template(image_chat(TEXT, len(images)))
+    sizes = [Image.open(io.BytesIO(b)).size for b in images]
+    media = expand_image_tokens(ids, spec, [(b, w, h) for b, (w, h) in zip(images, sizes)])
+    assert ids == hf_idefics3_prompt(root, images, TEXT)["input_ids"][0].tolist()
+    assert media is not None and (media.images[0].grid == (1, 0, 0)) == (not split)
