@@ -109,9 +109,16 @@ def test_tiles_and_prompts_are_the_processors(model_dir: Path, tmp_path: Path, s
 
     root = tmp_path / "checkpoint"  # the processor files and config; no weights needed
     shutil.copytree(model_dir, root, ignore=shutil.ignore_patterns("*.safetensors"))
-    nested = json.loads((root / "processor_config.json").read_text())  # read first
-    nested["image_processor"]["do_image_splitting"] = split
-    (root / "processor_config.json").write_text(json.dumps(nested))
+    # the image processor's config: nested in processor_config.json where that is saved
+    # (transformers reads it first; Idefics3's here), else preprocessor_config.json
+    if (root / "processor_config.json").is_file():
+        nested = json.loads((root / "processor_config.json").read_text())
+        nested["image_processor"]["do_image_splitting"] = split
+        (root / "processor_config.json").write_text(json.dumps(nested))
+    else:
+        config = json.loads((root / "preprocessor_config.json").read_text())
+        config["do_image_splitting"] = split
+        (root / "preprocessor_config.json").write_text(json.dumps(config))
     spec = VisionSpec.from_model_dir(root)
     assert spec is not None and spec.tiling is not None
     processor = AutoImageProcessor.from_pretrained(root)
