@@ -83,7 +83,8 @@ class VisionEncoder:
         return sum(t.numel() * t.element_size() for t in self.weights.values())
 
     def features(self, image: ImageInput) -> torch.Tensor:
-        """(image.num_tokens, feature_width) features of `image`: cached, or encoded now."""
+        """(image.num_tokens, feature_width) features of `image` (Idefics3's: one row per
+        token of its `runs`, its tiles' in order): cached, or encoded now."""
         cached = self._cache.get(image.digest)
         if cached is not None:
             self._cache.move_to_end(image.digest)
