@@ -304,6 +304,33 @@ def _gemma3_vl(name: str, shape: tuple[int, int, int, int, int, int, int]) -> Mo
     )
 
 
+SMOLVLM_TOWER: dict[str, Any] = dict(
+    hidden_size=768,
+    intermediate_size=3072,
+    num_hidden_layers=12,
+    num_attention_heads=12,
+    image_size=512,
+    patch_size=16,
+    size={"longest_edge": 2048},
+)
+"""SmolVLM-256M's and -500M's SigLIP `vision_config` (512-pixel tiles of 32 x 32 patches,
+an image's longest edge resized to 2048 pixels: 4 x 4 tiles and a global image)."""
+
+
+def _smolvlm(size: str, shape: tuple[int, int, int, int, int, int, int]) -> ModelSpec:
+    """SmolVLM: a SmolLM2 (Llama) language model of `shape`, untied, and its tower, the
+    connector's pixel shuffle of 4 x 4 patches: 64 tokens per tile."""
+    text = dict(model_type="llama", **_shape(*shape), tie_word_embeddings=False)
+    return _hf(
+        f"smolvlm-{size}-instruct",
+        "smolvlm",
+        text_config=text,
+        vision_config=SMOLVLM_TOWER,
+        scale_factor=4,
+        tie_word_embeddings=False,
+    )
+
+
 def _qwen3_vl(size: str, shape: tuple[int, int, int, int, int, int, int]) -> ModelSpec:
     """Qwen3-VL: a Qwen3 language model (`text_config`) and its tower, DeepStack mergers
     included."""
@@ -381,6 +408,8 @@ BUILTIN_MODELS: dict[str, ModelSpec] = {
         _gemma3_vl("gemma-3-4b-it", (2560, 10240, 34, 8, 4, 256, 262208)),
         _gemma3_vl("gemma-3-12b-it", (3840, 15360, 48, 16, 8, 256, 262208)),
         _gemma3_vl("gemma-3-27b-it", (5376, 21504, 62, 32, 16, 128, 262208)),
+        _smolvlm("256m", (576, 1536, 30, 9, 3, 64, 49280)),
+        _smolvlm("500m", (960, 2560, 32, 15, 5, 64, 49280)),
         # Mixture-of-experts shapes: every routed expert is counted in the weights, only the
         # num_experts_per_tok a token is routed to in its FLOPs.
         _hf(

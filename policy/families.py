@@ -154,6 +154,16 @@ _ROWS = (
         honoured=None,
         text_config="llama",
     ),
+    *(
+        Family(
+            model_type,
+            f"{_MODELS}.idefics3:Idefics3Model",
+            f"{_MODELS}.idefics3:read_config",
+            honoured=None,
+            text_config="llama",
+        )
+        for model_type in ("idefics3", "smolvlm")
+    ),
     Family(
         "phi3",
         f"{_MODELS}.phi3:Phi3Model",

@@ -221,21 +221,62 @@ def _gemma3(model: dict[str, Any]) -> VisionSpec:
         # probe, fused q/k/v and out projections with biases, a LayerNorm, an MLP
         head = hidden + 4 * hidden * hidden + 4 * hidden + 2 * hidden + 2 * hidden * inter
         head += inter + hidden
-    return VisionSpec(
-        depth=int(config["num_hidden_layers"]),
-        hidden_size=hidden,
-        intermediate_size=inter,
-        num_heads=int(config["num_attention_heads"]),
-        patch_size=patch,
-        out_hidden_size=out,
-        in_channels=int(config.get("num_channels", 3)),
+    return _siglip(
+        config,
+        out,
         merge_size=side // token_side,
-        gated_mlp=False,
-        norm_params=2,
         projector_params=2 * hidden + hidden + hidden * out + head,
         position_params=side * side * hidden,
-        patch_bias=True,
         fixed_image_tokens=tokens,
+    )
+
+
+def _idefics3(model: dict[str, Any]) -> VisionSpec:
+    """Idefics3's and SmolVLM's SigLIP-like tower (transformers' Idefics3VisionConfig): Gemma
+    3's blocks (LayerNorms, a plain MLP, biases), a learned position per patch of one tile,
+    run over each tile alone (the attention spans a tile: `window_patches`); the connector's
+    pixel shuffle (scale_factor**2 patches a token, no parameters) and one projection
+    h s^2 -> out (no bias). A square image is resized to the processor's longest edge
+    (vision_config's `size`, else the processor's default of 4 tiles) and cut into whole
+    tiles, plus the global image: ((longest / tile)^2 + 1) tiles whatever its pixels."""
+    config = model["vision_config"]
+    hidden = int(config["hidden_size"])
+    patch, tile = int(config.get("patch_size", 14)), int(config.get("image_size", 384))
+    scale = int(model.get("scale_factor", 2))
+    side = tile // patch
+    if tile % patch or side % scale:
+        raise ValueError(f"scale_factor {scale} does not shuffle {side} x {side} patches")
+    longest = int((config.get("size") or {}).get("longest_edge", 4 * tile))
+    per_side = math.ceil(min(longest, 4096) / tile)
+    tiles = per_side * per_side + 1 if per_side > 1 else 1
+    out = int(model.get("text_config", {}).get("hidden_size", 2048))
+    return _siglip(
+        config,
+        out,
+        merge_size=scale,
+        window_patches=side * side,
+        projector_params=2 * hidden + hidden * scale * scale * out,  # the final LayerNorm
+        position_params=side * side * hidden,
+        fixed_image_tokens=tiles * (side // scale) ** 2,
+    )
+
+
+def _siglip(config: dict[str, Any], out: int, **connector: Any) -> VisionSpec:
+    """A SigLIP tower's `VisionSpec` (Gemma 3's, Idefics3's): LayerNorm blocks with a plain
+    MLP, biases everywhere (the patch embedding's too); `connector`: the family's fields past
+    the blocks (merge size, projector and position parameters, tokens per image)."""
+    return VisionSpec(
+        depth=int(config["num_hidden_layers"]),
+        hidden_size=int(config["hidden_size"]),
+        intermediate_size=int(config["intermediate_size"]),
+        num_heads=int(config["num_attention_heads"]),
+        patch_size=int(config.get("patch_size", 14)),
+        out_hidden_size=out,
+        in_channels=int(config.get("num_channels", 3)),
+        gated_mlp=False,
+        norm_params=2,
+        patch_bias=True,
+        **connector,
     )
 
 
@@ -244,6 +285,8 @@ READERS: dict[str, Callable[[dict[str, Any]], VisionSpec]] = {
     "qwen3_vl": _qwen3_vl,
     "qwen3_vl_moe": _qwen3_vl,
     "gemma3": _gemma3,
+    "idefics3": _idefics3,
+    "smolvlm": _idefics3,
 }
 """model_type -> the reader of its tower, given the whole config.json (its `vision_config`,
 and what the family keeps beside it); the checkpoint's own type, before the planner reads

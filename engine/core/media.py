@@ -15,9 +15,18 @@ from pathlib import Path
 from typing import Any
 
 from engine.core.gemma3_media import newline_runs, widen_placeholders
+from engine.core.idefics3_media import Tiling, feature_runs, read_tiling
 from policy.errors import UserError
 
-VISION_MODEL_TYPES = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "gemma3", "llava")
+VISION_MODEL_TYPES = (
+    "qwen2_5_vl",
+    "qwen3_vl",
+    "qwen3_vl_moe",
+    "gemma3",
+    "llava",
+    "idefics3",
+    "smolvlm",
+)
 """Checkpoints whose vision tower nanoflex runs (the others with one run their text alone)."""
 
 
@@ -56,6 +65,9 @@ class VisionSpec:
     """The tokenizer's ids of 1, 2, ... newlines (engine/core/gemma3_media.py): the processor
     widens the placeholder in the text before tokenizing, so the newlines it adds merge with
     their neighbours into one token where the tokenizer has one."""
+    tiling: Tiling | None = None
+    """Idefics3 and SmolVLM: each image cut into tiles and a global image, its <image> widened
+    to their markers and image tokens (engine/core/idefics3_media.py); None: no tiles."""
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path) -> VisionSpec | None:
@@ -82,6 +94,8 @@ class VisionSpec:
             return cls._gemma3(root, config, processor)
         if config["model_type"] == "llava":
             return cls._llava(config)
+        if config["model_type"] in ("idefics3", "smolvlm"):
+            return cls._idefics3(root, config, processor)
         size = processor.get("size") or {}
         return cls(
             image_token_id=int(config["image_token_id"]),
@@ -139,10 +153,39 @@ class VisionSpec:
             tokens_per_image=(size // patch) ** 2 + full,
         )
 
+    @classmethod
+    def _idefics3(cls, root: Path, config: dict[str, Any], processor: dict[str, Any]) -> VisionSpec:
+        """Idefics3's and SmolVLM's: every image cut into tiles of the tower's size and a global
+        image, image_seq_len tokens each (their patches pixel-shuffled `scale_factor`**2 into
+        one), written with their markers as the processor writes them."""
+        vision = config.get("vision_config") or {}
+        size, patch = int(vision.get("image_size", 224)), int(vision.get("patch_size", 32))
+        per_tile = (size // patch) ** 2 // int(config.get("scale_factor", 2)) ** 2
+        try:
+            tiling = read_tiling(root, processor, per_tile)
+        except (OSError, ValueError) as e:
+            raise ImageError(f"{root}: its image tiles cannot be written ({e})") from e
+        if tiling.tile_size != size:
+            raise ImageError(
+                f"{root}: the processor's tiles of {tiling.tile_size} px (max_image_size) are "
+                f"not the tower's image_size {size}"
+            )
+        return cls(
+            image_token_id=int(config.get("image_token_id", 128257)),
+            patch_size=size,
+            merge_size=1,
+            temporal_patch_size=1,
+            min_pixels=size * size,
+            max_pixels=tiling.longest_edge**2,
+            tiling=tiling,
+        )
+
     def grid(self, width: int, height: int) -> tuple[int, int, int]:
         """(t, h, w) patches of an image of `width` x `height` pixels once resized, as the
         processor resizes it (transformers' `smart_resize`); Gemma 3's: its tokens' square,
-        whatever the image's size."""
+        whatever the image's size; Idefics3's: (1, rows, cols) of its tiles."""
+        if self.tiling is not None:
+            return 1, *self.tiling.grid(width, height)
         if self.tokens_per_image:
             side = math.isqrt(self.tokens_per_image)
             return 1, side, self.tokens_per_image // side
@@ -184,7 +227,25 @@ class ImageInput:
     start: int
     """Index in the prompt of its first image token."""
     num_tokens: int
-    """Its image tokens: t * h * w / merge_size**2, contiguous from `start`."""
+    """Its image tokens: t * h * w / merge_size**2, contiguous from `start` (Idefics3's: its
+    whole prompt, markers included)."""
+    runs: tuple[tuple[int, int], ...] = ()
+    """Idefics3: (offset from `start`, length) of each tile's image tokens, which take the
+    encoder's features in order (the markers between them keep their embeddings); (): every
+    token of the image takes a feature."""
+
+    def feature_spans(self, first: int, last: int) -> list[tuple[int, int, int]]:
+        """(prompt index, feature index, count) of each run of its tokens within the prompt's
+        [first, last) that take features (`runs`)."""
+        out: list[tuple[int, int, int]] = []
+        feature = 0
+        for offset, length in self.runs or ((0, self.num_tokens),):
+            begin = self.start + offset
+            low, high = max(first, begin), min(last, begin + length)
+            if low < high:
+                out.append((low, feature + low - begin, high - low))
+            feature += length
+        return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -259,6 +320,8 @@ def expand_image_tokens(
         return SeqMedia(found, (), 0, bidirectional=True)
     if spec.tokens_per_image:  # LLaVA: one size of image, its placeholder widened in place
         return _widen_in_place(token_ids, spec, images)
+    if spec.tiling is not None:  # Idefics3: tiles and a global image, with their markers
+        return _widen_tiles(token_ids, pads, spec, spec.tiling, images)
     out: list[ImageInput] = []
     shift = 0
     for pad, (data, width, height) in zip(pads, images, strict=True):
@@ -289,6 +352,28 @@ def _widen_in_place(
         found.append(ImageInput(data, image_digest(data), grid, len(out), count))
         out += [token] * count
     token_ids[:] = out
+    return SeqMedia(tuple(found), (), 0)
+
+
+def _widen_tiles(
+    token_ids: list[int],
+    pads: list[int],
+    spec: VisionSpec,
+    tiling: Tiling,
+    images: list[tuple[bytes, int, int]],
+) -> SeqMedia:
+    """Each <image> of `token_ids` (changed in place) widened to the prompt the processor
+    writes for its tiles; positions stay one per token."""
+    found: list[ImageInput] = []
+    shift = 0
+    for pad, (data, width, height) in zip(pads, images, strict=True):
+        grid = spec.grid(width, height)
+        prompt = tiling.prompt(grid[1:])
+        start = pad + shift
+        token_ids[start : start + 1] = prompt
+        runs = feature_runs(prompt, spec.image_token_id)
+        found.append(ImageInput(data, image_digest(data), grid, start, len(prompt), runs))
+        shift += len(prompt) - 1
     return SeqMedia(tuple(found), (), 0)
 
 

@@ -36,11 +36,9 @@ class ImageRows:
         """A chunk of tokens [start, start + count) of a sequence with `media` (each image's
         (num_tokens, hidden) `features`), its first token at batch row `row`."""
         for image, feats in zip(media.images, features, strict=True):
-            first = max(start, image.start)
-            last = min(start + count, image.start + image.num_tokens)
-            if first < last:
-                self.rows.extend(range(row + first - start, row + last - start))
-                self.pieces.append(feats[first - image.start : last - image.start])
+            for index, feature, length in image.feature_spans(start, start + count):
+                self.rows.extend(range(row + index - start, row + index - start + length))
+                self.pieces.append(feats[feature : feature + length])
 
     def features(self) -> torch.Tensor:
         """(R, hidden) features of the rows, in order (the batch has some: `rows`)."""

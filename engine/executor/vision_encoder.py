@@ -3,9 +3,10 @@ embeddings, each image preprocessed by the checkpoint's own image processor (tra
 `AutoImageProcessor`: the checkpoint's contract) and run through the vision tower once,
 its output cached by the image's digest (the same page in many requests is encoded once).
 
-Four towers: Qwen2.5-VL's and Qwen3-VL's (dynamic resolution, a grid of patches per image;
+Five towers: Qwen2.5-VL's and Qwen3-VL's (dynamic resolution, a grid of patches per image;
 Qwen3-VL's with DeepStack features), Gemma 3's (a SigLIP ViT over one fixed-size image,
-engine/models/gemma3_vision.py) and LLaVA's (a CLIP ViT, engine/models/llava.py).
+engine/models/gemma3_vision.py), LLaVA's (a CLIP ViT, engine/models/llava.py) and
+Idefics3's (a SigLIP-like ViT over each tile of an image, engine/models/idefics3.py).
 
 Placement: the tower's weights are resident on the compute device, read once at start, as
 the planner prices them (policy/vision.py: the tower's bytes and this cache's in the GPU
@@ -21,9 +22,10 @@ import torch
 
 from engine.core.media import ImageError, ImageInput
 from engine.loading.checkpoint import CheckpointReader, DummyReader
-from engine.models import gemma3_vision, qwen2_5_vision
+from engine.models import gemma3_vision, idefics3, qwen2_5_vision
 from engine.models.base import Weights
 from engine.models.gemma3_vision import Gemma3VisionTower
+from engine.models.idefics3 import Idefics3VisionTower
 from engine.models.llava import LlavaVisionTower
 from engine.models.qwen2_5_vision import VisionTower
 from engine.models.qwen3_vision import Qwen3VisionTower
@@ -55,8 +57,10 @@ class VisionEncoder:
     ) -> None:
         from transformers import AutoImageProcessor
 
-        self.tower: VisionTower | Qwen3VisionTower | ViTTower
-        if isinstance(config, ViTConfig):  # Gemma 3's SigLIP or LLaVA's CLIP: one size of image
+        self.tower: VisionTower | Qwen3VisionTower | ViTTower | Idefics3VisionTower
+        if isinstance(config, ViTConfig) and config.projector == "pixel_shuffle":  # tiles
+            self.tower, names = Idefics3VisionTower(config), idefics3.vision_weight_name
+        elif isinstance(config, ViTConfig):  # Gemma 3's SigLIP or LLaVA's CLIP: one size
             tower = LlavaVisionTower if config.projector == "mlp" else Gemma3VisionTower
             self.tower, names = tower(config), gemma3_vision.vision_weight_name
         elif config.num_position_embeddings:  # Qwen3-VL: learned positions, DeepStack
@@ -79,14 +83,17 @@ class VisionEncoder:
         return sum(t.numel() * t.element_size() for t in self.weights.values())
 
     def features(self, image: ImageInput) -> torch.Tensor:
-        """(image.num_tokens, feature_width) features of `image`: cached, or encoded now."""
+        """(image.num_tokens, feature_width) features of `image` (Idefics3's: one row per
+        token of its `runs`, its tiles' in order): cached, or encoded now."""
         cached = self._cache.get(image.digest)
         if cached is not None:
             self._cache.move_to_end(image.digest)
             return cached
         pixels, grid = self._preprocess(image)
         with torch.inference_mode():
-            if isinstance(self.tower, ViTTower):
+            if isinstance(self.tower, Idefics3VisionTower):  # (tiles, C, H, W)
+                out = self.tower.encode(self.weights, pixels.to(self.device))
+            elif isinstance(self.tower, ViTTower):
                 out = self.tower.encode(self.weights, pixels[0].to(self.device))
             else:
                 out = self.tower.encode(self.weights, pixels.to(self.device), grid)
@@ -103,6 +110,8 @@ class VisionEncoder:
         from PIL import Image
 
         picture = Image.open(io.BytesIO(image.data)).convert("RGB")
+        if isinstance(self.tower, Idefics3VisionTower):
+            return self._tiles(picture, image)
         out = self.processor([picture], return_tensors="pt")
         if isinstance(self.tower, ViTTower):
             if out.get("num_crops") is not None and int(out["num_crops"][0]):
@@ -118,3 +127,18 @@ class VisionEncoder:
                 f"{image.grid}: the checkpoint's preprocessor_config.json is not one nanoflex reads"
             )
         return out["pixel_values"], (grid[0], grid[1], grid[2])
+
+    def _tiles(
+        self, picture: object, image: ImageInput
+    ) -> tuple[torch.Tensor, tuple[int, int, int]]:
+        """Idefics3's (tiles, C, H, W) pixels of one image (its tiles, then its global image);
+        its (rows, cols) must be the ones the daemon wrote its prompt by."""
+        out = self.processor([[picture]], return_row_col_info=True, return_tensors="pt")
+        grid = (1, int(out["rows"][0][0]), int(out["cols"][0][0]))
+        if grid != image.grid:
+            raise ImageError(
+                f"the image processor cut an image into {grid[1:]} tiles, counted as "
+                f"{image.grid[1:]}: the checkpoint's preprocessor_config.json is not one "
+                "nanoflex reads"
+            )
+        return out["pixel_values"][0], grid

@@ -35,6 +35,7 @@ NORMALIZERS = (
     "engine/models/hf_config.py",
     "engine/models/hf_readers.py",
     "engine/models/hf_hybrid_readers.py",
+    "engine/models/idefics3.py",
     "engine/models/registry.py",
     "engine/models/multipliers.py",
     "engine/models/quant_config.py",

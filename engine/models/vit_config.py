@@ -1,6 +1,6 @@
 """`ViTConfig`: the shapes of a plain ViT image encoder (SigLIP's, CLIP's), read from its HF
 vision config, and the connector that turns its patches into a language model's image tokens
-(Gemma 3's avg-pool projector, LLaVA's two-layer MLP)."""
+(Gemma 3's avg-pool projector, LLaVA's two-layer MLP, Idefics3's pixel shuffle)."""
 
 from __future__ import annotations
 
@@ -42,10 +42,13 @@ class ViTConfig:
     """LLaVA's vision_feature_select_strategy 'full' (the class token is an image token too);
     'default' drops it."""
     projector: str = "avg_pool"
-    """The connector: 'avg_pool' (Gemma 3's `Gemma3MultiModalProjector`) or 'mlp' (LLaVA's
-    linear, `projector_act`, linear)."""
+    """The connector: 'avg_pool' (Gemma 3's `Gemma3MultiModalProjector`), 'mlp' (LLaVA's
+    linear, `projector_act`, linear) or 'pixel_shuffle' (Idefics3's `Idefics3Connector`, over
+    each tile of an image)."""
     projector_act: str = ""
     """The activation between the MLP projector's two linears ('gelu')."""
+    scale_factor: int = 1
+    """Idefics3: the pixel shuffle's side, scale_factor**2 patches into one image token."""
 
     def __post_init__(self) -> None:
         if self.image_size % self.patch_size or self.hidden_size % self.num_heads:

@@ -1,5 +1,6 @@
 """Images through the CUDA path: a tiny Gemma 3 (SigLIP tower, both-ways attention inside an
-image) and a tiny LLaVA (CLIP tower) on the GPU, with CUDA graphs on and off, give the tokens
+image), a tiny LLaVA (CLIP tower) and a tiny Idefics3 (image tiles, their markers between
+the image rows) on the GPU, with CUDA graphs on and off, give the tokens
 transformers gives on the CPU. With graphs on, a prefill step at a captured size replays its
 embedding (`GraphLayer`), and the image rows' features are written into the replayed
 embedding's static buffer (`image_rows.embed_images`): only a GPU runs that path. Run with
@@ -16,6 +17,7 @@ import torch
 from engine import LLM, SamplingParams
 from policy import Policy
 from tests.engine.gemma3_vision_model import build_tiny_gemma3, hf_gemma3_generate
+from tests.engine.idefics3_model import build_tiny_idefics3, hf_idefics3_generate
 from tests.engine.llava_model import build_tiny_llava, hf_llava_generate
 from tests.engine.vision_models import chosen, image_prompt, png_bytes
 
@@ -32,6 +34,7 @@ CUDA_LOGPROB_TOLERANCE = 1e-3
 MODELS: dict[str, tuple[Callable[[Path], Path], Callable[..., tuple[list[int], ...]]]] = {
     "gemma3": (build_tiny_gemma3, hf_gemma3_generate),
     "llava": (build_tiny_llava, hf_llava_generate),
+    "idefics3": (build_tiny_idefics3, hf_idefics3_generate),
 }
 
 
