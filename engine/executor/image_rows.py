@@ -42,9 +42,11 @@ class ImageRows:
                 self.rows.extend(range(row + first - start, row + last - start))
                 self.pieces.append(feats[first - image.start : last - image.start])
 
-    def features(self) -> torch.Tensor:
-        """(R, hidden) features of the rows, in order (the batch has some: `rows`)."""
-        return torch.cat(self.pieces)
+    def features(self, device: torch.device) -> torch.Tensor:
+        """(R, hidden) features of the rows, in order, on `device` (the batch has some:
+        `rows`): a tower homed on the host hands host features, gathered there and copied
+        to the compute device in one piece."""
+        return torch.cat(self.pieces).to(device)
 
 
 def embed_images(h: torch.Tensor, images: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
