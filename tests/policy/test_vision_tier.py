@@ -62,3 +62,19 @@ def test_a_policy_file_names_the_tier() -> None:
     assert Policy().to_dict()["vision_tier"] == "gpu"
     with pytest.raises(PolicyError, match="vision_tier must be 'gpu' or 'cpu'"):
         Policy(vision_tier="disk")
+
+
+def test_a_gpu_share_worth_more_to_weights_sends_a_fitting_tower_to_the_cpu() -> None:
+    """4 GiB fit the tower on the GPU, but beside a CPU as fast as the T4 (a stand-in profile)
+    its 1.7 GiB there (weights, cache) are worth more as the language model's weights: the
+    plan encodes on the CPU and says what the GPU's tower would have predicted."""
+    fast_host = dataclasses.replace(FLEXGEN_T4, cpu_flops=FLEXGEN_T4.gpu_flops)
+    kwargs = dict(allow_compression=False, allow_cpu_attention=False)
+    result = search(LLAVA, PAGES, fast_host, gpu_mem=4 * GiB, **kwargs)  # type: ignore[arg-type]
+    on_gpu = result.alternatives[
+        "compress_weights=False compress_kv=False cpu_attention=False vision_tier=gpu"
+    ]
+    assert result.policy.vision_tier == "cpu"
+    assert result.predicted["generation_throughput"] > on_gpu > 0
+    why = vision_summary(LLAVA, PAGES, result)["why"]
+    assert f"on the GPU the best plan predicts {on_gpu:.2f} tok/s" in str(why)
