@@ -94,13 +94,16 @@ def _labelled(ledger: DeviceLedger, label: str, method: Callable[..., Any]) -> C
 @contextmanager
 def _setup_labels(ledger: DeviceLedger) -> Iterator[None]:
     """What the engine makes at start, by name: homed weights, the slots offloaded layers
-    load into, KV pools (also grown in steps), the sampler's buffers."""
+    load into, a vision model's tower (where its tier is the device), KV pools (also grown
+    in steps), the sampler's buffers."""
     from engine.executor.step_sampler import StepSampler
+    from engine.executor.vision_encoder import VisionEncoder
     from engine.storage.kv_store import KVStore
     from engine.storage.weight_store import WeightStore
 
     labels = (
         (WeightStore, "read_all", "weights"),
+        (VisionEncoder, "__init__", "vision tower"),
         (WeightStore, "make_slots", "weight slots"),
         (KVStore, "reserve", "kv pool"),
         (StepSampler, "sample", "sampler"),

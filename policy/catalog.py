@@ -339,6 +339,32 @@ def _qwen3_vl(size: str, shape: tuple[int, int, int, int, int, int, int]) -> Mod
     return _hf(f"qwen3-vl-{size}", "qwen3_vl", text_config=text, vision_config=vision)
 
 
+LLAVA_1_5_TOWER: dict[str, Any] = dict(
+    hidden_size=1024,
+    intermediate_size=4096,
+    num_hidden_layers=24,
+    num_attention_heads=16,
+    image_size=336,
+    patch_size=14,
+    projection_dim=768,
+)
+"""LLaVA-1.5's CLIP ViT-L/14-336 `vision_config` (24 x 24 patches: 576 tokens per image)."""
+
+
+def _llava(name: str, shape: tuple[int, int, int, int, int, int, int]) -> ModelSpec:
+    """A LLaVA checkpoint: its Llama language model (`text_config`) and its CLIP tower read at
+    the next-to-last block, the class token dropped, through the MLP projector."""
+    text = dict(model_type="llama", **_shape(*shape))
+    return _hf(
+        name,
+        "llava",
+        text_config=text,
+        vision_config=LLAVA_1_5_TOWER,
+        vision_feature_layer=-2,
+        vision_feature_select_strategy="default",
+    )
+
+
 _GRANITE_H_LAYERS = ["attention" if i % 10 == 5 else "mamba" for i in range(40)]
 """Granite 4.0 H's 40 layers: Mamba-2 but for attention at 5, 15, 25 and 35."""
 
@@ -410,6 +436,7 @@ BUILTIN_MODELS: dict[str, ModelSpec] = {
         _gemma3_vl("gemma-3-27b-it", (5376, 21504, 62, 32, 16, 128, 262208)),
         _smolvlm("256m", (576, 1536, 30, 9, 3, 64, 49280)),
         _smolvlm("500m", (960, 2560, 32, 15, 5, 64, 49280)),
+        _llava("llava-1.5-7b", (4096, 11008, 32, 32, 32, 128, 32064)),
         # Mixture-of-experts shapes: every routed expert is counted in the weights, only the
         # num_experts_per_tok a token is routed to in its FLOPs.
         _hf(
@@ -616,6 +643,7 @@ _ALIASES: dict[str, str] = {
     "qwen2.5-vl-72b-instruct": "qwen2.5-vl-72b",
     "qwen3-vl-8b-instruct": "qwen3-vl-8b",
     "qwen3-vl-8b-thinking": "qwen3-vl-8b",
+    "llava-1.5-7b-hf": "llava-1.5-7b",
     "qwen2-72b-instruct": "qwen2-72b",
     "qwen3-0.6b-base": "qwen3-0.6b",
     "qwen3-1.7b-base": "qwen3-1.7b",

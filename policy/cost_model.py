@@ -120,7 +120,7 @@ def build_terms(
     s, n, num_layers = workload.prompt_tokens(model), workload.gen_len, model.num_layers
     gbs, num_batches = choice.gpu_batch_size, choice.num_gpu_batches
     bls = gbs * num_batches
-    tower = tower_cost(model, workload, hardware, bls)
+    tower = tower_cost(model, workload, hardware, bls, choice.vision_tier)
     dtype = model.dtype_bytes
     q_dim, h = model.num_heads * model.head_dim, model.hidden_size
     packed = compressed_bytes_per_element(dtype) / dtype
@@ -317,8 +317,8 @@ def build_terms(
         ),
         host_staging=hardware.compute_device == "cuda",
     )
-    memory["gpu_prefill"] += Affine.of(tower.prefill_bytes)  # the tower, resident
-    memory["gpu_decode"] += Affine.of(tower.decode_bytes)
+    for row, nbytes in tower.memory_rows().items():  # the tower, on its tier
+        memory[row] += Affine.of(nbytes)
     usable = {tier: budgets[tier] * USABLE_FRAC[tier] for tier in ("gpu", "cpu", "disk")}
     capacity = {row: usable[row.split("_")[0]] for row in memory}
     return CostTerms(

@@ -128,7 +128,7 @@ def main(args: argparse.Namespace) -> int:
         out["workload"] = {"prompt_len": workload.prompt_len, "gen_len": workload.gen_len}
         out["dtype_bytes"] = model.dtype_bytes
         if model.vision is not None:
-            out["vision"] = vision_summary(model, workload)
+            out["vision"] = vision_summary(model, workload, result)
         if model.is_moe:
             out["moe"] = moe_summary(model, result)
         if model.is_hybrid:
@@ -214,7 +214,7 @@ def format_report(
         f"{format_bytes(model.kv_bytes_per_token)} of KV per token{_window_note(model)}"
         + _state_note(model),
         f"priced in {model.dtype_bytes}-byte elements (the engine's compute dtype; --dtype)",
-        *vision_lines(model, workload),
+        *vision_lines(model, workload, result),
         f"workload: prompt {workload.prompt_len:g} tokens, generate {workload.gen_len:g}"
         + _pooling_note(model)
         + image_note(model, workload),

@@ -22,8 +22,8 @@ from policy.specs import ModelSpec, WorkloadSpec
 
 ENV = "NANOFLEX_PLAN_CACHE"
 """Set to 0 to search every time."""
-FORMAT = 1
-"""The cached file's layout; bumped when it changes."""
+FORMAT = 2
+"""The cached file's layout; bumped when it changes (2: `Policy.vision_tier`)."""
 
 
 def cached_search(

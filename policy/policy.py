@@ -14,6 +14,8 @@ Triple = tuple[float, float, float]
 TIERS: tuple[str, str, str] = ("gpu", "cpu", "disk")
 NUM_NANO_BATCHES: tuple[int, ...] = (1, 2, 4)
 """The nano-batch counts the engine runs and the search weighs (NanoFlow splits in 2 and 4)."""
+VISION_TIERS: tuple[str, ...] = ("gpu", "cpu")
+"""Where a vision model's tower may be homed and run: the compute device, or the host."""
 
 
 class PolicyError(UserError, ValueError):
@@ -80,6 +82,10 @@ class Policy:
     """Threads of the disk pool, which splits large disk reads and writes into chunks."""
     num_cpu_threads: int = 0
     """torch intra-op threads for CPU compute; 0 keeps torch's default."""
+    vision_tier: str = "gpu"
+    """A vision model's tower (weights, encoded-image cache, its runs): "gpu", resident on the
+    compute device, or "cpu", homed and run in host memory, its features copied to the
+    device (policy/vision_cost.py); text models: "gpu", unused."""
 
     def __post_init__(self) -> None:
         for name in ("weights_frac", "kv_frac", "act_frac", "experts_frac"):
@@ -93,6 +99,8 @@ class Policy:
         value = self.num_cpu_threads
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise PolicyError(f"num_cpu_threads must be an integer >= 0, got {value!r}")
+        if self.vision_tier not in VISION_TIERS:
+            raise PolicyError(f"vision_tier must be 'gpu' or 'cpu', got {self.vision_tier!r}")
         if self.num_nano_batches not in NUM_NANO_BATCHES:
             raise PolicyError(f"num_nano_batches must be 1, 2 or 4, got {self.num_nano_batches}")
         if self.num_nano_batches > self.gpu_batch_size:

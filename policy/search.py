@@ -1,9 +1,10 @@
 """Policy search: enumerate the discrete choices, solve the placement LP for each (cvxpy).
 
 For each (gpu_batch_size, num_gpu_batches, num_nano_batches, compress_weights, compress_kv,
-cpu_attention, and for MoE models cpu_experts) the twelve fractions (wg, wc, wd, cg, cc, cd,
-hg, hc, hd, eg, ec, ed) are the LP's variables; the max over overlapped tasks (and over the
-rows of an overlapped compute task) is linearized with epigraph variables t_pre and t_gen.
+cpu_attention, for MoE models cpu_experts, for vision models the tower's tier) the twelve
+fractions (wg, wc, wd, cg, cc, cd, hg, hc, hd, eg, ec, ed) are the LP's variables; the max
+over overlapped tasks (and over the rows of an overlapped compute task) is linearized with
+epigraph variables t_pre and t_gen.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from policy.errors import UserError
 from policy.hardware import HardwareSpec
 from policy.moe import cpu_expert_break_even
 from policy.nano_batching import MAX_COMPUTE_ROWS
-from policy.policy import NUM_NANO_BATCHES, Policy
+from policy.policy import NUM_NANO_BATCHES, VISION_TIERS, Policy
 from policy.specs import ModelSpec, WorkloadSpec
 from policy.threads import max_compute_threads, plan_threads
 from policy.units import format_bytes
@@ -217,7 +218,7 @@ def search(
     lp = PlacementLP()
     best: tuple[float, Policy, Estimate] | None = None  # (score, policy, estimate)
     alternatives: dict[str, float] = {}
-    designs: dict[tuple[bool | int, ...], tuple[float, Policy]] = {}  # the best of each design
+    designs: dict[tuple[bool | int | str, ...], tuple[float, Policy]] = {}  # each design's best
     num_solved = 0
     flag_values = (False, True) if allow_compression else (False,)
     attention_values = (False, True) if allow_cpu_attention else (False,)
@@ -226,11 +227,20 @@ def search(
     overlaps = hardware.nano_overlap_device_estimate or hardware.nano_overlap_host_estimate
     nano_counts = NUM_NANO_BATCHES if overlaps else (1,)
     expert_values = (False, True) if model.is_moe else (False,)
+    # A vision model's tower on the GPU first: the CPU's must win (it frees the GPU's share).
+    tiers = VISION_TIERS if model.vision is not None else ("gpu",)
     # The engine's steps differ with the weights' home (policy/steps.py: resident weights run
     # prompts in chunks, offloaded ones the block's prompts at once) and so do its reserves:
     # each is its own design, its LP held to its side (`CostTerms.resident`).
-    for compress_weights, compress_kv, cpu_attention, cpu_experts, resident in itertools.product(
-        flag_values, flag_values, attention_values, expert_values, (True, False)
+    for (
+        compress_weights,
+        compress_kv,
+        cpu_attention,
+        cpu_experts,
+        vision_tier,
+        resident,
+    ) in itertools.product(
+        flag_values, flag_values, attention_values, expert_values, tiers, (True, False)
     ):
         penalty = 1 + COMPRESSION_MIN_GAIN * (compress_weights + compress_kv)
         combo = f"compress_weights={compress_weights} compress_kv={compress_kv} " + (
@@ -238,6 +248,8 @@ def search(
         )
         if model.is_moe:
             combo += f" cpu_experts={cpu_experts}"
+        if model.vision is not None:
+            combo += f" vision_tier={vision_tier}"
         for num_gpu_batches in NUM_GPU_BATCHES:
             fitted_any = False
             for gpu_batch_size in GPU_BATCH_SIZES:
@@ -253,6 +265,7 @@ def search(
                         compress_weights=compress_weights,
                         compress_kv=compress_kv,
                         cpu_experts=cpu_experts,
+                        vision_tier=vision_tier,
                         num_cpu_threads=max_compute_threads(hardware),
                         weights_frac=(1.0, 0.0, 0.0) if resident else (0.0, 1.0, 0.0),
                     )
@@ -272,7 +285,8 @@ def search(
                     policy, result = _finish(choice, x, terms)
                     throughput = result.generation_throughput
                     alternatives[combo] = max(alternatives.get(combo, 0.0), throughput)
-                    design = (compress_weights, compress_kv, cpu_attention, cpu_experts, num_nano)
+                    flags = (compress_weights, compress_kv, cpu_attention, cpu_experts)
+                    design: tuple[bool | int | str, ...] = (*flags, num_nano, vision_tier)
                     if throughput > designs.get(design, (0.0, policy))[0]:
                         designs[design] = (throughput, policy)
                     if best is None or throughput / nano_penalty > best[0] * (1 + MIN_GAIN):
@@ -299,6 +313,7 @@ def search(
         policy.cpu_attention,
         policy.cpu_experts,
         policy.num_nano_batches,
+        policy.vision_tier,
     )
     runners_up = tuple(
         (other, throughput)
@@ -367,6 +382,7 @@ def _diagnose(
         cpu_attention=True,
         compress_weights=allow_compression,
         compress_kv=allow_compression,
+        vision_tier="gpu" if model.vision is None else "cpu",  # the tower off the GPU
     )
     terms = build_terms(model, workload, hardware, choice, budgets)
     name = model.name

@@ -4,9 +4,9 @@ FLOPs of one image, and the bytes it holds on the compute device.
 
 One record serves every tower of ViT blocks (attention and an MLP, two norms each) between a
 patch embedding and a projector into the language model; each family has a reader in
-`READERS` (Qwen2.5-VL's; Gemma 3's SigLIP and Qwen3-VL's are the same blocks with a learned
-position table, LayerNorms and a plain MLP: `position_params`, `norm_params`, `gated_mlp`),
-not a record of its own.
+`READERS` (Qwen2.5-VL's; Gemma 3's SigLIP, Qwen3-VL's and LLaVA's CLIP are the same blocks
+with a learned position table, LayerNorms and a plain MLP: `position_params`, `norm_params`,
+`gated_mlp`), not a record of its own.
 
 Legend: P patches of one image, T = P / m^2 its tokens (m the merge size), h the tower's
 width, f its MLP's, W the patches one windowed block's attention spans.
@@ -67,6 +67,9 @@ class VisionSpec:
     fixed_image_tokens: int = 0
     """Tokens every image takes whatever its size (Gemma 3's 256: images are resized to the
     tower's square); 0: dynamic resolution, tokens from the image's pixels."""
+    unrun_blocks: int = 0
+    """Blocks past the layer the projector reads (LLaVA's `vision_feature_layer` -2: the
+    last), loaded with the tower but never run: in its parameters, not its FLOPs."""
 
     # ---- parameters ------------------------------------------------------------------
 
@@ -117,10 +120,11 @@ class VisionSpec:
         projector per token), and attention's 4 P h per key, over the whole image in full
         blocks and over W patches in windowed ones."""
         patches = self.patches_per_image(pixels)
-        full = self.num_full_attention_blocks if self.window_patches else self.depth
+        depth = self.depth - self.unrun_blocks
+        full = self.num_full_attention_blocks if self.window_patches else depth
         window = min(patches, self.window_patches) if self.window_patches else patches
-        keys = full * patches + (self.depth - full) * window  # summed over the blocks
-        dense = self.patch_embed_params + self.depth * self.block_linear_params
+        keys = full * patches + (depth - full) * window  # summed over the blocks
+        dense = self.patch_embed_params + depth * self.block_linear_params
         projector = self.projector_params * patches / self.merge_size**2
         return 2 * (patches * dense + projector) + 4 * patches * keys * self.hidden_size
 
@@ -280,6 +284,46 @@ def _siglip(config: dict[str, Any], out: int, **connector: Any) -> VisionSpec:
     )
 
 
+def _llava(model: dict[str, Any]) -> VisionSpec:
+    """LLaVA's CLIP tower (transformers' CLIPVisionConfig) and its projector: LayerNorm blocks
+    with a plain MLP (quick GELU), biases on the projections but none on the patch embedding,
+    a class token and a learned position for it and each patch of the `image_size` square,
+    LayerNorms before the blocks and after them (transformers keeps the last, which LLaVA does
+    not read); `LlavaMultiModalProjector`: h -> out -> out, with biases, GELU between. The
+    projector reads block `vision_feature_layer` (-2: the last block is never run); its
+    strategy 'default' drops the class token: (336 / 14)^2 = 576 tokens per image."""
+    config = model["vision_config"]
+    hidden, patch = int(config.get("hidden_size", 768)), int(config.get("patch_size", 32))
+    image = int(config.get("image_size", 224))
+    depth = int(config.get("num_hidden_layers", 12))
+    layer = model.get("vision_feature_layer", -2)
+    if not isinstance(layer, int):
+        raise ValueError(f"vision_feature_layer {layer!r}: one layer, as nanoflex runs LLaVA")
+    if image % patch:
+        raise ValueError(f"image_size {image} is not a whole number of {patch}-pixel patches")
+    patches = (image // patch) ** 2
+    keep_class = model.get("vision_feature_select_strategy", "default") == "full"
+    text = model.get("text_config") or {}
+    out = int(text.get("hidden_size", 4096))  # LlamaConfig's default, as llava-1.5's files
+    bias = model.get("multimodal_projector_bias", True)
+    projector = hidden * out + out * out + (2 * out if bias else 0)
+    return VisionSpec(
+        depth=depth,
+        hidden_size=hidden,
+        intermediate_size=int(config.get("intermediate_size", 3072)),
+        num_heads=int(config.get("num_attention_heads", 12)),
+        patch_size=patch,
+        out_hidden_size=out,
+        in_channels=int(config.get("num_channels", 3)),
+        gated_mlp=False,
+        norm_params=2,
+        projector_params=2 * 2 * hidden + projector,  # the pre and post LayerNorms
+        position_params=(patches + 1) * hidden + hidden,  # and the class token's embedding
+        fixed_image_tokens=patches + keep_class,
+        unrun_blocks=depth - (layer % (depth + 1)),
+    )
+
+
 READERS: dict[str, Callable[[dict[str, Any]], VisionSpec]] = {
     "qwen2_5_vl": _qwen2_5_vl,
     "qwen3_vl": _qwen3_vl,
@@ -287,6 +331,7 @@ READERS: dict[str, Callable[[dict[str, Any]], VisionSpec]] = {
     "gemma3": _gemma3,
     "idefics3": _idefics3,
     "smolvlm": _idefics3,
+    "llava": _llava,
 }
 """model_type -> the reader of its tower, given the whole config.json (its `vision_config`,
 and what the family keeps beside it); the checkpoint's own type, before the planner reads

@@ -29,6 +29,7 @@ from policy import Policy, UserError
 from policy.catalog import resolve_model_spec
 from policy.dtypes import DTYPES
 from policy.errors import ModelSpecError
+from policy.policy import VISION_TIERS
 from policy.specs import WorkloadSpec
 from policy.steps import default_step_tokens
 from policy.units import parse_bytes
@@ -265,6 +266,16 @@ class EngineArgs:
     its threads yield to the daemon's (HTTP, scheduling, output), which then take a core at
     once instead of queueing behind the forward pass's compute threads. None: ENGINE_NICE
     when the engine computes on the CPU (where those threads hold every core), else 0."""
+    vision_tier: str = cli(
+        "auto",
+        "where a vision model's tower is homed and run: gpu (resident on the compute device), "
+        "cpu (in host memory, its features copied to the device) or auto, the policy's "
+        "vision_tier (default: auto)",
+        choices=("auto", *VISION_TIERS),
+    )
+    """A vision model's tower on the compute device ("gpu") or the host ("cpu"), overriding
+    the policy's `vision_tier`; "auto" keeps the policy's (the plan's: the CPU when the
+    tower does not fit beside the plan's GPU needs)."""
     cpu_expert_rows: int | None = None
     """With `Policy.cpu_experts`: the most rows of a block for which a MoE expert homed in
     host memory runs on the CPU; None: the cost model's break-even on the cached hardware
@@ -295,6 +306,8 @@ class EngineArgs:
     def __post_init__(self) -> None:
         if self.dtype is not None and self.dtype not in DTYPES:
             raise UserError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.vision_tier not in ("auto", *VISION_TIERS):
+            raise UserError(f"vision_tier must be auto, gpu or cpu, got {self.vision_tier!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise UserError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.max_step_tokens is not None and self.max_step_tokens < 1:
@@ -376,8 +389,9 @@ class EngineArgs:
 
     def resolve_policy(self, model_dir: Path) -> tuple[Policy, dict[str, Any] | None]:
         """(policy, plan report): the given policy, or the cost model's for this machine,
-        checked against the real model where its best designs are too close to call."""
-        return resolve_policy(
+        checked against the real model where its best designs are too close to call; its
+        `vision_tier` the one `vision_tier` forces, if any."""
+        policy, report = resolve_policy(
             self.policy,
             model_dir,
             device=self.device,
@@ -388,6 +402,9 @@ class EngineArgs:
             dtype=self.dtype,
             plan_check=self.plan_check,
         )
+        if self.vision_tier != "auto":  # the switch wins over the plan's or the file's
+            policy = dataclasses.replace(policy, vision_tier=self.vision_tier)
+        return policy, report
 
     @property
     def persist_kv_cache(self) -> bool:

@@ -143,13 +143,13 @@ class EngineAssembly:
                 self.model_dir,
                 self.config.vision,
                 open_reader(self.model_dir),
-                self.device.device,
+                self.device.device if policy.vision_tier == "gpu" else torch.device("cpu"),
                 self.dtype,
             )
         )
-        """The vision tower (a vision model's), resident on the compute device; None without
-        the checkpoint's image processor (Gemma 3 then runs on text, as the daemon's
-        `VisionSpec` says)."""
+        """The vision tower (a vision model's) on the policy's `vision_tier`: resident on the
+        compute device, or homed and run on the host; None without the checkpoint's image
+        processor (Gemma 3 then runs on text, as the daemon's `VisionSpec` says)."""
         self.snapshots: dict[str, int] = {}
         """A hybrid's snapshot slots for the prefix cache of states: {tier: count}."""
         self.states = self._state_store(args.state_snapshots)
@@ -356,12 +356,15 @@ class EngineAssembly:
     # -- what the assembled engine reports ----------------------------------------------------
 
     def kv_capacity_pages(self) -> dict[str, int | None]:
-        """KV pages each tier may hold: its budget less its weights and, on a GPU, less the
+        """KV pages each tier may hold: its budget less its weights (a vision tower's on its
+        tier) and, on a GPU, less the
         reserves the planner prices (`gpu_reserve_bytes`); on the CPU, less the slots disk
         layers load into and GPU_RESERVE_FRAC of the "gpu" tier (budgets.py)."""
         placed = self.weights.bytes_per_tier()
         for tier, nbytes in self.state_bytes().items():
             placed[tier] += nbytes
+        if self.vision is not None:  # the tower's weights, on its tier
+            placed[self.policy.vision_tier] += self.vision.weight_bytes
         if self.device.is_cuda:
             return kv_capacity_pages(
                 self.budgets, placed, self.kv.page_bytes, gpu_reserve=self.gpu_reserve_bytes()

@@ -174,7 +174,7 @@ class BatchBuilder:
             tier: (self._stage_pool_index(tier, slots), stage(order))
             for tier, (slots, order) in state_slots.items()
         }
-        image_rows = (stage(images.rows), images.features()) if images.rows else None
+        image_rows = (stage(images.rows), images.features(self.device)) if images.rows else None
         device_group = self._stage_group(members[False], num_rows, self.device)
         cpu_group = self._stage_group(members[True], num_rows, torch.device("cpu"))
         tensor = self.inputs.tensor

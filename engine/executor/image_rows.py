@@ -40,9 +40,11 @@ class ImageRows:
                 self.rows.extend(range(row + index - start, row + index - start + length))
                 self.pieces.append(feats[feature : feature + length])
 
-    def features(self) -> torch.Tensor:
-        """(R, hidden) features of the rows, in order (the batch has some: `rows`)."""
-        return torch.cat(self.pieces)
+    def features(self, device: torch.device) -> torch.Tensor:
+        """(R, hidden) features of the rows, in order, on `device` (the batch has some:
+        `rows`): a tower homed on the host hands host features, gathered there and copied
+        to the compute device in one piece."""
+        return torch.cat(self.pieces).to(device)
 
 
 def embed_images(h: torch.Tensor, images: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

@@ -8,9 +8,12 @@ Qwen3-VL's with DeepStack features), Gemma 3's (a SigLIP ViT over one fixed-size
 engine/models/gemma3_vision.py), LLaVA's (a CLIP ViT, engine/models/llava.py) and
 Idefics3's (a SigLIP-like ViT over each tile of an image, engine/models/idefics3.py).
 
-Placement: the tower's weights are resident on the compute device, read once at start, as
-the planner prices them (policy/vision.py: the tower's bytes and this cache's in the GPU
-budget)."""
+Placement: the tower is homed on the tier the plan picks (`Policy.vision_tier`, forced by
+`--vision-tier`): "gpu", its weights resident on the compute device, read once at start, and
+its runs and cache there; "cpu", weights, runs and cache in host memory, each GPU batch's
+image rows copied to the compute device as it is staged (`ImageRows.features`). The planner
+prices the same (policy/vision_cost.py: the tower's and this cache's bytes in that tier's
+budget, its compute at that tier's rate)."""
 
 from __future__ import annotations
 
@@ -44,8 +47,9 @@ rows runs, so it is not encoded (`ImageRows` slices no features of it)."""
 
 
 class VisionEncoder:
-    """Images -> (num_tokens, config.feature_width) features on the compute device, in
-    `dtype`: the embedding's `hidden` columns, then each DeepStack layer's (Qwen3-VL)."""
+    """Images -> (num_tokens, config.feature_width) features on the tower's `device` (the
+    compute device, or the host's CPU when the tower is homed there), in `dtype`: the
+    embedding's `hidden` columns, then each DeepStack layer's (Qwen3-VL)."""
 
     def __init__(
         self,

@@ -28,6 +28,8 @@ from engine.core.model_files import ModelLoadError
 from engine.models.config import read_hf_config
 
 MARKER = "nanoflex-dummy.json"
+PROCESSOR = "preprocessor_config.json"
+"""A vision model's image processor config (engine/core/media.py `has_image_processor`)."""
 INIT_SCALE = 0.02
 POOL_SIZE = 1_048_573  # prime, so no row length divides it and rows differ
 DEFAULT_SEED = 0
@@ -119,15 +121,21 @@ def _moe_fields(spec: Any) -> dict[str, Any]:
 
 
 def dummy_model_dir(name: str, seed: int = DEFAULT_SEED) -> Path:
-    """The directory for `dummy:<name>`: config.json plus the marker, written once per shape."""
+    """The directory for `dummy:<name>`: config.json plus the marker, written once per shape
+    (and a source directory's image processor config, which a vision tower needs)."""
     config = hf_config_dict(name)
     text = json.dumps(config, indent=2, sort_keys=True)
-    digest = hashlib.sha256(f"{text}{seed}".encode()).hexdigest()[:12]
-    label = Path(name).expanduser().name if Path(name).expanduser().exists() else name
+    source = Path(name).expanduser()
+    processor = source / PROCESSOR if source.is_dir() else None
+    images = processor.read_text() if processor is not None and processor.is_file() else ""
+    digest = hashlib.sha256(f"{text}{seed}{images}".encode()).hexdigest()[:12]
+    label = source.name if source.exists() else name
     final = cache_root() / "dummy" / f"{label.split('/')[-1].lower()}-{digest}"
 
     def build(tmp: Path) -> None:
         (tmp / "config.json").write_text(text + "\n")
+        if images:  # a vision model's tower is built only beside its image processor
+            (tmp / PROCESSOR).write_text(images)
         (tmp / MARKER).write_text(json.dumps({"source": name, "seed": seed}) + "\n")
 
     return publish_dir(final, build, MARKER)
@@ -147,10 +155,13 @@ class DummyReader:
     def __init__(
         self, hf_config: Any, *, seed: int = DEFAULT_SEED, dtype: torch.dtype | None = None
     ) -> None:
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
+        # a vision model transformers keeps apart from causal LMs (LLaVA, Qwen2.5-VL): its own
+        causal = type(hf_config) in AutoModelForCausalLM._model_mapping
+        kind = AutoModelForCausalLM if causal else AutoModelForImageTextToText
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(hf_config)
+            model = kind.from_config(hf_config)
         self._shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
         saved = model.state_dict().keys()  # persistent buffers too (DeepSeek-V3's bias)
         self._shapes |= {n: tuple(b.shape) for n, b in model.named_buffers() if n in saved}

@@ -110,7 +110,7 @@ def test_a_7b_vlm_plans_under_16_gib_and_says_where_its_tower_lives(
     report = format_report(VL_7B, workload, result, {})
     assert "vision tower: 0.68B parameters, 1.3 GiB of weights, home gpu" in report
     assert "per image: 256 tokens" in report and "256 image tokens" in report
-    summary = vision_summary(VL_7B, workload)  # `nanoflex plan --json`'s "vision"
+    summary = vision_summary(VL_7B, workload, result)  # `nanoflex plan --json`'s "vision"
     assert summary["home"] == "gpu" and summary["weight_bytes"] == 676_550_144 * 2
     assert summary["tokens_per_image"] == 256
 

@@ -2,7 +2,9 @@
 two images in a chat give transformers' greedy tokens and log-probabilities, the prompt
 widened as LlavaProcessor widens it; the same image again is encoded once. The tower reads
 other feature layers and the 'full' strategy as transformers; what it does not run is
-refused by name."""
+refused by name. On the tier the plan or `--vision-tier` picks: homed and run on the host,
+the same greedy tokens; in a rehearsal of the CUDA path the tower's weights are device bytes
+on the "gpu" tier and none on the "cpu" one."""
 
 from __future__ import annotations
 
@@ -11,8 +13,9 @@ from pathlib import Path
 import pytest
 
 from engine import LLM, SamplingParams
+from engine.core.engine_args import EngineArgs
 from engine.core.media import VisionSpec
-from policy import Policy
+from policy import Policy, UserError
 from tests.engine.llava_model import SPEC, TOKENS_PER_IMAGE, build_tiny_llava, hf_llava_generate
 from tests.engine.vision_models import assert_same_answer, chosen, image_prompt, png_bytes
 
@@ -100,3 +103,63 @@ def test_what_the_tower_does_not_run_is_refused_by_name(
     spec = {k: v for k, v in SPEC.items() if k != "model_type"} | change
     with pytest.raises(UnsupportedModelError, match=refused):
         model_config_fields(AutoConfig.for_model("llava", **spec))
+
+
+def test_the_tower_on_the_host_gives_transformers_greedy_tokens(llava_dir: Path) -> None:
+    """`vision_tier="cpu"` over a policy that says "gpu": the tower's weights and cache are
+    host tensors, the image's features copied into the batch as it is staged."""
+    import torch
+
+    image = png_bytes(60, 90, seed=1)
+    want_ids, *want = hf_llava_generate(llava_dir, [image], TEXT, GREEDY.max_tokens)
+    with LLM(str(llava_dir), policy=Policy(), device="cpu", vision_tier="cpu") as llm:
+        vision = llm.executor.vision
+        assert llm.policy.vision_tier == "cpu" and vision is not None
+        assert vision.device == torch.device("cpu")
+        assert {w.device for w in vision.weights.values()} == {torch.device("cpu")}
+        ids, media = image_prompt(llm, llava_dir, [image], TEXT)
+        assert ids == want_ids
+        got = llm.generate([ids], GREEDY, media=[media])[0].outputs[0]
+        assert_same_answer(got.token_ids, chosen(got.logprobs), tuple(want))  # type: ignore[arg-type]
+        assert vision.num_encoded == 1
+
+
+def test_the_switch_overrides_the_policy_and_is_checked(llava_dir: Path) -> None:
+    given = Policy(vision_tier="cpu")
+    assert EngineArgs(policy=given).resolve_policy(llava_dir)[0].vision_tier == "cpu"
+    forced = EngineArgs(policy=given, vision_tier="gpu").resolve_policy(llava_dir)[0]
+    assert forced.vision_tier == "gpu"
+    with pytest.raises(UserError, match="vision_tier must be auto, gpu or cpu"):
+        EngineArgs(vision_tier="disk")
+
+
+def test_a_rehearsal_holds_the_tower_on_the_device_only_on_the_gpu_tier(llava_dir: Path) -> None:
+    """The CUDA path rehearsed (engine/rehearsal.py): the tower's weights are counted on the
+    device with `vision_tier` "gpu" (its parameters in float16), none with "cpu", and the
+    KV pool is what the tower left of the budget."""
+    from engine.rehearsal import rehearse
+    from policy.specs import ModelSpec
+
+    spec = ModelSpec.from_hf_config(SPEC)
+    assert spec.vision is not None
+    found = {
+        tier: rehearse(
+            llava_dir,
+            Policy(gpu_batch_size=1, vision_tier=tier),
+            gpu_mem=1 << 30,
+            cpu_mem=1 << 30,
+            prompt_len=4,
+            gen_len=1,
+            warmup=False,
+        )
+        for tier in ("gpu", "cpu")
+    }
+    assert all(r.ok for r in found.values())
+    assert found["gpu"].label_peaks["vision tower"] == spec.vision.params * 2
+    assert found["cpu"].label_peaks.get("vision tower", 0) == 0
+    assert found["gpu"].label_peaks["weights"] == found["cpu"].label_peaks["weights"]
+    # the tower's pages of KV move with it: off the device's pool, into the host's
+    pages = {tier: found[tier].kv_capacity_pages for tier in found}
+    moved = pages["cpu"]["gpu"] - pages["gpu"]["gpu"]
+    assert moved == pages["gpu"]["cpu"] - pages["cpu"]["cpu"]
+    assert abs(moved - spec.vision.params * 2 / found["gpu"].kv_page_bytes) < 1

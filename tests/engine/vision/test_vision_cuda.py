@@ -4,7 +4,8 @@ the image rows) on the GPU, with CUDA graphs on and off, give the tokens
 transformers gives on the CPU. With graphs on, a prefill step at a captured size replays its
 embedding (`GraphLayer`), and the image rows' features are written into the replayed
 embedding's static buffer (`image_rows.embed_images`): only a GPU runs that path. Run with
-`pytest -m gpu` (the GPU pass's suite step)."""
+`pytest -m gpu` (the GPU pass's suite step). The tower homed on the host
+(`vision_tier="cpu"`) feeds the GPU the same features."""
 
 from __future__ import annotations
 
@@ -52,6 +53,29 @@ def test_images_on_cuda_give_transformers_greedy_tokens(
         ids, media = image_prompt(llm, model_dir, images, TEXT)
         assert ids == want_ids
         (out,) = llm.generate([ids], GREEDY, media=[media])
+    got = out.outputs[0]
+    assert got.token_ids == tokens
+    worst = max(abs(a - b) for a, b in zip(chosen(got.logprobs), logprobs, strict=True))
+    assert worst < CUDA_LOGPROB_TOLERANCE
+
+
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_a_tower_on_the_host_feeds_the_gpu(kind: str, tmp_path: Path) -> None:
+    """`vision_tier="cpu"`: the tower's weights and runs on the host, each batch's image rows
+    copied to the GPU as it is staged; the same tokens as transformers."""
+    build, reference = MODELS[kind]
+    model_dir = build(tmp_path / kind)
+    images = [png_bytes(60, 90, seed=1)]
+    want_ids, tokens, logprobs = reference(model_dir, images, TEXT, GREEDY.max_tokens)
+    policy = Policy(vision_tier="cpu")
+    with LLM(str(model_dir), policy=policy, device="cuda", dtype="float32") as llm:
+        vision = llm.executor.vision
+        assert vision is not None
+        assert {w.device.type for w in vision.weights.values()} == {"cpu"}
+        ids, media = image_prompt(llm, model_dir, images, TEXT)
+        assert ids == want_ids
+        (out,) = llm.generate([ids], GREEDY, media=[media])
+        assert vision.num_encoded == 1
     got = out.outputs[0]
     assert got.token_ids == tokens
     worst = max(abs(a - b) for a, b in zip(chosen(got.logprobs), logprobs, strict=True))
