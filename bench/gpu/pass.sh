@@ -36,6 +36,12 @@ case "$1" in
   1) set -- offloaded resident breakdown ;;
   2) set -- suite attention profile overlap ;;
 esac
+[ "$1" = run ] || for step in "$@"; do  # an unknown step is refused before anything runs
+  case $step in
+    suite|attention|profile|overlap|breakdown|offloaded|resident) ;;
+    *) echo "unknown step $step" >&2; exit 2 ;;
+  esac
+done
 PYTHON=${PYTHON:-python3}
 dry=${GPU_PASS_DRY_RUN:-}
 deadline=$((SECONDS + ${GPU_PASS_DEADLINE_S:-520}))
@@ -138,7 +144,6 @@ for step in "$@"; do
       s=$(limit "$wanted")
       run_step "suite-$step" "$s" "$PYTHON" -m bench.gpu.suite --cases "$case_name" \
         --systems "$systems" --variants "$variants" --budget-s $((s - 5)) ${dry:+--dry-run} ;;
-    *) echo "unknown step $step" >&2; exit 2 ;;
   esac
 done
 

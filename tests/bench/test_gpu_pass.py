@@ -68,5 +68,7 @@ def test_the_dry_run_ignores_the_gpus_time_limits(tmp_path: Path) -> None:
 
 
 def test_an_unknown_step_is_refused(tmp_path: Path) -> None:
-    done = dry_run(tmp_path, "bogus")
+    """Before anything runs: no device probe (a Python start importing torch), no step."""
+    done = dry_run(tmp_path, "attention", "bogus")
     assert done.returncode == 2 and "unknown step bogus" in done.stderr
+    assert not (tmp_path / "results").exists() and done.stdout == ""

@@ -6,7 +6,7 @@ import pytest
 
 from policy.catalog import BUILTIN_MODELS, resolve_model_spec
 from policy.hardware import FLEXGEN_T4, HardwareSpec
-from policy.search import COMPRESSION_MIN_GAIN, MIN_GAIN, PolicyInfeasible, search
+from policy.search import COMPRESSION_MIN_GAIN, MIN_GAIN, PlanResult, PolicyInfeasible, search
 from policy.specs import ModelSpec, WorkloadSpec
 
 GiB = 1024**3
@@ -28,9 +28,21 @@ BOX = HardwareSpec(
 OPT_13B = BUILTIN_MODELS["opt-13b"]
 
 
-def _throughput(model: ModelSpec, hardware: HardwareSpec, **kwargs: object) -> float:
-    result = search(model, WORKLOAD, hardware, **kwargs)  # type: ignore[arg-type]
-    return result.predicted["generation_throughput"]
+PLANS: dict[tuple[str, str, bool], PlanResult] = {}
+
+
+def planned(model: ModelSpec, hardware: HardwareSpec, allow_compression: bool = True) -> PlanResult:
+    """search() on WORKLOAD, once per (model, hardware, compression) in this module: tests
+    read the same plans (OPT-13B on BOX: eight reads) and a search takes seconds. Keyed by
+    the specs' reprs (their dict fields make them unhashable); a PlanResult is only read."""
+    key = (repr(model), repr(hardware), allow_compression)
+    if key not in PLANS:
+        PLANS[key] = search(model, WORKLOAD, hardware, allow_compression=allow_compression)
+    return PLANS[key]
+
+
+def _throughput(model: ModelSpec, hardware: HardwareSpec, allow_compression: bool = True) -> float:
+    return planned(model, hardware, allow_compression).predicted["generation_throughput"]
 
 
 def test_demo_model_fits_on_the_gpu() -> None:
@@ -43,7 +55,7 @@ def test_demo_model_fits_on_the_gpu() -> None:
 
 
 def test_offloaded_plan_is_consistent_with_the_cost_model() -> None:
-    result = search(OPT_13B, WORKLOAD, BOX)
+    result = planned(OPT_13B, BOX)
     policy, est = result.policy, result.estimate
     assert est.fits
     assert policy.weights_frac[0] < 1.0  # 26 GB of weights cannot all sit in 8 GiB
@@ -84,7 +96,7 @@ def test_more_memory_or_bandwidth_never_lowers_throughput(more: dict[str, float]
 
 
 def test_compression_chosen_when_io_bound() -> None:
-    result = search(OPT_13B, WORKLOAD, BOX)
+    result = planned(OPT_13B, BOX)
     assert result.policy.compress_weights or result.policy.compress_kv
     plain = _throughput(OPT_13B, BOX, allow_compression=False)
     assert result.predicted["generation_throughput"] > plain * (1 + COMPRESSION_MIN_GAIN)
@@ -102,7 +114,7 @@ def test_cpu_attention_decides_whether_kv_compression_pays() -> None:
     PCIe traffic) than with CPU attention (no KV crosses PCIe; dequantization is added), where
     what it still buys is memory: a larger block. At a fixed placement it does not pay at all
     with CPU attention (test_policy_cost_model)."""
-    alternatives = search(OPT_13B, WORKLOAD, BOX).alternatives
+    alternatives = planned(OPT_13B, BOX).alternatives
 
     def best(compress_kv: bool, cpu_attention: bool) -> float:
         key = f"compress_weights=False compress_kv={compress_kv} cpu_attention={cpu_attention}"

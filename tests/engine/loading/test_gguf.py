@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import shutil
@@ -64,7 +65,20 @@ def test_conversion_is_keyed_by_content(tiny_model, cache, tmp_path):
     assert gguf_model_dir(copy) != model_dir
 
 
-def test_default_model_is_exactly_transformers_reading_of_the_gguf():
+def parse_each_gguf_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """From here to the test's end, transformers' reading of a GGUF file parses it once:
+    its config, weights and tokenizer loads each parse the whole file again (SmolLM2's
+    49k-token vocabulary, field by field: most of a minute on a 2-core box), and its name
+    mapping builds gguf's tensor-name table once per module (hundreds). The parse of a path
+    and the table of (architecture, layers) are pure, so each is kept for the test's reads;
+    what transformers makes of them is unchanged."""
+    import gguf
+
+    monkeypatch.setattr(gguf, "GGUFReader", functools.cache(gguf.GGUFReader))
+    monkeypatch.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
+
+
+def test_default_model_is_exactly_transformers_reading_of_the_gguf(monkeypatch):
     """The default model (SmolLM2-135M-Instruct, Q4_1 + Q8_0 + F32) converts to the tensors
     transformers dequantizes from the same file, bit for bit; its tokenizer and chat template
     give transformers' token ids."""
@@ -72,6 +86,7 @@ def test_default_model_is_exactly_transformers_reading_of_the_gguf():
 
     path = default_model_file()
     model_dir = resolve_model_dir(None, build=local_model_dir)
+    parse_each_gguf_once(monkeypatch)  # after our own conversion: only transformers' reads
     assert json.loads((model_dir / MANIFEST).read_text())["tensor_types"] == {
         "Q4_1": 210,
         "Q8_0": 1,
