@@ -4,7 +4,10 @@ at once and runs short steps; the batch lines lose no work (engine/core/wait_que
 from __future__ import annotations
 
 import random
+from concurrent.futures import Future
 
+from engine.core.engine_core import EngineCore
+from engine.core.protocol import StepPlan, StepResult
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
 from engine.core.scheduler_config import SchedulerConfig
@@ -103,3 +106,71 @@ def test_online_steps_take_batch_prefill_up_to_the_share_of_the_block() -> None:
     assert online_steps == 4
     plan = sched.schedule()  # the online request ended: batch prefill fills the step again
     assert plan is not None and plan.num_tokens == 64
+
+
+class RunAtOnce(FakeExecutor):
+    """Runs each submitted step at once: the engine core's plan-ahead order stays (step i+1
+    is planned before step i's result is read) and the plans come out in a fixed order."""
+
+    def submit(self, plan: StepPlan) -> Future[StepResult]:
+        future: Future[StepResult] = Future()
+        future.set_result(self.execute(plan))
+        return future
+
+
+def rows_until_answers(batch_step_cap: bool) -> list[int]:
+    """A batch job through the real engine core planning ahead (as the daemon's does); an
+    online request of 4 tokens comes after every 6th step, while lines wait, as the step
+    just submitted runs. For each: the tokens of the steps it waited through and rode, from
+    the step in flight when it came to the step that sampled its last token."""
+    config = SchedulerConfig(
+        gpu_batch_size=16,
+        max_step_tokens=256,
+        discrete_batching=False,
+        batch_share=0.25,
+        batch_step_cap=batch_step_cap,
+    )
+    sched, fake = Scheduler(config), RunAtOnce()
+    core = EngineCore(sched, fake, async_scheduling=True)
+    prompts = batch_job(sched, num_lines=48, prompt_len=48)
+    sp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    outputs, online_prompts = Outputs(sched), {}
+    rows: list[int] = []
+    arrived_at: int | None = None
+    online_seq = -1
+    while core.has_unfinished():
+        outputs.track()
+        for delta in outputs.add(core.step()):
+            if delta.request_id.startswith("online") and delta.finished:
+                since = fake.plans[arrived_at:]
+                rode = [
+                    i for i, p in enumerate(since) if any(c.seq_id == online_seq for c in p.chunks)
+                ]
+                rows.append(sum(p.num_tokens for p in since[: rode[-1] + 1]))
+                arrived_at = None
+        if arrived_at is None and sched.num_waiting and len(fake.plans) % 6 == 0:
+            request_id = f"online{len(online_prompts)}"
+            online_prompts[request_id] = tokens(100 + len(online_prompts), 5)
+            sched.add_request(Request(request_id, online_prompts[request_id], sp))
+            online_seq = sched.requests[request_id].seq_id
+            arrived_at = len(fake.plans) - 1  # the step in flight
+    core.close()
+    final = outputs.final()
+    for request_id, prompt in online_prompts.items():
+        assert final[request_id].outputs[0].token_ids == reference(prompt, 4)
+    for request_id, prompt in prompts.items():
+        assert final[request_id].outputs[0].token_ids == reference(prompt, LINE_TOKENS)
+    return rows
+
+
+def test_an_online_request_waits_behind_short_steps_with_the_batch_step_cap() -> None:
+    """With batch_step_cap every step takes at most 64 batch prefill tokens (0.25 of 256), so
+    from its arrival to its answer an online request runs through at most the step in flight
+    and the one planned ahead (each 16 decodes + 64 prefill) and its own 4 steps (16 decodes,
+    4 prefill, its own token): 2 * 80 + 4 * 21 = 244 tokens. Without the cap the steps ahead
+    of it take whole budgets of batch prefill (256 tokens) and pass that bound."""
+    bound = 2 * (16 + 64) + 4 * (16 + 4 + 1)
+    capped = rows_until_answers(batch_step_cap=True)
+    uncapped = rows_until_answers(batch_step_cap=False)
+    assert len(capped) >= 3 and len(uncapped) >= 3
+    assert max(capped) <= bound < max(uncapped)
