@@ -89,7 +89,9 @@ class SchedulerConfig:
     """In every step, online work present or not, batch prefill takes at most batch_share of
     max_step_tokens (rounded up): the step an online request arrives during and the step
     planned ahead of it (asynchronous scheduling) are never a full budget of batch prefill,
-    so its wait is bounded by two short steps. Costs a batch job more, smaller steps. The
+    so its wait is bounded by two short steps; for 2 steps after online work left batch
+    prefill keeps the online share (a client's next request, sent once its last was answered,
+    finds the step planned ahead of it short too). Costs a batch job more, smaller steps. The
     daemon's default (`EngineArgs.batch_step_cap`); False: the whole budget while no online
     work is present."""
     max_offload_faults: int = 2
