@@ -1,7 +1,7 @@
 """Online requests while a large batch job runs: how long each waits behind the job.
 
     python -m bench.daemon.online_during_batch [--lines 300] [--online 10] [--json FILE]
-        [--serve-args "--no-batch-step-cap"] [--tree DIR]
+        [--serve-args=--no-batch-step-cap] [--tree DIR]
 
 One `nanoflex serve` on the demo model (a real daemon on loopback, its defaults: online
 before batch). A Batch API job of `--lines` completions (a 60-token prompt, 16 tokens each,
@@ -127,7 +127,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--online", type=int, default=10, help="online requests, one at a time")
     parser.add_argument("--json", default=None, help="write the figures here")
     parser.add_argument(
-        "--serve-args", default="", help="flags for `nanoflex serve`, e.g. --no-batch-step-cap"
+        "--serve-args",
+        default="",
+        help="flags for `nanoflex serve`, e.g. --serve-args=--no-batch-step-cap (with '=')",
     )
     parser.add_argument("--tree", default=None, help="run the daemon from this source tree")
     args = parser.parse_args(argv)
@@ -149,10 +151,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(table.markdown("rrrrrr"))
     met = max(online) <= MARK_S and result["every_line_once"] and result["status"] == "completed"
-    print(
-        f"every line once: {result['every_line_once']}; max online {max(online):.2f} s "
-        f"(mark <= {MARK_S:.0f} s): {'mark met' if met else 'mark missed'}"
-    )
+    mark = f"max online {max(online):.2f} s (mark <= {MARK_S:.0f} s): "
+    mark += ("mark met" if met else "mark missed") if result["online_s"] else "the job alone"
+    print(f"every line once: {result['every_line_once']}; {mark}")
     if args.json:
         write_json(args.json, [result], table, vars(args))
     return 0 if met else 1
