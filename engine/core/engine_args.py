@@ -146,6 +146,14 @@ class EngineArgs:
         type=float,
     )
     """Online before batch: see SchedulerConfig.batch_share."""
+    batch_step_cap: bool = cli(
+        True,
+        "in the daemon, batch prefill takes at most --batch-share of the step's token budget "
+        "in every step, so an online request never waits behind full steps of batch prefill "
+        "(default: on; LLM runs without it)",
+    )
+    """Where online requests are served (`create_scheduler(serves_online=True)`: the
+    daemon), SchedulerConfig.batch_step_cap; elsewhere (`LLM`) off."""
     kv_cache_disk_bytes: int | None = cli(
         None,
         "most bytes of idle cached KV kept on disk, e.g. 20GiB (default: the disk budget)",
@@ -419,10 +427,11 @@ class EngineArgs:
         return self.prefix_state_slots if self.enable_prefix_caching else 0
 
     def scheduler_config(
-        self, policy: Policy, model_dir: Path, info: EngineInfo
+        self, policy: Policy, model_dir: Path, info: EngineInfo, serves_online: bool = False
     ) -> SchedulerConfig:
         """The scheduler's settings: the block shape and tier fractions of `policy`, the KV
-        capacity the executor reports, stop ids and context length from the model directory."""
+        capacity the executor reports, stop ids and context length from the model directory.
+        `serves_online`: online requests may come (the daemon), so `batch_step_cap` applies."""
         step_tokens = self.step_tokens(policy)
         return SchedulerConfig.from_policy(
             policy,
@@ -440,6 +449,7 @@ class EngineArgs:
             enable_prefix_caching=self.enable_prefix_caching,
             prefix_ordering=self.prefix_ordering,
             batch_share=self.batch_share,
+            batch_step_cap=self.batch_step_cap and serves_online,
             cache_salt=info.cache_salt,
             max_cached_pages=self._max_cached_pages(info),
             min_hit_tokens=self._min_hit_tokens(policy, model_dir, info),
@@ -485,8 +495,12 @@ class EngineArgs:
         model_dir: Path,
         info: EngineInfo,
         detokenizer: Detokenizer | None,
+        serves_online: bool = False,
     ) -> Scheduler:
-        scheduler = Scheduler(self.scheduler_config(policy, model_dir, info), detokenizer)
+        """The scheduler over an executor that reported `info`; `serves_online`: the daemon's
+        (see scheduler_config)."""
+        config = self.scheduler_config(policy, model_dir, info, serves_online)
+        scheduler = Scheduler(config, detokenizer)
         stepper = getattr(detokenizer, "stepper", None)
         if stepper is not None:  # the tokenizer's byte table is built now, not at a request
             stepper()

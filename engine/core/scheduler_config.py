@@ -85,6 +85,15 @@ class SchedulerConfig:
     request's steps run about a full block's decodes, not the step's whole budget). New batch
     lines wait; an online request short of a slot takes the newest batch line's (preempted,
     its tokens kept: it recomputes its KV later). 1.0: priority alone."""
+    batch_step_cap: bool = False
+    """In every step, online work present or not, batch prefill takes at most batch_share of
+    max_step_tokens (rounded up): the step an online request arrives during and the step
+    planned ahead of it (asynchronous scheduling) are never a full budget of batch prefill,
+    so its wait is bounded by two short steps; for 2 steps after online work left batch
+    prefill keeps the online share (a client's next request, sent once its last was answered,
+    finds the step planned ahead of it short too). Costs a batch job more, smaller steps. The
+    daemon's default (`EngineArgs.batch_step_cap`); False: the whole budget while no online
+    work is present."""
     max_offload_faults: int = 2
     """Storage faults a sequence goes through (recomputed after each); at this many it ends
     with a retryable error instead (`SequenceDelta.retryable`)."""

@@ -7,7 +7,9 @@ sequence is computing waits a step to hit it (`PrefixGate`). Preempted and recov
 sequences go back to the front. While online work waits or runs, batch work takes at most
 `SchedulerConfig.batch_share` of the block's slots, and its prefill chunks at most that share
 of a full block's decode rows a step (`batch_slots` tokens), so the online work's steps stay
-short.
+short; with `batch_step_cap` batch prefill takes at most batch_share of the step budget in
+every step, so the steps ahead of an online request that comes are short too, and they keep
+the online share for `LINGER_STEPS` steps after online work left.
 """
 
 from __future__ import annotations
@@ -30,6 +32,10 @@ from engine.core.sequence import BATCH_PRIORITY, Sequence
 
 Queue = deque[Sequence] | PrefixQueue[Sequence]
 
+LINGER_STEPS = 2
+"""With batch_step_cap: steps after online work left in which batch prefill keeps the online
+share, so a client's next request, sent once the last is answered, finds short steps ahead."""
+
 
 class WaitQueues:
     """Queues per priority and the batch share of the step being planned."""
@@ -45,6 +51,8 @@ class WaitQueues:
         """With prefix_ordering: each unfinished sequence's prompt page hashes."""
         self.batch_budget = config.max_step_tokens
         """Prefill tokens batch work may still take in the step being planned."""
+        self._steps_since_online = LINGER_STEPS + 1
+        """Steps planned since the last one with online work present."""
 
     # -- membership ----------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -159,10 +167,22 @@ class WaitQueues:
         """Set the prefill tokens batch work may take in the step planned now: while online
         work is present `batch_slots`, so a step the online work is in runs at most
         batch_share more rows than a full block's decodes (on a CPU every row costs: a step
-        filled with batch prefill would multiply each of its tokens' time); otherwise the
-        whole budget."""
+        filled with batch prefill would multiply each of its tokens' time), and with
+        batch_step_cap for LINGER_STEPS more steps after it left (planned ahead of a client's
+        next request); otherwise `batch_step_tokens`."""
         online = self.online_present(running)
-        self.batch_budget = self.batch_slots if online else self.config.max_step_tokens
+        self._steps_since_online = 0 if online else self._steps_since_online + 1
+        lingers = self.config.batch_step_cap and self._steps_since_online <= LINGER_STEPS
+        self.batch_budget = self.batch_slots if online or lingers else self.batch_step_tokens
+
+    @property
+    def batch_step_tokens(self) -> int:
+        """The most prefill tokens batch work takes in a step without online work: batch_share
+        of max_step_tokens with `batch_step_cap` (an online request that comes finds the
+        step in flight and the one planned ahead short), else the whole budget."""
+        if self.config.batch_step_cap:
+            return self._share_of(self.config.max_step_tokens)
+        return self.config.max_step_tokens
 
     def prefill_budget(self, seq: Sequence, budget: int) -> int:
         """`budget` capped by what is left of the batch share, for a batch sequence."""

@@ -69,7 +69,9 @@ class EngineStartError(UserError):
 
 class CoreEngineClient(EngineClient):
     """The scheduler in this process, the executor in the engine process (or in this one
-    with `in_process`). `model_dir` and `policy` are resolved by `start()` when None."""
+    with `in_process`). `model_dir` and `policy` are resolved by `start()` when None;
+    `serves_online`: online requests may come (the daemon), so the scheduler keeps every step's
+    batch prefill short (`EngineArgs.batch_step_cap`); False for a batch-only engine."""
 
     def __init__(
         self,
@@ -81,8 +83,10 @@ class CoreEngineClient(EngineClient):
         in_process: bool = False,
         restarts: RestartPolicy | None = None,
         executor_factory: str = EXECUTOR_FACTORY,
+        serves_online: bool = True,
     ) -> None:
         super().__init__()
+        self.serves_online = serves_online
         self.executor_factory = executor_factory
         """'module:function' building the executor from the `EngineArgs` record, the model
         directory and the policy (`engine.executor.executor.build_executor`)."""
@@ -245,7 +249,11 @@ class CoreEngineClient(EngineClient):
         """A fresh scheduler and engine core stepping the executor through `counter`."""
         assert self.policy is not None and self.model_dir is not None and self._executor
         scheduler = self.engine_args.create_scheduler(
-            self.policy, self.model_dir, self._executor.describe(), self._tokenizer
+            self.policy,
+            self.model_dir,
+            self._executor.describe(),
+            self._tokenizer,
+            self.serves_online,
         )
         on_cpu_here = self._in_process and self._executor.describe().placement.device == "cpu"
         return EngineCore(scheduler, counter, self.engine_args.plans_ahead(on_cpu_here))

@@ -60,7 +60,9 @@ class Replica:
         )
         self._thread.start()
         name = model_name or served_model_name(engine_args.model)
-        self.client = CoreEngineClient(engine_args, model_name=name, in_process=True)
+        self.client = CoreEngineClient(
+            engine_args, model_name=name, in_process=True, serves_online=False
+        )
         self._call(self.client.start())
         self.serving = Serving(self.client, self.client.model_name, Metrics(self.client))
 
