@@ -77,7 +77,9 @@ class FakeExecutor:
             self.store[copy.dst] = list(self.store[copy.src])
             table[copy.index] = copy.dst
         sampled_here = {c.seq_id for c in plan.chunks if c.do_sample and c.token_ids}
-        seq_ids, token_ids, logprobs = [], [], []
+        seq_ids: list[int] = []
+        token_ids: list[int] = []
+        logprobs: list[TokenLogprobs | None] = []
         for chunk in plan.chunks:
             assert PENDING_TOKEN_ID not in chunk.token_ids, "placeholder reached the engine"
             if chunk.forked_from is not None:  # its history is read from the shared pages
