@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from base.errors import UserError
 from engine.core.gemma3_media import newline_runs, widen_placeholders
-from policy.errors import UserError
 
 VISION_MODEL_TYPES = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "gemma3", "llava")
 """Checkpoints whose vision tower nanoflex runs (the others with one run their text alone)."""
