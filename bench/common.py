@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from engine import LLM
-from engine.bench import run_bench
+from engine.throughput import run_bench
 from policy import Policy
 from policy.specs import WorkloadSpec
 

@@ -46,7 +46,7 @@ def main(args: argparse.Namespace) -> int:
         tokenizer = llm.tokenizer
         if args.chat:
             if tokenizer is None or tokenizer.chat_template is None:
-                from policy.errors import UserError
+                from base.errors import UserError
 
                 raise UserError(f"{llm.executor.model_dir} has no chat template; drop --chat")
             ids = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])

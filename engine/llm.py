@@ -8,18 +8,19 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
+from base.errors import UserError
 from engine.core.engine_args import EngineArgs
-from engine.core.engine_core import EngineCore
 from engine.core.media import SeqMedia
 from engine.core.model_files import ModelLoadError, generation_defaults
 from engine.core.outputs import RequestOutput
 from engine.core.protocol import Placement
 from engine.core.sampling_params import SamplingError, SamplingParams
 from engine.core.sequence import BATCH_PRIORITY, Request
+from engine.core.step_loop import StepLoop
 from engine.core.tokenizer import Tokenizer, has_tokenizer
 from engine.executor.executor import build_executor
 from engine.loading.generated import local_model_dir
-from policy import Policy, UserError
+from policy import Policy
 
 Prompt = str | list[int]
 log = logging.getLogger("nanoflex.engine")
@@ -55,7 +56,7 @@ class LLM:
             self.policy, model_dir, self.executor.describe(), self.tokenizer
         )
         plans_ahead = args.plans_ahead(not self.executor.device.is_cuda)
-        self.core = EngineCore(self.scheduler, self.executor, plans_ahead)
+        self.step_loop = StepLoop(self.scheduler, self.executor, plans_ahead)
         self._ids = itertools.count()
         self._defaults = generation_defaults(model_dir)
 
@@ -103,7 +104,7 @@ class LLM:
                 prompt_list, params, media or [None] * len(prompt_list), strict=True
             )
         ]
-        return self.core.generate(requests)
+        return self.step_loop.generate(requests)
 
     def encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -127,7 +128,7 @@ class LLM:
         return self.executor.placement()
 
     def close(self) -> None:
-        self.core.close()
+        self.step_loop.close()
         self.executor.close()
 
     def __enter__(self) -> LLM:

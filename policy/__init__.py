@@ -4,7 +4,6 @@ The search (`policy.search.search`) pulls in cvxpy, so it is imported from its m
 rather than here; this package's top level stays cheap for the engine and the daemon.
 """
 
-from policy.errors import UserError
 from policy.hardware import FLEXGEN_T4, HardwareSpec, default_cache_path, load_cached
 from policy.policy import TIERS, Policy, PolicyError
 from policy.specs import ModelSpec, WorkloadSpec
@@ -17,7 +16,6 @@ __all__ = [
     "ModelSpec",
     "Policy",
     "PolicyError",
-    "UserError",
     "WorkloadSpec",
     "default_cache_path",
     "format_bytes",

@@ -1,8 +1,6 @@
-"""`UserError`: the root of every error caused by input (a flag, a file, a request), not a bug."""
+"""`ModelSpecError`: a model the planner cannot describe (its root, `UserError`, is in base/)."""
 
-
-class UserError(Exception):
-    """Bad input from a user, a file or a config. The CLI prints it as one line (exit 2)."""
+from base.errors import UserError
 
 
 class ModelSpecError(UserError, ValueError):

@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from policy.errors import UserError
+from base.errors import UserError
 from policy.jsonfile import parse_object, publish_file, read_text
 
 # The keys every hardware file must have (FlexGen A.3's constants plus memory sizes).

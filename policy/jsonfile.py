@@ -9,7 +9,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from policy.errors import UserError
+from base.errors import UserError
 
 
 def parse_object(text: str, what: str, error: type[UserError]) -> dict[str, Any]:

@@ -11,10 +11,10 @@ from policy.catalog import resolve_model_spec
 from policy.dtypes import DTYPE_BYTES, DTYPES, default_dtype
 from policy.hardware import HardwareSpec, load_cached
 from policy.moe import ExpertStage, experts_per_tier
-from policy.plan_cache import cached_search
 from policy.policy import Policy
 from policy.prefix import break_even_tokens
 from policy.search import PlanResult
+from policy.search_cache import cached_search
 from policy.specs import ModelSpec, WorkloadSpec
 from policy.state_cost import state_bytes_per_tier, state_summary
 from policy.units import format_bytes, parse_bytes
@@ -143,7 +143,7 @@ def engine_priced(model: ModelSpec, compute_device: str, dtype: str | None) -> M
     """`model` with the element size the engine computes in on `compute_device`: `dtype` if
     given, else the engine's default (policy/dtypes.py) for a checkpoint of the spec's
     element size; a CPU without bfloat16 in hardware computes a half checkpoint in float32,
-    twice its bytes (engine/core/planning.py prices the same for `--policy auto`)."""
+    twice its bytes (engine/core/auto_policy.py prices the same for `--policy auto`)."""
     checkpoint = "float16" if model.dtype_bytes == 2 else "float32"
     chosen = dtype or default_dtype(compute_device, checkpoint)
     return dataclasses.replace(model, dtype_bytes=DTYPE_BYTES[chosen])

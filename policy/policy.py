@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from policy.errors import UserError
+from base.errors import UserError
 from policy.jsonfile import parse_object, read_text
 
 Triple = tuple[float, float, float]

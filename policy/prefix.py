@@ -11,13 +11,12 @@ shorter hits on that tier (SchedulerConfig.min_hit_tokens); `nanoflex plan` repo
 
 from __future__ import annotations
 
+from base.pages import PAGE_TOKENS
 from policy.cost_model import compressed_bytes_per_element
 from policy.hardware import HardwareSpec
 from policy.policy import TIERS
 from policy.specs import ModelSpec
 
-PAGE_TOKENS = 16
-"""Tokens per KV page: the unit the engine caches and moves (engine.executor uses this)."""
 MAX_PREFIX_TOKENS = 1 << 17
 """Beyond this a prefix is never worth loading from that tier (reported as None)."""
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from base.errors import UserError
 from policy.affine import NUM_TRIPLES, VARS
 from policy.cost_model import (
     TASKS,
@@ -26,7 +27,6 @@ from policy.cost_model import (
     evaluate,
     hardware_budgets,
 )
-from policy.errors import UserError
 from policy.hardware import HardwareSpec
 from policy.moe import cpu_expert_break_even
 from policy.nano_batching import MAX_COMPUTE_ROWS
@@ -94,7 +94,7 @@ class PlanResult:
 class PlacementLP:
     """One parametrized LP (DPP: compiled once, re-solved with new coefficients). cvxpy is
     imported here, when a search builds its LP, not with this module: a search remembered on
-    disk (policy/plan_cache.py) is read back without it (an import of seconds)."""
+    disk (policy/search_cache.py) is read back without it (an import of seconds)."""
 
     def __init__(self) -> None:
         import cvxpy as cp

@@ -6,7 +6,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from policy.errors import ModelSpecError, UserError
+from base.errors import UserError
+from policy.errors import ModelSpecError
 from policy.hybrid import StateShape
 from policy.vision import DEFAULT_IMAGE_PIXELS, VisionSpec
 

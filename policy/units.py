@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from policy.errors import UserError
+from base.errors import UserError
 
 # Decimal units are powers of 1000 (disk vendors, `df -H`); binary units and the
 # bare letters are powers of 1024 (`free -g`, `docker --memory 16g`).

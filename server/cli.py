@@ -15,15 +15,15 @@ import sys
 from collections.abc import Sequence
 from types import ModuleType
 
-from policy.errors import UserError
+from base.errors import UserError
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("server.http.serve", "run the OpenAI-compatible daemon"),
     "generate": ("engine.generate", "generate text for one prompt"),
     "run-batch": ("server.offline.run_batch", "run an OpenAI Batch input file offline (resumable)"),
-    "bench": ("engine.bench", "measure prefill/decode/generation throughput"),
+    "bench": ("engine.throughput", "measure prefill/decode/generation throughput"),
     "plan": ("policy.plan", "choose a policy with the cost model"),
-    "profile": ("engine.profile", "measure and cache this machine's hardware constants"),
+    "profile": ("engine.profiling.command", "measure and cache this machine's hardware constants"),
 }
 """Command -> (handler module, one-line help)."""
 

@@ -4,13 +4,15 @@ The rules are those of docs/architecture.md ("Folder map"): engine/core is the b
 layer, torch-free; engine/runtime (torch-free too) runs an engine for the daemon, which
 imports nothing else of the engine; models, storage, loading, executor and profiling build
 on core in that order; inside server, openai is below batch, and batch below offline and
-http; policy imports nothing of ours. Lazy imports inside functions count too, and no
+http; policy imports nothing of ours but base, which is below every layer and imports nothing
+but the standard library. Lazy imports inside functions count too, and no
 module may import itself through others (a cycle is a cycle, however late it closes).
 """
 
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,9 +20,10 @@ import tomllib
 from setuptools import find_packages
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGES = ("server", "engine", "policy")
+PACKAGES = ("server", "engine", "policy", "base")
 
-ALLOWED: dict[str, set[str]] = {
+LAYERS: dict[str, set[str]] = {
+    "base": set(),
     "policy": set(),
     "engine.core": {"policy"},
     "engine.kernels": set(),
@@ -61,8 +64,12 @@ ALLOWED: dict[str, set[str]] = {
     "server.http": {"server.batch", "server.openai", "engine.runtime", "engine.core", "policy"},
     "server": {"policy"},
 }
+ALLOWED = {
+    layer: allowed if layer == "base" else allowed | {"base"} for layer, allowed in LAYERS.items()
+}
 """Layer -> the layers it may import besides itself (`engine` and `server` are their top-level
-modules: `server.cli` finds each command's module by name, it imports none of them)."""
+modules: `server.cli` finds each command's module by name, it imports none of them); every
+layer but base may import base."""
 
 
 def layer_of(module: str) -> str | None:
@@ -106,6 +113,18 @@ def test_imports_follow_the_layers(module: str, path: Path) -> None:
         if layer is not None and layer != own and layer not in ALLOWED[own]:
             bad.add(name)
     assert not bad, f"{module} ({own}) may not import {sorted(bad)}"
+
+
+@pytest.mark.parametrize(
+    "module,path",
+    [(m, p) for m, p in our_modules() if layer_of(m) == "base"],
+    ids=[m for m, _ in our_modules() if layer_of(m) == "base"],
+)
+def test_base_imports_only_the_standard_library(module: str, path: Path) -> None:
+    """base is below every layer: a module of it imports no package of ours nor any other
+    (no torch, no numpy), so every process, the torch-free daemon included, may import it."""
+    outside = {n for n in imported_names(path) if n.split(".")[0] not in sys.stdlib_module_names}
+    assert not outside, f"{module} imports {sorted(outside)}"
 
 
 SCALE_OUT = "server.offline.scale_out"

@@ -23,8 +23,8 @@ from typing import Any
 
 from bench.common import Table, write_json
 from bench.daemon.load import launch
+from engine.core.auto_policy import BACKGROUND_ENV
 from engine.core.cache import CACHE_ENV, SEED_ENV, cache_root
-from engine.core.planning import BACKGROUND_ENV
 
 
 def start_once(tree: Path | None, tmp: Path) -> dict[str, Any]:

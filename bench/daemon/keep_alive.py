@@ -24,7 +24,7 @@ from pathlib import Path
 
 import uvicorn
 
-from engine.runtime.core_client import build_engine_client
+from engine.runtime.step_loop_client import build_engine_client
 from server.cli import build_parser
 from server.http.app import create_app
 from server.http.serve import bind_socket, uvicorn_config

@@ -5,7 +5,7 @@
 Torch-free and quick: the job of `bench.daemon.online_during_batch` (300 lines of 95 prompt
 tokens and 16 output tokens, 64 of them in the engine at a time as the batch runner hands
 them over, a block of 256 and a 2,048-token step budget, as the demo daemon runs) goes
-through the real `EngineCore`, planning each step while the one before runs, over the tests'
+through the real `StepLoop`, planning each step while the one before runs, over the tests'
 fake executor. An online request of 4 tokens arrives at a point in time, counted in dense
 rows (on a CPU every row costs about the same): while a step runs the worker waits on it,
 having planned the next, so the request is queued after that one. Its wait is the rows from
@@ -26,12 +26,12 @@ from typing import Any
 
 from bench.common import Table, write_json
 from engine.core import wait_queues
-from engine.core.engine_core import EngineCore
 from engine.core.protocol import StepPlan, StepResult
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
 from engine.core.scheduler_config import SchedulerConfig
 from engine.core.sequence import BATCH_PRIORITY, Request
+from engine.core.step_loop import StepLoop
 from tests.engine.fakes import VOCAB, FakeExecutor
 
 NUM_LINES, PROMPT_TOKENS, LINE_TOKENS, IN_ENGINE = 300, 95, 16, 64
@@ -39,7 +39,7 @@ ONLINE_TOKENS, ONLINE_PER_RUN = 4, 3
 
 
 class RunAtOnce(FakeExecutor):
-    """Runs each submitted step at once; the engine core still plans one step ahead."""
+    """Runs each submitted step at once; the step loop still plans one step ahead."""
 
     def submit(self, plan: StepPlan) -> Future[StepResult]:
         future: Future[StepResult] = Future()
@@ -53,7 +53,7 @@ def replay(batch_step_cap: bool, gap_rows: int, first_at: int) -> tuple[list[int
         gpu_batch_size=256, max_step_tokens=2048, batch_share=0.25, batch_step_cap=batch_step_cap
     )
     sched, fake = Scheduler(config), RunAtOnce()
-    core = EngineCore(sched, fake, async_scheduling=True)
+    core = StepLoop(sched, fake, async_scheduling=True)
     rng = random.Random(0)
     prompts = [[rng.randrange(1, VOCAB) for _ in range(PROMPT_TOKENS)] for _ in range(NUM_LINES)]
     line = SamplingParams(max_tokens=LINE_TOKENS, temperature=0.0, ignore_eos=True)

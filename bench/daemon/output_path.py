@@ -12,7 +12,7 @@ alone, in one thread of a quiet process, so that a change to it shows within a f
   `--tokens` tokens each (stop checks, the served tokenizer's incremental detokenizer, the
   `SequenceDelta`), on the demo model's tokenizer and the token ids of this repository's
   docs/architecture.md;
-- *event loop*: each step's deltas handed to their requests (`CoreEngineClient._dispatch`),
+- *event loop*: each step's deltas handed to their requests (`StepLoopClient._dispatch`),
   each request's task woken, its delta through `generate`, `Serving`'s accounting and
   `stream_chunks` to the SSE bytes of a completion chunk (what the HTTP layer then sends).
 
@@ -42,7 +42,7 @@ def measure(seqs: int, tokens: int, text: str) -> dict[str, float]:
     from engine.core.sampling_params import SamplingParams
     from engine.core.sequence import Sequence
     from engine.core.tokenizer import Tokenizer
-    from engine.runtime.core_client import CoreEngineClient
+    from engine.runtime.step_loop_client import StepLoopClient
     from server.openai.endpoints.completions import CompletionServing
     from server.openai.endpoints.prepared import Prepared
     from server.openai.metrics import Metrics
@@ -51,7 +51,7 @@ def measure(seqs: int, tokens: int, text: str) -> dict[str, float]:
     model_dir = resolve_model_dir(DEMO_MODEL)
     tokenizer = Tokenizer(model_dir)
     ids = (tokenizer.encode(text, False) * (1 + tokens))[:tokens]
-    client = CoreEngineClient(EngineArgs(model=DEMO_MODEL), model_dir=model_dir, model_name="m")
+    client = StepLoopClient(EngineArgs(model=DEMO_MODEL), model_dir=model_dir, model_name="m")
     client._tokenizer = tokenizer  # what start() reads; no engine process is started
     client._executor = type("Alive", (), {"is_alive": True})()
     client._ready.set()

@@ -66,6 +66,7 @@ OUTPUT_FRAMES: dict[str, set[str] | None] = {
     # handing outputs to the event loop and fanning them in
     "server/core_client.py": {"generate", "_deliver", "_call_soon"},
     "engine/runtime/core_client.py": {"generate", "_deliver", "_dispatch", "_call_soon"},
+    "engine/runtime/step_loop_client.py": {"generate", "_deliver", "_dispatch", "_call_soon"},
     "engine/runtime/request_streams.py": {"dispatch", "put", "take"},
     "server/serving.py": {"_drive", "outputs", "run_choices", "body", "choice", "token_names"},
     "server/openai/serving.py": {

@@ -54,19 +54,19 @@ def chat_workload(llm: LLM, max_tokens: int) -> list[tuple[list[int], int]]:
 
 
 def run(llm: LLM, items: list[tuple[list[int], int]], ignore_eos: bool) -> dict[str, Any]:
-    """Run every request to the end through the engine core; time, steps, block occupancy,
+    """Run every request to the end through the step loop; time, steps, block occupancy,
     and the output lengths."""
     for i, (prompt, gen_len) in enumerate(items):
         params = SamplingParams(max_tokens=gen_len, temperature=0.0, ignore_eos=ignore_eos)
-        llm.core.add_request(Request(f"bench-{i}", prompt, params))
+        llm.step_loop.add_request(Request(f"bench-{i}", prompt, params))
     num_steps = num_seq_steps = 0
     lengths: list[int] = []
     num_eos = 0
     num_tokens: dict[str, int] = {}
     start = time.perf_counter()
-    while llm.core.has_unfinished():
+    while llm.step_loop.has_unfinished():
         num_seq_steps += len(llm.scheduler.running)
-        for delta in llm.core.step():
+        for delta in llm.step_loop.step():
             num_tokens[delta.request_id] = num_tokens.get(delta.request_id, 0) + len(
                 delta.new_token_ids
             )

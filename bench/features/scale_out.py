@@ -23,7 +23,7 @@ from typing import Any
 from bench.common import Table, write_json
 from engine.core.engine_args import EngineArgs
 from engine.core.model_files import DEMO_MODEL, served_model_name
-from engine.runtime.core_client import CoreEngineClient
+from engine.runtime.step_loop_client import StepLoopClient
 from server.batch.lines import BatchLine
 from server.offline.work import BatchWork, Pending, answer_all, line_id
 from server.openai.metrics import Metrics
@@ -87,7 +87,7 @@ def result(
 async def local(engine_args: EngineArgs, work: BatchWork) -> dict[str, Any]:
     start = time.perf_counter()
     name = served_model_name(engine_args.model)
-    client = CoreEngineClient(engine_args, model_name=name, in_process=True)
+    client = StepLoopClient(engine_args, model_name=name, in_process=True)
     await client.start()
     ready = time.perf_counter()
     tally = Tally()

@@ -43,7 +43,7 @@ def phase(llm: Any, name: str, prompts: list[list[int]], max_tokens: int, cuda: 
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    core, steps = llm.core, [0]
+    core, steps = llm.step_loop, [0]
     step = core.step
 
     def counted() -> Any:

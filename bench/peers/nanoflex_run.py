@@ -49,7 +49,7 @@ def plan(variant: str, model_dir: Path, args: argparse.Namespace) -> Policy:
         if not args.flexgen_policy:
             raise ValueError("the flexgen-policy variant needs --flexgen-policy")
         return Policy.from_json(args.flexgen_policy)
-    from engine.core.planning import hardware_profile
+    from engine.core.auto_policy import hardware_profile
     from policy.catalog import resolve_model_spec
     from policy.search import search
     from policy.specs import WorkloadSpec
@@ -70,8 +70,8 @@ def plan(variant: str, model_dir: Path, args: argparse.Namespace) -> Policy:
 
 def run_case(args: argparse.Namespace) -> dict[str, Any]:
     from engine import LLM, SamplingParams
-    from engine.bench import run_bench
     from engine.loading.generated import local_model_dir
+    from engine.throughput import run_bench
     from policy.specs import WorkloadSpec
 
     model_dir = local_model_dir(f"dummy:{args.model}")

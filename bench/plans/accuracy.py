@@ -23,8 +23,8 @@ import sys
 from typing import Any
 
 from bench.common import Table, Variant, parse_args, run_policies, write_json
+from engine.core.auto_policy import realized_policy
 from engine.core.model_files import DEFAULT_MODEL, DEMO_MODEL
-from engine.core.planning import realized_policy
 from engine.profiling.profiler import profile_hardware
 from policy import Policy
 from policy.hardware import default_cache_path

@@ -19,13 +19,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from base.errors import UserError
+from engine.core.auto_policy import DEFAULT_WORKLOAD, cached_hardware, resolve_policy
 from engine.core.detokenizer import Detokenizer
 from engine.core.model_files import DEFAULT_MODEL, context_length, eos_token_ids
-from engine.core.planning import DEFAULT_WORKLOAD, cached_hardware, resolve_policy
 from engine.core.protocol import EngineInfo
 from engine.core.scheduler import Scheduler
 from engine.core.scheduler_config import SchedulerConfig, discrete_sizes
-from policy import Policy, UserError
+from policy import Policy
 from policy.catalog import resolve_model_spec
 from policy.dtypes import DTYPES
 from policy.errors import ModelSpecError
@@ -328,7 +329,7 @@ class EngineArgs:
             raise UserError(f"prefix_state_slots must be >= 0, got {self.prefix_state_slots}")
 
     def plans_ahead(self, steps_on_cpu_here: bool) -> bool:
-        """Whether the engine core plans step i+1 while step i runs. `steps_on_cpu_here`: the
+        """Whether the step loop plans step i+1 while step i runs. `steps_on_cpu_here`: the
         step would run on a worker thread of this process, computing on the CPU. There the
         step's torch ops on a second thread, beside the intra-op thread pool the model was
         loaded with, cost more than planning ahead saves (12-20% of throughput on 2 cores,

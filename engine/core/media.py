@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from base.errors import UserError
 from engine.core.gemma3_media import newline_runs, widen_placeholders
 from engine.core.idefics3_media import Tiling, feature_runs, read_tiling
-from policy.errors import UserError
 
 VISION_MODEL_TYPES = (
     "qwen2_5_vl",

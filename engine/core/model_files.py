@@ -27,9 +27,9 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from base.errors import UserError
 from engine.core.cache import cache_root
 from engine.core.gguf_cache import converted_dir, file_digest
-from policy.errors import UserError
 
 DUMMY_PREFIX = "dummy:"
 DEMO_MODEL = "nanoflex-demo"

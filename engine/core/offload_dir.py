@@ -28,8 +28,8 @@ from multiprocessing import reduction
 from pathlib import Path
 from typing import Any
 
+from base.errors import UserError
 from engine.core.ownership import ownership_hint
-from policy.errors import UserError
 
 LOCK_NAME = "nanoflex.lock"
 WAIT_S = 30.0

@@ -162,7 +162,7 @@ def _read(path: Path) -> dict[str, Any]:
 
 
 def _run(found: list[Candidate], setup: dict[str, Any]) -> list[dict[str, Any]]:
-    """Each candidate run for real in a child process (engine/plan_run.py)."""
+    """Each candidate run for real in a child process (engine/plan_check_run.py)."""
     with tempfile.TemporaryDirectory(prefix="nanoflex-plan-check-") as tmp:
         spec = Path(tmp) / "spec.json"
         out = Path(tmp) / "out.json"
@@ -177,7 +177,7 @@ def _run(found: list[Candidate], setup: dict[str, Any]) -> list[dict[str, Any]]:
                 }
             )
         )
-        argv = [sys.executable, "-m", "engine.plan_run", str(spec), str(out)]
+        argv = [sys.executable, "-m", "engine.plan_check_run", str(spec), str(out)]
         done = subprocess.run(argv, check=False)
         if done.returncode != 0 or not out.is_file():
             raise RuntimeError("the plan check failed; --no-plan-check skips it")

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Container
 
+from base.errors import UserError
 from engine.core.sequence import Request
-from policy import UserError
 
 
 class RequestError(UserError, ValueError):

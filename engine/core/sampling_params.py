@@ -7,9 +7,9 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from base.errors import UserError
 from engine.core.structured import StructuredOutput
 from engine.core.structured import check as check_structured
-from policy.errors import UserError
 
 MAX_LOGPROBS = 20
 """The most top alternatives a position returns (vLLM's cap; OpenAI's completions take 5)."""

@@ -48,7 +48,7 @@ class EngineProtocolError(RuntimeError):
 class Scheduler:
     """Decides what every step runs; owns the queues, the KV page tables and the slots.
 
-    Not thread-safe: one driver (EngineCore) calls it. Contract per step:
+    Not thread-safe: one driver (StepLoop) calls it. Contract per step:
     `plan = schedule()`, run it, `postprocess(plan, result)`. Asynchronous
     drivers may call `schedule()` once more before the previous postprocess.
     """

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from policy import TIERS, Policy, UserError
+from base.errors import UserError
+from policy import TIERS, Policy
 from policy.policy import Triple
 
 

@@ -18,7 +18,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any
 
-from policy.errors import UserError
+from base.errors import UserError
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 """vLLM's `structured_outputs` fields; OpenAI's `response_format` maps onto the first two."""

@@ -27,8 +27,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.decoders import ByteLevel, DecodeStream
 
+from base.errors import UserError
 from engine.core.detokenizer import Stepper, byte_level_stepper
-from policy.errors import UserError
 
 
 class TokenizerError(UserError):

@@ -22,11 +22,12 @@ from pathlib import Path
 
 import torch
 
+from base.pages import PAGE_TOKENS
+from engine.core.auto_policy import cached_hardware, model_spec
 from engine.core.dtypes import checkpoint_dtype
 from engine.core.engine_args import EngineArgs
 from engine.core.media import has_image_processor
 from engine.core.offload_dir import OffloadDirError, OffloadDirLock, lock_offload_dir
-from engine.core.planning import cached_hardware, model_spec
 from engine.core.pooling import pooling_spec
 from engine.core.protocol import Placement
 from engine.core.state_slots import (
@@ -67,7 +68,6 @@ from engine.storage.state_store import StateStore
 from engine.storage.weight_store import TensorReader, WeightStore
 from policy import TIERS, Policy
 from policy.moe import cpu_expert_break_even
-from policy.prefix import PAGE_TOKENS
 from policy.reserves import gpu_reserves, reserve_bytes
 from policy.specs import ModelSpec
 from policy.units import format_bytes

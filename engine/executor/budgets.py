@@ -7,10 +7,10 @@ from pathlib import Path
 
 import torch
 
+from base.errors import UserError
 from engine.storage.device import Device
 from policy import TIERS, Policy
 from policy.cost_model import USABLE_FRAC
-from policy.errors import UserError
 
 GPU_RESERVE_FRAC = 1 - USABLE_FRAC["gpu"]
 """Share of the gpu budget never given to KV pages (the planner's: CUDA context,

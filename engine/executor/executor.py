@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import torch
 
+from base.pages import PAGE_TOKENS
 from engine.core.engine_args import EngineArgs
 from engine.core.protocol import EngineInfo, StepPlan, StepResult, WarmUp
 from engine.executor.assembly import EngineAssembly
@@ -20,7 +21,6 @@ from engine.executor.scoring import PromptScorer
 from engine.executor.step_runner import StepRunner
 from engine.executor.warm_up import warm_up
 from policy import Policy
-from policy.prefix import PAGE_TOKENS
 
 
 class Executor(EngineAssembly):

@@ -7,6 +7,7 @@ from typing import Protocol
 
 import torch
 
+from base.pages import PAGE_TOKENS
 from engine.core.kv_pages import PageManager
 from engine.core.protocol import SeqChunk
 from engine.core.sampling_params import SamplingParams
@@ -14,7 +15,6 @@ from engine.executor.assembly import EngineAssembly
 from engine.executor.gpu_batch import GpuBatch, SeqState
 from engine.executor.pooler import Pooler
 from engine.executor.sampler import top_logprobs
-from policy.prefix import PAGE_TOKENS
 
 
 class Admits(Protocol):

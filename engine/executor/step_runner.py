@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from base.pages import PAGE_TOKENS
 from engine.core.kv_pages import PageMove
 from engine.core.protocol import SeqChunk, StepFailure, StepPlan, StepResult, TokenLogprobs
 from engine.executor.assembly import EngineAssembly
@@ -19,7 +20,6 @@ from engine.executor.nano_batches import NanoBatcher
 from engine.executor.scoring import pool, score_prompt
 from engine.executor.vision_encoder import UNUSED
 from engine.storage.disk import OffloadIOError
-from policy.prefix import PAGE_TOKENS
 
 
 class StepRunner:

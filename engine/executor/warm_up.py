@@ -38,6 +38,7 @@ import logging
 import time
 from typing import Any, Protocol
 
+from base.pages import PAGE_TOKENS
 from engine.core.kv_pages import PageManager
 from engine.core.protocol import SeqChunk, StepPlan, StepResult, WarmUp
 from engine.core.sampling_params import SamplingParams
@@ -47,7 +48,6 @@ from engine.kernels.triton_attention import DECODE_BLOCK_N
 from engine.kernels.triton_launch import compiled_count
 from engine.storage.device import Device
 from policy import Policy
-from policy.prefix import PAGE_TOKENS
 from policy.reserves import PIECEWISE_MAX_ROWS
 
 

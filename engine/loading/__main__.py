@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import sys
 
+from base.errors import UserError
 from engine.core.model_files import DEFAULT_MODEL
 from engine.loading.generated import build_model_dir
-from policy.errors import UserError
 
 
 def main(argv: list[str]) -> int:

@@ -15,9 +15,9 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from base.errors import UserError
 from engine.models.quant_config import Fp8ConfigError, fp8_block_size, is_mxfp4
 from engine.models.registry import reader_of
-from policy.errors import UserError
 from policy.families import FAMILIES
 
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)

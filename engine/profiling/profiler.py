@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from base.pages import PAGE_TOKENS
 from engine.core.engine_args import EngineArgs
 from engine.core.model_files import DEMO_MODEL
 from engine.executor.attention import RaggedLayout, paged_attention, ragged_attention
@@ -30,7 +31,6 @@ from engine.storage.quant import dequantize, quantize
 from policy import Policy
 from policy.hardware import HardwareSpec, default_cache_path
 from policy.machine import machine_key
-from policy.prefix import PAGE_TOKENS
 
 
 def _copy_bw(

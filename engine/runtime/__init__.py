@@ -1,5 +1,5 @@
 """The engine runtime, torch-free: what runs an engine for the daemon, `run-batch` and the Ray
-replicas. `core_client.py` (the daemon's engine: its lifecycle, the tokenizer, requests in and
+replicas. `step_loop_client.py` (the daemon's engine: its lifecycle, the tokenizer, requests in and
 deltas out over asyncio), `engine_worker.py` (the scheduler on a worker thread, restarted
 after a crash), `request_streams.py` (each request's deltas on the event loop),
 `step_metrics.py` (the figures after each step), `engine_capacity.py` (the KV capacity fixed

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 
+from base.errors import UserError
 from engine.core.engine_args import EngineArgs
 from engine.core.protocol import EngineInfo
 from engine.core.tier_rest import largest_pool_tokens
 from policy import Policy
-from policy.errors import UserError
 
 
 class EngineCapacity:

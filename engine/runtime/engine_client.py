@@ -1,7 +1,7 @@
 """`EngineClient`: the one seam between the HTTP daemon and whatever generates tokens.
 
 The daemon talks only to this interface. A concrete client drives the torch-free
-scheduler (`engine.core.EngineCore`) in the daemon and an executor in a child
+scheduler (`engine.core.StepLoop`) in the daemon and an executor in a child
 process (`engine.runtime.engine_process.ExecutorProcess`), or in-process
 (`InProcessExecutor`) behind the same interface for tests.
 

@@ -1,6 +1,6 @@
-"""`EngineWorker`: the thread that owns the engine core and steps it, torch-free.
+"""`EngineWorker`: the thread that owns the step loop and steps it, torch-free.
 
-The `Scheduler` and `EngineCore` are not thread-safe: one worker thread owns them. The
+The `Scheduler` and `StepLoop` are not thread-safe: one worker thread owns them. The
 asyncio side talks to it only through a command queue ("add": child requests and the future
 that hears the scheduler's verdict; "abort": child request ids) and gets each step's deltas
 back in one `call_soon_threadsafe`. If the engine process dies (or a step raises: an engine
@@ -21,9 +21,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from engine.core.engine_core import EngineCore
 from engine.core.outputs import SequenceDelta
 from engine.core.sequence import Request
+from engine.core.step_loop import StepLoop
 from engine.runtime.engine_client import EngineDeadError, StepStats
 from engine.runtime.executor_client import ExecutorClient, ExecutorDiedError
 from engine.runtime.restarts import RestartTracker
@@ -44,8 +44,8 @@ Verdict = asyncio.Future[Exception | None]
 class WorkerHooks:
     """What the worker calls outside itself, each from the worker thread."""
 
-    build_core: Callable[[StepCounter], EngineCore]
-    """A fresh scheduler and engine core over the executor (at start and after a restart)."""
+    build_step_loop: Callable[[StepCounter], StepLoop]
+    """A fresh scheduler and step loop over the executor (at start and after a restart)."""
     check_restarted: Callable[[], None]
     """Raise if a restarted engine is not the one the daemon announced (its capacity)."""
     set_status: Callable[[str], None]
@@ -63,7 +63,7 @@ class WorkerHooks:
 
 
 class EngineWorker:
-    """Steps the engine core on its own thread; restarts the engine process if it dies.
+    """Steps the step loop on its own thread; restarts the engine process if it dies.
 
     `ready` is set while the engine steps (cleared from a crash until its restart);
     `stopping` ends the loop after the running step."""
@@ -81,16 +81,16 @@ class EngineWorker:
         self.executor, self.commands, self.restarts = executor, commands, restarts
         self.metrics, self.hooks = metrics, hooks
         self.ready, self.stopping = events
-        self.core: EngineCore | None = None
-        """The engine core now stepping (None after the end or between a crash and its
+        self.step_loop: StepLoop | None = None
+        """The step loop now stepping (None after the end or between a crash and its
         restart); read from the event loop too, as a snapshot."""
         self.counter: StepCounter | None = None
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
-        """Build the first engine core, report its figures and start stepping."""
-        self.core = self._new_core()
-        self._report(self.core, 0.0, batch_size=0)  # every series from the start
+        """Build the first step loop, report its figures and start stepping."""
+        self.step_loop = self._new_step_loop()
+        self._report(self.step_loop, 0.0, batch_size=0)  # every series from the start
         self._thread = threading.Thread(target=self._run, name="nanoflex-core", daemon=True)
         self._thread.start()
 
@@ -101,7 +101,7 @@ class EngineWorker:
 
     def _run(self) -> None:
         while not self.stopping.is_set():
-            core = self.core
+            core = self.step_loop
             assert core is not None
             # idle, or every request waits for a tier resting after a storage fault
             self._drain_commands(core, block=not core.has_unfinished() or core.is_stalled)
@@ -129,7 +129,7 @@ class EngineWorker:
                 self.hooks.to_loop(self.hooks.deliver, deltas)
         self._close_core()
 
-    def _drain_commands(self, core: EngineCore, block: bool) -> None:
+    def _drain_commands(self, core: StepLoop, block: bool) -> None:
         try:
             command = (
                 self.commands.get(timeout=IDLE_WAIT_S) if block else self.commands.get_nowait()
@@ -149,7 +149,7 @@ class EngineWorker:
             except queue.Empty:
                 return
 
-    def _add(self, core: EngineCore, children: list[Request]) -> Exception | None:
+    def _add(self, core: StepLoop, children: list[Request]) -> Exception | None:
         """Queue the choices of one request: all of them, or none and the caller's error."""
         added: list[str] = []
         try:
@@ -197,25 +197,25 @@ class EngineWorker:
         self._close_core()
         if self.stopping.is_set():
             return False
-        self.core = self._new_core()
-        self._report(self.core, 0.0, batch_size=0)
+        self.step_loop = self._new_step_loop()
+        self._report(self.step_loop, 0.0, batch_size=0)
         self.hooks.set_status("ready")
         self.ready.set()
         return True
 
-    def _new_core(self) -> EngineCore:
+    def _new_step_loop(self) -> StepLoop:
         self.counter = StepCounter(self.executor)
-        return self.hooks.build_core(self.counter)
+        return self.hooks.build_step_loop(self.counter)
 
     def _close_core(self) -> None:
-        """Close the engine core (after a crash, or at the end), keeping its counts."""
-        core, self.core = self.core, None
+        """Close the step loop (after a crash, or at the end), keeping its counts."""
+        core, self.step_loop = self.step_loop, None
         if core is not None:
             self.metrics.closed(core)
             with contextlib.suppress(Exception):  # the failed step's error: already handled
                 core.close()
 
-    def _report(self, core: EngineCore, step_seconds: float, batch_size: int) -> None:
+    def _report(self, core: StepLoop, step_seconds: float, batch_size: int) -> None:
         page_bytes = self.executor.describe().page_bytes
         self.hooks.report(
             self.metrics.stats(core, self.counter, page_bytes, step_seconds, batch_size)

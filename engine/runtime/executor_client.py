@@ -19,8 +19,8 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+from base.errors import UserError
 from engine.core.protocol import EngineInfo, StepPlan, StepResult
-from policy.errors import UserError
 
 EXECUTOR_FACTORY = "engine.executor.executor:build_executor"
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import copy
 import logging
 
-from engine.core.engine_core import EngineCore
 from engine.core.protocol import EngineInfo, StepPlan, StepResult
+from engine.core.step_loop import StepLoop
 from engine.runtime.engine_client import StepStats
 from engine.runtime.executor_client import ExecutorClient
 from policy import TIERS
@@ -38,11 +38,11 @@ class StepCounter:
 
 
 class EngineMetrics:
-    """Counts kept across engine cores and restarts, and each step's `StepStats`."""
+    """Counts kept across step loops and restarts, and each step's `StepStats`."""
 
     def __init__(self) -> None:
         self.preemptions_before = 0
-        """Preemptions of the engine cores closed so far (a restart starts a fresh one)."""
+        """Preemptions of the step loops closed so far (a restart starts a fresh one)."""
         self.num_restarts = 0
         self.index_dropped = 0
         """Disk-cache index entries dropped at the starts so far."""
@@ -64,13 +64,13 @@ class EngineMetrics:
                 w.kernels_compiled,
             )
 
-    def closed(self, core: EngineCore) -> None:
-        """Keep the counts of an engine core that is closed."""
+    def closed(self, core: StepLoop) -> None:
+        """Keep the counts of an step loop that is closed."""
         self.preemptions_before += core.scheduler.num_preemptions
 
     def stats(
         self,
-        core: EngineCore,
+        core: StepLoop,
         counter: StepCounter | None,
         page_bytes: int,
         step_seconds: float,

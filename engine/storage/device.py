@@ -71,7 +71,7 @@ class Device:
 
     @classmethod
     def resolve(cls, name: str) -> Device:
-        from policy.errors import UserError
+        from base.errors import UserError
 
         if name == "auto":
             name = "cuda" if torch.cuda.is_available() else "cpu"

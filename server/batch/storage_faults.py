@@ -10,7 +10,7 @@ from __future__ import annotations
 import errno
 import sqlite3
 
-from policy.errors import UserError
+from base.errors import UserError
 
 FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
 STORAGE_ERRNOS = FULL_ERRNOS | {errno.EROFS, errno.EIO, errno.EACCES, errno.EPERM}

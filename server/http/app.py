@@ -24,9 +24,9 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response, StreamingResponse
 from starlette.types import Receive
 
+from base.errors import UserError
 from engine.core.sequence import ONLINE_PRIORITY
 from engine.runtime.engine_client import EngineClient, EngineDeadError
-from policy.errors import UserError
 from server.batch.data_dir import open_data_dir
 from server.batch.runner import BatchRunner
 from server.http.batch_routes import router as batch_router

@@ -1,7 +1,7 @@
 """`nanoflex serve`: build the engine client and the app, run uvicorn, shut down gracefully.
 
 The engine client comes from a factory `module:function(args) -> EngineClient`,
-by default `engine.runtime.core_client:build_engine_client`; the environment variable
+by default `engine.runtime.step_loop_client:build_engine_client`; the environment variable
 NANOFLEX_ENGINE_CLIENT names another (a different backend or a test double).
 uvicorn turns SIGTERM/SIGINT into a graceful shutdown:
 stop accepting, finish in-flight responses, stop batch work (pending requests
@@ -31,10 +31,10 @@ from pathlib import Path
 import uvicorn
 from fastapi import FastAPI
 
+from base.errors import UserError
 from engine.core.engine_args import EngineArgs
 from engine.core.offload_dir import lock_offload_dir
 from engine.runtime.engine_client import EngineClient
-from policy.errors import UserError
 from server.batch.data_dir import check_data_dir
 from server.http.app import create_app
 from server.http.connection import DaemonConfig
@@ -44,7 +44,7 @@ from server.openai.memory import keep_heaps_trimmed
 from server.openai.parsers.reasoning import PARSERS as REASONING_PARSERS
 from server.openai.parsers.tool_calls import PARSERS as TOOL_PARSERS
 
-DEFAULT_ENGINE_CLIENT = "engine.runtime.core_client:build_engine_client"
+DEFAULT_ENGINE_CLIENT = "engine.runtime.step_loop_client:build_engine_client"
 ENGINE_CLIENT_ENV = "NANOFLEX_ENGINE_CLIENT"
 GRACEFUL_SHUTDOWN_S = 30
 

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from policy.errors import UserError
+from base.errors import UserError
 from policy.units import parse_bytes
 from server.batch.data_dir import DB_NAME, FILES_DIR
 from server.batch.runner import BatchConfig

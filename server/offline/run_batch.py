@@ -2,7 +2,7 @@
 
 Lines are read once, validated and answered by the batch-line core the daemon's Batch API
 uses (`server.batch.lines`), through the daemon's `Serving` over an in-process
-`CoreEngineClient`, so a line's body is exactly what `POST /v1/completions` or
+`StepLoopClient`, so a line's body is exactly what `POST /v1/completions` or
 `/v1/chat/completions` would answer, and every valid request is queued in the one
 scheduler at once (the block refills as sequences finish). A batch has one endpoint, as in
 OpenAI's API: the url of the first line that names a supported one; lines with another url
@@ -140,7 +140,7 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _client(args: argparse.Namespace) -> EngineClient:
-    from engine.runtime.core_client import (
+    from engine.runtime.step_loop_client import (
         build_engine_client,  # imports the engine: only when needed
     )
 

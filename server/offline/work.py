@@ -14,8 +14,8 @@ import hashlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+from base.errors import UserError
 from engine.core.sequence import BATCH_PRIORITY
-from policy.errors import UserError
 from server.batch.lines import BatchLine, answer_line
 from server.openai.errors import APIError
 from server.openai.serving import CHAT, RESPONSES, Serving

@@ -20,10 +20,10 @@ import json
 from collections.abc import Callable
 from typing import Any
 
+from base.errors import UserError
 from engine.core.media import ImageError, SeqMedia, VisionSpec, expand_image_tokens
 from engine.core.tokenizer import ChatOptions
 from engine.runtime.engine_client import EngineClient
-from policy.errors import UserError
 from server.openai.errors import invalid_request
 from server.openai.media import IMAGE_PARTS, MediaLimits, image_url_of, load_image
 from server.openai.parsers.tool_calls import HARMONY

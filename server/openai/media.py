@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlparse
 
-from policy.errors import UserError
+from base.errors import UserError
 from server.openai.errors import APIError, invalid_request
 
 IMAGE_PARTS = frozenset({"image_url", "input_image", "image"})

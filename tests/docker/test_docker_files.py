@@ -373,7 +373,7 @@ def test_compose_config_validates(compose_file: Path) -> None:
 def test_compose_down_needs_no_api_key(compose_file: Path) -> None:
     """Without the key the file still resolves (`down` works); the key comes out empty, which
     the daemon refuses at start, saying where to set it."""
-    from policy.errors import UserError
+    from base.errors import UserError
     from server.http.settings import api_key_from
 
     result = run_compose_config(None, compose_file)

@@ -1,4 +1,4 @@
-"""docs/architecture.md names every module of engine/, server/, policy/ and bench/.
+"""docs/architecture.md names every module of base/, engine/, server/, policy/ and bench/.
 
 A package is named by its folder (`engine/core/`) or its dotted name; a module by its path
 (`engine/core/sequence.py`), its dotted name (`engine.core.sequence`), or its file name in
@@ -14,7 +14,7 @@ from pathlib import Path
 
 from tests.docs.doc_examples import ROOT
 
-LAYERS = ("engine", "server", "policy", "bench")
+LAYERS = ("base", "engine", "server", "policy", "bench")
 DOC = ROOT / "docs" / "architecture.md"
 
 

@@ -17,7 +17,7 @@ import httpx
 import jsonschema
 import pytest
 
-from engine.runtime.core_client import build_engine_client
+from engine.runtime.step_loop_client import build_engine_client
 from server.http.settings import ServerSettings
 from tests.docs.doc_examples import classify, examples, rule
 from tests.server.batch_files import read_lines, wait_batch

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from policy.errors import UserError
+from base.errors import UserError
 from policy.hardware import (
     FLEXGEN_T4,
     REQUIRED_KEYS,

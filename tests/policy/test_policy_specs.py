@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
+from base.errors import UserError
 from policy.catalog import BUILTIN_MODELS, resolve_model_spec
-from policy.errors import UserError
 from policy.specs import ModelSpec, WorkloadSpec
 
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from policy.errors import UserError
+from base.errors import UserError
 from policy.units import format_bytes, parse_bytes
 
 

@@ -9,15 +9,15 @@ import argparse
 
 from engine.core.engine_args import EngineArgs
 from engine.core.model_files import DEMO_MODEL
-from engine.runtime.core_client import CoreEngineClient
 from engine.runtime.restarts import RestartPolicy
+from engine.runtime.step_loop_client import StepLoopClient
 from policy import Policy
 
 RESTARTS = RestartPolicy(max_restarts=2, window_s=120.0, first_backoff_s=0.5)
 
 
-def build_engine_client(args: argparse.Namespace) -> CoreEngineClient:
-    return CoreEngineClient(
+def build_engine_client(args: argparse.Namespace) -> StepLoopClient:
+    return StepLoopClient(
         EngineArgs.from_cli_args(args, policy=Policy()),
         model_name=DEMO_MODEL,
         restarts=RESTARTS,

@@ -2,7 +2,7 @@
 and a data directory or an offload directory on a small tmpfs that can be filled to the last
 byte.
 
-The engines are the real `CoreEngineClient` on the demo model with one method overridden; the
+The engines are the real `StepLoopClient` on the demo model with one method overridden; the
 full disk is a real tmpfs mount when this machine allows mounting (root in CI), else the
 store's and the file storage's writes (or the engine's disk-tier writes) raise ENOSPC while
 the disk is "full".
@@ -25,7 +25,7 @@ from engine.core.media import SeqMedia
 from engine.core.outputs import SequenceDelta
 from engine.core.sampling_params import SamplingParams
 from engine.core.sequence import ONLINE_PRIORITY
-from engine.runtime.core_client import CoreEngineClient
+from engine.runtime.step_loop_client import StepLoopClient
 from server.http.state import AppState
 from tests.server.live import demo_engine
 
@@ -40,7 +40,7 @@ HOLD = "HOLD-FIRST-TOKEN"
 before it starts (as a first token that takes a while when the engine is busy elsewhere)."""
 
 
-def like_demo(cls: type[CoreEngineClient]) -> Any:
+def like_demo(cls: type[StepLoopClient]) -> Any:
     """An engine client of class `cls` built exactly as the daemon's demo engine."""
     base = demo_engine()
     return cls(
@@ -48,7 +48,7 @@ def like_demo(cls: type[CoreEngineClient]) -> Any:
     )
 
 
-class FaultyEngine(CoreEngineClient):
+class FaultyEngine(StepLoopClient):
     """Raises RuntimeError in `encode` or `generate` for marked prompts, or holds `generate`
     (`held` is set once it waits, `release` lets it go), or holds `start` (`may_start`)."""
 
@@ -94,7 +94,7 @@ class FaultyEngine(CoreEngineClient):
             yield output
 
 
-class BlockingEngine(CoreEngineClient):
+class BlockingEngine(StepLoopClient):
     """`encode` of a marked prompt waits for `release`; `entered` is set once it waits."""
 
     entered = threading.Event()

@@ -1,6 +1,6 @@
 """Helpers: a real uvicorn server on loopback over the real engine (demo model), and clients.
 
-The engine is `CoreEngineClient` on the built-in demo model on CPU, with the
+The engine is `StepLoopClient` on the built-in demo model on CPU, with the
 executor in this process (`in_process=True`) unless a test needs the child
 process. `reference` is the offline `engine.LLM` on the same model: greedy
 output from the daemon must equal its greedy output for the same token ids.
@@ -25,8 +25,8 @@ from engine.core.outputs import CompletionOutput
 from engine.core.sampling_params import SamplingParams
 from engine.core.tokenizer import Tokenizer
 from engine.loading.demo import demo_model_dir
-from engine.runtime.core_client import CoreEngineClient, build_engine_client
 from engine.runtime.engine_client import EngineClient
+from engine.runtime.step_loop_client import StepLoopClient, build_engine_client
 from policy import Policy
 from server.cli import build_parser
 from server.http.app import create_app
@@ -50,7 +50,7 @@ def engine_args(**overrides: Any) -> argparse.Namespace:
     return args
 
 
-def demo_engine(in_process: bool = True) -> CoreEngineClient:
+def demo_engine(in_process: bool = True) -> StepLoopClient:
     """The daemon's real engine client on the demo model (not started)."""
     return build_engine_client(engine_args(in_process=in_process))
 
@@ -148,8 +148,8 @@ class Reference:
 def engine_is_idle(engine: EngineClient) -> bool:
     """No request left in the real engine's scheduler and every KV page free (read from the
     test thread: a snapshot, good enough to wait on)."""
-    assert isinstance(engine, CoreEngineClient)
-    core = engine._core
+    assert isinstance(engine, StepLoopClient)
+    core = engine._step_loop
     if core is None or core.has_unfinished():
         return False
     manager = core.scheduler.page_manager

@@ -11,18 +11,18 @@ import time
 import pytest
 
 from engine.core.engine_args import EngineArgs
-from engine.runtime.core_client import CoreEngineClient
+from engine.runtime.step_loop_client import StepLoopClient
 from tests.server.batch_files import URL, read_lines, request_line, upload, wait_batch
 from tests.server.live import MODEL, LiveServer, ServerFactory, engine_args, wait_for
 
 NUM_SYSTEMS, LINES_EACH = 6, 3
 
 
-def budget_engine(**fields: object) -> CoreEngineClient:
+def budget_engine(**fields: object) -> StepLoopClient:
     """The demo engine with 24 KV pages: room for about two of the job's system prompts."""
     args = EngineArgs.from_cli_args(engine_args())
     args = dataclasses.replace(args, kv_capacity_pages={"gpu": 24, "cpu": 0, "disk": 0}, **fields)
-    return CoreEngineClient(args, model_name=MODEL, in_process=True)
+    return StepLoopClient(args, model_name=MODEL, in_process=True)
 
 
 def shuffled_job() -> list[str]:
@@ -97,6 +97,6 @@ def test_online_request_during_a_batch_job_goes_first(make_server: ServerFactory
     assert counts is not None and counts.completed < 16, counts
     assert 'nanoflex_queue_running{queue="online"}' in metrics
     assert wait_batch(client, batch.id, timeout_s=120).status == "completed"
-    core = live.engine._core  # type: ignore[attr-defined]
+    core = live.engine._step_loop  # type: ignore[attr-defined]
     assert core.scheduler.num_preemptions == 1
     print(f"online latency during the batch job: {latency:.2f} s")

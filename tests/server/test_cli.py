@@ -13,10 +13,11 @@ from pathlib import Path
 
 import pytest
 
+from base.errors import UserError
 from engine.core.engine_args import EngineArgs
 from engine.core.model_files import DEMO_MODEL
-from engine.runtime.core_client import build_engine_client
-from policy import Policy, UserError
+from engine.runtime.step_loop_client import build_engine_client
+from policy import Policy
 from server.cli import COMMANDS, DefaultsHelpFormatter, build_parser
 from server.http.settings import ServerSettings
 from tests.server.live import engine_args, start_server

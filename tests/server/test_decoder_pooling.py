@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from engine.core.engine_args import EngineArgs
 from engine.core.rerank_prompt import PREFIX, SUFFIX
-from engine.runtime.core_client import CoreEngineClient
+from engine.runtime.step_loop_client import StepLoopClient
 from policy import Policy
 from server.cli import main as cli_main
 from server.http.settings import ServerSettings
@@ -40,7 +40,7 @@ INSTRUCTION = "Given a web search query, retrieve relevant passages that answer 
 
 def serve(model_dir: Path, data: Path, policy: Policy, **engine: Any) -> LiveServer:
     args = EngineArgs(model=str(model_dir), policy=policy, device="cpu", **engine)
-    client = CoreEngineClient(args, model_dir, policy, model_name="pooled", in_process=True)
+    client = StepLoopClient(args, model_dir, policy, model_name="pooled", in_process=True)
     return start_server(ServerSettings(data_dir=data), client)
 
 
@@ -181,7 +181,7 @@ def test_converted_reranker_scores_with_its_own_head(tmp_path: Path) -> None:
     with torch.no_grad():
         expected = [model(input_ids=torch.tensor([r])).logits[0, 0].sigmoid().item() for r in rows]
     args = EngineArgs(model=str(model_dir), policy=OFFLOADED, device="cpu")
-    engine = CoreEngineClient(args, model_dir, OFFLOADED, model_name="cls", in_process=True)
+    engine = StepLoopClient(args, model_dir, OFFLOADED, model_name="cls", in_process=True)
 
     async def scores() -> list[float]:
         await engine.start()

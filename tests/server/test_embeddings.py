@@ -20,9 +20,9 @@ import torch.nn.functional as F
 
 from engine.core.engine_args import EngineArgs
 from engine.core.pooling import pooling_spec
-from engine.runtime.core_client import CoreEngineClient
 from engine.runtime.engine_client import EngineClient
 from engine.runtime.pooling_client import PoolingEngineClient
+from engine.runtime.step_loop_client import StepLoopClient
 from policy import Policy
 from server.cli import main as cli_main
 from server.http.settings import ServerSettings
@@ -45,7 +45,7 @@ def serve(model_dir: Path, name: str, data: Path, in_process: bool = True) -> Li
         engine = PoolingEngineClient(model_dir, spec, name, device="cpu", in_process=in_process)
     else:
         args = EngineArgs(model=str(model_dir), policy=Policy(), device="cpu")
-        engine = CoreEngineClient(args, model_dir, Policy(), model_name=name, in_process=True)
+        engine = StepLoopClient(args, model_dir, Policy(), model_name=name, in_process=True)
     return start_server(ServerSettings(data_dir=data), engine)
 
 

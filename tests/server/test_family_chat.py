@@ -12,7 +12,7 @@ import pytest
 from engine import LLM, SamplingParams
 from engine.core.engine_args import EngineArgs
 from engine.loading.gguf_convert import gguf_model_dir
-from engine.runtime.core_client import CoreEngineClient
+from engine.runtime.step_loop_client import StepLoopClient
 from policy import Policy
 from server.cli import main
 from tests.engine.loading.gguf_families import build_gguf_checkpoint, write_family_gguf
@@ -44,7 +44,7 @@ def test_chat_completions_render_the_family_template(
     user = {"role": "user", "content": "the train in Athens"}
     expected = offline_answer(gemma_dir, user, ignore_eos=True)
     args = EngineArgs(model=str(gemma_dir), policy=Policy(), device="cpu")
-    engine = CoreEngineClient(args, gemma_dir, Policy(), model_name=MODEL, in_process=True)
+    engine = StepLoopClient(args, gemma_dir, Policy(), model_name=MODEL, in_process=True)
     with make_server(engine).http() as client:
         body = {"model": MODEL, "messages": [user], "max_tokens": 5, "temperature": 0}
         answer = client.post("/v1/chat/completions", json={**body, "ignore_eos": True})

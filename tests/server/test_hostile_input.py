@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from policy.errors import UserError
+from base.errors import UserError
 from server.cli import build_parser
 from server.http.settings import ServerSettings, api_key_from
 from tests.server.batch_files import URL, request_line, upload, wait_batch

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from engine.core.engine_args import EngineArgs
-from engine.runtime.core_client import CoreEngineClient
+from engine.runtime.step_loop_client import StepLoopClient
 from policy import Policy
 from server.openai.media import MediaLimits
 from tests.engine.idefics3_model import build_tiny_idefics3, hf_idefics3_generate
@@ -36,7 +36,7 @@ def test_images_in_chat_and_batch_lines_give_transformers_tokens(
     want_ids, *want_pair = hf_idefics3_generate(model_dir, [first, second], TEXT, MAX_TOKENS)
     _, *want = hf_idefics3_generate(model_dir, [first], TEXT, MAX_TOKENS)
     args = EngineArgs(model=str(model_dir), policy=Policy(), device="cpu")
-    engine = CoreEngineClient(args, model_dir, Policy(), model_name=MODEL, in_process=True)
+    engine = StepLoopClient(args, model_dir, Policy(), model_name=MODEL, in_process=True)
     api = make_server(engine, media_limits=MediaLimits(max_images=2)).openai()
     parts = [{"type": "image_url", "image_url": {"url": data_url(i)}} for i in (first, second)]
     reply = api.chat.completions.create(

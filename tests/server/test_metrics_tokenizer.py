@@ -14,7 +14,7 @@ from engine.core.engine_args import EngineArgs
 from engine.core.model_files import resolve_model_dir
 from engine.core.tokenizer import Tokenizer
 from engine.loading.demo import demo_model_dir
-from engine.runtime.core_client import CoreEngineClient
+from engine.runtime.step_loop_client import StepLoopClient
 from policy import Policy
 from tests.server.live import MODEL, LiveServer, Reference, ServerFactory
 
@@ -106,7 +106,7 @@ def test_preemptions_are_counted_and_outputs_survive_them(
     answer equals the offline engine's."""
     args = EngineArgs(model=MODEL, policy=Policy(), device="cpu", kv_capacity_pages={"gpu": 12})
     model_dir = resolve_model_dir(MODEL)
-    engine = CoreEngineClient(args, model_dir, Policy(), model_name=MODEL, in_process=True)
+    engine = StepLoopClient(args, model_dir, Policy(), model_name=MODEL, in_process=True)
     live = make_server(engine)
     client = live.openai()
     for i in range(4):  # teach the estimate: 1 token

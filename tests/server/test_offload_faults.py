@@ -26,7 +26,7 @@ import pytest
 
 from engine.core.engine_args import EngineArgs
 from engine.core.model_files import resolve_model_dir
-from engine.runtime.core_client import CoreEngineClient
+from engine.runtime.step_loop_client import StepLoopClient
 from policy import Policy
 from tests.server.batch_files import (
     URL,
@@ -93,12 +93,12 @@ def offload_disk(tmp_path: Path) -> Iterator[OffloadDisk]:
         disk.free()
 
 
-def _engine(offload_dir: Path, **fields: Any) -> CoreEngineClient:
+def _engine(offload_dir: Path, **fields: Any) -> StepLoopClient:
     """The daemon's engine on the demo model, all KV on disk in `offload_dir`."""
     args = EngineArgs.from_cli_args(
         engine_args(policy=ON_DISK, offload_dir=str(offload_dir)), **fields
     )
-    return CoreEngineClient(
+    return StepLoopClient(
         args, resolve_model_dir(MODEL), ON_DISK, model_name=MODEL, in_process=True
     )
 

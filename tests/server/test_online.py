@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 
 from engine.core.sampling_params import SamplingParams
-from engine.runtime.core_client import build_engine_client
+from engine.runtime.step_loop_client import build_engine_client
 from policy import Policy
 from policy.search import GPU_BATCH_SIZES, NUM_GPU_BATCHES
 from tests.server.live import MODEL, LiveServer, Reference, ServerFactory, engine_args
@@ -229,7 +229,7 @@ import importlib, pkgutil, sys
 import server
 from server.http.app import create_app
 from server.cli import build_parser
-from engine.runtime.core_client import build_engine_client
+from engine.runtime.step_loop_client import build_engine_client
 from server.http.settings import ServerSettings
 for module in pkgutil.walk_packages(server.__path__, "server."):
     importlib.import_module(module.name)

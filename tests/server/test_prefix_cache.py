@@ -12,7 +12,7 @@ import openai
 
 from engine.core.engine_args import EngineArgs
 from engine.core.model_files import resolve_model_dir
-from engine.runtime.core_client import CoreEngineClient
+from engine.runtime.step_loop_client import StepLoopClient
 from policy import Policy
 from tests.server.batch_files import read_lines, upload, wait_batch
 from tests.server.live import MODEL, LiveServer, ServerFactory, engine_args
@@ -20,14 +20,14 @@ from tests.server.live import MODEL, LiveServer, ServerFactory, engine_args
 PAGE = 16  # tokens per KV page (policy/prefix.py)
 
 
-def _engine(offload_dir: Path, policy: Policy, **fields: Any) -> CoreEngineClient:
+def _engine(offload_dir: Path, policy: Policy, **fields: Any) -> StepLoopClient:
     """The daemon's engine on the demo model, KV spilled into `offload_dir` (ours, so the
     disk cache persists), with engine fields the command line does not expose."""
     args = EngineArgs.from_cli_args(
         engine_args(policy=policy, offload_dir=str(offload_dir)), **fields
     )
     model_dir = resolve_model_dir(MODEL)
-    return CoreEngineClient(args, model_dir, policy, model_name=MODEL, in_process=True)
+    return StepLoopClient(args, model_dir, policy, model_name=MODEL, in_process=True)
 
 
 def _prompts(live: LiveServer, num: int) -> list[list[int]]:

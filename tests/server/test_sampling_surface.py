@@ -296,7 +296,7 @@ def test_generation_config_fills_what_a_request_leaves_out(
 
 
 def demo_engine_for(model_dir: Path) -> Any:
-    from engine.runtime.core_client import build_engine_client
+    from engine.runtime.step_loop_client import build_engine_client
 
     args = engine_args(model=str(model_dir), served_model_name=MODEL)
     return build_engine_client(args)

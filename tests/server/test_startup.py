@@ -150,7 +150,7 @@ def test_an_engine_that_cannot_start_ends_the_daemon_with_one_line(
 def test_ready_shows_a_start_failure_as_one_line(tmp_path: Path) -> None:
     """Without a caller that exits (an embedding app), /ready reports the failure's line."""
     engine = engine_args(model=str(tmp_path / "missing"))
-    from engine.runtime.core_client import build_engine_client
+    from engine.runtime.step_loop_client import build_engine_client
 
     live = start_server(
         ServerSettings(data_dir=tmp_path / "data"), build_engine_client(engine), wait_ready=False

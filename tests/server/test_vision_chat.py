@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 
+from base.errors import UserError
 from engine.core.engine_args import EngineArgs
-from engine.runtime.core_client import CoreEngineClient
+from engine.runtime.step_loop_client import StepLoopClient
 from policy import Policy
-from policy.errors import UserError
 from server.cli import main as cli_main
 from server.openai.media import MediaLimits, add_media_arguments, media_limits_from
 from tests.engine.vision_models import assert_same_answer, build_tiny_vl, hf_vl_generate, png_bytes
@@ -81,7 +81,7 @@ def reference(vl_dir: Path, image: bytes) -> tuple[list[int], list[float]]:
 
 def serve(make_server: ServerFactory, vl_dir: Path, media_dir: Path) -> LiveServer:
     args = EngineArgs(model=str(vl_dir), policy=Policy(), device="cpu")
-    engine = CoreEngineClient(args, vl_dir, Policy(), model_name=MODEL, in_process=True)
+    engine = StepLoopClient(args, vl_dir, Policy(), model_name=MODEL, in_process=True)
     limits = MediaLimits(max_images=2, max_image_bytes=60_000, allowed_local_media_path=media_dir)
     return make_server(engine, media_limits=limits)
 
@@ -168,7 +168,7 @@ def assert_one_size_images_match(
         want[key] = (tokens[0], tokens[1])
     assert want["a"][1] != want["b"][1]  # the two images give two answers
     args = EngineArgs(model=str(model_dir), policy=Policy(), device="cpu")
-    engine = CoreEngineClient(args, model_dir, Policy(), model_name=model, in_process=True)
+    engine = StepLoopClient(args, model_dir, Policy(), model_name=model, in_process=True)
     api = make_server(engine, media_limits=MediaLimits(max_images=2)).openai()
     tokens, logprobs, prompt_tokens = chat_answer(api, model, data_url(first))
     assert_same_answer(tokens, logprobs, want["a"])

@@ -2,7 +2,7 @@
 
 This is what a Ray actor holds, in `nanoflex run-batch --ray` (`server.offline.scale_out.driver`)
 and in a Ray Data pipeline (`server.offline.scale_out.processor`), and it knows nothing of Ray:
-the engine is the in-process `CoreEngineClient` (the actor is already a process of its
+the engine is the in-process `StepLoopClient` (the actor is already a process of its
 own) behind the same `Serving` the daemon and the local run-batch use, so a line answered
 here is byte for byte the line `nanoflex run-batch` writes. The policy is chosen in the
 constructor, on the machine the replica runs on (`policy="auto"`: that box's cached
@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 from engine.core.engine_args import EngineArgs
 from engine.core.model_files import served_model_name
 from engine.core.sequence import BATCH_PRIORITY
-from engine.runtime.core_client import CoreEngineClient
+from engine.runtime.step_loop_client import StepLoopClient
 from server.offline.scale_out.rows import RowRequest, RowResult, error_result, row_result
 from server.offline.work import BatchWork, Pending, answer_all
 from server.openai.errors import APIError, invalid_request
@@ -60,7 +60,7 @@ class Replica:
         )
         self._thread.start()
         name = model_name or served_model_name(engine_args.model)
-        self.client = CoreEngineClient(
+        self.client = StepLoopClient(
             engine_args, model_name=name, in_process=True, serves_online=False
         )
         self._call(self.client.start())

@@ -9,12 +9,12 @@ from concurrent.futures import Future
 import pytest
 
 from engine.core import wait_queues
-from engine.core.engine_core import EngineCore
 from engine.core.protocol import StepPlan, StepResult
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
 from engine.core.scheduler_config import SchedulerConfig
 from engine.core.sequence import BATCH_PRIORITY, ONLINE_PRIORITY, Request
+from engine.core.step_loop import StepLoop
 from tests.engine.fakes import VOCAB, FakeExecutor, Outputs, reference
 
 LINE_TOKENS = 16  # each batch line generates this many tokens (as the daemon's benchmark)
@@ -112,7 +112,7 @@ def test_online_steps_take_batch_prefill_up_to_the_share_of_the_block() -> None:
 
 
 class RunAtOnce(FakeExecutor):
-    """Runs each submitted step at once: the engine core's plan-ahead order stays (step i+1
+    """Runs each submitted step at once: the step loop's plan-ahead order stays (step i+1
     is planned before step i's result is read) and the plans come out in a fixed order."""
 
     def submit(self, plan: StepPlan) -> Future[StepResult]:
@@ -122,7 +122,7 @@ class RunAtOnce(FakeExecutor):
 
 
 def rows_until_answers(batch_step_cap: bool, gap_steps: int = 6) -> list[int]:
-    """A batch job through the real engine core planning ahead (as the daemon's does); an
+    """A batch job through the real step loop planning ahead (as the daemon's does); an
     online request of 4 tokens comes `gap_steps` steps after the last one's answer (0: at
     once), while lines wait. It comes while the step just submitted runs and the worker waits
     for it, having planned the next: it is queued after the next `step()`. For each: the
@@ -136,7 +136,7 @@ def rows_until_answers(batch_step_cap: bool, gap_steps: int = 6) -> list[int]:
         batch_step_cap=batch_step_cap,
     )
     sched, fake = Scheduler(config), RunAtOnce()
-    core = EngineCore(sched, fake, async_scheduling=True)
+    core = StepLoop(sched, fake, async_scheduling=True)
     prompts = batch_job(sched, num_lines=48, prompt_len=48)
     sp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     outputs = Outputs(sched)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from engine.core import plan_check
-from engine.core.planning import model_spec, resolve_policy
+from engine.core.auto_policy import model_spec, resolve_policy
 from engine.loading.demo import demo_model_dir
 from policy import Policy
 from policy.hardware import HardwareSpec, default_cache_path

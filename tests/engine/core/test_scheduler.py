@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from base.errors import UserError
 from engine.core.detokenizer import Detokenizer
 from engine.core.outputs import RequestOutput
 from engine.core.parent_request import ParentRequest
@@ -13,7 +14,7 @@ from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import EngineProtocolError, Scheduler
 from engine.core.scheduler_config import SchedulerConfig, SchedulerConfigError
 from engine.core.sequence import BATCH_PRIORITY, ONLINE_PRIORITY, Request
-from policy import TIERS, Policy, UserError
+from policy import TIERS, Policy
 from tests.engine.fakes import VOCAB, FakeDetokenizer, FakeExecutor, Outputs, reference
 
 

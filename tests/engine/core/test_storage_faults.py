@@ -1,5 +1,5 @@
 """Steps the executor cannot run (its offload storage failed, a cached page failed its check),
-on the torch-free scheduler and engine core with the strict fake executor: nothing of a failed
+on the torch-free scheduler and step loop with the strict fake executor: nothing of a failed
 step counts, its sequences are recomputed to the same tokens, a tier that keeps failing rests
 and then fails its requests with a retryable error, and the other requests go on."""
 
@@ -9,13 +9,13 @@ from collections.abc import Callable
 
 import pytest
 
-from engine.core.engine_core import EngineCore
 from engine.core.outputs import RequestOutput
 from engine.core.protocol import StepFailure, StepPlan, StepResult
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
 from engine.core.scheduler_config import SchedulerConfig
 from engine.core.sequence import Request
+from engine.core.step_loop import StepLoop
 from policy import TIERS
 from tests.engine.fakes import VOCAB, FakeDetokenizer, FakeExecutor
 
@@ -72,7 +72,7 @@ def requests(num: int = 8, max_tokens: int = 12) -> list[Request]:
 
 def run(
     decide: Decide | None, async_scheduling: bool, **config: object
-) -> tuple[list[RequestOutput], EngineCore, FakeExecutor]:
+) -> tuple[list[RequestOutput], StepLoop, FakeExecutor]:
     settings = {
         "gpu_batch_size": 3,
         "num_gpu_batches": 2,
@@ -84,7 +84,7 @@ def run(
     }
     scheduler = Scheduler(SchedulerConfig(**settings), FakeDetokenizer())  # type: ignore[arg-type]
     fake = FakeExecutor(4) if decide is None else FaultyExecutor(4, decide)
-    core = EngineCore(scheduler, fake, async_scheduling=async_scheduling)
+    core = StepLoop(scheduler, fake, async_scheduling=async_scheduling)
     outputs = core.generate(requests())
     core.close()
     return outputs, core, fake
@@ -130,7 +130,7 @@ def test_failed_forks_and_page_copies_are_recomputed_to_the_same_tokens(
         )
         scheduler = Scheduler(config, FakeDetokenizer())
         fake = FakeExecutor(4) if decide is None else FaultyExecutor(4, decide)
-        core = EngineCore(scheduler, fake, async_scheduling=async_scheduling)
+        core = StepLoop(scheduler, fake, async_scheduling=async_scheduling)
         sampling = [SamplingParams(n=3, max_tokens=6, seed=i, ignore_eos=True) for i in range(3)]
         prompts = [[(i * 7 + j * 3 + 1) % VOCAB for j in range(6 + 5 * i)] for i in range(3)]
         done = core.generate(Request(f"r{i}", p, sampling[i]) for i, p in enumerate(prompts))
@@ -227,7 +227,7 @@ def test_cached_pages_that_fail_their_check_are_dropped_and_recomputed() -> None
     )
     scheduler = Scheduler(config, FakeDetokenizer())
     fake = FaultyExecutor(4, decide)
-    core = EngineCore(scheduler, fake)
+    core = StepLoop(scheduler, fake)
     params = SamplingParams(max_tokens=5, seed=1, ignore_eos=True)
     first = core.generate([Request("a", prompt, params)])[0]
     second = core.generate([Request("b", prompt, params)])[0]

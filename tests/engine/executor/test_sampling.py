@@ -7,12 +7,12 @@ import math
 import pytest
 import torch
 
+from base.errors import UserError
 from engine import LLM, SamplingError, SamplingParams
 from engine.core.model_files import DEMO_MODEL
 from engine.executor.draws import draw_rows
 from engine.executor.sampler import Sampler
 from policy import Policy
-from policy.errors import UserError
 
 
 @pytest.fixture(scope="module")

@@ -168,7 +168,7 @@ def test_a_request_whose_constraint_fails_in_a_step_fails_alone(llm, smollm2_dir
     fine = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
     bad_bias = SamplingParams(max_tokens=5, logit_bias={10**9: 1.0})  # past the vocabulary
     prompts = [chat(llm, "Yes or no?")] * 3
-    core = llm.core  # past LLM.generate's checks, as a request crossing a process would be
+    core = llm.step_loop  # past LLM.generate's checks, as a request crossing a process would be
     from engine.core.sequence import Request
 
     for i, p in enumerate([doomed, fine, bad_bias]):

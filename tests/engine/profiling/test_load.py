@@ -13,7 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from engine.core.planning import hardware_profile, resolve_policy
+from engine.core.auto_policy import hardware_profile, resolve_policy
 from engine.loading.demo import demo_model_dir
 from engine.profiling.load import LoadMonitor, wait_until_quiet
 from engine.profiling.requiet import lock_path as requiet_lock
@@ -113,7 +113,7 @@ def test_a_noisy_profile_is_planned_from_and_measured_again_in_the_background(
     for a profile: issue 36's container restart took 4.4 minutes re-measuring one in line);
     the background re-measure keeps the less noisy of cached and fresh, counting attempts,
     and stops once one is quiet enough."""
-    from engine.core import planning
+    from engine.core import auto_policy
     from engine.profiling import load, profiler
     from policy.machine import machine_key
 
@@ -127,7 +127,7 @@ def test_a_noisy_profile_is_planned_from_and_measured_again_in_the_background(
     )
     noisy.save(default_cache_path())
     started: list[Path] = []
-    monkeypatch.setattr(planning, "remeasure_when_quiet", lambda _d, path: started.append(path))
+    monkeypatch.setattr(auto_policy, "remeasure_when_quiet", lambda _d, path: started.append(path))
     assert hardware_profile("cpu") == noisy and started == [default_cache_path()]
 
     measured = iter([0.7, 0.1])  # a noisier one first (the cached one is kept), then a quiet one
@@ -188,7 +188,7 @@ def test_the_background_re_measure_exits_with_the_process_that_started_it(
     loaded.save(default_cache_path())
     monkeypatch.setenv("NANOFLEX_BACKGROUND_PROFILE", "1")
     monkeypatch.setenv("NANOFLEX_REQUIET_WINDOW_S", "3600")  # it waits: never done by itself
-    plans = "from engine.core.planning import hardware_profile as h; h('cpu'); input()"
+    plans = "from engine.core.auto_policy import hardware_profile as h; h('cpu'); input()"
     starter = subprocess.Popen([sys.executable, "-c", plans], stdin=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 60

@@ -58,7 +58,7 @@ class CrashingExecutor(ToyExecutor):
 
 def build_crashing_executor(**engine_kwargs: Any) -> CrashingExecutor:
     """Takes (and ignores) the real executor's keyword arguments, so that a real
-    `CoreEngineClient` can run it in its engine process."""
+    `StepLoopClient` can run it in its engine process."""
     return CrashingExecutor()
 
 

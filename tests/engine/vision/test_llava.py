@@ -12,10 +12,11 @@ from pathlib import Path
 
 import pytest
 
+from base.errors import UserError
 from engine import LLM, SamplingParams
 from engine.core.engine_args import EngineArgs
 from engine.core.media import VisionSpec
-from policy import Policy, UserError
+from policy import Policy
 from tests.engine.llava_model import SPEC, TOKENS_PER_IMAGE, build_tiny_llava, hf_llava_generate
 from tests.engine.vision_models import assert_same_answer, chosen, image_prompt, png_bytes
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from policy import FLEXGEN_T4, WorkloadSpec, plan_cache
+from policy import FLEXGEN_T4, WorkloadSpec, search_cache
 from policy.catalog import resolve_model_spec
 from policy.search import PlanResult, PolicyInfeasible, search
 
@@ -23,20 +23,20 @@ GPU_MEM = 1 << 30
 def searches(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[int | None]:
     """The GPU budgets actually searched for, in a cache of this test's own."""
     monkeypatch.setenv("NANOFLEX_CACHE", str(tmp_path))
-    monkeypatch.delenv(plan_cache.ENV, raising=False)
+    monkeypatch.delenv(search_cache.ENV, raising=False)
     done: list[int | None] = []
 
     def counted(model: Any, workload: WorkloadSpec, hardware: Any, **budgets: Any) -> PlanResult:
         done.append(budgets["gpu_mem"])
         return search(model, workload, hardware, **budgets)
 
-    monkeypatch.setattr(plan_cache, "search", counted)
+    monkeypatch.setattr(search_cache, "search", counted)
     return done
 
 
 def plan(gpu_mem: int | None = GPU_MEM) -> PlanResult:
     model = resolve_model_spec(MODEL)
-    return plan_cache.cached_search(model, WORKLOAD, FLEXGEN_T4, gpu_mem=gpu_mem)
+    return search_cache.cached_search(model, WORKLOAD, FLEXGEN_T4, gpu_mem=gpu_mem)
 
 
 def read_in_a_fresh_process(cache: Path) -> str:
@@ -44,11 +44,11 @@ def read_in_a_fresh_process(cache: Path) -> str:
     imported cvxpy."""
     code = (
         "import sys\n"
-        "from policy import FLEXGEN_T4, WorkloadSpec, plan_cache\n"
+        "from policy import FLEXGEN_T4, WorkloadSpec, search_cache\n"
         "from policy.catalog import resolve_model_spec\n"
         f"model = resolve_model_spec({MODEL!r})\n"
         f"workload = WorkloadSpec(prompt_len={WORKLOAD.prompt_len}, gen_len={WORKLOAD.gen_len})\n"
-        f"result = plan_cache.cached_search(model, workload, FLEXGEN_T4, gpu_mem={GPU_MEM})\n"
+        f"result = search_cache.cached_search(model, workload, FLEXGEN_T4, gpu_mem={GPU_MEM})\n"
         "assert 'cvxpy' not in sys.modules\n"
         "print(result.policy.to_json())\n"
     )
@@ -72,7 +72,7 @@ def test_the_same_search_is_read_back_whole_without_cvxpy(
     cached.write_bytes(b"not a pickle")
     assert plan() == first and len(searches) == 2  # a damaged file: searched afresh
     assert plan() == first and len(searches) == 2  # and written again whole
-    monkeypatch.setenv(plan_cache.ENV, "0")
+    monkeypatch.setenv(search_cache.ENV, "0")
     assert plan() == first and len(searches) == 3
 
 

@@ -1,4 +1,4 @@
-"""EngineCore: sync vs async (one-step lag), deltas, generate (the n fan-out), abort, `submit`."""
+"""StepLoop: sync vs async (one-step lag), deltas, generate (the n fan-out), abort, `submit`."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ from concurrent.futures import Future
 
 import pytest
 
-from engine.core.engine_core import EngineCore
 from engine.core.outputs import RequestOutput
 from engine.core.parent_request import ParentRequest
 from engine.core.protocol import PENDING_TOKEN_ID, StepPlan, StepResult
@@ -18,6 +17,7 @@ from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
 from engine.core.scheduler_config import SchedulerConfig
 from engine.core.sequence import BATCH_PRIORITY, ONLINE_PRIORITY, Request
+from engine.core.step_loop import StepLoop
 from policy import TIERS
 from tests.engine.fakes import VOCAB, FakeDetokenizer, FakeExecutor, Outputs, reference
 
@@ -43,11 +43,11 @@ def workload() -> list[Request]:
     return requests
 
 
-def make_core(async_scheduling: bool, **config: object) -> tuple[EngineCore, FakeExecutor]:
+def make_core(async_scheduling: bool, **config: object) -> tuple[StepLoop, FakeExecutor]:
     config = {"gpu_batch_size": 3, "num_gpu_batches": 2, "max_step_tokens": 32, **config}
     scheduler = Scheduler(SchedulerConfig(eos_token_ids=(EOS,), **config), FakeDetokenizer())  # type: ignore[arg-type]
     fake = FakeExecutor(scheduler.config.page_tokens)
-    return EngineCore(scheduler, fake, async_scheduling=async_scheduling), fake
+    return StepLoop(scheduler, fake, async_scheduling=async_scheduling), fake
 
 
 def summary(outputs: list[RequestOutput]) -> list[tuple]:
@@ -190,7 +190,7 @@ class SubmittingExecutor(FakeExecutor):
 def test_executor_submit_is_used_in_async_mode() -> None:
     scheduler = Scheduler(SchedulerConfig())
     executor = SubmittingExecutor()
-    core = EngineCore(scheduler, executor, async_scheduling=True)
+    core = StepLoop(scheduler, executor, async_scheduling=True)
     out = core.generate([Request("a", [4, 5], SamplingParams(max_tokens=5))])[0]
     assert out.outputs[0].token_ids == reference([4, 5], 5)
     assert executor.submitted == len(executor.plans) > 0
@@ -225,7 +225,7 @@ def random_run(seed: int, async_scheduling: bool) -> list[tuple]:
         expected_gen_tokens=rng.choice([None, 1, 3]),
     )
     scheduler = Scheduler(config, FakeDetokenizer())
-    core = EngineCore(scheduler, FakeExecutor(page_tokens), async_scheduling)
+    core = StepLoop(scheduler, FakeExecutor(page_tokens), async_scheduling)
     requests, parents = {}, {}
     for i in range(rng.randint(1, 12)):
         sampling = SamplingParams(

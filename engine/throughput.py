@@ -11,12 +11,12 @@ from typing import Any
 
 import torch
 
+from base.errors import UserError
+from engine.core.auto_policy import predict, realized_policy
 from engine.core.engine_args import EngineArgs
-from engine.core.planning import predict, realized_policy
 from engine.core.sampling_params import SamplingParams
 from engine.core.sequence import Request
 from engine.llm import LLM
-from policy.errors import UserError
 from policy.plan import add_length_args
 from policy.specs import WorkloadSpec
 from policy.units import format_bytes
@@ -67,13 +67,13 @@ def run_bench(
     params = SamplingParams(max_tokens=gen_len, temperature=0.0, ignore_eos=True)
     for i in range(num_prompts):
         prompt = torch.randint(3, vocab, (prompt_len,), generator=generator).tolist()
-        llm.core.add_request(Request(f"bench-{i}", prompt, params))
+        llm.step_loop.add_request(Request(f"bench-{i}", prompt, params))
     started: set[str] = set()
     start = time.perf_counter()
     prefill_done = None
     steps = 0
-    while llm.core.has_unfinished():
-        for delta in llm.core.step():
+    while llm.step_loop.has_unfinished():
+        for delta in llm.step_loop.step():
             if delta.new_token_ids:
                 started.add(delta.request_id)
         steps += 1

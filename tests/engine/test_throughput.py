@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from engine.bench import prediction_warning
+from engine.core.auto_policy import hardware_profile, realized_policy
 from engine.core.cache import cache_root
-from engine.core.planning import hardware_profile, realized_policy
+from engine.throughput import prediction_warning
 from policy import Policy
 from policy.hardware import FLEXGEN_T4, HardwareSpec, default_cache_path
 from policy.machine import machine_key

@@ -1,12 +1,12 @@
 """The child process of a plan check (engine/core/plan_check.py): each candidate policy runs
 one block of the model for real.
 
-    python -m engine.plan_run SPEC.json OUT.json
+    python -m engine.plan_check_run SPEC.json OUT.json
 
 For each candidate: the engine built with that policy, one warm-up request, then one block
 of `block_size` prompts of `check_prompt_len` tokens (the planned length, or shorter where
 that block's prefill would take long: plan_check.CHECK_PREFILL_SECONDS), `check_steps`
-tokens each, EOS ignored (`engine.bench.run_bench`). The generation throughput for the
+tokens each, EOS ignored (`engine.throughput.run_bench`). The generation throughput for the
 planned workload is worked out from the measured prefill, scaled to the planned prompt
 length, and the mean decode step: block x gen_len / (prefill + (gen_len - 1) x step).
 """
@@ -21,7 +21,7 @@ from typing import Any
 
 def run_candidate(setup: dict[str, Any], policy_dict: dict[str, Any]) -> dict[str, Any]:
     from engine import LLM, SamplingParams
-    from engine.bench import run_bench
+    from engine.throughput import run_bench
     from policy import Policy
     from policy.specs import WorkloadSpec
 

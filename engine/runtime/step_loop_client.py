@@ -1,11 +1,11 @@
-"""`CoreEngineClient`: the daemon's engine: the scheduler here, the executor in its own process.
+"""`StepLoopClient`: the daemon's engine: the scheduler here, the executor in its own process.
 
 Building the client is cheap: `start()` resolves the model (building its directory on
 first use), plans the policy and loads the weights in the engine process, saying what it
 does in `status()` and the log, so the daemon can answer /health and /ready meanwhile.
 A failure there raises `EngineStartError` with one line; nothing is retried.
 
-One worker thread owns the `Scheduler` and `EngineCore` (neither is thread-safe)
+One worker thread owns the `Scheduler` and `StepLoop` (neither is thread-safe)
 and steps them (`EngineWorker`); the asyncio side talks to it only through a command queue
 and gets each step's deltas back in one `call_soon_threadsafe` (`RequestStreams`). A
 request for n choices is fanned out here (`ParentRequest`): the engine runs each choice as
@@ -36,8 +36,8 @@ from collections.abc import AsyncGenerator, Sequence
 from pathlib import Path
 from typing import Any
 
+from base.errors import UserError
 from engine.core.engine_args import EngineArgs
-from engine.core.engine_core import EngineCore
 from engine.core.media import SeqMedia, VisionSpec
 from engine.core.model_files import resolve_model_dir, served_model_name
 from engine.core.outputs import SequenceDelta
@@ -45,6 +45,7 @@ from engine.core.parent_request import ParentRequest
 from engine.core.pooling import PoolingSpec
 from engine.core.sampling_params import SamplingParams
 from engine.core.sequence import ONLINE_PRIORITY, Request
+from engine.core.step_loop import StepLoop
 from engine.core.tokenizer import ChatOptions, Tokenizer
 from engine.runtime.engine_capacity import EngineCapacity
 from engine.runtime.engine_client import EngineClient, EngineDeadError, StorageUnavailableError
@@ -58,7 +59,6 @@ from engine.runtime.request_streams import RequestStreams
 from engine.runtime.restarts import RestartPolicy, RestartTracker
 from engine.runtime.step_metrics import EngineMetrics, StepCounter
 from policy import Policy
-from policy.errors import UserError
 
 log = logging.getLogger("nanoflex.engine")
 
@@ -67,7 +67,7 @@ class EngineStartError(UserError):
     """The engine could not start (bad model, no device, out of memory at load); one line."""
 
 
-class CoreEngineClient(EngineClient):
+class StepLoopClient(EngineClient):
     """The scheduler in this process, the executor in the engine process (or in this one
     with `in_process`). `model_dir` and `policy` are resolved by `start()` when None;
     `serves_online`: online requests may come (the daemon), so the scheduler keeps every step's
@@ -180,7 +180,7 @@ class CoreEngineClient(EngineClient):
 
     def _worker_hooks(self) -> WorkerHooks:
         return WorkerHooks(
-            build_core=self._new_core,
+            build_step_loop=self._new_step_loop,
             check_restarted=self._check_restarted,
             set_status=self._set_status,
             report=self.emit_step,
@@ -213,18 +213,18 @@ class CoreEngineClient(EngineClient):
         return self._ready.is_set() and self._executor is not None and self._executor.is_alive
 
     @property
-    def _core(self) -> EngineCore | None:
-        """The engine core now stepping (a snapshot from any thread)."""
-        return None if self._worker is None else self._worker.core
+    def _step_loop(self) -> StepLoop | None:
+        """The step loop now stepping (a snapshot from any thread)."""
+        return None if self._worker is None else self._worker.step_loop
 
     def _storage_blocked(self) -> bool:
         """No KV tier that holds a longest sequence may be used now (its storage failed a
         moment ago): read from any thread, a snapshot."""
-        core = self._core
+        core = self._step_loop
         return core is not None and core.scheduler.is_blocked_by_storage()
 
     def status(self) -> str:
-        core = self._core
+        core = self._step_loop
         if self._is_up() and core is not None and self._storage_blocked():
             scheduler = core.scheduler
             return (
@@ -245,8 +245,8 @@ class CoreEngineClient(EngineClient):
         self._metrics.took(info)
         self._capacity.check_restarted(info)
 
-    def _new_core(self, counter: StepCounter) -> EngineCore:
-        """A fresh scheduler and engine core stepping the executor through `counter`."""
+    def _new_step_loop(self, counter: StepCounter) -> StepLoop:
+        """A fresh scheduler and step loop stepping the executor through `counter`."""
         assert self.policy is not None and self.model_dir is not None and self._executor
         scheduler = self.engine_args.create_scheduler(
             self.policy,
@@ -256,7 +256,7 @@ class CoreEngineClient(EngineClient):
             self.serves_online,
         )
         on_cpu_here = self._in_process and self._executor.describe().placement.device == "cpu"
-        return EngineCore(scheduler, counter, self.engine_args.plans_ahead(on_cpu_here))
+        return StepLoop(scheduler, counter, self.engine_args.plans_ahead(on_cpu_here))
 
     def _loaded(self) -> Tokenizer:
         """The tokenizer, once `start()` has read it; before, the engine is unavailable."""
@@ -401,6 +401,6 @@ def build_engine_client(args: argparse.Namespace) -> EngineClient:
         return pooling
     engine_args = EngineArgs.from_cli_args(args)
     name = getattr(args, "served_model_name", None) or served_model_name(engine_args.model)
-    return CoreEngineClient(
+    return StepLoopClient(
         engine_args, model_name=name, in_process=getattr(args, "in_process", False)
     )

@@ -16,9 +16,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from base.errors import UserError
 from engine.core.dtypes import checkpoint_dtype, default_dtype
 from engine.core.pooling import pooling_spec
-from policy import Policy, UserError
+from policy import Policy
 from policy.catalog import resolve_model_spec
 from policy.dtypes import DTYPE_BYTES
 from policy.errors import ModelSpecError
@@ -157,7 +158,7 @@ def resolve_policy(
     if spec not in (None, "auto"):
         return Policy.load(str(spec)), None
     from engine.core import plan_check as checking
-    from policy.plan_cache import cached_search
+    from policy.search_cache import cached_search
 
     hardware = hardware_profile(device)
     planned_from = hardware.describe()

@@ -1,4 +1,4 @@
-"""`EngineCore`: drives a `Scheduler` and an executor step by step (torch-free).
+"""`StepLoop`: drives a `Scheduler` and an executor step by step (torch-free).
 
 Synchronous mode is the reference: schedule, execute, postprocess. Asynchronous
 mode (NanoFlow 5.3) builds plan i+1 while step i runs: the plan's decodes whose
@@ -39,7 +39,7 @@ class EngineStalledError(RuntimeError):
     """Requests remain but the scheduler plans nothing and no step is running (a bug)."""
 
 
-class EngineCore:
+class StepLoop:
     """One scheduler, one executor, and the step loop between them. Not thread-safe.
 
     `async_scheduling` overlaps planning with execution; it uses the executor's
