@@ -186,7 +186,7 @@ CASES: dict[str, Case] = {
     )
 }
 
-# The runbook's order: cheapest and most telling first (docs/benchmarks.md).
+# The runbook's order: cheapest and most telling first (docs/gpu-benchmarks.md).
 DEFAULT_ORDER: tuple[str, ...] = (
     "opt-6.7b-p512-16g",
     "opt-30b-p512-16g",
