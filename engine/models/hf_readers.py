@@ -90,18 +90,25 @@ def gemma3(hf: Any) -> dict[str, Any]:
     )
 
 
+def llama_text_config(hf: Any) -> Any:
+    """A vision model's `text_config`, which must be a Llama one with only the fields the
+    llama family honours (LLaVA's, Idefics3's and SmolVLM's)."""
+    text = hf.text_config
+    if text.model_type != "llama":
+        raise UnsupportedModelError(
+            f"{hf.model_type}: a {text.model_type} language model (text_config.model_type) is "
+            "not supported; nanoflex runs it with a llama one"
+        )
+    refuse_unhonoured(text, FAMILIES["llama"].honoured or COMMON)
+    return text
+
+
 def llava(hf: Any) -> dict[str, Any]:
     """LLaVA: a Llama language model, a CLIP tower read at `vision_feature_layer` and a
     linear-GELU-linear projector (engine/models/llava.py); image tokens attend causally."""
     from engine.models.vit_config import ViTConfig
 
-    text, vision = hf.text_config, hf.vision_config
-    if text.model_type != "llama":
-        raise UnsupportedModelError(
-            f"llava: a {text.model_type} language model (text_config.model_type) is not "
-            "supported; nanoflex runs LLaVA with a llama one"
-        )
-    refuse_unhonoured(text, FAMILIES["llama"].honoured or COMMON)
+    text, vision = llama_text_config(hf), hf.vision_config
     require(vision, "model_type", ("clip_vision_model",))
     require(vision, "num_channels", (3,))
     require(hf, "vision_feature_select_strategy", ("default", "full"))

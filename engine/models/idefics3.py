@@ -15,13 +15,11 @@ from typing import Any
 import torch
 
 from engine.models.base import Weights, linear
-from engine.models.hf_config import UnsupportedModelError, refuse_unhonoured, require
-from engine.models.hf_readers import llama
+from engine.models.hf_config import UnsupportedModelError, require
+from engine.models.hf_readers import llama, llama_text_config
 from engine.models.llama import LlamaModel
 from engine.models.siglip import ViTEncoder
 from engine.models.vit_config import ViTConfig
-from policy.config_fields import COMMON
-from policy.families import FAMILIES
 
 PREFIXES = {
     "model.vision_model.": "",
@@ -56,13 +54,7 @@ class Idefics3Model(LlamaModel):
 def read_config(hf: Any) -> dict[str, Any]:
     """`ModelConfig` fields of an Idefics3 or SmolVLM config: its Llama text config's, the
     tower's shapes, the connector's scale; image tokens attend causally."""
-    text, vision = hf.text_config, hf.vision_config
-    if text.model_type != "llama":
-        raise UnsupportedModelError(
-            f"{hf.model_type}: a {text.model_type} language model (text_config.model_type) is "
-            "not supported; nanoflex runs it with a llama one"
-        )
-    refuse_unhonoured(text, FAMILIES["llama"].honoured or COMMON)
+    text, vision = llama_text_config(hf), hf.vision_config
     require(vision, "num_channels", (3,))
     scale = int(hf.scale_factor)
     side = vision.image_size // vision.patch_size
