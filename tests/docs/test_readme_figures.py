@@ -96,12 +96,12 @@ FIGURES = (
     Figure("level on long prefills ({})", "vllm-cpu-avx2-prefill-c4f2e7b.json", ratios()),
     Figure(
         "behind on the mixed case in float32 ({})",
-        "vllm-cpu-avx2-bb3fefb.json",
+        "vllm-cpu-avx2-b93c2de.json",
         ratios(workload="mixed", dtype="float32"),
     ),
     Figure(
         "level in the emulated bfloat16 ({})",
-        "vllm-cpu-avx2-bb3fefb.json",
+        "vllm-cpu-avx2-b93c2de.json",
         ratios(workload="mixed", dtype="bfloat16"),
     ),
     Figure(
