@@ -29,8 +29,10 @@ def test_pooling_models_priced_with_their_heads() -> None:
 
 
 def test_nanoflex_plan_prices_the_embedder_as_a_prefill(capsys: pytest.CaptureFixture[str]) -> None:
-    """Under 16 GiB on the test profile's CPU (float32: 28 GiB of weights), offloaded."""
+    """Under 16 GiB on the test profile's CPU in float32 (28 GiB of weights), offloaded. The dtype
+    is named: on a CPU with native bfloat16 the default is bfloat16 (14 GiB, which fits)."""
     argv = ["plan", "--model", "Qwen/Qwen3-Embedding-8B", "--gpu-mem", "16GiB", "--json"]
+    argv += ["--dtype", "float32"]
     assert cli_main(argv) == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["workload"] == {"prompt_len": 512, "gen_len": 1}
