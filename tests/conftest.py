@@ -16,13 +16,20 @@
   threads, set before they load):
   NumPy's and torch's thread pools spin while they wait, and two workers' pools on two cores
   ran the suite's LP and CLI tests slower than one process did.
+- The native CPU kernels (engine/kernels) are built, where this checkout's build is not in
+  torch's extensions folder yet (a fresh machine: about 40 s of compiling), on a thread that
+  starts before collection, so that the compiler runs while pytest imports the test modules
+  (about 20 s); the first test that needs the library waits for the rest of the build.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 from pathlib import Path
+
+import pytest
 
 WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if WORKERS > 1:
@@ -46,3 +53,19 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
     fixed = HardwareSpec.load(FIXED_PROFILE)
     dataclasses.replace(fixed, machine=machine_key()).save(CACHE / "hardware.json")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Start building the native kernels (see above); loading a built library is quick, so
+    this runs whether or not it is built. `_build` is cached: the first test to ask waits on
+    the kernels' lock for this thread's result. Not on a CUDA machine, whose tests run the
+    CUDA path (the GPU pass's minutes are not spent compiling what they may not use)."""
+    if torch.cuda.is_available():
+        return
+    from engine import kernels
+
+    def build() -> None:
+        with kernels._lock:
+            kernels._build()
+
+    threading.Thread(target=build, name="native-kernels-build", daemon=True).start()
