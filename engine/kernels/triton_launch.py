@@ -81,6 +81,7 @@ class Kernel:
         from triton.runtime.interpreter import InterpretedFunction
 
         _scalar_index_fix()
+        _patch_language_once_per_launch()
         return InterpretedFunction(self.fn)
 
     @functools.cached_property
@@ -167,3 +168,41 @@ def _scalar_index_fix() -> None:
 
     fixed.nanoflex_fixed = True  # type: ignore[attr-defined]
     interpreter._patch_lang_tensor = fixed
+
+
+@functools.cache
+def _patch_language_once_per_launch() -> None:
+    """Triton 3.6's interpreter patches triton.language for the interpreter (`_patch_lang`:
+    `inspect.getmembers` over the language's modules and classes) at every call of a device
+    function (a `@triton.jit` helper such as `_attend_tile`, or Triton's own `tl.max` and
+    `tl.sum`), in every program of the grid: a third of the CPU time of an interpreted decode
+    launch (one of tests/engine/kernels/test_triton_attention.py's patched 1192 times).
+    Nothing undoes those patches before the launch ends (only the launch's own are restored,
+    then), so within a launch the first call of each device function patches what every
+    later call would patch again with the same wrappers: later calls skip it (the outputs are
+    bit for bit the same)."""
+    from triton.runtime import interpreter
+
+    launch_grid = interpreter.GridExecutor.__call__
+    call_device = interpreter.InterpretedFunction.__call__
+    patched: set[Any] = set()
+    """The device functions whose patches are in place in the launch running."""
+
+    def launch(self: Any, *args: Any, **kwargs: Any) -> Any:
+        patched.clear()
+        try:
+            return launch_grid(self, *args, **kwargs)
+        finally:
+            patched.clear()
+
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if self.fn not in patched:
+            patched.add(self.fn)
+            return call_device(self, *args, **kwargs)
+        try:
+            return self.rewrite()(*args, **kwargs)
+        except Exception as e:
+            raise interpreter.InterpreterError(repr(e)) from e
+
+    interpreter.GridExecutor.__call__ = launch
+    interpreter.InterpretedFunction.__call__ = call
