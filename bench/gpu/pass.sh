@@ -122,7 +122,7 @@ for step in "$@"; do
       run_step overlap "${GPU_PASS_OVERLAP_S:-100}" "$PYTHON" -m bench.gpu.overlap \
         "${small[@]}" --json "$results/gpu-overlap.json" ;;
     breakdown)
-      small=(); [ -n "$dry" ] && small=(--model opt-125m --prompts 4 --prompt-len 32 --gen-len 2
+      small=(); [ -n "$dry" ] && small=(--model nanoflex-demo --prompts 4 --prompt-len 32 --gen-len 2
                                         --policy '{"gpu_batch_size": 4}')
       run_step breakdown "${GPU_PASS_BREAKDOWN_S:-100}" "$PYTHON" -m bench.gpu.breakdown \
         "${small[@]}" --json "$results/gpu-breakdown.json" ;;

@@ -62,7 +62,7 @@ def test_every_step_runs_on_the_cpu(tmp_path: Path) -> None:
 def test_the_dry_run_ignores_the_gpus_time_limits(tmp_path: Path) -> None:
     """A slow box is no failure: a step past its GPU limit, after the GPU deadline, still runs
     to its end in the dry run (on the GPU it would be skipped, or cut at 1 s)."""
-    done = dry_run(tmp_path, "run", "sleep", "2", GPU_PASS_DEADLINE_S="0", GPU_PASS_RUN_S="1")
+    done = dry_run(tmp_path, "run", "sleep", "1.5", GPU_PASS_DEADLINE_S="0", GPU_PASS_RUN_S="1")
     assert done.returncode == 0, done.stderr[-2000:]
     assert re.search(r"^run: exit 0 after \d+ s", done.stdout, re.M), done.stdout[-2000:]
 

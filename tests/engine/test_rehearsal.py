@@ -80,7 +80,13 @@ def test_kv_pages_on_disk_are_rehearsed(tiny_model: Callable[[str], Path]) -> No
     policy = Policy(gpu_batch_size=2, num_gpu_batches=1, kv_frac=(0.0, 0.0, 1.0))
     with mock.patch.object(fake_cuda, "SMALL_BYTES", 4096):  # a step's KV rows hold no data
         found = rehearse(
-            tiny_model("opt"), policy, gpu_mem=1 << 30, cpu_mem=1 << 30, prompt_len=24, gen_len=3
+            tiny_model("opt"),
+            policy,
+            gpu_mem=1 << 30,
+            cpu_mem=1 << 30,
+            prompt_len=24,
+            gen_len=3,
+            warmup=False,  # the run's own steps write and read the pages
         )
     assert found.ok and found.kv_capacity_pages["disk"], found  # type: ignore[attr-defined]
     assert found.label_peaks["load_cache"] > 0  # type: ignore[attr-defined]
@@ -92,7 +98,13 @@ def test_loads_are_freed_once_used(tiny_model: Callable[[str], Path]) -> None:
     the device at most (a whole step's past KV was held before: 48 GiB for OPT-6.7B)."""
     policy = Policy(gpu_batch_size=4, num_gpu_batches=2, kv_frac=(0.0, 1.0, 0.0))
     found = rehearse(
-        tiny_model("opt"), policy, gpu_mem=1 << 30, cpu_mem=1 << 30, prompt_len=40, gen_len=3
+        tiny_model("opt"),
+        policy,
+        gpu_mem=1 << 30,
+        cpu_mem=1 << 30,
+        prompt_len=40,
+        gen_len=3,
+        warmup=False,  # the run's own decode steps load the past KV
     )
     loaded = found.label_peaks["load_cache"]  # type: ignore[attr-defined]
     one = 4 * 42 * 2 * 48 * 2  # a GPU batch's past rows of one layer at the last step, fp16

@@ -55,14 +55,19 @@ def test_plan_report(hardware_file: str, capsys: pytest.CaptureFixture[str]) -> 
     ("hub_id", "first_line"),
     [
         ("Qwen/Qwen3-8B", "qwen3-8b: 8.19B parameters, 15.3 GiB of weights, 144 KiB"),
-        ("Qwen/Qwen3-32B", "qwen3-32b: 32.76B parameters, 61.0 GiB of weights, 256 KiB"),
+        pytest.param(  # slow: the Qwen3-8B case plans the family without a download
+            "Qwen/Qwen3-32B",
+            "qwen3-32b: 32.76B parameters, 61.0 GiB of weights, 256 KiB",
+            marks=pytest.mark.slow,
+        ),
         (
             "google/gemma-3-12b-it",
             "gemma-3-12b-it: 11.77B parameters, 21.9 GiB of weights, 384 KiB",
         ),
-        (
+        pytest.param(  # slow: the Gemma-3-12B case plans the family, its window too
             "google/gemma-3-27b-it",
             "gemma-3-27b-it: 27.01B parameters, 50.3 GiB of weights, 496 KiB",
+            marks=pytest.mark.slow,
         ),
         (
             "microsoft/Phi-4-mini-instruct",
