@@ -8,6 +8,7 @@ status "incomplete" on /v1/responses; the parsers' cut forms read alike.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 import openai
@@ -38,14 +39,34 @@ def is_json(text: str) -> bool:
     return True
 
 
+Uncut = Callable[..., tuple[dict[str, Any], int]]
+
+
+@pytest.fixture(scope="module")
+def uncut(client: openai.OpenAI) -> Uncut:
+    """`uncut(text, max_tokens, **fields)`: the uncut greedy answer to `fields` (within
+    `max_tokens`) and the tokens it takes to write `text`, asked once per module: the
+    whole and the streamed case cut the same answer."""
+    found: dict[str, tuple[dict[str, Any], int]] = {}
+
+    def get(text: str, max_tokens: int, **fields: Any) -> tuple[dict[str, Any], int]:
+        key = json.dumps([text, max_tokens, fields], sort_keys=True)
+        if key not in found:
+            answer = chat(client, max_tokens=max_tokens, **fields)
+            found[key] = answer, tokens_until(client, text, **fields)
+        return found[key]
+
+    return get
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
-def test_forced_calls_cut_short(client: openai.OpenAI, stream: bool) -> None:
+def test_forced_calls_cut_short(client: openai.OpenAI, uncut: Uncut, stream: bool) -> None:
     """required and named answers cut inside their arguments: the call, its arguments a
     prefix of the uncut answer's, finish_reason "length", no content."""
     for choice, inside in (("required", '"parameters":{"'), (WEATHER_FIRST, '{"')):
         fields: Any = {"tools": TOOLS, "tool_choice": choice}
-        [(name, arguments), *_] = calls(chat(client, max_tokens=80, **fields))
-        budget = tokens_until(client, inside, **fields)
+        whole, budget = uncut(inside, 80, **fields)
+        [(name, arguments), *_] = calls(whole)
         cut = chat(client, stream, max_tokens=budget, **fields)
         assert cut["finish_reason"] == "length" and "content" not in cut["message"]
         [(cut_name, cut_arguments)] = calls(cut)
@@ -54,16 +75,17 @@ def test_forced_calls_cut_short(client: openai.OpenAI, stream: bool) -> None:
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
-def test_auto_keeps_whole_calls_and_the_cut_one(client: openai.OpenAI, stream: bool) -> None:
+def test_auto_keeps_whole_calls_and_the_cut_one(
+    client: openai.OpenAI, uncut: Uncut, stream: bool
+) -> None:
     """hermes' blocks: the first call whole, the second cut inside its arguments."""
     fields: Any = {"tools": TOOLS, "structured_outputs": {"regex": HERMES_TWO_CALLS}}
-    uncut = chat(client, max_tokens=160, **fields)
-    budget = tokens_until(client, '"get_time", "arguments": {"zone": "', **fields)
+    whole, budget = uncut('"get_time", "arguments": {"zone": "', 160, **fields)
     answer = chat(client, stream, max_tokens=budget, **fields)
     assert answer["finish_reason"] == "length"
     assert answer["message"].get("content") == "Let me check."
     [first, second] = calls(answer)
-    assert first == calls(uncut)[0]
+    assert first == calls(whole)[0]
     assert second[0] == "get_time" and not is_json(second[1])
     assert second[1].startswith('{"zone": "') and '{"zone": "UTC"}'.startswith(second[1])
 

@@ -119,7 +119,8 @@ def test_graceful_restart_resumes(make_server: ServerFactory, reference: Referen
 def test_kill_9_mid_batch_then_resume_then_sigterm(
     tmp_path: Path, daemons: list[Daemon], reference: Reference
 ) -> None:
-    n, max_tokens, port = 24, 64, free_port()
+    # 24 lines run as three blocks of 8 (`Policy()`): the kill after the first lands mid-batch
+    n, max_tokens, port = 24, 32, free_port()
     data_dir, log = tmp_path / "data", tmp_path / "daemon.log"
     daemons.append(Daemon(data_dir, port, log))
     client = daemons[0].openai()
@@ -144,7 +145,7 @@ def test_kill_9_mid_batch_then_resume_then_sigterm(
 def test_engine_process_death_restarts_and_batch_completes(
     tmp_path: Path, daemons: list[Daemon], reference: Reference
 ) -> None:
-    n, max_tokens = 24, 64
+    n, max_tokens = 24, 32
     daemon = Daemon(tmp_path / "data", free_port(), tmp_path / "daemon.log")
     daemons.append(daemon)
     client = daemon.openai()
