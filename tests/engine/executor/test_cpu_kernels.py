@@ -15,7 +15,6 @@ from engine import LLM, SamplingParams
 from engine.kernels import DenseOps, dense_ops, isa_level, supported_levels, tiled_prefill
 from engine.models.base import can_prepack, linear, prepack
 from engine.models.llama import TORCH_OPS, _rotate_half, rms_norm
-from tests.engine.tiny_models import MAX_TOKENS
 
 NATIVE = (
     "nanoflex::paged_decode",
@@ -27,9 +26,14 @@ NATIVE = (
 )
 
 
+DECODE_TOKENS = 3
+"""Tokens `ops_run` generates: a prefill step, then two decode steps (profiled: each step
+costs the profiler's bookkeeping of every operator)."""
+
+
 def ops_run(model_dir: Path, tmp_path: Path, **engine: object) -> set[str]:
     """The operators one greedy generate of two prompts ran on the CPU."""
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=DECODE_TOKENS, temperature=0.0, ignore_eos=True)
     llm = LLM(str(model_dir), offload_dir=tmp_path / "offload", device="cpu", **engine)
     with llm, profile() as prof:
         llm.generate([[5, 6, 7, 8], [9, 10]], params)

@@ -10,6 +10,7 @@ ops of another run on the compute thread; split but not overlapped, nothing inte
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,26 @@ def traced_run(
     return [o.outputs[0].token_ids for o in outputs], trace["traceEvents"]
 
 
+Run = tuple[list[list[int]], list[dict[str, Any]]]
+
+
+@pytest.fixture(scope="module")
+def traced(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Run]:
+    """`traced_run` of a policy and engine settings, run once per module: several tests
+    read the same run (the resident one, overlap on and off; weights on disk). Callers only
+    read the tokens and events they get."""
+    runs: dict[tuple[Policy, tuple[tuple[str, Any], ...]], Run] = {}
+    root = tmp_path_factory.mktemp("traces")
+
+    def get(policy: Policy, **engine: Any) -> Run:
+        key = (policy, tuple(sorted(engine.items())))
+        if key not in runs:
+            runs[key] = traced_run(policy, root / f"run-{len(runs)}.json", **engine)
+        return runs[key]
+
+    return get
+
+
 def overlapping(events: list[dict[str, Any]], load_name: str) -> tuple[int, int]:
     """(compute events of layer j that some `load_name` of layer j+1 intersects, all
     compute events with such a load)."""
@@ -61,23 +82,23 @@ def overlapping(events: list[dict[str, Any]], load_name: str) -> tuple[int, int]
     ids=["weights-on-disk", "kv-on-disk"],
 )
 def test_loads_of_the_next_layer_run_while_this_layer_computes(
-    placement: dict[str, Any], load_name: str, tmp_path: Path
+    placement: dict[str, Any], load_name: str, traced: Callable[..., Run]
 ) -> None:
-    on, on_events = traced_run(Policy(**placement, overlap=True), tmp_path / "on.json")
-    off, off_events = traced_run(Policy(**placement, overlap=False), tmp_path / "off.json")
+    on, on_events = traced(Policy(**placement, overlap=True))
+    off, off_events = traced(Policy(**placement, overlap=False))
     assert on == off
     hits, total = overlapping(on_events, load_name)
     assert total > 10 and hits >= total // 3, (hits, total)
     assert overlapping(off_events, load_name)[0] == 0
 
 
-def test_a_step_that_moves_nothing_runs_in_order(tmp_path: Path) -> None:
+def test_a_step_that_moves_nothing_runs_in_order(traced: Callable[..., Run]) -> None:
     """Everything resident, overlap on: no load has bytes to move, so the step runs layer
     after layer (each weight load after the previous layer's compute), not through the
     overlapped loop's look-ahead, which would start layer j+1's load before layer j computes.
     With weights on disk the look-ahead stays."""
-    resident, events = traced_run(Policy(overlap=True), tmp_path / "resident.json")
-    assert resident == traced_run(Policy(overlap=False), tmp_path / "off.json")[0]
+    resident, events = traced(Policy(overlap=True))
+    assert resident == traced(Policy(overlap=False))[0]
     complete = sorted((e for e in events if e["ph"] == "X"), key=lambda e: e["ts"])
     last_compute, checked = None, 0
     for e in complete:
@@ -87,13 +108,13 @@ def test_a_step_that_moves_nothing_runs_in_order(tmp_path: Path) -> None:
             assert last_compute == e["args"]["layer"] - 1, e  # the previous layer computed
             checked += 1
     assert checked > 10
-    _, disk = traced_run(Policy(weights_frac=(0.0, 0.0, 1.0)), tmp_path / "disk.json")
+    _, disk = traced(Policy(weights_frac=(0.0, 0.0, 1.0)))
     assert overlapping(disk, "load_weight")[0] > 0
 
 
-def test_trace_is_chrome_trace_event_json(tmp_path: Path) -> None:
+def test_trace_is_chrome_trace_event_json(traced: Callable[..., Run]) -> None:
     policy = Policy(weights_frac=(0.0, 0.5, 0.5), kv_frac=(0.0, 0.5, 0.5), act_frac=(0, 1, 0))
-    _, events = traced_run(policy, tmp_path / "t.json")
+    _, events = traced(policy)
     complete = [e for e in events if e["ph"] == "X"]
     assert {e["cat"] for e in complete} == {"load", "store", "compute"}
     names = {e["name"] for e in complete}
@@ -114,11 +135,11 @@ def test_trace_is_chrome_trace_event_json(tmp_path: Path) -> None:
     )
 
 
-def test_cpu_attention_attends_over_disk_kv_on_the_cpu(tmp_path: Path) -> None:
+def test_cpu_attention_attends_over_disk_kv_on_the_cpu(traced: Callable[..., Run]) -> None:
     """FlexGen reads disk-homed KV into host memory and attends there; so do we."""
-    reference, _ = traced_run(Policy(), tmp_path / "ref.json")
+    reference, _ = traced(Policy())
     policy = Policy(kv_frac=(0.0, 0.0, 1.0), cpu_attention=True)
-    tokens, events = traced_run(policy, tmp_path / "cpu.json")
+    tokens, events = traced(policy)
     assert tokens == reference
     on_cpu = [e for e in events if e.get("cat") == "cpu_attention"]
     assert len(on_cpu) >= 3 * 6  # every decode step, every decoder layer
@@ -154,12 +175,12 @@ def nano_overlaps(events: list[dict[str, Any]]) -> tuple[int, int]:
     ids=["cpu-attention", "resident"],
 )
 def test_attention_of_one_nano_batch_runs_beside_the_dense_ops_of_another(
-    placement: dict[str, Any], tmp_path: Path
+    placement: dict[str, Any], traced: Callable[..., Run]
 ) -> None:
-    reference, _ = traced_run(Policy(**placement), tmp_path / "one.json")
+    reference, _ = traced(Policy(**placement))
     policy = Policy(**placement, num_nano_batches=2)
-    on, on_events = traced_run(policy, tmp_path / "on.json")
-    off, off_events = traced_run(policy, tmp_path / "off.json", nano_batch_overlap=False)
+    on, on_events = traced(policy)
+    off, off_events = traced(policy, nano_batch_overlap=False)
     assert on == off == reference
     hits, total = nano_overlaps(on_events)
     assert total >= 2 * 4 * 6 and hits >= total // 2, (hits, total)  # 2 nano x 4 steps x 6 layers
@@ -170,11 +191,11 @@ def test_attention_of_one_nano_batch_runs_beside_the_dense_ops_of_another(
     assert nano_overlaps(off_events) == (0, total)
 
 
-def test_paged_attention_gathers_no_packed_past(tmp_path: Path) -> None:
+def test_paged_attention_gathers_no_packed_past(traced: Callable[..., Run]) -> None:
     """KV on the compute device is read in place by attention: no load_cache copies of the
     past, where the packed path has one per layer and step; the same tokens either way."""
-    paged, paged_events = traced_run(Policy(), tmp_path / "paged.json")
-    packed, packed_events = traced_run(Policy(), tmp_path / "packed.json", paged_attention=False)
+    paged, paged_events = traced(Policy())
+    packed, packed_events = traced(Policy(), paged_attention=False)
     assert paged == packed
 
     def loads(events: list[dict[str, Any]]) -> int:
@@ -184,12 +205,12 @@ def test_paged_attention_gathers_no_packed_past(tmp_path: Path) -> None:
     assert loads(packed_events) > 10
 
 
-def test_resident_work_is_not_handed_to_copy_threads(tmp_path: Path) -> None:
+def test_resident_work_is_not_handed_to_copy_threads(traced: Callable[..., Run]) -> None:
     """With weights, KV and activations all on the compute device, the overlapped loop has
     nothing to move: its loads and stores run inline, none on a copy thread (a hand-off
     costs more than the nothing it would do), and the tokens are the sequential loop's."""
-    on, events = traced_run(Policy(overlap=True), tmp_path / "on.json")
-    off, _ = traced_run(Policy(overlap=False), tmp_path / "off.json")
+    on, events = traced(Policy(overlap=True))
+    off, _ = traced(Policy(overlap=False))
     assert on == off
     thread = {e["tid"]: e["args"]["name"] for e in events if e["ph"] == "M"}
     used = {thread[e["tid"]] for e in events if e["ph"] == "X"}
