@@ -29,8 +29,6 @@ import os
 import threading
 from pathlib import Path
 
-import pytest
-
 WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if WORKERS > 1:
     SHARE = str(max(1, (os.cpu_count() or 1) // WORKERS))
@@ -55,17 +53,13 @@ if not torch.cuda.is_available():
     dataclasses.replace(fixed, machine=machine_key()).save(CACHE / "hardware.json")
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    """Start building the native kernels (see above); loading a built library is quick, so
-    this runs whether or not it is built. `_build` is cached: the first test to ask waits on
-    the kernels' lock for this thread's result. Not on a CUDA machine, whose tests run the
-    CUDA path (the GPU pass's minutes are not spent compiling what they may not use)."""
+def pytest_configure() -> None:
+    """Start building the native kernels (see above): the first test to ask for them waits on
+    the kernels' lock for this thread's build (loading a built library is quick, so this runs
+    whether or not it is built). Not on a CUDA machine, whose tests run the CUDA path (the GPU
+    pass's minutes are not spent compiling what they may not use)."""
     if torch.cuda.is_available():
         return
-    from engine import kernels
+    from engine.kernels import paged_kernels
 
-    def build() -> None:
-        with kernels._lock:
-            kernels._build()
-
-    threading.Thread(target=build, name="native-kernels-build", daemon=True).start()
+    threading.Thread(target=paged_kernels, name="native-kernels-build", daemon=True).start()

@@ -9,6 +9,8 @@ ops of another run on the compute thread; split but not overlapped, nothing inte
 
 from __future__ import annotations
 
+import functools
+import itertools
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -46,14 +48,12 @@ def traced(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Run]:
     """`traced_run` of a policy and engine settings, run once per module: several tests
     read the same run (the resident one, overlap on and off; weights on disk). Callers only
     read the tokens and events they get."""
-    runs: dict[tuple[Policy, tuple[tuple[str, Any], ...]], Run] = {}
     root = tmp_path_factory.mktemp("traces")
+    names = itertools.count()
 
+    @functools.cache
     def get(policy: Policy, **engine: Any) -> Run:
-        key = (policy, tuple(sorted(engine.items())))
-        if key not in runs:
-            runs[key] = traced_run(policy, root / f"run-{len(runs)}.json", **engine)
-        return runs[key]
+        return traced_run(policy, root / f"run-{next(names)}.json", **engine)
 
     return get
 
